@@ -1,0 +1,148 @@
+// Command poolcsi is the poolcsi CSI driver: `poolcsi serve` runs it, `poolcsi
+// version` prints its version. Flags and wiring only; the logic lives in internal/.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"runtime/debug"
+	"strings"
+	"syscall"
+
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/config"
+	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// version is set with -ldflags "-X main.version=..." by release builds; otherwise
+// the module version from the build info is used.
+var version = ""
+
+func buildVersion() string {
+	if version != "" {
+		return version
+	}
+	if bi, ok := debug.ReadBuildInfo(); ok {
+		v := bi.Main.Version
+		for _, s := range bi.Settings {
+			if s.Key == "vcs.revision" && len(s.Value) >= 12 {
+				v += "+" + s.Value[:12]
+			}
+		}
+		if v != "" {
+			return v
+		}
+	}
+	return "devel"
+}
+
+const usage = `poolcsi — a CSI driver that carves volumes out of local or shared directory pools.
+
+Usage:
+  poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
+  poolcsi version
+
+Run "poolcsi serve -h" for the flags of serve.
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	var err error
+	switch os.Args[1] {
+	case "serve":
+		err = serve(ctx, os.Args[2:])
+	case "version":
+		fmt.Println(buildVersion())
+	case "-h", "--help", "help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "poolcsi: unknown command %q\n\n%s", os.Args[1], usage)
+		os.Exit(2)
+	}
+	klog.Flush()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "poolcsi: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// poolFlags collects repeated --pool flags.
+type poolFlags []pool.Config
+
+func (p *poolFlags) String() string { return fmt.Sprint(*p) }
+func (p *poolFlags) Set(s string) error {
+	c, err := config.ParsePoolFlag(s)
+	if err != nil {
+		return err
+	}
+	*p = append(*p, c)
+	return nil
+}
+
+func serve(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	endpoint := fs.String("endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix socket)")
+	nodeID := fs.String("node-id", "", "this node's ID (the Kubernetes node name); defaults to the host name")
+	driverName := fs.String("driver-name", "poolcsi.io", "CSI driver name")
+	mode := fs.String("mode", "all", "services to serve: controller, node or all")
+	configFile := fs.String("config", "", "YAML config file with a pools: list")
+	maxVolumes := fs.Int64("max-volumes-per-node", 0, "volumes a node may hold, reported to the scheduler (0: no limit)")
+	var pools poolFlags
+	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("serve: unexpected arguments %s", strings.Join(fs.Args(), " "))
+	}
+	m, err := driver.ParseMode(*mode)
+	if err != nil {
+		return err
+	}
+	if *nodeID == "" {
+		if *nodeID, err = os.Hostname(); err != nil {
+			return fmt.Errorf("--node-id not given and no host name: %w", err)
+		}
+	}
+	var file config.File
+	if *configFile != "" {
+		if file, err = config.Load(*configFile); err != nil {
+			return err
+		}
+	}
+	var opened []*pool.Pool
+	for _, c := range config.Pools(file, pools) {
+		p, err := pool.Open(c)
+		if err != nil {
+			return err
+		}
+		opened = append(opened, p)
+	}
+	d, err := driver.New(driver.Options{
+		Name:              *driverName,
+		Version:           buildVersion(),
+		NodeID:            *nodeID,
+		Mode:              m,
+		Pools:             opened,
+		MaxVolumesPerNode: *maxVolumes,
+	})
+	if err != nil {
+		return err
+	}
+	return d.Serve(ctx, *endpoint)
+}

@@ -1,0 +1,79 @@
+// Package config reads poolcsi's pool configuration from --pool flags and the
+// YAML config file.
+package config
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"sigs.k8s.io/yaml"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// DefaultPoolPath is the local pool used when no pool is configured at all.
+const DefaultPoolPath = "/var/lib/poolcsi/pools/default"
+
+// File is the YAML config file (--config).
+type File struct {
+	Pools []pool.Config `json:"pools"`
+}
+
+// Load reads a config file. Unknown fields are errors: a misspelt key would
+// otherwise silently fall back to a default.
+func Load(path string) (File, error) {
+	var f File
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return f, fmt.Errorf("read config: %w", err)
+	}
+	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
+		return f, fmt.Errorf("parse config %s: %w", path, err)
+	}
+	return f, nil
+}
+
+// ParsePoolFlag parses --pool NAME=PATH[,shared].
+func ParsePoolFlag(s string) (pool.Config, error) {
+	name, rest, ok := strings.Cut(s, "=")
+	if !ok || name == "" || rest == "" {
+		return pool.Config{}, fmt.Errorf("--pool %q: want NAME=PATH[,shared]", s)
+	}
+	parts := strings.Split(rest, ",")
+	c := pool.Config{Name: name, Path: filepath.Clean(parts[0])}
+	for _, opt := range parts[1:] {
+		switch opt {
+		case "shared":
+			c.Shared = true
+		case "local":
+			c.Shared = false
+		default:
+			return pool.Config{}, fmt.Errorf("--pool %q: unknown option %q (known: shared, local)", s, opt)
+		}
+	}
+	if err := pool.ValidatePoolName(c.Name); err != nil {
+		return pool.Config{}, fmt.Errorf("--pool %q: %w", s, err)
+	}
+	return c, nil
+}
+
+// Pools merges the config file's pools with the flags' (flags win on a name
+// clash) and falls back to the default local pool when neither names one.
+func Pools(file File, flags []pool.Config) []pool.Config {
+	byName := map[string]int{}
+	var out []pool.Config
+	for _, c := range append(append([]pool.Config{}, file.Pools...), flags...) {
+		if i, ok := byName[c.Name]; ok {
+			out[i] = c
+			continue
+		}
+		byName[c.Name] = len(out)
+		out = append(out, c)
+	}
+	if len(out) == 0 {
+		out = append(out, pool.Config{Name: "default", Path: DefaultPoolPath})
+	}
+	return out
+}

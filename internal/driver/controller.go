@@ -1,0 +1,428 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sort"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// StorageClass parameters poolcsi understands. Kubernetes' own csi.storage.k8s.io/*
+// keys are accepted as sent; any other key is refused so a typo in a StorageClass
+// fails loudly instead of silently giving the default.
+const (
+	ParamPool   = "pool"
+	ParamLayout = "layout"
+	ParamFSType = "fsType"
+	k8sPrefix   = "csi.storage.k8s.io/"
+)
+
+var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
+	csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME,
+	csi.ControllerServiceCapability_RPC_LIST_VOLUMES,
+	csi.ControllerServiceCapability_RPC_GET_VOLUME,
+	csi.ControllerServiceCapability_RPC_GET_CAPACITY,
+	csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
+}
+
+func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps))
+	for _, c := range controllerCaps {
+		out = append(out, &csi.ControllerServiceCapability{
+			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
+		})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: out}, nil
+}
+
+// createParams are the parsed StorageClass parameters of a CreateVolume.
+type createParams struct {
+	pool   *pool.Pool
+	layout pool.Layout
+	fsType string
+	keep   map[string]string // recorded in volume.json for operators
+}
+
+func (d *Driver) parseCreateParams(params map[string]string) (createParams, error) {
+	cp := createParams{layout: pool.LayoutImage, keep: map[string]string{}}
+	for k, v := range params {
+		switch {
+		case k == ParamPool:
+			cp.pool = d.pool(v)
+			if cp.pool == nil {
+				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.poolNames))
+			}
+		case k == ParamLayout:
+			switch pool.Layout(v) {
+			case pool.LayoutImage:
+			default:
+				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image", v)
+			}
+			cp.layout = pool.Layout(v)
+		case k == ParamFSType, k == k8sPrefix+"fstype":
+			fs := strings.ToLower(v)
+			if !mount.SupportedFS(fs) {
+				return cp, status.Errorf(codes.InvalidArgument, "parameter %s=%q: supported filesystems are ext4, xfs, btrfs", k, v)
+			}
+			cp.fsType = fs
+			continue
+		case strings.HasPrefix(k, k8sPrefix):
+			if strings.HasPrefix(k, k8sPrefix+"pv") { // pv/name, pvc/name, pvc/namespace
+				cp.keep[k] = v
+			}
+			continue
+		default:
+			return cp, status.Errorf(codes.InvalidArgument, "unknown parameter %q (known: pool, layout, fsType, %s*)", k, k8sPrefix)
+		}
+		cp.keep[k] = v
+	}
+	if cp.pool == nil {
+		if len(d.poolNames) != 1 {
+			return cp, status.Errorf(codes.InvalidArgument, "parameter pool is required when several pools are configured (pools: %s)", joinNames(d.poolNames))
+		}
+		cp.pool = d.pools[d.poolNames[0]]
+	}
+	return cp, nil
+}
+
+func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	name := req.GetName()
+	if name == "" {
+		return nil, status.Error(codes.InvalidArgument, "name is required")
+	}
+	if err := pool.ValidateVolumeName(name); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	if req.GetVolumeContentSource() != nil {
+		return nil, status.Error(codes.InvalidArgument, "volume_content_source is not supported: poolcsi does not clone or restore snapshots yet")
+	}
+	params, err := d.parseCreateParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, DefaultFSType))
+	if err != nil {
+		return nil, err
+	}
+	if params.fsType != "" && caps.access == pool.AccessFilesystem && caps.fsType != params.fsType {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.fsType)
+	}
+	p := params.pool
+	topology, err := d.placeVolume(p, req.GetAccessibilityRequirements())
+	if err != nil {
+		return nil, err
+	}
+	minimum := mount.MinSize(caps.fsType)
+	if caps.access == pool.AccessBlock {
+		minimum = mount.MinSize("")
+	}
+	size, err := pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum)
+	if err != nil {
+		return nil, poolStatus(err)
+	}
+
+	id := pool.NewVolumeID(p.Name, name)
+	release, err := d.locks.acquire(id.String(), "CreateVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if err := d.nameInOtherPool(name, p); err != nil {
+		return nil, err
+	}
+
+	v, err := p.Reserve(ctx, pool.Spec{
+		Name:          name,
+		Layout:        params.layout,
+		AccessType:    caps.access,
+		FSType:        fsTypeFor(caps),
+		CapacityBytes: size,
+		Parameters:    params.keep,
+		Topology:      topology,
+	})
+	if err != nil {
+		return nil, poolStatus(err)
+	}
+	if err := createCompatible(v, caps, req.GetCapacityRange()); err != nil {
+		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
+	}
+	if v.State == pool.StateCreating {
+		if err := d.finishCreate(ctx, p, v); err != nil {
+			return nil, err
+		}
+	}
+	return &csi.CreateVolumeResponse{Volume: csiVolume(p, v)}, nil
+}
+
+// finishCreate makes the image and formats it. Formatting the file before any node
+// attaches it is faster (no loop device, ext4 skips zeroing inode tables) and
+// means NodeStageVolume never formats a volume that should already hold data.
+func (d *Driver) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+	vid, _ := pool.ParseVolumeID(v.ID)
+	if err := p.PrepareImage(v); err != nil {
+		return poolStatus(err)
+	}
+	if v.AccessType == pool.AccessFilesystem {
+		if err := mount.Format(ctx, p.ImagePath(vid), v.FSType); err != nil {
+			return status.Errorf(codes.Internal, "format volume %s as %s: %v", v.ID, v.FSType, err)
+		}
+	}
+	if err := p.MarkReady(v); err != nil {
+		return poolStatus(err)
+	}
+	klog.FromContext(ctx).Info("Created volume", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "fsType", v.FSType, "access", v.AccessType)
+	return nil
+}
+
+// nameInOtherPool refuses a name that already names a volume in another pool: the
+// same name must always mean the same volume.
+func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
+	for _, pn := range d.poolNames {
+		p := d.pools[pn]
+		if p == want {
+			continue
+		}
+		if _, err := os.Stat(p.Dir(pool.NewVolumeID(pn, name))); err == nil {
+			return status.Errorf(codes.AlreadyExists, "volume %q already exists in pool %s", name, pn)
+		}
+	}
+	return nil
+}
+
+func createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error {
+	if err := caps.compatible(v); err != nil {
+		return err
+	}
+	if req := r.GetRequiredBytes(); v.CapacityBytes < req {
+		return errors.New("its capacity is below required_bytes")
+	}
+	if lim := r.GetLimitBytes(); lim > 0 && v.CapacityBytes > lim {
+		return errors.New("its capacity is above limit_bytes")
+	}
+	return nil
+}
+
+func fsTypeFor(c capsSpec) string {
+	if c.access == pool.AccessBlock {
+		return ""
+	}
+	return c.fsType
+}
+
+// placeVolume decides a new volume's accessible topology. A local pool serves only
+// this node, so a request that cannot accept this node fails here rather than
+// making a volume no pod of the request could reach.
+func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[string]string, error) {
+	if !isLocal(p) {
+		return nil, nil
+	}
+	mine := d.nodeTopology()
+	requisite := req.GetRequisite()
+	if len(requisite) == 0 {
+		return mine, nil
+	}
+	for _, t := range requisite {
+		if node, ok := t.GetSegments()[TopologyKey]; !ok || node == d.opts.NodeID {
+			return mine, nil
+		}
+	}
+	return nil, status.Errorf(codes.ResourceExhausted, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name, d.opts.NodeID, requisite)
+}
+
+func csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
+	out := &csi.Volume{
+		VolumeId:      v.ID,
+		CapacityBytes: v.CapacityBytes,
+		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
+	}
+	if len(v.Topology) > 0 {
+		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
+	}
+	return out
+}
+
+func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	vid, err := parseVolumeID(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	p := d.pool(vid.Pool)
+	if p == nil {
+		// Not a pool of this driver: nothing of the volume exists here.
+		return &csi.DeleteVolumeResponse{}, nil
+	}
+	release, err := d.locks.acquire(vid.String(), "DeleteVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	unlock, err := p.LockVolume(ctx, vid)
+	if errors.Is(err, os.ErrNotExist) {
+		return &csi.DeleteVolumeResponse{}, nil
+	} else if err != nil {
+		return nil, poolStatus(err)
+	}
+	defer unlock()
+	v, err := p.Load(vid)
+	switch {
+	case err == nil && v.IsStaged():
+		var where []string
+		for _, s := range v.Staged {
+			where = append(where, s.Node+":"+s.Path)
+		}
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
+	case err != nil && !errors.Is(err, os.ErrNotExist):
+		klog.FromContext(ctx).Error(err, "Deleting a volume whose metadata is damaged", "volume", vid)
+	}
+	if d.loops != nil {
+		if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
+			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
+		}
+	}
+	if err := p.Delete(ctx, vid); err != nil {
+		return nil, poolStatus(err)
+	}
+	klog.FromContext(ctx).Info("Deleted volume", "volume", vid)
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "volume_capabilities are required")
+	}
+	v, err := loadVolume(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := d.parseCreateParams(req.GetParameters()); err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+	}
+	caps, err := parseCaps(req.GetVolumeCapabilities(), "")
+	if err == nil {
+		err = caps.compatible(v)
+	}
+	if err != nil {
+		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
+	}
+	return &csi.ValidateVolumeCapabilitiesResponse{Confirmed: &csi.ValidateVolumeCapabilitiesResponse_Confirmed{
+		VolumeContext:      req.GetVolumeContext(),
+		VolumeCapabilities: req.GetVolumeCapabilities(),
+		Parameters:         req.GetParameters(),
+	}}, nil
+}
+
+// listed is one volume of ListVolumes with the pool it came from.
+type listed struct {
+	pool  *pool.Pool
+	entry pool.Entry
+}
+
+// allVolumes lists every ready volume of every pool, sorted by ID, which is what
+// makes a volume ID usable as a paging token.
+func (d *Driver) allVolumes(ctx context.Context) ([]listed, error) {
+	var out []listed
+	for _, pn := range d.poolNames {
+		p := d.pools[pn]
+		entries, err := p.List()
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "list pool %s: %v", pn, err)
+		}
+		for _, e := range entries {
+			if e.Err != nil {
+				klog.FromContext(ctx).Error(e.Err, "Volume metadata unreadable", "volume", e.ID)
+				continue
+			}
+			if e.Volume.State != pool.StateReady {
+				continue
+			}
+			out = append(out, listed{pool: p, entry: e})
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].entry.ID.String() < out[j].entry.ID.String() })
+	return out, nil
+}
+
+// ListVolumes pages by volume ID: the token is the ID of the first volume of the
+// next page, so volumes created or deleted between pages neither repeat nor vanish
+// from the rest of the listing.
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	if req.GetMaxEntries() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
+	}
+	start := req.GetStartingToken()
+	if start != "" {
+		if _, err := pool.ParseVolumeID(start); err != nil {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+		}
+	}
+	vols, err := d.allVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	i := sort.Search(len(vols), func(i int) bool { return vols[i].entry.ID.String() >= start })
+	vols = vols[i:]
+	resp := &csi.ListVolumesResponse{}
+	if n := int(req.GetMaxEntries()); n > 0 && len(vols) > n {
+		resp.NextToken = vols[n].entry.ID.String()
+		vols = vols[:n]
+	}
+	for _, l := range vols {
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: csiVolume(l.pool, l.entry.Volume)})
+	}
+	return resp, nil
+}
+
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	v, err := loadVolume(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{}}, nil
+}
+
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	params, err := d.parseCreateParams(req.GetParameters())
+	if err != nil {
+		return nil, err
+	}
+	p := params.pool
+	if seg := req.GetAccessibleTopology().GetSegments(); isLocal(p) && seg != nil && seg[TopologyKey] != d.opts.NodeID {
+		return &csi.GetCapacityResponse{}, nil // the pool is not on that node
+	}
+	u, err := p.Usage()
+	if err != nil {
+		return nil, status.Errorf(codes.Unavailable, "%v", err)
+	}
+	avail := p.AvailableBytes(u)
+	return &csi.GetCapacityResponse{
+		AvailableCapacity: avail,
+		MaximumVolumeSize: wrapInt64(min(avail, pool.MaxCapacity)),
+		MinimumVolumeSize: wrapInt64(pool.MiB),
+	}, nil
+}
+
+func firstNonEmpty(s ...string) string {
+	for _, x := range s {
+		if x != "" {
+			return x
+		}
+	}
+	return ""
+}

@@ -1,0 +1,180 @@
+// Package driver implements the CSI Identity, Controller and Node services of
+// poolcsi: request validation, gRPC error codes, per-volume locking and
+// idempotency. The on-disk format lives in internal/pool, devices and mounts in
+// internal/mount.
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/url"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// TopologyKey is the topology segment that pins local-pool volumes to their node.
+const TopologyKey = "topology.poolcsi.io/node"
+
+// Mode selects which CSI services a process serves.
+type Mode string
+
+const (
+	ModeController Mode = "controller"
+	ModeNode       Mode = "node"
+	ModeAll        Mode = "all"
+)
+
+// ParseMode accepts controller, node or all.
+func ParseMode(s string) (Mode, error) {
+	switch m := Mode(s); m {
+	case ModeController, ModeNode, ModeAll:
+		return m, nil
+	}
+	return "", fmt.Errorf("mode %q: want controller, node or all", s)
+}
+
+func (m Mode) controller() bool { return m == ModeController || m == ModeAll }
+func (m Mode) node() bool       { return m == ModeNode || m == ModeAll }
+
+// Options configure a Driver.
+type Options struct {
+	Name    string // CSI driver name, e.g. poolcsi.io
+	Version string
+	NodeID  string
+	Mode    Mode
+	Pools   []*pool.Pool
+	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means no limit. A loop
+	// device per volume is the real bound on a node.
+	MaxVolumesPerNode int64
+}
+
+// Driver serves the CSI services over one pool set.
+type Driver struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	csi.UnimplementedNodeServer
+
+	opts      Options
+	pools     map[string]*pool.Pool
+	poolNames []string
+	locks     *volumeLocks
+	loops     *mount.Loops
+	mounter   *mount.Mounter
+}
+
+// New checks opts and prepares the node-side state (the loop device map).
+func New(opts Options) (*Driver, error) {
+	if opts.Name == "" {
+		return nil, errors.New("driver name is empty")
+	}
+	if opts.NodeID == "" {
+		return nil, errors.New("node ID is empty")
+	}
+	if len(opts.Pools) == 0 {
+		return nil, errors.New("no pools configured")
+	}
+	d := &Driver{
+		opts:    opts,
+		pools:   map[string]*pool.Pool{},
+		locks:   newVolumeLocks(),
+		mounter: mount.NewMounter(),
+	}
+	for _, p := range opts.Pools {
+		if _, dup := d.pools[p.Name]; dup {
+			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
+		}
+		d.pools[p.Name] = p
+		d.poolNames = append(d.poolNames, p.Name)
+	}
+	sort.Strings(d.poolNames)
+	if opts.Mode.node() || opts.Mode.controller() {
+		loops, err := mount.NewLoops()
+		if err != nil {
+			return nil, fmt.Errorf("read loop devices: %w", err)
+		}
+		d.loops = loops
+	}
+	return d, nil
+}
+
+// Serve listens on endpoint (unix:///path/to.sock) and serves until ctx ends.
+func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.UnaryServerInterceptor) error {
+	lis, err := Listen(endpoint)
+	if err != nil {
+		return err
+	}
+	interceptors := append([]grpc.UnaryServerInterceptor{logCalls}, extra...)
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
+	csi.RegisterIdentityServer(srv, d)
+	if d.opts.Mode.controller() {
+		csi.RegisterControllerServer(srv, d)
+	}
+	if d.opts.Mode.node() {
+		csi.RegisterNodeServer(srv, d)
+	}
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
+	}()
+	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
+		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.poolNames)
+	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve %s: %w", endpoint, err)
+	}
+	return nil
+}
+
+// Listen opens a unix socket endpoint, replacing a stale socket file left by a
+// previous run (kubelet restarts plugins; the old socket would block the bind).
+func Listen(endpoint string) (net.Listener, error) {
+	u, err := url.Parse(endpoint)
+	if err != nil || u.Scheme != "unix" {
+		return nil, fmt.Errorf("endpoint %q: want unix:///path/to/csi.sock", endpoint)
+	}
+	path := u.Path
+	if path == "" {
+		path = u.Opaque
+	}
+	if !filepath.IsAbs(path) {
+		return nil, fmt.Errorf("endpoint %q: socket path must be absolute", endpoint)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
+	}
+	if fi, err := os.Lstat(path); err == nil {
+		if fi.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("endpoint %q: %s exists and is not a socket", endpoint, path)
+		}
+		if err := os.Remove(path); err != nil {
+			return nil, fmt.Errorf("endpoint %q: remove stale socket: %w", endpoint, err)
+		}
+	}
+	lis, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
+	}
+	return lis, nil
+}
+
+// pool returns the configured pool of an ID, or nil.
+func (d *Driver) pool(name string) *pool.Pool { return d.pools[name] }
+
+// isLocal reports whether volumes of p live on this node only.
+func isLocal(p *pool.Pool) bool { return !p.Shared }
+
+func (d *Driver) nodeTopology() map[string]string {
+	return map[string]string{TopologyKey: d.opts.NodeID}
+}
+
+func joinNames(names []string) string { return strings.Join(names, ", ") }

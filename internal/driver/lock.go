@@ -1,0 +1,34 @@
+package driver
+
+import (
+	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// volumeLocks serialises calls on one volume inside this process. A call that finds
+// its volume busy fails at once with ABORTED — the sidecars and kubelet retry — so a
+// slow mkfs on one volume never holds up calls on any other, nor Probe.
+type volumeLocks struct {
+	mu   sync.Mutex
+	busy map[string]string // volume ID -> the RPC holding it
+}
+
+func newVolumeLocks() *volumeLocks { return &volumeLocks{busy: map[string]string{}} }
+
+// acquire takes the lock of id for method, or returns an ABORTED status naming the
+// call that holds it.
+func (l *volumeLocks) acquire(id, method string) (release func(), err error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if holder, ok := l.busy[id]; ok {
+		return nil, status.Errorf(codes.Aborted, "volume %s is busy with %s; retry later", id, holder)
+	}
+	l.busy[id] = method
+	return func() {
+		l.mu.Lock()
+		delete(l.busy, id)
+		l.mu.Unlock()
+	}, nil
+}

@@ -1,0 +1,183 @@
+package driver
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// DefaultFSType is used when neither the capability nor the parameters name one.
+const DefaultFSType = "ext4"
+
+// parseVolumeID turns a wire ID into a pool and key, or INVALID_ARGUMENT.
+func parseVolumeID(id string) (pool.VolumeID, error) {
+	if id == "" {
+		return pool.VolumeID{}, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	vid, err := pool.ParseVolumeID(id)
+	if err != nil {
+		return pool.VolumeID{}, status.Error(codes.InvalidArgument, err.Error())
+	}
+	return vid, nil
+}
+
+// volumeRef is a parsed ID whose pool is configured here.
+func (d *Driver) volumeRef(id string) (pool.VolumeID, *pool.Pool, error) {
+	vid, err := parseVolumeID(id)
+	if err != nil {
+		return vid, nil, err
+	}
+	p := d.pool(vid.Pool)
+	if p == nil {
+		return vid, nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this driver (pools: %s)", id, vid.Pool, joinNames(d.poolNames))
+	}
+	return vid, p, nil
+}
+
+// loadVolume reads volume.json and maps failures to gRPC codes.
+func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
+	v, err := p.Load(vid)
+	switch {
+	case err == nil:
+		if v.State != pool.StateReady {
+			return nil, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+		}
+		return v, nil
+	case errors.Is(err, os.ErrNotExist):
+		return nil, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
+	default:
+		return nil, status.Errorf(codes.Internal, "volume %s: %v", vid, err)
+	}
+}
+
+// poolStatus maps errors from internal/pool to gRPC codes.
+func poolStatus(err error) error {
+	if err == nil {
+		return nil
+	}
+	if _, ok := status.FromError(err); ok {
+		return err
+	}
+	code := codes.Internal
+	switch {
+	case errors.Is(err, pool.ErrInvalidID), errors.Is(err, pool.ErrBadRange):
+		code = codes.InvalidArgument
+	case errors.Is(err, pool.ErrOutOfRange):
+		code = codes.OutOfRange
+	case errors.Is(err, pool.ErrNoSpace):
+		code = codes.ResourceExhausted
+	case errors.Is(err, pool.ErrExists):
+		code = codes.AlreadyExists
+	case errors.Is(err, os.ErrNotExist):
+		code = codes.NotFound
+	case errors.Is(err, os.ErrDeadlineExceeded), strings.Contains(err.Error(), "context deadline exceeded"):
+		code = codes.DeadlineExceeded
+	}
+	return status.Error(code, err.Error())
+}
+
+// capsSpec is what a set of volume capabilities asks of a volume.
+type capsSpec struct {
+	access pool.AccessType
+	fsType string
+	modes  []csi.VolumeCapability_AccessMode_Mode
+}
+
+// imageModes are the access modes an image volume can honour: one writer node, or
+// read-only on many. Two nodes writing one filesystem image would corrupt it.
+var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER:        true,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY:   true,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER: true,
+	csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:  true,
+	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
+}
+
+// parseCaps checks a capability list for an image volume and folds it into one
+// spec. defaultFS applies when no capability names a filesystem.
+func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error) {
+	var s capsSpec
+	if len(caps) == 0 {
+		return s, status.Error(codes.InvalidArgument, "volume_capabilities are required")
+	}
+	for i, c := range caps {
+		if c == nil {
+			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] is empty", i)
+		}
+		var access pool.AccessType
+		switch {
+		case c.GetBlock() != nil:
+			access = pool.AccessBlock
+		case c.GetMount() != nil:
+			access = pool.AccessFilesystem
+			fs := strings.ToLower(c.GetMount().GetFsType())
+			if fs != "" {
+				if !mount.SupportedFS(fs) {
+					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: fs_type %q is not supported (ext4, xfs, btrfs)", i, fs)
+				}
+				if s.fsType != "" && s.fsType != fs {
+					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities ask for two filesystems, %s and %s", s.fsType, fs)
+				}
+				s.fsType = fs
+			}
+		default:
+			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access type (mount or block)", i)
+		}
+		if s.access != "" && s.access != access {
+			return s, status.Error(codes.InvalidArgument, "volume_capabilities mix block and mount access; a volume is one or the other")
+		}
+		s.access = access
+		mode := c.GetAccessMode().GetMode()
+		if mode == csi.VolumeCapability_AccessMode_UNKNOWN {
+			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access mode", i)
+		}
+		if !imageModes[mode] {
+			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: access mode %s is not supported by image volumes (single-node writer or multi-node read-only)", i, mode)
+		}
+		s.modes = append(s.modes, mode)
+	}
+	if s.access == pool.AccessFilesystem && s.fsType == "" {
+		s.fsType = defaultFS
+	}
+	return s, nil
+}
+
+// compatible tells whether an existing volume satisfies a capability spec.
+func (s capsSpec) compatible(v *pool.Volume) error {
+	if s.access != v.AccessType {
+		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.access)
+	}
+	if s.access == pool.AccessFilesystem && s.fsType != "" && s.fsType != v.FSType {
+		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
+	}
+	return nil
+}
+
+// cleanPath validates a staging or target path sent by the CO.
+func cleanPath(field, p string) (string, error) {
+	switch {
+	case p == "":
+		return "", status.Errorf(codes.InvalidArgument, "%s is required", field)
+	case !filepath.IsAbs(p):
+		return "", status.Errorf(codes.InvalidArgument, "%s %q must be absolute", field, p)
+	case strings.ContainsRune(p, 0):
+		return "", status.Errorf(codes.InvalidArgument, "%s contains a NUL byte", field)
+	case len(p) > 4096:
+		return "", status.Errorf(codes.InvalidArgument, "%s is longer than PATH_MAX", field)
+	}
+	for _, part := range strings.Split(p, "/") {
+		if part == ".." {
+			return "", status.Errorf(codes.InvalidArgument, "%s %q contains '..'", field, p)
+		}
+	}
+	return filepath.Clean(p), nil
+}

@@ -1,0 +1,541 @@
+// Package mount holds the node-side storage plumbing: loop devices, mkfs,
+// mounts and bind mounts, filesystem growth and raw block publishing.
+package mount
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+)
+
+const (
+	loopControl = "/dev/loop-control"
+	sysBlock    = "/sys/block"
+	// loopMajor is fixed by the kernel (Documentation/admin-guide/devices.txt).
+	loopMajor = 7
+	// attachRetries bounds the EBUSY loop: each retry means another process won
+	// the race for the device LOOP_CTL_GET_FREE handed us, which is rare.
+	attachRetries = 32
+	deletedSuffix = " (deleted)"
+)
+
+// ErrDeviceBusy is returned by Detach when the loop device still has a
+// filesystem mounted from it: LOOP_CLR_FD would otherwise turn into a silent
+// deferred detach (autoclear) and the device would outlive the call.
+var ErrDeviceBusy = errors.New("device busy")
+
+// ErrDetachPending is returned by Attach when the file is still attached to a
+// device that is scheduled to detach itself (autoclear) once its last user
+// closes it; attaching a second device would attach the file twice.
+var ErrDetachPending = errors.New("loop device detach pending")
+
+// fileID identifies a backing file the way the kernel reports it in
+// LOOP_GET_STATUS64, so a file reached through another path (bind mount,
+// symlink, renamed parent) is still recognised.
+type fileID struct{ dev, ino uint64 }
+
+// Loops attaches image files to loop devices and remembers which file sits on
+// which device. The map is only a cache: every answer is checked against the
+// kernel before it is returned.
+type Loops struct {
+	// mu serialises map updates and, more importantly, the check-then-attach
+	// step inside this process; other processes are kept out by flock.
+	mu    sync.Mutex
+	byID  map[fileID]string
+	paths map[string]string // device -> backing path as given, for deleted files
+}
+
+// LoopStatus is what sysfs says about one loop device.
+type LoopStatus struct {
+	Device         string
+	BackingFile    string
+	BackingDeleted bool
+	DirectIO       bool
+	SizeBytes      int64
+}
+
+// NewLoops scans sysfs once so that devices attached before a restart are
+// found without a scan per lookup.
+func NewLoops() (*Loops, error) {
+	l := &Loops{}
+	if err := l.rescan(); err != nil {
+		return nil, err
+	}
+	return l, nil
+}
+
+// rescan rebuilds the map from the kernel. Caller holds l.mu (or owns l).
+func (l *Loops) rescan() error {
+	names, err := filepath.Glob(filepath.Join(sysBlock, "loop*"))
+	if err != nil {
+		return fmt.Errorf("list loop devices: %w", err)
+	}
+	byID := make(map[fileID]string, len(names))
+	paths := make(map[string]string, len(names))
+	for _, sys := range names {
+		name := filepath.Base(sys)
+		backing, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
+		if err != nil {
+			// Unbound devices have no loop/ directory; that is the common case.
+			continue
+		}
+		dev := "/dev/" + name
+		info, err := loopStatus(dev)
+		if err != nil {
+			// Detached between the two reads, or the node is missing (no udev).
+			klog.V(4).InfoS("Skipping loop device during scan", "device", dev, "err", err)
+			continue
+		}
+		byID[fileID{info.Device, info.Inode}] = dev
+		paths[dev] = strings.TrimSuffix(strings.TrimSpace(string(backing)), deletedSuffix)
+	}
+	l.byID, l.paths = byID, paths
+	return nil
+}
+
+// loopStatus returns LOOP_GET_STATUS64 for dev; ENXIO means "not bound".
+func loopStatus(dev string) (*unix.LoopInfo64, error) {
+	// O_RDONLY: a close after O_RDWR makes udev fire a change event and probe.
+	fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: dev, Err: err}
+	}
+	defer unix.Close(fd)
+	info, err := unix.IoctlLoopGetStatus64(fd)
+	if err != nil {
+		return nil, &os.PathError{Op: "LOOP_GET_STATUS64", Path: dev, Err: err}
+	}
+	return info, nil
+}
+
+func statID(path string) (fileID, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		return fileID{}, &os.PathError{Op: "stat", Path: path, Err: err}
+	}
+	return fileID{st.Dev, st.Ino}, nil
+}
+
+// lookup finds the device for id: map first (verified), then a full rescan.
+// Caller holds l.mu. The LoopInfo64 is returned so callers can see flags.
+func (l *Loops) lookup(id fileID) (string, *unix.LoopInfo64, error) {
+	if dev, ok := l.byID[id]; ok {
+		if info, err := loopStatus(dev); err == nil && info.Device == id.dev && info.Inode == id.ino {
+			return dev, info, nil
+		}
+	}
+	if err := l.rescan(); err != nil {
+		return "", nil, err
+	}
+	if dev, ok := l.byID[id]; ok {
+		info, err := loopStatus(dev)
+		if err == nil && info.Device == id.dev && info.Inode == id.ino {
+			return dev, info, nil
+		}
+	}
+	return "", nil, nil
+}
+
+// lookupPath handles a backing file that no longer exists: the kernel still
+// holds it, and sysfs shows its old path with " (deleted)".
+func (l *Loops) lookupPath(path string) (string, error) {
+	if err := l.rescan(); err != nil {
+		return "", err
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return "", fmt.Errorf("resolve %s: %w", path, err)
+	}
+	for dev, p := range l.paths {
+		if p == abs || p == path {
+			return dev, nil
+		}
+	}
+	return "", nil
+}
+
+// Find returns the loop device the backing file is attached to.
+func (l *Loops) Find(backingFile string) (string, bool, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	dev, err := l.find(backingFile)
+	return dev, dev != "", err
+}
+
+func (l *Loops) find(backingFile string) (string, error) {
+	id, err := statID(backingFile)
+	if errors.Is(err, os.ErrNotExist) {
+		return l.lookupPath(backingFile)
+	}
+	if err != nil {
+		return "", err
+	}
+	dev, _, err := l.lookup(id)
+	return dev, err
+}
+
+// Attach attaches backingFile to a free loop device with direct I/O, or
+// returns the device it is already attached to.
+func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+
+	// A separate descriptor carries the lock: the kernel keeps the attach
+	// descriptor's open file alive for the device's lifetime, so a lock taken
+	// on that one would never be released.
+	lockFD, err := unix.Open(backingFile, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", fmt.Errorf("open backing file: %w", &os.PathError{Op: "open", Path: backingFile, Err: err})
+	}
+	defer unix.Close(lockFD)
+	if err := flockContext(ctx, lockFD); errors.Is(err, unix.ENOLCK) || errors.Is(err, unix.EOPNOTSUPP) {
+		// NFS mounted with nolock: the in-process mutex still protects us.
+		klog.InfoS("Backing file cannot be locked; relying on in-process locking", "file", backingFile, "err", err)
+	} else if err != nil {
+		return "", fmt.Errorf("lock backing file %s: %w", backingFile, err)
+	}
+
+	var st unix.Stat_t
+	if err := unix.Fstat(lockFD, &st); err != nil {
+		return "", fmt.Errorf("stat backing file %s: %w", backingFile, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+		return "", fmt.Errorf("backing file %s is not a regular file", backingFile)
+	}
+	id := fileID{st.Dev, st.Ino}
+	dev, info, err := l.lookup(id)
+	if err != nil {
+		return "", err
+	}
+	if dev != "" {
+		if info.Flags&unix.LO_FLAGS_AUTOCLEAR != 0 {
+			return "", fmt.Errorf("%s on %s: %w", backingFile, dev, ErrDetachPending)
+		}
+		return dev, nil
+	}
+
+	fd, err := unix.Open(backingFile, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", fmt.Errorf("open backing file: %w", &os.PathError{Op: "open", Path: backingFile, Err: err})
+	}
+	defer unix.Close(fd)
+
+	blockSize := backingBlockSize(st.Dev)
+	for attempt := 0; ; attempt++ {
+		if err := ctx.Err(); err != nil {
+			return "", fmt.Errorf("attach %s: %w", backingFile, err)
+		}
+		dev, err = attachFree(fd, backingFile, blockSize)
+		if err == nil {
+			break
+		}
+		if errors.Is(err, unix.EBUSY) && attempt < attachRetries {
+			klog.V(4).InfoS("Loop device taken by another process, retrying", "file", backingFile, "attempt", attempt)
+			continue
+		}
+		return "", fmt.Errorf("attach %s: %w", backingFile, err)
+	}
+	l.byID[id] = dev
+	l.paths[dev] = backingFile
+	if dio, err := readSysBool(dev, "loop/dio"); err == nil && !dio {
+		klog.InfoS("Loop device runs without direct I/O", "device", dev, "file", backingFile)
+	}
+	klog.V(2).InfoS("Attached loop device", "device", dev, "file", backingFile, "blockSize", blockSize)
+	return dev, nil
+}
+
+// flockContext takes an exclusive flock, giving up when ctx ends. Polling
+// keeps it simple: contention only happens when two attaches of one file race.
+func flockContext(ctx context.Context, fd int) error {
+	for {
+		err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
+			return err
+		}
+		if err := sleepContext(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+// attachFree binds fd to a free loop device and returns its path.
+func attachFree(fd int, backingFile string, blockSize uint32) (string, error) {
+	ctl, err := unix.Open(loopControl, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return "", &os.PathError{Op: "open", Path: loopControl, Err: err}
+	}
+	n, err := unix.IoctlRetInt(ctl, unix.LOOP_CTL_GET_FREE)
+	unix.Close(ctl)
+	if err != nil {
+		return "", fmt.Errorf("LOOP_CTL_GET_FREE: %w", err)
+	}
+	dev := "/dev/loop" + strconv.Itoa(n)
+	lfd, err := openLoopNode(dev, n)
+	if err != nil {
+		return "", err
+	}
+	defer unix.Close(lfd)
+
+	cfg := unix.LoopConfig{Fd: uint32(fd), Size: blockSize}
+	cfg.Info.Flags = unix.LO_FLAGS_DIRECT_IO
+	copy(cfg.Info.File_name[:len(cfg.Info.File_name)-1], backingFile)
+	err = unix.IoctlLoopConfigure(lfd, &cfg)
+	if errors.Is(err, unix.EINVAL) {
+		// Newer kernels refuse direct I/O outright when the backing file
+		// cannot do O_DIRECT at this block size (tmpfs, some FUSE/NFS setups);
+		// buffered is slower but correct.
+		klog.InfoS("Direct I/O refused for loop device, falling back to buffered I/O", "device", dev, "file", backingFile, "blockSize", blockSize)
+		cfg.Info.Flags &^= unix.LO_FLAGS_DIRECT_IO
+		err = unix.IoctlLoopConfigure(lfd, &cfg)
+	}
+	if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOTTY) {
+		// Kernels before 5.8 have no LOOP_CONFIGURE and answer EINVAL/ENOTTY.
+		return dev, attachLegacy(lfd, fd, dev, backingFile, blockSize)
+	}
+	if err != nil {
+		return "", &os.PathError{Op: "LOOP_CONFIGURE", Path: dev, Err: err}
+	}
+	clearReadOnly(lfd, dev)
+	return dev, nil
+}
+
+// clearReadOnly drops a BLKROSET flag left by a previous user of the device:
+// it survives LOOP_CLR_FD and would make a fresh attach read-only.
+func clearReadOnly(lfd int, dev string) {
+	if err := unix.IoctlSetPointerInt(lfd, unix.BLKROSET, 0); err != nil {
+		klog.InfoS("Cannot clear read-only flag of loop device", "device", dev, "err", err)
+	}
+}
+
+// attachLegacy is the pre-5.8 sequence. It is not atomic: a failure after
+// LOOP_SET_FD must undo it, or the device leaks.
+func attachLegacy(lfd, fd int, dev, backingFile string, blockSize uint32) error {
+	if err := unix.IoctlSetInt(lfd, unix.LOOP_SET_FD, fd); err != nil {
+		return &os.PathError{Op: "LOOP_SET_FD", Path: dev, Err: err}
+	}
+	var info unix.LoopInfo64
+	copy(info.File_name[:len(info.File_name)-1], backingFile)
+	if err := unix.IoctlLoopSetStatus64(lfd, &info); err != nil {
+		_ = unix.IoctlSetInt(lfd, unix.LOOP_CLR_FD, 0)
+		return &os.PathError{Op: "LOOP_SET_STATUS64", Path: dev, Err: err}
+	}
+	if blockSize != 512 {
+		if err := unix.IoctlSetInt(lfd, unix.LOOP_SET_BLOCK_SIZE, int(blockSize)); err != nil {
+			klog.InfoS("Cannot set loop block size", "device", dev, "blockSize", blockSize, "err", err)
+		}
+	}
+	if err := unix.IoctlSetInt(lfd, unix.LOOP_SET_DIRECT_IO, 1); err != nil {
+		klog.InfoS("Direct I/O refused for loop device, using buffered I/O", "device", dev, "file", backingFile, "err", err)
+	}
+	clearReadOnly(lfd, dev)
+	return nil
+}
+
+// openLoopNode opens /dev/loopN, creating the node when /dev is not managed
+// by devtmpfs/udev (some containers), since LOOP_CTL_GET_FREE may have just
+// created the device.
+func openLoopNode(dev string, n int) (int, error) {
+	lfd, err := unix.Open(dev, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		if mkErr := unix.Mknod(dev, unix.S_IFBLK|0o660, int(unix.Mkdev(loopMajor, uint32(n)))); mkErr != nil && !errors.Is(mkErr, unix.EEXIST) {
+			return -1, &os.PathError{Op: "mknod", Path: dev, Err: mkErr}
+		}
+		lfd, err = unix.Open(dev, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	}
+	if err != nil {
+		return -1, &os.PathError{Op: "open", Path: dev, Err: err}
+	}
+	return lfd, nil
+}
+
+// backingBlockSize picks the loop logical block size. Direct I/O needs it to
+// be at least the backing disk's logical block size; larger than needed would
+// make images formatted with 512-byte sectors (xfs) unmountable, so use the
+// disk's own value, or 512 when it cannot be known (tmpfs, NFS, btrfs).
+func backingBlockSize(stDev uint64) uint32 {
+	p := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(stDev), unix.Minor(stDev))
+	for _, q := range []string{"queue/logical_block_size", "../queue/logical_block_size"} {
+		b, err := os.ReadFile(filepath.Join(p, q))
+		if err != nil {
+			continue
+		}
+		if v, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && v >= 512 && v <= 4096 && v&(v-1) == 0 {
+			return uint32(v)
+		}
+	}
+	return 512
+}
+
+// Detach detaches the device backing backingFile. Not attached is success.
+func (l *Loops) Detach(ctx context.Context, backingFile string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	dev, err := l.find(backingFile)
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", backingFile, err)
+	}
+	if dev == "" {
+		return nil
+	}
+	return l.detachDevice(dev)
+}
+
+// DetachDevice detaches a loop device by name, for orphans found by Status.
+func (l *Loops) DetachDevice(ctx context.Context, device string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.detachDevice(device)
+}
+
+func (l *Loops) detachDevice(dev string) error {
+	if where, err := mountedAt(dev); err != nil {
+		return err
+	} else if where != "" {
+		return fmt.Errorf("detach %s: mounted at %s: %w", dev, where, ErrDeviceBusy)
+	}
+	fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if errors.Is(err, unix.ENOENT) {
+		l.forget(dev)
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("detach: %w", &os.PathError{Op: "open", Path: dev, Err: err})
+	}
+	err = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
+	unix.Close(fd)
+	if err != nil && !errors.Is(err, unix.ENXIO) {
+		return fmt.Errorf("detach: %w", &os.PathError{Op: "LOOP_CLR_FD", Path: dev, Err: err})
+	}
+	l.forget(dev)
+	// With other openers the kernel only sets autoclear and returns success;
+	// the device goes away when the last one closes it.
+	if _, err := os.Stat(filepath.Join(sysBlock, filepath.Base(dev), "loop")); err == nil {
+		klog.InfoS("Loop device still open elsewhere; it will detach when closed", "device", dev)
+	} else {
+		klog.V(2).InfoS("Detached loop device", "device", dev)
+	}
+	return nil
+}
+
+func (l *Loops) forget(dev string) {
+	for id, d := range l.byID {
+		if d == dev {
+			delete(l.byID, id)
+		}
+	}
+	delete(l.paths, dev)
+}
+
+// Refresh makes the device pick up the backing file's new size.
+func (l *Loops) Refresh(device string) error {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("refresh: %w", &os.PathError{Op: "open", Path: device, Err: err})
+	}
+	defer unix.Close(fd)
+	if err := unix.IoctlSetInt(fd, unix.LOOP_SET_CAPACITY, 0); err != nil {
+		return fmt.Errorf("refresh: %w", &os.PathError{Op: "LOOP_SET_CAPACITY", Path: device, Err: err})
+	}
+	return nil
+}
+
+// Status reads a loop device's state from sysfs. A device that is not a loop
+// device, or is not attached, yields an error wrapping os.ErrNotExist.
+func (l *Loops) Status(device string) (LoopStatus, error) {
+	name := filepath.Base(device)
+	if !strings.HasPrefix(name, "loop") {
+		return LoopStatus{}, fmt.Errorf("%s is not a loop device: %w", device, os.ErrNotExist)
+	}
+	backing, err := os.ReadFile(filepath.Join(sysBlock, name, "loop", "backing_file"))
+	if err != nil {
+		return LoopStatus{}, fmt.Errorf("%s is not attached: %w", device, err)
+	}
+	s := LoopStatus{Device: device, BackingFile: strings.TrimRight(string(backing), "\n")}
+	if strings.HasSuffix(s.BackingFile, deletedSuffix) {
+		s.BackingFile = strings.TrimSuffix(s.BackingFile, deletedSuffix)
+		s.BackingDeleted = true
+	}
+	if s.DirectIO, err = readSysBool(device, "loop/dio"); err != nil {
+		return LoopStatus{}, err
+	}
+	sectors, err := os.ReadFile(filepath.Join(sysBlock, name, "size"))
+	if err != nil {
+		return LoopStatus{}, fmt.Errorf("status %s: %w", device, err)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(sectors)), 10, 64)
+	if err != nil {
+		return LoopStatus{}, fmt.Errorf("status %s: parse size: %w", device, err)
+	}
+	// sysfs size is always in 512-byte units, whatever the logical block size.
+	s.SizeBytes = n * 512
+	return s, nil
+}
+
+func readSysBool(device, attr string) (bool, error) {
+	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(device), attr))
+	if err != nil {
+		return false, fmt.Errorf("read %s of %s: %w", attr, device, err)
+	}
+	return bytes.Equal(bytes.TrimSpace(b), []byte("1")), nil
+}
+
+// DeviceSize returns the size of a block device in bytes (of a regular file,
+// its length).
+func DeviceSize(device string) (int64, error) {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "open", Path: device, Err: err})
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "fstat", Path: device, Err: err})
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFREG {
+		return st.Size, nil
+	}
+	var size uint64
+	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&size))); errno != 0 {
+		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "BLKGETSIZE64", Path: device, Err: errno})
+	}
+	return int64(size), nil
+}
+
+// SetReadOnly sets or clears the kernel read-only flag of a block device
+// (BLKROSET). A read-only bind mount of a device node does not stop writes
+// through it; this does, for every user of the device on this node. The flag
+// outlives a detach; Attach clears it on the device it hands out.
+func SetReadOnly(device string, readOnly bool) error {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("set read-only: %w", &os.PathError{Op: "open", Path: device, Err: err})
+	}
+	defer unix.Close(fd)
+	v := 0
+	if readOnly {
+		v = 1
+	}
+	if err := unix.IoctlSetPointerInt(fd, unix.BLKROSET, v); err != nil {
+		return fmt.Errorf("set read-only: %w", &os.PathError{Op: "BLKROSET", Path: device, Err: err})
+	}
+	return nil
+}

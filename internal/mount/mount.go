@@ -1,0 +1,389 @@
+package mount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+	mountutils "k8s.io/mount-utils"
+	utilexec "k8s.io/utils/exec"
+)
+
+// ErrMountConflict is returned when the target is already a mount point of
+// something other than what was asked for; the caller must unmount first.
+var ErrMountConflict = errors.New("target already mounted differently")
+
+// maxStackedUnmounts bounds Unmount when mounts were stacked on one target
+// (a retried publish on an old kernel/mounter); more means something loops.
+const maxStackedUnmounts = 16
+
+// Mounter mounts, bind-mounts and grows filesystems. It holds no state of its
+// own beyond the mount-utils mounter, so one value serves all volumes.
+type Mounter struct {
+	mounter mountutils.Interface
+}
+
+// NewMounter uses the system mount(8)/umount(8) through mount-utils, which
+// also turns a read-only bind into bind + remount,ro.
+func NewMounter() *Mounter {
+	return &Mounter{mounter: mountutils.New("")}
+}
+
+// MountInfo describes one entry of /proc/self/mountinfo.
+type MountInfo struct {
+	Target, Source, FSType string
+	Options                []string // per-mount then per-superblock options
+	ReadOnly               bool
+	Major, Minor           int
+	Root                   string
+}
+
+// cleanPath resolves symlinks when it can, since mountinfo lists resolved
+// paths; a broken (e.g. stale) mount point falls back to the cleaned path.
+func cleanPath(p string) (string, error) {
+	abs, err := filepath.Abs(p)
+	if err != nil {
+		return "", fmt.Errorf("resolve %s: %w", p, err)
+	}
+	if r, err := filepath.EvalSymlinks(abs); err == nil {
+		return r, nil
+	}
+	return abs, nil
+}
+
+// Info reports the topmost mount on target from /proc/self/mountinfo.
+func (m *Mounter) Info(target string) (MountInfo, bool, error) {
+	p, err := cleanPath(target)
+	if err != nil {
+		return MountInfo{}, false, err
+	}
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(p))
+	if err != nil {
+		return MountInfo{}, false, fmt.Errorf("read mountinfo: %w", err)
+	}
+	if len(infos) == 0 {
+		return MountInfo{}, false, nil
+	}
+	// Entries are in mount order, so the last one is what the path shows.
+	return toMountInfo(infos[len(infos)-1]), true, nil
+}
+
+func toMountInfo(i *mountinfo.Info) MountInfo {
+	opts := splitOpts(i.Options)
+	for _, o := range splitOpts(i.VFSOptions) {
+		if !slices.Contains(opts, o) {
+			opts = append(opts, o)
+		}
+	}
+	return MountInfo{
+		Target:   i.Mountpoint,
+		Source:   i.Source,
+		FSType:   i.FSType,
+		Options:  opts,
+		ReadOnly: slices.Contains(opts, "ro"),
+		Major:    i.Major,
+		Minor:    i.Minor,
+		Root:     i.Root,
+	}
+}
+
+func splitOpts(s string) []string {
+	if s == "" {
+		return nil
+	}
+	var out []string
+	start := 0
+	for i := 0; i <= len(s); i++ {
+		if i == len(s) || s[i] == ',' {
+			out = append(out, s[start:i])
+			start = i + 1
+		}
+	}
+	return out
+}
+
+// mountedAt returns a mount point of the block device dev, "" if none.
+func mountedAt(dev string) (string, error) {
+	points, err := MountPoints(dev)
+	if err != nil || len(points) == 0 {
+		return "", err
+	}
+	return points[0], nil
+}
+
+// MountPoints lists every mount of the block device dev: filesystem mounts of it
+// and bind mounts of its device node (a published block volume, whose mountinfo
+// shows devtmpfs with the node's name as root). The device number catches
+// ext4/xfs; btrfs reports an anonymous device number, so the source path is
+// compared too.
+func MountPoints(dev string) ([]string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil, nil
+		}
+		return nil, &os.PathError{Op: "stat", Path: dev, Err: err}
+	}
+	resolved, err := cleanPath(dev)
+	if err != nil {
+		return nil, err
+	}
+	major, minor := int(unix.Major(st.Rdev)), int(unix.Minor(st.Rdev))
+	nodeRoot := "/" + filepath.Base(resolved)
+	infos, err := mountinfo.GetMounts(func(i *mountinfo.Info) (bool, bool) {
+		match := (i.Major == major && i.Minor == minor) || i.Source == dev || i.Source == resolved ||
+			(i.FSType == "devtmpfs" && i.Root == nodeRoot)
+		return !match, false
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read mountinfo: %w", err)
+	}
+	out := make([]string, 0, len(infos))
+	for _, i := range infos {
+		out = append(out, i.Mountpoint)
+	}
+	return out, nil
+}
+
+// sameDevice reports whether info is a mount of the block device source.
+func sameDevice(info MountInfo, source string) bool {
+	var st unix.Stat_t
+	if err := unix.Stat(source, &st); err != nil {
+		return false
+	}
+	if st.Mode&unix.S_IFMT == unix.S_IFBLK &&
+		info.Major == int(unix.Major(st.Rdev)) && info.Minor == int(unix.Minor(st.Rdev)) {
+		return true
+	}
+	r, err := cleanPath(source)
+	return err == nil && (info.Source == source || info.Source == r)
+}
+
+// sameFile reports whether two paths are the same inode (a bind mount's
+// target shows the source's root inode).
+func sameFile(a, b string) bool {
+	var sa, sb unix.Stat_t
+	if unix.Stat(a, &sa) != nil || unix.Stat(b, &sb) != nil {
+		return false
+	}
+	return sa.Dev == sb.Dev && sa.Ino == sb.Ino
+}
+
+// Mount mounts source (a device) on target, creating the target directory.
+// Mounting the same source again is a no-op, so retried stage calls succeed.
+func (m *Mounter) Mount(ctx context.Context, source, target, fsType string, options []string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	readOnly := slices.Contains(options, "ro")
+	if done, err := m.alreadyMounted(target, readOnly, func(i MountInfo) bool { return sameDevice(i, source) }); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		return fmt.Errorf("mount: create target: %w", err)
+	}
+	// mount(2) cannot be interrupted halfway, so the context is only checked
+	// before starting; abandoning a running mount would leave it behind.
+	if err := m.mounter.Mount(source, target, fsType, options); err != nil {
+		return fmt.Errorf("mount %s on %s: %w", source, target, err)
+	}
+	klog.V(2).InfoS("Mounted", "source", source, "target", target, "fsType", fsType, "options", options)
+	return nil
+}
+
+// alreadyMounted checks target: (true, nil) when it is already the wanted
+// mount, (false, nil) when not mounted, an error when mounted differently.
+func (m *Mounter) alreadyMounted(target string, readOnly bool, same func(MountInfo) bool) (bool, error) {
+	info, ok, err := m.Info(target)
+	if err != nil || !ok {
+		return false, err
+	}
+	if !same(info) {
+		return false, fmt.Errorf("%s has %s mounted: %w", target, info.Source, ErrMountConflict)
+	}
+	if info.ReadOnly != readOnly {
+		return false, fmt.Errorf("%s is mounted with read-only=%t, want %t: %w", target, info.ReadOnly, readOnly, ErrMountConflict)
+	}
+	return true, nil
+}
+
+// Bind bind-mounts directory source on target (created if missing).
+func (m *Mounter) Bind(ctx context.Context, source, target string, readOnly bool, options []string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if done, err := m.alreadyMounted(target, readOnly, func(MountInfo) bool { return sameFile(source, target) }); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		return fmt.Errorf("bind: create target: %w", err)
+	}
+	return m.bind(source, target, readOnly, options)
+}
+
+func (m *Mounter) bind(source, target string, readOnly bool, options []string) error {
+	opts := append(slices.Clone(options), "bind")
+	if readOnly {
+		opts = append(opts, "ro")
+	}
+	if err := m.mounter.Mount(source, target, "", opts); err != nil {
+		return fmt.Errorf("bind %s on %s: %w", source, target, err)
+	}
+	if readOnly {
+		// The ro remount is a second step that can fail on its own; a
+		// writable mount where read-only was asked for must not survive.
+		info, ok, err := m.Info(target)
+		if err != nil {
+			_ = m.mounter.Unmount(target)
+			return fmt.Errorf("bind %s on %s: verify read-only: %w", source, target, err)
+		}
+		if !ok || !info.ReadOnly {
+			_ = m.mounter.Unmount(target)
+			return fmt.Errorf("bind %s on %s: mount is not read-only (mounted=%t)", source, target, ok)
+		}
+	}
+	klog.V(2).InfoS("Bind-mounted", "source", source, "target", target, "readOnly", readOnly)
+	return nil
+}
+
+// BindBlock publishes a block device: target becomes an empty file with the
+// device node bind-mounted on it. readOnly makes the mount read-only, but a
+// read-only mount does not stop writes through a device node: use
+// SetReadOnly on the device for that.
+func (m *Mounter) BindBlock(ctx context.Context, device, target string, readOnly bool) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	same := func(MountInfo) bool {
+		var sd, st unix.Stat_t
+		return unix.Stat(device, &sd) == nil && unix.Stat(target, &st) == nil &&
+			st.Mode&unix.S_IFMT == unix.S_IFBLK && st.Rdev == sd.Rdev
+	}
+	if done, err := m.alreadyMounted(target, readOnly, same); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+		return fmt.Errorf("bind block: create parent: %w", err)
+	}
+	f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY, 0o640)
+	if err != nil {
+		return fmt.Errorf("bind block: create target: %w", err)
+	}
+	f.Close()
+	return m.bind(device, target, readOnly, nil)
+}
+
+// Unmount unmounts target (every stacked mount on it) and removes it if it
+// is an empty directory or an empty file. Missing or unmounted is success;
+// a directory or file with content is never removed and yields an error.
+func (m *Mounter) Unmount(ctx context.Context, target string) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	for i := 0; ; i++ {
+		_, err := os.Lstat(target)
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if err != nil && !mountutils.IsCorruptedMnt(err) {
+			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+		info, ok, err := m.Info(target)
+		if err != nil {
+			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+		if !ok {
+			break
+		}
+		if i >= maxStackedUnmounts {
+			return fmt.Errorf("unmount %s: still mounted after %d unmounts", target, i)
+		}
+		if err := m.mounter.Unmount(info.Target); err != nil {
+			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+		klog.V(2).InfoS("Unmounted", "target", target, "source", info.Source)
+	}
+	return removeEmpty(target)
+}
+
+// removeEmpty removes an empty directory or empty regular file. Unlike
+// os.RemoveAll it can never delete data that was written below a mount point
+// after the mount vanished.
+func removeEmpty(target string) error {
+	fi, err := os.Lstat(target)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("remove %s: %w", target, err)
+	}
+	if fi.Mode().IsRegular() && fi.Size() > 0 {
+		return fmt.Errorf("remove %s: regular file with %d bytes of data, leaving it: %w", target, fi.Size(), unix.ENOTEMPTY)
+	}
+	if err := os.Remove(target); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", target, err)
+	}
+	return nil
+}
+
+// ResizeFS grows the filesystem on device to the device's size. ext4 can be
+// grown unmounted (mountPath "" or not a mount point): e2fsck -f runs first
+// because resize2fs insists on it. xfs and btrfs only grow mounted.
+func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error {
+	fsType, err := DiskFormat(ctx, device)
+	if err != nil {
+		return fmt.Errorf("resize %s: %w", device, err)
+	}
+	mounted := false
+	if mountPath != "" {
+		info, ok, err := m.Info(mountPath)
+		if err != nil {
+			return fmt.Errorf("resize %s: %w", device, err)
+		}
+		if ok && !sameDevice(info, device) {
+			// Growing whatever happens to be mounted there would be wrong.
+			return fmt.Errorf("resize %s: %s has %s mounted: %w", device, mountPath, info.Source, ErrMountConflict)
+		}
+		mounted = ok
+	}
+	if !mounted {
+		if fsType != "ext4" && fsType != "ext3" {
+			return fmt.Errorf("resize %s: %s can only be grown while mounted", device, fsType)
+		}
+		if where, err := mountedAt(device); err != nil {
+			return fmt.Errorf("resize %s: %w", device, err)
+		} else if where != "" {
+			return fmt.Errorf("resize %s: mounted at %s, not at %q: %w", device, where, mountPath, ErrDeviceBusy)
+		}
+		// -p repairs only what is safe without a human; exit 1 means it did.
+		out, err := exec.CommandContext(ctx, "e2fsck", "-f", "-p", device).CombinedOutput()
+		var ee *exec.ExitError
+		if err != nil && !(errors.As(err, &ee) && ee.ExitCode() == 1) {
+			return fmt.Errorf("resize %s: e2fsck: %w: %s", device, err, out)
+		}
+	}
+	r := mountutils.NewResizeFs(ctxExec{ctx: ctx, Interface: utilexec.New()})
+	if _, err := r.Resize(device, mountPath); err != nil {
+		return fmt.Errorf("resize %s: %w", device, err)
+	}
+	klog.V(2).InfoS("Resized filesystem", "device", device, "mountPath", mountPath, "fsType", fsType, "online", mounted)
+	return nil
+}
+
+// NeedResize follows mount-utils: false on a read-only or blank device, a
+// size comparison for btrfs, and always true for ext4/xfs (their resize tools
+// are cheap no-ops when there is nothing to do).
+func (m *Mounter) NeedResize(device, mountPath string) (bool, error) {
+	need, err := mountutils.NewResizeFs(utilexec.New()).NeedResize(device, mountPath)
+	if err != nil {
+		return false, fmt.Errorf("need resize %s: %w", device, err)
+	}
+	return need, nil
+}

@@ -1,0 +1,118 @@
+package pool
+
+import (
+	"errors"
+	"fmt"
+	"math"
+
+	"golang.org/x/sys/unix"
+)
+
+// Size units and limits of volume capacities.
+const (
+	MiB = int64(1) << 20
+	GiB = int64(1) << 30
+	// DefaultCapacity is used when a request names no size at all.
+	DefaultCapacity = 1 * GiB
+	// MaxCapacity bounds one volume; beyond it a request is OUT_OF_RANGE rather than a
+	// sparse file no filesystem here could ever back.
+	MaxCapacity = 64 << 40
+)
+
+// Range errors, told apart so the driver can answer INVALID_ARGUMENT or OUT_OF_RANGE.
+var (
+	ErrBadRange   = errors.New("invalid capacity range")
+	ErrOutOfRange = errors.New("capacity out of range")
+	ErrNoSpace    = errors.New("pool has no room")
+)
+
+// Capacity turns a CSI capacity range into the size to allocate: the required size
+// (or DefaultCapacity when none is asked), raised to minimum, rounded up to whole MiB,
+// and never above limit. Rounding keeps image files, loop devices and filesystems on
+// boundaries every tool agrees on.
+func Capacity(required, limit, minimum int64) (int64, error) {
+	if required < 0 || limit < 0 {
+		return 0, fmt.Errorf("%w: negative size (required %d, limit %d)", ErrBadRange, required, limit)
+	}
+	if limit > 0 && required > limit {
+		return 0, fmt.Errorf("%w: required_bytes %d is above limit_bytes %d", ErrBadRange, required, limit)
+	}
+	size := required
+	if size == 0 {
+		size = DefaultCapacity
+		if limit > 0 && limit < size {
+			size = limit / MiB * MiB // the largest whole-MiB size the limit allows
+		}
+	}
+	size = max(size, minimum)
+	size = (size + MiB - 1) / MiB * MiB
+	if limit > 0 && size > limit {
+		return 0, fmt.Errorf("%w: the smallest size this volume can have is %d bytes (whole MiB, at least %d for its filesystem), above limit_bytes %d", ErrOutOfRange, size, minimum, limit)
+	}
+	if size > MaxCapacity {
+		return 0, fmt.Errorf("%w: %d bytes is above the largest volume poolcsi makes (%d bytes)", ErrOutOfRange, size, int64(MaxCapacity))
+	}
+	return size, nil
+}
+
+// Usage is the pool's space as capacity accounting sees it.
+type Usage struct {
+	TotalBytes int64 // size of the pool's filesystem
+	FreeBytes  int64 // bytes an unprivileged writer can still use
+	// ProvisionedBytes is the sum of the volumes' capacities.
+	ProvisionedBytes int64
+	// UnbackedBytes is what sparse images may still grow into: the sum over volumes of
+	// capacity minus the blocks already allocated. Writes fail with ENOSPC inside a
+	// pod when this exceeds FreeBytes.
+	UnbackedBytes int64
+	Volumes       int
+}
+
+// AvailableBytes is how large a new volume (or a growth) may be under the pool's
+// overcommit policy: free space times the overcommit ratio, less every promise
+// already made and not yet backed by allocated blocks.
+func (p *Pool) AvailableBytes(u Usage) int64 {
+	avail := float64(u.FreeBytes)*p.Overcommit - float64(u.UnbackedBytes)
+	if avail <= 0 {
+		return 0
+	}
+	return int64(math.Min(avail, float64(math.MaxInt64)))
+}
+
+// Usage measures the pool. It stats every image, so callers that decide on capacity
+// hold LockPool around Usage and the change it allows.
+func (p *Pool) Usage() (Usage, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(p.Path, &st); err != nil {
+		return Usage{}, fmt.Errorf("statfs pool %s: %w", p.Name, err)
+	}
+	u := Usage{
+		TotalBytes: int64(st.Blocks) * st.Bsize,
+		FreeBytes:  int64(st.Bavail) * st.Bsize,
+	}
+	entries, err := p.List()
+	if err != nil {
+		return Usage{}, err
+	}
+	for _, e := range entries {
+		if e.Err != nil {
+			continue
+		}
+		u.Volumes++
+		u.ProvisionedBytes += e.Volume.CapacityBytes
+		u.UnbackedBytes += max(e.Volume.CapacityBytes-p.allocatedBytes(e.ID, e.Volume), 0)
+	}
+	return u, nil
+}
+
+// allocatedBytes is what a volume already holds on the pool's filesystem.
+func (p *Pool) allocatedBytes(id VolumeID, v *Volume) int64 {
+	if v.Layout != LayoutImage {
+		return 0
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
+		return 0 // a missing image backs nothing; health checks report it
+	}
+	return st.Blocks * 512
+}

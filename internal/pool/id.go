@@ -1,0 +1,79 @@
+package pool
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"regexp"
+	"strings"
+)
+
+// ErrInvalidID marks an ID or name that must never be turned into a path.
+var ErrInvalidID = errors.New("invalid identifier")
+
+// MaxNameLength bounds CreateVolume names. Kubernetes names PVs "pvc-<uuid>" (40
+// characters); the CSI spec asks plugins to accept at least 128.
+const MaxNameLength = 253
+
+var (
+	poolNameRE = regexp.MustCompile(`^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$`)
+	keyRE      = regexp.MustCompile(`^[0-9a-f]{32}$`)
+)
+
+// ValidatePoolName accepts DNS-label-like names of at most 32 characters, so a pool
+// name is safe in a path, a volume ID, a metric label and a Kubernetes object.
+func ValidatePoolName(name string) error {
+	if !poolNameRE.MatchString(name) {
+		return fmt.Errorf("%w: pool name %q must be 1-32 lowercase letters, digits or '-', starting and ending with a letter or digit", ErrInvalidID, name)
+	}
+	return nil
+}
+
+// ValidateVolumeName checks a CreateVolume name. Names are never used in paths (only
+// their hash is), so the rules only keep logs and metadata sane.
+func ValidateVolumeName(name string) error {
+	switch {
+	case name == "":
+		return fmt.Errorf("%w: volume name is empty", ErrInvalidID)
+	case len(name) > MaxNameLength:
+		return fmt.Errorf("%w: volume name is %d bytes, the limit is %d", ErrInvalidID, len(name), MaxNameLength)
+	case strings.ContainsRune(name, 0):
+		return fmt.Errorf("%w: volume name contains a NUL byte", ErrInvalidID)
+	}
+	return nil
+}
+
+// KeyForName derives the directory key of a volume from its request name, so a
+// retried CreateVolume lands on the volume the first attempt made.
+func KeyForName(name string) string {
+	sum := sha256.Sum256([]byte(name))
+	return hex.EncodeToString(sum[:16])
+}
+
+// VolumeID is the handle Kubernetes stores in the PV: "<pool>.<key>".
+type VolumeID struct {
+	Pool string
+	Key  string
+}
+
+func (id VolumeID) String() string { return id.Pool + "." + id.Key }
+
+// NewVolumeID builds the ID of the volume named name in pool poolName.
+func NewVolumeID(poolName, name string) VolumeID {
+	return VolumeID{Pool: poolName, Key: KeyForName(name)}
+}
+
+// ParseVolumeID validates an ID received over the wire before any path is built
+// from it: only "<pool name>.<32 lowercase hex>" passes, which cannot contain "/",
+// "..", NUL or anything else that leaves the pool.
+func ParseVolumeID(s string) (VolumeID, error) {
+	if len(s) > 32+1+32 {
+		return VolumeID{}, fmt.Errorf("%w: volume ID is %d bytes long", ErrInvalidID, len(s))
+	}
+	poolName, key, ok := strings.Cut(s, ".")
+	if !ok || ValidatePoolName(poolName) != nil || !keyRE.MatchString(key) {
+		return VolumeID{}, fmt.Errorf("%w: %q is not a poolcsi volume ID (<pool>.<32 hex digits>)", ErrInvalidID, s)
+	}
+	return VolumeID{Pool: poolName, Key: key}, nil
+}

@@ -1,0 +1,152 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// ErrExists marks a request that names an existing volume with other attributes.
+var ErrExists = errors.New("volume exists with other attributes")
+
+// Spec is what a new volume is made of.
+type Spec struct {
+	Name          string
+	Layout        Layout
+	AccessType    AccessType
+	FSType        string
+	CapacityBytes int64
+	Parameters    map[string]string
+	Topology      map[string]string
+}
+
+// Reserve finds or makes the volume named spec.Name: its directory, a volume.json in
+// state creating and, for the image layout, a sparse image of the full size. The
+// capacity check and the reservation happen under the pool lock, so two creates on
+// two nodes cannot both take the last free bytes. The caller formats the image and
+// then calls MarkReady; a volume still creating after a crash is handed back for
+// the caller to finish.
+func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
+	if err := ValidateVolumeName(spec.Name); err != nil {
+		return nil, err
+	}
+	id := NewVolumeID(p.Name, spec.Name)
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+
+	if v, err := p.Load(id); err == nil {
+		if v.Name != spec.Name {
+			return nil, fmt.Errorf("%w: key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, v.Name)
+		}
+		return v, nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+
+	u, err := p.Usage()
+	if err != nil {
+		return nil, err
+	}
+	if avail := p.AvailableBytes(u); spec.CapacityBytes > avail {
+		return nil, fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes %d, overcommit %.2f); %d were asked",
+			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, spec.CapacityBytes)
+	}
+
+	dir := p.Dir(id)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, fmt.Errorf("create volume %s: %w", id, err)
+	}
+	v := &Volume{
+		ID:            id.String(),
+		Name:          spec.Name,
+		Pool:          p.Name,
+		Layout:        spec.Layout,
+		AccessType:    spec.AccessType,
+		FSType:        spec.FSType,
+		CapacityBytes: spec.CapacityBytes,
+		State:         StateCreating,
+		Parameters:    spec.Parameters,
+		Topology:      spec.Topology,
+		CreatedAt:     time.Now().UTC(),
+	}
+	if err := touch(filepath.Join(dir, lockFile)); err != nil {
+		return nil, err
+	}
+	if err := p.Save(v); err != nil {
+		return nil, err
+	}
+	return v, nil
+}
+
+// PrepareImage (re)creates the sparse image of a volume still in state creating.
+// Whatever an interrupted attempt left (a half-written mkfs) holds no user data yet,
+// so it is thrown away rather than trusted.
+func (p *Pool) PrepareImage(v *Volume) error {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return err
+	}
+	if v.State != StateCreating {
+		return fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
+	}
+	path := p.ImagePath(id)
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove half-made image %s: %w", path, err)
+	}
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return fmt.Errorf("create image %s: %w", path, err)
+	}
+	defer f.Close()
+	if err := f.Truncate(v.CapacityBytes); err != nil {
+		return fmt.Errorf("size image %s to %d bytes: %w", path, v.CapacityBytes, err)
+	}
+	return f.Sync()
+}
+
+// MarkReady records that the volume is complete.
+func (p *Pool) MarkReady(v *Volume) error {
+	v.State = StateReady
+	return p.Save(v)
+}
+
+// Delete removes a volume's directory and everything in it. The directory is first
+// renamed out of the volumes namespace, so a crash mid-delete never leaves a
+// half-deleted volume that lists as present; leftovers are swept by Sweep.
+// It returns nil if the volume does not exist. The caller checks that nothing holds
+// the volume (staged, published) before calling.
+func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	dir := p.Dir(id)
+	trash := filepath.Join(p.Path, volumesDir, ".deleting-"+id.Key)
+	if err := os.Rename(dir, trash); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	// trash is built from a validated key inside the pool and RemoveAll does not
+	// follow symlinks, so nothing outside this one volume can be reached.
+	if err := os.RemoveAll(trash); err != nil {
+		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	return syncDir(filepath.Join(p.Path, volumesDir))
+}
+
+func touch(path string) error {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		return fmt.Errorf("create %s: %w", path, err)
+	}
+	return f.Close()
+}

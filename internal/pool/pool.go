@@ -1,0 +1,147 @@
+// Package pool is the on-disk layout of a poolcsi pool: volume IDs, volume.json,
+// image files, capacity accounting, listing and cross-process locks. It knows
+// nothing of gRPC or mounts, so operator tools can read a pool without a driver.
+package pool
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	volumesDir = "volumes"
+	poolMeta   = "pool.json"
+	poolLock   = ".lock"
+)
+
+// Config describes one pool as the operator configured it.
+type Config struct {
+	Name string `json:"name"`
+	Path string `json:"path"`
+	// Shared pools are mounted on every node; local pools exist on one node only.
+	Shared bool `json:"shared,omitempty"`
+	// Overcommit is how many bytes of sparse capacity may be promised per free byte
+	// of the pool's filesystem. 1 (the default) never promises more than it has.
+	Overcommit float64 `json:"overcommit,omitempty"`
+}
+
+// Pool is an opened pool directory.
+type Pool struct {
+	Config
+}
+
+// Open validates cfg and makes the pool's layout. A local pool's directory is
+// created if missing; a shared pool's directory is a mount point the admin (or the
+// driver's mount stanza) provides, so it is never created here — creating it would
+// quietly put "shared" volumes on the node's root disk.
+func Open(cfg Config) (*Pool, error) {
+	if err := ValidatePoolName(cfg.Name); err != nil {
+		return nil, err
+	}
+	if !filepath.IsAbs(cfg.Path) || filepath.Clean(cfg.Path) != cfg.Path || cfg.Path == "/" {
+		return nil, fmt.Errorf("pool %s: path %q must be a clean absolute path other than /", cfg.Name, cfg.Path)
+	}
+	if cfg.Overcommit == 0 {
+		cfg.Overcommit = 1
+	}
+	if cfg.Overcommit < 0 {
+		return nil, fmt.Errorf("pool %s: overcommit %v must be positive", cfg.Name, cfg.Overcommit)
+	}
+	p := &Pool{Config: cfg}
+	if !cfg.Shared {
+		if err := os.MkdirAll(cfg.Path, 0o750); err != nil {
+			return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
+		}
+	}
+	// A missing shared pool is not fatal: Probe reports it until it appears.
+	if _, err := os.Stat(cfg.Path); err == nil {
+		if err := p.init(); err != nil {
+			return nil, err
+		}
+	}
+	return p, nil
+}
+
+type poolInfo struct {
+	SchemaVersion int    `json:"schemaVersion"`
+	Name          string `json:"name"`
+}
+
+// init writes pool.json once and refuses a directory that already belongs to a
+// pool of another name: two names over one directory would double-count capacity
+// and give one volume two IDs.
+func (p *Pool) init() error {
+	if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: %w", p.Name, err)
+	}
+	metaPath := filepath.Join(p.Path, poolMeta)
+	raw, err := os.ReadFile(metaPath)
+	switch {
+	case err == nil:
+		var info poolInfo
+		if err := json.Unmarshal(raw, &info); err != nil {
+			return fmt.Errorf("pool %s: %s is damaged: %w", p.Name, metaPath, err)
+		}
+		if info.Name != p.Name {
+			return fmt.Errorf("pool %s: %s belongs to pool %q; give it that name or use another directory", p.Name, p.Path, info.Name)
+		}
+		return nil
+	case errors.Is(err, os.ErrNotExist):
+		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name})
+		return writeFileAtomic(metaPath, append(raw, '\n'))
+	default:
+		return fmt.Errorf("pool %s: %w", p.Name, err)
+	}
+}
+
+// Check tells whether the pool can serve requests now: present, initialised and
+// writable. It costs a few system calls, so Probe can call it every few seconds.
+func (p *Pool) Check() error {
+	vols := filepath.Join(p.Path, volumesDir)
+	if _, err := os.Stat(p.Path); err != nil {
+		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.Name, p.Path, err)
+	}
+	if _, err := os.Stat(vols); errors.Is(err, os.ErrNotExist) {
+		// A shared pool that appeared after start-up: lay it out now.
+		if err := p.init(); err != nil {
+			return err
+		}
+	}
+	if err := unix.Access(vols, unix.W_OK); err != nil {
+		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %w", p.Name, vols, err)
+	}
+	return nil
+}
+
+// Entry is one listed volume: its metadata, or the error that kept it from loading,
+// so one damaged volume never hides the others.
+type Entry struct {
+	ID     VolumeID
+	Volume *Volume
+	Err    error
+}
+
+// List returns the pool's volumes sorted by ID.
+func (p *Pool) List() ([]Entry, error) {
+	des, err := os.ReadDir(filepath.Join(p.Path, volumesDir))
+	if err != nil {
+		return nil, fmt.Errorf("list pool %s: %w", p.Name, err)
+	}
+	var out []Entry
+	for _, de := range des {
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			continue // temp files and volumes being deleted
+		}
+		id := VolumeID{Pool: p.Name, Key: de.Name()}
+		v, err := p.Load(id)
+		out = append(out, Entry{ID: id, Volume: v, Err: err})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
+	return out, nil
+}

@@ -1,0 +1,176 @@
+package pool
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"time"
+)
+
+// SchemaVersion is the version of volume.json this code writes. Readers refuse a
+// newer version rather than misread it and act on a guess.
+const SchemaVersion = 1
+
+// Layout is how a volume's data is kept in the pool.
+type Layout string
+
+const (
+	// LayoutImage is a sparse image file attached through a loop device.
+	LayoutImage Layout = "image"
+	// LayoutDir is a subdirectory bind-mounted into pods.
+	LayoutDir Layout = "dir"
+)
+
+// AccessType is what the volume was created for: a filesystem or a raw block device.
+type AccessType string
+
+const (
+	AccessFilesystem AccessType = "filesystem"
+	AccessBlock      AccessType = "block"
+)
+
+// State tracks a volume through creation, so a crash half way is finished or undone
+// by the next attempt instead of leaving a half-made volume that looks ready.
+type State string
+
+const (
+	StateCreating State = "creating"
+	StateReady    State = "ready"
+)
+
+// Volume is the content of volume.json: everything the driver knows of a volume.
+type Volume struct {
+	SchemaVersion int               `json:"schemaVersion"`
+	ID            string            `json:"id"`
+	Name          string            `json:"name"`
+	Pool          string            `json:"pool"`
+	Layout        Layout            `json:"layout"`
+	AccessType    AccessType        `json:"accessType"`
+	FSType        string            `json:"fsType,omitempty"`
+	CapacityBytes int64             `json:"capacityBytes"`
+	State         State             `json:"state"`
+	Parameters    map[string]string `json:"parameters,omitempty"`
+	Topology      map[string]string `json:"topology,omitempty"`
+	CreatedAt     time.Time         `json:"createdAt"`
+	// Staged lists the nodes whose staging path holds the volume, so the controller
+	// can refuse to delete data a node still has mounted.
+	Staged []StageRecord `json:"staged,omitempty"`
+}
+
+// StageRecord says that node has the volume staged at path.
+type StageRecord struct {
+	Node string    `json:"node"`
+	Path string    `json:"path"`
+	At   time.Time `json:"at"`
+}
+
+const (
+	metadataFile = "volume.json"
+	imageFile    = "disk.img"
+	lockFile     = "lock"
+)
+
+// Dir is the directory holding one volume.
+func (p *Pool) Dir(id VolumeID) string { return filepath.Join(p.Path, volumesDir, id.Key) }
+
+// ImagePath is the image file of an image-layout volume.
+func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), imageFile) }
+
+// Load reads volume.json. A missing volume is an error wrapping os.ErrNotExist.
+func (p *Pool) Load(id VolumeID) (*Volume, error) {
+	raw, err := os.ReadFile(filepath.Join(p.Dir(id), metadataFile))
+	if err != nil {
+		return nil, fmt.Errorf("read metadata of volume %s: %w", id, err)
+	}
+	var v Volume
+	if err := json.Unmarshal(raw, &v); err != nil {
+		return nil, fmt.Errorf("%w: volume %s: %w", ErrCorrupt, id, err)
+	}
+	if v.SchemaVersion > SchemaVersion {
+		return nil, fmt.Errorf("%w: volume %s has schema version %d, this driver understands up to %d", ErrCorrupt, id, v.SchemaVersion, SchemaVersion)
+	}
+	if v.ID != id.String() {
+		return nil, fmt.Errorf("%w: %s records ID %q", ErrCorrupt, filepath.Join(p.Dir(id), metadataFile), v.ID)
+	}
+	return &v, nil
+}
+
+// ErrCorrupt marks metadata that exists but cannot be trusted.
+var ErrCorrupt = errors.New("volume metadata is damaged")
+
+// Save writes volume.json atomically: a reader sees the old or the new content,
+// never a torn one, even across a crash or power loss.
+func (p *Pool) Save(v *Volume) error {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return err
+	}
+	v.SchemaVersion = SchemaVersion
+	raw, err := json.MarshalIndent(v, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
+	}
+	return writeFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'))
+}
+
+func writeFileAtomic(path string, data []byte) error {
+	dir := filepath.Dir(path)
+	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
+	if err != nil {
+		return fmt.Errorf("write %s: %w", path, err)
+	}
+	tmp := f.Name()
+	defer os.Remove(tmp) // no-op after the rename
+	if _, err := f.Write(data); err != nil {
+		f.Close()
+		return fmt.Errorf("write %s: %w", tmp, err)
+	}
+	if err := f.Sync(); err != nil {
+		f.Close()
+		return fmt.Errorf("fsync %s: %w", tmp, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("close %s: %w", tmp, err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		return fmt.Errorf("rename %s: %w", tmp, err)
+	}
+	return syncDir(dir)
+}
+
+func syncDir(dir string) error {
+	d, err := os.Open(dir)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", dir, err)
+	}
+	defer d.Close()
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", dir, err)
+	}
+	return nil
+}
+
+// IsStaged reports whether any node has the volume staged.
+func (v *Volume) IsStaged() bool { return len(v.Staged) > 0 }
+
+// SetStaged records (node, path) as staged, replacing an older record of the node.
+func (v *Volume) SetStaged(node, path string, now time.Time) {
+	v.ClearStaged(node)
+	v.Staged = append(v.Staged, StageRecord{Node: node, Path: path, At: now.UTC()})
+}
+
+// ClearStaged forgets node's staging.
+func (v *Volume) ClearStaged(node string) {
+	kept := v.Staged[:0]
+	for _, s := range v.Staged {
+		if s.Node != node {
+			kept = append(kept, s)
+		}
+	}
+	v.Staged = kept
+	if len(v.Staged) == 0 {
+		v.Staged = nil
+	}
+}

@@ -1,0 +1,171 @@
+// Package harness builds the real poolcsi binary and runs it as a separate process
+// on temporary pools, the way kubelet and the sidecars meet it: over a unix socket.
+package harness
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+)
+
+var (
+	buildOnce sync.Once
+	binPath   string
+	buildErr  error
+)
+
+// RepoRoot is the module root, found from this file's location.
+func RepoRoot() string {
+	_, file, _, _ := runtime.Caller(0)
+	return filepath.Clean(filepath.Join(filepath.Dir(file), "..", ".."))
+}
+
+// Binary builds cmd/poolcsi once per test process and returns its path.
+func Binary(t testing.TB) string {
+	t.Helper()
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "poolcsi-bin-")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "poolcsi")
+		cmd := exec.Command("go", "build", "-o", binPath, "./cmd/poolcsi")
+		cmd.Dir = RepoRoot()
+		if out, err := cmd.CombinedOutput(); err != nil {
+			buildErr = fmt.Errorf("go build: %w\n%s", err, out)
+		}
+	})
+	if buildErr != nil {
+		t.Fatal(buildErr)
+	}
+	return binPath
+}
+
+// Driver is a running `poolcsi serve`.
+type Driver struct {
+	Endpoint string // unix:///…
+	Socket   string
+	Conn     *grpc.ClientConn
+	cmd      *exec.Cmd
+	log      *bytes.Buffer
+	done     chan struct{}
+}
+
+// Options for Start.
+type Options struct {
+	NodeID string
+	Pools  []string // NAME=PATH[,shared]
+	Args   []string // extra flags
+}
+
+// Start runs `poolcsi serve` and waits until Probe answers. The process is stopped
+// in t.Cleanup, and its log is printed when the test failed.
+func Start(t testing.TB, o Options) *Driver {
+	t.Helper()
+	bin := Binary(t)
+	sockDir, err := os.MkdirTemp("", "poolcsi-sock-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(sockDir) })
+	sock := filepath.Join(sockDir, "csi.sock")
+	if o.NodeID == "" {
+		o.NodeID = "node-1"
+	}
+	args := []string{"serve", "--endpoint", "unix://" + sock, "--node-id", o.NodeID, "-v", "5"}
+	for _, p := range o.Pools {
+		args = append(args, "--pool", p)
+	}
+	args = append(args, o.Args...)
+	d := &Driver{Endpoint: "unix://" + sock, Socket: sock, log: &bytes.Buffer{}, done: make(chan struct{})}
+	d.cmd = exec.Command(bin, args...)
+	d.cmd.Stdout = &lockedWriter{w: d.log}
+	d.cmd.Stderr = d.cmd.Stdout
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { d.cmd.Wait(); close(d.done) }()
+	t.Cleanup(func() {
+		d.Stop()
+		if t.Failed() {
+			t.Logf("poolcsi log (%s):\n%s", o.NodeID, d.Log())
+		}
+	})
+	conn, err := grpc.NewClient(d.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Conn = conn
+	t.Cleanup(func() { conn.Close() })
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		_, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
+		cancel()
+		if err == nil {
+			return d
+		}
+		select {
+		case <-d.done:
+			t.Fatalf("poolcsi exited before it was ready: %v\n%s", d.cmd.ProcessState, d.Log())
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("poolcsi not ready after 30s: %v\n%s", err, d.Log())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// Stop ends the driver with SIGTERM (SIGKILL after 10 s) and waits for it.
+func (d *Driver) Stop() {
+	select {
+	case <-d.done:
+		return
+	default:
+	}
+	d.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-d.done:
+	case <-time.After(10 * time.Second):
+		d.cmd.Process.Kill()
+		<-d.done
+	}
+}
+
+// Log returns what the driver printed so far.
+func (d *Driver) Log() string {
+	lw := d.cmd.Stdout.(*lockedWriter)
+	lw.mu.Lock()
+	defer lw.mu.Unlock()
+	return d.log.String()
+}
+
+// Controller, Node and Identity are clients over the driver's socket.
+func (d *Driver) Controller() csi.ControllerClient { return csi.NewControllerClient(d.Conn) }
+func (d *Driver) Node() csi.NodeClient             { return csi.NewNodeClient(d.Conn) }
+func (d *Driver) Identity() csi.IdentityClient     { return csi.NewIdentityClient(d.Conn) }
+
+type lockedWriter struct {
+	mu sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (l *lockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(p)
+}
