@@ -31,9 +31,11 @@ type Mounter struct {
 }
 
 // NewMounter uses the system mount(8)/umount(8) through mount-utils, which
-// also turns a read-only bind into bind + remount,ro.
+// also turns a read-only bind into bind + remount,ro. Mounts are not wrapped in
+// systemd-run scopes: the driver runs in a container where systemd is not
+// reachable, and its filesystems need no user-space daemon to outlive it.
 func NewMounter() *Mounter {
-	return &Mounter{mounter: mountutils.New("")}
+	return &Mounter{mounter: mountutils.NewWithoutSystemd("")}
 }
 
 // MountInfo describes one entry of /proc/self/mountinfo.

@@ -59,8 +59,10 @@ type Driver struct {
 	Endpoint string // unix:///…
 	Socket   string
 	Conn     *grpc.ClientConn
+	opts     Options
 	cmd      *exec.Cmd
 	log      *bytes.Buffer
+	logMu    sync.Mutex
 	done     chan struct{}
 }
 
@@ -75,7 +77,6 @@ type Options struct {
 // in t.Cleanup, and its log is printed when the test failed.
 func Start(t testing.TB, o Options) *Driver {
 	t.Helper()
-	bin := Binary(t)
 	sockDir, err := os.MkdirTemp("", "poolcsi-sock-")
 	if err != nil {
 		t.Fatal(err)
@@ -85,41 +86,59 @@ func Start(t testing.TB, o Options) *Driver {
 	if o.NodeID == "" {
 		o.NodeID = "node-1"
 	}
-	args := []string{"serve", "--endpoint", "unix://" + sock, "--node-id", o.NodeID, "-v", "5"}
-	for _, p := range o.Pools {
-		args = append(args, "--pool", p)
-	}
-	args = append(args, o.Args...)
-	d := &Driver{Endpoint: "unix://" + sock, Socket: sock, log: &bytes.Buffer{}, done: make(chan struct{})}
-	d.cmd = exec.Command(bin, args...)
-	d.cmd.Stdout = &lockedWriter{w: d.log}
-	d.cmd.Stderr = d.cmd.Stdout
-	if err := d.cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	go func() { d.cmd.Wait(); close(d.done) }()
-	t.Cleanup(func() {
-		d.Stop()
-		if t.Failed() {
-			t.Logf("poolcsi log (%s):\n%s", o.NodeID, d.Log())
-		}
-	})
+	d := &Driver{Endpoint: "unix://" + sock, Socket: sock, log: &bytes.Buffer{}, opts: o}
 	conn, err := grpc.NewClient(d.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
 	}
 	d.Conn = conn
-	t.Cleanup(func() { conn.Close() })
+	// Registered before the process starts, so they run after every cleanup a
+	// test registers later (which may still need the driver).
+	t.Cleanup(func() {
+		conn.Close()
+		d.Stop()
+		if t.Failed() {
+			t.Logf("poolcsi log (%s):\n%s", o.NodeID, d.Log())
+		}
+	})
+	d.launch(t)
+	return d
+}
+
+// Restart stops the driver process and starts a new one on the same socket and
+// pools, as kubelet does after a plugin crash or upgrade.
+func (d *Driver) Restart(t testing.TB) {
+	t.Helper()
+	d.Stop()
+	d.launch(t)
+}
+
+func (d *Driver) launch(t testing.TB) {
+	t.Helper()
+	args := []string{"serve", "--endpoint", d.Endpoint, "--node-id", d.opts.NodeID, "-v", "5"}
+	for _, p := range d.opts.Pools {
+		args = append(args, "--pool", p)
+	}
+	args = append(args, d.opts.Args...)
+	d.cmd = exec.Command(Binary(t), args...)
+	d.cmd.Stdout = &lockedWriter{mu: &d.logMu, w: d.log}
+	d.cmd.Stderr = d.cmd.Stdout
+	done := make(chan struct{})
+	d.done = done
+	if err := d.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { d.cmd.Wait(); close(done) }()
 	deadline := time.Now().Add(30 * time.Second)
 	for {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		_, err := csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{})
+		_, err := csi.NewIdentityClient(d.Conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
 		cancel()
 		if err == nil {
-			return d
+			return
 		}
 		select {
-		case <-d.done:
+		case <-done:
 			t.Fatalf("poolcsi exited before it was ready: %v\n%s", d.cmd.ProcessState, d.Log())
 		default:
 		}
@@ -132,6 +151,9 @@ func Start(t testing.TB, o Options) *Driver {
 
 // Stop ends the driver with SIGTERM (SIGKILL after 10 s) and waits for it.
 func (d *Driver) Stop() {
+	if d.cmd == nil {
+		return
+	}
 	select {
 	case <-d.done:
 		return
@@ -148,9 +170,8 @@ func (d *Driver) Stop() {
 
 // Log returns what the driver printed so far.
 func (d *Driver) Log() string {
-	lw := d.cmd.Stdout.(*lockedWriter)
-	lw.mu.Lock()
-	defer lw.mu.Unlock()
+	d.logMu.Lock()
+	defer d.logMu.Unlock()
 	return d.log.String()
 }
 
@@ -160,7 +181,7 @@ func (d *Driver) Node() csi.NodeClient             { return csi.NewNodeClient(d.
 func (d *Driver) Identity() csi.IdentityClient     { return csi.NewIdentityClient(d.Conn) }
 
 type lockedWriter struct {
-	mu sync.Mutex
+	mu *sync.Mutex
 	w  *bytes.Buffer
 }
 

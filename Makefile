@@ -1,0 +1,19 @@
+# poolcsi developer entry points. Everything needs Go; tests and `run` need root.
+BIN := bin/poolcsi
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+
+.PHONY: build test run clean
+
+build:
+	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
+
+# The whole suite (root): vet, unit, sanity, end-to-end, faults, Kubernetes harness.
+test:
+	hack/test.sh
+
+# Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
+run: build
+	$(BIN) serve --endpoint unix:///run/poolcsi/csi.sock --node-id $$(hostname) --pool local=/var/lib/poolcsi/pools/local -v 3
+
+clean:
+	rm -rf bin

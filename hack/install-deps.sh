@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the filesystem and block tools the driver and its tests use, when any
+# is missing. Debian/Ubuntu only; elsewhere it says what to install.
+set -euo pipefail
+need=()
+for cmd in mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:xfsprogs \
+	mkfs.btrfs:btrfs-progs btrfs:btrfs-progs losetup:util-linux blkid:util-linux mount:mount; do
+	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
+done
+[ ${#need[@]} -eq 0 ] && exit 0
+if ! command -v apt-get >/dev/null 2>&1; then
+	echo "install-deps: missing packages ${need[*]}; install them with your package manager" >&2
+	exit 1
+fi
+echo "install-deps: installing ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq "${need[@]}" >/dev/null

@@ -1,0 +1,61 @@
+package pool
+
+import (
+	"errors"
+	"testing"
+)
+
+func TestCapacity(t *testing.T) {
+	tests := []struct {
+		name            string
+		required, limit int64
+		minimum         int64
+		want            int64
+		wantErr         error
+	}{
+		{"default", 0, 0, MiB, DefaultCapacity, nil},
+		{"exact MiB", 64 * MiB, 0, MiB, 64 * MiB, nil},
+		{"rounded up", 64*MiB + 1, 0, MiB, 65 * MiB, nil},
+		{"raised to fs minimum", 64 * MiB, 0, 300 * MiB, 300 * MiB, nil},
+		{"fs minimum above limit", 64 * MiB, 100 * MiB, 300 * MiB, 0, ErrOutOfRange},
+		{"limit only", 0, 100 * MiB, MiB, 100 * MiB, nil},
+		{"unaligned limit only", 0, 100*MiB + 5, MiB, 100 * MiB, nil},
+		{"required equals limit", 10 * MiB, 10 * MiB, MiB, 10 * MiB, nil},
+		{"rounding crosses limit", 10*MiB + 1, 10*MiB + 2, MiB, 0, ErrOutOfRange},
+		{"limit below required", 10 * MiB, 5 * MiB, MiB, 0, ErrBadRange},
+		{"negative", -1, 0, MiB, 0, ErrBadRange},
+		{"too large", MaxCapacity + 1, 0, MiB, 0, ErrOutOfRange},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			got, err := Capacity(tt.required, tt.limit, tt.minimum)
+			if tt.wantErr != nil {
+				if !errors.Is(err, tt.wantErr) {
+					t.Fatalf("Capacity = %d, %v; want %v", got, err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil || got != tt.want {
+				t.Fatalf("Capacity = %d, %v; want %d", got, err, tt.want)
+			}
+		})
+	}
+}
+
+func TestAvailableBytes(t *testing.T) {
+	tests := []struct {
+		overcommit float64
+		u          Usage
+		want       int64
+	}{
+		{1, Usage{FreeBytes: 100, UnbackedBytes: 30}, 70},
+		{1, Usage{FreeBytes: 100, UnbackedBytes: 130}, 0},
+		{2, Usage{FreeBytes: 100, UnbackedBytes: 130}, 70},
+	}
+	for _, tt := range tests {
+		p := &Pool{Config: Config{Overcommit: tt.overcommit}}
+		if got := p.AvailableBytes(tt.u); got != tt.want {
+			t.Errorf("overcommit %v, %+v: got %d want %d", tt.overcommit, tt.u, got, tt.want)
+		}
+	}
+}

@@ -1,0 +1,180 @@
+package pool
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+)
+
+func openTemp(t *testing.T) *Pool {
+	t.Helper()
+	p, err := Open(Config{Name: "test", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+func TestOpenRefusesForeignPool(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "pool")
+	if _, err := Open(Config{Name: "one", Path: dir}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Open(Config{Name: "two", Path: dir}); err == nil {
+		t.Fatal("a directory of pool one was opened as pool two")
+	}
+	for _, bad := range []Config{{Name: "x", Path: "relative"}, {Name: "x", Path: "/"}, {Name: "x", Path: "/a/../b"}, {Name: "../x", Path: "/tmp/x"}} {
+		if _, err := Open(bad); err == nil {
+			t.Errorf("Open(%+v) accepted", bad)
+		}
+	}
+}
+
+func TestSharedPoolIsNeverCreated(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "not-mounted")
+	p, err := Open(Config{Name: "s", Path: dir, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("shared pool path was created: %v", err)
+	}
+	if err := p.Check(); err == nil {
+		t.Fatal("Check passed on a missing shared pool")
+	}
+}
+
+func TestReserveIsIdempotentAndAtomic(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	spec := Spec{Name: "pvc-a", Layout: LayoutImage, AccessType: AccessFilesystem, FSType: "ext4", CapacityBytes: 8 * MiB}
+	v1, err := p.Reserve(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PrepareImage(v1); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MarkReady(v1); err != nil {
+		t.Fatal(err)
+	}
+	v2, err := p.Reserve(ctx, spec)
+	if err != nil || v2.ID != v1.ID || v2.State != StateReady {
+		t.Fatalf("second Reserve = %+v, %v", v2, err)
+	}
+	if err := p.PrepareImage(v2); err == nil {
+		t.Fatal("PrepareImage recreated the image of a ready volume")
+	}
+	fi, err := os.Stat(p.ImagePath(NewVolumeID("test", "pvc-a")))
+	if err != nil || fi.Size() != 8*MiB {
+		t.Fatalf("image: %v, %v", fi, err)
+	}
+	// No temp files are left beside volume.json.
+	des, _ := os.ReadDir(p.Dir(NewVolumeID("test", "pvc-a")))
+	for _, de := range des {
+		if de.Name() != "volume.json" && de.Name() != "disk.img" && de.Name() != "lock" {
+			t.Errorf("unexpected file %s", de.Name())
+		}
+	}
+	raw, _ := os.ReadFile(filepath.Join(p.Dir(NewVolumeID("test", "pvc-a")), "volume.json"))
+	var m map[string]any
+	if err := json.Unmarshal(raw, &m); err != nil || m["schemaVersion"] != float64(SchemaVersion) {
+		t.Fatalf("volume.json: %s (%v)", raw, err)
+	}
+}
+
+func TestReserveRefusesWhenFull(t *testing.T) {
+	p := openTemp(t)
+	u, err := p.Usage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = p.Reserve(context.Background(), Spec{Name: "huge", Layout: LayoutImage, CapacityBytes: u.FreeBytes + GiB})
+	if !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("Reserve beyond free space = %v, want ErrNoSpace", err)
+	}
+	if entries, _ := p.List(); len(entries) != 0 {
+		t.Fatalf("a refused volume left %d entries", len(entries))
+	}
+}
+
+func TestDeleteRemovesOnlyTheVolume(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	for _, n := range []string{"a", "b"} {
+		v, err := p.Reserve(ctx, Spec{Name: n, Layout: LayoutImage, CapacityBytes: MiB})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.PrepareImage(v); err != nil {
+			t.Fatal(err)
+		}
+	}
+	canary := filepath.Join(p.Path, "canary")
+	os.WriteFile(canary, []byte("x"), 0o600)
+	if err := p.Delete(ctx, NewVolumeID("test", "a")); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Delete(ctx, NewVolumeID("test", "a")); err != nil {
+		t.Fatalf("second delete: %v", err)
+	}
+	entries, _ := p.List()
+	if len(entries) != 1 || entries[0].Volume.Name != "b" {
+		t.Fatalf("after delete: %+v", entries)
+	}
+	if _, err := os.Stat(canary); err != nil {
+		t.Fatal("delete touched a file outside the volume")
+	}
+}
+
+func TestLockVolumeExcludesAndSeesDeletion(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	id := NewVolumeID("test", "v")
+	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, CapacityBytes: MiB}); err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if _, err := p.LockVolume(short, id); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("second lock while held = %v, want deadline exceeded", err)
+	}
+	var wg sync.WaitGroup
+	var waitErr error
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		_, waitErr = p.LockVolume(ctx, id)
+	}()
+	time.Sleep(20 * time.Millisecond)
+	if err := p.Delete(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	unlock()
+	wg.Wait()
+	if !errors.Is(waitErr, os.ErrNotExist) {
+		t.Fatalf("a waiter on a deleted volume got %v, want ErrNotExist", waitErr)
+	}
+}
+
+func TestListReportsDamagedMetadata(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, CapacityBytes: MiB}); err != nil {
+		t.Fatal(err)
+	}
+	os.WriteFile(filepath.Join(p.Dir(NewVolumeID("test", "v")), "volume.json"), []byte("{garbage"), 0o600)
+	entries, err := p.List()
+	if err != nil || len(entries) != 1 || !errors.Is(entries[0].Err, ErrCorrupt) {
+		t.Fatalf("List = %+v, %v", entries, err)
+	}
+}

@@ -1,0 +1,182 @@
+package e2e
+
+import (
+	"context"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/test/harness"
+)
+
+// tree lists every path under root with its size, to prove a refused call changed
+// nothing on disk.
+func tree(t *testing.T, root string) string {
+	t.Helper()
+	var lines []string
+	filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		info, _ := d.Info()
+		size := int64(0)
+		if info != nil && info.Mode().IsRegular() {
+			size = info.Size()
+		}
+		lines = append(lines, strings.TrimPrefix(p, root)+" "+info.Mode().String()+" "+strconv.FormatInt(size, 10))
+		return nil
+	})
+	sort.Strings(lines)
+	return strings.Join(lines, "\n")
+}
+
+// TestHostileInput sends malformed and malicious requests and checks each gets
+// the right code while nothing inside or around the pool changes.
+func TestHostileInput(t *testing.T) {
+	e := newEnv(t, "mkfs.ext4", "mkfs.xfs")
+	ctx := context.Background()
+	c, n := e.d.Controller(), e.d.Node()
+	rwo := harness.MountCap("ext4", harness.RWO)
+	// One real volume, so the node calls below have something to aim at.
+	vol := e.create(t, "pvc-real", 16<<20, rwo)
+	good := vol.GetVolumeId()
+	// A canary beside the pool, where a traversal would land.
+	canary := filepath.Join(e.root, "canary")
+	if err := os.WriteFile(canary, []byte("keep"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	before := tree(t, e.root)
+
+	long := strings.Repeat("a", 300)
+	traversalIDs := []string{"../../etc", "local/../../canary", "local.../../canary", "local.\x00", long, "local." + long, "/etc/passwd", "local..", "local."}
+	mixed := []*csi.VolumeCapability{harness.MountCap("ext4", harness.RWO), harness.BlockCap(harness.RWO)}
+	noType := []*csi.VolumeCapability{{AccessMode: &csi.VolumeCapability_AccessMode{Mode: harness.RWO}}}
+	noMode := []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}}}
+	twoFS := []*csi.VolumeCapability{harness.MountCap("ext4", harness.RWO), harness.MountCap("xfs", harness.RWO)}
+	rwx := []*csi.VolumeCapability{harness.MountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}
+	create := func(name string, caps []*csi.VolumeCapability, r *csi.CapacityRange, params map[string]string) func() error {
+		return func() error {
+			_, err := c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: caps, CapacityRange: r, Parameters: params})
+			return err
+		}
+	}
+	mib := int64(1 << 20)
+	tests := []struct {
+		name string
+		call func() error
+		want codes.Code
+	}{
+		{"create: no name", create("", []*csi.VolumeCapability{rwo}, nil, nil), codes.InvalidArgument},
+		{"create: NUL in name", create("pvc\x00x", []*csi.VolumeCapability{rwo}, nil, nil), codes.InvalidArgument},
+		{"create: 300-character name", create(long, []*csi.VolumeCapability{rwo}, nil, nil), codes.InvalidArgument},
+		{"create: no capabilities", create("pvc-x", nil, nil, nil), codes.InvalidArgument},
+		{"create: block and mount mixed", create("pvc-x", mixed, nil, nil), codes.InvalidArgument},
+		{"create: no access type", create("pvc-x", noType, nil, nil), codes.InvalidArgument},
+		{"create: no access mode", create("pvc-x", noMode, nil, nil), codes.InvalidArgument},
+		{"create: two filesystems", create("pvc-x", twoFS, nil, nil), codes.InvalidArgument},
+		{"create: unsupported fs", create("pvc-x", []*csi.VolumeCapability{harness.MountCap("ntfs", harness.RWO)}, nil, nil), codes.InvalidArgument},
+		{"create: RWX on an image", create("pvc-x", rwx, nil, nil), codes.InvalidArgument},
+		{"create: limit below required", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 64 * mib, LimitBytes: 32 * mib}, nil), codes.InvalidArgument},
+		{"create: negative size", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: -1}, nil), codes.InvalidArgument},
+		{"create: limit below the fs minimum", create("pvc-x", []*csi.VolumeCapability{harness.MountCap("xfs", harness.RWO)}, &csi.CapacityRange{RequiredBytes: 64 * mib, LimitBytes: 64 * mib}, nil), codes.OutOfRange},
+		{"create: larger than the pool", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 60 << 40}, nil), codes.ResourceExhausted},
+		{"create: traversal in pool parameter", create("pvc-x", []*csi.VolumeCapability{rwo}, nil, map[string]string{"pool": "../canary"}), codes.InvalidArgument},
+		{"create: unknown parameter", create("pvc-x", []*csi.VolumeCapability{rwo}, nil, map[string]string{"pol": "local"}), codes.InvalidArgument},
+		{"create: existing name, other size", create("pvc-real", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 1 << 30}, nil), codes.AlreadyExists},
+		{"create: existing name, other fs", create("pvc-real", []*csi.VolumeCapability{harness.MountCap("xfs", harness.RWO)}, nil, nil), codes.AlreadyExists},
+		{"stage: relative staging path", func() error {
+			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: "relative", VolumeCapability: rwo})
+			return err
+		}, codes.InvalidArgument},
+		{"stage: .. in staging path", func() error {
+			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/x/../../escape", VolumeCapability: rwo})
+			return err
+		}, codes.InvalidArgument},
+		{"stage: no capability", func() error {
+			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s"})
+			return err
+		}, codes.InvalidArgument},
+		{"stage: other filesystem than the volume's", func() error {
+			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s", VolumeCapability: harness.MountCap("xfs", harness.RWO)})
+			return err
+		}, codes.FailedPrecondition},
+		{"publish: NUL in target", func() error {
+			_, err := n.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s", TargetPath: e.root + "/t\x00", VolumeCapability: rwo})
+			return err
+		}, codes.InvalidArgument},
+		{"publish: not staged", func() error {
+			_, err := n.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s", TargetPath: e.root + "/t", VolumeCapability: rwo})
+			return err
+		}, codes.FailedPrecondition},
+		{"unknown pool", func() error {
+			_, err := c.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: "other.0123456789abcdef0123456789abcdef"})
+			return err
+		}, codes.NotFound},
+		{"list: bad token", func() error {
+			_, err := c.ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: "../x"})
+			return err
+		}, codes.Aborted},
+	}
+	for _, id := range traversalIDs {
+		id := id
+		tests = append(tests,
+			struct {
+				name string
+				call func() error
+				want codes.Code
+			}{"delete " + strings.ToValidUTF8(id[:min(len(id), 24)], "?"), func() error {
+				_, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+				return err
+			}, codes.InvalidArgument},
+			struct {
+				name string
+				call func() error
+				want codes.Code
+			}{"stage " + strings.ToValidUTF8(id[:min(len(id), 24)], "?"), func() error {
+				_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: e.root + "/s", VolumeCapability: rwo})
+				return err
+			}, codes.InvalidArgument},
+			struct {
+				name string
+				call func() error
+				want codes.Code
+			}{"validate " + strings.ToValidUTF8(id[:min(len(id), 24)], "?"), func() error {
+				_, err := c.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: id, VolumeCapabilities: []*csi.VolumeCapability{rwo}})
+				return err
+			}, codes.InvalidArgument},
+			struct {
+				name string
+				call func() error
+				want codes.Code
+			}{"unstage " + strings.ToValidUTF8(id[:min(len(id), 24)], "?"), func() error {
+				_, err := n.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: e.root + "/s"})
+				return err
+			}, codes.InvalidArgument},
+		)
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := tt.call()
+			if got := status.Code(err); got != tt.want {
+				t.Fatalf("code %v (%v), want %v", got, err, tt.want)
+			}
+			if msg := status.Convert(err).Message(); len(msg) < 10 {
+				t.Errorf("error message %q does not say what is wrong", msg)
+			}
+		})
+	}
+	if after := tree(t, e.root); after != before {
+		t.Fatalf("refused calls changed the disk.\nbefore:\n%s\nafter:\n%s", before, after)
+	}
+	if _, err := c.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: "nopool.0123456789abcdef0123456789abcdef"}); err != nil {
+		t.Errorf("deleting a volume of an unknown pool must succeed (it does not exist here): %v", err)
+	}
+}
