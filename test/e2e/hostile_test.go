@@ -180,3 +180,44 @@ func TestHostileInput(t *testing.T) {
 		t.Errorf("deleting a volume of an unknown pool must succeed (it does not exist here): %v", err)
 	}
 }
+
+// TestSecretsNeverLogged sends secrets in every field that carries them, at the
+// highest log verbosity, and checks the driver's log holds none of them.
+func TestSecretsNeverLogged(t *testing.T) {
+	e := newEnv(t, "mkfs.ext4")
+	ctx := context.Background()
+	const secret = "s3cr3t-do-not-log"
+	secrets := map[string]string{"password": secret}
+	vc := harness.MountCap("ext4", harness.RWO)
+	resp, err := e.d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeCapabilities: []*csi.VolumeCapability{vc}, Secrets: secrets,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	staging := filepath.Join(e.root, "staging")
+	t.Cleanup(func() {
+		e.d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		e.d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets})
+	})
+	if _, err := e.d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc, Secrets: secrets}); err != nil {
+		t.Fatal(err)
+	}
+	// A refused call is logged as an error: its request must be stripped too.
+	e.d.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: "relative", VolumeCapability: vc, Secrets: secrets})
+	if _, err := e.d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets}); err != nil {
+		t.Fatal(err)
+	}
+	log := e.d.Log()
+	if !strings.Contains(log, "NodeStageVolume") {
+		t.Fatal("the driver did not log the calls at all; the check below would prove nothing")
+	}
+	if strings.Contains(log, secret) {
+		t.Fatal("a secret reached the driver's log")
+	}
+}
