@@ -25,24 +25,29 @@ const mib = int64(1) << 20
 
 // env is one driver process on one temporary pool.
 type env struct {
-	t    *testing.T
+	t    testing.TB
 	root string
 	pool string
 	drv  *harness.Driver
 }
 
-func newEnv(t *testing.T, tools ...string) *env {
+func newEnv(t testing.TB, tools ...string) *env {
+	return newEnvArgs(t, nil, tools...)
+}
+
+// newEnvArgs passes extra flags to `poolcsi serve`.
+func newEnvArgs(t testing.TB, args []string, tools ...string) *env {
 	t.Helper()
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, append([]string{"blkid", "mount", "umount"}, tools...)...)
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
 	e := &env{t: t, root: root, pool: filepath.Join(root, "pool")}
-	e.drv = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}})
+	e.drv = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}, Args: args})
 	return e
 }
 
-func ctx(t *testing.T) context.Context {
+func ctx(t testing.TB) context.Context {
 	c, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
 	return c
@@ -171,7 +176,7 @@ func (e *env) totalBytes(id, path string) int64 {
 }
 
 // writeRandom writes n random bytes to path, fsyncs, and returns their SHA-256.
-func writeRandom(t *testing.T, path string, n int64) string {
+func writeRandom(t testing.TB, path string, n int64) string {
 	t.Helper()
 	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE, 0o600)
 	if err != nil {
@@ -189,7 +194,7 @@ func writeRandom(t *testing.T, path string, n int64) string {
 }
 
 // checksum is the SHA-256 of the first n bytes of path (all of it if n < 0).
-func checksum(t *testing.T, path string, n int64) string {
+func checksum(t testing.TB, path string, n int64) string {
 	t.Helper()
 	f, err := os.Open(path)
 	if err != nil {
