@@ -164,6 +164,13 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", vid, size, req)
 	}
 	if v.AccessType == pool.AccessFilesystem {
+		// Grow through the staging mount when kubelet names it: a pod's publish
+		// path may be a read-only bind of a read-write staging mount.
+		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
+			if si, ok, err := d.mounter.Info(sp); err == nil && ok && (si.Source == dev || d.sameDevice(si, dev)) {
+				path, info = sp, si
+			}
+		}
 		if info.ReadOnly {
 			// Growing writes the filesystem; a read-only mount must not be
 			// written. The next read-write stage grows it.

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -65,6 +66,21 @@ func TestOnlineExpand(t *testing.T) {
 			}
 			if got := checksum(t, data, -1); got != sum {
 				t.Errorf("data checksum changed by expansion: %s, want %s", got, sum)
+			}
+			// A read-only publish beside it: its path is accepted, and growth goes
+			// through the read-write staging mount.
+			roTarget := filepath.Join(e.root, "target", "ro")
+			t.Cleanup(func() {
+				e.drv.Node().NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: roTarget})
+			})
+			if err := e.tryPublish(id, roTarget, vc, true); err != nil {
+				t.Fatalf("read-only NodePublishVolume: %v", err)
+			}
+			if got := e.nodeExpand(id, roTarget, 600*mib); got != 600*mib {
+				t.Errorf("NodeExpandVolume on a read-only publish path = %d, want %d", got, 600*mib)
+			}
+			if _, err := e.drv.Node().NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: roTarget}); err != nil {
+				t.Fatal(err)
 			}
 			// Re-stage: the grown filesystem and the data are on disk, not only in
 			// the page cache.
