@@ -20,6 +20,13 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 			Type: csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS,
 		}},
 	}}
+	// Image volumes grow while published (NodeExpandVolume) and while not
+	// (at the next NodeStageVolume).
+	for _, t := range []csi.PluginCapability_VolumeExpansion_Type{csi.PluginCapability_VolumeExpansion_ONLINE, csi.PluginCapability_VolumeExpansion_OFFLINE} {
+		caps = append(caps, &csi.PluginCapability{
+			Type: &csi.PluginCapability_VolumeExpansion_{VolumeExpansion: &csi.PluginCapability_VolumeExpansion{Type: t}},
+		})
+	}
 	if d.opts.Mode.controller() {
 		caps = append(caps, &csi.PluginCapability{
 			Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{

@@ -19,6 +19,7 @@ var nodeCaps = []csi.NodeServiceCapability_RPC_Type{
 	csi.NodeServiceCapability_RPC_STAGE_UNSTAGE_VOLUME,
 	csi.NodeServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	csi.NodeServiceCapability_RPC_GET_VOLUME_STATS,
+	csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 }
 
 func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
@@ -101,8 +102,12 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, status.Errorf(codes.NotFound, "volume %s: image %s is missing: %v", nv.id, image, err)
 	}
 	if nv.caps.access == pool.AccessBlock {
-		if _, err := d.loops.Attach(ctx, image); err != nil {
+		dev, err := d.loops.Attach(ctx, image)
+		if err != nil {
 			return nil, status.Errorf(codes.Internal, "attach %s: %v", image, err)
+		}
+		if _, err := d.refreshLoop(image, dev, nv.vol); err != nil {
+			return nil, err
 		}
 	} else if err := d.stageFilesystem(ctx, nv, image, staging, req.GetVolumeCapability()); err != nil {
 		return nil, err
@@ -149,6 +154,10 @@ func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, stag
 	default:
 		return status.Errorf(codes.FailedPrecondition, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
 	}
+	growth, err := d.growBeforeMount(ctx, nv, image, dev, readOnly)
+	if err != nil {
+		return err
+	}
 	if err := os.MkdirAll(staging, 0o750); err != nil {
 		return status.Errorf(codes.Internal, "create staging path: %v", err)
 	}
@@ -162,6 +171,7 @@ func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, stag
 		}
 		return status.Errorf(codes.Internal, "mount %s at %s: %v", dev, staging, err)
 	}
+	d.growAfterMount(ctx, growth, nv, dev, staging)
 	klog.FromContext(ctx).Info("Staged volume", "volume", nv.id, "device", dev, "path", staging, "fsType", nv.vol.FSType)
 	return nil
 }
@@ -298,6 +308,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 	}
 	if nv.caps.access == pool.AccessBlock {
+		if err := d.setBlockReadOnly(source, target, readOnly); err != nil {
+			return nil, err
+		}
 		err = d.mounter.BindBlock(ctx, source, target, readOnly)
 	} else {
 		if err = os.MkdirAll(target, 0o750); err == nil {

@@ -1,0 +1,52 @@
+package driver
+
+import (
+	"slices"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+)
+
+// setBlockReadOnly makes a block publish's read-only request real. A read-only
+// bind mount of a device node does not stop writes through it, so read-only
+// needs the kernel's read-only flag on the loop device — and that flag is per
+// device: it covers every publish of the volume on this node. Read-only and
+// read-write publishes of one block volume on one node therefore cannot be
+// honoured together, and the second is refused rather than silently weakened
+// (read-write made read-only, or read-only made writable). A flag left by an
+// earlier read-only publish is cleared by the next read-write publish once no
+// other publish remains, and by Attach on the next stage.
+func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
+	points, err := mount.MountPoints(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "list mounts of %s: %v", dev, err)
+	}
+	points = slices.DeleteFunc(points, func(p string) bool { return p == target })
+	if readOnly {
+		for _, p := range points {
+			if info, ok, err := d.mounter.Info(p); err == nil && ok && !info.ReadOnly {
+				return status.Errorf(codes.FailedPrecondition, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, p)
+			}
+		}
+		if err := mount.SetReadOnly(dev, true); err != nil {
+			return status.Errorf(codes.Internal, "%v", err)
+		}
+		return nil
+	}
+	ro, err := mount.DeviceReadOnly(dev)
+	if err != nil {
+		return status.Errorf(codes.Internal, "%v", err)
+	}
+	if !ro {
+		return nil
+	}
+	if len(points) > 0 {
+		return status.Errorf(codes.FailedPrecondition, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
+	}
+	if err := mount.SetReadOnly(dev, false); err != nil {
+		return status.Errorf(codes.Internal, "%v", err)
+	}
+	return nil
+}

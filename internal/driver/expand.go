@@ -1,0 +1,263 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"slices"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// growSlack is how far a filesystem may stay below its device before stage
+// grows it. resize2fs drops a last block group too small for its own metadata
+// (about 2 MiB with 4 KiB blocks) and xfs_growfs a last allocation group under
+// 64 blocks, so a smaller gap is what a finished resize leaves, not a pending one.
+const growSlack = 4 * pool.MiB
+
+// ControllerExpandVolume grows a volume's image file and records the new size.
+// The node catches up later — NodeExpandVolume online, or the next
+// NodeStageVolume — because only the node can refresh its loop device and grow
+// the filesystem on it.
+func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+	vid, err := parseVolumeID(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	r := req.GetCapacityRange()
+	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
+		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
+	}
+	p := d.pool(vid.Pool)
+	if p == nil {
+		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this driver (pools: %s)", vid, vid.Pool, joinNames(d.poolNames))
+	}
+	release, err := d.locks.acquire(vid.String(), "ControllerExpandVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	v, err := loadVolume(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	if vc := req.GetVolumeCapability(); vc != nil {
+		caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+		if err != nil {
+			return nil, err
+		}
+		if err := caps.compatible(v); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	limit := r.GetLimitBytes()
+	if r.GetRequiredBytes() < 0 || limit < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "capacity_range must not be negative (required %d, limit %d)", r.GetRequiredBytes(), limit)
+	}
+	if r.GetRequiredBytes() <= v.CapacityBytes {
+		// Never shrink: a smaller request is already satisfied — unless a
+		// limit says the volume is too large, which only shrinking could fix.
+		if limit > 0 && v.CapacityBytes > limit {
+			return nil, status.Errorf(codes.OutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
+		}
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+	}
+	size, err := pool.Capacity(r.GetRequiredBytes(), limit, minSizeOf(v))
+	if err != nil {
+		return nil, poolStatus(err)
+	}
+	before := v.CapacityBytes
+	v, err = p.Grow(ctx, vid, size, limit)
+	switch {
+	case errors.Is(err, pool.ErrNotReady), errors.Is(err, os.ErrNotExist):
+		return nil, status.Errorf(codes.NotFound, "volume %s: %v", vid, err)
+	case err != nil:
+		return nil, poolStatus(err)
+	}
+	if v.CapacityBytes != before {
+		klog.FromContext(ctx).Info("Expanded volume", "volume", vid, "from", before, "to", v.CapacityBytes)
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+}
+
+// minSizeOf is the smallest size CreateVolume would have given v.
+func minSizeOf(v *pool.Volume) int64 {
+	if v.AccessType == pool.AccessBlock {
+		return mount.MinSize("")
+	}
+	return mount.MinSize(v.FSType)
+}
+
+// nodeExpansionRequired: an image volume's loop device (and filesystem) only
+// grow on the node.
+func nodeExpansionRequired(v *pool.Volume) bool { return v.Layout == pool.LayoutImage }
+
+// NodeExpandVolume brings a staged volume to the size its image file has: the
+// loop device first, then the filesystem, online. It accepts the staging path
+// or any publish path of the volume, as kubelet may pass either.
+func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if req.GetVolumePath() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+	}
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.acquire(vid.String(), "NodeExpandVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	v, err := loadVolume(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	path, err := cleanPath("volume_path", req.GetVolumePath())
+	if err != nil {
+		// Kubelet only sends absolute paths; anything else cannot hold the volume.
+		return nil, status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, req.GetVolumePath(), status.Convert(err).Message())
+	}
+	if vc := req.GetVolumeCapability(); vc != nil {
+		caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+		if err != nil {
+			return nil, err
+		}
+		if err := caps.compatible(v); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	image := p.ImagePath(vid)
+	dev, attached, err := d.loops.Find(image)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "find loop device of %s: %v", image, err)
+	}
+	if !attached {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", vid)
+	}
+	info, mounted, err := d.mounter.Info(path)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
+	}
+	holds := mounted && (info.Source == dev || d.sameDevice(info, dev))
+	if !holds && v.AccessType == pool.AccessBlock {
+		// A block volume's staging path has nothing mounted on it.
+		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
+	}
+	if !holds {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
+	}
+
+	size, err := d.refreshLoop(image, dev, v)
+	if err != nil {
+		return nil, err
+	}
+	if req := req.GetCapacityRange().GetRequiredBytes(); req > size {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", vid, size, req)
+	}
+	if v.AccessType == pool.AccessFilesystem {
+		// Grow through the staging mount when kubelet names it: a pod's publish
+		// path may be a read-only bind of a read-write staging mount.
+		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
+			if si, ok, err := d.mounter.Info(sp); err == nil && ok && (si.Source == dev || d.sameDevice(si, dev)) {
+				path, info = sp, si
+			}
+		}
+		if info.ReadOnly {
+			// Growing writes the filesystem; a read-only mount must not be
+			// written. The next read-write stage grows it.
+			klog.FromContext(ctx).Info("Not growing a read-only filesystem", "volume", vid, "path", path)
+			return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+		}
+		need, err := d.mounter.NeedResize(dev, path)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "volume %s: %v", vid, err)
+		}
+		if need {
+			if err := d.mounter.ResizeFS(ctx, dev, path); err != nil {
+				return nil, status.Errorf(codes.Internal, "grow filesystem of volume %s: %v", vid, err)
+			}
+		}
+	}
+	klog.FromContext(ctx).Info("Expanded volume on node", "volume", vid, "path", path, "device", dev, "size", size)
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// refreshLoop makes the loop device as large as the image file and returns that
+// size. The file is the truth (ControllerExpandVolume grows it before it records
+// the size); a file smaller than its record was damaged, and is not hidden.
+func (d *Driver) refreshLoop(image, dev string, v *pool.Volume) (int64, error) {
+	fi, err := os.Stat(image)
+	if err != nil {
+		return 0, status.Errorf(codes.NotFound, "volume %s: image: %v", v.ID, err)
+	}
+	if fi.Size() < v.CapacityBytes {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, image, fi.Size(), v.CapacityBytes)
+	}
+	size, err := mount.DeviceSize(dev)
+	if err != nil {
+		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+	}
+	if size >= fi.Size() {
+		return size, nil
+	}
+	if err := d.loops.Refresh(dev); err != nil {
+		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+	}
+	if size, err = mount.DeviceSize(dev); err != nil {
+		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+	}
+	klog.V(2).InfoS("Refreshed loop device size", "volume", v.ID, "device", dev, "size", size)
+	return size, nil
+}
+
+// stageGrowth is what NodeStageVolume still owes a volume expanded while it was
+// not staged, found before mounting.
+type stageGrowth struct{ afterMount bool }
+
+// growBeforeMount runs during NodeStageVolume between attach and mount: it
+// refreshes the loop device and, when the filesystem is smaller than its
+// device, grows an ext4 filesystem offline at once (e2fsck + resize2fs, which
+// needs no CAP_SYS_RESOURCE) or notes that xfs/btrfs must grow once mounted.
+// A read-only stage grows nothing: it must not write the volume.
+func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, image, dev string, readOnly bool) (stageGrowth, error) {
+	size, err := d.refreshLoop(image, dev, nv.vol)
+	if err != nil || readOnly {
+		return stageGrowth{}, err
+	}
+	fsType, fsSize, err := mount.FilesystemSize(dev)
+	if err != nil {
+		return stageGrowth{}, status.Errorf(codes.Internal, "volume %s: %v", nv.id, err)
+	}
+	if size-fsSize < growSlack {
+		return stageGrowth{}, nil
+	}
+	klog.FromContext(ctx).Info("Volume was expanded while not staged; growing its filesystem", "volume", nv.id, "fsType", fsType, "from", fsSize, "to", size)
+	if fsType != "ext4" {
+		return stageGrowth{afterMount: true}, nil
+	}
+	if err := d.mounter.ResizeFS(ctx, dev, ""); err != nil {
+		return stageGrowth{}, status.Errorf(codes.Internal, "grow filesystem of volume %s offline: %v", nv.id, err)
+	}
+	return stageGrowth{}, nil
+}
+
+// growAfterMount finishes what growBeforeMount left for a mounted filesystem.
+// A failure does not fail the stage: the volume is usable at its old size, and
+// kubelet follows an offline expansion with NodeExpandVolume, which retries.
+func (d *Driver) growAfterMount(ctx context.Context, g stageGrowth, nv nodeVolume, dev, staging string) {
+	if !g.afterMount {
+		return
+	}
+	if err := d.mounter.ResizeFS(ctx, dev, staging); err != nil {
+		klog.FromContext(ctx).Error(err, "Growing the filesystem after staging failed; NodeExpandVolume will retry", "volume", nv.id, "path", staging)
+	}
+}
