@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"github.com/poolcsi/poolcsi/test/harness"
 	"os"
 	"path/filepath"
 	"strings"
@@ -36,7 +37,7 @@ func TestOnlineExpand(t *testing.T) {
 	} {
 		t.Run(tc.fs, func(t *testing.T) {
 			e := newEnv(t, tc.tools...)
-			vc := mountCap(tc.fs, rwo)
+			vc := harness.MountCap(tc.fs, harness.RWO)
 			id := e.create("online-"+tc.fs, vc, 300*mib)
 			e.stage(id, vc)
 			e.publish(id, vc, false)
@@ -114,7 +115,7 @@ func TestOfflineExpand(t *testing.T) {
 	} {
 		t.Run(tc.fs, func(t *testing.T) {
 			e := newEnv(t, tc.tools...)
-			vc := mountCap(tc.fs, rwo)
+			vc := harness.MountCap(tc.fs, harness.RWO)
 			id := e.create("offline-"+tc.fs, vc, 300*mib)
 			e.stage(id, vc)
 			e.publish(id, vc, false)
@@ -152,7 +153,7 @@ func TestOfflineExpand(t *testing.T) {
 // publish path reports the new size, and the bytes written before are intact.
 func TestBlockExpand(t *testing.T) {
 	e := newEnv(t)
-	vc := blockCap(rwo)
+	vc := harness.BlockCap(harness.RWO)
 	id := e.create("block", vc, 64*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
@@ -186,7 +187,7 @@ func TestBlockExpand(t *testing.T) {
 // that), and that a later read-write publish can write again.
 func TestBlockReadOnlyPublish(t *testing.T) {
 	e := newEnv(t)
-	vc := blockCap(rwo)
+	vc := harness.BlockCap(harness.RWO)
 	id := e.create("block-ro", vc, 16*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, true)
@@ -213,7 +214,7 @@ func TestBlockReadOnlyPublish(t *testing.T) {
 // changes nothing — not the answer, not the image, not volume.json.
 func TestExpandNoShrink(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := mountCap("ext4", rwo)
+	vc := harness.MountCap("ext4", harness.RWO)
 	id := e.create("noshrink", vc, 64*mib)
 	vid, err := pool.ParseVolumeID(id)
 	if err != nil {
@@ -252,7 +253,7 @@ func TestExpandNoShrink(t *testing.T) {
 // TestExpandErrors: bad requests get the right code and change nothing.
 func TestExpandErrors(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := mountCap("ext4", rwo)
+	vc := harness.MountCap("ext4", harness.RWO)
 	id := e.create("errors", vc, 64*mib)
 	unknown := "e2e." + strings.Repeat("0", 32)
 	for _, tc := range []struct {
@@ -268,7 +269,7 @@ func TestExpandErrors(t *testing.T) {
 		{"current above limit", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 32 * mib, LimitBytes: 32 * mib}}, codes.OutOfRange},
 		{"above the largest volume", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: pool.MaxCapacity + 1}}, codes.OutOfRange},
 		{"more than the pool holds", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: pool.MaxCapacity}}, codes.ResourceExhausted},
-		{"other access type", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 128 * mib}, VolumeCapability: blockCap(rwo)}, codes.InvalidArgument},
+		{"other access type", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 128 * mib}, VolumeCapability: harness.BlockCap(harness.RWO)}, codes.InvalidArgument},
 	} {
 		_, err := e.drv.Controller().ControllerExpandVolume(ctx(t), tc.req)
 		wantCode(t, tc.name, err, tc.want)
@@ -305,7 +306,7 @@ func TestExpandErrors(t *testing.T) {
 // NodeExpandVolume; a new process, knowing only the pool, completes it.
 func TestExpandAcrossRestart(t *testing.T) {
 	e := newEnv(t, "mkfs.xfs", "xfs_growfs")
-	vc := mountCap("xfs", rwo)
+	vc := harness.MountCap("xfs", harness.RWO)
 	id := e.create("restart", vc, 300*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)

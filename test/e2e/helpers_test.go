@@ -53,24 +53,14 @@ func ctx(t testing.TB) context.Context {
 	return c
 }
 
-func mountCap(fs string, mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: fs}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
-	}
-}
-
-func blockCap(mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability {
-	return &csi.VolumeCapability{
-		AccessType: &csi.VolumeCapability_Block{Block: &csi.VolumeCapability_BlockVolume{}},
-		AccessMode: &csi.VolumeCapability_AccessMode{Mode: mode},
-	}
-}
-
-const rwo = csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER
-
-// create makes a volume and registers its deletion.
+// create makes a volume, registers its deletion and returns its ID.
 func (e *env) create(name string, vc *csi.VolumeCapability, size int64) string {
+	e.t.Helper()
+	return e.createVolume(name, vc, size).GetVolumeId()
+}
+
+// createVolume is create returning the whole volume CreateVolume answered.
+func (e *env) createVolume(name string, vc *csi.VolumeCapability, size int64) *csi.Volume {
 	e.t.Helper()
 	resp, err := e.drv.Controller().CreateVolume(ctx(e.t), &csi.CreateVolumeRequest{
 		Name:               name,
@@ -86,7 +76,7 @@ func (e *env) create(name string, vc *csi.VolumeCapability, size int64) string {
 			e.t.Errorf("DeleteVolume %s: %v", id, err)
 		}
 	})
-	return id
+	return resp.GetVolume()
 }
 
 func (e *env) staging(id string) string { return filepath.Join(e.root, "staging", id) }
@@ -114,9 +104,15 @@ func (e *env) unstage(id string) {
 
 func (e *env) publish(id string, vc *csi.VolumeCapability, readOnly bool) {
 	e.t.Helper()
-	e.t.Cleanup(func() { e.unpublish(id) })
-	if err := e.tryPublish(id, e.target(id), vc, readOnly); err != nil {
-		e.t.Fatalf("NodePublishVolume %s: %v", id, err)
+	e.publishAt(id, e.target(id), vc, readOnly)
+}
+
+// publishAt publishes to target, as for a second pod; unpublish is registered first.
+func (e *env) publishAt(id, target string, vc *csi.VolumeCapability, readOnly bool) {
+	e.t.Helper()
+	e.t.Cleanup(func() { e.unpublishAt(id, target) })
+	if err := e.tryPublish(id, target, vc, readOnly); err != nil {
+		e.t.Fatalf("NodePublishVolume %s at %s: %v", id, target, err)
 	}
 }
 
@@ -128,9 +124,11 @@ func (e *env) tryPublish(id, target string, vc *csi.VolumeCapability, readOnly b
 	return err
 }
 
-func (e *env) unpublish(id string) {
+func (e *env) unpublish(id string) { e.unpublishAt(id, e.target(id)) }
+
+func (e *env) unpublishAt(id, target string) {
 	if _, err := e.drv.Node().NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{
-		VolumeId: id, TargetPath: e.target(id),
+		VolumeId: id, TargetPath: target,
 	}); err != nil {
 		e.t.Errorf("NodeUnpublishVolume %s: %v", id, err)
 	}

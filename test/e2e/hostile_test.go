@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"context"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -42,12 +41,11 @@ func tree(t *testing.T, root string) string {
 // the right code while nothing inside or around the pool changes.
 func TestHostileInput(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4", "mkfs.xfs")
-	ctx := context.Background()
-	c, n := e.d.Controller(), e.d.Node()
+	ctx := ctx(t)
+	c, n := e.drv.Controller(), e.drv.Node()
 	rwo := harness.MountCap("ext4", harness.RWO)
 	// One real volume, so the node calls below have something to aim at.
-	vol := e.create(t, "pvc-real", 16<<20, rwo)
-	good := vol.GetVolumeId()
+	good := e.create("pvc-real", rwo, 16*mib)
 	// A canary beside the pool, where a traversal would land.
 	canary := filepath.Join(e.root, "canary")
 	if err := os.WriteFile(canary, []byte("keep"), 0o600); err != nil {
@@ -68,7 +66,6 @@ func TestHostileInput(t *testing.T) {
 			return err
 		}
 	}
-	mib := int64(1 << 20)
 	tests := []struct {
 		name string
 		call func() error
@@ -185,11 +182,11 @@ func TestHostileInput(t *testing.T) {
 // highest log verbosity, and checks the driver's log holds none of them.
 func TestSecretsNeverLogged(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	ctx := context.Background()
+	ctx := ctx(t)
 	const secret = "s3cr3t-do-not-log"
 	secrets := map[string]string{"password": secret}
 	vc := harness.MountCap("ext4", harness.RWO)
-	resp, err := e.d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
+	resp, err := e.drv.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
 		VolumeCapabilities: []*csi.VolumeCapability{vc}, Secrets: secrets,
 	})
@@ -199,21 +196,21 @@ func TestSecretsNeverLogged(t *testing.T) {
 	id := resp.GetVolume().GetVolumeId()
 	staging := filepath.Join(e.root, "staging")
 	t.Cleanup(func() {
-		e.d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
-		e.d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets})
+		e.drv.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		e.drv.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets})
 	})
-	if _, err := e.d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc, Secrets: secrets}); err != nil {
+	if _, err := e.drv.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc, Secrets: secrets}); err != nil {
 		t.Fatal(err)
 	}
 	// A refused call is logged as an error: its request must be stripped too.
-	e.d.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: "relative", VolumeCapability: vc, Secrets: secrets})
-	if _, err := e.d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+	e.drv.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: "relative", VolumeCapability: vc, Secrets: secrets})
+	if _, err := e.drv.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := e.d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets}); err != nil {
+	if _, err := e.drv.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: secrets}); err != nil {
 		t.Fatal(err)
 	}
-	log := e.d.Log()
+	log := e.drv.Log()
 	if !strings.Contains(log, "NodeStageVolume") {
 		t.Fatal("the driver did not log the calls at all; the check below would prove nothing")
 	}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"context"
+	"github.com/poolcsi/poolcsi/test/harness"
 	"slices"
 	"testing"
 	"time"
@@ -21,7 +22,7 @@ import (
 // The driver runs at -v=2, where calls are not logged (they are from -v=3).
 func BenchmarkNodeGetVolumeStats(b *testing.B) {
 	e := newEnvArgs(b, []string{"-v", "2"}, "mkfs.ext4")
-	vc := mountCap("ext4", rwo)
+	vc := harness.MountCap("ext4", harness.RWO)
 	id := e.create("bench-stats", vc, 64*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
