@@ -13,10 +13,15 @@ import (
 	"strings"
 	"syscall"
 
+	"github.com/go-logr/logr"
+	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/config"
+	"github.com/poolcsi/poolcsi/internal/demo"
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -46,6 +51,7 @@ const usage = `poolcsi — a CSI driver that carves volumes out of local or shar
 
 Usage:
   poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
+  poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
   poolcsi version
 
 Run "poolcsi serve -h" for the flags of serve.
@@ -62,6 +68,8 @@ func main() {
 	switch os.Args[1] {
 	case "serve":
 		err = serve(ctx, os.Args[2:])
+	case "demo":
+		err = runDemo(ctx, os.Args[2:])
 	case "version":
 		fmt.Println(buildVersion())
 	case "-h", "--help", "help":
@@ -99,6 +107,9 @@ func serve(ctx context.Context, args []string) error {
 	mode := fs.String("mode", "all", "services to serve: controller, node or all")
 	configFile := fs.String("config", "", "YAML config file with a pools: list")
 	maxVolumes := fs.Int64("max-volumes-per-node", 0, "volumes a node may hold, reported to the scheduler (0: no limit)")
+	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (empty: no metrics)")
+	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
+	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -133,6 +144,7 @@ func serve(ctx context.Context, args []string) error {
 		}
 		opened = append(opened, p)
 	}
+	thresholds := health.Options{PoolFullThreshold: *poolFull / 100, VolumeFullThreshold: *volumeFull / 100}
 	d, err := driver.New(driver.Options{
 		Name:              *driverName,
 		Version:           buildVersion(),
@@ -140,9 +152,38 @@ func serve(ctx context.Context, args []string) error {
 		Mode:              m,
 		Pools:             opened,
 		MaxVolumesPerNode: *maxVolumes,
+		Health:            thresholds,
 	})
 	if err != nil {
 		return err
 	}
-	return d.Serve(ctx, *endpoint)
+	var interceptors []grpc.UnaryServerInterceptor
+	if *metricsAddr != "" {
+		mx := metrics.New(*driverName, opened, thresholds)
+		if _, err := mx.Serve(ctx, *metricsAddr); err != nil {
+			return err
+		}
+		interceptors = append(interceptors, mx.Interceptor)
+	}
+	return d.Serve(ctx, *endpoint, interceptors...)
+}
+
+func runDemo(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	tempDir := fs.String("temp-dir", "", "where to make the throw-away pool (default: the system temp directory)")
+	verbose := fs.Bool("driver-log", false, "also print the driver's own log")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("demo: unexpected arguments %s", strings.Join(fs.Args(), " "))
+	}
+	if !*verbose {
+		// The demo prints the calls itself; the driver's log would interleave.
+		klog.SetLogger(logr.Discard())
+	}
+	return demo.Run(ctx, demo.Config{Out: os.Stdout, TempDir: *tempDir, Version: buildVersion()})
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 
@@ -33,11 +34,19 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_GET_CAPACITY,
 	csi.ControllerServiceCapability_RPC_SINGLE_NODE_MULTI_WRITER,
 	csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
+	csi.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH,
+	csi.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH,
 }
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
-	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps))
-	for _, c := range controllerCaps {
+	caps := controllerCaps
+	// The spec allows LIST_VOLUMES_PUBLISHED_NODES only with PUBLISH_UNPUBLISH_VOLUME;
+	// published_node_ids are filled from volume.json either way.
+	if slices.Contains(caps, csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME) {
+		caps = append(slices.Clone(caps), csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES)
+	}
+	out := make([]*csi.ControllerServiceCapability, 0, len(caps))
+	for _, c := range caps {
 		out = append(out, &csi.ControllerServiceCapability{
 			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
 		})
@@ -331,8 +340,9 @@ type listed struct {
 	entry pool.Entry
 }
 
-// allVolumes lists every ready volume of every pool, sorted by ID, which is what
-// makes a volume ID usable as a paging token.
+// allVolumes lists every ready volume of every pool, and every volume whose
+// metadata is damaged (so the CO still sees it exists; its health says why),
+// sorted by ID, which is what makes a volume ID usable as a paging token.
 func (d *Driver) allVolumes(ctx context.Context) ([]listed, error) {
 	var out []listed
 	for _, pn := range d.poolNames {
@@ -344,6 +354,7 @@ func (d *Driver) allVolumes(ctx context.Context) ([]listed, error) {
 		for _, e := range entries {
 			if e.Err != nil {
 				klog.FromContext(ctx).Error(e.Err, "Volume metadata unreadable", "volume", e.ID)
+				out = append(out, listed{pool: p, entry: e})
 				continue
 			}
 			if e.Volume.State != pool.StateReady {
@@ -381,7 +392,17 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		vols = vols[:n]
 	}
 	for _, l := range vols {
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: csiVolume(l.pool, l.entry.Volume)})
+		if l.entry.Volume == nil {
+			// Capacity 0 means unknown; ControllerGetVolumeHealth explains.
+			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
+				VolumeId: l.entry.ID.String(), VolumeContext: map[string]string{ParamPool: l.pool.Name},
+			}})
+			continue
+		}
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
+			Volume: csiVolume(l.pool, l.entry.Volume),
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(l.entry.Volume)},
+		})
 	}
 	return resp, nil
 }
@@ -395,7 +416,9 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{}}, nil
+	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{
+		PublishedNodeIds: publishedNodes(v),
+	}}, nil
 }
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

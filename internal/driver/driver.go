@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -57,6 +58,9 @@ type Options struct {
 	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means no limit. A loop
 	// device per volume is the real bound on a node.
 	MaxVolumesPerNode int64
+	// Health holds the thresholds of the volume health checks; zero values
+	// take health.DefaultOptions.
+	Health health.Options
 }
 
 // Driver serves the CSI services over one pool set.
@@ -83,6 +87,15 @@ func New(opts Options) (*Driver, error) {
 	}
 	if len(opts.Pools) == 0 {
 		return nil, errors.New("no pools configured")
+	}
+	if opts.Health.PoolFullThreshold == 0 {
+		opts.Health.PoolFullThreshold = health.DefaultOptions.PoolFullThreshold
+	}
+	if opts.Health.VolumeFullThreshold == 0 {
+		opts.Health.VolumeFullThreshold = health.DefaultOptions.VolumeFullThreshold
+	}
+	if err := opts.Health.Validate(); err != nil {
+		return nil, err
 	}
 	d := &Driver{
 		opts:    opts,

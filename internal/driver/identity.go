@@ -8,6 +8,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/poolcsi/poolcsi/internal/health"
 )
 
 func (d *Driver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -37,13 +39,14 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }
 
-// Probe is ready only when every pool is present and writable; otherwise it names
+// Probe is ready only when every pool is present, writable and not out of
+// space; otherwise it names
 // each broken pool and why, which the livenessprobe sidecar turns into a failing
 // /healthz. It does a few system calls per pool and no I/O on volumes.
 func (d *Driver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	var problems []string
 	for _, name := range d.poolNames {
-		if err := d.pools[name].Check(); err != nil {
+		if err := health.CheckPoolReady(d.pools[name]); err != nil {
 			problems = append(problems, err.Error())
 		}
 	}

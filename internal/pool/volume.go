@@ -57,6 +57,15 @@ type Volume struct {
 	// Staged lists the nodes whose staging path holds the volume, so the controller
 	// can refuse to delete data a node still has mounted.
 	Staged []StageRecord `json:"staged,omitempty"`
+	// Published lists the nodes ControllerPublishVolume attached the volume to.
+	Published []PublishRecord `json:"published,omitempty"`
+}
+
+// PublishRecord says that the controller published the volume to node.
+type PublishRecord struct {
+	Node     string    `json:"node"`
+	ReadOnly bool      `json:"readOnly"`
+	At       time.Time `json:"at"`
 }
 
 // StageRecord says that node has the volume staged at path.

@@ -1,0 +1,195 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sort"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// Volume health uses the CSI 1.13 VolumeHealth RPCs (the older VolumeCondition
+// fields were removed from the spec). Every answer is computed from the pool
+// and the node as they are now; nothing is cached, so a repaired volume reports
+// healthy on the next call.
+
+func csiHealth(id string, issues []health.Issue) *csi.VolumeHealth {
+	out := &csi.VolumeHealth{VolumeId: id}
+	seen := map[string]bool{}
+	for _, i := range issues {
+		key := i.Status.String() + "/" + i.Reason
+		if seen[key] { // the spec forbids two entries with one (status, reason)
+			continue
+		}
+		seen[key] = true
+		out.HealthStatuses = append(out.HealthStatuses, &csi.VolumeHealth_VolumeHealthEntry{
+			Status: csiHealthStatus(i.Status), Reason: i.Reason, Message: i.Message,
+		})
+	}
+	return out
+}
+
+func csiHealthStatus(s health.Status) csi.VolumeHealthErrorType {
+	switch s {
+	case health.Degraded:
+		return csi.VolumeHealthErrorType_DEGRADED
+	case health.Inaccessible:
+		return csi.VolumeHealthErrorType_INACCESSIBLE
+	case health.DataLoss:
+		return csi.VolumeHealthErrorType_DATA_LOSS
+	}
+	return csi.VolumeHealthErrorType_UNKNOWN_VOLUME_HEALTH_TYPE
+}
+
+// loadEntry reads a volume for a health check: a damaged volume.json is an
+// answer (MetadataUnreadable), not an error; only a volume that does not exist
+// at all is NOT_FOUND.
+func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
+	v, err := p.Load(vid)
+	switch {
+	case err == nil && v.State != pool.StateReady:
+		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+	case err == nil:
+		return pool.Entry{ID: vid, Volume: v}, nil
+	case errors.Is(err, os.ErrNotExist):
+		if _, serr := os.Stat(p.Dir(vid)); serr == nil {
+			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
+		}
+		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
+	default:
+		return pool.Entry{ID: vid, Err: err}, nil
+	}
+}
+
+func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	e, err := loadEntry(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	r := health.CheckVolume(p, e, health.StatPool(p), d.opts.Health)
+	return &csi.ControllerGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), r.Issues)}, nil
+}
+
+// ControllerListVolumeHealth lists the volumes with an adverse condition, damaged
+// metadata included, paged by volume ID like ListVolumes.
+func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (*csi.ControllerListVolumeHealthResponse, error) {
+	if req.GetMaxEntries() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
+	}
+	start := req.GetStartingToken()
+	if start != "" {
+		if _, err := pool.ParseVolumeID(start); err != nil {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+		}
+	}
+	var sick []*csi.VolumeHealth
+	for _, pn := range d.poolNames {
+		scan, err := health.ScanPool(d.pools[pn], d.opts.Health)
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "list pool %s: %v", pn, err)
+		}
+		for _, r := range scan.Volumes {
+			if len(r.Issues) > 0 {
+				sick = append(sick, csiHealth(r.ID.String(), r.Issues))
+			}
+		}
+	}
+	sort.Slice(sick, func(i, j int) bool { return sick[i].VolumeId < sick[j].VolumeId })
+	i := sort.Search(len(sick), func(i int) bool { return sick[i].VolumeId >= start })
+	sick = sick[i:]
+	resp := &csi.ControllerListVolumeHealthResponse{}
+	if n := int(req.GetMaxEntries()); n > 0 && len(sick) > n {
+		resp.NextToken = sick[n].VolumeId
+		sick = sick[:n]
+	}
+	resp.Entries = sick
+	return resp, nil
+}
+
+// NodeGetVolumeHealth checks the volume on this node. Unlike NodeGetVolumeStats
+// it answers for a volume whose mount has vanished: that is an INACCESSIBLE
+// condition the CO should show, not a missing volume.
+func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+	vid, err := parseVolumeID(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	var paths [2]string
+	for i, f := range []struct{ name, v string }{{"staging_target_path", req.GetStagingTargetPath()}, {"volume_publish_path", req.GetVolumePublishPath()}} {
+		if f.v == "" {
+			continue
+		}
+		if paths[i], err = cleanPath(f.name, f.v); err != nil {
+			return nil, err
+		}
+	}
+	p := d.pool(vid.Pool)
+	if p == nil {
+		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this node", vid, vid.Pool)
+	}
+	e, err := loadEntry(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	var issues []health.Issue
+	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: paths[0], PublishPath: paths[1], Loops: d.loops}
+	if e.Err != nil {
+		issues = health.CheckVolume(p, e, health.PoolSpace{}, d.opts.Health).Issues
+	} else {
+		nv.Block = e.Volume.AccessType == pool.AccessBlock
+		nv.FSType = e.Volume.FSType
+	}
+	if dev, ok, _ := d.loops.Find(nv.Image); ok {
+		nv.Device = dev
+	}
+	issues = append(issues, health.CheckNode(nv, d.opts.Health)...)
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), issues)}, nil
+}
+
+// NodeGetStorageHealth reports the pools as seen from this node: one entry per
+// (status, reason), naming every pool it concerns.
+func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (*csi.NodeGetStorageHealthResponse, error) {
+	var unreachable, nearlyFull []string
+	for _, pn := range d.poolNames {
+		p := d.pools[pn]
+		if err := health.CheckPoolReady(p); err != nil {
+			unreachable = append(unreachable, err.Error())
+			continue
+		}
+		if s := health.StatPool(p); s.Err == nil && s.UsedFraction() >= d.opts.Health.PoolFullThreshold {
+			nearlyFull = append(nearlyFull, health.PoolFullMessage(s, d.opts.Health))
+		}
+	}
+	resp := &csi.NodeGetStorageHealthResponse{}
+	if len(unreachable) > 0 {
+		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+			Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonPoolUnavailable, Message: strings.Join(unreachable, "; "),
+		})
+	}
+	if len(nearlyFull) > 0 {
+		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+			Status: csi.StorageHealthErrorType_STORAGE_DEGRADED, Reason: health.ReasonPoolNearlyFull, Message: strings.Join(nearlyFull, "; "),
+		})
+	}
+	return resp, nil
+}
+
+// publishedNodes is what ControllerPublishVolume recorded in volume.json.
+func publishedNodes(v *pool.Volume) []string {
+	var out []string
+	for _, r := range v.Published {
+		out = append(out, r.Node)
+	}
+	return out
+}

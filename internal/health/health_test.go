@@ -1,0 +1,102 @@
+package health
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+func TestOptionsValidate(t *testing.T) {
+	for _, tc := range []struct {
+		o  Options
+		ok bool
+	}{
+		{DefaultOptions, true},
+		{Options{PoolFullThreshold: 1, VolumeFullThreshold: 0.5}, true},
+		{Options{PoolFullThreshold: 0, VolumeFullThreshold: 0.5}, false},
+		{Options{PoolFullThreshold: 0.9, VolumeFullThreshold: 1.5}, false},
+	} {
+		if err := tc.o.Validate(); (err == nil) != tc.ok {
+			t.Errorf("%+v: err %v, want ok=%v", tc.o, err, tc.ok)
+		}
+	}
+}
+
+// TestFSErrors reads a fake sysfs: ext4 errors cannot be caused on demand
+// without corrupting a filesystem, so this is the one check tested on a fake.
+func TestFSErrors(t *testing.T) {
+	old := SysFS
+	SysFS = t.TempDir()
+	t.Cleanup(func() { SysFS = old })
+	dir := filepath.Join(SysFS, "fs", "ext4", "loop7")
+	os.MkdirAll(dir, 0o755)
+	for _, tc := range []struct {
+		fs, count string
+		want      int64
+	}{
+		{"ext4", "0\n", 0},
+		{"ext4", "3\n", 3},
+		{"xfs", "3\n", 0},
+	} {
+		os.WriteFile(filepath.Join(dir, "errors_count"), []byte(tc.count), 0o644)
+		os.WriteFile(filepath.Join(dir, "first_error_func"), []byte("ext4_lookup\n"), 0o644)
+		n, first := fsErrors(tc.fs, "/dev/loop7")
+		if n != tc.want || (n > 0 && !strings.Contains(first, "ext4_lookup")) {
+			t.Errorf("%s %q: got %d %q, want %d", tc.fs, tc.count, n, first, tc.want)
+		}
+	}
+}
+
+func TestCheckVolume(t *testing.T) {
+	p, err := pool.Open(pool.Config{Name: "t", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := p.Reserve(context.Background(), pool.Spec{Name: "v", Layout: pool.LayoutImage, AccessType: pool.AccessBlock, CapacityBytes: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PrepareImage(v); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MarkReady(v); err != nil {
+		t.Fatal(err)
+	}
+	id, _ := pool.ParseVolumeID(v.ID)
+	image := p.ImagePath(id)
+	reasons := func() string {
+		scan, err := ScanPool(p, Options{PoolFullThreshold: 1, VolumeFullThreshold: 1})
+		if err != nil || len(scan.Volumes) != 1 {
+			t.Fatalf("scan: %v %v", scan, err)
+		}
+		var r []string
+		for _, i := range scan.Volumes[0].Issues {
+			r = append(r, i.Reason)
+		}
+		return strings.Join(r, ",")
+	}
+	steps := []struct {
+		name  string
+		do    func() error
+		wants string
+	}{
+		{"healthy", func() error { return nil }, ""},
+		{"truncated", func() error { return os.Truncate(image, 4<<20) }, ReasonImageTruncated},
+		{"regrown", func() error { return os.Truncate(image, 8<<20) }, ""},
+		{"missing", func() error { return os.Rename(image, image+".x") }, ReasonImageMissing},
+		{"restored", func() error { return os.Rename(image+".x", image) }, ""},
+		{"damaged", func() error { return os.WriteFile(filepath.Join(p.Dir(id), "volume.json"), []byte("{"), 0o640) }, ReasonMetadataUnreadable},
+	}
+	for _, s := range steps {
+		if err := s.do(); err != nil {
+			t.Fatalf("%s: %v", s.name, err)
+		}
+		if got := reasons(); got != s.wants {
+			t.Errorf("%s: issues %q, want %q", s.name, got, s.wants)
+		}
+	}
+}

@@ -1,0 +1,250 @@
+package health
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+)
+
+// SysFS is where the kernel's filesystem attributes live; a variable so unit
+// tests can point it at a fake tree for faults they cannot cause for real.
+var SysFS = "/sys"
+
+// NodeVolume is what the node side knows of a volume when it is asked about it.
+type NodeVolume struct {
+	ID     string
+	Image  string // the image file backing the volume
+	FSType string // empty for block volumes
+	Block  bool
+	// StagingPath and PublishPath are the paths the CO asks about; either may be
+	// empty. With neither, the volume is checked wherever it is attached.
+	StagingPath string
+	PublishPath string
+	// Device is the loop device the image is attached to on this node, "" if none.
+	Device string
+	// Loops reads loop device state.
+	Loops *mount.Loops
+}
+
+// CheckNode runs the node-side checks: mounts still there, loop device still
+// attached to a file that still exists, filesystem writable and error-free, and
+// usage under the threshold. It reads mountinfo, sysfs and statfs, nothing else,
+// so kubelet can call it for every volume every minute.
+func CheckNode(v NodeVolume, o Options) []Issue {
+	mounts, err := mountinfo.GetMounts(nil)
+	if err != nil {
+		return []Issue{{Status: Inaccessible, Reason: ReasonWrongMount, Message: fmt.Sprintf("cannot read this node's mount table to check volume %s: %v", v.ID, err)}}
+	}
+	var issues []Issue
+	var mine []*mountinfo.Info // mounts at the asked paths that show the volume
+	check := func(path, reason, what string) {
+		if path == "" {
+			return
+		}
+		m := topMount(mounts, path)
+		if m == nil {
+			issues = append(issues, Issue{Status: Inaccessible, Reason: reason, Message: missingMountMessage(v, path, what)})
+			return
+		}
+		mine = append(mine, m)
+	}
+	check(staging(v), ReasonStagingMountMissing, "staging")
+	check(v.PublishPath, ReasonPublishMountMissing, "publish")
+
+	device := v.Device
+	for _, m := range mine {
+		if strings.HasPrefix(m.Source, "/dev/loop") {
+			device = m.Source // what the mount really uses, even if the image was replaced since
+			break
+		}
+	}
+	if device == "" {
+		if v.Block && (v.StagingPath != "" || v.PublishPath != "") {
+			issues = append(issues, Issue{Status: Inaccessible, Reason: ReasonLoopDeviceDetached, Message: fmt.Sprintf(
+				"no loop device is attached to %s, so block volume %s is not available on this node although it is staged here (someone ran losetup -d?). "+
+					"Pods using it get I/O errors; delete them so kubelet unstages the volume, and the next pod stages it again", v.Image, v.ID)})
+		}
+		if _, err := os.Stat(v.Image); errors.Is(err, os.ErrNotExist) {
+			issues = append(issues, Issue{Status: DataLoss, Reason: ReasonImageMissing, Message: fmt.Sprintf(
+				"image file %s of volume %s is missing: the volume's data is gone. Restore the image from a backup to that path, or delete the PVC and provision a new volume",
+				v.Image, v.ID)})
+		}
+		return issues
+	}
+	issues = append(issues, checkLoop(v, device)...)
+	if v.Block {
+		return issues
+	}
+	if len(mine) == 0 && v.StagingPath == "" && v.PublishPath == "" {
+		// Asked about the volume as a whole: look at wherever its device is mounted.
+		for _, m := range mounts {
+			if m.Source == device {
+				mine = append(mine, m)
+			}
+		}
+	}
+	if len(mine) == 0 {
+		return issues
+	}
+	issues = append(issues, checkFilesystem(v, device, mine[0], mounts, o.VolumeFullThreshold)...)
+	return issues
+}
+
+// staging is the staging path for a filesystem volume; block volumes are only
+// attached at stage time, nothing is mounted at their staging path.
+func staging(v NodeVolume) string {
+	if v.Block {
+		return ""
+	}
+	return v.StagingPath
+}
+
+func missingMountMessage(v NodeVolume, path, what string) string {
+	if what == "staging" {
+		return fmt.Sprintf("volume %s is not mounted at its staging path %s any more (unmounted behind the driver's back); new pods cannot use it on this node. "+
+			"Delete the pods using it on this node: kubelet then unstages it and stages it again for the next pod", v.ID, path)
+	}
+	return fmt.Sprintf("volume %s is not mounted at %s any more (unmounted behind the driver's back): the pod sees an empty directory and its writes do not reach the volume. "+
+		"Delete the pod; its replacement gets the volume published again", v.ID, path)
+}
+
+// topMount is the mount a path shows (the last one stacked on it), or nil.
+func topMount(mounts []*mountinfo.Info, path string) *mountinfo.Info {
+	p := filepath.Clean(path)
+	if r, err := filepath.EvalSymlinks(p); err == nil {
+		p = r
+	}
+	var top *mountinfo.Info
+	for _, m := range mounts {
+		if m.Mountpoint == p {
+			top = m
+		}
+	}
+	return top
+}
+
+func checkLoop(v NodeVolume, device string) []Issue {
+	st, err := v.Loops.Status(device)
+	if err != nil {
+		return []Issue{{Status: Inaccessible, Reason: ReasonLoopDeviceDetached, Message: fmt.Sprintf(
+			"loop device %s of volume %s is no longer attached to its image (%v): pods get I/O errors. "+
+				"Delete the pods using the volume on this node so kubelet unstages it, and the next pod stages it again", device, v.ID, err)}}
+	}
+	if st.BackingDeleted {
+		return []Issue{{Status: DataLoss, Reason: ReasonBackingFileDeleted, Message: fmt.Sprintf(
+			"image file %s of volume %s was deleted while attached as %s: the data now lives only in the open device and is lost when the volume is unstaged. "+
+				"Copy it out now (dd if=%s of=%s.recovered bs=1M), then stop the pods, and after the volume is unstaged move the copy to %s and stage it again",
+			st.BackingFile, v.ID, device, device, v.Image, v.Image)}}
+	}
+	return nil
+}
+
+func checkFilesystem(v NodeVolume, device string, m *mountinfo.Info, mounts []*mountinfo.Info, threshold float64) []Issue {
+	var issues []Issue
+	var st unix.Statfs_t
+	if err := unix.Statfs(m.Mountpoint, &st); err != nil {
+		return append(issues, Issue{Status: Inaccessible, Reason: ReasonFilesystemIOError, Message: fmt.Sprintf(
+			"the filesystem of volume %s (%s on %s) fails: %v (an xfs shutdown or a dead device). "+
+				"Check dmesg for %s, stop the pods, unstage the volume and run the filesystem's repair tool on %s before staging it again",
+			v.ID, v.FSType, device, &os.PathError{Op: "statfs", Path: m.Mountpoint, Err: err}, device, v.Image)})
+	}
+	if _, err := os.ReadDir(m.Mountpoint); errors.Is(err, unix.EIO) {
+		issues = append(issues, Issue{Status: Inaccessible, Reason: ReasonFilesystemIOError, Message: fmt.Sprintf(
+			"the filesystem of volume %s (%s on %s) returns I/O errors (%v), as after an xfs shutdown or a failed device. "+
+				"Check dmesg for %s, stop the pods, unstage the volume and run the filesystem's repair tool on %s before staging it again",
+			v.ID, v.FSType, device, err, device, v.Image)})
+	}
+	if superReadOnly(m) && anyWritable(mounts, m) {
+		issues = append(issues, Issue{Status: Degraded, Reason: ReasonFilesystemReadOnly, Message: fmt.Sprintf(
+			"the %s filesystem of volume %s (%s) is read-only although the volume is published read-write: writes from pods fail (the kernel does this after errors with errors=remount-ro, or someone remounted it). "+
+				"Check dmesg for %s; if it was an error, stop the pods, unstage, run fsck on %s and stage again; if it was a manual remount, remount it read-write",
+			v.FSType, v.ID, device, device, v.Image)})
+	}
+	if n, first := fsErrors(v.FSType, device); n > 0 {
+		issues = append(issues, Issue{Status: Degraded, Reason: ReasonFilesystemErrors, Message: fmt.Sprintf(
+			"the %s filesystem of volume %s (%s) has recorded %d errors%s: data may be damaged. "+
+				"Stop the pods, unstage the volume and run fsck.%s on %s; the count clears when fsck repairs it",
+			v.FSType, v.ID, device, n, first, v.FSType, v.Image)})
+	}
+	issues = append(issues, usage(v, st, threshold)...)
+	return issues
+}
+
+// superReadOnly tells whether the filesystem itself (not just this mount) is
+// read-only: the superblock options carry "ro".
+func superReadOnly(m *mountinfo.Info) bool {
+	return slices.Contains(strings.Split(m.VFSOptions, ","), "ro")
+}
+
+// anyWritable tells whether some mount of the same filesystem was made
+// read-write: the volume was meant to be writable. A volume staged and
+// published read-only has read-only mounts only, and is not flagged.
+func anyWritable(mounts []*mountinfo.Info, of *mountinfo.Info) bool {
+	for _, m := range mounts {
+		if m.Major == of.Major && m.Minor == of.Minor && slices.Contains(strings.Split(m.Options, ","), "rw") {
+			return true
+		}
+	}
+	return false
+}
+
+// fsErrors reads the error count the filesystem keeps. ext4 exposes it in
+// sysfs (it persists in the superblock until fsck clears it); xfs shuts down
+// instead of counting (caught as I/O errors above), and btrfs keeps per-device
+// counters that need an ioctl on the mount, not read here.
+func fsErrors(fsType, device string) (int64, string) {
+	if fsType != "ext4" {
+		return 0, ""
+	}
+	dir := filepath.Join(SysFS, "fs", "ext4", filepath.Base(device))
+	raw, err := os.ReadFile(filepath.Join(dir, "errors_count"))
+	if err != nil {
+		return 0, ""
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
+	if err != nil || n == 0 {
+		return 0, ""
+	}
+	first := ""
+	if fn, err := os.ReadFile(filepath.Join(dir, "first_error_func")); err == nil && len(strings.TrimSpace(string(fn))) > 0 {
+		first = " (first in " + strings.TrimSpace(string(fn)) + ")"
+	}
+	return n, first
+}
+
+func usage(v NodeVolume, st unix.Statfs_t, threshold float64) []Issue {
+	var issues []Issue
+	if st.Blocks > 0 {
+		// Used as df counts it: blocks not free, over what a writer can reach.
+		used := st.Blocks - st.Bfree
+		reach := used + st.Bavail
+		if reach > 0 {
+			frac := float64(used) / float64(reach)
+			if frac >= threshold {
+				issues = append(issues, Issue{Status: Degraded, Reason: ReasonVolumeNearlyFull, Message: fmt.Sprintf(
+					"volume %s is %s full (%s of %s used, threshold %s): writes will fail with 'no space left on device' soon. "+
+						"Expand the PVC (raise spec.resources.requests.storage) or delete data from it",
+					v.ID, percent(frac), bytesIEC(int64(used)*st.Bsize), bytesIEC(int64(reach)*st.Bsize), percent(threshold))})
+			}
+		}
+	}
+	if st.Files > 0 && v.FSType != "btrfs" && v.FSType != "xfs" { // those allocate inodes dynamically
+		frac := float64(st.Files-st.Ffree) / float64(st.Files)
+		if frac >= threshold {
+			issues = append(issues, Issue{Status: Degraded, Reason: ReasonInodesNearlyFull, Message: fmt.Sprintf(
+				"volume %s has used %s of its inodes (%d of %d, threshold %s): creating files will fail soon although bytes are free. "+
+					"Delete small files or expand the PVC (a larger ext4 gets more inodes)",
+				v.ID, percent(frac), st.Files-st.Ffree, st.Files, percent(threshold))})
+		}
+	}
+	return issues
+}
