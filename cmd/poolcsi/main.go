@@ -12,12 +12,14 @@ import (
 	"runtime/debug"
 	"strings"
 	"syscall"
+	"time"
 
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
 
 // version is set with -ldflags "-X main.version=..." by release builds; otherwise
@@ -99,6 +101,7 @@ func serve(ctx context.Context, args []string) error {
 	mode := fs.String("mode", "all", "services to serve: controller, node or all")
 	configFile := fs.String("config", "", "YAML config file with a pools: list")
 	maxVolumes := fs.Int64("max-volumes-per-node", 0, "volumes a node may hold, reported to the scheduler (0: no limit)")
+	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -125,8 +128,23 @@ func serve(ctx context.Context, args []string) error {
 			return err
 		}
 	}
+	mounts := config.Mounts(file, pools)
+	var readiness []func() error
 	var opened []*pool.Pool
 	for _, c := range config.Pools(file, pools) {
+		if spec, ok := mounts[c.Name]; ok {
+			m, err := poolmount.New(c.Name, c.Path, spec)
+			if err != nil {
+				return err
+			}
+			// A pool that cannot be mounted is reported by Probe, not fatal: the
+			// other pools keep serving and the mount is retried.
+			if err := m.Ensure(ctx); err != nil {
+				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
+			}
+			go m.Keep(ctx, *mountRetry)
+			readiness = append(readiness, m.Ready)
+		}
 		p, err := pool.Open(c)
 		if err != nil {
 			return err
@@ -140,6 +158,7 @@ func serve(ctx context.Context, args []string) error {
 		Mode:              m,
 		Pools:             opened,
 		MaxVolumesPerNode: *maxVolumes,
+		Readiness:         readiness,
 	})
 	if err != nil {
 		return err

@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -57,6 +58,9 @@ type Options struct {
 	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means no limit. A loop
 	// device per volume is the real bound on a node.
 	MaxVolumesPerNode int64
+	// Readiness are extra checks Probe runs, such as the pool mounts of the config's
+	// mount stanzas; each returns why the driver is not ready, or nil.
+	Readiness []func() error
 }
 
 // Driver serves the CSI services over one pool set.
@@ -71,6 +75,9 @@ type Driver struct {
 	locks     *volumeLocks
 	loops     *mount.Loops
 	mounter   *mount.Mounter
+	quotas    quotaBackends
+	// registered holds the pools this node has registered with (see registerNode).
+	registered sync.Map
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -123,6 +130,8 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
+	d.detectQuotas(ctx)
+	d.registerNode(ctx)
 	go func() {
 		<-ctx.Done()
 		srv.GracefulStop()
