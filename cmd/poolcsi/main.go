@@ -48,6 +48,7 @@ const usage = `poolcsi — a CSI driver that carves volumes out of local or shar
 
 Usage:
   poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
+  poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
   poolcsi version
 
 Run "poolcsi serve -h" for the flags of serve.
@@ -64,6 +65,8 @@ func main() {
 	switch os.Args[1] {
 	case "serve":
 		err = serve(ctx, os.Args[2:])
+	case "pool":
+		err = poolCmd(ctx, os.Args[2:])
 	case "version":
 		fmt.Println(buildVersion())
 	case "-h", "--help", "help":

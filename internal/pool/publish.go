@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -140,4 +141,36 @@ func (p *Pool) NodeRegistered(node string) (bool, error) {
 	default:
 		return false, fmt.Errorf("pool %s: look up node %s: %w", p.Name, node, err)
 	}
+}
+
+// Unfence forgets node's publish record of volume id (every node's when node is
+// empty) under the volume's lock, and returns the nodes it forgot. It is the
+// operator's way out when a node died holding an image volume read-write and
+// Kubernetes cannot unpublish it (see docs/fencing.md).
+func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string, error) {
+	if node != "" {
+		if err := ValidateNodeID(node); err != nil {
+			return nil, err
+		}
+	}
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := p.Load(id)
+	if err != nil {
+		return nil, err
+	}
+	var gone []string
+	for _, r := range v.Published {
+		if node == "" || r.Node == node {
+			gone = append(gone, r.Node)
+		}
+	}
+	if len(gone) == 0 {
+		return nil, nil
+	}
+	v.ClearPublished(node)
+	return gone, p.Save(v)
 }

@@ -172,6 +172,19 @@ func TestImageFence(t *testing.T) {
 	if err := publish(t, e.d2, id, "node-2", vc, false); err != nil {
 		t.Fatalf("publish to node-2 after node-1 unpublished: %v", err)
 	}
+	// Node 2 "dies" holding the volume: the operator clears its fence by hand.
+	wantCode(t, publish(t, e.d1, id, "node-1", vc, false), codes.FailedPrecondition, "node-2")
+	out, err := exec.Command(harness.Binary(t), "pool", "unfence", "--path", e.poolDir, "--volume", id, "--node", "node-2").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "node-2") {
+		t.Fatalf("poolcsi pool unfence: %v\n%s", err, out)
+	}
+	if err := publish(t, e.d1, id, "node-1", vc, false); err != nil {
+		t.Fatalf("publish to node-1 after unfencing node-2: %v", err)
+	}
+	unpublish(t, e.d1, id, "node-1")
+	if err := publish(t, e.d2, id, "node-2", vc, false); err != nil {
+		t.Fatal(err)
+	}
 	target := stagePublish(t, e.d2, filepath.Join(e.root, "n2"), id, vc)
 	if err := os.WriteFile(filepath.Join(target, "hello"), []byte("hi"), 0o644); err != nil {
 		t.Fatal(err)
