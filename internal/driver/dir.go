@@ -170,6 +170,15 @@ func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.Vol
 	} else if len(points) > 0 {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
 	}
+	// A bind mount of the data elsewhere (a target left behind) shows the same
+	// files: removing them would empty a volume a pod still uses.
+	if _, err := os.Stat(p.DataPath(vid)); err == nil {
+		if other, err := dirMountedElsewhere(p.DataPath(vid), "", ""); err != nil {
+			return status.Errorf(codes.Internal, "inspect mounts of volume %s: %v", vid, err)
+		} else if other != "" {
+			return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
+		}
+	}
 	var q pool.DirQuota
 	if v != nil && v.Quota != nil {
 		q = *v.Quota
@@ -224,6 +233,13 @@ func (d *Driver) publishDir(ctx context.Context, nv nodeVolume, staging, target 
 	} else if !mounted || !sameDir(staging, data) {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 	}
+	if vc.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
+		if other, err := dirMountedElsewhere(data, staging, target); err != nil {
+			return status.Errorf(codes.Internal, "list mounts of volume %s: %v", nv.id, err)
+		} else if other != "" {
+			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
+		}
+	}
 	if err := d.mounter.Bind(ctx, staging, target, readOnly, vc.GetMount().GetMountFlags()); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "target path %s: %v", target, err)
@@ -232,6 +248,36 @@ func (d *Driver) publishDir(ctx context.Context, nv nodeVolume, staging, target 
 	}
 	klog.FromContext(ctx).Info("Published dir volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return nil
+}
+
+// dirMountedElsewhere returns a mount point other than staging and target that
+// shows the volume's data directory (ReadWriteOncePod allows one target only).
+// Only mounts of the data's own filesystem (same device numbers in mountinfo) are
+// stat'ed, so a hung mount of some other filesystem cannot hang the call.
+func dirMountedElsewhere(data, staging, target string) (string, error) {
+	home, err := mountinfo.GetMounts(mountinfo.ParentsFilter(data))
+	if err != nil || len(home) == 0 {
+		return "", fmt.Errorf("find the mount holding %s: %w", data, err)
+	}
+	// The deepest parent mount is the one data lives on.
+	fs := home[0]
+	for _, m := range home[1:] {
+		if len(m.Mountpoint) > len(fs.Mountpoint) {
+			fs = m
+		}
+	}
+	infos, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
+		return i.Major != fs.Major || i.Minor != fs.Minor || i.Mountpoint == staging || i.Mountpoint == target, false
+	})
+	if err != nil {
+		return "", err
+	}
+	for _, i := range infos {
+		if sameDir(i.Mountpoint, data) {
+			return i.Mountpoint, nil
+		}
+	}
+	return "", nil
 }
 
 // dirStats reports a dir volume's usage against its limit. With an enforced
@@ -271,5 +317,3 @@ func (d *Driver) dirStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		{Unit: csi.VolumeUsage_BYTES, Total: limit, Used: u.UsedBytes, Available: avail},
 	}}, nil
 }
-
-var _ = fmt.Sprintf

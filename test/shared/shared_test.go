@@ -325,9 +325,22 @@ func TestDeleteDirVolumeTouchesNothingElse(t *testing.T) {
 	}
 	os.WriteFile(filepath.Join(d, "a", "podsub", "f"), []byte("x"), 0o644)
 
+	// A target left mounted with no record (a crashed kubelet) still stops it.
+	leftover := filepath.Join(e.root, "leftover")
+	os.MkdirAll(leftover, 0o755)
+	t.Cleanup(func() { exec.Command("umount", leftover).Run() })
+	if out, err := exec.Command("mount", "--bind", d, leftover).CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	_, err := e.d1.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: doomed})
+	wantCode(t, err, codes.FailedPrecondition, leftover)
+	if out, err := exec.Command("umount", leftover).CombinedOutput(); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+
 	// Never delete what a node has mounted, nor what is published.
 	target := stagePublishNoCleanup(t, e.d2, filepath.Join(e.root, "n2"), doomed, vc)
-	_, err := e.d1.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: doomed})
+	_, err = e.d1.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: doomed})
 	wantCode(t, err, codes.FailedPrecondition, "")
 	must(e.d2.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: doomed, TargetPath: target}))(t)
 	must(e.d2.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: doomed, StagingTargetPath: filepath.Join(e.root, "n2", "staging")}))(t)
