@@ -140,3 +140,35 @@ func TestBtrfsQgroup(t *testing.T) {
 }
 
 func sizeOf[T any](v T) uintptr { return unsafe.Sizeof(v) }
+
+// BenchmarkBtrfsUsage compares the sysfs read NodeGetVolumeStats uses with
+// running `btrfs qgroup show` for the same numbers.
+func BenchmarkBtrfsUsage(b *testing.B) {
+	testutil.RequireRoot(b)
+	testutil.RequireCommands(b, "mkfs.btrfs", "btrfs")
+	ctx := context.Background()
+	mnt := testutil.LoopFS(b, b.TempDir(), "btrfs", 256<<20)
+	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
+		b.Fatalf("%v: %s", err, out)
+	}
+	be := Detect(ctx, mnt)
+	dir := filepath.Join(mnt, "data")
+	id, err := be.Create(ctx, dir, 8<<20, nil)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("sysfs", func(b *testing.B) {
+		for b.Loop() {
+			if _, err := be.Usage(ctx, dir, id); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("command", func(b *testing.B) {
+		for b.Loop() {
+			if err := exec.Command("btrfs", "qgroup", "show", "--raw", "-re", "-f", dir).Run(); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
