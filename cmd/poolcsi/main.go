@@ -12,6 +12,7 @@ import (
 	"runtime/debug"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
@@ -23,6 +24,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
 
 // version is set with -ldflags "-X main.version=..." by release builds; otherwise
@@ -52,6 +54,7 @@ const usage = `poolcsi — a CSI driver that carves volumes out of local or shar
 Usage:
   poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
   poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
+  poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
   poolcsi version
 
 Run "poolcsi serve -h" for the flags of serve.
@@ -70,6 +73,8 @@ func main() {
 		err = serve(ctx, os.Args[2:])
 	case "demo":
 		err = runDemo(ctx, os.Args[2:])
+	case "pool":
+		err = poolCmd(ctx, os.Args[2:])
 	case "version":
 		fmt.Println(buildVersion())
 	case "-h", "--help", "help":
@@ -110,6 +115,7 @@ func serve(ctx context.Context, args []string) error {
 	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (empty: no metrics)")
 	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
 	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
+	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -136,8 +142,23 @@ func serve(ctx context.Context, args []string) error {
 			return err
 		}
 	}
+	mounts := config.Mounts(file, pools)
+	var readiness []func() error
 	var opened []*pool.Pool
 	for _, c := range config.Pools(file, pools) {
+		if spec, ok := mounts[c.Name]; ok {
+			m, err := poolmount.New(c.Name, c.Path, spec)
+			if err != nil {
+				return err
+			}
+			// A pool that cannot be mounted is reported by Probe, not fatal: the
+			// other pools keep serving and the mount is retried.
+			if err := m.Ensure(ctx); err != nil {
+				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
+			}
+			go m.Keep(ctx, *mountRetry)
+			readiness = append(readiness, m.Ready)
+		}
 		p, err := pool.Open(c)
 		if err != nil {
 			return err
@@ -153,6 +174,7 @@ func serve(ctx context.Context, args []string) error {
 		Pools:             opened,
 		MaxVolumesPerNode: *maxVolumes,
 		Health:            thresholds,
+		Readiness:         readiness,
 	})
 	if err != nil {
 		return err

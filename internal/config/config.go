@@ -11,6 +11,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
 
 // DefaultPoolPath is the local pool used when no pool is configured at all.
@@ -18,7 +19,14 @@ const DefaultPoolPath = "/var/lib/poolcsi/pools/default"
 
 // File is the YAML config file (--config).
 type File struct {
-	Pools []pool.Config `json:"pools"`
+	Pools []PoolConfig `json:"pools"`
+}
+
+// PoolConfig is one pool of the config file: the pool itself and, for a shared
+// pool, optionally how poolcsi mounts its filesystem.
+type PoolConfig struct {
+	pool.Config `json:",inline"`
+	Mount       *poolmount.Spec `json:"mount,omitempty"`
 }
 
 // Load reads a config file. Unknown fields are errors: a misspelt key would
@@ -31,6 +39,13 @@ func Load(path string) (File, error) {
 	}
 	if err := yaml.UnmarshalStrict(raw, &f); err != nil {
 		return f, fmt.Errorf("parse config %s: %w", path, err)
+	}
+	for _, p := range f.Pools {
+		if p.Mount != nil {
+			if err := p.Mount.Validate(); err != nil {
+				return f, fmt.Errorf("config %s: pool %s: %w", path, p.Name, err)
+			}
+		}
 	}
 	return f, nil
 }
@@ -64,7 +79,14 @@ func ParsePoolFlag(s string) (pool.Config, error) {
 func Pools(file File, flags []pool.Config) []pool.Config {
 	byName := map[string]int{}
 	var out []pool.Config
-	for _, c := range append(append([]pool.Config{}, file.Pools...), flags...) {
+	var all []pool.Config
+	for _, pc := range file.Pools {
+		c := pc.Config
+		// A pool poolcsi mounts must be mounted before it is used at all.
+		c.RequireMount = c.RequireMount || pc.Mount != nil
+		all = append(all, c)
+	}
+	for _, c := range append(all, flags...) {
 		if i, ok := byName[c.Name]; ok {
 			out[i] = c
 			continue
@@ -74,6 +96,21 @@ func Pools(file File, flags []pool.Config) []pool.Config {
 	}
 	if len(out) == 0 {
 		out = append(out, pool.Config{Name: "default", Path: DefaultPoolPath})
+	}
+	return out
+}
+
+// Mounts returns the mount stanzas of the file's pools, by pool name, leaving out
+// pools a --pool flag redefines (the flag wins, and it has no stanza).
+func Mounts(file File, flags []pool.Config) map[string]poolmount.Spec {
+	out := map[string]poolmount.Spec{}
+	for _, pc := range file.Pools {
+		if pc.Mount != nil {
+			out[pc.Name] = *pc.Mount
+		}
+	}
+	for _, c := range flags {
+		delete(out, c.Name)
 	}
 	return out
 }

@@ -58,3 +58,38 @@ func TestLoadAndMerge(t *testing.T) {
 		t.Fatal("a misspelt key was accepted")
 	}
 }
+
+func TestMountStanza(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "config.yaml")
+	os.WriteFile(path, []byte(`pools:
+- name: nfs
+  path: /var/lib/poolcsi/pools/nfs
+  shared: true
+  mount:
+    type: nfs
+    source: server:/export
+    options: [nfsvers=4.1, hard]
+    timeout: 45s
+- name: local
+  path: /a
+`), 0o600)
+	f, err := Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pools := Pools(f, nil)
+	if !pools[0].RequireMount || pools[1].RequireMount {
+		t.Fatalf("RequireMount: %+v", pools)
+	}
+	m := Mounts(f, nil)
+	if s, ok := m["nfs"]; !ok || s.Source != "server:/export" || s.Timeout != "45s" || len(m) != 1 {
+		t.Fatalf("Mounts = %+v", m)
+	}
+	if m := Mounts(f, []pool.Config{{Name: "nfs", Path: "/elsewhere"}}); len(m) != 0 {
+		t.Fatalf("a --pool flag redefining the pool kept its stanza: %+v", m)
+	}
+	os.WriteFile(path, []byte("pools:\n- name: nfs\n  path: /x\n  mount:\n    type: nfs\n"), 0o600)
+	if _, err := Load(path); err == nil {
+		t.Fatal("a stanza without source was accepted")
+	}
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"slices"
 	"sort"
 	"strings"
 
@@ -36,17 +35,14 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_EXPAND_VOLUME,
 	csi.ControllerServiceCapability_RPC_GET_VOLUME_HEALTH,
 	csi.ControllerServiceCapability_RPC_LIST_VOLUME_HEALTH,
+	csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
+	csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
+	csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
 }
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
-	caps := controllerCaps
-	// The spec allows LIST_VOLUMES_PUBLISHED_NODES only with PUBLISH_UNPUBLISH_VOLUME;
-	// published_node_ids are filled from volume.json either way.
-	if slices.Contains(caps, csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME) {
-		caps = append(slices.Clone(caps), csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES)
-	}
-	out := make([]*csi.ControllerServiceCapability, 0, len(caps))
-	for _, c := range caps {
+	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps))
+	for _, c := range controllerCaps {
 		out = append(out, &csi.ControllerServiceCapability{
 			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
 		})
@@ -73,9 +69,9 @@ func (d *Driver) parseCreateParams(params map[string]string) (createParams, erro
 			}
 		case k == ParamLayout:
 			switch pool.Layout(v) {
-			case pool.LayoutImage:
+			case pool.LayoutImage, pool.LayoutDir:
 			default:
-				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image", v)
+				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image and dir", v)
 			}
 			cp.layout = pool.Layout(v)
 		case k == ParamFSType, k == k8sPrefix+"fstype":
@@ -126,13 +122,16 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if params.fsType != "" && caps.access == pool.AccessFilesystem && caps.fsType != params.fsType {
 		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.fsType)
 	}
+	if err := caps.allowedFor(params.layout); err != nil {
+		return nil, err
+	}
 	p := params.pool
 	topology, err := d.placeVolume(p, req.GetAccessibilityRequirements())
 	if err != nil {
 		return nil, err
 	}
 	minimum := mount.MinSize(caps.fsType)
-	if caps.access == pool.AccessBlock {
+	if caps.access == pool.AccessBlock || params.layout == pool.LayoutDir {
 		minimum = mount.MinSize("")
 	}
 	size, err := pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum)
@@ -154,7 +153,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Name:          name,
 		Layout:        params.layout,
 		AccessType:    caps.access,
-		FSType:        fsTypeFor(caps),
+		FSType:        fsTypeFor(caps, params.layout),
 		CapacityBytes: size,
 		Parameters:    params.keep,
 		Topology:      topology,
@@ -166,7 +165,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
 	}
 	if v.State == pool.StateCreating {
-		if err := d.finishCreate(ctx, p, v); err != nil {
+		finish := d.finishCreate
+		if v.Layout == pool.LayoutDir {
+			finish = d.finishCreateDir
+		}
+		if err := finish(ctx, p, v); err != nil {
 			return nil, err
 		}
 	}
@@ -221,8 +224,8 @@ func createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error
 	return nil
 }
 
-func fsTypeFor(c capsSpec) string {
-	if c.access == pool.AccessBlock {
+func fsTypeFor(c capsSpec, layout pool.Layout) string {
+	if c.access == pool.AccessBlock || layout == pool.LayoutDir {
 		return ""
 	}
 	return c.fsType
@@ -254,6 +257,7 @@ func csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 		CapacityBytes: v.CapacityBytes,
 		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
 	}
+	dirContext(v, out.VolumeContext)
 	if len(v.Topology) > 0 {
 		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
 	}
@@ -290,8 +294,17 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 			where = append(where, s.Node+":"+s.Path)
 		}
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
+	case err == nil && len(v.Published) > 0:
+		return nil, publishedError(v)
 	case err != nil && !errors.Is(err, os.ErrNotExist):
 		klog.FromContext(ctx).Error(err, "Deleting a volume whose metadata is damaged", "volume", vid)
+	}
+	if err == nil && v.Layout == pool.LayoutDir {
+		if err := d.deleteDirVolume(ctx, p, vid, v); err != nil {
+			return nil, err
+		}
+		klog.FromContext(ctx).Info("Deleted dir volume", "volume", vid)
+		return &csi.DeleteVolumeResponse{}, nil
 	}
 	if d.loops != nil {
 		if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
@@ -401,7 +414,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		}
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
 			Volume: csiVolume(l.pool, l.entry.Volume),
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: publishedNodes(l.entry.Volume)},
+			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: l.entry.Volume.PublishedNodes()},
 		})
 	}
 	return resp, nil
@@ -416,9 +429,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{
-		PublishedNodeIds: publishedNodes(v),
-	}}, nil
+	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}}, nil
 }
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
+	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -61,6 +62,9 @@ type Options struct {
 	// Health holds the thresholds of the volume health checks; zero values
 	// take health.DefaultOptions.
 	Health health.Options
+	// Readiness are extra checks Probe runs, such as the pool mounts of the config's
+	// mount stanzas; each returns why the driver is not ready, or nil.
+	Readiness []func() error
 }
 
 // Driver serves the CSI services over one pool set.
@@ -75,6 +79,9 @@ type Driver struct {
 	locks     *volumeLocks
 	loops     *mount.Loops
 	mounter   *mount.Mounter
+	quotas    quotaBackends
+	// registered holds the pools this node has registered with (see registerNode).
+	registered sync.Map
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -136,6 +143,8 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
+	d.detectQuotas(ctx)
+	d.registerNode(ctx)
 	go func() {
 		<-ctx.Done()
 		srv.GracefulStop()

@@ -68,6 +68,9 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		}
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
 	}
+	if v.Layout == pool.LayoutDir {
+		return d.expandDir(ctx, p, vid, r)
+	}
 	size, err := pool.Capacity(r.GetRequiredBytes(), limit, minSizeOf(v))
 	if err != nil {
 		return nil, poolStatus(err)
@@ -134,6 +137,11 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		if err := caps.compatible(v); err != nil {
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
+	}
+	if v.Layout == pool.LayoutDir {
+		// A directory has no size of its own to grow: the quota limit, raised by
+		// the controller, is all there is.
+		return &csi.NodeExpandVolumeResponse{CapacityBytes: v.CapacityBytes}, nil
 	}
 	image := p.ImagePath(vid)
 	dev, attached, err := d.loops.Find(image)

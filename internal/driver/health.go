@@ -184,12 +184,3 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 	}
 	return resp, nil
 }
-
-// publishedNodes is what ControllerPublishVolume recorded in volume.json.
-func publishedNodes(v *pool.Volume) []string {
-	var out []string
-	for _, r := range v.Published {
-		out = append(out, r.Node)
-	}
-	return out
-}

@@ -43,13 +43,19 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 // space; otherwise it names
 // each broken pool and why, which the livenessprobe sidecar turns into a failing
 // /healthz. It does a few system calls per pool and no I/O on volumes.
-func (d *Driver) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	var problems []string
 	for _, name := range d.poolNames {
 		if err := health.CheckPoolReady(d.pools[name]); err != nil {
 			problems = append(problems, err.Error())
 		}
 	}
+	for _, check := range d.opts.Readiness {
+		if err := check(); err != nil {
+			problems = append(problems, err.Error())
+		}
+	}
+	d.registerNode(ctx)
 	if len(problems) > 0 {
 		return nil, status.Errorf(codes.FailedPrecondition, "not ready: %s", strings.Join(problems, "; "))
 	}

@@ -99,6 +99,18 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
+	if nv.vol.Layout == pool.LayoutDir {
+		if err := d.stageDir(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
+			return nil, err
+		}
+		if err := d.recordStage(ctx, nv, staging); err != nil {
+			return nil, err
+		}
+		return &csi.NodeStageVolumeResponse{}, nil
+	}
+	if err := d.nodeFence(nv, readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())); err != nil {
+		return nil, err
+	}
 	image := nv.pool.ImagePath(nv.id)
 	if _, err := os.Stat(image); err != nil {
 		return nil, status.Errorf(codes.NotFound, "volume %s: image %s is missing: %v", nv.id, image, err)
@@ -233,7 +245,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	image := p.ImagePath(vid)
 	if info, mounted, err := d.mounter.Info(staging); err != nil {
 		return nil, status.Errorf(codes.Internal, "inspect %s: %v", staging, err)
-	} else if mounted && !d.isVolumeMount(info, image) {
+	} else if mounted && !d.isVolumeMount(info, image) && !sameDir(staging, p.DataPath(vid)) {
 		return nil, status.Errorf(codes.FailedPrecondition, "staging path %s holds %s, not volume %s; refusing to unmount it", staging, info.Source, vid)
 	}
 	if err := d.mounter.Unmount(ctx, staging); err != nil {
@@ -279,6 +291,12 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, err
 	}
 	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	if nv.vol.Layout == pool.LayoutDir {
+		if err := d.publishDir(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
+			return nil, err
+		}
+		return &csi.NodePublishVolumeResponse{}, nil
+	}
 	image := nv.pool.ImagePath(nv.id)
 
 	var source string

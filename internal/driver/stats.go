@@ -36,6 +36,9 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		// Kubelet only sends absolute paths; anything else cannot hold the volume.
 		return nil, status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, req.GetVolumePath(), status.Convert(err).Message())
 	}
+	if v.Layout == pool.LayoutDir {
+		return d.dirStats(ctx, p, vid, v, path)
+	}
 	info, mounted, err := d.mounter.Info(path)
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)

@@ -102,8 +102,9 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
 }
 
-// parseCaps checks a capability list for an image volume and folds it into one
-// spec. defaultFS applies when no capability names a filesystem.
+// parseCaps checks a capability list and folds it into one spec; which access
+// modes a volume allows depends on its layout (capsSpec.allowedFor). defaultFS
+// applies when no capability names a filesystem.
 func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error) {
 	var s capsSpec
 	if len(caps) == 0 {
@@ -140,8 +141,8 @@ func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error)
 		if mode == csi.VolumeCapability_AccessMode_UNKNOWN {
 			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access mode", i)
 		}
-		if !imageModes[mode] {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: access mode %s is not supported by image volumes (single-node writer or multi-node read-only)", i, mode)
+		if _, known := csi.VolumeCapability_AccessMode_Mode_name[int32(mode)]; !known {
+			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: unknown access mode %d", i, mode)
 		}
 		s.modes = append(s.modes, mode)
 	}
@@ -156,8 +157,12 @@ func (s capsSpec) compatible(v *pool.Volume) error {
 	if s.access != v.AccessType {
 		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.access)
 	}
-	if s.access == pool.AccessFilesystem && s.fsType != "" && s.fsType != v.FSType {
+	// A dir volume has the pool's filesystem, whatever fs_type the CO names.
+	if v.Layout != pool.LayoutDir && s.access == pool.AccessFilesystem && s.fsType != "" && s.fsType != v.FSType {
 		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
+	}
+	if err := s.allowedFor(v.Layout); err != nil {
+		return fmt.Errorf("volume %s: %s", v.ID, status.Convert(err).Message())
 	}
 	return nil
 }

@@ -34,6 +34,10 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, err
 	}
 	id := NewVolumeID(p.Name, spec.Name)
+	// An unmounted shared pool must not grow a volumes/ tree on the root disk.
+	if err := p.Check(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
 		return nil, err
@@ -122,6 +126,13 @@ func (p *Pool) MarkReady(v *Volume) error {
 // It returns nil if the volume does not exist. The caller checks that nothing holds
 // the volume (staged, published) before calling.
 func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
+	return p.DeleteWith(ctx, id, nil)
+}
+
+// DeleteWith is Delete with a step that runs on the renamed-away volume directory
+// before it is removed: a dir volume whose data is a btrfs subvolume deletes it
+// there. The step gets the directory the volume now lives in.
+func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(dir string) error) error {
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
 		return err
@@ -134,6 +145,11 @@ func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
 			return nil
 		}
 		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	if before != nil {
+		if err := before(trash); err != nil {
+			return fmt.Errorf("delete volume %s: %w", id, err)
+		}
 	}
 	// trash is built from a validated key inside the pool and RemoveAll does not
 	// follow symlinks, so nothing outside this one volume can be reached.

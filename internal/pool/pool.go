@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 
+	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 )
 
@@ -29,6 +30,10 @@ type Config struct {
 	// Overcommit is how many bytes of sparse capacity may be promised per free byte
 	// of the pool's filesystem. 1 (the default) never promises more than it has.
 	Overcommit float64 `json:"overcommit,omitempty"`
+	// RequireMount says the pool path must be a mount point. Until something is
+	// mounted there the pool is unavailable, so volumes never land on the node's
+	// root disk under an empty mount point. Set by the config's mount stanza.
+	RequireMount bool `json:"requireMount,omitempty"`
 }
 
 // Pool is an opened pool directory.
@@ -60,7 +65,7 @@ func Open(cfg Config) (*Pool, error) {
 		}
 	}
 	// A missing shared pool is not fatal: Probe reports it until it appears.
-	if _, err := os.Stat(cfg.Path); err == nil {
+	if _, err := os.Stat(cfg.Path); err == nil && p.mountReady() == nil {
 		if err := p.init(); err != nil {
 			return nil, err
 		}
@@ -107,6 +112,9 @@ func (p *Pool) Check() error {
 	if _, err := os.Stat(p.Path); err != nil {
 		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.Name, p.Path, err)
 	}
+	if err := p.mountReady(); err != nil {
+		return err
+	}
 	if _, err := os.Stat(vols); errors.Is(err, os.ErrNotExist) {
 		// A shared pool that appeared after start-up: lay it out now.
 		if err := p.init(); err != nil {
@@ -118,6 +126,24 @@ func (p *Pool) Check() error {
 	}
 	return nil
 }
+
+// mountReady fails when the pool must be a mount point and is not.
+func (p *Pool) mountReady() error {
+	if !p.RequireMount {
+		return nil
+	}
+	mounted, err := mountinfo.Mounted(p.Path)
+	if err != nil {
+		return fmt.Errorf("pool %s: %w: cannot tell whether %s is mounted: %w", p.Name, ErrUnavailable, p.Path, err)
+	}
+	if !mounted {
+		return fmt.Errorf("pool %s: %w: %s is not mounted yet", p.Name, ErrUnavailable, p.Path)
+	}
+	return nil
+}
+
+// ErrUnavailable marks a pool that cannot serve now (not mounted, missing).
+var ErrUnavailable = errors.New("pool unavailable")
 
 // Entry is one listed volume: its metadata, or the error that kept it from loading,
 // so one damaged volume never hides the others.

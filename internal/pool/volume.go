@@ -57,15 +57,12 @@ type Volume struct {
 	// Staged lists the nodes whose staging path holds the volume, so the controller
 	// can refuse to delete data a node still has mounted.
 	Staged []StageRecord `json:"staged,omitempty"`
-	// Published lists the nodes ControllerPublishVolume attached the volume to.
+	// Published lists the nodes the controller published the volume to
+	// (ControllerPublishVolume); for image volumes it is the attach fence.
 	Published []PublishRecord `json:"published,omitempty"`
-}
-
-// PublishRecord says that the controller published the volume to node.
-type PublishRecord struct {
-	Node     string    `json:"node"`
-	ReadOnly bool      `json:"readOnly"`
-	At       time.Time `json:"at"`
+	// Quota says how a dir volume's size is enforced; nil for image volumes,
+	// whose size is exact by construction.
+	Quota *DirQuota `json:"quota,omitempty"`
 }
 
 // StageRecord says that node has the volume staged at path.

@@ -1,0 +1,213 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// registerNode records this node in every present pool's node registry, once per
+// pool and process. A node plugin that registered with a pool is how a controller
+// (possibly on another machine, sharing the pool) tells a real node ID from a
+// wrong one in ControllerPublishVolume.
+func (d *Driver) registerNode(ctx context.Context) {
+	if !d.opts.Mode.node() {
+		return
+	}
+	for _, pn := range d.poolNames {
+		if _, done := d.registered.Load(pn); done {
+			continue
+		}
+		p := d.pools[pn]
+		if p.Check() != nil {
+			continue // not mounted yet: Probe tries again
+		}
+		if err := p.RegisterNode(d.opts.NodeID, d.nodeTopology()); err != nil {
+			klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", pn)
+			continue
+		}
+		d.registered.Store(pn, true)
+		klog.FromContext(ctx).V(2).Info("Registered node with pool", "pool", pn, "node", d.opts.NodeID)
+	}
+}
+
+// checkNode validates a node ID for a volume: syntactically, then that the node
+// has registered with the volume's pool and, for a local pool, that it is the node
+// holding the volume.
+func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
+	if err := pool.ValidateNodeID(node); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	if owner, ok := v.Topology[TopologyKey]; ok && owner != node {
+		return status.Errorf(codes.NotFound, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name, owner)
+	}
+	known, err := p.NodeRegistered(node)
+	if err != nil {
+		return poolStatus(err)
+	}
+	if !known {
+		return status.Errorf(codes.NotFound, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name)
+	}
+	return nil
+}
+
+// publishFence decides whether node may have the volume published the way it
+// asks. Image volumes are one filesystem image: any writer excludes every other
+// node, readers included, since a reader of a filesystem another node is writing
+// sees it corrupt. Dir volumes are directories on a shared filesystem and may be
+// published to any number of nodes.
+func publishFence(v *pool.Volume, node string, readOnly bool) error {
+	if v.Layout == pool.LayoutDir {
+		return nil
+	}
+	for _, r := range v.Published {
+		if r.Node == node {
+			continue
+		}
+		if !r.ReadOnly || !readOnly {
+			return status.Errorf(codes.FailedPrecondition,
+				"volume %s is published to node %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unpublish it there first (for a dead node see docs/fencing.md)",
+				v.ID, r.Node, r.ReadOnly, r.At.Format(time.RFC3339))
+		}
+	}
+	return nil
+}
+
+func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	if req.GetVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	node := req.GetNodeId()
+	if node == "" {
+		return nil, status.Error(codes.InvalidArgument, "node_id is required")
+	}
+	vc := req.GetVolumeCapability()
+	if vc == nil {
+		return nil, status.Error(codes.InvalidArgument, "volume_capability is required")
+	}
+	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	if err != nil {
+		return nil, err
+	}
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.acquire(vid.String(), "ControllerPublishVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	// The pool's volume lock is a lock file: controllers of other nodes sharing
+	// the pool wait on the same one, so two of them cannot both grant a writer.
+	unlock, err := p.LockVolume(ctx, vid)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
+	} else if err != nil {
+		return nil, poolStatus(err)
+	}
+	defer unlock()
+	v, err := loadVolume(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.checkNode(p, v, node); err != nil {
+		return nil, err
+	}
+	if err := caps.compatible(v); err != nil {
+		return nil, status.Error(codes.InvalidArgument, err.Error())
+	}
+	readOnly := req.GetReadonly() || readOnlyMode(vc.GetAccessMode().GetMode())
+	if r, ok := v.PublishedTo(node); ok {
+		if r.ReadOnly != readOnly {
+			return nil, status.Errorf(codes.AlreadyExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
+		}
+		return &csi.ControllerPublishVolumeResponse{PublishContext: publishContext(v)}, nil
+	}
+	if err := publishFence(v, node, readOnly); err != nil {
+		return nil, err
+	}
+	v.SetPublished(node, readOnly, time.Now())
+	if err := p.Save(v); err != nil {
+		return nil, poolStatus(err)
+	}
+	klog.FromContext(ctx).Info("Published volume to node", "volume", vid, "node", node, "readOnly", readOnly, "layout", v.Layout)
+	return &csi.ControllerPublishVolumeResponse{PublishContext: publishContext(v)}, nil
+}
+
+func publishContext(v *pool.Volume) map[string]string {
+	return map[string]string{ParamLayout: string(v.Layout)}
+}
+
+// ControllerUnpublishVolume forgets node's publish record (every node's when no
+// node is named, as the spec asks). A volume or record that is already gone is
+// success: the volume is then certainly not published there.
+func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	vid, err := parseVolumeID(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	node := req.GetNodeId()
+	if node != "" {
+		if err := pool.ValidateNodeID(node); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	p := d.pool(vid.Pool)
+	if p == nil {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	}
+	release, err := d.locks.acquire(vid.String(), "ControllerUnpublishVolume")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	var cleared []string
+	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) bool {
+		before := v.PublishedNodes()
+		v.ClearPublished(node)
+		if len(v.Published) == len(before) {
+			return false
+		}
+		for _, n := range before {
+			if _, still := v.PublishedTo(n); !still {
+				cleared = append(cleared, n)
+			}
+		}
+		return true
+	})
+	if err != nil && status.Code(err) != codes.NotFound {
+		return nil, err
+	}
+	if len(cleared) > 0 {
+		klog.FromContext(ctx).Info("Unpublished volume from node", "volume", vid, "nodes", strings.Join(cleared, ","))
+	}
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
+}
+
+// nodeFence is the node side of the fence: a node never stages an image volume
+// read-write while the controller has granted it to another node, even if the CO
+// skipped ControllerPublishVolume.
+func (d *Driver) nodeFence(nv nodeVolume, readOnly bool) error {
+	if err := publishFence(nv.vol, d.opts.NodeID, readOnly); err != nil {
+		return status.Errorf(codes.FailedPrecondition, "refusing to stage here (node %s): %s", d.opts.NodeID, status.Convert(err).Message())
+	}
+	return nil
+}
+
+// publishedError refuses to delete a volume that is published somewhere.
+func publishedError(v *pool.Volume) error {
+	if len(v.Published) == 0 {
+		return nil
+	}
+	return status.Errorf(codes.FailedPrecondition, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
+}

@@ -1,0 +1,198 @@
+// Package poolmount mounts a shared pool's filesystem (an NFS export, CephFS, …)
+// at the pool path when the config file's mount stanza asks for it. It keeps
+// mounts out of internal/pool, which only reads and writes the pool's files.
+package poolmount
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"k8s.io/klog/v2"
+	mountutils "k8s.io/mount-utils"
+)
+
+// DefaultTimeout bounds one mount attempt. An unreachable NFS server otherwise
+// holds mount(8) for minutes.
+const DefaultTimeout = 30 * time.Second
+
+// Spec is a pool's mount stanza:
+//
+//	mount:
+//	  type: nfs
+//	  source: nfs.example.com:/export/poolcsi
+//	  options: [nfsvers=4.1, hard]
+//	  timeout: 30s
+type Spec struct {
+	Type    string   `json:"type,omitempty"`
+	Source  string   `json:"source"`
+	Options []string `json:"options,omitempty"`
+	Timeout string   `json:"timeout,omitempty"`
+}
+
+// Validate checks the stanza before anything is run.
+func (s Spec) Validate() error {
+	if s.Source == "" {
+		return errors.New("mount: source is required")
+	}
+	if s.Type == "" && !s.isBind() {
+		return errors.New("mount: type is required (or options: [bind])")
+	}
+	for _, o := range s.Options {
+		if o == "" || strings.ContainsAny(o, ",\x00") {
+			return fmt.Errorf("mount: option %q must be one option without commas", o)
+		}
+	}
+	if _, err := s.timeout(); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (s Spec) isBind() bool {
+	for _, o := range s.Options {
+		if o == "bind" || o == "rbind" {
+			return true
+		}
+	}
+	return false
+}
+
+func (s Spec) timeout() (time.Duration, error) {
+	if s.Timeout == "" {
+		return DefaultTimeout, nil
+	}
+	d, err := time.ParseDuration(s.Timeout)
+	if err != nil || d <= 0 {
+		return 0, fmt.Errorf("mount: timeout %q: want a positive duration such as 30s", s.Timeout)
+	}
+	return d, nil
+}
+
+// Args is the mount(8) command line that mounts the stanza at target, built by
+// mount-utils exactly as kubelet builds its own.
+func (s Spec) Args(target string) []string {
+	return mountutils.MakeMountArgs(s.Source, target, s.Type, s.Options)
+}
+
+// Mounter keeps one pool's mount.
+type Mounter struct {
+	Pool string
+	Path string
+	Spec Spec
+	// Command is the mount program; tests replace it to produce a mount that hangs.
+	Command string
+
+	mu       sync.Mutex
+	inFlight bool // a mount process is still running (maybe stuck in the kernel)
+	lastErr  error
+}
+
+// New checks the stanza and returns a Mounter for it.
+func New(pool, path string, spec Spec) (*Mounter, error) {
+	if err := spec.Validate(); err != nil {
+		return nil, fmt.Errorf("pool %s: %w", pool, err)
+	}
+	return &Mounter{Pool: pool, Path: path, Spec: spec, Command: "mount"}, nil
+}
+
+// Ensure mounts the pool unless something is mounted there already. It returns
+// after the stanza's timeout at the latest. A timed-out mount(8) is killed, but a
+// mount stuck in the kernel may outlive the kill: no new attempt starts until it
+// has ended, so stuck attempts never pile up (csi-driver-nfs #1271).
+func (m *Mounter) Ensure(ctx context.Context) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	err := m.ensure(ctx)
+	m.lastErr = err
+	return err
+}
+
+func (m *Mounter) ensure(ctx context.Context) error {
+	if mounted, err := mountinfo.Mounted(m.Path); err == nil && mounted {
+		return nil
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("pool %s: inspect %s: %w", m.Pool, m.Path, err)
+	}
+	if m.inFlight {
+		return fmt.Errorf("pool %s: an earlier mount of %s at %s has not ended yet", m.Pool, m.Spec.Source, m.Path)
+	}
+	if err := os.MkdirAll(m.Path, 0o750); err != nil {
+		return fmt.Errorf("pool %s: create mount point: %w", m.Pool, err)
+	}
+	timeout, _ := m.Spec.timeout()
+	args := m.Spec.Args(m.Path)
+	cmd := exec.Command(m.Command, args...)
+	var out strings.Builder
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("pool %s: run %s: %w", m.Pool, m.Command, err)
+	}
+	m.inFlight = true
+	done := make(chan error, 1)
+	go func() {
+		err := cmd.Wait()
+		m.mu.Lock()
+		m.inFlight = false
+		m.mu.Unlock()
+		done <- err
+	}()
+	log := klog.FromContext(ctx)
+	log.Info("Mounting pool", "pool", m.Pool, "command", m.Command+" "+strings.Join(args, " "), "timeout", timeout)
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	// The waiting goroutine takes m.mu to clear inFlight, so release it while waiting.
+	m.mu.Unlock()
+	defer m.mu.Lock()
+	select {
+	case err := <-done:
+		if err != nil {
+			return fmt.Errorf("pool %s: mount %s at %s: %w: %s", m.Pool, m.Spec.Source, m.Path, err, strings.TrimSpace(out.String()))
+		}
+		log.Info("Mounted pool", "pool", m.Pool, "path", m.Path)
+		return nil
+	case <-t.C:
+		_ = cmd.Process.Kill()
+		return fmt.Errorf("pool %s: mount %s at %s did not finish within %s", m.Pool, m.Spec.Source, m.Path, timeout)
+	case <-ctx.Done():
+		_ = cmd.Process.Kill()
+		return fmt.Errorf("pool %s: mount %s: %w", m.Pool, m.Spec.Source, ctx.Err())
+	}
+}
+
+// Ready is a readiness check for Probe: nil once the pool is mounted, otherwise
+// why not (the last attempt's error).
+func (m *Mounter) Ready() error {
+	if mounted, err := mountinfo.Mounted(m.Path); err == nil && mounted {
+		return nil
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.lastErr != nil {
+		return m.lastErr
+	}
+	return fmt.Errorf("pool %s: %s is not mounted yet", m.Pool, m.Path)
+}
+
+// Keep retries Ensure every interval until ctx ends, so a pool whose server was
+// down at start-up is mounted when it comes back, without a driver restart.
+func (m *Mounter) Keep(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if err := m.Ensure(ctx); err != nil {
+				klog.FromContext(ctx).Error(err, "Pool still not mounted", "pool", m.Pool)
+			}
+		}
+	}
+}
