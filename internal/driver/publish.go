@@ -31,7 +31,7 @@ func (d *Driver) registerNode(ctx context.Context) {
 		if p.Check() != nil {
 			continue // not mounted yet: Probe tries again
 		}
-		if err := p.RegisterNode(d.opts.NodeID, d.nodeTopology()); err != nil {
+		if err := p.RegisterNode(d.opts.NodeID, d.nodeTopology(), d.opts.MaxVolumesPerNode); err != nil {
 			klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", pn)
 			continue
 		}
@@ -136,6 +136,9 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err := publishFence(v, node, readOnly); err != nil {
 		return nil, err
 	}
+	if err := d.checkAttachLimit(ctx, p, node); err != nil {
+		return nil, err
+	}
 	v.SetPublished(node, readOnly, time.Now())
 	if err := p.Save(v); err != nil {
 		return nil, poolStatus(err)
@@ -210,4 +213,35 @@ func publishedError(v *pool.Volume) error {
 		return nil
 	}
 	return status.Errorf(codes.FailedPrecondition, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
+}
+
+// checkAttachLimit refuses to publish one volume more to a node that already holds
+// as many as its --max-volumes-per-node. The scheduler enforces the same limit
+// from CSINode; this catches whatever reaches the controller regardless. It counts
+// by listing every pool, which is proportional to the number of volumes and runs
+// only on a new publish.
+func (d *Driver) checkAttachLimit(ctx context.Context, p *pool.Pool, node string) error {
+	rec, ok, err := p.Node(node)
+	if err != nil || !ok || rec.MaxVolumes <= 0 {
+		return poolStatus(err)
+	}
+	var held int64
+	for _, pn := range d.poolNames {
+		entries, err := d.pools[pn].List()
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "count volumes published to node %s: %v", node, err)
+		}
+		for _, e := range entries {
+			if e.Volume == nil {
+				continue
+			}
+			if _, published := e.Volume.PublishedTo(node); published {
+				held++
+			}
+		}
+	}
+	if held >= rec.MaxVolumes {
+		return status.Errorf(codes.ResourceExhausted, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
+	}
+	return nil
 }

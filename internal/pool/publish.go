@@ -103,9 +103,12 @@ func ValidateNodeID(node string) error {
 
 // NodeRecord is <pool>/nodes/<node>.json: the node plugin of node serves this pool.
 type NodeRecord struct {
-	Node         string            `json:"node"`
-	Topology     map[string]string `json:"topology,omitempty"`
-	RegisteredAt time.Time         `json:"registeredAt"`
+	Node     string            `json:"node"`
+	Topology map[string]string `json:"topology,omitempty"`
+	// MaxVolumes is the node's --max-volumes-per-node (0: no limit), so every
+	// controller sharing the pool can hold ControllerPublishVolume to it.
+	MaxVolumes   int64     `json:"maxVolumes,omitempty"`
+	RegisteredAt time.Time `json:"registeredAt"`
 }
 
 func (p *Pool) nodePath(node string) string {
@@ -116,15 +119,33 @@ func (p *Pool) nodePath(node string) string {
 // nowhere else (poolcsi talks to no API server), and a controller must be able to
 // tell a node that can reach the pool from a typo: the registry in the pool itself
 // answers that for every controller replica that shares it.
-func (p *Pool) RegisterNode(node string, topology map[string]string) error {
+func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes int64) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
 	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
 		return fmt.Errorf("pool %s: register node %s: %w", p.Name, node, err)
 	}
-	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, RegisteredAt: time.Now().UTC()}, "", "  ")
+	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
 	return writeFileAtomic(p.nodePath(node), append(raw, '\n'))
+}
+
+// Node reads node's registration; ok is false when it never registered.
+func (p *Pool) Node(node string) (rec NodeRecord, ok bool, err error) {
+	if err := ValidateNodeID(node); err != nil {
+		return rec, false, err
+	}
+	raw, err := os.ReadFile(p.nodePath(node))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return rec, false, nil
+	case err != nil:
+		return rec, false, fmt.Errorf("pool %s: read node %s: %w", p.Name, node, err)
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		return rec, false, fmt.Errorf("pool %s: node record %s is damaged: %w", p.Name, node, err)
+	}
+	return rec, true, nil
 }
 
 // NodeRegistered tells whether node has registered with the pool.

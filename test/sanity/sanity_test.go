@@ -69,7 +69,8 @@ func runSanity(t *testing.T, access string) {
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
 	poolDir := filepath.Join(root, "pool")
-	d := harness.Start(t, harness.Options{NodeID: "sanity-node", Pools: []string{"sanity=" + poolDir}})
+	// A small attach limit lets the suite check that the controller holds it.
+	d := harness.Start(t, harness.Options{NodeID: "sanity-node", Pools: []string{"sanity=" + poolDir}, Args: []string{"--max-volumes-per-node", "4"}})
 
 	cfg := sanity.NewTestConfig()
 	cfg.Address = d.Endpoint
@@ -82,7 +83,7 @@ func runSanity(t *testing.T, access string) {
 	cfg.TestVolumeExpandSize = 128 << 20
 	cfg.IDGen = idGen{}
 	cfg.IdempotentCount = 2
-	cfg.TestNodeVolumeAttachLimit = false
+	cfg.TestNodeVolumeAttachLimit = true
 	cfg.CheckPath = func(path string) (sanity.PathKind, error) {
 		fi, err := os.Stat(path)
 		switch {

@@ -32,7 +32,7 @@ func TestSanityDirLayout(t *testing.T) {
 	testutil.RequireRoot(t)
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
-	d := harness.Start(t, harness.Options{NodeID: "sanity-node", Pools: []string{"sanity=" + filepath.Join(root, "pool")}})
+	d := harness.Start(t, harness.Options{NodeID: "sanity-node", Pools: []string{"sanity=" + filepath.Join(root, "pool")}, Args: []string{"--max-volumes-per-node", "4"}})
 
 	cfg := sanity.NewTestConfig()
 	cfg.Address = d.Endpoint
@@ -43,7 +43,7 @@ func TestSanityDirLayout(t *testing.T) {
 	cfg.TestVolumeParameters = map[string]string{"layout": "dir"}
 	cfg.IDGen = idGen{}
 	cfg.IdempotentCount = 2
-	cfg.TestNodeVolumeAttachLimit = false
+	cfg.TestNodeVolumeAttachLimit = true
 	cfg.CheckPath = func(path string) (sanity.PathKind, error) {
 		fi, err := os.Stat(path)
 		switch {
