@@ -124,10 +124,9 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err != nil {
 		return nil, err
 	}
-	path, err := cleanPath("volume_path", req.GetVolumePath())
+	path, err := volumePath(vid, req.GetVolumePath())
 	if err != nil {
-		// Kubelet only sends absolute paths; anything else cannot hold the volume.
-		return nil, status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, req.GetVolumePath(), status.Convert(err).Message())
+		return nil, err
 	}
 	if vc := req.GetVolumeCapability(); vc != nil {
 		caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")

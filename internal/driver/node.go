@@ -57,6 +57,28 @@ type nodeVolume struct {
 	caps capsSpec
 }
 
+// beginNodeCall checks the ID and capability every stage and publish carries,
+// takes the volume's in-process lock and resolves the volume. The caller defers
+// release.
+func (d *Driver) beginNodeCall(method, volumeID string, vc *csi.VolumeCapability) (nodeVolume, func(), error) {
+	if volumeID == "" {
+		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_id is required")
+	}
+	if vc == nil {
+		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_capability is required")
+	}
+	release, err := d.locks.acquire(volumeID, method)
+	if err != nil {
+		return nodeVolume{}, nil, err
+	}
+	nv, err := d.resolveNodeVolume(volumeID, vc)
+	if err != nil {
+		release()
+		return nodeVolume{}, nil, err
+	}
+	return nv, release, nil
+}
+
 func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (nodeVolume, error) {
 	var nv nodeVolume
 	if vc == nil {
@@ -80,25 +102,15 @@ func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (n
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
-	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
 	staging, err := cleanPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
-	if req.GetVolumeCapability() == nil {
-		return nil, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	release, err := d.locks.acquire(req.GetVolumeId(), "NodeStageVolume")
+	nv, release, err := d.beginNodeCall("NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	nv, err := d.resolveNodeVolume(req.GetVolumeId(), req.GetVolumeCapability())
-	if err != nil {
-		return nil, err
-	}
 	if nv.vol.Layout == pool.LayoutDir {
 		if err := d.stageDir(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
 			return nil, err
@@ -267,9 +279,6 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 }
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
 	target, err := cleanPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
@@ -278,18 +287,11 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
-	if req.GetVolumeCapability() == nil {
-		return nil, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	release, err := d.locks.acquire(req.GetVolumeId(), "NodePublishVolume")
+	nv, release, err := d.beginNodeCall("NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability())
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	nv, err := d.resolveNodeVolume(req.GetVolumeId(), req.GetVolumeCapability())
-	if err != nil {
-		return nil, err
-	}
 	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	if nv.vol.Layout == pool.LayoutDir {
 		if err := d.publishDir(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {

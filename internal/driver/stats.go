@@ -23,18 +23,17 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured here", vid, vid.Pool)
+	_, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
 	}
 	v, err := loadVolume(p, vid)
 	if err != nil {
 		return nil, err
 	}
-	path, err := cleanPath("volume_path", req.GetVolumePath())
+	path, err := volumePath(vid, req.GetVolumePath())
 	if err != nil {
-		// Kubelet only sends absolute paths; anything else cannot hold the volume.
-		return nil, status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, req.GetVolumePath(), status.Convert(err).Message())
+		return nil, err
 	}
 	if v.Layout == pool.LayoutDir {
 		return d.dirStats(ctx, p, vid, v, path)

@@ -186,3 +186,14 @@ func cleanPath(field, p string) (string, error) {
 	}
 	return filepath.Clean(p), nil
 }
+
+// volumePath validates the volume_path of NodeGetVolumeStats and NodeExpandVolume.
+// Kubelet only sends absolute paths, so any other path cannot hold the volume:
+// NOT_FOUND, as the CSI sanity suite expects, rather than INVALID_ARGUMENT.
+func volumePath(vid pool.VolumeID, raw string) (string, error) {
+	path, err := cleanPath("volume_path", raw)
+	if err != nil {
+		return "", status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
+	}
+	return path, nil
+}
