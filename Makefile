@@ -2,7 +2,7 @@
 BIN := bin/poolcsi
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: build test run clean
+.PHONY: build test run demo clean
 
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
@@ -13,7 +13,11 @@ test:
 
 # Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
 run: build
-	$(BIN) serve --endpoint unix:///run/poolcsi/csi.sock --node-id $$(hostname) --pool local=/var/lib/poolcsi/pools/local -v 3
+	$(BIN) serve --endpoint unix:///run/poolcsi/csi.sock --node-id $$(hostname) --pool local=/var/lib/poolcsi/pools/local --metrics-address 127.0.0.1:9808 -v 3
 
 clean:
 	rm -rf bin
+
+# A guided tour (root): one volume through every CSI call on a throw-away pool.
+demo:
+	go run ./cmd/poolcsi demo

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-go test ./test/sanity -count=1 -v -args -ginkgo.v -ginkgo.no-color >"$log" 2>&1 || true
+POOLCSI_SANITY_ACCESS=mount go test ./test/sanity -run "^TestSanity$" -count=1 -v -args -ginkgo.v -ginkgo.no-color >"$log" 2>&1 || true
 awk '
 /^S \[SKIPPED\]/ { getline name; want = 1; next }
 want && /^  \[SKIPPED\] [^i]/ { sub(/^  \[SKIPPED\] /, ""); reason = $0; specs[reason] = specs[reason] "\n  - " name; n[reason]++; want = 0 }
