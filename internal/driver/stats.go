@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"os"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -14,7 +15,8 @@ import (
 
 // NodeGetVolumeStats reports usage of a staged or published volume; kubelet turns
 // it into the kubelet_volume_stats_* metrics. It is on kubelet's hot path (every
-// volume, every minute), so it reads mountinfo and calls statfs, and nothing more.
+// volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
+// device ioctl and a statfs; the others also read volume.json and mountinfo.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
@@ -27,24 +29,38 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err != nil {
 		return nil, err
 	}
-	v, err := loadVolume(p, vid)
+	path, err := volumePath(vid, req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
-	path, err := volumePath(vid, req.GetVolumePath())
+	// Fast path, for ext4 and xfs image volumes: the path shows the filesystem of
+	// the loop device backed by this volume's image, which proves everything the
+	// call needs without reading volume.json or mountinfo.
+	image := p.ImagePath(vid)
+	if _, err := os.Stat(image); err == nil {
+		if dev, ok, _ := d.loops.Find(image); ok && showsDevice(path, dev) {
+			return filesystemStats(path)
+		}
+	}
+	v, err := loadVolume(p, vid)
 	if err != nil {
 		return nil, err
 	}
 	if v.Layout == pool.LayoutDir {
 		return d.dirStats(ctx, p, vid, v, path)
 	}
-	info, mounted, err := d.mounter.Info(path)
-	if err != nil {
-		return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
+	dev, attached, _ := d.loops.Find(image)
+	if !attached {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node, so not mounted at %s", vid, path)
 	}
-	dev, attached, _ := d.loops.Find(p.ImagePath(vid))
-	if !mounted || !attached || !(info.Source == dev || d.sameDevice(info, dev)) {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
+	if !showsDevice(path, dev) {
+		info, mounted, err := d.mounter.Info(path)
+		if err != nil {
+			return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
+		}
+		if !mounted || !(info.Source == dev || d.sameDevice(info, dev)) {
+			return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
+		}
 	}
 	if v.AccessType == pool.AccessBlock {
 		size, err := mount.DeviceSize(dev)
@@ -53,6 +69,11 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
+	return filesystemStats(path)
+}
+
+// filesystemStats is the usage of the filesystem mounted at path.
+func filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(path, &st); err != nil {
 		return nil, status.Errorf(codes.Internal, "statfs %s: %v", path, err)
@@ -62,4 +83,17 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
 		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
 	}}, nil
+}
+
+// showsDevice tells whether path is inside the filesystem on block device dev,
+// from st_dev alone: ext4 and xfs report the device they sit on, so one stat
+// answers what reading all of /proc/self/mountinfo (most of this call's cost)
+// would. btrfs reports an anonymous device and block volumes are device nodes:
+// both answer false here and take the mountinfo path.
+func showsDevice(path, dev string) bool {
+	var p, d unix.Stat_t
+	if unix.Stat(path, &p) != nil || unix.Stat(dev, &d) != nil {
+		return false
+	}
+	return d.Mode&unix.S_IFMT == unix.S_IFBLK && d.Rdev != 0 && p.Dev == d.Rdev
 }
