@@ -37,28 +37,51 @@ func BenchmarkLifecycle(b *testing.B) {
 		ctx := context.Background()
 		vc := harness.MountCap("xfs", harness.RWO)
 		staging, target := filepath.Join(root, "staging"), filepath.Join(root, "pod")
+		steps := map[string][]time.Duration{}
 		var times []time.Duration
 		for i := 0; b.Loop(); i++ {
 			start := time.Now()
-			v, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
-				Name: "bench-" + strconv.Itoa(i), CapacityRange: &csi.CapacityRange{RequiredBytes: size},
-				VolumeCapabilities: []*csi.VolumeCapability{vc},
+			step := func(name string, call func() error) {
+				t0 := time.Now()
+				must(b, call())
+				steps[name] = append(steps[name], time.Since(t0))
+			}
+			var id string
+			step("create", func() error {
+				v, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
+					Name: "bench-" + strconv.Itoa(i), CapacityRange: &csi.CapacityRange{RequiredBytes: size},
+					VolumeCapabilities: []*csi.VolumeCapability{vc},
+				})
+				id = v.GetVolume().GetVolumeId()
+				return err
 			})
-			must(b, err)
-			id := v.GetVolume().GetVolumeId()
-			_, err = d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc})
-			must(b, err)
-			_, err = d.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: vc})
-			must(b, err)
-			_, err = d.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
-			must(b, err)
-			_, err = d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
-			must(b, err)
-			_, err = d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
-			must(b, err)
+			step("stage", func() error {
+				_, err := d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc})
+				return err
+			})
+			step("publish", func() error {
+				_, err := d.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: vc})
+				return err
+			})
+			step("unpublish", func() error {
+				_, err := d.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+				return err
+			})
+			step("unstage", func() error {
+				_, err := d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+				return err
+			})
+			step("delete", func() error {
+				_, err := d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+				return err
+			})
 			times = append(times, time.Since(start))
 		}
 		reportMedian(b, times)
+		for name, ds := range steps {
+			slices.Sort(ds)
+			b.ReportMetric(float64(ds[len(ds)/2].Microseconds())/1000, name+"-ms")
+		}
 	})
 
 	b.Run("raw-commands", func(b *testing.B) {
