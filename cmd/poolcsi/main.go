@@ -54,6 +54,7 @@ const usage = `poolcsi — a CSI driver that carves volumes out of local or shar
 Usage:
   poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
   poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
+  poolcsi pool list|check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
   poolcsi version
 
@@ -85,7 +86,9 @@ func main() {
 	}
 	klog.Flush()
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "poolcsi: %v\n", err)
+		if !errors.Is(err, errProblems) {
+			fmt.Fprintf(os.Stderr, "poolcsi: %v\n", err)
+		}
 		os.Exit(1)
 	}
 }

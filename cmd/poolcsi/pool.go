@@ -5,31 +5,148 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
+	"os"
 	"path/filepath"
 	"strings"
+	"text/tabwriter"
+	"time"
 
+	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 const poolUsage = `Usage:
+  poolcsi pool list --path POOL_DIR
+  poolcsi pool check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
 
+list shows every volume with its size, the bytes its image holds, where it is
+staged and published, and its controller-side health.
+check reports damaged or unhealthy volumes and leftovers of interrupted calls;
+it exits 1 when it finds any. Neither changes anything.
 unfence forgets that NODE (every node, without --node) holds the volume, so
 another node may publish it. Only for a node that is dead or fenced off: see
 docs/fencing.md.
 `
 
-// poolCmd runs the operator commands that work on a pool directory directly.
+// poolCmd runs the operator commands that work on a pool directory directly,
+// without a driver: they read what the pool says about itself.
 func poolCmd(ctx context.Context, args []string) error {
-	if len(args) == 0 || args[0] != "unfence" {
+	if len(args) == 0 {
 		fmt.Print(poolUsage)
-		return errors.New("pool: want a subcommand (unfence)")
+		return errors.New("pool: want a subcommand (list, check, unfence)")
 	}
+	switch args[0] {
+	case "list":
+		return poolList(os.Stdout, args[1:])
+	case "check":
+		return poolCheck(os.Stdout, args[1:])
+	case "unfence":
+		return poolUnfence(ctx, args[1:])
+	case "-h", "--help", "help":
+		fmt.Print(poolUsage)
+		return nil
+	}
+	fmt.Print(poolUsage)
+	return fmt.Errorf("pool: unknown subcommand %q", args[0])
+}
+
+// openPoolFlag parses --path and opens the pool it names, read-only in spirit.
+func openPoolFlag(name string, args []string) (*pool.Pool, error) {
+	fs := flag.NewFlagSet("pool "+name, flag.ContinueOnError)
+	path := fs.String("path", "", "the pool's directory")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	if *path == "" {
+		return nil, fmt.Errorf("pool %s: --path is required", name)
+	}
+	return pool.OpenExisting(*path)
+}
+
+func poolList(out io.Writer, args []string) error {
+	p, err := openPoolFlag("list", args)
+	if err != nil {
+		return err
+	}
+	scan, err := health.ScanPool(p, health.DefaultOptions)
+	if err != nil {
+		return err
+	}
+	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(w, "VOLUME\tNAME\tLAYOUT\tTYPE\tCAPACITY\tHELD\tSTAGED\tPUBLISHED\tHEALTH")
+	for _, r := range scan.Volumes {
+		v := r.Volume
+		if v == nil {
+			fmt.Fprintf(w, "%s\t?\t?\t?\t?\t?\t?\t?\t%s\n", r.ID, health.Summary(r.Issues))
+			continue
+		}
+		kind := v.FSType
+		if v.AccessType == pool.AccessBlock {
+			kind = "block"
+		}
+		var staged []string
+		for _, s := range v.Staged {
+			staged = append(staged, s.Node)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
+			mib(v.CapacityBytes), mib(r.AllocatedBytes), orDash(strings.Join(staged, ",")),
+			orDash(strings.Join(v.PublishedNodes(), ",")), health.Summary(r.Issues))
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	s := scan.Space
+	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes\n", p.Name, p.Path, mib(s.Free), mib(s.Total), len(scan.Volumes))
+	return nil
+}
+
+// errProblems makes `pool check` exit 1 without a second message.
+var errProblems = errors.New("problems found")
+
+func poolCheck(out io.Writer, args []string) error {
+	p, err := openPoolFlag("check", args)
+	if err != nil {
+		return err
+	}
+	problems := 0
+	if err := p.Check(); err != nil {
+		fmt.Fprintf(out, "POOL  %v\n", err)
+		problems++
+	}
+	scan, err := health.ScanPool(p, health.DefaultOptions)
+	if err != nil {
+		return err
+	}
+	for _, r := range scan.Volumes {
+		for _, is := range r.Issues {
+			fmt.Fprintf(out, "%s  %s %s: %s\n", is.Status, r.ID, is.Reason, is.Message)
+			problems++
+		}
+	}
+	left, err := p.Leftovers(time.Now())
+	if err != nil {
+		return err
+	}
+	for _, l := range left {
+		fmt.Fprintf(out, "LEFTOVER  %s: %s\n", l.Path, l.Reason)
+		problems++
+	}
+	if problems > 0 {
+		fmt.Fprintf(out, "pool %s: %d problems in %d volumes\n", p.Name, problems, len(scan.Volumes))
+		return errProblems
+	}
+	fmt.Fprintf(out, "pool %s: %d volumes, no problems\n", p.Name, len(scan.Volumes))
+	return nil
+}
+
+func poolUnfence(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("pool unfence", flag.ContinueOnError)
 	path := fs.String("path", "", "the pool's directory")
 	volume := fs.String("volume", "", "the volume ID (<pool>.<32 hex>)")
 	node := fs.String("node", "", "the node whose record to drop (default: every node)")
-	if err := fs.Parse(args[1:]); err != nil {
+	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
 		}
@@ -56,4 +173,13 @@ func poolCmd(ctx context.Context, args []string) error {
 	}
 	fmt.Printf("volume %s: dropped the publish record of %s\n", id, strings.Join(gone, ", "))
 	return nil
+}
+
+func mib(n int64) string { return fmt.Sprintf("%dMi", n>>20) }
+
+func orDash(s string) string {
+	if s == "" {
+		return "-"
+	}
+	return s
 }

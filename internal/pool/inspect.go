@@ -1,0 +1,73 @@
+package pool
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// OpenExisting opens a pool directory that already exists for inspection by an
+// operator tool: the name comes from its pool.json, and nothing is created.
+func OpenExisting(path string) (*Pool, error) {
+	path = filepath.Clean(path)
+	raw, err := os.ReadFile(filepath.Join(path, poolMeta))
+	if err != nil {
+		return nil, fmt.Errorf("%s is not a poolcsi pool (no readable %s): %w", path, poolMeta, err)
+	}
+	var info poolInfo
+	if err := json.Unmarshal(raw, &info); err != nil {
+		return nil, fmt.Errorf("%s: %s is damaged: %w", path, poolMeta, err)
+	}
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return nil, err
+	}
+	// Shared, so that Open never creates or initialises anything.
+	return Open(Config{Name: info.Name, Path: abs, Shared: true})
+}
+
+// Leftover is something in a pool's volumes directory that is not a volume: the
+// remains of an interrupted create or delete, or a stranger.
+type Leftover struct {
+	Path   string
+	Reason string
+}
+
+// StaleCreate is how long a volume may stay in state creating before Leftovers
+// reports it: a create that has not finished by then was abandoned, and its
+// CreateVolume retry will never come if the PVC is gone.
+const StaleCreate = time.Hour
+
+// Leftovers lists what does not belong in the pool's volumes directory. It only
+// reads; removing anything is the operator's decision.
+func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
+	dir := filepath.Join(p.Path, volumesDir)
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("list pool %s: %w", p.Name, err)
+	}
+	var out []Leftover
+	for _, de := range des {
+		path := filepath.Join(dir, de.Name())
+		switch {
+		case strings.HasPrefix(de.Name(), ".deleting-"):
+			out = append(out, Leftover{path, "an interrupted DeleteVolume; the volume is gone, its data may remain: remove it"})
+		case !de.IsDir() || !keyRE.MatchString(de.Name()):
+			out = append(out, Leftover{path, "not a poolcsi volume directory"})
+		default:
+			id := VolumeID{Pool: p.Name, Key: de.Name()}
+			v, err := p.Load(id)
+			switch {
+			case errors.Is(err, os.ErrNotExist):
+				out = append(out, Leftover{path, "volume directory without volume.json (a create interrupted before its metadata was written)"})
+			case err == nil && v.State == StateCreating && now.Sub(v.CreatedAt) > StaleCreate:
+				out = append(out, Leftover{path, fmt.Sprintf("volume %q has been creating since %s; if its PVC is gone, delete the volume", v.Name, v.CreatedAt.Format(time.RFC3339))})
+			}
+		}
+	}
+	return out, nil
+}
