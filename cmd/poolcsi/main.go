@@ -115,6 +115,7 @@ func serve(ctx context.Context, args []string) error {
 	mode := fs.String("mode", "all", "services to serve: controller, node or all")
 	configFile := fs.String("config", "", "YAML config file with a pools: list")
 	maxVolumes := fs.Int64("max-volumes-per-node", 0, "volumes a node may hold, reported to the scheduler (0: no limit)")
+	expandOnNode := fs.Bool("expand-on-node", false, "grow local-pool images in NodeExpandVolume and do not advertise controller expansion (for a cluster-wide resizer serving node-local pools)")
 	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (empty: no metrics)")
 	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
 	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
@@ -176,6 +177,7 @@ func serve(ctx context.Context, args []string) error {
 		Mode:              m,
 		Pools:             opened,
 		MaxVolumesPerNode: *maxVolumes,
+		ExpandOnNode:      *expandOnNode,
 		Health:            thresholds,
 		Readiness:         readiness,
 	})

@@ -43,6 +43,9 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
 	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps))
 	for _, c := range controllerCaps {
+		if c == csi.ControllerServiceCapability_RPC_EXPAND_VOLUME && d.opts.ExpandOnNode {
+			continue
+		}
 		out = append(out, &csi.ControllerServiceCapability{
 			Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: c}},
 		})

@@ -59,6 +59,10 @@ type Options struct {
 	// MaxVolumesPerNode is reported by NodeGetInfo; 0 means no limit. A loop
 	// device per volume is the real bound on a node.
 	MaxVolumesPerNode int64
+	// ExpandOnNode moves image growth of local pools into NodeExpandVolume and
+	// stops advertising controller EXPAND_VOLUME, for deployments whose single
+	// resizer cannot reach every node's local pool (see docs/deploy.md).
+	ExpandOnNode bool
 	// Health holds the thresholds of the volume health checks; zero values
 	// take health.DefaultOptions.
 	Health health.Options

@@ -71,12 +71,21 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if v.Layout == pool.LayoutDir {
 		return d.expandDir(ctx, p, vid, r)
 	}
-	size, err := pool.Capacity(r.GetRequiredBytes(), limit, minSizeOf(v))
+	if v, err = d.growImage(ctx, p, vid, v, r); err != nil {
+		return nil, err
+	}
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+}
+
+// growImage grows an image volume's file to the range asked (rounded as
+// CreateVolume rounds) and records the new size.
+func (d *Driver) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
+	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), minSizeOf(v))
 	if err != nil {
 		return nil, poolStatus(err)
 	}
 	before := v.CapacityBytes
-	v, err = p.Grow(ctx, vid, size, limit)
+	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes())
 	switch {
 	case errors.Is(err, pool.ErrNotReady), errors.Is(err, os.ErrNotExist):
 		return nil, status.Errorf(codes.NotFound, "volume %s: %v", vid, err)
@@ -86,7 +95,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if v.CapacityBytes != before {
 		klog.FromContext(ctx).Info("Expanded volume", "volume", vid, "from", before, "to", v.CapacityBytes)
 	}
-	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+	return v, nil
 }
 
 // minSizeOf is the smallest size CreateVolume would have given v.
@@ -149,6 +158,14 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	}
 	if !attached {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", vid)
+	}
+	if r := req.GetCapacityRange(); d.opts.ExpandOnNode && isLocal(p) && r.GetRequiredBytes() > v.CapacityBytes {
+		// Local pools deployed with one cluster-wide resizer: the resizer cannot
+		// reach this node's pool, so it skips ControllerExpandVolume (not
+		// advertised) and the file grows here, where the pool is.
+		if v, err = d.growImage(ctx, p, vid, v, r); err != nil {
+			return nil, err
+		}
 	}
 	info, mounted, err := d.mounter.Info(path)
 	if err != nil {

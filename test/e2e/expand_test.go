@@ -326,3 +326,42 @@ func TestExpandAcrossRestart(t *testing.T) {
 		t.Errorf("data checksum changed across restart and expansion")
 	}
 }
+
+// TestExpandOnNode is the local-pool deployment with one cluster-wide resizer:
+// the driver does not advertise controller expansion, so the resizer only marks
+// the PVC, and kubelet's NodeExpandVolume grows image, loop device and
+// filesystem on the node that holds the pool.
+func TestExpandOnNode(t *testing.T) {
+	e := newEnvArgs(t, []string{"--expand-on-node"}, "mkfs.xfs", "xfs_growfs")
+	caps, err := e.drv.Controller().ControllerGetCapabilities(ctx(t), &csi.ControllerGetCapabilitiesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range caps.GetCapabilities() {
+		if c.GetRpc().GetType() == csi.ControllerServiceCapability_RPC_EXPAND_VOLUME {
+			t.Fatal("EXPAND_VOLUME advertised with --expand-on-node: the resizer would call a controller that cannot reach the pool")
+		}
+	}
+	vc := harness.MountCap("xfs", harness.RWO)
+	id := e.create("pvc-node-expand", vc, 300*mib)
+	e.stage(id, vc)
+	e.publish(id, vc, false)
+	sum := writeRandom(t, filepath.Join(e.target(id), "data"), 8*mib)
+	if got := e.nodeExpand(id, e.target(id), 600*mib); got != 600*mib {
+		t.Fatalf("NodeExpandVolume answered %d bytes, want %d", got, 600*mib)
+	}
+	if total := e.totalBytes(id, e.target(id)); total < 500*mib {
+		t.Fatalf("filesystem is %d bytes after growing to 600 MiB", total)
+	}
+	vol, err := e.drv.Controller().ControllerGetVolume(ctx(t), &csi.ControllerGetVolumeRequest{VolumeId: id})
+	if err != nil || vol.GetVolume().GetCapacityBytes() != 600*mib {
+		t.Fatalf("recorded capacity after node expansion: %v, %v", vol.GetVolume().GetCapacityBytes(), err)
+	}
+	if checksum(t, filepath.Join(e.target(id), "data"), -1) != sum {
+		t.Fatal("data changed across the expansion")
+	}
+	// A retry, as kubelet makes, changes nothing.
+	if got := e.nodeExpand(id, e.target(id), 600*mib); got != 600*mib {
+		t.Fatalf("second NodeExpandVolume answered %d", got)
+	}
+}
