@@ -1,0 +1,112 @@
+package chart
+
+import (
+	"bytes"
+	"os"
+	"strings"
+	"testing"
+
+	"sigs.k8s.io/yaml"
+)
+
+// TestRenderedYAMLMatchesChart fails when deploy/kubernetes/poolcsi.yaml is not what the chart
+// renders: someone edited one without the other.
+func TestRenderedYAMLMatchesChart(t *testing.T) {
+	want, err := RenderRepo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(RenderedFile())
+	if err != nil {
+		t.Fatalf("%v (generate it: cd test/k8s && go run ./cmd/render)", err)
+	}
+	if !bytes.Equal(got, want) {
+		gl, wl := strings.Split(string(got), "\n"), strings.Split(string(want), "\n")
+		line := 0
+		for line < len(gl) && line < len(wl) && gl[line] == wl[line] {
+			line++
+		}
+		g, w := "<end of file>", "<end of file>"
+		if line < len(gl) {
+			g = gl[line]
+		}
+		if line < len(wl) {
+			w = wl[line]
+		}
+		t.Fatalf("deploy/kubernetes/poolcsi.yaml has drifted from deploy/helm/poolcsi: first difference at line %d:\n  file:  %q\n  chart: %q\nregenerate it with: cd test/k8s && go run ./cmd/render",
+			line+1, g, w)
+	}
+}
+
+// TestChartVariants renders the chart with the values an operator is likely to change and
+// checks the result is well-formed and consistent.
+func TestChartVariants(t *testing.T) {
+	cases := []struct {
+		name      string
+		overrides map[string]any
+		want      []string // kind/name that must be present
+		notWant   []string
+	}{
+		{"defaults", nil,
+			[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
+			[]string{"Namespace/poolcsi", "StorageClass/"}},
+		{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
+			[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
+			[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
+		{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
+			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}}},
+			[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
+			[]string{"CSIDriver/local.poolcsi.io", "ClusterRole/poolcsi-node"}},
+		{"storage classes", map[string]any{"createNamespace": true, "storageClasses": []any{
+			map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
+			map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
+		}}, []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			docs, err := Render(ChartDir(), "", tc.overrides)
+			if err != nil {
+				t.Fatal(err)
+			}
+			have := map[string]Doc{}
+			var all []string
+			for _, d := range docs {
+				have[d.Kind+"/"+d.Name] = d
+				all = append(all, d.Kind+"/"+d.Name)
+				var obj map[string]any
+				if err := yaml.UnmarshalStrict([]byte(d.YAML), &obj); err != nil {
+					t.Errorf("%s/%s from %s: %v", d.Kind, d.Name, d.Source, err)
+				}
+			}
+			for _, w := range tc.want {
+				if _, ok := have[w]; !ok {
+					t.Errorf("missing %s; rendered %v", w, all)
+				}
+			}
+			for _, nw := range tc.notWant {
+				for k := range have {
+					if strings.HasPrefix(k, nw) && (strings.HasSuffix(nw, "/") || k == nw) {
+						t.Errorf("unexpected %s", k)
+					}
+				}
+			}
+			if sc, ok := have["StorageClass/poolcsi-local"]; ok {
+				for _, s := range []string{"provisioner: local.poolcsi.io", "volumeBindingMode: WaitForFirstConsumer", `csi.storage.k8s.io/fstype: "xfs"`, `is-default-class: "true"`} {
+					if !strings.Contains(sc.YAML, s) {
+						t.Errorf("local StorageClass lacks %q:\n%s", s, sc.YAML)
+					}
+				}
+			}
+			if sc, ok := have["StorageClass/poolcsi-shared-dir"]; ok {
+				for _, s := range []string{"provisioner: poolcsi.io", "allowVolumeExpansion: false", "volumeBindingMode: Immediate"} {
+					if !strings.Contains(sc.YAML, s) {
+						t.Errorf("shared StorageClass lacks %q:\n%s", s, sc.YAML)
+					}
+				}
+				if strings.Contains(sc.YAML, "fstype") {
+					t.Errorf("dir layout must not carry an fstype:\n%s", sc.YAML)
+				}
+			}
+		})
+	}
+}

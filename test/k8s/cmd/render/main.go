@@ -1,0 +1,17 @@
+// Command render regenerates deploy/kubernetes/poolcsi.yaml from the Helm chart.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"github.com/poolcsi/poolcsi/test/k8s/chart"
+)
+
+func main() {
+	if err := chart.WriteRepo(); err != nil {
+		fmt.Fprintln(os.Stderr, "render:", err)
+		os.Exit(1)
+	}
+	fmt.Println("wrote", chart.RenderedFile())
+}

@@ -1,0 +1,248 @@
+package harness
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+// Proc is one process of the test cluster; its output goes to Log.
+type Proc struct {
+	Name string
+	Log  string
+	cmd  *exec.Cmd
+	done chan struct{}
+	err  error
+}
+
+// Cluster is a control plane on 127.0.0.1: etcd, kube-apiserver, kube-controller-manager.
+type Cluster struct {
+	Dir       string
+	PKI       *PKI
+	APIServer string // https://127.0.0.1:port
+	AdminKube string // kubeconfig path
+	Config    *rest.Config
+	Client    *kubernetes.Clientset
+	mu        sync.Mutex
+	procs     []*Proc
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Start runs a process whose output goes to <dir>/logs/<name>.log; it is stopped when the
+// test ends, and its log tail is printed if the test failed.
+func (c *Cluster) Start(t testing.TB, name, bin string, env []string, args ...string) *Proc {
+	t.Helper()
+	logDir := filepath.Join(c.Dir, "logs")
+	_ = os.MkdirAll(logDir, 0o755)
+	p := &Proc{Name: name, Log: filepath.Join(logDir, name+".log"), done: make(chan struct{})}
+	f, err := os.Create(p.Log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.cmd = exec.Command(bin, args...)
+	p.cmd.Stdout, p.cmd.Stderr = f, f
+	p.cmd.Env = append(os.Environ(), env...)
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := p.cmd.Start(); err != nil {
+		f.Close()
+		t.Fatalf("start %s: %v", name, err)
+	}
+	go func() { p.err = p.cmd.Wait(); f.Close(); close(p.done) }()
+	c.mu.Lock()
+	c.procs = append(c.procs, p)
+	c.mu.Unlock()
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			b, _ := os.ReadFile(p.Log)
+			t.Logf("---- last lines of %s (%s) ----\n%s", name, p.Log, tail(string(b), 25))
+		}
+	})
+	return p
+}
+
+// Stop ends the process (SIGTERM, then SIGKILL after 5 s) and waits for it.
+func (p *Proc) Stop() {
+	select {
+	case <-p.done:
+		return
+	default:
+	}
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.done
+	}
+}
+
+// Exited reports whether the process has ended, and how.
+func (p *Proc) Exited() (bool, error) {
+	select {
+	case <-p.done:
+		return true, p.err
+	default:
+		return false, nil
+	}
+}
+
+func (p *Proc) mustRun(t testing.TB) {
+	t.Helper()
+	if done, err := p.Exited(); done {
+		b, _ := os.ReadFile(p.Log)
+		t.Fatalf("%s exited (%v):\n%s", p.Name, err, tail(string(b), 30))
+	}
+}
+
+// WriteKubeconfig writes a kubeconfig for the API server with either the admin client
+// certificate (token == "") or a bearer token.
+func (c *Cluster) WriteKubeconfig(name, token string) (string, error) {
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters["test"] = &clientcmdapi.Cluster{Server: c.APIServer, CertificateAuthority: c.PKI.CACert}
+	auth := &clientcmdapi.AuthInfo{}
+	if token == "" {
+		auth.ClientCertificate, auth.ClientKey = c.PKI.AdminCert, c.PKI.AdminKey
+	} else {
+		auth.Token = token
+	}
+	cfg.AuthInfos[name] = auth
+	cfg.Contexts["test"] = &clientcmdapi.Context{Cluster: "test", AuthInfo: name}
+	cfg.CurrentContext = "test"
+	path := filepath.Join(c.Dir, name+".kubeconfig")
+	return path, clientcmd.WriteToFile(*cfg, path)
+}
+
+// StartCluster brings up etcd, kube-apiserver and kube-controller-manager (the controllers
+// a CSI driver meets: PV binder and expander, PV/PVC protection) and waits until the API
+// server is ready.
+func StartCluster(t testing.TB, dir string) *Cluster {
+	t.Helper()
+	etcd, apiserver, kcm := etcdTool.Path(t), apiserverTool.Path(t), kcmTool.Path(t)
+	pki, err := NewPKI(filepath.Join(dir, "pki"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &Cluster{Dir: dir, PKI: pki}
+
+	ep, pp := freePort(t), freePort(t)
+	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ep)
+	peer := fmt.Sprintf("http://127.0.0.1:%d", pp)
+	ep2 := c.Start(t, "etcd", etcd, nil,
+		"--name=default", "--data-dir="+filepath.Join(dir, "etcd"),
+		"--listen-client-urls="+etcdURL, "--advertise-client-urls="+etcdURL,
+		"--listen-peer-urls="+peer, "--initial-advertise-peer-urls="+peer,
+		"--initial-cluster=default="+peer, "--listen-metrics-urls=",
+		"--quota-backend-bytes=1073741824", "--unsafe-no-fsync", "--log-level=warn")
+	waitFor(t, 60*time.Second, "etcd health", func() error {
+		ep2.mustRun(t)
+		resp, err := http.Get(etcdURL + "/health")
+		if err != nil {
+			return err
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			return fmt.Errorf("status %d", resp.StatusCode)
+		}
+		return nil
+	})
+
+	port := freePort(t)
+	c.APIServer = "https://127.0.0.1:" + strconv.Itoa(port)
+	api := c.Start(t, "kube-apiserver", apiserver, nil,
+		"--etcd-servers="+etcdURL,
+		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
+		"--tls-cert-file="+pki.ServingCert, "--tls-private-key-file="+pki.ServingKey,
+		"--client-ca-file="+pki.CACert,
+		"--service-account-issuer=https://kubernetes.default.svc",
+		"--service-account-key-file="+pki.SAPublicKey, "--service-account-signing-key-file="+pki.SASigningKey,
+		"--api-audiences=https://kubernetes.default.svc",
+		"--service-cluster-ip-range=10.96.0.0/24",
+		"--authorization-mode=RBAC",
+		"--allow-privileged=true",
+		"--enable-priority-and-fairness=false",
+		"--profiling=false",
+		"--v=1")
+	c.AdminKube, err = c.WriteKubeconfig("admin", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Config, err = clientcmd.BuildConfigFromFlags("", c.AdminKube)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Config.QPS, c.Config.Burst = 50, 100
+	c.Client = kubernetes.NewForConfigOrDie(c.Config)
+	waitFor(t, 120*time.Second, "kube-apiserver /readyz", func() error {
+		api.mustRun(t)
+		b, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
+		if err != nil {
+			return fmt.Errorf("%v %s", err, b)
+		}
+		return nil
+	})
+	// The default namespace and the RBAC bootstrap roles appear shortly after readiness.
+	waitFor(t, 60*time.Second, "namespace default", func() error {
+		_, err := c.Client.CoreV1().Namespaces().Get(context.Background(), "default", metav1GetOptions)
+		return err
+	})
+
+	kcmPort := freePort(t)
+	k := c.Start(t, "kube-controller-manager", kcm, nil,
+		"--kubeconfig="+c.AdminKube,
+		"--authentication-kubeconfig="+c.AdminKube, "--authorization-kubeconfig="+c.AdminKube,
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(kcmPort),
+		"--leader-elect=false",
+		"--use-service-account-credentials=false",
+		"--controllers="+strings.Join([]string{
+			"persistentvolume-binder-controller",
+			"persistentvolume-expander-controller",
+			"persistentvolume-protection-controller",
+			"persistentvolumeclaim-protection-controller",
+		}, ","),
+		"--pvclaimbinder-sync-period=1s",
+		"--v=2")
+	time.Sleep(500 * time.Millisecond)
+	k.mustRun(t)
+	return c
+}
+
+// waitFor polls f every 250 ms until it returns nil, failing the test after timeout.
+func waitFor(t testing.TB, timeout time.Duration, what string, f func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	var err error
+	for {
+		if err = f(); err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s: %v", timeout, what, err)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}

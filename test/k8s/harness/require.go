@@ -1,0 +1,39 @@
+package harness
+
+import (
+	"os"
+	"os/exec"
+	"testing"
+)
+
+// The pattern of internal/testutil/require.go, copied because test/k8s is its own module:
+// a missing prerequisite fails under CI (CI set) and skips, with the reason, elsewhere.
+
+func inCI() bool { return os.Getenv("CI") != "" }
+
+func requireRoot(t testing.TB) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		missing(t, "needs root (poolcsi serve manages loop devices and mounts); run the tests as root")
+	}
+	if _, err := os.Stat("/dev/loop-control"); err != nil {
+		missing(t, "needs loop devices: /dev/loop-control is missing ("+err.Error()+")")
+	}
+}
+
+func requireCommands(t testing.TB, names ...string) {
+	t.Helper()
+	for _, n := range names {
+		if _, err := exec.LookPath(n); err != nil {
+			missing(t, "needs the command "+n+" (install e2fsprogs, xfsprogs, btrfs-progs, util-linux)")
+		}
+	}
+}
+
+func missing(t testing.TB, why string) {
+	t.Helper()
+	if inCI() {
+		t.Fatalf("prerequisite missing in CI: %s", why)
+	}
+	t.Skipf("prerequisite missing: %s", why)
+}

@@ -1,0 +1,243 @@
+package harness
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/mod/modfile"
+)
+
+// Versions of the real components the harness runs. Changing one rebuilds only that tool:
+// binaries are cached under CacheDir()/<tool>-<version>-<go version>/.
+const (
+	KubeVersion        = "v1.36.3" // k8s.io/kubernetes; staging modules at v0.36.3
+	EtcdVersion        = "v3.6.16" // go.etcd.io/etcd/server/v3
+	ProvisionerVersion = "v6.3.0"  // github.com/kubernetes-csi/external-provisioner/v6
+	AttacherVersion    = "v4.13.0" // github.com/kubernetes-csi/external-attacher/v4
+)
+
+// Tool is one binary the harness builds from the Go module proxy.
+type Tool struct {
+	Name    string // binary name
+	Module  string // module to require
+	Version string
+	Package string // package to build
+	Main    string // if set, the wrapper module's own main.go (Package is then ".")
+	// ReplaceFrom builds the wrapper's replace lines from the required module's go.mod.
+	ReplaceFrom func(f *modfile.File) [][2]string
+	LDFlags     string
+}
+
+func kubeLDFlags() string {
+	v := strings.TrimPrefix(KubeVersion, "v")
+	parts := strings.SplitN(v, ".", 3)
+	var b strings.Builder
+	b.WriteString("-s -w")
+	for _, pkg := range []string{"k8s.io/component-base/version", "k8s.io/client-go/pkg/version"} {
+		fmt.Fprintf(&b, " -X %s.gitVersion=%s -X %s.gitMajor=%s -X %s.gitMinor=%s", pkg, KubeVersion, pkg, parts[0], pkg, parts[1])
+		fmt.Fprintf(&b, " -X %s.gitTreeState=clean -X %s.gitCommit=0000000000000000000000000000000000000000 -X %s.buildDate=2026-01-01T00:00:00Z", pkg, pkg, pkg)
+	}
+	return b.String()
+}
+
+// stagingReplaces pins every k8s.io staging module that k8s.io/kubernetes replaces with a
+// ./staging path to the published v0.x version of the same release.
+func stagingReplaces(f *modfile.File) [][2]string {
+	staging := "v0." + strings.SplitN(strings.TrimPrefix(KubeVersion, "v1."), ".", 2)[0] + "." + strings.SplitN(KubeVersion, ".", 3)[2]
+	var out [][2]string
+	for _, r := range f.Replace {
+		if strings.HasPrefix(r.New.Path, "./staging/") {
+			out = append(out, [2]string{r.Old.Path, staging})
+		}
+	}
+	return out
+}
+
+// ownReplaces copies a module's own replace lines (ignored when it is a dependency).
+func ownReplaces(f *modfile.File) [][2]string {
+	var out [][2]string
+	for _, r := range f.Replace {
+		if r.New.Version != "" && r.New.Path == r.Old.Path && r.Old.Version == "" {
+			out = append(out, [2]string{r.Old.Path, r.New.Version})
+		}
+	}
+	return out
+}
+
+var (
+	etcdTool = Tool{Name: "etcd", Module: "go.etcd.io/etcd/server/v3", Version: EtcdVersion, Package: ".",
+		Main:    "package main\n\nimport (\n\t\"os\"\n\n\t\"go.etcd.io/etcd/server/v3/etcdmain\"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n",
+		LDFlags: "-s -w"}
+	apiserverTool = Tool{Name: "kube-apiserver", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/cmd/kube-apiserver", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	kcmTool = Tool{Name: "kube-controller-manager", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/cmd/kube-controller-manager", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	provisionerTool = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
+		Package: "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner", ReplaceFrom: ownReplaces,
+		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
+	attacherTool = Tool{Name: "csi-attacher", Module: "github.com/kubernetes-csi/external-attacher/v4", Version: AttacherVersion,
+		Package: "github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher", ReplaceFrom: ownReplaces,
+		LDFlags: "-s -w -X main.version=" + AttacherVersion}
+	// AllTools in build order.
+	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool}
+)
+
+// CacheDir is $POOLCSI_K8S_CACHE, or $HOME/.cache/poolcsi-k8s.
+func CacheDir() string {
+	if d := os.Getenv("POOLCSI_K8S_CACHE"); d != "" {
+		return d
+	}
+	if d, err := os.UserCacheDir(); err == nil {
+		return filepath.Join(d, "poolcsi-k8s")
+	}
+	return filepath.Join(os.TempDir(), "poolcsi-k8s")
+}
+
+func goBin() string {
+	if p := filepath.Join(runtime.GOROOT(), "bin", "go"); fileExists(p) {
+		return p
+	}
+	return "go"
+}
+
+func fileExists(p string) bool { _, err := os.Stat(p); return err == nil }
+
+// goEnv is the environment for building the tools: module mode, no workspace, no toolchain
+// downloads, static binaries.
+func goEnv() []string {
+	return append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off", "GOTOOLCHAIN=local", "CGO_ENABLED=0")
+}
+
+func niceCmd(name string, args ...string) *exec.Cmd {
+	if p, err := exec.LookPath("nice"); err == nil {
+		return exec.Command(p, append([]string{"-n", "10", name}, args...)...)
+	}
+	return exec.Command(name, args...)
+}
+
+// Path returns the cached binary, building it first if needed. It is safe to call from
+// several tests; builds are serialized.
+func (tl Tool) Path(t testing.TB) string {
+	t.Helper()
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	dir := filepath.Join(CacheDir(), fmt.Sprintf("%s-%s-%s", tl.Name, tl.Version, runtime.Version()))
+	bin := filepath.Join(dir, tl.Name)
+	if fileExists(bin) {
+		return bin
+	}
+	start := time.Now()
+	if err := tl.build(dir, bin); err != nil {
+		t.Fatalf("building %s %s %s from the Go module proxy: %v", tl.Name, tl.Module, tl.Version, err)
+	}
+	t.Logf("built %s %s in %s (cached in %s)", tl.Name, tl.Version, time.Since(start).Round(time.Second), dir)
+	return bin
+}
+
+var buildMu sync.Mutex
+
+func (tl Tool) build(dir, bin string) error {
+	work, err := os.MkdirTemp("", "poolcsi-k8s-wrap-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(work)
+
+	gomod := &modfile.File{}
+	if err := gomod.AddModuleStmt("poolcsi.test/wrap/" + tl.Name); err != nil {
+		return err
+	}
+	if err := gomod.AddGoStmt("1.26.0"); err != nil {
+		return err
+	}
+	if err := gomod.AddRequire(tl.Module, tl.Version); err != nil {
+		return err
+	}
+	if tl.ReplaceFrom != nil {
+		modPath, sumPath, err := download(tl.Module, tl.Version)
+		if err != nil {
+			return err
+		}
+		data, err := os.ReadFile(modPath)
+		if err != nil {
+			return err
+		}
+		f, err := modfile.Parse(modPath, data, nil)
+		if err != nil {
+			return err
+		}
+		for _, r := range tl.ReplaceFrom(f) {
+			if err := gomod.AddReplace(r[0], "", r[0], r[1]); err != nil {
+				return err
+			}
+		}
+		if sumPath != "" {
+			if sum, err := os.ReadFile(sumPath); err == nil {
+				_ = os.WriteFile(filepath.Join(work, "go.sum"), sum, 0o644)
+			}
+		}
+	}
+	out, err := gomod.Format()
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(work, "go.mod"), out, 0o644); err != nil {
+		return err
+	}
+	if tl.Main != "" {
+		if err := os.WriteFile(filepath.Join(work, "main.go"), []byte(tl.Main), 0o644); err != nil {
+			return err
+		}
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	tmp := bin + ".tmp"
+	cmd := niceCmd(goBin(), "build", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package)
+	cmd.Dir = work
+	cmd.Env = goEnv()
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("%v\n%s", err, tail(string(b), 40))
+	}
+	return os.Rename(tmp, bin)
+}
+
+// download fetches a module into the module cache and returns its go.mod and, when the
+// module's source has one, its go.sum.
+func download(mod, ver string) (string, string, error) {
+	cmd := exec.Command(goBin(), "mod", "download", "-json", mod+"@"+ver)
+	cmd.Env = goEnv()
+	cmd.Dir = os.TempDir()
+	b, err := cmd.Output()
+	if err != nil {
+		return "", "", fmt.Errorf("go mod download %s@%s: %v %s", mod, ver, err, b)
+	}
+	var info struct{ GoMod, Dir, Error string }
+	if err := json.Unmarshal(b, &info); err != nil {
+		return "", "", err
+	}
+	if info.Error != "" {
+		return "", "", fmt.Errorf("go mod download %s@%s: %s", mod, ver, info.Error)
+	}
+	sum := filepath.Join(info.Dir, "go.sum")
+	if !fileExists(sum) {
+		sum = ""
+	}
+	return info.GoMod, sum, nil
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
