@@ -141,10 +141,14 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(dir stri
 	dir := p.Dir(id)
 	trash := filepath.Join(p.Path, volumesDir, ".deleting-"+id.Key)
 	if err := os.Rename(dir, trash); err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return nil
+		if !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("delete volume %s: %w", id, err)
 		}
-		return fmt.Errorf("delete volume %s: %w", id, err)
+		if _, err := os.Lstat(trash); err != nil {
+			return nil // nothing of the volume is left
+		}
+		// A delete was interrupted after the rename: the retry finishes it, or
+		// the data would stay behind with nothing pointing at it.
 	}
 	if before != nil {
 		if err := before(trash); err != nil {

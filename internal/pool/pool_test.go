@@ -178,3 +178,27 @@ func TestListReportsDamagedMetadata(t *testing.T) {
 		t.Fatalf("List = %+v, %v", entries, err)
 	}
 }
+
+func TestDeleteFinishesAnInterruptedDelete(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	v, err := p.Reserve(ctx, Spec{Name: "a", Layout: LayoutImage, CapacityBytes: MiB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PrepareImage(v); err != nil {
+		t.Fatal(err)
+	}
+	id := NewVolumeID("test", "a")
+	// The state a crash between the rename and the removal leaves.
+	trash := filepath.Join(p.Path, "volumes", ".deleting-"+id.Key)
+	if err := os.Rename(p.Dir(id), trash); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Delete(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Lstat(trash); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the retried delete left %s: %v", trash, err)
+	}
+}
