@@ -284,7 +284,9 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	defer release()
 	unlock, err := p.LockVolume(ctx, vid)
 	if errors.Is(err, os.ErrNotExist) {
-		return &csi.DeleteVolumeResponse{}, nil
+		// Gone, or renamed away by a delete that crashed before removing it:
+		// finish that one (it passed every check below before the rename).
+		return &csi.DeleteVolumeResponse{}, poolStatus(p.Delete(ctx, vid))
 	} else if err != nil {
 		return nil, poolStatus(err)
 	}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -87,4 +88,22 @@ func TestRestartKeepsState(t *testing.T) {
 	}
 	e.unpublish(id)
 	e.unstage(id)
+}
+
+// TestDeleteAfterCrash leaves a pool as a DeleteVolume killed between its rename
+// and its removal would, and checks the CO's retry removes the data.
+func TestDeleteAfterCrash(t *testing.T) {
+	e := newEnv(t, "mkfs.ext4")
+	id := e.create("pvc-crash", harness.MountCap("ext4", harness.RWO), 16*mib)
+	key := id[strings.IndexByte(id, '.')+1:]
+	vols := filepath.Join(e.pool, "volumes")
+	if err := os.Rename(filepath.Join(vols, key), filepath.Join(vols, ".deleting-"+key)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.drv.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+	if entries, _ := os.ReadDir(vols); len(entries) != 0 {
+		t.Fatalf("the retried delete left %d entries in %s", len(entries), vols)
+	}
 }
