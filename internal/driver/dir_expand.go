@@ -2,9 +2,7 @@ package driver
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -23,17 +21,11 @@ func (d *Driver) expandDir(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 	if err != nil {
 		return nil, poolStatus(err)
 	}
-	unlock, err := p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
-	} else if err != nil {
-		return nil, poolStatus(err)
-	}
-	defer unlock()
-	v, err := loadVolume(p, vid)
+	v, unlock, err := lockVolume(ctx, p, vid)
 	if err != nil {
 		return nil, err
 	}
+	defer unlock()
 	if size <= v.CapacityBytes {
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
 	}

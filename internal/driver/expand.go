@@ -47,14 +47,8 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
-	if vc := req.GetVolumeCapability(); vc != nil {
-		caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
-		if err != nil {
-			return nil, err
-		}
-		if err := caps.compatible(v); err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
-		}
+	if err := checkCapability(v, req.GetVolumeCapability()); err != nil {
+		return nil, err
 	}
 	limit := r.GetLimitBytes()
 	if r.GetRequiredBytes() < 0 || limit < 0 {
@@ -137,14 +131,8 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err != nil {
 		return nil, err
 	}
-	if vc := req.GetVolumeCapability(); vc != nil {
-		caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
-		if err != nil {
-			return nil, err
-		}
-		if err := caps.compatible(v); err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
-		}
+	if err := checkCapability(v, req.GetVolumeCapability()); err != nil {
+		return nil, err
 	}
 	if v.Layout == pool.LayoutDir {
 		// A directory has no size of its own to grow: the quota limit, raised by

@@ -2,8 +2,6 @@ package driver
 
 import (
 	"context"
-	"errors"
-	"os"
 	"strings"
 	"time"
 
@@ -109,17 +107,11 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	defer release()
 	// The pool's volume lock is a lock file: controllers of other nodes sharing
 	// the pool wait on the same one, so two of them cannot both grant a writer.
-	unlock, err := p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
-	} else if err != nil {
-		return nil, poolStatus(err)
-	}
-	defer unlock()
-	v, err := loadVolume(p, vid)
+	v, unlock, err := lockVolume(ctx, p, vid)
 	if err != nil {
 		return nil, err
 	}
+	defer unlock()
 	if err := d.checkNode(p, v, node); err != nil {
 		return nil, err
 	}

@@ -1,6 +1,7 @@
 package driver
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -196,4 +197,36 @@ func volumePath(vid pool.VolumeID, raw string) (string, error) {
 		return "", status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
 	}
 	return path, nil
+}
+
+// checkCapability refuses an optional capability (ControllerExpandVolume and
+// NodeExpandVolume carry one) that the volume cannot honour.
+func checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
+	if vc == nil {
+		return nil
+	}
+	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	if err != nil {
+		return err
+	}
+	if err := caps.compatible(v); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
+	}
+	return nil
+}
+
+// lockVolume takes a volume's cross-process lock and loads it; NOT_FOUND when it
+// does not exist. The caller defers unlock.
+func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
+	unlock, err = p.LockVolume(ctx, vid)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
+	} else if err != nil {
+		return nil, nil, poolStatus(err)
+	}
+	if v, err = loadVolume(p, vid); err != nil {
+		unlock()
+		return nil, nil, err
+	}
+	return v, unlock, nil
 }
