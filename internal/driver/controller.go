@@ -41,8 +41,8 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 }
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
-	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps))
-	for _, c := range controllerCaps {
+	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps)+len(snapshotCaps))
+	for _, c := range append(controllerCaps[:len(controllerCaps):len(controllerCaps)], snapshotCaps...) {
 		if c == csi.ControllerServiceCapability_RPC_EXPAND_VOLUME && d.opts.ExpandOnNode {
 			continue
 		}
@@ -111,14 +111,19 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	if req.GetVolumeContentSource() != nil {
-		return nil, status.Error(codes.InvalidArgument, "volume_content_source is not supported: poolcsi does not clone or restore snapshots yet")
-	}
-	params, err := d.parseCreateParams(req.GetParameters())
+	src, err := d.resolveContentSource(req.GetVolumeContentSource())
 	if err != nil {
 		return nil, err
 	}
-	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, DefaultFSType))
+	params, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
+	if err != nil {
+		return nil, err
+	}
+	var srcFS string
+	if src != nil {
+		srcFS = src.fsType
+	}
+	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, srcFS, DefaultFSType))
 	if err != nil {
 		return nil, err
 	}
@@ -137,8 +142,17 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if caps.access == pool.AccessBlock || params.layout == pool.LayoutDir {
 		minimum = mount.MinSize("")
 	}
-	size, err := pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum)
-	if err != nil {
+	var size int64
+	var source *pool.ContentSource
+	if src != nil {
+		if err := src.check(p, params.layout, caps); err != nil {
+			return nil, err
+		}
+		if size, err = src.sourceSize(req.GetCapacityRange(), minimum); err != nil {
+			return nil, err
+		}
+		source = &src.record
+	} else if size, err = pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum); err != nil {
 		return nil, poolStatus(err)
 	}
 
@@ -160,6 +174,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		CapacityBytes: size,
 		Parameters:    params.keep,
 		Topology:      topology,
+		Source:        source,
 	})
 	if err != nil {
 		return nil, poolStatus(err)
@@ -167,9 +182,15 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := createCompatible(v, caps, req.GetCapacityRange()); err != nil {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
 	}
+	if !sameSource(v.Source, source) {
+		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", name)
+	}
 	if v.State == pool.StateCreating {
 		finish := d.finishCreate
-		if v.Layout == pool.LayoutDir {
+		switch {
+		case src != nil:
+			finish = func(ctx context.Context, p *pool.Pool, v *pool.Volume) error { return d.finishClone(ctx, p, v, src) }
+		case v.Layout == pool.LayoutDir:
 			finish = d.finishCreateDir
 		}
 		if err := finish(ctx, p, v); err != nil {
@@ -261,6 +282,7 @@ func csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
 	}
 	dirContext(v, out.VolumeContext)
+	out.ContentSource = csiContentSource(v.Source)
 	if len(v.Topology) > 0 {
 		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
 	}

@@ -93,6 +93,12 @@ func (s capsSpec) allowedFor(layout pool.Layout) error {
 // creating, with its quota, and marks it ready. A half-made data directory from
 // an interrupted attempt holds no user data and is made again.
 func (d *Driver) finishCreateDir(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+	return d.finishCreateDirWith(ctx, p, v, nil)
+}
+
+// finishCreateDirWith is finishCreateDir with a step that fills the new data
+// directory (a clone's copy) before the volume is marked ready.
+func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.Volume, fill func(data string) error) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	b, err := d.quotaFor(ctx, p)
 	if err != nil {
@@ -108,6 +114,11 @@ func (d *Driver) finishCreateDir(ctx context.Context, p *pool.Pool, v *pool.Volu
 	id, err := b.Create(ctx, data, v.CapacityBytes, d.takenQuotaIDs(p, b.Kind(), vid))
 	if err != nil {
 		return status.Errorf(codes.Internal, "create data directory of volume %s (%s): %v", vid, b.Kind(), err)
+	}
+	if fill != nil {
+		if err := fill(data); err != nil {
+			return err
+		}
 	}
 	v.Quota = &pool.DirQuota{Kind: b.Kind(), Enforced: b.Enforced(), ID: id, Reason: b.Reason()}
 	if err := p.MarkReady(v); err != nil {

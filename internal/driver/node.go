@@ -191,6 +191,11 @@ func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, stag
 	if readOnly {
 		opts = append(opts, "ro")
 	}
+	if nv.vol.FSType == "xfs" && !slices.Contains(opts, "nouuid") {
+		// A clone or restored snapshot has its source's filesystem UUID, and XFS
+		// refuses a second mount of one UUID on a node. nouuid changes nothing else.
+		opts = append(opts, "nouuid")
+	}
 	if err := d.mounter.Mount(ctx, dev, staging, nv.vol.FSType, opts); err != nil {
 		if derr := d.loops.Detach(ctx, image); derr != nil {
 			klog.FromContext(ctx).Error(derr, "Detach after failed mount", "device", dev)

@@ -66,6 +66,12 @@ type Usage struct {
 	// pod when this exceeds FreeBytes.
 	UnbackedBytes int64
 	Volumes       int
+	// Snapshots and SnapshotBytes count the pool's snapshots and the blocks their
+	// copies allocated (or share with their source, for reflinked copies). A
+	// reflinked snapshot's blocks are also counted in UnbackedBytes: writing to
+	// the source unshares them, and that allocation must fit too.
+	Snapshots     int
+	SnapshotBytes int64
 }
 
 // AvailableBytes is how large a new volume (or a growth) may be under the pool's
@@ -101,6 +107,20 @@ func (p *Pool) Usage() (Usage, error) {
 		u.Volumes++
 		u.ProvisionedBytes += e.Volume.CapacityBytes
 		u.UnbackedBytes += max(e.Volume.CapacityBytes-p.allocatedBytes(e.ID, e.Volume), 0)
+	}
+	snaps, err := p.ListSnapshots()
+	if err != nil {
+		return Usage{}, err
+	}
+	for _, e := range snaps {
+		if e.Err != nil {
+			continue
+		}
+		u.Snapshots++
+		u.SnapshotBytes += e.Snapshot.AllocatedBytes
+		if e.Snapshot.CopyMethod == CopyReflink {
+			u.UnbackedBytes += e.Snapshot.AllocatedBytes
+		}
 	}
 	return u, nil
 }

@@ -21,6 +21,7 @@ type Spec struct {
 	CapacityBytes int64
 	Parameters    map[string]string
 	Topology      map[string]string
+	Source        *ContentSource
 }
 
 // Reserve finds or makes the volume named spec.Name: its directory, a volume.json in
@@ -77,6 +78,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		State:         StateCreating,
 		Parameters:    spec.Parameters,
 		Topology:      spec.Topology,
+		Source:        spec.Source,
 		CreatedAt:     time.Now().UTC(),
 	}
 	if err := touch(filepath.Join(dir, lockFile)); err != nil {
@@ -112,6 +114,24 @@ func (p *Pool) PrepareImage(v *Volume) error {
 		return fmt.Errorf("size image %s to %d bytes: %w", path, v.CapacityBytes, err)
 	}
 	return f.Sync()
+}
+
+// PrepareImageFrom (re)makes the image of a volume still in state creating as a
+// copy of the image file src (a snapshot's or another volume's), grown to the
+// volume's capacity. It returns the copy method (CopyReflink or CopyFull).
+func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (string, error) {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return "", err
+	}
+	if v.State != StateCreating {
+		return "", fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
+	}
+	path := p.ImagePath(id)
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
+	}
+	return CopyImage(ctx, src, path, v.CapacityBytes)
 }
 
 // MarkReady records that the volume is complete.

@@ -63,6 +63,16 @@ type Volume struct {
 	// Quota says how a dir volume's size is enforced; nil for image volumes,
 	// whose size is exact by construction.
 	Quota *DirQuota `json:"quota,omitempty"`
+	// Source is the snapshot or volume the volume was made from (CSI
+	// volume_content_source); nil for an empty volume.
+	Source *ContentSource `json:"source,omitempty"`
+}
+
+// ContentSource names what a volume's first content was copied from: exactly one
+// of a snapshot ID and a volume ID.
+type ContentSource struct {
+	Snapshot string `json:"snapshot,omitempty"`
+	Volume   string `json:"volume,omitempty"`
 }
 
 // StageRecord says that node has the volume staged at path.

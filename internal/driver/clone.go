@@ -1,0 +1,186 @@
+package driver
+
+import (
+	"context"
+	"os"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// contentSource is a resolved volume_content_source: a ready snapshot or a ready
+// volume, and what a volume made from it must match.
+type contentSource struct {
+	pool   *pool.Pool
+	record pool.ContentSource
+	layout pool.Layout
+	access pool.AccessType
+	fsType string
+	size   int64 // the smallest volume it fits in
+	// snapshot or volume, whichever it is
+	snapID pool.SnapshotID
+	volID  pool.VolumeID
+	vol    *pool.Volume
+}
+
+func (c *contentSource) isSnapshot() bool { return c.record.Snapshot != "" }
+
+func (c *contentSource) csi() *csi.VolumeContentSource { return csiContentSource(&c.record) }
+
+func csiContentSource(r *pool.ContentSource) *csi.VolumeContentSource {
+	switch {
+	case r == nil:
+		return nil
+	case r.Snapshot != "":
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: r.Snapshot}}}
+	default:
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: r.Volume}}}
+	}
+}
+
+// resolveContentSource finds the snapshot or volume a CreateVolume copies:
+// NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
+func (d *Driver) resolveContentSource(src *csi.VolumeContentSource) (*contentSource, error) {
+	if src == nil {
+		return nil, nil
+	}
+	switch {
+	case src.GetSnapshot() != nil:
+		raw := src.GetSnapshot().GetSnapshotId()
+		sid, known, err := parseSnapshotRef("volume_content_source.snapshot.snapshot_id", raw)
+		if err != nil {
+			return nil, err
+		}
+		if !known {
+			return nil, status.Errorf(codes.NotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
+		}
+		p, s, err := d.loadSnapshot(sid)
+		if err != nil {
+			return nil, err
+		}
+		return &contentSource{pool: p, record: pool.ContentSource{Snapshot: s.ID}, layout: s.Layout, access: s.AccessType, fsType: s.FSType, size: s.SizeBytes, snapID: sid}, nil
+	case src.GetVolume() != nil:
+		vid, p, err := d.volumeRef(src.GetVolume().GetVolumeId())
+		if err != nil {
+			return nil, err
+		}
+		v, err := loadVolume(p, vid)
+		if err != nil {
+			return nil, err
+		}
+		return &contentSource{pool: p, record: pool.ContentSource{Volume: v.ID}, layout: v.Layout, access: v.AccessType, fsType: v.FSType, size: v.CapacityBytes, volID: vid, vol: v}, nil
+	}
+	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
+}
+
+// sourceParams defaults the pool and layout of a volume made from src to src's:
+// a copy stays in its source's pool, and a StorageClass need not repeat them.
+func sourceParams(params map[string]string, src *contentSource) map[string]string {
+	if src == nil {
+		return params
+	}
+	out := map[string]string{ParamPool: src.pool.Name, ParamLayout: string(src.layout)}
+	for k, v := range params {
+		out[k] = v
+	}
+	return out
+}
+
+// checkSource refuses a copy the source cannot give: another pool, another
+// layout, access type or filesystem (INVALID_ARGUMENT).
+func (c *contentSource) check(p *pool.Pool, layout pool.Layout, caps capsSpec) error {
+	what := "volume " + c.record.Volume
+	if c.isSnapshot() {
+		what = "snapshot " + c.record.Snapshot
+	}
+	switch {
+	case p != c.pool:
+		return status.Errorf(codes.InvalidArgument, "%s is in pool %s; a copy is made in its source's pool, not %s", what, c.pool.Name, p.Name)
+	case layout != c.layout:
+		return status.Errorf(codes.InvalidArgument, "%s has layout %s, the request asks for layout %s", what, c.layout, layout)
+	case caps.access != c.access:
+		return status.Errorf(codes.InvalidArgument, "%s has %s access, the request asks for %s", what, c.access, caps.access)
+	case layout == pool.LayoutImage && caps.access == pool.AccessFilesystem && caps.fsType != c.fsType:
+		return status.Errorf(codes.InvalidArgument, "%s holds %s, the request asks for %s", what, c.fsType, caps.fsType)
+	}
+	return nil
+}
+
+// sourceSize is the size of a copy: what was asked, or the source's size when
+// nothing was; smaller than the source is OUT_OF_RANGE (poolcsi never shrinks).
+func (c *contentSource) sourceSize(r *csi.CapacityRange, minimum int64) (int64, error) {
+	required := r.GetRequiredBytes()
+	if required == 0 && r.GetLimitBytes() == 0 {
+		required = c.size
+	}
+	if required != 0 && required < c.size {
+		return 0, status.Errorf(codes.OutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
+	}
+	size, err := pool.Capacity(required, r.GetLimitBytes(), max(minimum, c.size))
+	if err != nil {
+		return 0, poolStatus(err)
+	}
+	return size, nil
+}
+
+func sameSource(a, b *pool.ContentSource) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
+// finishClone fills a volume still in state creating with its source's data and
+// marks it ready. An image copy is grown to the volume's size; its filesystem
+// grows at the next NodeStageVolume, like any volume expanded while unstaged.
+func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+	if !src.isSnapshot() {
+		// Copying a volume: hold it against concurrent grow, stage and delete.
+		release, err := d.locks.acquire(src.volID.String(), "CreateVolume (clone source)")
+		if err != nil {
+			return err
+		}
+		defer release()
+		sv, unlock, err := lockVolume(ctx, p, src.volID)
+		if err != nil {
+			return err
+		}
+		defer unlock()
+		src.vol = sv
+	}
+	if v.Layout == pool.LayoutDir {
+		from := p.SnapshotDataPath(src.snapID)
+		if !src.isSnapshot() {
+			from = p.DataPath(src.volID)
+		}
+		if _, err := os.Stat(from); err != nil {
+			return status.Errorf(codes.NotFound, "source data of volume %s: %v", v.ID, err)
+		}
+		return d.finishCreateDirWith(ctx, p, v, func(data string) error {
+			if err := pool.CopyTree(ctx, from, data); err != nil {
+				return status.Errorf(codes.Internal, "copy source of volume %s: %v", v.ID, err)
+			}
+			return nil
+		})
+	}
+	from := p.SnapshotImagePath(src.snapID)
+	thaw := func() {}
+	if !src.isSnapshot() {
+		from = p.ImagePath(src.volID)
+		thaw = d.freezeIfStagedHere(ctx, p, src.volID, src.vol)
+	}
+	method, err := p.PrepareImageFrom(ctx, v, from)
+	thaw()
+	if err != nil {
+		return status.Errorf(codes.Internal, "copy source of volume %s: %v", v.ID, err)
+	}
+	if err := p.MarkReady(v); err != nil {
+		return poolStatus(err)
+	}
+	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "method", method)
+	return nil
+}

@@ -1,0 +1,341 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sort"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// snapshotCaps are the controller capabilities of snapshots and clones.
+var snapshotCaps = []csi.ControllerServiceCapability_RPC_Type{
+	csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT,
+	csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS,
+	csi.ControllerServiceCapability_RPC_GET_SNAPSHOT,
+	csi.ControllerServiceCapability_RPC_CLONE_VOLUME,
+}
+
+// parseSnapshotRef validates a snapshot ID from the wire. A well-formed ID is
+// returned with known=true. An ID of another form cannot name a poolcsi snapshot:
+// the CSI spec wants it treated as not found (known=false), unless it is hostile
+// (path characters, control characters, over-long), which is INVALID_ARGUMENT.
+func parseSnapshotRef(field, raw string) (id pool.SnapshotID, known bool, err error) {
+	if raw == "" {
+		return id, false, status.Errorf(codes.InvalidArgument, "%s is required", field)
+	}
+	id, perr := pool.ParseSnapshotID(raw)
+	if perr == nil {
+		return id, true, nil
+	}
+	if pool.HostileID(raw) {
+		return id, false, status.Errorf(codes.InvalidArgument, "%s: %v", field, perr)
+	}
+	return id, false, nil
+}
+
+func csiSnapshot(s *pool.Snapshot) *csi.Snapshot {
+	return &csi.Snapshot{
+		SnapshotId:     s.ID,
+		SourceVolumeId: s.SourceVolumeID,
+		SizeBytes:      s.SizeBytes,
+		CreationTime:   timestamppb.New(s.CreatedAt),
+		ReadyToUse:     s.ReadyToUse,
+	}
+}
+
+// checkSnapshotParams accepts only the csi.storage.k8s.io/* keys the snapshotter
+// adds: poolcsi has no VolumeSnapshotClass parameters, and a typo must not pass.
+func checkSnapshotParams(params map[string]string) error {
+	for k := range params {
+		if !strings.HasPrefix(k, k8sPrefix) {
+			return status.Errorf(codes.InvalidArgument, "unknown snapshot parameter %q (poolcsi takes none)", k)
+		}
+	}
+	return nil
+}
+
+// CreateSnapshot copies a volume's data into <pool>/snapshots/<key>/: a reflink
+// where the pool's filesystem has them, a sparse copy otherwise. The snapshot is
+// as consistent as a crash at that instant (crash-consistent); when the volume's
+// filesystem is staged on this very node it is frozen around the copy, which makes
+// it a clean filesystem image.
+func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+	name := req.GetName()
+	if name == "" {
+		return nil, status.Error(codes.InvalidArgument, "name is required")
+	}
+	if err := pool.ValidateVolumeName(name); err != nil {
+		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "snapshot name", 1))
+	}
+	if req.GetSourceVolumeId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")
+	}
+	if err := checkSnapshotParams(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	vid, p, err := d.volumeRef(req.GetSourceVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	sid := pool.NewSnapshotID(p.Name, name)
+	for _, pn := range d.poolNames {
+		if other := d.pools[pn]; other != p {
+			if _, err := os.Stat(other.SnapshotDir(pool.NewSnapshotID(pn, name))); err == nil {
+				return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists in pool %s", name, pn)
+			}
+		}
+	}
+	release, err := d.locks.acquire(sid.String(), "CreateSnapshot")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	// A retry of a finished snapshot answers from snapshot.json alone: its
+	// source may be busy, or deleted since.
+	if s, err := p.LoadSnapshot(sid); err == nil && s.Name == name {
+		if s.SourceVolumeID != vid.String() {
+			return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
+		}
+		if s.ReadyToUse {
+			return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+		}
+	}
+
+	releaseSrc, err := d.locks.acquire(vid.String(), "CreateSnapshot")
+	if err != nil {
+		return nil, err
+	}
+	defer releaseSrc()
+	v, unlock, err := lockVolume(ctx, p, vid)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	need, err := p.VolumeAllocated(vid, v)
+	if err != nil {
+		return nil, status.Errorf(codes.NotFound, "volume %s: its data is missing: %v", vid, err)
+	}
+	s, err := p.ReserveSnapshot(ctx, name, v, need)
+	if err != nil {
+		return nil, poolStatus(err)
+	}
+	if !s.ReadyToUse {
+		if err := d.copySnapshot(ctx, p, vid, v, sid, s); err != nil {
+			return nil, err
+		}
+	}
+	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+}
+
+// copySnapshot copies the source's data into a reserved snapshot and marks it
+// ready. Whatever an interrupted attempt copied is thrown away first.
+func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
+	log := klog.FromContext(ctx)
+	var method string
+	if v.Layout == pool.LayoutDir {
+		data := p.SnapshotDataPath(sid)
+		if err := os.RemoveAll(data); err != nil {
+			return status.Errorf(codes.Internal, "snapshot %s: remove half-made copy: %v", sid, err)
+		}
+		if err := os.Mkdir(data, 0o750); err != nil {
+			return status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
+		}
+		if err := pool.CopyTree(ctx, p.DataPath(vid), data); err != nil {
+			return status.Errorf(codes.Internal, "snapshot %s of volume %s: %v", sid, vid, err)
+		}
+		method = pool.CopyFull
+	} else {
+		image := p.SnapshotImagePath(sid)
+		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return status.Errorf(codes.Internal, "snapshot %s: remove half-made copy: %v", sid, err)
+		}
+		thaw := d.freezeIfStagedHere(ctx, p, vid, v)
+		m, err := pool.CopyImage(ctx, p.ImagePath(vid), image, 0)
+		thaw()
+		if err != nil {
+			return status.Errorf(codes.Internal, "snapshot %s of volume %s: %v", sid, vid, err)
+		}
+		method = m
+	}
+	alloc, err := p.SnapshotAllocated(sid, s)
+	if err != nil {
+		return status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
+	}
+	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
+	if err := p.SaveSnapshot(s); err != nil {
+		return poolStatus(err)
+	}
+	log.Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", alloc, "method", method)
+	return nil
+}
+
+// FIFREEZE and FITHAW are _IOWR('X', 119, int) and _IOWR('X', 120, int)
+// (linux/fs.h); golang.org/x/sys/unix does not export them.
+const (
+	ioctlFIFREEZE = 0xC0045877
+	ioctlFITHAW   = 0xC0045878
+)
+
+// freezeIfStagedHere freezes the filesystem of an image volume that is staged on
+// this node, so its image is clean while it is copied, and returns the thaw. It
+// is best effort: the controller cannot freeze a volume staged on another node,
+// and a snapshot is crash-consistent without it. Callers hold the volume's
+// in-process lock, so no unstage runs meanwhile.
+func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func()) {
+	noop := func() {}
+	if v.AccessType != pool.AccessFilesystem || d.loops == nil || d.mounter == nil {
+		return noop
+	}
+	log := klog.FromContext(ctx)
+	image := p.ImagePath(vid)
+	for _, st := range v.Staged {
+		if st.Node != d.opts.NodeID {
+			continue
+		}
+		info, mounted, err := d.mounter.Info(st.Path)
+		if err != nil || !mounted || !d.isVolumeMount(info, image) {
+			continue
+		}
+		f, err := os.Open(st.Path)
+		if err != nil {
+			log.Error(err, "Cannot open the staging mount to freeze it; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
+			return noop
+		}
+		if err := unix.IoctlSetInt(int(f.Fd()), ioctlFIFREEZE, 0); err != nil {
+			f.Close()
+			log.Error(err, "Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
+			return noop
+		}
+		log.Info("Froze filesystem for a snapshot", "volume", vid, "path", st.Path)
+		return func() {
+			defer f.Close()
+			if err := unix.IoctlSetInt(int(f.Fd()), ioctlFITHAW, 0); err != nil {
+				log.Error(err, "Thawing the filesystem after a snapshot failed", "volume", vid, "path", st.Path)
+				return
+			}
+			log.Info("Thawed filesystem", "volume", vid, "path", st.Path)
+		}
+	}
+	return noop
+}
+
+// DeleteSnapshot is idempotent: an unknown or already deleted snapshot is success.
+// Volumes made from a snapshot are independent copies, so nothing refuses it.
+func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
+	if err != nil {
+		return nil, err
+	}
+	p := d.pool(sid.Pool)
+	if !known || p == nil {
+		return &csi.DeleteSnapshotResponse{}, nil
+	}
+	release, err := d.locks.acquire(sid.String(), "DeleteSnapshot")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	if err := p.DeleteSnapshot(ctx, sid); err != nil {
+		return nil, poolStatus(err)
+	}
+	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", sid)
+	return &csi.DeleteSnapshotResponse{}, nil
+}
+
+// loadSnapshot reads a ready snapshot, or NOT_FOUND.
+func (d *Driver) loadSnapshot(sid pool.SnapshotID) (*pool.Pool, *pool.Snapshot, error) {
+	p := d.pool(sid.Pool)
+	if p == nil {
+		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s: pool %q is not configured on this driver", sid, sid.Pool)
+	}
+	s, err := p.LoadSnapshot(sid)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", sid)
+	case err != nil:
+		return nil, nil, status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
+	case !s.ReadyToUse:
+		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s is still being cut", sid)
+	}
+	return p, s, nil
+}
+
+func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (*csi.GetSnapshotResponse, error) {
+	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
+	if err != nil {
+		return nil, err
+	}
+	if !known {
+		return nil, status.Errorf(codes.NotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
+	}
+	_, s, err := d.loadSnapshot(sid)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.GetSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+}
+
+// ListSnapshots pages by snapshot ID, like ListVolumes: the token is the ID of the
+// first snapshot of the next page.
+func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
+	if req.GetMaxEntries() < 0 {
+		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
+	}
+	start := req.GetStartingToken()
+	if start != "" {
+		if _, err := pool.ParseSnapshotID(start); err != nil {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+		}
+	}
+	if raw := req.GetSnapshotId(); raw != "" {
+		sid, known, err := parseSnapshotRef("snapshot_id", raw)
+		if err != nil || !known {
+			return &csi.ListSnapshotsResponse{}, err
+		}
+		_, s, err := d.loadSnapshot(sid)
+		if err != nil || (req.GetSourceVolumeId() != "" && s.SourceVolumeID != req.GetSourceVolumeId()) {
+			return &csi.ListSnapshotsResponse{}, nil
+		}
+		return &csi.ListSnapshotsResponse{Entries: []*csi.ListSnapshotsResponse_Entry{{Snapshot: csiSnapshot(s)}}}, nil
+	}
+	source := req.GetSourceVolumeId()
+	if source != "" && pool.HostileID(source) {
+		return nil, status.Errorf(codes.InvalidArgument, "source_volume_id %q is not a poolcsi volume ID", source)
+	}
+	var all []*pool.Snapshot
+	for _, pn := range d.poolNames {
+		entries, err := d.pools[pn].ListSnapshots()
+		if err != nil {
+			return nil, status.Errorf(codes.Unavailable, "%v", err)
+		}
+		for _, e := range entries {
+			switch {
+			case e.Err != nil:
+				klog.FromContext(ctx).Error(e.Err, "Snapshot metadata unreadable", "snapshot", e.ID)
+			case e.Snapshot.ReadyToUse && (source == "" || e.Snapshot.SourceVolumeID == source):
+				all = append(all, e.Snapshot)
+			}
+		}
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
+	all = all[sort.Search(len(all), func(i int) bool { return all[i].ID >= start }):]
+	resp := &csi.ListSnapshotsResponse{}
+	if n := int(req.GetMaxEntries()); n > 0 && len(all) > n {
+		resp.NextToken = all[n].ID
+		all = all[:n]
+	}
+	for _, s := range all {
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
+	}
+	return resp, nil
+}

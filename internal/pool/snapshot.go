@@ -1,0 +1,304 @@
+package pool
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"time"
+	"unicode"
+
+	"golang.org/x/sys/unix"
+)
+
+const (
+	snapshotsDir     = "snapshots"
+	snapshotMetaFile = "snapshot.json"
+	// SnapshotSep separates pool and key in a snapshot ID. Volume IDs use ".",
+	// and neither a pool name nor a key may contain "@", so a snapshot ID can
+	// never parse as a volume ID, nor the other way round.
+	SnapshotSep = "@"
+)
+
+// SnapshotSchemaVersion is the version of snapshot.json this code writes.
+const SnapshotSchemaVersion = 1
+
+// Copy methods recorded in snapshot.json.
+const (
+	// CopyReflink: the data shares extents with its source (FICLONE); the
+	// blocks are unshared, and allocated, when either side is later written.
+	CopyReflink = "reflink"
+	// CopyFull: an independent sparse copy.
+	CopyFull = "copy"
+)
+
+// SnapshotID is the handle Kubernetes stores in a VolumeSnapshotContent:
+// "<pool>@<key>".
+type SnapshotID struct {
+	Pool string
+	Key  string
+}
+
+func (id SnapshotID) String() string { return id.Pool + SnapshotSep + id.Key }
+
+// NewSnapshotID builds the ID of the snapshot named name in pool poolName. The key
+// is a hash of the name, so a retried CreateSnapshot finds its snapshot.
+func NewSnapshotID(poolName, name string) SnapshotID {
+	return SnapshotID{Pool: poolName, Key: KeyForName(name)}
+}
+
+// ParseSnapshotID validates a snapshot ID received over the wire before any path
+// is built from it: only "<pool name>@<32 lowercase hex>" passes.
+func ParseSnapshotID(s string) (SnapshotID, error) {
+	if len(s) > 32+1+32 {
+		return SnapshotID{}, fmt.Errorf("%w: snapshot ID is %d bytes long", ErrInvalidID, len(s))
+	}
+	poolName, key, ok := strings.Cut(s, SnapshotSep)
+	if !ok || ValidatePoolName(poolName) != nil || !keyRE.MatchString(key) {
+		return SnapshotID{}, fmt.Errorf("%w: %q is not a poolcsi snapshot ID (<pool>@<32 hex digits>)", ErrInvalidID, s)
+	}
+	return SnapshotID{Pool: poolName, Key: key}, nil
+}
+
+// HostileID tells whether an ID that failed to parse is more than merely unknown:
+// one that looks like an attempt to reach a path (a "/", "..", NUL or other
+// control character) or is longer than any ID. The CSI spec wants an unknown
+// snapshot ID treated as "not found" (DeleteSnapshot: success), but such an ID
+// is refused outright, so it is logged as what it is.
+func HostileID(s string) bool {
+	if len(s) > 128 || strings.Contains(s, "/") || strings.Contains(s, "..") {
+		return true
+	}
+	return strings.IndexFunc(s, func(r rune) bool { return r == 0 || unicode.IsControl(r) || r == unicode.ReplacementChar }) >= 0
+}
+
+// Snapshot is the content of snapshot.json.
+type Snapshot struct {
+	SchemaVersion  int        `json:"schemaVersion"`
+	ID             string     `json:"id"`
+	Name           string     `json:"name"`
+	Pool           string     `json:"pool"`
+	SourceVolumeID string     `json:"sourceVolumeId"`
+	Layout         Layout     `json:"layout"`
+	AccessType     AccessType `json:"accessType"`
+	FSType         string     `json:"fsType,omitempty"`
+	// SizeBytes is the source's capacity when the snapshot was cut: the smallest
+	// volume it can be restored to.
+	SizeBytes  int64     `json:"sizeBytes"`
+	CreatedAt  time.Time `json:"createdAt"`
+	ReadyToUse bool      `json:"readyToUse"`
+	// CopyMethod is how the data was copied (reflink or copy); capacity
+	// accounting counts a reflinked snapshot's blocks as a promise.
+	CopyMethod string `json:"copyMethod,omitempty"`
+	// AllocatedBytes is what the copy allocated (or shares, for a reflink), measured
+	// once when it was made: a snapshot never changes afterwards.
+	AllocatedBytes int64 `json:"allocatedBytes,omitempty"`
+}
+
+// SnapshotDir is the directory holding one snapshot.
+func (p *Pool) SnapshotDir(id SnapshotID) string {
+	return filepath.Join(p.Path, snapshotsDir, id.Key)
+}
+
+// SnapshotImagePath is the copied disk image of an image-layout snapshot.
+func (p *Pool) SnapshotImagePath(id SnapshotID) string {
+	return filepath.Join(p.SnapshotDir(id), "image")
+}
+
+// SnapshotDataPath is the copied directory tree of a dir-layout snapshot.
+func (p *Pool) SnapshotDataPath(id SnapshotID) string {
+	return filepath.Join(p.SnapshotDir(id), dataDir)
+}
+
+// LoadSnapshot reads snapshot.json; a missing snapshot wraps os.ErrNotExist.
+func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
+	path := filepath.Join(p.SnapshotDir(id), snapshotMetaFile)
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, err)
+	}
+	var s Snapshot
+	if err := json.Unmarshal(raw, &s); err != nil {
+		return nil, fmt.Errorf("%w: snapshot %s: %w", ErrCorrupt, id, err)
+	}
+	if s.SchemaVersion > SnapshotSchemaVersion {
+		return nil, fmt.Errorf("%w: snapshot %s has schema version %d, this driver understands up to %d", ErrCorrupt, id, s.SchemaVersion, SnapshotSchemaVersion)
+	}
+	if s.ID != id.String() {
+		return nil, fmt.Errorf("%w: %s records ID %q", ErrCorrupt, path, s.ID)
+	}
+	return &s, nil
+}
+
+// SaveSnapshot writes snapshot.json atomically.
+func (p *Pool) SaveSnapshot(s *Snapshot) error {
+	id, err := ParseSnapshotID(s.ID)
+	if err != nil {
+		return err
+	}
+	s.SchemaVersion = SnapshotSchemaVersion
+	raw, err := json.MarshalIndent(s, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
+	}
+	return writeFileAtomic(filepath.Join(p.SnapshotDir(id), snapshotMetaFile), append(raw, '\n'))
+}
+
+// SnapshotEntry is one listed snapshot, or the error that kept it from loading.
+type SnapshotEntry struct {
+	ID       SnapshotID
+	Snapshot *Snapshot
+	Err      error
+}
+
+// ListSnapshots returns the pool's snapshots sorted by ID.
+func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
+	des, err := os.ReadDir(filepath.Join(p.Path, snapshotsDir))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil // no snapshot was ever taken
+	}
+	if err != nil {
+		return nil, fmt.Errorf("list snapshots of pool %s: %w", p.Name, err)
+	}
+	var out []SnapshotEntry
+	for _, de := range des {
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			continue
+		}
+		id := SnapshotID{Pool: p.Name, Key: de.Name()}
+		s, err := p.LoadSnapshot(id)
+		out = append(out, SnapshotEntry{ID: id, Snapshot: s, Err: err})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
+	return out, nil
+}
+
+// ReserveSnapshot finds or starts the snapshot named name of volume src: its
+// directory and a snapshot.json with readyToUse false. A snapshot of that name
+// from another source is ErrExists. needBytes is what the copy may allocate; the
+// pool must be able to hold it under its overcommit policy (ErrNoSpace). The
+// caller copies the data and then calls SaveSnapshot with ReadyToUse set.
+func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, needBytes int64) (*Snapshot, error) {
+	if err := ValidateVolumeName(name); err != nil {
+		return nil, err
+	}
+	id := NewSnapshotID(p.Name, name)
+	if err := p.Check(); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if s, err := p.LoadSnapshot(id); err == nil {
+		switch {
+		case s.Name != name:
+			return nil, fmt.Errorf("%w: snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, s.Name)
+		case s.SourceVolumeID != src.ID:
+			return nil, fmt.Errorf("%w: snapshot %q already exists of volume %s", ErrExists, name, s.SourceVolumeID)
+		}
+		return s, nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	u, err := p.Usage()
+	if err != nil {
+		return nil, err
+	}
+	if avail := p.AvailableBytes(u); needBytes > avail {
+		return nil, fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised %d, overcommit %.2f); a snapshot of volume %s may need %d",
+			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, src.ID, needBytes)
+	}
+	if err := os.MkdirAll(p.SnapshotDir(id), 0o750); err != nil {
+		return nil, fmt.Errorf("create snapshot %s: %w", id, err)
+	}
+	s := &Snapshot{
+		ID:             id.String(),
+		Name:           name,
+		Pool:           p.Name,
+		SourceVolumeID: src.ID,
+		Layout:         src.Layout,
+		AccessType:     src.AccessType,
+		FSType:         src.FSType,
+		SizeBytes:      src.CapacityBytes,
+		CreatedAt:      time.Now().UTC(),
+	}
+	if err := p.SaveSnapshot(s); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// DeleteSnapshot removes a snapshot; nil when it does not exist. Like a volume,
+// it is renamed out of the namespace first, so a crash never leaves a half-deleted
+// snapshot that lists as present; a retry finishes the removal.
+func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	dir := p.SnapshotDir(id)
+	trash := filepath.Join(p.Path, snapshotsDir, ".deleting-"+id.Key)
+	if err := os.Rename(dir, trash); err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("delete snapshot %s: %w", id, err)
+		}
+		if _, err := os.Lstat(trash); err != nil {
+			return nil
+		}
+	}
+	if err := os.RemoveAll(trash); err != nil {
+		return fmt.Errorf("delete snapshot %s: %w", id, err)
+	}
+	return syncDir(filepath.Join(p.Path, snapshotsDir))
+}
+
+// SnapshotAllocated measures what a snapshot's data holds on the pool's filesystem.
+func (p *Pool) SnapshotAllocated(id SnapshotID, s *Snapshot) (int64, error) {
+	if s.Layout == LayoutDir {
+		return TreeAllocated(p.SnapshotDataPath(id))
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(p.SnapshotImagePath(id), &st); err != nil {
+		return 0, fmt.Errorf("snapshot %s: %w", id, err)
+	}
+	return st.Blocks * 512, nil
+}
+
+// VolumeAllocated is what a volume's data holds on the pool's filesystem: what a
+// full copy of it would allocate.
+func (p *Pool) VolumeAllocated(id VolumeID, v *Volume) (int64, error) {
+	if v.Layout == LayoutDir {
+		return TreeAllocated(p.DataPath(id))
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
+		return 0, fmt.Errorf("volume %s: %w", id, err)
+	}
+	return st.Blocks * 512, nil
+}
+
+// TreeAllocated sums the blocks allocated to the files under root (without
+// following symlinks or crossing into other filesystems' mounts it finds).
+func TreeAllocated(root string) (int64, error) {
+	var total int64
+	err := filepath.WalkDir(root, func(path string, de fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err != nil {
+			return err
+		}
+		total += st.Blocks * 512
+		return nil
+	})
+	return total, err
+}
