@@ -181,6 +181,6 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 	if err := p.MarkReady(v); err != nil {
 		return poolStatus(err)
 	}
-	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "method", method)
+	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
 	return nil
 }

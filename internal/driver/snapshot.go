@@ -175,7 +175,7 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 	if err := p.SaveSnapshot(s); err != nil {
 		return poolStatus(err)
 	}
-	log.Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", alloc, "method", method)
+	log.Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", alloc, "copy", method)
 	return nil
 }
 

@@ -11,6 +11,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/testutil"
 )
 
 func TestParseSnapshotID(t *testing.T) {
@@ -167,5 +169,41 @@ func TestSnapshotReserveListDelete(t *testing.T) {
 	}
 	if list, _ := p.ListSnapshots(); len(list) != 0 {
 		t.Fatalf("after delete: %+v", list)
+	}
+}
+
+// TestCopyImageReflink copies on filesystems that share extents: the copy must be a
+// reflink (no data copied) with the same bytes, grown to the asked size.
+func TestCopyImageReflink(t *testing.T) {
+	tests := []struct {
+		fsType string
+		size   int64
+		args   []string
+	}{
+		{"btrfs", 256 << 20, nil},
+		{"xfs", 320 << 20, []string{"-m", "reflink=1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.fsType, func(t *testing.T) {
+			mnt := testutil.LoopFS(t, t.TempDir(), tt.fsType, tt.size, tt.args...)
+			src := filepath.Join(mnt, "src")
+			data := make([]byte, 4<<20)
+			rand.Read(data)
+			if err := os.WriteFile(src, data, 0o600); err != nil {
+				t.Fatal(err)
+			}
+			dst := filepath.Join(mnt, "dst")
+			method, err := CopyImage(context.Background(), src, dst, 8<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if method != CopyReflink {
+				t.Fatalf("method %q on %s, want %q", method, tt.fsType, CopyReflink)
+			}
+			got, _ := os.ReadFile(dst)
+			if len(got) != 8<<20 || !bytes.Equal(got[:len(data)], data) {
+				t.Fatalf("copy differs from its source (%d bytes)", len(got))
+			}
+		})
 	}
 }
