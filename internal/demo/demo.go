@@ -210,6 +210,9 @@ func (r *run) walk() error {
 		stats, func(ctx context.Context) (proto.Message, error) { return r.node.NodeGetVolumeStats(ctx, stats) }); err != nil {
 		return err
 	}
+	if err := r.snapshot(); err != nil {
+		return err
+	}
 	if err := r.fault(); err != nil {
 		return err
 	}
@@ -231,6 +234,21 @@ func (r *run) walk() error {
 	r.volumeID = ""
 	r.say("\nDone: the volume went through its whole life; nothing is left behind.\n")
 	return nil
+}
+
+// snapshot cuts a snapshot of the mounted volume and deletes it again, as the
+// external-snapshotter does for a VolumeSnapshot.
+func (r *run) snapshot() error {
+	create := &csi.CreateSnapshotRequest{Name: "snapshot-demo", SourceVolumeId: r.volumeID}
+	resp, err := r.call("external-snapshotter", "CreateSnapshot", "a VolumeSnapshot was created: freeze the filesystem staged here, copy the image (reflink where the pool can), thaw",
+		create, func(ctx context.Context) (proto.Message, error) { return r.ctrl.CreateSnapshot(ctx, create) })
+	if err != nil {
+		return err
+	}
+	del := &csi.DeleteSnapshotRequest{SnapshotId: resp.(*csi.CreateSnapshotResponse).GetSnapshot().GetSnapshotId()}
+	_, err = r.call("external-snapshotter", "DeleteSnapshot", "the VolumeSnapshot was deleted: remove the copy",
+		del, func(ctx context.Context) (proto.Message, error) { return r.ctrl.DeleteSnapshot(ctx, del) })
+	return err
 }
 
 func (r *run) write() error {

@@ -198,7 +198,7 @@ func TestDemo(t *testing.T) {
 	if err != nil {
 		t.Fatalf("poolcsi demo: %v\n%s", err, out)
 	}
-	for _, want := range []string{"CreateVolume", "NodeStageVolume", "NodePublishVolume", "ControllerExpandVolume", "NodeGetVolumeStats",
+	for _, want := range []string{"CreateVolume", "NodeStageVolume", "NodePublishVolume", "ControllerExpandVolume", "NodeGetVolumeStats", "CreateSnapshot", "DeleteSnapshot",
 		"FilesystemReadOnly", "NodeUnpublishVolume", "NodeUnstageVolume", "DeleteVolume", "nothing is left behind"} {
 		if !strings.Contains(string(out), want) {
 			t.Errorf("demo output lacks %q", want)
