@@ -207,3 +207,40 @@ func TestCopyImageReflink(t *testing.T) {
 		})
 	}
 }
+
+// TestUsageCountsSnapshots: a snapshot's blocks are counted, and a reflinked one's
+// are also a promise (writes to its source will unshare them).
+func TestUsageCountsSnapshots(t *testing.T) {
+	p, err := Open(Config{Name: "t", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := &Volume{ID: NewVolumeID("t", "v").String(), Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: 64 << 20}
+	before, err := p.Usage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name, method string
+		unbacked     int64
+	}{{"copied", CopyFull, 0}, {"reflinked", CopyReflink, 5 << 20}} {
+		s, err := p.ReserveSnapshot(context.Background(), tt.name, src, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = tt.method, 5<<20, true
+		if err := p.SaveSnapshot(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	after, err := p.Usage()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after.Snapshots != 2 || after.SnapshotBytes != 10<<20 {
+		t.Errorf("usage counts %d snapshots, %d bytes; want 2, %d", after.Snapshots, after.SnapshotBytes, 10<<20)
+	}
+	if got := after.UnbackedBytes - before.UnbackedBytes; got != 5<<20 {
+		t.Errorf("snapshots add %d unbacked bytes, want %d (the reflinked one's)", got, 5<<20)
+	}
+}
