@@ -149,6 +149,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	}
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
+	d.thawAfterCrash(ctx)
 	go func() {
 		<-ctx.Done()
 		srv.GracefulStop()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 
@@ -159,9 +160,11 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return status.Errorf(codes.Internal, "snapshot %s: remove half-made copy: %v", sid, err)
 		}
-		thaw := d.freezeIfStagedHere(ctx, p, vid, v)
-		m, err := pool.CopyImage(ctx, p.ImagePath(vid), image, 0)
-		thaw()
+		m, err := func() (string, error) {
+			// Deferred, so a panic in the copy cannot leave the pod's filesystem frozen.
+			defer d.freezeIfStagedHere(ctx, p, vid, v)()
+			return pool.CopyImage(ctx, p.ImagePath(vid), image, 0)
+		}()
 		if err != nil {
 			return status.Errorf(codes.Internal, "snapshot %s of volume %s: %v", sid, vid, err)
 		}
@@ -211,8 +214,17 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 			log.Error(err, "Cannot open the staging mount to freeze it; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
 			return noop
 		}
+		// The marker outlives a crash of this process while the filesystem is
+		// frozen; the next start thaws what it names (thawAfterCrash).
+		marker := freezeMarker(p, vid)
+		if err := os.WriteFile(marker, []byte(d.opts.NodeID+"\n"+st.Path), 0o600); err != nil {
+			f.Close()
+			log.Error(err, "Cannot record the freeze; not freezing, the snapshot is crash-consistent", "volume", vid)
+			return noop
+		}
 		if err := unix.IoctlSetInt(int(f.Fd()), ioctlFIFREEZE, 0); err != nil {
 			f.Close()
+			os.Remove(marker)
 			log.Error(err, "Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
 			return noop
 		}
@@ -223,6 +235,7 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 				log.Error(err, "Thawing the filesystem after a snapshot failed", "volume", vid, "path", st.Path)
 				return
 			}
+			os.Remove(marker)
 			log.Info("Thawed filesystem", "volume", vid, "path", st.Path)
 		}
 	}
@@ -338,4 +351,44 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
 	}
 	return resp, nil
+}
+
+// freezeMarker names the file that records a freeze in progress.
+func freezeMarker(p *pool.Pool, vid pool.VolumeID) string {
+	return filepath.Join(p.Dir(vid), "frozen")
+}
+
+// thawAfterCrash thaws filesystems a previous process froze for a snapshot and
+// died before thawing: otherwise every write of the pods using them would hang
+// until someone ran fsfreeze -u by hand. Only paths recorded by a freeze marker
+// are touched, so an operator's own fsfreeze is left alone.
+func (d *Driver) thawAfterCrash(ctx context.Context) {
+	if !d.opts.Mode.node() {
+		return
+	}
+	log := klog.FromContext(ctx)
+	for _, pn := range d.poolNames {
+		p := d.pools[pn]
+		markers, _ := filepath.Glob(filepath.Join(p.Path, "volumes", "*", "frozen"))
+		for _, marker := range markers {
+			raw, err := os.ReadFile(marker)
+			if err != nil {
+				continue
+			}
+			node, path, ok := strings.Cut(string(raw), "\n")
+			if !ok || node != d.opts.NodeID {
+				continue // another node's freeze, on a shared pool
+			}
+			if f, err := os.Open(path); err == nil {
+				err = unix.IoctlSetInt(int(f.Fd()), ioctlFITHAW, 0)
+				f.Close()
+				if err != nil && !errors.Is(err, unix.EINVAL) { // EINVAL: not frozen
+					log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", path)
+					continue
+				}
+				log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", path)
+			}
+			os.Remove(marker)
+		}
+	}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -291,5 +292,34 @@ func TestSnapshotHostileIDs(t *testing.T) {
 	}
 	if _, err := c.GetSnapshot(ctx(t), &csi.GetSnapshotRequest{SnapshotId: snap.GetSnapshotId()}); err != nil {
 		t.Errorf("the real snapshot is gone: %v", err)
+	}
+}
+
+// TestThawAfterCrash leaves a volume frozen with a freeze marker, as a driver
+// killed in the middle of a snapshot copy would, and checks the restarted driver
+// thaws it — pods' writes would otherwise hang until someone ran fsfreeze -u.
+func TestThawAfterCrash(t *testing.T) {
+	e := newEnv(t, "mkfs.ext4", "fsfreeze")
+	vc := harness.MountCap("ext4", harness.RWO)
+	id := e.create("pvc-frozen", vc, 32*mib)
+	e.stage(id, vc)
+	staging := e.staging(id)
+	// Registered before the freeze: a failing test must not leave it frozen.
+	t.Cleanup(func() { exec.Command("fsfreeze", "-u", staging).Run() })
+	if out, err := exec.Command("fsfreeze", "-f", staging).CombinedOutput(); err != nil {
+		t.Fatalf("fsfreeze -f: %v\n%s", err, out)
+	}
+	key := id[strings.IndexByte(id, '.')+1:]
+	marker := filepath.Join(e.pool, "volumes", key, "frozen")
+	if err := os.WriteFile(marker, []byte("node-1\n"+staging), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e.drv.Restart(t)
+	// Unfreezing a filesystem that is not frozen fails: that failure is the proof.
+	if out, err := exec.Command("fsfreeze", "-u", staging).CombinedOutput(); err == nil {
+		t.Fatalf("the filesystem was still frozen after the restart (%s)", out)
+	}
+	if _, err := os.Stat(marker); !os.IsNotExist(err) {
+		t.Fatalf("freeze marker still there: %v", err)
 	}
 }
