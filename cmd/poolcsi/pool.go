@@ -17,10 +17,14 @@ import (
 )
 
 const poolUsage = `Usage:
+  poolcsi pool init --path POOL_DIR --name NAME
   poolcsi pool list --path POOL_DIR
   poolcsi pool check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
 
+init lays out a new pool in an existing directory, once: the driver never lays
+out a shared pool by itself, because an empty directory where a share should be
+mounted looks exactly like a new pool.
 list shows every volume with its size, the bytes its image holds, where it is
 staged and published, and its controller-side health.
 check reports damaged or unhealthy volumes and leftovers of interrupted calls;
@@ -35,9 +39,11 @@ docs/fencing.md.
 func poolCmd(ctx context.Context, args []string) error {
 	if len(args) == 0 {
 		fmt.Print(poolUsage)
-		return errors.New("pool: want a subcommand (list, check, unfence)")
+		return errors.New("pool: want a subcommand (init, list, check, unfence)")
 	}
 	switch args[0] {
+	case "init":
+		return poolInit(os.Stdout, args[1:])
 	case "list":
 		return poolList(os.Stdout, args[1:])
 	case "check":
@@ -182,4 +188,26 @@ func orDash(s string) string {
 		return "-"
 	}
 	return s
+}
+
+func poolInit(out io.Writer, args []string) error {
+	fs := flag.NewFlagSet("pool init", flag.ContinueOnError)
+	path := fs.String("path", "", "the pool's directory (must exist: the mounted share)")
+	name := fs.String("name", "", "the pool's name, as in the driver's config")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if *path == "" || *name == "" {
+		return errors.New("pool init: --path and --name are required")
+	}
+	abs, err := filepath.Abs(*path)
+	if err != nil {
+		return err
+	}
+	p, err := pool.Initialise(pool.Config{Name: *name, Path: abs, Shared: true})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "pool %s is ready at %s\n", p.Name, p.Path)
+	return nil
 }

@@ -39,6 +39,9 @@ type Config struct {
 // Pool is an opened pool directory.
 type Pool struct {
 	Config
+	// initialising is set by Initialise: the operator asked for the layout, so
+	// even a shared pool may be laid out.
+	initialising bool
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
@@ -64,14 +67,42 @@ func Open(cfg Config) (*Pool, error) {
 			return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
 		}
 	}
-	// A missing shared pool is not fatal: Probe reports it until it appears.
+	// A missing or uninitialised shared pool is not fatal: Probe reports it until
+	// it appears.
 	if _, err := os.Stat(cfg.Path); err == nil && p.mountReady() == nil {
-		if err := p.init(); err != nil {
+		if err := p.init(); err != nil && !errors.Is(err, ErrUnavailable) {
 			return nil, err
 		}
 	}
 	return p, nil
 }
+
+// Initialise lays out a new pool at cfg.Path, which must exist — the operator's
+// one explicit step for a shared pool the admin mounts (poolcsi pool init). It is
+// idempotent, and refuses a directory that belongs to a pool of another name.
+func Initialise(cfg Config) (*Pool, error) {
+	if _, err := os.Stat(cfg.Path); err != nil {
+		return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
+	}
+	p, err := Open(cfg)
+	if err != nil {
+		return nil, err
+	}
+	p.initialising = true
+	defer func() { p.initialising = false }()
+	if err := p.init(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// mayInit tells whether the driver may lay out this pool by itself. A shared
+// pool that the admin mounts is laid out once, explicitly: an empty directory
+// where the share should be mounted looks exactly like a new pool, and laying it
+// out would put "shared" volumes on this node's own disk, where no other node
+// sees them. A pool the driver mounts itself (mount stanza) is checked mounted
+// first, so it may.
+func (p *Pool) mayInit() bool { return !p.Shared || p.RequireMount || p.initialising }
 
 type poolInfo struct {
 	SchemaVersion int    `json:"schemaVersion"`
@@ -82,9 +113,6 @@ type poolInfo struct {
 // pool of another name: two names over one directory would double-count capacity
 // and give one volume two IDs.
 func (p *Pool) init() error {
-	if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: %w", p.Name, err)
-	}
 	metaPath := filepath.Join(p.Path, poolMeta)
 	raw, err := os.ReadFile(metaPath)
 	switch {
@@ -96,8 +124,18 @@ func (p *Pool) init() error {
 		if info.Name != p.Name {
 			return fmt.Errorf("pool %s: %s belongs to pool %q; give it that name or use another directory", p.Name, p.Path, info.Name)
 		}
+		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: %w", p.Name, err)
+		}
 		return nil
 	case errors.Is(err, os.ErrNotExist):
+		if !p.mayInit() {
+			return fmt.Errorf("%w: shared pool %s: %s has no %s — the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s)",
+				ErrUnavailable, p.Name, p.Path, poolMeta, p.Path, p.Name)
+		}
+		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: %w", p.Name, err)
+		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name})
 		return writeFileAtomic(metaPath, append(raw, '\n'))
 	default:
@@ -115,8 +153,9 @@ func (p *Pool) Check() error {
 	if err := p.mountReady(); err != nil {
 		return err
 	}
-	if _, err := os.Stat(vols); errors.Is(err, os.ErrNotExist) {
-		// A shared pool that appeared after start-up: lay it out now.
+	if _, err := os.Stat(filepath.Join(p.Path, poolMeta)); errors.Is(err, os.ErrNotExist) {
+		// A pool that appeared after start-up (a share mounted late): lay it out
+		// now if the driver may, or say why not.
 		if err := p.init(); err != nil {
 			return err
 		}

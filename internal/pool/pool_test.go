@@ -202,3 +202,29 @@ func TestDeleteFinishesAnInterruptedDelete(t *testing.T) {
 		t.Fatalf("the retried delete left %s: %v", trash, err)
 	}
 }
+
+func TestSharedPoolIsLaidOutOnlyOnRequest(t *testing.T) {
+	dir := t.TempDir() // exists, empty: what an unmounted share looks like
+	p, err := Open(Config{Name: "s", Path: dir, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(); !errors.Is(err, ErrUnavailable) {
+		t.Fatalf("Check of an uninitialised shared pool = %v, want ErrUnavailable", err)
+	}
+	if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+		t.Fatalf("the driver wrote into what may be an unmounted share: %v", entries)
+	}
+	if _, err := Initialise(Config{Name: "s", Path: dir, Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(); err != nil {
+		t.Fatalf("Check after Initialise: %v", err)
+	}
+	if _, err := Initialise(Config{Name: "other", Path: dir, Shared: true}); err == nil {
+		t.Fatal("Initialise gave a pool's directory a second name")
+	}
+	if _, err := Initialise(Config{Name: "s", Path: filepath.Join(dir, "missing"), Shared: true}); err == nil {
+		t.Fatal("Initialise created a missing share directory")
+	}
+}

@@ -47,6 +47,11 @@ func setup(t *testing.T) *env {
 	if err := os.Mkdir(poolDir, 0o755); err != nil {
 		t.Fatal(err)
 	}
+	// The operator's one explicit step for a shared pool: the driver never lays
+	// out a share by itself (it could be an empty, unmounted directory).
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared").CombinedOutput(); err != nil {
+		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+	}
 	e := &env{root: root, poolDir: poolDir}
 	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared", "local=" + filepath.Join(root, "local1")}})
 	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", Pools: []string{"shared=" + poolDir + ",shared"}})
@@ -450,5 +455,31 @@ func TestUnenforcedDirVolume(t *testing.T) {
 			t.Fatalf("the log does not say the size is not enforced:\n%s", d.Log())
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestUninitialisedSharedPoolIsNotReady starts a driver on an empty directory
+// configured as a shared pool — what an unmounted share looks like — and checks
+// that it writes nothing there and is not ready until the operator lays it out.
+func TestUninitialisedSharedPoolIsNotReady(t *testing.T) {
+	testutil.RequireRoot(t)
+	root := t.TempDir()
+	share := filepath.Join(root, "share")
+	if err := os.Mkdir(share, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + share + ",shared"}, AllowNotReady: true})
+	_, err := d.Identity().Probe(context.Background(), &csi.ProbeRequest{})
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "pool init") {
+		t.Fatalf("Probe on an uninitialised shared pool = %v, want FailedPrecondition saying how to initialise it", err)
+	}
+	if entries, _ := os.ReadDir(share); len(entries) != 0 {
+		t.Fatalf("the driver wrote into what may be an unmounted share: %v", entries)
+	}
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", share, "--name", "shared").CombinedOutput(); err != nil {
+		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+	}
+	if _, err := d.Identity().Probe(context.Background(), &csi.ProbeRequest{}); err != nil {
+		t.Fatalf("Probe after pool init: %v", err)
 	}
 }
