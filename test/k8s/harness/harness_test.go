@@ -210,7 +210,7 @@ func TestKubernetes(t *testing.T) {
 	c := StartCluster(t, dir)
 	t.Logf("control plane up at %s after %s", c.APIServer, time.Since(total).Round(time.Second))
 	poolcsi := buildPoolcsi(t, dir)
-	provisioner, attacher := provisionerTool.Path(t), attacherTool.Path(t)
+	provisioner, attacher, resizer := provisionerTool.Path(t), attacherTool.Path(t), resizerTool.Path(t)
 
 	renderedBytes, err := os.ReadFile(chart.RenderedFile())
 	if err != nil {
@@ -320,6 +320,10 @@ func TestKubernetes(t *testing.T) {
 		[]string{"NODE_NAME=node-1"}, "--retry-interval-max=5s")
 	startSidecar(t, c, provisioner, "csi-provisioner", dep, "csi-provisioner", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
 	startSidecar(t, c, attacher, "csi-attacher", dep, "csi-attacher", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
+	sharedResizer := startSidecar(t, c, resizer, "csi-resizer", dep, "csi-resizer", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
+	// One leader-elected csi-resizer-local serves the whole cluster; here it talks to
+	// node-1's local driver, as it would on whichever node holds the lease.
+	localResizer := startSidecar(t, c, resizer, "csi-resizer-local", ds, "csi-resizer-local", local.sock, nodeKube, nil, "--retry-interval-max=5s")
 	t.Logf("poolcsi and sidecars up after %s", time.Since(total).Round(time.Second))
 
 	t.Run("local PVC provisioned by csi-provisioner on its node", func(t *testing.T) {
@@ -435,6 +439,12 @@ func TestKubernetes(t *testing.T) {
 			return nil
 		})
 		checkGoneFromPool(t, filepath.Join(dir, "pools", "shared"), handle)
+	})
+	t.Run("shared PVC expanded by csi-resizer through ControllerExpandVolume", func(t *testing.T) {
+		testSharedResize(t, c, shared, sharedResizer, filepath.Join(dir, "pools", "shared"))
+	})
+	t.Run("local PVC expanded on its node (--expand-on-node)", func(t *testing.T) {
+		testLocalResize(t, c, local, localResizer, filepath.Join(dir, "pools", "node-1-local"))
 	})
 	t.Logf("TestKubernetes total %s", time.Since(total).Round(time.Second))
 }

@@ -22,6 +22,7 @@ const (
 	EtcdVersion        = "v3.6.16" // go.etcd.io/etcd/server/v3
 	ProvisionerVersion = "v6.3.0"  // github.com/kubernetes-csi/external-provisioner/v6
 	AttacherVersion    = "v4.13.0" // github.com/kubernetes-csi/external-attacher/v4
+	ResizerVersion     = "v2.3.0"  // github.com/kubernetes-csi/external-resizer/v2
 )
 
 // Tool is one binary the harness builds from the Go module proxy.
@@ -86,8 +87,11 @@ var (
 	attacherTool = Tool{Name: "csi-attacher", Module: "github.com/kubernetes-csi/external-attacher/v4", Version: AttacherVersion,
 		Package: "github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + AttacherVersion}
+	resizerTool = Tool{Name: "csi-resizer", Module: "github.com/kubernetes-csi/external-resizer/v2", Version: ResizerVersion,
+		Package: "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer", ReplaceFrom: ownReplaces,
+		LDFlags: "-s -w -X main.version=" + ResizerVersion}
 	// AllTools in build order.
-	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool}
+	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool, resizerTool}
 )
 
 // CacheDir is $POOLCSI_K8S_CACHE, or $HOME/.cache/poolcsi-k8s.
