@@ -308,6 +308,14 @@ func TestKubernetes(t *testing.T) {
 		t.Fatal("rendered YAML lacks DaemonSet poolcsi-node or Deployment poolcsi-controller")
 	}
 	sharedPool := map[string]string{"/mnt/poolcsi-shared": filepath.Join(dir, "pools", "shared")}
+	// The operator's one step for an admin-mounted shared pool (docs/pools.md): the
+	// driver never lays out a share by itself.
+	if err := os.MkdirAll(sharedPool["/mnt/poolcsi-shared"], 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(poolcsi, "pool", "init", "--path", sharedPool["/mnt/poolcsi-shared"], "--name", "shared").CombinedOutput(); err != nil {
+		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+	}
 	local := startDriver(t, c, poolcsi, rendered, "poolcsi-local-node-1", "DaemonSet", "poolcsi-node", "poolcsi-local", "local.yaml", "node-1",
 		map[string]string{"/var/lib/poolcsi/pools/local": filepath.Join(dir, "pools", "node-1-local")})
 	shared := startDriver(t, c, poolcsi, rendered, "poolcsi-controller", "Deployment", "poolcsi-controller", "poolcsi", "shared.yaml", "controller", sharedPool)
