@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -384,56 +385,81 @@ func (l *Loops) Detach(ctx context.Context, backingFile string) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	dev, backing, pending, err := l.detach(backingFile)
+	if err != nil || !pending {
+		return err
+	}
+	// Waited for outside the lock: Find (NodeGetVolumeStats) must not stall.
+	waitDetached(ctx, dev, backing)
+	return nil
+}
+
+func (l *Loops) detach(backingFile string) (dev, backing string, pending bool, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	dev, err := l.find(backingFile)
+	dev, err = l.find(backingFile)
 	if err != nil {
-		return fmt.Errorf("detach %s: %w", backingFile, err)
+		return "", "", false, fmt.Errorf("detach %s: %w", backingFile, err)
 	}
 	if dev == "" {
-		return nil
+		return "", "", false, nil
 	}
-	return l.detachDevice(dev)
+	raw, _ := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
+	pending, err = l.detachDevice(dev)
+	return dev, string(raw), pending, err
 }
 
-// DetachDevice detaches a loop device by name, for orphans found by Status.
-func (l *Loops) DetachDevice(ctx context.Context, device string) error {
-	if err := ctx.Err(); err != nil {
-		return err
+// detachWait bounds how long Detach waits for a deferred detach: other openers
+// (udev's blkid, a scan by another process) hold a loop device for milliseconds.
+const detachWait = 2 * time.Second
+
+// waitDetached waits until dev no longer serves the file sysfs named backing, so
+// that a Detach that returns means detached — an immediate re-attach of the same
+// file would otherwise find the old device still winding down. Past detachWait it
+// gives up quietly: the kernel finishes the detach when the last opener closes.
+func waitDetached(ctx context.Context, dev, backing string) {
+	ctx, cancel := context.WithTimeout(ctx, detachWait)
+	defer cancel()
+	for {
+		now, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
+		if err != nil || string(now) != backing {
+			klog.V(2).InfoS("Detached loop device", "device", dev)
+			return
+		}
+		if sleepContext(ctx) != nil {
+			klog.InfoS("Loop device still open elsewhere; it will detach when closed", "device", dev)
+			return
+		}
 	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.detachDevice(device)
 }
 
-func (l *Loops) detachDevice(dev string) error {
+// detachDevice clears dev; pending reports that other openers keep it bound
+// until they close it (the kernel then only sets autoclear).
+func (l *Loops) detachDevice(dev string) (pending bool, err error) {
 	if where, err := mountedAt(dev); err != nil {
-		return err
+		return false, err
 	} else if where != "" {
-		return fmt.Errorf("detach %s: mounted at %s: %w", dev, where, ErrDeviceBusy)
+		return false, fmt.Errorf("detach %s: mounted at %s: %w", dev, where, ErrDeviceBusy)
 	}
 	fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if errors.Is(err, unix.ENOENT) {
 		l.forget(dev)
-		return nil
+		return false, nil
 	}
 	if err != nil {
-		return fmt.Errorf("detach: %w", &os.PathError{Op: "open", Path: dev, Err: err})
+		return false, fmt.Errorf("detach: %w", &os.PathError{Op: "open", Path: dev, Err: err})
 	}
 	err = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
 	unix.Close(fd)
 	if err != nil && !errors.Is(err, unix.ENXIO) {
-		return fmt.Errorf("detach: %w", &os.PathError{Op: "LOOP_CLR_FD", Path: dev, Err: err})
+		return false, fmt.Errorf("detach: %w", &os.PathError{Op: "LOOP_CLR_FD", Path: dev, Err: err})
 	}
 	l.forget(dev)
-	// With other openers the kernel only sets autoclear and returns success;
-	// the device goes away when the last one closes it.
 	if _, err := os.Stat(filepath.Join(sysBlock, filepath.Base(dev), "loop")); err == nil {
-		klog.InfoS("Loop device still open elsewhere; it will detach when closed", "device", dev)
-	} else {
-		klog.V(2).InfoS("Detached loop device", "device", dev)
+		return true, nil
 	}
-	return nil
+	klog.V(2).InfoS("Detached loop device", "device", dev)
+	return false, nil
 }
 
 func (l *Loops) forget(dev string) {

@@ -41,22 +41,17 @@ func newLoops(t testing.TB) *Loops {
 // after (or inside) Attach still releases the device.
 func attach(t testing.TB, l *Loops, file string) string {
 	t.Helper()
-	var dev string
+	// Detached by file, never by device name: once this test's device is
+	// released, another process may already hold the same name.
 	t.Cleanup(func() {
 		if err := l.Detach(context.Background(), file); err != nil {
 			t.Errorf("cleanup detach %s: %v", file, err)
 		}
-		if dev != "" {
-			if _, err := l.Status(dev); err == nil {
-				_ = l.DetachDevice(context.Background(), dev)
-			}
-		}
 	})
-	d, err := l.Attach(context.Background(), file)
+	dev, err := l.Attach(context.Background(), file)
 	if err != nil {
 		t.Fatalf("Attach(%s): %v", file, err)
 	}
-	dev = d
 	return dev
 }
 
