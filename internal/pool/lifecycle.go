@@ -158,29 +158,36 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(dir stri
 		return err
 	}
 	defer unlock()
-	dir := p.Dir(id)
-	trash := filepath.Join(p.Path, volumesDir, ".deleting-"+id.Key)
-	if err := os.Rename(dir, trash); err != nil {
+	if err := removeRenamed(filepath.Join(p.Path, volumesDir), id.Key, before); err != nil {
+		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	return nil
+}
+
+// removeRenamed deletes parent/key by renaming it to parent/.deleting-key and
+// then removing that, so a crash never leaves something half-deleted under its
+// own name; a retry (parent/key gone, the renamed one still there) finishes the
+// removal. before runs on the renamed directory first. key is a validated key
+// and RemoveAll does not follow symlinks, so nothing outside parent/key is reached.
+func removeRenamed(parent, key string, before func(dir string) error) error {
+	trash := filepath.Join(parent, ".deleting-"+key)
+	if err := os.Rename(filepath.Join(parent, key), trash); err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("delete volume %s: %w", id, err)
+			return err
 		}
 		if _, err := os.Lstat(trash); err != nil {
-			return nil // nothing of the volume is left
+			return nil // nothing is left
 		}
-		// A delete was interrupted after the rename: the retry finishes it, or
-		// the data would stay behind with nothing pointing at it.
 	}
 	if before != nil {
 		if err := before(trash); err != nil {
-			return fmt.Errorf("delete volume %s: %w", id, err)
+			return err
 		}
 	}
-	// trash is built from a validated key inside the pool and RemoveAll does not
-	// follow symlinks, so nothing outside this one volume can be reached.
 	if err := os.RemoveAll(trash); err != nil {
-		return fmt.Errorf("delete volume %s: %w", id, err)
+		return err
 	}
-	return syncDir(filepath.Join(p.Path, volumesDir))
+	return syncDir(parent)
 }
 
 func touch(path string) error {

@@ -244,20 +244,10 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 		return err
 	}
 	defer unlock()
-	dir := p.SnapshotDir(id)
-	trash := filepath.Join(p.Path, snapshotsDir, ".deleting-"+id.Key)
-	if err := os.Rename(dir, trash); err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("delete snapshot %s: %w", id, err)
-		}
-		if _, err := os.Lstat(trash); err != nil {
-			return nil
-		}
-	}
-	if err := os.RemoveAll(trash); err != nil {
+	if err := removeRenamed(filepath.Join(p.Path, snapshotsDir), id.Key, nil); err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
-	return syncDir(filepath.Join(p.Path, snapshotsDir))
+	return nil
 }
 
 // SnapshotAllocated measures what a snapshot's data holds on the pool's filesystem.

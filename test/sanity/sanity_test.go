@@ -3,11 +3,8 @@
 package sanity
 
 import (
-	"crypto/rand"
-	"encoding/hex"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"testing"
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
@@ -15,21 +12,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
-
-// idGen makes IDs in poolcsi's format, so "valid but unknown" IDs reach the code
-// that looks volumes up instead of being refused by the ID parser.
-type idGen struct{}
-
-func randKey() string {
-	b := make([]byte, 16)
-	rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
-func (idGen) GenerateUniqueValidVolumeID() string { return "sanity." + randKey() }
-func (idGen) GenerateInvalidVolumeID() string     { return "nopool." + randKey() }
-func (idGen) GenerateUniqueValidNodeID() string   { return "node-" + randKey()[:8] }
-func (idGen) GenerateInvalidNodeID() string       { return "no-such-node" }
 
 // accessEnv selects the access type of one sanity run. Ginkgo runs a suite once
 // per process, so TestSanity runs each access type in a child test process.
@@ -64,39 +46,7 @@ func TestSanity(t *testing.T) {
 }
 
 func runSanity(t *testing.T, access string) {
-	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.ext4", "blkid")
-	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
-	poolDir := filepath.Join(root, "pool")
-	// A small attach limit lets the suite check that the controller holds it.
-	d := harness.Start(t, harness.Options{NodeID: "sanity-node", Pools: []string{"sanity=" + poolDir}, Args: []string{"--max-volumes-per-node", "4"}})
-
-	cfg := sanity.NewTestConfig()
-	cfg.Address = d.Endpoint
-	cfg.StagingPath = filepath.Join(root, "staging")
-	cfg.TargetPath = filepath.Join(root, "target")
+	cfg := harness.StartForSanity(t)
 	cfg.TestVolumeAccessType = access
-	cfg.TestVolumeSize = 64 << 20
-	// A whole number of MiB above every filesystem minimum poolcsi enforces for
-	// ext4, so the expansion specs get exactly the size they ask for.
-	cfg.TestVolumeExpandSize = 128 << 20
-	cfg.IDGen = idGen{}
-	cfg.IdempotentCount = 2
-	cfg.TestNodeVolumeAttachLimit = true
-	cfg.CheckPath = func(path string) (sanity.PathKind, error) {
-		fi, err := os.Stat(path)
-		switch {
-		case os.IsNotExist(err):
-			return sanity.PathIsNotFound, nil
-		case err != nil:
-			return sanity.PathIsOther, err
-		case fi.IsDir():
-			return sanity.PathIsDir, nil
-		case fi.Mode().IsRegular():
-			return sanity.PathIsFile, nil
-		}
-		return sanity.PathIsOther, nil
-	}
-	sanity.Test(t, cfg)
+	sanity.Test(t, *cfg)
 }
