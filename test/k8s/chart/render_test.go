@@ -61,6 +61,14 @@ func TestChartVariants(t *testing.T) {
 			map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
 			map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
 		}}, []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
+		{"snapshots: local node deployment and classes", map[string]any{
+			"snapshots":     map[string]any{"local": true},
+			"snapshotClass": map[string]any{"create": true, "default": true}},
+			[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
+		{"snapshots disabled", map[string]any{
+			"snapshots":     map[string]any{"enabled": false},
+			"snapshotClass": map[string]any{"create": true}},
+			nil, []string{"VolumeSnapshotClass/"}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -90,6 +98,7 @@ func TestChartVariants(t *testing.T) {
 					}
 				}
 			}
+			checkSnapshotters(t, tc.overrides, have)
 			if sc, ok := have["StorageClass/poolcsi-local"]; ok {
 				for _, s := range []string{"provisioner: local.poolcsi.io", "volumeBindingMode: WaitForFirstConsumer", `csi.storage.k8s.io/fstype: "xfs"`, `is-default-class: "true"`} {
 					if !strings.Contains(sc.YAML, s) {
@@ -108,5 +117,54 @@ func TestChartVariants(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// checkSnapshotters: csi-snapshotter runs leader-elected in the Deployment unless
+// snapshots.enabled is false, and per node (--node-deployment, never leader-elected, which
+// the sidecar refuses) in the DaemonSet only with snapshots.local.
+func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]Doc) {
+	t.Helper()
+	snaps, _ := overrides["snapshots"].(map[string]any)
+	wantShared, wantLocal := true, false
+	if v, ok := snaps["enabled"].(bool); ok {
+		wantShared = v
+	}
+	if v, ok := snaps["local"].(bool); ok {
+		wantLocal = v
+	}
+	if dep, ok := have["Deployment/poolcsi-controller"]; ok {
+		if got := strings.Contains(dep.YAML, "- name: csi-snapshotter\n"); got != wantShared {
+			t.Errorf("Deployment has csi-snapshotter: %v, want %v", got, wantShared)
+		}
+		if got := strings.Contains(have["ClusterRole/poolcsi-controller"].YAML, "volumesnapshotcontents/status"); got != wantShared {
+			t.Errorf("ClusterRole poolcsi-controller may update volumesnapshotcontents/status: %v, want %v", got, wantShared)
+		}
+	}
+	ds, ok := have["DaemonSet/poolcsi-node"]
+	if !ok || !strings.Contains(ds.YAML, "csi-provisioner-local") {
+		return
+	}
+	i := strings.Index(ds.YAML, "- name: csi-snapshotter-local\n")
+	if got := i >= 0; got != wantLocal {
+		t.Fatalf("DaemonSet has csi-snapshotter-local: %v, want %v", got, wantLocal)
+	}
+	if got := strings.Contains(have["ClusterRole/poolcsi-node"].YAML, "volumesnapshotcontents/status"); got != wantLocal {
+		t.Errorf("ClusterRole poolcsi-node may update volumesnapshotcontents/status: %v, want %v", got, wantLocal)
+	}
+	if i < 0 {
+		return
+	}
+	c := ds.YAML[i:]
+	if j := strings.Index(c[1:], "\n        - name: "); j >= 0 {
+		c = c[:j+1]
+	}
+	for _, s := range []string{"--node-deployment", "name: NODE_NAME"} {
+		if !strings.Contains(c, s) {
+			t.Errorf("csi-snapshotter-local lacks %q:\n%s", s, c)
+		}
+	}
+	if strings.Contains(c, "--leader-election") {
+		t.Errorf("csi-snapshotter-local is leader-elected; with --node-deployment the sidecar exits:\n%s", c)
 	}
 }

@@ -209,8 +209,12 @@ func TestKubernetes(t *testing.T) {
 
 	c := StartCluster(t, dir)
 	t.Logf("control plane up at %s after %s", c.APIServer, time.Since(total).Round(time.Second))
+	// The cluster's snapshot CRDs, as an admin installs them before any snapshotter.
+	installSnapshotCRDs(t, c)
 	poolcsi := buildPoolcsi(t, dir)
 	provisioner, attacher, resizer := provisionerTool.Path(t), attacherTool.Path(t), resizerTool.Path(t)
+	snapshotter, snapshotController := snapshotterTool.Path(t), snapshotControllerTool.Path(t)
+	snapVariant := snapshotVariant(t)
 
 	renderedBytes, err := os.ReadFile(chart.RenderedFile())
 	if err != nil {
@@ -251,6 +255,16 @@ func TestKubernetes(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// The snapshot variant: VolumeSnapshotClasses (need the CRDs, so not in the plain
+		// YAML) and the DaemonSet and node RBAC with csi-snapshotter-local.
+		for _, o := range snapVariant {
+			switch {
+			case o.GetKind() == "VolumeSnapshotClass",
+				o.GetKind() == "DaemonSet" && o.GetName() == "poolcsi-node",
+				o.GetKind() == "ClusterRole" && o.GetName() == "poolcsi-node":
+				all = append(all, o)
+			}
+		}
 		for _, d := range docs {
 			if d.Kind == "StorageClass" {
 				objs, err := ParseObjects([]byte(d.YAML))
@@ -278,6 +292,15 @@ func TestKubernetes(t *testing.T) {
 	for _, o := range append(append([]*unstructured.Unstructured{}, rendered...), exampleObjs...) {
 		switch o.GetKind() {
 		case "Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "CSIDriver", "ConfigMap", "StorageClass":
+			if err := ap.Apply(ctx, o, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	// From the snapshot variant: the VolumeSnapshotClasses, and the node ClusterRole with
+	// csi-snapshotter-local's rules (a superset of the plain YAML's).
+	for _, o := range snapVariant {
+		if o.GetKind() == "VolumeSnapshotClass" || (o.GetKind() == "ClusterRole" && o.GetName() == "poolcsi-node") {
 			if err := ap.Apply(ctx, o, false); err != nil {
 				t.Fatal(err)
 			}
@@ -324,14 +347,26 @@ func TestKubernetes(t *testing.T) {
 	for _, n := range []string{"node-1", "node-2"} {
 		startDriver(t, c, poolcsi, rendered, "poolcsi-shared-"+n, "DaemonSet", "poolcsi-node", "poolcsi", "shared.yaml", n, sharedPool)
 	}
-	startSidecar(t, c, provisioner, "csi-provisioner-local", ds, "csi-provisioner-local", local.sock, nodeKube,
+	localProvisioner := startSidecar(t, c, provisioner, "csi-provisioner-local", ds, "csi-provisioner-local", local.sock, nodeKube,
 		[]string{"NODE_NAME=node-1"}, "--retry-interval-max=5s")
-	startSidecar(t, c, provisioner, "csi-provisioner", dep, "csi-provisioner", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
+	sharedProvisioner := startSidecar(t, c, provisioner, "csi-provisioner", dep, "csi-provisioner", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
 	startSidecar(t, c, attacher, "csi-attacher", dep, "csi-attacher", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
 	sharedResizer := startSidecar(t, c, resizer, "csi-resizer", dep, "csi-resizer", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
 	// One leader-elected csi-resizer-local serves the whole cluster; here it talks to
 	// node-1's local driver, as it would on whichever node holds the lease.
 	localResizer := startSidecar(t, c, resizer, "csi-resizer-local", ds, "csi-resizer-local", local.sock, nodeKube, nil, "--retry-interval-max=5s")
+	// The cluster's common snapshot controller (not part of the chart; an admin's, hence the
+	// admin credentials, like kube-controller-manager), with distributed snapshotting so
+	// that local snapshots reach their node's csi-snapshotter-local.
+	c.Start(t, "snapshot-controller", snapshotController, nil, "--kubeconfig="+c.AdminKube,
+		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=4").mustRun(t)
+	sharedSnapshotter := startSidecar(t, c, snapshotter, "csi-snapshotter", dep, "csi-snapshotter", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
+	snapDS := find(snapVariant, "DaemonSet", "poolcsi-node")
+	if snapDS == nil {
+		t.Fatal("the snapshot variant of the chart has no DaemonSet poolcsi-node")
+	}
+	localSnapshotter := startSidecar(t, c, snapshotter, "csi-snapshotter-local", snapDS, "csi-snapshotter-local", local.sock, nodeKube,
+		[]string{"NODE_NAME=node-1"}, "--retry-interval-max=5s")
 	t.Logf("poolcsi and sidecars up after %s", time.Since(total).Round(time.Second))
 
 	t.Run("local PVC provisioned by csi-provisioner on its node", func(t *testing.T) {
@@ -453,6 +488,16 @@ func TestKubernetes(t *testing.T) {
 	})
 	t.Run("local PVC expanded on its node (--expand-on-node)", func(t *testing.T) {
 		testLocalResize(t, c, local, localResizer, filepath.Join(dir, "pools", "node-1-local"))
+	})
+	t.Run("shared VolumeSnapshot taken, restored and deleted through csi-snapshotter", func(t *testing.T) {
+		testVolumeSnapshot(t, c, snapshotCase{driver: shared, driverName: sharedDrv, storageClass: "poolcsi-shared-image",
+			snapClass: "poolcsi-shared", poolDir: filepath.Join(dir, "pools", "shared"),
+			snapshotter: sharedSnapshotter, provisioner: sharedProvisioner})
+	})
+	t.Run("local VolumeSnapshot on its node (csi-snapshotter --node-deployment)", func(t *testing.T) {
+		testVolumeSnapshot(t, c, snapshotCase{driver: local, driverName: localDriver, storageClass: "poolcsi-local-image",
+			snapClass: "poolcsi-local", node: "node-1", poolDir: filepath.Join(dir, "pools", "node-1-local"),
+			snapshotter: localSnapshotter, provisioner: localProvisioner})
 	})
 	t.Logf("TestKubernetes total %s", time.Since(total).Round(time.Second))
 }

@@ -23,6 +23,7 @@ const (
 	ProvisionerVersion = "v6.3.0"  // github.com/kubernetes-csi/external-provisioner/v6
 	AttacherVersion    = "v4.13.0" // github.com/kubernetes-csi/external-attacher/v4
 	ResizerVersion     = "v2.3.0"  // github.com/kubernetes-csi/external-resizer/v2
+	SnapshotterVersion = "v8.7.0"  // github.com/kubernetes-csi/external-snapshotter/v8 (and its client/v8)
 )
 
 // Tool is one binary the harness builds from the Go module proxy.
@@ -62,6 +63,15 @@ func stagingReplaces(f *modfile.File) [][2]string {
 	return out
 }
 
+// snapshotterReplaces is ownReplaces plus the snapshot client module, which the
+// external-snapshotter builds from its own ./client directory (a path replace, dropped in a
+// dependency): the published client/v8 of the same tag stands in for it.
+func snapshotterReplaces(f *modfile.File) [][2]string {
+	return append(ownReplaces(f), [2]string{snapshotClientModule, SnapshotterVersion})
+}
+
+const snapshotClientModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
+
 // ownReplaces copies a module's own replace lines (ignored when it is a dependency).
 func ownReplaces(f *modfile.File) [][2]string {
 	var out [][2]string
@@ -90,8 +100,14 @@ var (
 	resizerTool = Tool{Name: "csi-resizer", Module: "github.com/kubernetes-csi/external-resizer/v2", Version: ResizerVersion,
 		Package: "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ResizerVersion}
+	snapshotterTool = Tool{Name: "csi-snapshotter", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
+		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter", ReplaceFrom: snapshotterReplaces,
+		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
+	snapshotControllerTool = Tool{Name: "snapshot-controller", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
+		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller", ReplaceFrom: snapshotterReplaces,
+		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
 	// AllTools in build order.
-	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool, resizerTool}
+	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool, resizerTool, snapshotterTool, snapshotControllerTool}
 )
 
 // CacheDir is $POOLCSI_K8S_CACHE, or $HOME/.cache/poolcsi-k8s.
@@ -217,25 +233,36 @@ func (tl Tool) build(dir, bin string) error {
 // download fetches a module into the module cache and returns its go.mod and, when the
 // module's source has one, its go.sum.
 func download(mod, ver string) (string, string, error) {
-	cmd := exec.Command(goBin(), "mod", "download", "-json", mod+"@"+ver)
-	cmd.Env = goEnv()
-	cmd.Dir = os.TempDir()
-	b, err := cmd.Output()
+	info, err := modDownload(mod, ver)
 	if err != nil {
-		return "", "", fmt.Errorf("go mod download %s@%s: %v %s", mod, ver, err, b)
-	}
-	var info struct{ GoMod, Dir, Error string }
-	if err := json.Unmarshal(b, &info); err != nil {
 		return "", "", err
-	}
-	if info.Error != "" {
-		return "", "", fmt.Errorf("go mod download %s@%s: %s", mod, ver, info.Error)
 	}
 	sum := filepath.Join(info.Dir, "go.sum")
 	if !fileExists(sum) {
 		sum = ""
 	}
 	return info.GoMod, sum, nil
+}
+
+type modInfo struct{ GoMod, Dir, Error string }
+
+// modDownload runs `go mod download -json` for one module version.
+func modDownload(mod, ver string) (modInfo, error) {
+	var info modInfo
+	cmd := exec.Command(goBin(), "mod", "download", "-json", mod+"@"+ver)
+	cmd.Env = goEnv()
+	cmd.Dir = os.TempDir()
+	b, err := cmd.Output()
+	if err != nil {
+		return info, fmt.Errorf("go mod download %s@%s: %v %s", mod, ver, err, b)
+	}
+	if err := json.Unmarshal(b, &info); err != nil {
+		return info, err
+	}
+	if info.Error != "" {
+		return info, fmt.Errorf("go mod download %s@%s: %s", mod, ver, info.Error)
+	}
+	return info, nil
 }
 
 func tail(s string, n int) string {

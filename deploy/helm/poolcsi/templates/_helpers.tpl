@@ -29,3 +29,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "poolcsi.poolVolume" -}}
 pool-{{ .kind }}-{{ .name | lower | replace "_" "-" | replace "." "-" }}
 {{- end -}}
+
+{{/*
+RBAC of csi-snapshotter (kubernetes-csi/external-snapshotter v8): it updates the
+VolumeSnapshotContents of its driver and their status, reads the classes, and, as the
+VolumeGroupSnapshot feature is on by default in v8, looks for the group snapshot CRDs and
+watches their objects when they are installed (poolcsi has no group snapshots, but a refused
+list would only be logged).
+*/}}
+{{- define "poolcsi.snapshotterRules" -}}
+- apiGroups: [snapshot.storage.k8s.io]
+  resources: [volumesnapshotclasses]
+  verbs: [get, list, watch]
+- apiGroups: [snapshot.storage.k8s.io]
+  resources: [volumesnapshotcontents]
+  verbs: [get, list, watch, update, patch]
+- apiGroups: [snapshot.storage.k8s.io]
+  resources: [volumesnapshotcontents/status]
+  verbs: [update, patch]
+- apiGroups: [groupsnapshot.storage.k8s.io]
+  resources: [volumegroupsnapshotclasses]
+  verbs: [get, list, watch]
+- apiGroups: [groupsnapshot.storage.k8s.io]
+  resources: [volumegroupsnapshotcontents]
+  verbs: [get, list, watch, update, patch]
+- apiGroups: [groupsnapshot.storage.k8s.io]
+  resources: [volumegroupsnapshotcontents/status]
+  verbs: [update, patch]
+{{- end }}
