@@ -126,6 +126,9 @@ func (d *Driver) launch(t testing.TB) {
 	}
 	args = append(args, d.opts.Args...)
 	d.cmd = exec.Command(Binary(t), args...)
+	// If the test process dies without its cleanups (os.Exit, a panic, a
+	// killed go test), the driver goes with it instead of running on.
+	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	d.cmd.Stdout = &lockedWriter{mu: &d.logMu, w: d.log}
 	d.cmd.Stderr = d.cmd.Stdout
 	done := make(chan struct{})
