@@ -26,17 +26,16 @@ const growSlack = 4 * pool.MiB
 // NodeStageVolume — because only the node can refresh its loop device and grow
 // the filesystem on it.
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
-	vid, err := parseVolumeID(req.GetVolumeId())
-	if err != nil {
+	if _, err := parseVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
 	r := req.GetCapacityRange()
 	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this driver (pools: %s)", vid, vid.Pool, joinNames(d.poolNames))
+	vid, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(vid.String(), "ControllerExpandVolume")
 	if err != nil {

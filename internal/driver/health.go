@@ -121,7 +121,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
-	vid, err := parseVolumeID(req.GetVolumeId())
+	vid, p, err := d.volumeRef(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
@@ -133,10 +133,6 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		if paths[i], err = cleanPath(f.name, f.v); err != nil {
 			return nil, err
 		}
-	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this node", vid, vid.Pool)
 	}
 	e, err := loadEntry(p, vid)
 	if err != nil {
@@ -163,11 +159,12 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 	var unreachable, nearlyFull []string
 	for _, pn := range d.poolNames {
 		p := d.pools[pn]
-		if err := health.CheckPoolReady(p); err != nil {
+		s, err := health.CheckPoolReady(p)
+		if err != nil {
 			unreachable = append(unreachable, err.Error())
 			continue
 		}
-		if s := health.StatPool(p); s.Err == nil && s.UsedFraction() >= d.opts.Health.PoolFullThreshold {
+		if s.UsedFraction() >= d.opts.Health.PoolFullThreshold {
 			nearlyFull = append(nearlyFull, health.PoolFullMessage(s, d.opts.Health))
 		}
 	}

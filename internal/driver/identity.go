@@ -46,7 +46,7 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	var problems []string
 	for _, name := range d.poolNames {
-		if err := health.CheckPoolReady(d.pools[name]); err != nil {
+		if _, err := health.CheckPoolReady(d.pools[name]); err != nil {
 			problems = append(problems, err.Error())
 		}
 	}

@@ -147,20 +147,21 @@ func poolRoom(p *pool.Pool, id pool.VolumeID, v *pool.Volume, allocated int64, s
 const minFreeBytes = 4 << 20
 
 // CheckPoolReady is Probe's check of one pool: present, writable and not out of
-// space. It costs a few system calls.
-func CheckPoolReady(p *pool.Pool) error {
+// space. It costs a few system calls, and returns the space it measured so a
+// caller needs no second statfs.
+func CheckPoolReady(p *pool.Pool) (PoolSpace, error) {
 	if err := p.Check(); err != nil {
-		return err
+		return PoolSpace{}, err
 	}
 	s := StatPool(p)
 	if s.Err != nil {
-		return fmt.Errorf("pool %s: %w", p.Name, s.Err)
+		return s, fmt.Errorf("pool %s: %w", p.Name, s.Err)
 	}
 	if s.Free < minFreeBytes {
-		return fmt.Errorf("pool %s: filesystem at %s is out of space (%s free of %s): volumes cannot be created and sparse images cannot grow; free space or grow the filesystem",
+		return s, fmt.Errorf("pool %s: filesystem at %s is out of space (%s free of %s): volumes cannot be created and sparse images cannot grow; free space or grow the filesystem",
 			p.Name, p.Path, bytesIEC(s.Free), bytesIEC(s.Total))
 	}
-	return nil
+	return s, nil
 }
 
 // PoolFullMessage describes a pool over the full threshold, for storage health.

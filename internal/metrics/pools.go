@@ -42,7 +42,7 @@ func (c *poolCollector) Describe(ch chan<- *prometheus.Desc) {
 func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, p := range c.pools {
 		up := 1.0
-		if err := health.CheckPoolReady(p); err != nil {
+		if _, err := health.CheckPoolReady(p); err != nil {
 			up = 0
 		}
 		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, up, p.Name)
