@@ -29,8 +29,6 @@ type contentSource struct {
 
 func (c *contentSource) isSnapshot() bool { return c.record.Snapshot != "" }
 
-func (c *contentSource) csi() *csi.VolumeContentSource { return csiContentSource(&c.record) }
-
 func csiContentSource(r *pool.ContentSource) *csi.VolumeContentSource {
 	switch {
 	case r == nil:

@@ -50,7 +50,8 @@ func TestParseVolumeID(t *testing.T) {
 }
 
 func TestKeyForNameIsDeterministic(t *testing.T) {
-	if KeyForName("a") != KeyForName("a") || KeyForName("a") == KeyForName("b") {
+	first, again := KeyForName("a"), KeyForName("a")
+	if first != again || first == KeyForName("b") {
 		t.Fatal("keys must be a function of the name only")
 	}
 	if got := NewVolumeID("p", "../../x").String(); !strings.HasPrefix(got, "p.") || strings.Contains(got, "/") {
