@@ -572,7 +572,9 @@ func checkPV(t *testing.T, pv *corev1.PersistentVolume, driverName, pool string,
 	t.Logf("PV %s spec:\n%s", pv.Name, yb)
 }
 
-func listHas(t *testing.T, d *driver, handle string) bool {
+// listVolume is the volume ListVolumes reports for handle, nil when it has none;
+// it follows next_token through every page.
+func listVolume(t *testing.T, d *driver, handle string) *csi.Volume {
 	t.Helper()
 	token := ""
 	for {
@@ -584,14 +586,16 @@ func listHas(t *testing.T, d *driver, handle string) bool {
 		}
 		for _, e := range resp.GetEntries() {
 			if e.GetVolume().GetVolumeId() == handle {
-				return true
+				return e.GetVolume()
 			}
 		}
 		if token = resp.GetNextToken(); token == "" {
-			return false
+			return nil
 		}
 	}
 }
+
+func listHas(t *testing.T, d *driver, handle string) bool { return listVolume(t, d, handle) != nil }
 
 // checkGoneFromPool looks for any file or directory named after the volume's id left in
 // the pool.

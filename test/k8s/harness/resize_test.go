@@ -56,23 +56,11 @@ func readPoolRecord(t *testing.T, poolDir, handle string) poolRecord {
 // listCapacity is the capacity ListVolumes reports for the volume.
 func listCapacity(t *testing.T, d *driver, handle string) int64 {
 	t.Helper()
-	token := ""
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		resp, err := d.controller().ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: token})
-		cancel()
-		if err != nil {
-			t.Fatalf("ListVolumes: %v", err)
-		}
-		for _, e := range resp.GetEntries() {
-			if e.GetVolume().GetVolumeId() == handle {
-				return e.GetVolume().GetCapacityBytes()
-			}
-		}
-		if token = resp.GetNextToken(); token == "" {
-			t.Fatalf("ListVolumes does not know %s", handle)
-		}
+	v := listVolume(t, d, handle)
+	if v == nil {
+		t.Fatalf("ListVolumes does not know %s", handle)
 	}
+	return v.GetCapacityBytes()
 }
 
 // requestExpansion raises the claim's request as a user would (kubectl patch).

@@ -284,24 +284,3 @@ func listSnapshot(t *testing.T, d *driver, id string) *csi.Snapshot {
 	}
 	return nil
 }
-
-func listVolume(t *testing.T, d *driver, handle string) *csi.Volume {
-	t.Helper()
-	token := ""
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		resp, err := d.controller().ListVolumes(ctx, &csi.ListVolumesRequest{StartingToken: token})
-		cancel()
-		if err != nil {
-			t.Fatalf("ListVolumes: %v", err)
-		}
-		for _, e := range resp.GetEntries() {
-			if e.GetVolume().GetVolumeId() == handle {
-				return e.GetVolume()
-			}
-		}
-		if token = resp.GetNextToken(); token == "" {
-			return nil
-		}
-	}
-}
