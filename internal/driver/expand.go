@@ -33,11 +33,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 	}
-	vid, p, err := d.volumeRef(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "ControllerExpandVolume")
+	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "ControllerExpandVolume")
 	if err != nil {
 		return nil, err
 	}
@@ -113,11 +109,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
-	vid, p, err := d.volumeRef(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "NodeExpandVolume")
+	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "NodeExpandVolume")
 	if err != nil {
 		return nil, err
 	}

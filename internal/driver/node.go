@@ -250,11 +250,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "NodeUnstageVolume")
+	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "NodeUnstageVolume")
 	if err != nil {
 		return nil, err
 	}

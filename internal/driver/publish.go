@@ -96,11 +96,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "ControllerPublishVolume")
+	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "ControllerPublishVolume")
 	if err != nil {
 		return nil, err
 	}

@@ -44,6 +44,20 @@ func (d *Driver) volumeRef(id string) (pool.VolumeID, *pool.Pool, error) {
 	return vid, p, nil
 }
 
+// lockVolumeRef is volumeRef followed by the volume's in-process lock for
+// method; the caller defers release.
+func (d *Driver) lockVolumeRef(id, method string) (pool.VolumeID, *pool.Pool, func(), error) {
+	vid, p, err := d.volumeRef(id)
+	if err != nil {
+		return vid, nil, nil, err
+	}
+	release, err := d.locks.acquire(vid.String(), method)
+	if err != nil {
+		return vid, nil, nil, err
+	}
+	return vid, p, release, nil
+}
+
 // loadVolume reads volume.json and maps failures to gRPC codes.
 func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
