@@ -227,22 +227,9 @@ func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string)
 	})
 }
 
-// updateVolume applies change to volume.json under the volume's cross-process lock
-// and saves it when change reports a difference.
+// updateVolume is pool.Update with its error mapped to a gRPC code.
 func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) bool) error {
-	unlock, err := p.LockVolume(ctx, id)
-	if err != nil {
-		return poolStatus(err)
-	}
-	defer unlock()
-	v, err := p.Load(id)
-	if err != nil {
-		return poolStatus(err)
-	}
-	if !change(v) {
-		return nil
-	}
-	return poolStatus(p.Save(v))
+	return poolStatus(p.Update(ctx, id, change))
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {

@@ -174,24 +174,15 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 			return nil, err
 		}
 	}
-	unlock, err := p.LockVolume(ctx, id)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	v, err := p.Load(id)
-	if err != nil {
-		return nil, err
-	}
 	var gone []string
-	for _, r := range v.Published {
-		if node == "" || r.Node == node {
-			gone = append(gone, r.Node)
+	err := p.Update(ctx, id, func(v *Volume) bool {
+		for _, r := range v.Published {
+			if node == "" || r.Node == node {
+				gone = append(gone, r.Node)
+			}
 		}
-	}
-	if len(gone) == 0 {
-		return nil, nil
-	}
-	v.ClearPublished(node)
-	return gone, p.Save(v)
+		v.ClearPublished(node)
+		return len(gone) > 0
+	})
+	return gone, err
 }

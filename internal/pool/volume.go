@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -189,4 +190,23 @@ func (v *Volume) ClearStaged(node string) {
 	if len(v.Staged) == 0 {
 		v.Staged = nil
 	}
+}
+
+// Update applies change to a volume's metadata under its cross-process lock and
+// saves it when change reports a difference: the one read-modify-write of
+// volume.json, so no caller can save a copy it loaded without the lock.
+func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) bool) error {
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	v, err := p.Load(id)
+	if err != nil {
+		return err
+	}
+	if !change(v) {
+		return nil
+	}
+	return p.Save(v)
 }
