@@ -1,12 +1,11 @@
 package driver
 
 import (
+	"fmt"
 	"slices"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-
-	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
 // setBlockReadOnly makes a block publish's read-only request real. A read-only
@@ -19,25 +18,25 @@ import (
 // earlier read-only publish is cleared by the next read-write publish once no
 // other publish remains, and by Attach on the next stage.
 func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
-	points, err := mount.MountPoints(dev)
+	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
-		return status.Errorf(codes.Internal, "list mounts of %s: %v", dev, err)
+		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
 	}
 	points = slices.DeleteFunc(points, func(p string) bool { return p == target })
 	if readOnly {
 		for _, p := range points {
-			if info, ok, err := d.mounter.Info(p); err == nil && ok && !info.ReadOnly {
+			if info, ok, err := d.mounts.Info(p); err == nil && ok && !info.ReadOnly {
 				return status.Errorf(codes.FailedPrecondition, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, p)
 			}
 		}
-		if err := mount.SetReadOnly(dev, true); err != nil {
-			return status.Errorf(codes.Internal, "%v", err)
+		if err := d.devs.SetReadOnly(dev, true); err != nil {
+			return grpcError(err)
 		}
 		return nil
 	}
-	ro, err := mount.DeviceReadOnly(dev)
+	ro, err := d.devs.ReadOnly(dev)
 	if err != nil {
-		return status.Errorf(codes.Internal, "%v", err)
+		return grpcError(err)
 	}
 	if !ro {
 		return nil
@@ -45,8 +44,8 @@ func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
 	if len(points) > 0 {
 		return status.Errorf(codes.FailedPrecondition, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
 	}
-	if err := mount.SetReadOnly(dev, false); err != nil {
-		return status.Errorf(codes.Internal, "%v", err)
+	if err := d.devs.SetReadOnly(dev, false); err != nil {
+		return grpcError(err)
 	}
 	return nil
 }

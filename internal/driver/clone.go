@@ -2,7 +2,7 @@ package driver
 
 import (
 	"context"
-	"os"
+	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -120,7 +120,7 @@ func (c *contentSource) sourceSize(r *csi.CapacityRange, minimum int64) (int64, 
 	}
 	size, err := pool.Capacity(required, r.GetLimitBytes(), max(minimum, c.size))
 	if err != nil {
-		return 0, poolStatus(err)
+		return 0, grpcError(err)
 	}
 	return size, nil
 }
@@ -155,12 +155,9 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 		if !src.isSnapshot() {
 			from = p.DataPath(src.volID)
 		}
-		if _, err := os.Stat(from); err != nil {
-			return status.Errorf(codes.NotFound, "source data of volume %s: %v", v.ID, err)
-		}
 		return d.finishCreateDirWith(ctx, p, v, func(data string) error {
 			if err := pool.CopyTree(ctx, from, data); err != nil {
-				return status.Errorf(codes.Internal, "copy source of volume %s: %v", v.ID, err)
+				return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
 			}
 			return nil
 		})
@@ -174,10 +171,10 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 	method, err := p.PrepareImageFrom(ctx, v, from)
 	thaw()
 	if err != nil {
-		return status.Errorf(codes.Internal, "copy source of volume %s: %v", v.ID, err)
+		return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
 	}
 	if err := p.MarkReady(v); err != nil {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
 	return nil

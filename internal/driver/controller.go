@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"sort"
 	"strings"
@@ -153,7 +154,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 		source = &src.record
 	} else if size, err = pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum); err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 
 	id := pool.NewVolumeID(p.Name, name)
@@ -177,7 +178,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Source:        source,
 	})
 	if err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	if err := createCompatible(v, caps, req.GetCapacityRange()); err != nil {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
@@ -206,15 +207,15 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 func (d *Driver) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	if err := p.PrepareImage(v); err != nil {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	if v.AccessType == pool.AccessFilesystem {
-		if err := mount.Format(ctx, p.ImagePath(vid), v.FSType); err != nil {
-			return status.Errorf(codes.Internal, "format volume %s as %s: %v", v.ID, v.FSType, err)
+		if err := d.devs.Format(ctx, p.ImagePath(vid), v.FSType); err != nil {
+			return grpcError(fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err))
 		}
 	}
 	if err := p.MarkReady(v); err != nil {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	klog.FromContext(ctx).Info("Created volume", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "fsType", v.FSType, "access", v.AccessType)
 	return nil
@@ -228,7 +229,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 		if p == want {
 			continue
 		}
-		if _, err := os.Stat(p.Dir(pool.NewVolumeID(pn, name))); err == nil {
+		if p.VolumeExists(pool.NewVolumeID(pn, name)) {
 			return status.Errorf(codes.AlreadyExists, "volume %q already exists in pool %s", name, pn)
 		}
 	}
@@ -308,9 +309,9 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if errors.Is(err, os.ErrNotExist) {
 		// Gone, or renamed away by a delete that crashed before removing it:
 		// finish that one (it passed every check below before the rename).
-		return &csi.DeleteVolumeResponse{}, poolStatus(p.Delete(ctx, vid))
+		return &csi.DeleteVolumeResponse{}, grpcError(p.Delete(ctx, vid))
 	} else if err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	defer unlock()
 	v, err := p.Load(vid)
@@ -333,13 +334,11 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		klog.FromContext(ctx).Info("Deleted dir volume", "volume", vid)
 		return &csi.DeleteVolumeResponse{}, nil
 	}
-	if d.loops != nil {
-		if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
-			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
-		}
+	if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
 	}
 	if err := p.Delete(ctx, vid); err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	klog.FromContext(ctx).Info("Deleted volume", "volume", vid)
 	return &csi.DeleteVolumeResponse{}, nil
@@ -389,7 +388,7 @@ func (d *Driver) allVolumes(ctx context.Context) ([]listed, error) {
 		p := d.pools[pn]
 		entries, err := p.List()
 		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "list pool %s: %v", pn, err)
+			return nil, grpcError(err)
 		}
 		for _, e := range entries {
 			if e.Err != nil {
@@ -470,7 +469,7 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	}
 	u, err := p.Usage()
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "%v", err)
+		return nil, grpcError(err)
 	}
 	avail := p.AvailableBytes(u)
 	return &csi.GetCapacityResponse{

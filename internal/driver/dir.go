@@ -4,14 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -44,7 +41,7 @@ func (d *Driver) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, err
 		return b, nil
 	}
 	if err := p.Check(); err != nil {
-		return nil, status.Errorf(codes.Unavailable, "%v", err)
+		return nil, grpcError(err)
 	}
 	b := quota.Detect(ctx, p.Path)
 	if d.quotas.m == nil {
@@ -104,25 +101,24 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 	if err != nil {
 		return err
 	}
-	data := p.DataPath(vid)
 	if v.Quota != nil {
-		_ = b.Remove(ctx, data, v.Quota.ID)
+		// An interrupted attempt's limit; its directory goes next.
+		_ = b.Remove(ctx, p.DataPath(vid), v.Quota.ID)
 	}
-	if err := os.RemoveAll(data); err != nil {
-		return status.Errorf(codes.Internal, "remove half-made data of volume %s: %v", vid, err)
-	}
-	id, err := b.Create(ctx, data, v.CapacityBytes, d.takenQuotaIDs(p, b.Kind(), vid))
+	id, err := p.MakeData(ctx, v, b.Kind(), func(data string, taken map[uint64]bool) (uint64, error) {
+		return b.Create(ctx, data, v.CapacityBytes, taken)
+	})
 	if err != nil {
-		return status.Errorf(codes.Internal, "create data directory of volume %s (%s): %v", vid, b.Kind(), err)
+		return grpcError(fmt.Errorf("create data directory of volume %s (%s): %w", vid, b.Kind(), err))
 	}
 	if fill != nil {
-		if err := fill(data); err != nil {
+		if err := fill(p.DataPath(vid)); err != nil {
 			return err
 		}
 	}
 	v.Quota = &pool.DirQuota{Kind: b.Kind(), Enforced: b.Enforced(), ID: id, Reason: b.Reason()}
 	if err := p.MarkReady(v); err != nil {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	log := klog.FromContext(ctx)
 	if b.Enforced() {
@@ -131,18 +127,6 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 		log.Info("Created dir volume; its size is NOT enforced", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "reason", b.Reason())
 	}
 	return nil
-}
-
-// takenQuotaIDs are the quota IDs of the pool's other dir volumes of one kind.
-func (d *Driver) takenQuotaIDs(p *pool.Pool, kind string, self pool.VolumeID) map[uint64]bool {
-	taken := map[uint64]bool{}
-	entries, _ := p.List()
-	for _, e := range entries {
-		if e.Err == nil && e.ID != self && e.Volume.Quota != nil && e.Volume.Quota.Kind == kind {
-			taken[e.Volume.Quota.ID] = true
-		}
-	}
-	return taken
 }
 
 // dirContext is what a dir volume adds to its volume context.
@@ -158,34 +142,19 @@ func dirContext(v *pool.Volume, ctx map[string]string) {
 	ctx[CtxSizeEnforced] = strconv.FormatBool(enforced)
 }
 
-// mountsBelow lists the mount points at or under dir in this node's mount table.
-// Deleting a directory through a mount would delete another filesystem's data
-// (or, through a bind, the volume's own data seen elsewhere).
-func mountsBelow(dir string) ([]string, error) {
-	infos, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir))
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, i := range infos {
-		out = append(out, i.Mountpoint)
-	}
-	return out, nil
-}
-
 // deleteDirVolume removes exactly one dir volume: its subvolume or quota, then its
 // directory, never anything above it (the pool, the volumes directory, siblings).
 func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
-	if points, err := mountsBelow(p.Dir(vid)); err != nil {
-		return status.Errorf(codes.Internal, "inspect mounts of volume %s: %v", vid, err)
+	if points, err := d.mounts.MountsBelow(p.Dir(vid)); err != nil {
+		return grpcError(fmt.Errorf("inspect mounts of volume %s: %w", vid, err))
 	} else if len(points) > 0 {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
 	}
 	// A bind mount of the data elsewhere (a target left behind) shows the same
 	// files: removing them would empty a volume a pod still uses.
-	if _, err := os.Stat(p.DataPath(vid)); err == nil {
-		if other, err := dirMountedElsewhere(p.DataPath(vid), "", ""); err != nil {
-			return status.Errorf(codes.Internal, "inspect mounts of volume %s: %v", vid, err)
+	if p.DataExists(vid) {
+		if other, err := d.mounts.MountedElsewhere(p.DataPath(vid)); err != nil {
+			return grpcError(fmt.Errorf("inspect mounts of volume %s: %w", vid, err))
 		} else if other != "" {
 			return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
 		}
@@ -194,7 +163,7 @@ func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.Vol
 	if v != nil && v.Quota != nil {
 		q = *v.Quota
 	}
-	return poolStatus(p.DeleteWith(ctx, vid, func(trash string) error {
+	return grpcError(p.DeleteWith(ctx, vid, func(data string) error {
 		if q.Kind == "" || q.Kind == quota.KindNone {
 			return nil
 		}
@@ -202,35 +171,25 @@ func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.Vol
 		if err != nil || b.Kind() != q.Kind {
 			return nil // the files still go; a stale quota entry is harmless
 		}
-		if err := b.Remove(ctx, filepath.Join(trash, "data"), q.ID); err != nil {
+		if err := b.Remove(ctx, data, q.ID); err != nil {
 			klog.FromContext(ctx).Error(err, "Removing the quota of a deleted volume", "volume", vid)
 		}
 		return nil
 	}))
 }
 
-// sameDir tells whether two paths are the same directory inode: a bind mount's
-// target shows its source's inode.
-func sameDir(a, b string) bool {
-	var sa, sb unix.Stat_t
-	if unix.Stat(a, &sa) != nil || unix.Stat(b, &sb) != nil {
-		return false
-	}
-	return sa.Dev == sb.Dev && sa.Ino == sb.Ino
-}
-
 // stageDir bind-mounts the volume's data directory at the staging path.
 func (d *Driver) stageDir(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
 	data := nv.pool.DataPath(nv.id)
-	if fi, err := os.Stat(data); err != nil || !fi.IsDir() {
-		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing: %v", nv.id, data, err)
+	if !nv.pool.DataExists(nv.id) {
+		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, data)
 	}
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	if err := d.mounter.Bind(ctx, data, staging, readOnly, vc.GetMount().GetMountFlags()); err != nil {
+	if err := d.mounts.Bind(ctx, data, staging, readOnly, vc.GetMount().GetMountFlags()); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "staging path %s: %v", staging, err)
 		}
-		return status.Errorf(codes.Internal, "stage volume %s at %s: %v", nv.id, staging, err)
+		return grpcError(fmt.Errorf("stage volume %s at %s: %w", nv.id, staging, err))
 	}
 	klog.FromContext(ctx).Info("Staged dir volume", "volume", nv.id, "path", staging, "readOnly", readOnly)
 	return nil
@@ -239,70 +198,40 @@ func (d *Driver) stageDir(ctx context.Context, nv nodeVolume, staging string, vc
 // publishDir bind-mounts the staged directory at the target.
 func (d *Driver) publishDir(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
 	data := nv.pool.DataPath(nv.id)
-	if _, mounted, err := d.mounter.Info(staging); err != nil {
-		return status.Errorf(codes.Internal, "inspect %s: %v", staging, err)
-	} else if !mounted || !sameDir(staging, data) {
+	if _, mounted, err := d.mounts.Info(staging); err != nil {
+		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
+	} else if !mounted || !d.mounts.SameDir(staging, data) {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 	}
 	if vc.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
-		if other, err := dirMountedElsewhere(data, staging, target); err != nil {
-			return status.Errorf(codes.Internal, "list mounts of volume %s: %v", nv.id, err)
+		if other, err := d.mounts.MountedElsewhere(data, staging, target); err != nil {
+			return grpcError(fmt.Errorf("list mounts of volume %s: %w", nv.id, err))
 		} else if other != "" {
 			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
 		}
 	}
-	if err := d.mounter.Bind(ctx, staging, target, readOnly, vc.GetMount().GetMountFlags()); err != nil {
+	if err := d.mounts.Bind(ctx, staging, target, readOnly, vc.GetMount().GetMountFlags()); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "target path %s: %v", target, err)
 		}
-		return status.Errorf(codes.Internal, "publish volume %s at %s: %v", nv.id, target, err)
+		return grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
 	}
 	klog.FromContext(ctx).Info("Published dir volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return nil
-}
-
-// dirMountedElsewhere returns a mount point other than staging and target that
-// shows the volume's data directory (ReadWriteOncePod allows one target only).
-// Only mounts of the data's own filesystem (same device numbers in mountinfo) are
-// stat'ed, so a hung mount of some other filesystem cannot hang the call.
-func dirMountedElsewhere(data, staging, target string) (string, error) {
-	home, err := mountinfo.GetMounts(mountinfo.ParentsFilter(data))
-	if err != nil || len(home) == 0 {
-		return "", fmt.Errorf("find the mount holding %s: %w", data, err)
-	}
-	// The deepest parent mount is the one data lives on.
-	fs := home[0]
-	for _, m := range home[1:] {
-		if len(m.Mountpoint) > len(fs.Mountpoint) {
-			fs = m
-		}
-	}
-	infos, err := mountinfo.GetMounts(func(i *mountinfo.Info) (skip, stop bool) {
-		return i.Major != fs.Major || i.Minor != fs.Minor || i.Mountpoint == staging || i.Mountpoint == target, false
-	})
-	if err != nil {
-		return "", err
-	}
-	for _, i := range infos {
-		if sameDir(i.Mountpoint, data) {
-			return i.Mountpoint, nil
-		}
-	}
-	return "", nil
 }
 
 // dirStats reports a dir volume's usage against its limit. With an enforced
 // quota the numbers are the quota's; without one they are the pool filesystem's,
 // which is what a writer in the pod will really run into.
 func (d *Driver) dirStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
-	if _, mounted, err := d.mounter.Info(path); err != nil {
-		return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
-	} else if !mounted || !sameDir(path, p.DataPath(vid)) {
+	if _, mounted, err := d.mounts.Info(path); err != nil {
+		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
+	} else if !mounted || !d.mounts.SameDir(path, p.DataPath(vid)) {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
 	}
 	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return nil, status.Errorf(codes.Internal, "statfs %s: %v", path, err)
+	if err := d.fs.Statfs(path, &st); err != nil {
+		return nil, grpcError(err)
 	}
 	bs := st.Bsize
 	fsUsage := &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs}
@@ -316,7 +245,7 @@ func (d *Driver) dirStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	}
 	u, err := b.Usage(ctx, p.DataPath(vid), v.Quota.ID)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "quota usage of volume %s: %v", vid, err)
+		return nil, grpcError(fmt.Errorf("quota usage of volume %s: %w", vid, err))
 	}
 	limit := u.LimitBytes
 	if limit <= 0 {

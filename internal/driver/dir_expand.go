@@ -19,45 +19,32 @@ import (
 func (d *Driver) expandDir(ctx context.Context, p *pool.Pool, vid pool.VolumeID, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), pool.MiB)
 	if err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
-	v, unlock, err := lockVolume(ctx, p, vid)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
-	if size <= v.CapacityBytes {
-		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
-	}
-	unlockPool, err := p.LockPool(ctx)
-	if err != nil {
-		return nil, poolStatus(err)
-	}
-	defer unlockPool()
-	u, err := p.Usage()
-	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "%v", err)
-	}
-	if grow, avail := size-v.CapacityBytes, p.AvailableBytes(u); grow > avail {
-		return nil, status.Errorf(codes.ResourceExhausted, "pool %s can back %d more bytes; growing volume %s by %d does not fit", p.Name, avail, vid, grow)
-	}
-	if v.Quota != nil && v.Quota.Enforced {
+	old := int64(-1)
+	v, err := p.GrowDir(ctx, vid, size, func(v *pool.Volume, size int64) error {
+		old = v.CapacityBytes
+		if v.Quota == nil || !v.Quota.Enforced {
+			return nil
+		}
 		b, err := d.quotaFor(ctx, p)
 		if err != nil {
-			return nil, err
+			return err
 		}
 		if b.Kind() != v.Quota.Kind {
-			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
+			return status.Errorf(codes.FailedPrecondition, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
 		}
 		if err := b.SetLimit(ctx, p.DataPath(vid), v.Quota.ID, size); err != nil {
-			return nil, status.Errorf(codes.Internal, "raise limit of volume %s: %v", vid, err)
+			return fmt.Errorf("raise limit of volume %s: %w", vid, err)
 		}
+		return nil
+	})
+	if err != nil {
+		return nil, grpcError(err)
 	}
-	old := v.CapacityBytes
-	v.CapacityBytes = size
-	if err := p.Save(v); err != nil {
-		return nil, poolStatus(fmt.Errorf("limit raised to %d but not recorded: %w", size, err))
+	if old < 0 {
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
 	}
-	klog.FromContext(ctx).Info("Expanded dir volume", "volume", vid, "from", old, "to", size, "enforced", v.Quota != nil && v.Quota.Enforced)
-	return &csi.ControllerExpandVolumeResponse{CapacityBytes: size, NodeExpansionRequired: false}, nil
+	klog.FromContext(ctx).Info("Expanded dir volume", "volume", vid, "from", old, "to", v.CapacityBytes, "enforced", v.Quota != nil && v.Quota.Enforced)
+	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
 }

@@ -21,7 +21,6 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -66,6 +65,9 @@ type Options struct {
 	// Health holds the thresholds of the volume health checks; zero values
 	// take health.DefaultOptions.
 	Health health.Options
+	// Host is how the driver reaches the node's kernel; the zero value is
+	// the real one.
+	Host Host
 	// Readiness are extra checks Probe runs, such as the pool mounts of the config's
 	// mount stanzas; each returns why the driver is not ready, or nil.
 	Readiness []func() error
@@ -81,8 +83,10 @@ type Driver struct {
 	pools     map[string]*pool.Pool
 	poolNames []string
 	locks     *volumeLocks
-	loops     *mount.Loops
-	mounter   *mount.Mounter
+	mounts    MountTable
+	loops     LoopDevices
+	devs      BlockDevices
+	fs        Filesystems
 	quotas    quotaBackends
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
@@ -108,11 +112,18 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Health.Validate(); err != nil {
 		return nil, err
 	}
+	host, err := opts.Host.withDefaults()
+	if err != nil {
+		return nil, fmt.Errorf("read loop devices: %w", err)
+	}
 	d := &Driver{
-		opts:    opts,
-		pools:   map[string]*pool.Pool{},
-		locks:   newVolumeLocks(),
-		mounter: mount.NewMounter(),
+		opts:   opts,
+		pools:  map[string]*pool.Pool{},
+		locks:  newVolumeLocks(),
+		mounts: host.Mounts,
+		loops:  host.Loops,
+		devs:   host.Devices,
+		fs:     host.FS,
 	}
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
@@ -122,13 +133,6 @@ func New(opts Options) (*Driver, error) {
 		d.poolNames = append(d.poolNames, p.Name)
 	}
 	sort.Strings(d.poolNames)
-	if opts.Mode.node() || opts.Mode.controller() {
-		loops, err := mount.NewLoops()
-		if err != nil {
-			return nil, fmt.Errorf("read loop devices: %w", err)
-		}
-		d.loops = loops
-	}
 	return d, nil
 }
 

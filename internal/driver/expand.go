@@ -2,8 +2,7 @@ package driver
 
 import (
 	"context"
-	"errors"
-	"os"
+	"fmt"
 	"slices"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -71,15 +70,12 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 func (d *Driver) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), minSizeOf(v))
 	if err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	before := v.CapacityBytes
 	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes())
-	switch {
-	case errors.Is(err, pool.ErrNotReady), errors.Is(err, os.ErrNotExist):
-		return nil, status.Errorf(codes.NotFound, "volume %s: %v", vid, err)
-	case err != nil:
-		return nil, poolStatus(err)
+	if err != nil {
+		return nil, grpcError(err)
 	}
 	if v.CapacityBytes != before {
 		klog.FromContext(ctx).Info("Expanded volume", "volume", vid, "from", before, "to", v.CapacityBytes)
@@ -133,7 +129,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	image := p.ImagePath(vid)
 	dev, attached, err := d.loops.Find(image)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "find loop device of %s: %v", image, err)
+		return nil, grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
 	}
 	if !attached {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", vid)
@@ -146,11 +142,11 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 			return nil, err
 		}
 	}
-	info, mounted, err := d.mounter.Info(path)
+	info, mounted, err := d.mounts.Info(path)
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
+		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
 	}
-	holds := mounted && (info.Source == dev || d.sameDevice(info, dev))
+	holds := mounted && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !holds && v.AccessType == pool.AccessBlock {
 		// A block volume's staging path has nothing mounted on it.
 		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
@@ -159,7 +155,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
 	}
 
-	size, err := d.refreshLoop(image, dev, v)
+	size, err := d.refreshLoop(p, vid, dev, v)
 	if err != nil {
 		return nil, err
 	}
@@ -170,7 +166,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		// Grow through the staging mount when kubelet names it: a pod's publish
 		// path may be a read-only bind of a read-write staging mount.
 		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
-			if si, ok, err := d.mounter.Info(sp); err == nil && ok && (si.Source == dev || d.sameDevice(si, dev)) {
+			if si, ok, err := d.mounts.Info(sp); err == nil && ok && (si.Source == dev || d.mounts.IsDevice(si.Target, dev)) {
 				path, info = sp, si
 			}
 		}
@@ -180,13 +176,13 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 			klog.FromContext(ctx).Info("Not growing a read-only filesystem", "volume", vid, "path", path)
 			return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 		}
-		need, err := d.mounter.NeedResize(dev, path)
+		need, err := d.devs.NeedResize(dev, path)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "volume %s: %v", vid, err)
+			return nil, grpcError(fmt.Errorf("volume %s: %w", vid, err))
 		}
 		if need {
-			if err := d.mounter.ResizeFS(ctx, dev, path); err != nil {
-				return nil, status.Errorf(codes.Internal, "grow filesystem of volume %s: %v", vid, err)
+			if err := d.devs.ResizeFS(ctx, dev, path); err != nil {
+				return nil, grpcError(fmt.Errorf("grow filesystem of volume %s: %w", vid, err))
 			}
 		}
 	}
@@ -197,26 +193,26 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 // refreshLoop makes the loop device as large as the image file and returns that
 // size. The file is the truth (ControllerExpandVolume grows it before it records
 // the size); a file smaller than its record was damaged, and is not hidden.
-func (d *Driver) refreshLoop(image, dev string, v *pool.Volume) (int64, error) {
-	fi, err := os.Stat(image)
+func (d *Driver) refreshLoop(p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
+	imageSize, err := p.ImageSize(vid)
 	if err != nil {
-		return 0, status.Errorf(codes.NotFound, "volume %s: image: %v", v.ID, err)
+		return 0, grpcError(err)
 	}
-	if fi.Size() < v.CapacityBytes {
-		return 0, status.Errorf(codes.FailedPrecondition, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, image, fi.Size(), v.CapacityBytes)
+	if imageSize < v.CapacityBytes {
+		return 0, status.Errorf(codes.FailedPrecondition, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, p.ImagePath(vid), imageSize, v.CapacityBytes)
 	}
-	size, err := mount.DeviceSize(dev)
+	size, err := d.devs.Size(dev)
 	if err != nil {
-		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
 	}
-	if size >= fi.Size() {
+	if size >= imageSize {
 		return size, nil
 	}
 	if err := d.loops.Refresh(dev); err != nil {
-		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
 	}
-	if size, err = mount.DeviceSize(dev); err != nil {
-		return 0, status.Errorf(codes.Internal, "volume %s: %v", v.ID, err)
+	if size, err = d.devs.Size(dev); err != nil {
+		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
 	}
 	klog.V(2).InfoS("Refreshed loop device size", "volume", v.ID, "device", dev, "size", size)
 	return size, nil
@@ -231,14 +227,14 @@ type stageGrowth struct{ afterMount bool }
 // device, grows an ext4 filesystem offline at once (e2fsck + resize2fs, which
 // needs no CAP_SYS_RESOURCE) or notes that xfs/btrfs must grow once mounted.
 // A read-only stage grows nothing: it must not write the volume.
-func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, image, dev string, readOnly bool) (stageGrowth, error) {
-	size, err := d.refreshLoop(image, dev, nv.vol)
+func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string, readOnly bool) (stageGrowth, error) {
+	size, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol)
 	if err != nil || readOnly {
 		return stageGrowth{}, err
 	}
-	fsType, fsSize, err := mount.FilesystemSize(dev)
+	fsType, fsSize, err := d.devs.FilesystemSize(dev)
 	if err != nil {
-		return stageGrowth{}, status.Errorf(codes.Internal, "volume %s: %v", nv.id, err)
+		return stageGrowth{}, grpcError(fmt.Errorf("volume %s: %w", nv.id, err))
 	}
 	if size-fsSize < growSlack {
 		return stageGrowth{}, nil
@@ -247,8 +243,8 @@ func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, image, dev 
 	if fsType != "ext4" {
 		return stageGrowth{afterMount: true}, nil
 	}
-	if err := d.mounter.ResizeFS(ctx, dev, ""); err != nil {
-		return stageGrowth{}, status.Errorf(codes.Internal, "grow filesystem of volume %s offline: %v", nv.id, err)
+	if err := d.devs.ResizeFS(ctx, dev, ""); err != nil {
+		return stageGrowth{}, grpcError(fmt.Errorf("grow filesystem of volume %s offline: %w", nv.id, err))
 	}
 	return stageGrowth{}, nil
 }
@@ -260,7 +256,7 @@ func (d *Driver) growAfterMount(ctx context.Context, g stageGrowth, nv nodeVolum
 	if !g.afterMount {
 		return
 	}
-	if err := d.mounter.ResizeFS(ctx, dev, staging); err != nil {
+	if err := d.devs.ResizeFS(ctx, dev, staging); err != nil {
 		klog.FromContext(ctx).Error(err, "Growing the filesystem after staging failed; NodeExpandVolume will retry", "volume", nv.id, "path", staging)
 	}
 }

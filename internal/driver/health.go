@@ -59,7 +59,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 	case err == nil:
 		return pool.Entry{ID: vid, Volume: v}, nil
 	case errors.Is(err, os.ErrNotExist):
-		if _, serr := os.Stat(p.Dir(vid)); serr == nil {
+		if p.VolumeExists(vid) {
 			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
 		}
 		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
@@ -97,7 +97,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 	for _, pn := range d.poolNames {
 		scan, err := health.ScanPool(d.pools[pn], d.opts.Health)
 		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "list pool %s: %v", pn, err)
+			return nil, grpcError(err)
 		}
 		for _, r := range scan.Volumes {
 			if len(r.Issues) > 0 {

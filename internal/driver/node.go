@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"slices"
 	"time"
@@ -124,15 +125,15 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	image := nv.pool.ImagePath(nv.id)
-	if _, err := os.Stat(image); err != nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: image %s is missing: %v", nv.id, image, err)
+	if _, err := nv.pool.ImageSize(nv.id); err != nil {
+		return nil, grpcError(err)
 	}
 	if nv.caps.access == pool.AccessBlock {
 		dev, err := d.loops.Attach(ctx, image)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "attach %s: %v", image, err)
+			return nil, grpcError(fmt.Errorf("attach %s: %w", image, err))
 		}
-		if _, err := d.refreshLoop(image, dev, nv.vol); err != nil {
+		if _, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol); err != nil {
 			return nil, err
 		}
 	} else if err := d.stageFilesystem(ctx, nv, image, staging, req.GetVolumeCapability()); err != nil {
@@ -148,9 +149,9 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 // here" from whatever state a previous, possibly interrupted, call left.
 func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, staging string, vc *csi.VolumeCapability) error {
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	info, mounted, err := d.mounter.Info(staging)
+	info, mounted, err := d.mounts.Info(staging)
 	if err != nil {
-		return status.Errorf(codes.Internal, "inspect %s: %v", staging, err)
+		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
 	}
 	if mounted {
 		if !d.isVolumeMount(info, image) {
@@ -163,29 +164,29 @@ func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, stag
 	}
 	dev, err := d.loops.Attach(ctx, image)
 	if err != nil {
-		return status.Errorf(codes.Internal, "attach %s: %v", image, err)
+		return grpcError(fmt.Errorf("attach %s: %w", image, err))
 	}
-	found, err := mount.DiskFormat(ctx, dev)
+	found, err := d.devs.DiskFormat(ctx, dev)
 	if err != nil {
-		return status.Errorf(codes.Internal, "inspect %s: %v", dev, err)
+		return grpcError(fmt.Errorf("inspect %s: %w", dev, err))
 	}
 	switch found {
 	case "":
 		// Volumes are formatted at CreateVolume; a blank one was made by an older
 		// version or lost its mkfs. Blank means no data, so formatting is safe.
-		if err := mount.Format(ctx, dev, nv.vol.FSType); err != nil {
-			return status.Errorf(codes.Internal, "format %s: %v", dev, err)
+		if err := d.devs.Format(ctx, dev, nv.vol.FSType); err != nil {
+			return grpcError(fmt.Errorf("format %s: %w", dev, err))
 		}
 	case nv.vol.FSType:
 	default:
 		return status.Errorf(codes.FailedPrecondition, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
 	}
-	growth, err := d.growBeforeMount(ctx, nv, image, dev, readOnly)
+	growth, err := d.growBeforeMount(ctx, nv, dev, readOnly)
 	if err != nil {
 		return err
 	}
 	if err := os.MkdirAll(staging, 0o750); err != nil {
-		return status.Errorf(codes.Internal, "create staging path: %v", err)
+		return grpcError(fmt.Errorf("create staging path: %w", err))
 	}
 	opts := slices.Clone(vc.GetMount().GetMountFlags())
 	if readOnly {
@@ -196,11 +197,11 @@ func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, stag
 		// refuses a second mount of one UUID on a node. nouuid changes nothing else.
 		opts = append(opts, "nouuid")
 	}
-	if err := d.mounter.Mount(ctx, dev, staging, nv.vol.FSType, opts); err != nil {
+	if err := d.mounts.Mount(ctx, dev, staging, nv.vol.FSType, opts); err != nil {
 		if derr := d.loops.Detach(ctx, image); derr != nil {
 			klog.FromContext(ctx).Error(derr, "Detach after failed mount", "device", dev)
 		}
-		return status.Errorf(codes.Internal, "mount %s at %s: %v", dev, staging, err)
+		return grpcError(fmt.Errorf("mount %s at %s: %w", dev, staging, err))
 	}
 	d.growAfterMount(ctx, growth, nv, dev, staging)
 	klog.FromContext(ctx).Info("Staged volume", "volume", nv.id, "device", dev, "path", staging, "fsType", nv.vol.FSType)
@@ -216,20 +217,20 @@ func (d *Driver) isVolumeMount(info mount.MountInfo, image string) bool {
 // recordStage notes in volume.json that this node holds the volume, so the
 // controller refuses to delete it meanwhile.
 func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string) error {
-	return d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) bool {
+	return d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID && s.Path == staging {
-				return false
+				return false, nil
 			}
 		}
 		v.SetStaged(d.opts.NodeID, staging, time.Now())
-		return true
+		return true, nil
 	})
 }
 
 // updateVolume is pool.Update with its error mapped to a gRPC code.
-func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) bool) error {
-	return poolStatus(p.Update(ctx, id, change))
+func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
+	return grpcError(p.Update(ctx, id, change))
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
@@ -243,21 +244,21 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	defer release()
 	image := p.ImagePath(vid)
-	if info, mounted, err := d.mounter.Info(staging); err != nil {
-		return nil, status.Errorf(codes.Internal, "inspect %s: %v", staging, err)
-	} else if mounted && !d.isVolumeMount(info, image) && !sameDir(staging, p.DataPath(vid)) {
+	if info, mounted, err := d.mounts.Info(staging); err != nil {
+		return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
+	} else if mounted && !d.isVolumeMount(info, image) && !d.mounts.SameDir(staging, p.DataPath(vid)) {
 		return nil, status.Errorf(codes.FailedPrecondition, "staging path %s holds %s, not volume %s; refusing to unmount it", staging, info.Source, vid)
 	}
-	if err := d.mounter.Unmount(ctx, staging); err != nil {
-		return nil, status.Errorf(codes.Internal, "unmount %s: %v", staging, err)
+	if err := d.mounts.Unmount(ctx, staging); err != nil {
+		return nil, grpcError(fmt.Errorf("unmount %s: %w", staging, err))
 	}
 	if err := d.loops.Detach(ctx, image); err != nil {
-		return nil, status.Errorf(codes.Internal, "detach loop device of %s: %v", image, err)
+		return nil, grpcError(fmt.Errorf("detach loop device of %s: %w", image, err))
 	}
-	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) bool {
+	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
-		return len(v.Staged) != before
+		return len(v.Staged) != before, nil
 	})
 	if err != nil && status.Code(err) != codes.NotFound {
 		return nil, err
@@ -297,9 +298,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 		source = dev
 	} else {
-		info, mounted, err := d.mounter.Info(staging)
+		info, mounted, err := d.mounts.Info(staging)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "inspect %s: %v", staging, err)
+			return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
 		}
 		if !mounted || !d.isVolumeMount(info, image) {
 			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
@@ -321,14 +322,12 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		if err := d.setBlockReadOnly(source, target, readOnly); err != nil {
 			return nil, err
 		}
-		err = d.mounter.BindBlock(ctx, source, target, readOnly)
+		err = d.mounts.BindBlock(ctx, source, target, readOnly)
 	} else {
-		if err = os.MkdirAll(target, 0o750); err == nil {
-			err = d.mounter.Bind(ctx, source, target, readOnly, req.GetVolumeCapability().GetMount().GetMountFlags())
-		}
+		err = d.mounts.Bind(ctx, source, target, readOnly, req.GetVolumeCapability().GetMount().GetMountFlags())
 	}
 	if err != nil {
-		return nil, status.Errorf(codes.Internal, "publish volume %s at %s: %v", nv.id, target, err)
+		return nil, grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
 	}
 	klog.FromContext(ctx).Info("Published volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return &csi.NodePublishVolumeResponse{}, nil
@@ -341,9 +340,9 @@ func (d *Driver) singleWriterFree(nv nodeVolume, image, staging, target string) 
 	if err != nil || !ok {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is not attached on this node", nv.id)
 	}
-	points, err := mount.MountPoints(dev)
+	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
-		return status.Errorf(codes.Internal, "list mounts of %s: %v", dev, err)
+		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
 	}
 	for _, p := range points {
 		if p != staging && p != target {
@@ -357,15 +356,15 @@ func (d *Driver) singleWriterFree(nv nodeVolume, image, staging, target string) 
 // already shows this volume the same way, ALREADY_EXISTS when it shows it
 // differently or shows something else.
 func (d *Driver) alreadyPublished(nv nodeVolume, image, target string, readOnly bool) (bool, error) {
-	info, mounted, err := d.mounter.Info(target)
+	info, mounted, err := d.mounts.Info(target)
 	if err != nil {
-		return false, status.Errorf(codes.Internal, "inspect %s: %v", target, err)
+		return false, grpcError(fmt.Errorf("inspect %s: %w", target, err))
 	}
 	if !mounted {
 		return false, nil
 	}
 	dev, ok, _ := d.loops.Find(image)
-	same := ok && (info.Source == dev || d.sameDevice(info, dev))
+	same := ok && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !same {
 		return false, status.Errorf(codes.AlreadyExists, "target path %s already holds another mount (%s)", target, info.Source)
 	}
@@ -373,20 +372,6 @@ func (d *Driver) alreadyPublished(nv nodeVolume, image, target string, readOnly 
 		return false, status.Errorf(codes.AlreadyExists, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
 	}
 	return true, nil
-}
-
-// sameDevice tells whether a mount (such as a block bind mount, whose source is
-// devtmpfs) exposes dev.
-func (d *Driver) sameDevice(info mount.MountInfo, dev string) bool {
-	fi, err := os.Stat(info.Target)
-	if err != nil {
-		return false
-	}
-	di, err := os.Stat(dev)
-	if err != nil {
-		return false
-	}
-	return sameRdev(fi, di)
 }
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
@@ -403,8 +388,8 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, err
 	}
 	defer release()
-	if err := d.mounter.Unmount(ctx, target); err != nil {
-		return nil, status.Errorf(codes.Internal, "unmount %s: %v", target, err)
+	if err := d.mounts.Unmount(ctx, target); err != nil {
+		return nil, grpcError(fmt.Errorf("unmount %s: %w", target, err))
 	}
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"time"
 
@@ -50,7 +51,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	}
 	known, err := p.NodeRegistered(node)
 	if err != nil {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	if !known {
 		return status.Errorf(codes.NotFound, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name)
@@ -101,35 +102,39 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		return nil, err
 	}
 	defer release()
-	// The pool's volume lock is a lock file: controllers of other nodes sharing
-	// the pool wait on the same one, so two of them cannot both grant a writer.
-	v, unlock, err := lockVolume(ctx, p, vid)
+	// Update holds the pool's volume lock, a lock file: controllers of other
+	// nodes sharing the pool wait on the same one, so two of them cannot both
+	// grant a writer.
+	readOnly := req.GetReadonly() || readOnlyMode(vc.GetAccessMode().GetMode())
+	var v *pool.Volume
+	err = d.updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
+		v = cur
+		if v.State != pool.StateReady {
+			return false, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+		}
+		if err := d.checkNode(p, v, node); err != nil {
+			return false, err
+		}
+		if err := caps.compatible(v); err != nil {
+			return false, status.Error(codes.InvalidArgument, err.Error())
+		}
+		if r, ok := v.PublishedTo(node); ok {
+			if r.ReadOnly != readOnly {
+				return false, status.Errorf(codes.AlreadyExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
+			}
+			return false, nil
+		}
+		if err := publishFence(v, node, readOnly); err != nil {
+			return false, err
+		}
+		if err := d.checkAttachLimit(ctx, p, node); err != nil {
+			return false, err
+		}
+		v.SetPublished(node, readOnly, time.Now())
+		return true, nil
+	})
 	if err != nil {
 		return nil, err
-	}
-	defer unlock()
-	if err := d.checkNode(p, v, node); err != nil {
-		return nil, err
-	}
-	if err := caps.compatible(v); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
-	}
-	readOnly := req.GetReadonly() || readOnlyMode(vc.GetAccessMode().GetMode())
-	if r, ok := v.PublishedTo(node); ok {
-		if r.ReadOnly != readOnly {
-			return nil, status.Errorf(codes.AlreadyExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
-		}
-		return &csi.ControllerPublishVolumeResponse{PublishContext: publishContext(v)}, nil
-	}
-	if err := publishFence(v, node, readOnly); err != nil {
-		return nil, err
-	}
-	if err := d.checkAttachLimit(ctx, p, node); err != nil {
-		return nil, err
-	}
-	v.SetPublished(node, readOnly, time.Now())
-	if err := p.Save(v); err != nil {
-		return nil, poolStatus(err)
 	}
 	klog.FromContext(ctx).Info("Published volume to node", "volume", vid, "node", node, "readOnly", readOnly, "layout", v.Layout)
 	return &csi.ControllerPublishVolumeResponse{PublishContext: publishContext(v)}, nil
@@ -163,18 +168,18 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	}
 	defer release()
 	var cleared []string
-	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) bool {
+	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := v.PublishedNodes()
 		v.ClearPublished(node)
 		if len(v.Published) == len(before) {
-			return false
+			return false, nil
 		}
 		for _, n := range before {
 			if _, still := v.PublishedTo(n); !still {
 				cleared = append(cleared, n)
 			}
 		}
-		return true
+		return true, nil
 	})
 	if err != nil && status.Code(err) != codes.NotFound {
 		return nil, err
@@ -211,13 +216,13 @@ func publishedError(v *pool.Volume) error {
 func (d *Driver) checkAttachLimit(ctx context.Context, p *pool.Pool, node string) error {
 	rec, ok, err := p.Node(node)
 	if err != nil || !ok || rec.MaxVolumes <= 0 {
-		return poolStatus(err)
+		return grpcError(err)
 	}
 	var held int64
 	for _, pn := range d.poolNames {
 		entries, err := d.pools[pn].List()
 		if err != nil {
-			return status.Errorf(codes.Unavailable, "count volumes published to node %s: %v", node, err)
+			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
 		}
 		for _, e := range entries {
 			if e.Volume == nil {

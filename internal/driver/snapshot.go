@@ -3,13 +3,12 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
-	"path/filepath"
 	"sort"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -91,7 +90,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	sid := pool.NewSnapshotID(p.Name, name)
 	for _, pn := range d.poolNames {
 		if other := d.pools[pn]; other != p {
-			if _, err := os.Stat(other.SnapshotDir(pool.NewSnapshotID(pn, name))); err == nil {
+			if other.SnapshotExists(pool.NewSnapshotID(pn, name)) {
 				return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists in pool %s", name, pn)
 			}
 		}
@@ -128,7 +127,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	}
 	s, err := p.ReserveSnapshot(ctx, name, v, need)
 	if err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	if !s.ReadyToUse {
 		if err := d.copySnapshot(ctx, p, vid, v, sid, s); err != nil {
@@ -138,56 +137,16 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
 }
 
-// copySnapshot copies the source's data into a reserved snapshot and marks it
-// ready. Whatever an interrupted attempt copied is thrown away first.
+// copySnapshot fills a reserved snapshot with the source's data and marks it
+// ready; an image volume staged on this node is frozen around its copy.
 func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
-	log := klog.FromContext(ctx)
-	var method string
-	if v.Layout == pool.LayoutDir {
-		data := p.SnapshotDataPath(sid)
-		if err := os.RemoveAll(data); err != nil {
-			return status.Errorf(codes.Internal, "snapshot %s: remove half-made copy: %v", sid, err)
-		}
-		if err := os.Mkdir(data, 0o750); err != nil {
-			return status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
-		}
-		if err := pool.CopyTree(ctx, p.DataPath(vid), data); err != nil {
-			return status.Errorf(codes.Internal, "snapshot %s of volume %s: %v", sid, vid, err)
-		}
-		method = pool.CopyFull
-	} else {
-		image := p.SnapshotImagePath(sid)
-		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return status.Errorf(codes.Internal, "snapshot %s: remove half-made copy: %v", sid, err)
-		}
-		m, err := func() (string, error) {
-			// Deferred, so a panic in the copy cannot leave the pod's filesystem frozen.
-			defer d.freezeIfStagedHere(ctx, p, vid, v)()
-			return pool.CopyImage(ctx, p.ImagePath(vid), image, 0)
-		}()
-		if err != nil {
-			return status.Errorf(codes.Internal, "snapshot %s of volume %s: %v", sid, vid, err)
-		}
-		method = m
+	quiesce := func() func() { return d.freezeIfStagedHere(ctx, p, vid, v) }
+	if err := p.FillSnapshot(ctx, s, v, quiesce); err != nil {
+		return grpcError(err)
 	}
-	alloc, err := p.SnapshotAllocated(sid, s)
-	if err != nil {
-		return status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
-	}
-	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
-	if err := p.SaveSnapshot(s); err != nil {
-		return poolStatus(err)
-	}
-	log.Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", alloc, "copy", method)
+	klog.FromContext(ctx).Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", s.AllocatedBytes, "copy", s.CopyMethod)
 	return nil
 }
-
-// FIFREEZE and FITHAW are _IOWR('X', 119, int) and _IOWR('X', 120, int)
-// (linux/fs.h); golang.org/x/sys/unix does not export them.
-const (
-	ioctlFIFREEZE = 0xC0045877
-	ioctlFITHAW   = 0xC0045878
-)
 
 // freezeIfStagedHere freezes the filesystem of an image volume that is staged on
 // this node, so its image is clean while it is copied, and returns the thaw. It
@@ -196,7 +155,7 @@ const (
 // in-process lock, so no unstage runs meanwhile.
 func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func()) {
 	noop := func() {}
-	if v.AccessType != pool.AccessFilesystem || d.loops == nil || d.mounter == nil {
+	if v.AccessType != pool.AccessFilesystem {
 		return noop
 	}
 	log := klog.FromContext(ctx)
@@ -205,37 +164,29 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 		if st.Node != d.opts.NodeID {
 			continue
 		}
-		info, mounted, err := d.mounter.Info(st.Path)
+		info, mounted, err := d.mounts.Info(st.Path)
 		if err != nil || !mounted || !d.isVolumeMount(info, image) {
 			continue
 		}
-		f, err := os.Open(st.Path)
-		if err != nil {
-			log.Error(err, "Cannot open the staging mount to freeze it; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
-			return noop
-		}
-		// The marker outlives a crash of this process while the filesystem is
+		// The record outlives a crash of this process while the filesystem is
 		// frozen; the next start thaws what it names (thawAfterCrash).
-		marker := freezeMarker(p, vid)
-		if err := os.WriteFile(marker, []byte(d.opts.NodeID+"\n"+st.Path), 0o600); err != nil {
-			f.Close()
+		if err := p.RecordFreeze(vid, d.opts.NodeID, st.Path); err != nil {
 			log.Error(err, "Cannot record the freeze; not freezing, the snapshot is crash-consistent", "volume", vid)
 			return noop
 		}
-		if err := unix.IoctlSetInt(int(f.Fd()), ioctlFIFREEZE, 0); err != nil {
-			f.Close()
-			os.Remove(marker)
+		thaw, err := d.fs.Freeze(st.Path)
+		if err != nil {
+			d.clearFreeze(ctx, p, vid)
 			log.Error(err, "Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
 			return noop
 		}
 		log.Info("Froze filesystem for a snapshot", "volume", vid, "path", st.Path)
 		return func() {
-			defer f.Close()
-			if err := unix.IoctlSetInt(int(f.Fd()), ioctlFITHAW, 0); err != nil {
+			if err := thaw(); err != nil {
 				log.Error(err, "Thawing the filesystem after a snapshot failed", "volume", vid, "path", st.Path)
 				return
 			}
-			os.Remove(marker)
+			d.clearFreeze(ctx, p, vid)
 			log.Info("Thawed filesystem", "volume", vid, "path", st.Path)
 		}
 	}
@@ -259,7 +210,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	}
 	defer release()
 	if err := p.DeleteSnapshot(ctx, sid); err != nil {
-		return nil, poolStatus(err)
+		return nil, grpcError(err)
 	}
 	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", sid)
 	return &csi.DeleteSnapshotResponse{}, nil
@@ -276,7 +227,7 @@ func (d *Driver) loadSnapshot(sid pool.SnapshotID) (*pool.Pool, *pool.Snapshot, 
 	case errors.Is(err, os.ErrNotExist):
 		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", sid)
 	case err != nil:
-		return nil, nil, status.Errorf(codes.Internal, "snapshot %s: %v", sid, err)
+		return nil, nil, grpcError(fmt.Errorf("snapshot %s: %w", sid, err))
 	case !s.ReadyToUse:
 		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s is still being cut", sid)
 	}
@@ -329,7 +280,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	for _, pn := range d.poolNames {
 		entries, err := d.pools[pn].ListSnapshots()
 		if err != nil {
-			return nil, status.Errorf(codes.Unavailable, "%v", err)
+			return nil, grpcError(err)
 		}
 		for _, e := range entries {
 			switch {
@@ -353,15 +304,18 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	return resp, nil
 }
 
-// freezeMarker names the file that records a freeze in progress.
-func freezeMarker(p *pool.Pool, vid pool.VolumeID) string {
-	return filepath.Join(p.Dir(vid), "frozen")
+// clearFreeze removes a freeze record after its thaw. A record left behind is
+// harmless (the next start finds the filesystem thawed) but is logged.
+func (d *Driver) clearFreeze(ctx context.Context, p *pool.Pool, vid pool.VolumeID) {
+	if err := p.ClearFreeze(vid); err != nil {
+		klog.FromContext(ctx).Error(err, "Removing a freeze record failed", "volume", vid)
+	}
 }
 
 // thawAfterCrash thaws filesystems a previous process froze for a snapshot and
 // died before thawing: otherwise every write of the pods using them would hang
-// until someone ran fsfreeze -u by hand. Only paths recorded by a freeze marker
-// are touched, so an operator's own fsfreeze is left alone.
+// until someone ran fsfreeze -u by hand. Only paths recorded by a freeze record
+// of this node are touched, so an operator's own fsfreeze is left alone.
 func (d *Driver) thawAfterCrash(ctx context.Context) {
 	if !d.opts.Mode.node() {
 		return
@@ -369,26 +323,21 @@ func (d *Driver) thawAfterCrash(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	for _, pn := range d.poolNames {
 		p := d.pools[pn]
-		markers, _ := filepath.Glob(filepath.Join(p.Path, "volumes", "*", "frozen"))
-		for _, marker := range markers {
-			raw, err := os.ReadFile(marker)
-			if err != nil {
-				continue
-			}
-			node, path, ok := strings.Cut(string(raw), "\n")
-			if !ok || node != d.opts.NodeID {
+		freezes, err := p.Freezes()
+		if err != nil {
+			log.V(2).Info("Cannot look for filesystems left frozen; the pool is not available yet", "pool", pn, "err", err)
+			continue
+		}
+		for _, f := range freezes {
+			if f.Node != d.opts.NodeID {
 				continue // another node's freeze, on a shared pool
 			}
-			if f, err := os.Open(path); err == nil {
-				err = unix.IoctlSetInt(int(f.Fd()), ioctlFITHAW, 0)
-				f.Close()
-				if err != nil && !errors.Is(err, unix.EINVAL) { // EINVAL: not frozen
-					log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", path)
-					continue
-				}
-				log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", path)
+			if err := d.fs.Thaw(f.Path); err != nil {
+				log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", f.Path)
+				continue
 			}
-			os.Remove(marker)
+			log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", f.Path)
+			d.clearFreeze(ctx, p, f.Volume)
 		}
 	}
 }

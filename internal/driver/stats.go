@@ -2,14 +2,13 @@ package driver
 
 import (
 	"context"
-	"os"
+	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -37,10 +36,8 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	// the loop device backed by this volume's image, which proves everything the
 	// call needs without reading volume.json or mountinfo.
 	image := p.ImagePath(vid)
-	if _, err := os.Stat(image); err == nil {
-		if dev, ok, _ := d.loops.Find(image); ok && showsDevice(path, dev) {
-			return filesystemStats(path)
-		}
+	if dev, ok, _ := d.loops.Find(image); ok && d.mounts.OnDevice(path, dev) {
+		return d.filesystemStats(path)
 	}
 	v, err := loadVolume(p, vid)
 	if err != nil {
@@ -53,47 +50,34 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if !attached {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node, so not mounted at %s", vid, path)
 	}
-	if !showsDevice(path, dev) {
-		info, mounted, err := d.mounter.Info(path)
+	if !d.mounts.OnDevice(path, dev) {
+		info, mounted, err := d.mounts.Info(path)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "inspect %s: %v", path, err)
+			return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
 		}
-		if !mounted || !(info.Source == dev || d.sameDevice(info, dev)) {
+		if !mounted || !(info.Source == dev || d.mounts.IsDevice(info.Target, dev)) {
 			return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
 		}
 	}
 	if v.AccessType == pool.AccessBlock {
-		size, err := mount.DeviceSize(dev)
+		size, err := d.devs.Size(dev)
 		if err != nil {
-			return nil, status.Errorf(codes.Internal, "size of %s: %v", dev, err)
+			return nil, grpcError(fmt.Errorf("size of %s: %w", dev, err))
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
-	return filesystemStats(path)
+	return d.filesystemStats(path)
 }
 
 // filesystemStats is the usage of the filesystem mounted at path.
-func filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(path, &st); err != nil {
-		return nil, status.Errorf(codes.Internal, "statfs %s: %v", path, err)
+		return nil, grpcError(fmt.Errorf("statfs %s: %w", path, err))
 	}
 	bs := st.Bsize
 	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
 		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
 		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
 	}}, nil
-}
-
-// showsDevice tells whether path is inside the filesystem on block device dev,
-// from st_dev alone: ext4 and xfs report the device they sit on, so one stat
-// answers what reading all of /proc/self/mountinfo (most of this call's cost)
-// would. btrfs reports an anonymous device and block volumes are device nodes:
-// both answer false here and take the mountinfo path.
-func showsDevice(path, dev string) bool {
-	var p, d unix.Stat_t
-	if unix.Stat(path, &p) != nil || unix.Stat(dev, &d) != nil {
-		return false
-	}
-	return d.Mode&unix.S_IFMT == unix.S_IFBLK && d.Rdev != 0 && p.Dev == d.Rdev
 }

@@ -58,46 +58,19 @@ func (d *Driver) lockVolumeRef(id, method string) (pool.VolumeID, *pool.Pool, fu
 	return vid, p, release, nil
 }
 
-// loadVolume reads volume.json and maps failures to gRPC codes.
+// loadVolume reads a ready volume's volume.json; a volume still being created
+// is NOT_FOUND, like one that does not exist.
 func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
-	case err == nil:
-		if v.State != pool.StateReady {
-			return nil, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
-		}
-		return v, nil
 	case errors.Is(err, os.ErrNotExist):
 		return nil, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
-	default:
-		return nil, status.Errorf(codes.Internal, "volume %s: %v", vid, err)
+	case err != nil:
+		return nil, grpcError(err)
+	case v.State != pool.StateReady:
+		return nil, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
 	}
-}
-
-// poolStatus maps errors from internal/pool to gRPC codes.
-func poolStatus(err error) error {
-	if err == nil {
-		return nil
-	}
-	if _, ok := status.FromError(err); ok {
-		return err
-	}
-	code := codes.Internal
-	switch {
-	case errors.Is(err, pool.ErrInvalidID), errors.Is(err, pool.ErrBadRange):
-		code = codes.InvalidArgument
-	case errors.Is(err, pool.ErrOutOfRange):
-		code = codes.OutOfRange
-	case errors.Is(err, pool.ErrNoSpace):
-		code = codes.ResourceExhausted
-	case errors.Is(err, pool.ErrExists):
-		code = codes.AlreadyExists
-	case errors.Is(err, os.ErrNotExist):
-		code = codes.NotFound
-	case errors.Is(err, os.ErrDeadlineExceeded), strings.Contains(err.Error(), "context deadline exceeded"):
-		code = codes.DeadlineExceeded
-	}
-	return status.Error(code, err.Error())
+	return v, nil
 }
 
 // capsSpec is what a set of volume capabilities asks of a volume.
@@ -236,7 +209,7 @@ func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.V
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
 	} else if err != nil {
-		return nil, nil, poolStatus(err)
+		return nil, nil, grpcError(err)
 	}
 	if v, err = loadVolume(p, vid); err != nil {
 		unlock()

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
@@ -81,7 +80,7 @@ func ScanPool(p *pool.Pool, o Options) (PoolScan, error) {
 func CheckVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeReport {
 	r := VolumeReport{ID: e.ID, Volume: e.Volume}
 	if e.Err != nil {
-		meta := filepath.Join(p.Dir(e.ID), "volume.json")
+		meta := p.MetadataPath(e.ID)
 		r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonMetadataUnreadable, Message: fmt.Sprintf(
 			"metadata of volume %s (%s) cannot be read: %v. The driver cannot stage, expand or account for this volume until it is fixed; "+
 				"the data in %s is untouched. Restore volume.json from a backup (or rewrite it with the volume's id, size and fsType) and the condition clears on the next check",

@@ -32,7 +32,9 @@ type NodeVolume struct {
 	// Device is the loop device the image is attached to on this node, "" if none.
 	Device string
 	// Loops reads loop device state.
-	Loops *mount.Loops
+	Loops interface {
+		Status(device string) (mount.LoopStatus, error)
+	}
 }
 
 // CheckNode runs the node-side checks: mounts still there, loop device still

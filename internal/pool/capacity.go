@@ -1,7 +1,6 @@
 package pool
 
 import (
-	"errors"
 	"fmt"
 	"math"
 
@@ -17,13 +16,6 @@ const (
 	// MaxCapacity bounds one volume; beyond it a request is OUT_OF_RANGE rather than a
 	// sparse file no filesystem here could ever back.
 	MaxCapacity = 64 << 40
-)
-
-// Range errors, told apart so the driver can answer INVALID_ARGUMENT or OUT_OF_RANGE.
-var (
-	ErrBadRange   = errors.New("invalid capacity range")
-	ErrOutOfRange = errors.New("capacity out of range")
-	ErrNoSpace    = errors.New("pool has no room")
 )
 
 // Capacity turns a CSI capacity range into the size to allocate: the required size
@@ -90,7 +82,7 @@ func (p *Pool) AvailableBytes(u Usage) int64 {
 func (p *Pool) Usage() (Usage, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(p.Path, &st); err != nil {
-		return Usage{}, fmt.Errorf("statfs pool %s: %w", p.Name, err)
+		return Usage{}, fmt.Errorf("%w: statfs pool %s: %v", ErrUnavailable, p.Name, err)
 	}
 	u := Usage{
 		TotalBytes: int64(st.Blocks) * st.Bsize,
@@ -135,4 +127,20 @@ func (p *Pool) allocatedBytes(id VolumeID, v *Volume) int64 {
 		return 0 // a missing image backs nothing; health checks report it
 	}
 	return st.Blocks * 512
+}
+
+// admit is the one capacity decision, for every create, snapshot and growth of
+// either layout: whether the pool can back need more bytes under its overcommit
+// policy. what names the request in the refusal. Callers hold LockPool, so the
+// decision and the change it allows are one step for every node.
+func (p *Pool) admit(need int64, what string) error {
+	u, err := p.Usage()
+	if err != nil {
+		return err
+	}
+	if avail := p.AvailableBytes(u); need > avail {
+		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",
+			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
+	}
+	return nil
 }

@@ -2,14 +2,9 @@ package pool
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 )
-
-// ErrNotReady marks a volume that cannot be changed because it is still being
-// created.
-var ErrNotReady = errors.New("volume is not ready")
 
 // Grow raises an image volume's capacity to size bytes and returns the volume as
 // recorded afterwards. A size at or below the recorded capacity changes nothing:
@@ -63,14 +58,8 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volum
 		return nil, err
 	}
 	defer unlockPool()
-	u, err := p.Usage()
-	if err != nil {
+	if err := p.admit(target-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, target)); err != nil {
 		return nil, err
-	}
-	growth := target - v.CapacityBytes
-	if avail := p.AvailableBytes(u); growth > avail {
-		return nil, fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes %d, overcommit %.2f); growing volume %s from %d to %d bytes needs %d",
-			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, id, v.CapacityBytes, target, growth)
 	}
 	if fi.Size() < target {
 		if err := growFile(image, target); err != nil {
@@ -98,4 +87,49 @@ func growFile(path string, size int64) error {
 		return fmt.Errorf("grow image %s: fsync: %w", path, err)
 	}
 	return nil
+}
+
+// GrowDir raises a dir volume's capacity to size bytes, admitted by the same
+// capacity decision as every other growth, and returns the volume as recorded
+// afterwards. setLimit raises the limit the pool's filesystem enforces (a
+// quota), if any, before volume.json records the new size, so the record never
+// promises more than the limit allows. A size at or below the recorded one
+// changes nothing. Locks as Grow.
+func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit func(v *Volume, size int64) error) (*Volume, error) {
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := p.Load(id)
+	if err != nil {
+		return nil, err
+	}
+	if v.State != StateReady {
+		return nil, fmt.Errorf("%w: volume %s is %s", ErrNotReady, id, v.State)
+	}
+	if v.Layout != LayoutDir {
+		return nil, fmt.Errorf("volume %s has layout %s: only dir volumes grow here", id, v.Layout)
+	}
+	if size <= v.CapacityBytes {
+		return v, nil
+	}
+	unlockPool, err := p.LockPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer unlockPool()
+	if err := p.admit(size-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, size)); err != nil {
+		return nil, err
+	}
+	if setLimit != nil {
+		if err := setLimit(v, size); err != nil {
+			return nil, err
+		}
+	}
+	v.CapacityBytes = size
+	if err := p.Save(v); err != nil {
+		return nil, fmt.Errorf("volume %s: limit raised to %d but not recorded: %w", id, size, err)
+	}
+	return v, nil
 }

@@ -3,14 +3,10 @@ package pool
 import (
 	"crypto/sha256"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"regexp"
 	"strings"
 )
-
-// ErrInvalidID marks an ID or name that must never be turned into a path.
-var ErrInvalidID = errors.New("invalid identifier")
 
 // MaxNameLength bounds CreateVolume names. Kubernetes names PVs "pvc-<uuid>" (40
 // characters); the CSI spec asks plugins to accept at least 128.

@@ -9,9 +9,6 @@ import (
 	"time"
 )
 
-// ErrExists marks a request that names an existing volume with other attributes.
-var ErrExists = errors.New("volume exists with other attributes")
-
 // Spec is what a new volume is made of.
 type Spec struct {
 	Name          string
@@ -37,7 +34,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	id := NewVolumeID(p.Name, spec.Name)
 	// An unmounted shared pool must not grow a volumes/ tree on the root disk.
 	if err := p.Check(); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		return nil, err
 	}
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
@@ -54,13 +51,8 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, err
 	}
 
-	u, err := p.Usage()
-	if err != nil {
+	if err := p.admit(spec.CapacityBytes, "a new volume"); err != nil {
 		return nil, err
-	}
-	if avail := p.AvailableBytes(u); spec.CapacityBytes > avail {
-		return nil, fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes %d, overcommit %.2f); %d were asked",
-			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, spec.CapacityBytes)
 	}
 
 	dir := p.Dir(id)
@@ -149,16 +141,20 @@ func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
 	return p.DeleteWith(ctx, id, nil)
 }
 
-// DeleteWith is Delete with a step that runs on the renamed-away volume directory
-// before it is removed: a dir volume whose data is a btrfs subvolume deletes it
-// there. The step gets the directory the volume now lives in.
-func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(dir string) error) error {
+// DeleteWith is Delete with a step that runs before the renamed-away volume is
+// removed: a dir volume whose data is a btrfs subvolume deletes it there. The
+// step gets the path the volume's data directory now has.
+func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data string) error) error {
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	if err := removeRenamed(filepath.Join(p.Path, volumesDir), id.Key, before); err != nil {
+	var inTrash func(string) error
+	if before != nil {
+		inTrash = func(trash string) error { return before(filepath.Join(trash, dataDir)) }
+	}
+	if err := removeRenamed(filepath.Join(p.Path, volumesDir), id.Key, inTrash); err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
 	return nil

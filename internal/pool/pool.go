@@ -145,10 +145,22 @@ func (p *Pool) init() error {
 
 // Check tells whether the pool can serve requests now: present, initialised and
 // writable. It costs a few system calls, so Probe can call it every few seconds.
+// Every error it returns wraps ErrUnavailable, and none wraps os.ErrNotExist: a
+// missing pool directory is an unavailable pool, not a missing volume.
 func (p *Pool) Check() error {
+	if err := p.check(); err != nil {
+		if errors.Is(err, ErrUnavailable) {
+			return err
+		}
+		return fmt.Errorf("%w: %s", ErrUnavailable, err.Error())
+	}
+	return nil
+}
+
+func (p *Pool) check() error {
 	vols := filepath.Join(p.Path, volumesDir)
 	if _, err := os.Stat(p.Path); err != nil {
-		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.Name, p.Path, err)
+		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %v", p.Name, p.Path, err)
 	}
 	if err := p.mountReady(); err != nil {
 		return err
@@ -161,7 +173,7 @@ func (p *Pool) Check() error {
 		}
 	}
 	if err := unix.Access(vols, unix.W_OK); err != nil {
-		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %w", p.Name, vols, err)
+		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %v", p.Name, vols, err)
 	}
 	return nil
 }
@@ -181,9 +193,6 @@ func (p *Pool) mountReady() error {
 	return nil
 }
 
-// ErrUnavailable marks a pool that cannot serve now (not mounted, missing).
-var ErrUnavailable = errors.New("pool unavailable")
-
 // Entry is one listed volume: its metadata, or the error that kept it from loading,
 // so one damaged volume never hides the others.
 type Entry struct {
@@ -196,7 +205,7 @@ type Entry struct {
 func (p *Pool) List() ([]Entry, error) {
 	des, err := os.ReadDir(filepath.Join(p.Path, volumesDir))
 	if err != nil {
-		return nil, fmt.Errorf("list pool %s: %w", p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err)
 	}
 	var out []Entry
 	for _, de := range des {

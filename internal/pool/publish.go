@@ -175,14 +175,14 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 		}
 	}
 	var gone []string
-	err := p.Update(ctx, id, func(v *Volume) bool {
+	err := p.Update(ctx, id, func(v *Volume) (bool, error) {
 		for _, r := range v.Published {
 			if node == "" || r.Node == node {
 				gone = append(gone, r.Node)
 			}
 		}
 		v.ClearPublished(node)
-		return len(gone) > 0
+		return len(gone) > 0, nil
 	})
 	return gone, err
 }

@@ -163,7 +163,7 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 		return nil, nil // no snapshot was ever taken
 	}
 	if err != nil {
-		return nil, fmt.Errorf("list snapshots of pool %s: %w", p.Name, err)
+		return nil, fmt.Errorf("%w: list snapshots of pool %s: %v", ErrUnavailable, p.Name, err)
 	}
 	var out []SnapshotEntry
 	for _, de := range des {
@@ -189,7 +189,7 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 	}
 	id := NewSnapshotID(p.Name, name)
 	if err := p.Check(); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		return nil, err
 	}
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
@@ -207,13 +207,8 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
-	u, err := p.Usage()
-	if err != nil {
+	if err := p.admit(needBytes, "a snapshot of volume "+src.ID); err != nil {
 		return nil, err
-	}
-	if avail := p.AvailableBytes(u); needBytes > avail {
-		return nil, fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised %d, overcommit %.2f); a snapshot of volume %s may need %d",
-			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, src.ID, needBytes)
 	}
 	if err := os.MkdirAll(p.SnapshotDir(id), 0o750); err != nil {
 		return nil, fmt.Errorf("create snapshot %s: %w", id, err)

@@ -3,7 +3,6 @@ package pool
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -114,9 +113,6 @@ func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	return &v, nil
 }
 
-// ErrCorrupt marks metadata that exists but cannot be trusted.
-var ErrCorrupt = errors.New("volume metadata is damaged")
-
 // Save writes volume.json atomically: a reader sees the old or the new content,
 // never a torn one, even across a crash or power loss.
 func (p *Pool) Save(v *Volume) error {
@@ -195,7 +191,9 @@ func (v *Volume) ClearStaged(node string) {
 // Update applies change to a volume's metadata under its cross-process lock and
 // saves it when change reports a difference: the one read-modify-write of
 // volume.json, so no caller can save a copy it loaded without the lock.
-func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) bool) error {
+// change may refuse (an error, returned as is, and nothing is saved). The
+// volume may be in any state; change checks what it needs.
+func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (changed bool, err error)) error {
 	unlock, err := p.LockVolume(ctx, id)
 	if err != nil {
 		return err
@@ -205,8 +203,9 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) boo
 	if err != nil {
 		return err
 	}
-	if !change(v) {
-		return nil
+	changed, err := change(v)
+	if err != nil || !changed {
+		return err
 	}
 	return p.Save(v)
 }

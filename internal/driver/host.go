@@ -1,0 +1,87 @@
+package driver
+
+import (
+	"context"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+)
+
+// The driver reaches the node's kernel only through these four interfaces:
+// the real implementations are in internal/mount, and internal/mount/fake
+// stands in for them so every handler runs in unit tests without root.
+
+// MountTable is the node's mounts.
+type MountTable interface {
+	Info(target string) (mount.MountInfo, bool, error)
+	Mount(ctx context.Context, source, target, fsType string, options []string) error
+	Bind(ctx context.Context, source, target string, readOnly bool, options []string) error
+	BindBlock(ctx context.Context, device, target string, readOnly bool) error
+	Unmount(ctx context.Context, target string) error
+	MountPoints(dev string) ([]string, error)
+	MountsBelow(dir string) ([]string, error)
+	MountedElsewhere(data string, except ...string) (string, error)
+	SameDir(a, b string) bool
+	OnDevice(path, dev string) bool
+	IsDevice(path, dev string) bool
+}
+
+// LoopDevices attaches image files as block devices.
+type LoopDevices interface {
+	Attach(ctx context.Context, backingFile string) (string, error)
+	Find(backingFile string) (string, bool, error)
+	Detach(ctx context.Context, backingFile string) error
+	Refresh(device string) error
+	Status(device string) (mount.LoopStatus, error)
+}
+
+// BlockDevices formats, sizes and grows devices and image files.
+type BlockDevices interface {
+	Format(ctx context.Context, target, fsType string) error
+	DiskFormat(ctx context.Context, target string) (string, error)
+	FilesystemSize(device string) (fsType string, size int64, err error)
+	Size(device string) (int64, error)
+	ReadOnly(device string) (bool, error)
+	SetReadOnly(device string, readOnly bool) error
+	NeedResize(device, mountPath string) (bool, error)
+	ResizeFS(ctx context.Context, device, mountPath string) error
+}
+
+// Filesystems answers statfs and freezes mounted filesystems.
+type Filesystems interface {
+	Statfs(path string, st *unix.Statfs_t) error
+	Freeze(path string) (thaw func() error, err error)
+	Thaw(path string) error
+}
+
+// Host is how a Driver reaches the node's kernel; a nil field takes the real
+// implementation.
+type Host struct {
+	Mounts  MountTable
+	Loops   LoopDevices
+	Devices BlockDevices
+	FS      Filesystems
+}
+
+// withDefaults fills the nil fields with the real implementations.
+func (h Host) withDefaults() (Host, error) {
+	m := mount.NewMounter()
+	if h.Mounts == nil {
+		h.Mounts = m
+	}
+	if h.Loops == nil {
+		loops, err := mount.NewLoops()
+		if err != nil {
+			return h, err
+		}
+		h.Loops = loops
+	}
+	if h.Devices == nil {
+		h.Devices = mount.NewDevices(m)
+	}
+	if h.FS == nil {
+		h.FS = mount.Filesystems{}
+	}
+	return h, nil
+}

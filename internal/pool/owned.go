@@ -1,0 +1,193 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+)
+
+// This file holds what the driver and the health checks need to know about a
+// pool's files without knowing their names: existence, the freeze markers, the
+// snapshot fill and a dir volume's data directory. Nothing outside this package
+// builds a path inside a pool.
+
+const freezeFile = "frozen"
+
+// MetadataPath is a volume's volume.json, for messages that tell an operator
+// which file to repair.
+func (p *Pool) MetadataPath(id VolumeID) string { return filepath.Join(p.Dir(id), metadataFile) }
+
+// VolumeExists tells whether the volume's directory exists, metadata or not.
+func (p *Pool) VolumeExists(id VolumeID) bool {
+	_, err := os.Lstat(p.Dir(id))
+	return err == nil
+}
+
+// SnapshotExists tells whether the snapshot's directory exists, ready or not.
+func (p *Pool) SnapshotExists(id SnapshotID) bool {
+	_, err := os.Lstat(p.SnapshotDir(id))
+	return err == nil
+}
+
+// Freeze is a record that node froze the filesystem of a volume mounted at Path
+// for a snapshot: it outlives a crash of the freezing process, so the next start
+// thaws what it froze (volumes/<key>/frozen, "<node>\n<path>").
+type Freeze struct {
+	Volume VolumeID
+	Node   string
+	Path   string
+}
+
+// RecordFreeze writes the freeze record of a volume, before the freeze.
+func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(p.Dir(id), freezeFile), []byte(node+"\n"+path))
+}
+
+// ClearFreeze removes a volume's freeze record, after the thaw.
+func (p *Pool) ClearFreeze(id VolumeID) error {
+	err := os.Remove(filepath.Join(p.Dir(id), freezeFile))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("volume %s: clear freeze record: %w", id, err)
+	}
+	return nil
+}
+
+// Freezes lists the pool's freeze records. One that cannot be read or parsed is
+// skipped: it names nothing this node could safely thaw.
+func (p *Pool) Freezes() ([]Freeze, error) {
+	dir := filepath.Join(p.Path, volumesDir)
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err)
+	}
+	var out []Freeze
+	for _, de := range des {
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			continue
+		}
+		raw, err := os.ReadFile(filepath.Join(dir, de.Name(), freezeFile))
+		if err != nil {
+			continue
+		}
+		node, path, ok := strings.Cut(string(raw), "\n")
+		if !ok || ValidateNodeID(node) != nil || !filepath.IsAbs(path) {
+			continue
+		}
+		out = append(out, Freeze{Volume: VolumeID{Pool: p.Name, Key: de.Name()}, Node: node, Path: path})
+	}
+	return out, nil
+}
+
+// FillSnapshot copies volume src's data into the reserved snapshot s, measures
+// what the copy holds and marks the snapshot ready. Whatever an interrupted
+// attempt copied is thrown away first. quiesce, if not nil, runs just before an
+// image is copied and the function it returns just after (the driver freezes a
+// filesystem staged on its node there).
+func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func())) error {
+	sid, err := ParseSnapshotID(s.ID)
+	if err != nil {
+		return err
+	}
+	vid, err := ParseVolumeID(src.ID)
+	if err != nil {
+		return err
+	}
+	var method string
+	if src.Layout == LayoutDir {
+		data := p.SnapshotDataPath(sid)
+		if err := os.RemoveAll(data); err != nil {
+			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
+		}
+		if err := os.Mkdir(data, 0o750); err != nil {
+			return fmt.Errorf("snapshot %s: %w", sid, err)
+		}
+		if err := CopyTree(ctx, p.DataPath(vid), data); err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		method = CopyFull
+	} else {
+		image := p.SnapshotImagePath(sid)
+		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
+		}
+		method, err = func() (string, error) {
+			if quiesce != nil {
+				// Deferred, so a panic in the copy cannot leave it quiesced.
+				defer quiesce()()
+			}
+			return CopyImage(ctx, p.ImagePath(vid), image, 0)
+		}()
+		if err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+	}
+	alloc, err := p.SnapshotAllocated(sid, s)
+	if err != nil {
+		return fmt.Errorf("snapshot %s: %w", sid, err)
+	}
+	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
+	return p.SaveSnapshot(s)
+}
+
+// MakeData makes the data directory of a dir volume still in state creating,
+// under the pool lock so that two creates never choose one quota ID. A
+// half-made data directory from an interrupted attempt holds no user data and
+// is removed first. create makes the directory (a plain directory, a btrfs
+// subvolume, a project-quota directory) with its limit, given the quota IDs the
+// pool's other dir volumes of that kind already use, and returns the ID it took.
+func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func(data string, taken map[uint64]bool) (uint64, error)) (uint64, error) {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return 0, err
+	}
+	if v.State != StateCreating {
+		return 0, fmt.Errorf("volume %s is %s, not creating: refusing to remake its data", id, v.State)
+	}
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
+	entries, err := p.List()
+	if err != nil {
+		return 0, err
+	}
+	taken := map[uint64]bool{}
+	for _, e := range entries {
+		if e.Err == nil && e.ID != id && e.Volume.Quota != nil && e.Volume.Quota.Kind == kind {
+			taken[e.Volume.Quota.ID] = true
+		}
+	}
+	data := p.DataPath(id)
+	if err := os.RemoveAll(data); err != nil {
+		return 0, fmt.Errorf("remove half-made data of volume %s: %w", id, err)
+	}
+	return create(data, taken)
+}
+
+// DataExists tells whether a dir volume's data directory is there.
+func (p *Pool) DataExists(id VolumeID) bool {
+	fi, err := os.Lstat(p.DataPath(id))
+	return err == nil && fi.IsDir()
+}
+
+// ImageSize is the size of a volume's image file. A missing image wraps
+// os.ErrNotExist; anything but a regular file (a symlink placed in the pool, a
+// device node) is ErrCorrupt and is never followed.
+func (p *Pool) ImageSize(id VolumeID) (int64, error) {
+	path := p.ImagePath(id)
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return 0, fmt.Errorf("%w: volume %s: image %s is not a regular file (%s)", ErrCorrupt, id, path, fi.Mode().Type())
+	}
+	return fi.Size(), nil
+}
