@@ -1,9 +1,6 @@
 package harness
 
 import (
-	"crypto/rand"
-	"encoding/hex"
-	"os"
 	"path/filepath"
 	"testing"
 
@@ -15,21 +12,6 @@ import (
 // SanityPool is the pool name StartForSanity configures; the ID generator makes
 // IDs in it.
 const SanityPool = "sanity"
-
-// sanityIDs makes IDs in poolcsi's format, so "valid but unknown" IDs reach the
-// code that looks volumes up instead of being refused by the ID parser.
-type sanityIDs struct{}
-
-func randKey() string {
-	b := make([]byte, 16)
-	rand.Read(b)
-	return hex.EncodeToString(b)
-}
-
-func (sanityIDs) GenerateUniqueValidVolumeID() string { return SanityPool + "." + randKey() }
-func (sanityIDs) GenerateInvalidVolumeID() string     { return "nopool." + randKey() }
-func (sanityIDs) GenerateUniqueValidNodeID() string   { return "node-" + randKey()[:8] }
-func (sanityIDs) GenerateInvalidNodeID() string       { return "no-such-node" }
 
 // StartForSanity starts a driver on a temporary local pool and returns a sanity
 // configuration aimed at it, with real staging and target paths. A small attach
@@ -51,22 +33,9 @@ func StartForSanity(t *testing.T) *sanity.TestConfig {
 	// A whole number of MiB above every filesystem minimum poolcsi enforces for
 	// ext4, so the expansion specs get exactly the size they ask for.
 	cfg.TestVolumeExpandSize = 128 << 20
-	cfg.IDGen = sanityIDs{}
+	cfg.IDGen = testutil.SanityIDs{Pool: SanityPool}
 	cfg.IdempotentCount = 2
 	cfg.TestNodeVolumeAttachLimit = true
-	cfg.CheckPath = func(path string) (sanity.PathKind, error) {
-		fi, err := os.Stat(path)
-		switch {
-		case os.IsNotExist(err):
-			return sanity.PathIsNotFound, nil
-		case err != nil:
-			return sanity.PathIsOther, err
-		case fi.IsDir():
-			return sanity.PathIsDir, nil
-		case fi.Mode().IsRegular():
-			return sanity.PathIsFile, nil
-		}
-		return sanity.PathIsOther, nil
-	}
+	cfg.CheckPath = testutil.SanityCheckPath
 	return &cfg
 }

@@ -1,0 +1,14 @@
+package fake_test
+
+import (
+	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/mount/fake"
+)
+
+// The fake stands in for every interface of driver.Host.
+var (
+	_ driver.MountTable   = (*fake.Host)(nil)
+	_ driver.LoopDevices  = (*fake.Host)(nil)
+	_ driver.BlockDevices = (*fake.Host)(nil)
+	_ driver.Filesystems  = (*fake.Host)(nil)
+)

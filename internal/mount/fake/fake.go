@@ -1,0 +1,645 @@
+// Package fake stands in for the node's kernel in the driver's unit tests: loop
+// devices, filesystems, mounts and freezes kept in memory, over image files and
+// directories that really exist (in a test's temporary directory), so the
+// driver's handlers run without root. Faults injects an error at the Nth call
+// of a method, to test the rollback paths that real devices cannot be made to
+// take on demand.
+//
+// It models what the driver relies on, not the kernel: a mount is a record of
+// what is shown at a target, and a bind of a mounted target shows what that
+// target shows.
+package fake
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+)
+
+// Host is a fake node kernel. The zero value is not usable: call New.
+type Host struct {
+	mu      sync.Mutex
+	next    int
+	loops   map[string]string  // backing file -> device
+	devices map[string]*device // device -> state
+	fs      map[string]*filesystem
+	mounts  map[string]*Mount // target -> what it shows
+	frozen  map[string]bool
+	Faults  *Faults
+}
+
+type device struct {
+	backing  string
+	size     int64
+	readOnly bool
+}
+
+// filesystem is what a mkfs left on a file (an image, or a loop device's
+// backing file).
+type filesystem struct {
+	fsType string
+	size   int64
+}
+
+// Mount is one fake mount: a filesystem on a device, a directory, or a block
+// device node, shown at a target.
+type Mount struct {
+	Target   string
+	Device   string // the loop device whose filesystem (or node) is shown
+	Dir      string // the directory shown, for binds of plain directories
+	FSType   string
+	ReadOnly bool
+	Block    bool
+	Options  []string
+}
+
+// New returns an empty fake host.
+func New() *Host {
+	return &Host{
+		loops:   map[string]string{},
+		devices: map[string]*device{},
+		fs:      map[string]*filesystem{},
+		mounts:  map[string]*Mount{},
+		frozen:  map[string]bool{},
+		Faults:  &Faults{},
+	}
+}
+
+// Mounts lists the fake mount table, sorted by target.
+func (h *Host) Mounts() []Mount {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]Mount, 0, len(h.mounts))
+	for _, m := range h.mounts {
+		out = append(out, *m)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Target < out[j].Target })
+	return out
+}
+
+// Attached lists the backing files of the fake loop devices, sorted.
+func (h *Host) Attached() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]string, 0, len(h.loops))
+	for f := range h.loops {
+		out = append(out, f)
+	}
+	sort.Strings(out)
+	return out
+}
+
+// Frozen tells whether the filesystem at path is frozen.
+func (h *Host) Frozen(path string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.frozen[filepath.Clean(path)]
+}
+
+// SetFilesystemReadOnly turns a mount read-only behind the driver's back, as
+// the kernel does after an I/O error.
+func (h *Host) SetFilesystemReadOnly(target string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if m := h.mounts[filepath.Clean(target)]; m != nil {
+		m.ReadOnly = true
+	}
+}
+
+// ---- loop devices
+
+func (h *Host) Attach(ctx context.Context, backingFile string) (string, error) {
+	if err := h.Faults.hit("Attach"); err != nil {
+		return "", err
+	}
+	if err := ctx.Err(); err != nil {
+		return "", err
+	}
+	file := filepath.Clean(backingFile)
+	fi, err := os.Stat(file)
+	if err != nil {
+		return "", fmt.Errorf("attach %s: %w", file, err)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if dev, ok := h.loops[file]; ok {
+		return dev, nil
+	}
+	dev := fmt.Sprintf("/dev/fakeloop%d", h.next)
+	h.next++
+	h.loops[file] = dev
+	h.devices[dev] = &device{backing: file, size: fi.Size()}
+	return dev, nil
+}
+
+func (h *Host) Find(backingFile string) (string, bool, error) {
+	if err := h.Faults.hit("Find"); err != nil {
+		return "", false, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	dev, ok := h.loops[filepath.Clean(backingFile)]
+	return dev, ok, nil
+}
+
+func (h *Host) Detach(ctx context.Context, backingFile string) error {
+	if err := h.Faults.hit("Detach"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	file := filepath.Clean(backingFile)
+	dev, ok := h.loops[file]
+	if !ok {
+		return nil
+	}
+	for _, m := range h.mounts {
+		if m.Device == dev {
+			return fmt.Errorf("detach %s: mounted at %s: %w", dev, m.Target, mount.ErrDeviceBusy)
+		}
+	}
+	delete(h.loops, file)
+	delete(h.devices, dev)
+	return nil
+}
+
+func (h *Host) Refresh(dev string) error {
+	if err := h.Faults.hit("Refresh"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return fmt.Errorf("refresh %s: no such device", dev)
+	}
+	fi, err := os.Stat(d.backing)
+	if err != nil {
+		return fmt.Errorf("refresh %s: %w", dev, err)
+	}
+	d.size = fi.Size()
+	return nil
+}
+
+func (h *Host) Status(dev string) (mount.LoopStatus, error) {
+	if err := h.Faults.hit("Status"); err != nil {
+		return mount.LoopStatus{}, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return mount.LoopStatus{}, fmt.Errorf("status %s: %w", dev, os.ErrNotExist)
+	}
+	_, err := os.Stat(d.backing)
+	return mount.LoopStatus{Device: dev, BackingFile: d.backing, BackingDeleted: err != nil, DirectIO: true, SizeBytes: d.size}, nil
+}
+
+// ---- block devices and filesystems on them
+
+// backingOf resolves a device to its backing file; anything else is a file.
+// Callers hold h.mu.
+func (h *Host) backingOf(target string) string {
+	if d, ok := h.devices[target]; ok {
+		return d.backing
+	}
+	return filepath.Clean(target)
+}
+
+func (h *Host) Format(ctx context.Context, target, fsType string) error {
+	if err := h.Faults.hit("Format"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if !mount.SupportedFS(fsType) {
+		return fmt.Errorf("format %s: unsupported filesystem %q", target, fsType)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	file := h.backingOf(target)
+	if _, ok := h.fs[file]; ok {
+		return fmt.Errorf("format %s: %w", target, mount.ErrAlreadyFormatted)
+	}
+	fi, err := os.Stat(file)
+	if err != nil {
+		return fmt.Errorf("format %s: %w", target, err)
+	}
+	h.fs[file] = &filesystem{fsType: fsType, size: fi.Size()}
+	return nil
+}
+
+func (h *Host) DiskFormat(ctx context.Context, target string) (string, error) {
+	if err := h.Faults.hit("DiskFormat"); err != nil {
+		return "", err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if f, ok := h.fs[h.backingOf(target)]; ok {
+		return f.fsType, nil
+	}
+	return "", nil
+}
+
+func (h *Host) FilesystemSize(dev string) (string, int64, error) {
+	if err := h.Faults.hit("FilesystemSize"); err != nil {
+		return "", 0, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	f, ok := h.fs[h.backingOf(dev)]
+	if !ok {
+		return "", 0, fmt.Errorf("%s: %w", dev, mount.ErrUnknownFS)
+	}
+	return f.fsType, f.size, nil
+}
+
+func (h *Host) Size(dev string) (int64, error) {
+	if err := h.Faults.hit("Size"); err != nil {
+		return 0, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return 0, fmt.Errorf("size of %s: %w", dev, os.ErrNotExist)
+	}
+	return d.size, nil
+}
+
+func (h *Host) ReadOnly(dev string) (bool, error) {
+	if err := h.Faults.hit("ReadOnly"); err != nil {
+		return false, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return false, fmt.Errorf("%s: %w", dev, os.ErrNotExist)
+	}
+	return d.readOnly, nil
+}
+
+func (h *Host) SetReadOnly(dev string, readOnly bool) error {
+	if err := h.Faults.hit("SetReadOnly"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return fmt.Errorf("%s: %w", dev, os.ErrNotExist)
+	}
+	d.readOnly = readOnly
+	return nil
+}
+
+func (h *Host) NeedResize(dev, mountPath string) (bool, error) {
+	if err := h.Faults.hit("NeedResize"); err != nil {
+		return false, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	f, fok := h.fs[h.backingOf(dev)]
+	if !ok || !fok {
+		return false, fmt.Errorf("need resize %s: not a formatted device", dev)
+	}
+	return f.size < d.size, nil
+}
+
+func (h *Host) ResizeFS(ctx context.Context, dev, mountPath string) error {
+	if err := h.Faults.hit("ResizeFS"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	f, fok := h.fs[h.backingOf(dev)]
+	if !ok || !fok {
+		return fmt.Errorf("resize %s: not a formatted device", dev)
+	}
+	mounted := false
+	for _, m := range h.mounts {
+		if m.Device == dev && !m.Block {
+			mounted = true
+			if m.ReadOnly && m.Target == filepath.Clean(mountPath) {
+				return fmt.Errorf("resize %s: %s is mounted read-only", dev, mountPath)
+			}
+		}
+	}
+	if !mounted && f.fsType != "ext4" {
+		return fmt.Errorf("resize %s: %s can only be grown while mounted", dev, f.fsType)
+	}
+	f.size = d.size
+	return nil
+}
+
+// ---- mounts
+
+func (h *Host) Info(target string) (mount.MountInfo, bool, error) {
+	if err := h.Faults.hit("Info"); err != nil {
+		return mount.MountInfo{}, false, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	m, ok := h.mounts[filepath.Clean(target)]
+	if !ok {
+		return mount.MountInfo{}, false, nil
+	}
+	src := m.Device
+	if src == "" {
+		src = m.Dir
+	}
+	return mount.MountInfo{Target: m.Target, Source: src, FSType: m.FSType, ReadOnly: m.ReadOnly, Options: slices.Clone(m.Options)}, true, nil
+}
+
+// conflict answers a mount at an occupied target: nil when it already shows
+// the same thing the same way, ErrMountConflict otherwise. Callers hold h.mu.
+func (h *Host) conflict(target string, want Mount) (bool, error) {
+	m, ok := h.mounts[target]
+	if !ok {
+		return false, nil
+	}
+	if m.Device != want.Device || m.Dir != want.Dir || m.Block != want.Block {
+		return false, fmt.Errorf("%s is mounted from something else: %w", target, mount.ErrMountConflict)
+	}
+	if m.ReadOnly != want.ReadOnly {
+		return false, fmt.Errorf("%s is mounted with read-only=%t: %w", target, m.ReadOnly, mount.ErrMountConflict)
+	}
+	return true, nil
+}
+
+func (h *Host) Mount(ctx context.Context, source, target, fsType string, options []string) error {
+	if err := h.Faults.hit("Mount"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	target = filepath.Clean(target)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.devices[source]; !ok {
+		return fmt.Errorf("mount %s: no such device", source)
+	}
+	f, ok := h.fs[h.backingOf(source)]
+	if !ok || f.fsType != fsType {
+		return fmt.Errorf("mount %s on %s: wrong fs type, bad option, bad superblock", source, target)
+	}
+	want := Mount{Target: target, Device: source, FSType: fsType, ReadOnly: slices.Contains(options, "ro"), Options: slices.Clone(options)}
+	if done, err := h.conflict(target, want); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		return fmt.Errorf("mount: create target: %w", err)
+	}
+	h.mounts[target] = &want
+	return nil
+}
+
+func (h *Host) Bind(ctx context.Context, source, target string, readOnly bool, options []string) error {
+	if err := h.Faults.hit("Bind"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	source, target = filepath.Clean(source), filepath.Clean(target)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	want := Mount{Target: target, ReadOnly: readOnly, Options: slices.Clone(options)}
+	if m, ok := h.mounts[source]; ok {
+		want.Device, want.Dir, want.FSType, want.Block = m.Device, m.Dir, m.FSType, m.Block
+	} else {
+		fi, err := os.Stat(source)
+		if err != nil {
+			return fmt.Errorf("bind %s: %w", source, err)
+		}
+		if !fi.IsDir() {
+			return fmt.Errorf("bind %s: not a directory", source)
+		}
+		want.Dir = source
+	}
+	if done, err := h.conflict(target, want); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(target, 0o750); err != nil {
+		return fmt.Errorf("bind: create target: %w", err)
+	}
+	h.mounts[target] = &want
+	return nil
+}
+
+func (h *Host) BindBlock(ctx context.Context, dev, target string, readOnly bool) error {
+	if err := h.Faults.hit("BindBlock"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	target = filepath.Clean(target)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.devices[dev]; !ok {
+		return fmt.Errorf("bind block %s: no such device", dev)
+	}
+	want := Mount{Target: target, Device: dev, ReadOnly: readOnly, Block: true, FSType: "devtmpfs"}
+	if done, err := h.conflict(target, want); done || err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
+		return fmt.Errorf("bind block: create parent: %w", err)
+	}
+	f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY, 0o640)
+	if err != nil {
+		return fmt.Errorf("bind block: create target: %w", err)
+	}
+	f.Close()
+	h.mounts[target] = &want
+	return nil
+}
+
+func (h *Host) Unmount(ctx context.Context, target string) error {
+	if err := h.Faults.hit("Unmount"); err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	target = filepath.Clean(target)
+	h.mu.Lock()
+	delete(h.mounts, target)
+	h.mu.Unlock()
+	fi, err := os.Lstat(target)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode().IsRegular() && fi.Size() > 0 {
+		return fmt.Errorf("remove %s: regular file with data: %w", target, unix.ENOTEMPTY)
+	}
+	if err := os.Remove(target); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove %s: %w", target, err)
+	}
+	return nil
+}
+
+func (h *Host) MountPoints(dev string) ([]string, error) {
+	if err := h.Faults.hit("MountPoints"); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var out []string
+	for t, m := range h.mounts {
+		if m.Device == dev {
+			out = append(out, t)
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+func (h *Host) MountsBelow(dir string) ([]string, error) {
+	if err := h.Faults.hit("MountsBelow"); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	dir = filepath.Clean(dir)
+	var out []string
+	for t := range h.mounts {
+		if t == dir || strings.HasPrefix(t, dir+"/") {
+			out = append(out, t)
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+func (h *Host) MountedElsewhere(data string, except ...string) (string, error) {
+	if err := h.Faults.hit("MountedElsewhere"); err != nil {
+		return "", err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	data = filepath.Clean(data)
+	var out []string
+	for t, m := range h.mounts {
+		if m.Dir == data && !slices.Contains(except, t) {
+			out = append(out, t)
+		}
+	}
+	sort.Strings(out)
+	if len(out) == 0 {
+		return "", nil
+	}
+	return out[0], nil
+}
+
+// shows is what a path shows: its mount's device or directory, or itself.
+// Callers hold h.mu.
+func (h *Host) shows(path string) string {
+	path = filepath.Clean(path)
+	if m, ok := h.mounts[path]; ok {
+		if m.Device != "" {
+			return "device:" + m.Device
+		}
+		return m.Dir
+	}
+	return path
+}
+
+func (h *Host) SameDir(a, b string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.shows(a) == h.shows(b)
+}
+
+func (h *Host) OnDevice(path, dev string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	m, ok := h.mounts[filepath.Clean(path)]
+	return ok && !m.Block && m.Device == dev
+}
+
+func (h *Host) IsDevice(path, dev string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if filepath.Clean(path) == dev {
+		_, ok := h.devices[dev]
+		return ok
+	}
+	m, ok := h.mounts[filepath.Clean(path)]
+	return ok && m.Block && m.Device == dev
+}
+
+// ---- statfs and freezing
+
+// Statfs reports a fake filesystem of the device's size, a tenth used, for a
+// mounted image volume; for anything else, the real filesystem the path is on.
+func (h *Host) Statfs(path string, st *unix.Statfs_t) error {
+	if err := h.Faults.hit("Statfs"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	m, ok := h.mounts[filepath.Clean(path)]
+	var f *filesystem
+	if ok && m.Device != "" && !m.Block {
+		f = h.fs[h.backingOf(m.Device)]
+	}
+	h.mu.Unlock()
+	if f == nil {
+		if err := unix.Statfs(path, st); err != nil {
+			return fmt.Errorf("statfs %s: %w", path, err)
+		}
+		return nil
+	}
+	const bs = 4096
+	*st = unix.Statfs_t{Bsize: bs, Blocks: uint64(f.size / bs), Files: 1 << 16}
+	st.Bfree = st.Blocks * 9 / 10
+	st.Bavail = st.Bfree
+	st.Ffree = st.Files - 11
+	return nil
+}
+
+func (h *Host) Freeze(path string) (func() error, error) {
+	if err := h.Faults.hit("Freeze"); err != nil {
+		return nil, err
+	}
+	path = filepath.Clean(path)
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.mounts[path]; !ok {
+		return nil, fmt.Errorf("freeze %s: not a mount point", path)
+	}
+	if h.frozen[path] {
+		return nil, fmt.Errorf("freeze %s: %w", path, unix.EBUSY)
+	}
+	h.frozen[path] = true
+	return func() error { return h.Thaw(path) }, nil
+}
+
+func (h *Host) Thaw(path string) error {
+	if err := h.Faults.hit("Thaw"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.frozen, filepath.Clean(path))
+	return nil
+}
