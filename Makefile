@@ -2,7 +2,7 @@
 BIN := bin/poolcsi
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: build test run demo clean
+.PHONY: build test unit lint run demo clean
 
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
@@ -10,6 +10,15 @@ build:
 # The whole suite (root): vet, unit, sanity, end-to-end, faults, Kubernetes harness.
 test:
 	hack/test.sh
+
+# The fast loop, no root needed: unit tests with -race, sanity over the fake
+# kernel, internal/driver coverage. Under a minute.
+unit:
+	hack/unit.sh
+
+# golangci-lint (built once from the Go module proxy into bin/), zero findings.
+lint:
+	hack/lint.sh
 
 # Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
 run: build

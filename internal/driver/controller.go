@@ -211,6 +211,9 @@ func (d *Driver) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume)
 	}
 	if v.AccessType == pool.AccessFilesystem {
 		if err := d.devs.Format(ctx, p.ImagePath(vid), v.FSType); err != nil {
+			if derr := p.DiscardImage(v); derr != nil {
+				klog.FromContext(ctx).Error(derr, "Discarding the image after a failed mkfs", "volume", v.ID)
+			}
 			return grpcError(fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err))
 		}
 	}

@@ -72,8 +72,8 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 // filesystemStats is the usage of the filesystem mounted at path.
 func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return nil, grpcError(fmt.Errorf("statfs %s: %w", path, err))
+	if err := d.fs.Statfs(path, &st); err != nil {
+		return nil, grpcError(err)
 	}
 	bs := st.Bsize
 	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{

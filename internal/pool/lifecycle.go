@@ -126,6 +126,23 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 	return CopyImage(ctx, src, path, v.CapacityBytes)
 }
 
+// DiscardImage removes the image of a volume still in state creating, after a
+// step that made it failed: a half-made image holds no data and must not be
+// left for anything to mistake for a volume.
+func (p *Pool) DiscardImage(v *Volume) error {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return err
+	}
+	if v.State != StateCreating {
+		return fmt.Errorf("volume %s is %s, not creating: refusing to discard its image", id, v.State)
+	}
+	if err := os.Remove(p.ImagePath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("discard half-made image of volume %s: %w", id, err)
+	}
+	return nil
+}
+
 // MarkReady records that the volume is complete.
 func (p *Pool) MarkReady(v *Volume) error {
 	v.State = StateReady

@@ -11,11 +11,19 @@ import (
 // present: a missing one is a failure there, never a silent skip.
 func InCI() bool { return os.Getenv("CI") != "" }
 
+// UnitOnlyEnv, when set, skips every test that needs root, loop devices or
+// external tools, in CI too: it is how make unit runs only the no-root loop,
+// while make test (without it) runs them all and fails on a missing one.
+const UnitOnlyEnv = "POOLCSI_UNIT_ONLY"
+
 // RequireRoot stops a test that needs root (mounts, loop devices). Outside CI it
 // skips with the reason; in CI it fails, because CI runs as root and a skip would
 // hide a broken environment.
 func RequireRoot(t testing.TB) {
 	t.Helper()
+	if os.Getenv(UnitOnlyEnv) != "" {
+		t.Skipf("%s is set (make unit): this test needs root and runs in make test", UnitOnlyEnv)
+	}
 	if os.Geteuid() != 0 {
 		missing(t, "needs root (mounts and loop devices); run the tests as root")
 	}
@@ -27,6 +35,9 @@ func RequireRoot(t testing.TB) {
 // RequireCommands stops a test whose external tools (mkfs.xfs, losetup, …) are absent.
 func RequireCommands(t testing.TB, names ...string) {
 	t.Helper()
+	if os.Getenv(UnitOnlyEnv) != "" {
+		t.Skipf("%s is set (make unit): this test needs external tools and runs in make test", UnitOnlyEnv)
+	}
 	for _, n := range names {
 		if _, err := exec.LookPath(n); err != nil {
 			missing(t, "needs the command "+n+" (install e2fsprogs, xfsprogs, btrfs-progs, util-linux)")

@@ -1,0 +1,260 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+var errInjected = errors.New("injected fault")
+
+// create makes a ready volume and returns its ID.
+func (td *testDriver) create(t *testing.T, name string, vc *csi.VolumeCapability, params map[string]string) string {
+	t.Helper()
+	resp, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name: name, VolumeCapabilities: []*csi.VolumeCapability{vc}, Parameters: params,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+	})
+	if err != nil {
+		t.Fatalf("CreateVolume %s: %v", name, err)
+	}
+	return resp.GetVolume().GetVolumeId()
+}
+
+func (td *testDriver) stage(id string, vc *csi.VolumeCapability) error {
+	_, err := td.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{
+		VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id), VolumeCapability: vc,
+	})
+	return err
+}
+
+func (td *testDriver) publish(id string, vc *csi.VolumeCapability, readOnly bool) error {
+	_, err := td.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id),
+		TargetPath: filepath.Join(td.root, "target", id), VolumeCapability: vc, Readonly: readOnly,
+	})
+	return err
+}
+
+func wantCode(t *testing.T, err error, code codes.Code) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("got %v (%v), want %v", status.Code(err), err, code)
+	}
+}
+
+func TestStageRollsBack(t *testing.T) {
+	cases := []struct {
+		name   string
+		method string
+		nth    int
+	}{
+		{"attach fails", "Attach", 1},
+		{"inspect fails", "DiskFormat", 1},
+		{"mount fails", "Mount", 1},
+		{"size fails", "Size", 1},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			vc := mountCap(rwo, "ext4")
+			id := td.create(t, "v", vc, nil)
+			td.host.Faults.FailNth(tc.method, 1, errInjected)
+			if err := td.stage(id, vc); status.Code(err) != codes.Internal {
+				t.Fatalf("stage with %s failing: %v, want Internal", tc.method, err)
+			}
+			if m := td.host.Mounts(); len(m) != 0 {
+				t.Errorf("mounts left: %v", m)
+			}
+			if tc.method == "Mount" {
+				if a := td.host.Attached(); len(a) != 0 {
+					t.Errorf("a failed mount left the loop device attached: %v", a)
+				}
+			}
+			v, err := td.pool.Load(pool.NewVolumeID("local", "v"))
+			if err != nil || v.IsStaged() {
+				t.Errorf("a failed stage was recorded: %+v %v", v, err)
+			}
+			// The retry converges.
+			if err := td.stage(id, vc); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+		})
+	}
+}
+
+func TestCreateFormatFailureLeavesNoImage(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	td.host.Faults.FailNth("Format", 1, errInjected)
+	_, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "xfs")},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 512 << 20},
+	})
+	wantCode(t, err, codes.Internal)
+	vid := pool.NewVolumeID("local", "v")
+	if _, err := td.pool.ImageSize(vid); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("a failed mkfs left an image: %v", err)
+	}
+	if _, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "xfs")},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 512 << 20},
+	}); err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+}
+
+func TestPublishFailureLeavesNothingMounted(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		vc     *csi.VolumeCapability
+		method string
+	}{
+		{"filesystem", mountCap(rwo, "ext4"), "Bind"},
+		{"block", blockCap(rwo), "BindBlock"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			id := td.create(t, "v", tc.vc, nil)
+			if err := td.stage(id, tc.vc); err != nil {
+				t.Fatal(err)
+			}
+			before := len(td.host.Mounts())
+			td.host.Faults.FailNth(tc.method, 1, errInjected)
+			wantCode(t, td.publish(id, tc.vc, false), codes.Internal)
+			if n := len(td.host.Mounts()); n != before {
+				t.Errorf("%d mounts after a failed publish, %d before", n, before)
+			}
+			if err := td.publish(id, tc.vc, false); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+		})
+	}
+}
+
+// A cancelled call answers CANCELLED, whatever it was doing.
+func TestCancelledCall(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(td.root, "s"), VolumeCapability: vc})
+	wantCode(t, err, codes.Canceled)
+}
+
+func TestSnapshotFreezesAStagedVolume(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !resp.GetSnapshot().GetReadyToUse() {
+		t.Error("snapshot not ready")
+	}
+	if td.host.Faults.Calls("Freeze") != 1 || td.host.Faults.Calls("Thaw") != 1 {
+		t.Errorf("freeze %d, thaw %d: want one each", td.host.Faults.Calls("Freeze"), td.host.Faults.Calls("Thaw"))
+	}
+	if f, _ := td.pool.Freezes(); len(f) != 0 {
+		t.Errorf("freeze records left: %v", f)
+	}
+	// A filesystem that cannot be frozen still gets a crash-consistent snapshot.
+	td.host.Faults.FailNth("Freeze", 1, errInjected)
+	if _, err := td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s2", SourceVolumeId: id}); err != nil {
+		t.Fatal(err)
+	}
+	if f, _ := td.pool.Freezes(); len(f) != 0 {
+		t.Errorf("a failed freeze left its record: %v", f)
+	}
+}
+
+func TestThawAfterCrash(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(td.root, "staging", id)
+	vid, _ := pool.ParseVolumeID(id)
+	if err := td.pool.RecordFreeze(vid, "node-1", staging); err != nil {
+		t.Fatal(err)
+	}
+	if err := td.pool.RecordFreeze(pool.NewVolumeID("local", "other"), "node-2", "/elsewhere"); err == nil {
+		t.Fatal("a freeze record for a volume that does not exist was written")
+	}
+	if _, err := td.host.Freeze(staging); err != nil {
+		t.Fatal(err)
+	}
+	td.thawAfterCrash(context.Background())
+	if td.host.Frozen(staging) {
+		t.Error("still frozen after restart")
+	}
+	if f, _ := td.pool.Freezes(); len(f) != 0 {
+		t.Errorf("records left: %v", f)
+	}
+}
+
+func TestExpandOnline(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "xfs")
+	resp, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name: "v", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 512 << 20},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(td.root, "staging", id)
+	ce, err := td.ControllerExpandVolume(context.Background(), &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}})
+	if err != nil || !ce.GetNodeExpansionRequired() {
+		t.Fatalf("ControllerExpandVolume: %v %v", ce, err)
+	}
+	td.host.Faults.FailNth("ResizeFS", 1, errInjected)
+	req := &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: staging, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}}
+	_, err = td.NodeExpandVolume(context.Background(), req)
+	wantCode(t, err, codes.Internal)
+	ne, err := td.NodeExpandVolume(context.Background(), req)
+	if err != nil || ne.GetCapacityBytes() != 1<<30 {
+		t.Fatalf("NodeExpandVolume: %v %v", ne, err)
+	}
+	st, err := td.NodeGetVolumeStats(context.Background(), &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: staging})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if total := st.GetUsage()[0].GetTotal(); total != 1<<30 {
+		t.Errorf("stats total %d after growth, want %d", total, 1<<30)
+	}
+}
+
+// A shared pool that is not mounted answers UNAVAILABLE, never NOT_FOUND.
+func TestUnavailableSharedPool(t *testing.T) {
+	td := newTestDriver(t, testOpts{modify: func(o *Options) {
+		p, err := pool.Open(pool.Config{Name: "share", Path: "/nonexistent/poolcsi-share", Shared: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		o.Pools = append(o.Pools, p)
+	}})
+	_, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name: "v", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")}, Parameters: map[string]string{"pool": "share"},
+	})
+	wantCode(t, err, codes.Unavailable)
+	_, err = td.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: map[string]string{"pool": "share"}})
+	wantCode(t, err, codes.Unavailable)
+}
