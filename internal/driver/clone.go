@@ -90,7 +90,7 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 
 // checkSource refuses a copy the source cannot give: another pool, another
 // layout, access type or filesystem (INVALID_ARGUMENT).
-func (c *contentSource) check(p *pool.Pool, layout pool.Layout, caps capsSpec) error {
+func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps capsSpec) error {
 	what := "volume " + c.record.Volume
 	if c.isSnapshot() {
 		what = "snapshot " + c.record.Snapshot
@@ -102,7 +102,7 @@ func (c *contentSource) check(p *pool.Pool, layout pool.Layout, caps capsSpec) e
 		return status.Errorf(codes.InvalidArgument, "%s has layout %s, the request asks for layout %s", what, c.layout, layout)
 	case caps.access != c.access:
 		return status.Errorf(codes.InvalidArgument, "%s has %s access, the request asks for %s", what, c.access, caps.access)
-	case layout == pool.LayoutImage && caps.access == pool.AccessFilesystem && caps.fsType != c.fsType:
+	case !lay.sameFS(caps, c.fsType):
 		return status.Errorf(codes.InvalidArgument, "%s holds %s, the request asks for %s", what, c.fsType, caps.fsType)
 	}
 	return nil
@@ -150,18 +150,12 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 		defer unlock()
 		src.vol = sv
 	}
-	if v.Layout == pool.LayoutDir {
-		from := p.SnapshotDataPath(src.snapID)
-		if !src.isSnapshot() {
-			from = p.DataPath(src.volID)
-		}
-		return d.finishCreateDirWith(ctx, p, v, func(data string) error {
-			if err := pool.CopyTree(ctx, from, data); err != nil {
-				return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
-			}
-			return nil
-		})
-	}
+	return d.layoutOf(v.Layout).cloneFrom(ctx, p, v, src)
+}
+
+// cloneFrom copies an image (a snapshot's, or a volume's, frozen if it is
+// staged here) into the new volume's image, grown to its size.
+func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
 	from := p.SnapshotImagePath(src.snapID)
 	thaw := func() {}
 	if !src.isSnapshot() {
@@ -178,4 +172,19 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 	}
 	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
 	return nil
+}
+
+// cloneFrom makes the new dir volume's data directory and copies the source's
+// tree into it.
+func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+	from := p.SnapshotDataPath(src.snapID)
+	if !src.isSnapshot() {
+		from = p.DataPath(src.volID)
+	}
+	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
+		if err := pool.CopyTree(ctx, from, data); err != nil {
+			return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
+		}
+		return nil
+	})
 }

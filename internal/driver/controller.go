@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sort"
 	"strings"
 
@@ -72,9 +73,7 @@ func (d *Driver) parseCreateParams(params map[string]string) (createParams, erro
 				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.poolNames))
 			}
 		case k == ParamLayout:
-			switch pool.Layout(v) {
-			case pool.LayoutImage, pool.LayoutDir:
-			default:
+			if !slices.Contains(layouts, pool.Layout(v)) {
 				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image and dir", v)
 			}
 			cp.layout = pool.Layout(v)
@@ -131,7 +130,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if params.fsType != "" && caps.access == pool.AccessFilesystem && caps.fsType != params.fsType {
 		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.fsType)
 	}
-	if err := caps.allowedFor(params.layout); err != nil {
+	lay := d.layoutOf(params.layout)
+	if err := lay.allowed(caps); err != nil {
 		return nil, err
 	}
 	p := params.pool
@@ -139,14 +139,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	minimum := mount.MinSize(caps.fsType)
-	if caps.access == pool.AccessBlock || params.layout == pool.LayoutDir {
-		minimum = mount.MinSize("")
-	}
+	minimum := lay.minSize(caps)
 	var size int64
 	var source *pool.ContentSource
 	if src != nil {
-		if err := src.check(p, params.layout, caps); err != nil {
+		if err := src.check(p, params.layout, lay, caps); err != nil {
 			return nil, err
 		}
 		if size, err = src.sourceSize(req.GetCapacityRange(), minimum); err != nil {
@@ -171,7 +168,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Name:          name,
 		Layout:        params.layout,
 		AccessType:    caps.access,
-		FSType:        fsTypeFor(caps, params.layout),
+		FSType:        lay.fsType(caps),
 		CapacityBytes: size,
 		Parameters:    params.keep,
 		Topology:      topology,
@@ -180,31 +177,29 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, grpcError(err)
 	}
-	if err := createCompatible(v, caps, req.GetCapacityRange()); err != nil {
+	if err := d.createCompatible(v, caps, req.GetCapacityRange()); err != nil {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
 	}
 	if !sameSource(v.Source, source) {
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", name)
 	}
 	if v.State == pool.StateCreating {
-		finish := d.finishCreate
-		switch {
-		case src != nil:
-			finish = func(ctx context.Context, p *pool.Pool, v *pool.Volume) error { return d.finishClone(ctx, p, v, src) }
-		case v.Layout == pool.LayoutDir:
-			finish = d.finishCreateDir
+		if src != nil {
+			err = d.finishClone(ctx, p, v, src)
+		} else {
+			err = lay.finishCreate(ctx, p, v)
 		}
-		if err := finish(ctx, p, v); err != nil {
+		if err != nil {
 			return nil, err
 		}
 	}
-	return &csi.CreateVolumeResponse{Volume: csiVolume(p, v)}, nil
+	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil
 }
 
 // finishCreate makes the image and formats it. Formatting the file before any node
 // attaches it is faster (no loop device, ext4 skips zeroing inode tables) and
 // means NodeStageVolume never formats a volume that should already hold data.
-func (d *Driver) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	if err := p.PrepareImage(v); err != nil {
 		return grpcError(err)
@@ -239,8 +234,8 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 	return nil
 }
 
-func createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error {
-	if err := caps.compatible(v); err != nil {
+func (d *Driver) createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error {
+	if err := d.compatible(caps, v); err != nil {
 		return err
 	}
 	if req := r.GetRequiredBytes(); v.CapacityBytes < req {
@@ -250,13 +245,6 @@ func createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error
 		return errors.New("its capacity is above limit_bytes")
 	}
 	return nil
-}
-
-func fsTypeFor(c capsSpec, layout pool.Layout) string {
-	if c.access == pool.AccessBlock || layout == pool.LayoutDir {
-		return ""
-	}
-	return c.fsType
 }
 
 // placeVolume decides a new volume's accessible topology. A local pool serves only
@@ -279,13 +267,13 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 	return nil, status.Errorf(codes.ResourceExhausted, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name, d.opts.NodeID, requisite)
 }
 
-func csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
+func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	out := &csi.Volume{
 		VolumeId:      v.ID,
 		CapacityBytes: v.CapacityBytes,
 		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
 	}
-	dirContext(v, out.VolumeContext)
+	d.layoutOf(v.Layout).volumeContext(v, out.VolumeContext)
 	out.ContentSource = csiContentSource(v.Source)
 	if len(v.Topology) > 0 {
 		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
@@ -330,18 +318,14 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	case err != nil && !errors.Is(err, os.ErrNotExist):
 		klog.FromContext(ctx).Error(err, "Deleting a volume whose metadata is damaged", "volume", vid)
 	}
-	if err == nil && v.Layout == pool.LayoutDir {
-		if err := d.deleteDirVolume(ctx, p, vid, v); err != nil {
-			return nil, err
-		}
-		klog.FromContext(ctx).Info("Deleted dir volume", "volume", vid)
-		return &csi.DeleteVolumeResponse{}, nil
+	lay := d.layoutOf(pool.LayoutImage) // metadata unreadable: what the directory holds decides
+	if err == nil {
+		lay = d.layoutOf(v.Layout)
+	} else {
+		v = nil
 	}
-	if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
-	}
-	if err := p.Delete(ctx, vid); err != nil {
-		return nil, grpcError(err)
+	if err := lay.delete(ctx, p, vid, v); err != nil {
+		return nil, err
 	}
 	klog.FromContext(ctx).Info("Deleted volume", "volume", vid)
 	return &csi.DeleteVolumeResponse{}, nil
@@ -364,7 +348,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	}
 	caps, err := parseCaps(req.GetVolumeCapabilities(), "")
 	if err == nil {
-		err = caps.compatible(v)
+		err = d.compatible(caps, v)
 	}
 	if err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
@@ -442,7 +426,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 			continue
 		}
 		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
-			Volume: csiVolume(l.pool, l.entry.Volume),
+			Volume: d.csiVolume(l.pool, l.entry.Volume),
 			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: l.entry.Volume.PublishedNodes()},
 		})
 	}
@@ -458,7 +442,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	return &csi.ControllerGetVolumeResponse{Volume: csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}}, nil
+	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}}, nil
 }
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

@@ -70,26 +70,19 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 	}
 }
 
-// dirModesOK: a directory is shared by bind mounts, so every access mode works.
-func (s capsSpec) allowedFor(layout pool.Layout) error {
-	if layout == pool.LayoutDir {
-		if s.access == pool.AccessBlock {
-			return status.Error(codes.InvalidArgument, "layout dir volumes are directories: block access needs layout image")
-		}
-		return nil
-	}
-	for _, m := range s.modes {
-		if !imageModes[m] {
-			return status.Errorf(codes.InvalidArgument, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
-		}
+// allowed: a directory is shared by bind mounts, so every access mode works,
+// but it is no block device.
+func (dirLayout) allowed(s capsSpec) error {
+	if s.access == pool.AccessBlock {
+		return status.Error(codes.InvalidArgument, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
 }
 
-// finishCreateDir makes the data directory of a dir volume still in state
+// finishCreate makes the data directory of a dir volume still in state
 // creating, with its quota, and marks it ready. A half-made data directory from
 // an interrupted attempt holds no user data and is made again.
-func (d *Driver) finishCreateDir(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+func (d dirLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	return d.finishCreateDirWith(ctx, p, v, nil)
 }
 
@@ -129,11 +122,8 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 	return nil
 }
 
-// dirContext is what a dir volume adds to its volume context.
-func dirContext(v *pool.Volume, ctx map[string]string) {
-	if v.Layout != pool.LayoutDir {
-		return
-	}
+// volumeContext says whether the size is enforced.
+func (dirLayout) volumeContext(v *pool.Volume, ctx map[string]string) {
 	enforced, kind := false, quota.KindNone
 	if v.Quota != nil {
 		enforced, kind = v.Quota.Enforced, v.Quota.Kind
@@ -142,9 +132,9 @@ func dirContext(v *pool.Volume, ctx map[string]string) {
 	ctx[CtxSizeEnforced] = strconv.FormatBool(enforced)
 }
 
-// deleteDirVolume removes exactly one dir volume: its subvolume or quota, then its
+// delete removes exactly one dir volume: its subvolume or quota, then its
 // directory, never anything above it (the pool, the volumes directory, siblings).
-func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
+func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
 	if points, err := d.mounts.MountsBelow(p.Dir(vid)); err != nil {
 		return grpcError(fmt.Errorf("inspect mounts of volume %s: %w", vid, err))
 	} else if len(points) > 0 {
@@ -178,8 +168,8 @@ func (d *Driver) deleteDirVolume(ctx context.Context, p *pool.Pool, vid pool.Vol
 	}))
 }
 
-// stageDir bind-mounts the volume's data directory at the staging path.
-func (d *Driver) stageDir(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
+// stage bind-mounts the volume's data directory at the staging path.
+func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
 	data := nv.pool.DataPath(nv.id)
 	if !nv.pool.DataExists(nv.id) {
 		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, data)
@@ -195,8 +185,8 @@ func (d *Driver) stageDir(ctx context.Context, nv nodeVolume, staging string, vc
 	return nil
 }
 
-// publishDir bind-mounts the staged directory at the target.
-func (d *Driver) publishDir(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
+// publish bind-mounts the staged directory at the target.
+func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
 	data := nv.pool.DataPath(nv.id)
 	if _, mounted, err := d.mounts.Info(staging); err != nil {
 		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
@@ -220,10 +210,10 @@ func (d *Driver) publishDir(ctx context.Context, nv nodeVolume, staging, target 
 	return nil
 }
 
-// dirStats reports a dir volume's usage against its limit. With an enforced
+// stats reports a dir volume's usage against its limit. With an enforced
 // quota the numbers are the quota's; without one they are the pool filesystem's,
 // which is what a writer in the pod will really run into.
-func (d *Driver) dirStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	if _, mounted, err := d.mounts.Info(path); err != nil {
 		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
 	} else if !mounted || !d.mounts.SameDir(path, p.DataPath(vid)) {
@@ -257,3 +247,10 @@ func (d *Driver) dirStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		{Unit: csi.VolumeUsage_BYTES, Total: limit, Used: u.UsedBytes, Available: avail},
 	}}, nil
 }
+
+func (dirLayout) minSize(capsSpec) int64 { return mount.MinSize("") }
+
+// fsType: a dir volume has the pool's filesystem, whatever the CO names.
+func (dirLayout) fsType(capsSpec) string                 { return "" }
+func (dirLayout) sameFS(capsSpec, string) bool           { return true }
+func (dirLayout) fence(*pool.Volume, string, bool) error { return nil }

@@ -12,11 +12,11 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// expandDir raises a dir volume's quota limit. Nothing changes on the nodes (a
+// expand raises a dir volume's quota limit. Nothing changes on the nodes (a
 // bind mount of a directory has no size of its own), so node expansion is never
 // required. Shrinking is refused by returning the current, larger size, as the
 // spec asks of a request already satisfied.
-func (d *Driver) expandDir(ctx context.Context, p *pool.Pool, vid pool.VolumeID, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
+func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), pool.MiB)
 	if err != nil {
 		return nil, grpcError(err)
@@ -48,3 +48,11 @@ func (d *Driver) expandDir(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 	klog.FromContext(ctx).Info("Expanded dir volume", "volume", vid, "from", old, "to", v.CapacityBytes, "enforced", v.Quota != nil && v.Quota.Enforced)
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
 }
+
+// expandNode: a directory has no size of its own to grow; the quota limit,
+// raised by the controller, is all there is.
+func (dirLayout) expandNode(_ context.Context, nv nodeVolume, _ *csi.NodeExpandVolumeRequest, _ string) (*csi.NodeExpandVolumeResponse, error) {
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: nv.vol.CapacityBytes}, nil
+}
+
+func (dirLayout) nodeExpansionRequired() bool { return false }

@@ -41,9 +41,10 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
-	if err := checkCapability(v, req.GetVolumeCapability()); err != nil {
+	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
+	lay := d.layoutOf(v.Layout)
 	limit := r.GetLimitBytes()
 	if r.GetRequiredBytes() < 0 || limit < 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "capacity_range must not be negative (required %d, limit %d)", r.GetRequiredBytes(), limit)
@@ -54,15 +55,9 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		if limit > 0 && v.CapacityBytes > limit {
 			return nil, status.Errorf(codes.OutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
 		}
-		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: lay.nodeExpansionRequired()}, nil
 	}
-	if v.Layout == pool.LayoutDir {
-		return d.expandDir(ctx, p, vid, r)
-	}
-	if v, err = d.growImage(ctx, p, vid, v, r); err != nil {
-		return nil, err
-	}
-	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: nodeExpansionRequired(v)}, nil
+	return lay.expand(ctx, p, vid, v, r)
 }
 
 // growImage grows an image volume's file to the range asked (rounded as
@@ -91,10 +86,6 @@ func minSizeOf(v *pool.Volume) int64 {
 	return mount.MinSize(v.FSType)
 }
 
-// nodeExpansionRequired: an image volume's loop device (and filesystem) only
-// grow on the node.
-func nodeExpansionRequired(v *pool.Volume) bool { return v.Layout == pool.LayoutImage }
-
 // NodeExpandVolume brings a staged volume to the size its image file has: the
 // loop device first, then the filesystem, online. It accepts the staging path
 // or any publish path of the volume, as kubelet may pass either.
@@ -118,76 +109,10 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err != nil {
 		return nil, err
 	}
-	if err := checkCapability(v, req.GetVolumeCapability()); err != nil {
+	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
-	if v.Layout == pool.LayoutDir {
-		// A directory has no size of its own to grow: the quota limit, raised by
-		// the controller, is all there is.
-		return &csi.NodeExpandVolumeResponse{CapacityBytes: v.CapacityBytes}, nil
-	}
-	image := p.ImagePath(vid)
-	dev, attached, err := d.loops.Find(image)
-	if err != nil {
-		return nil, grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
-	}
-	if !attached {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", vid)
-	}
-	if r := req.GetCapacityRange(); d.opts.ExpandOnNode && isLocal(p) && r.GetRequiredBytes() > v.CapacityBytes {
-		// Local pools deployed with one cluster-wide resizer: the resizer cannot
-		// reach this node's pool, so it skips ControllerExpandVolume (not
-		// advertised) and the file grows here, where the pool is.
-		if v, err = d.growImage(ctx, p, vid, v, r); err != nil {
-			return nil, err
-		}
-	}
-	info, mounted, err := d.mounts.Info(path)
-	if err != nil {
-		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
-	}
-	holds := mounted && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
-	if !holds && v.AccessType == pool.AccessBlock {
-		// A block volume's staging path has nothing mounted on it.
-		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
-	}
-	if !holds {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
-	}
-
-	size, err := d.refreshLoop(p, vid, dev, v)
-	if err != nil {
-		return nil, err
-	}
-	if req := req.GetCapacityRange().GetRequiredBytes(); req > size {
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", vid, size, req)
-	}
-	if v.AccessType == pool.AccessFilesystem {
-		// Grow through the staging mount when kubelet names it: a pod's publish
-		// path may be a read-only bind of a read-write staging mount.
-		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
-			if si, ok, err := d.mounts.Info(sp); err == nil && ok && (si.Source == dev || d.mounts.IsDevice(si.Target, dev)) {
-				path, info = sp, si
-			}
-		}
-		if info.ReadOnly {
-			// Growing writes the filesystem; a read-only mount must not be
-			// written. The next read-write stage grows it.
-			klog.FromContext(ctx).Info("Not growing a read-only filesystem", "volume", vid, "path", path)
-			return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
-		}
-		need, err := d.devs.NeedResize(dev, path)
-		if err != nil {
-			return nil, grpcError(fmt.Errorf("volume %s: %w", vid, err))
-		}
-		if need {
-			if err := d.devs.ResizeFS(ctx, dev, path); err != nil {
-				return nil, grpcError(fmt.Errorf("grow filesystem of volume %s: %w", vid, err))
-			}
-		}
-	}
-	klog.FromContext(ctx).Info("Expanded volume on node", "volume", vid, "path", path, "device", dev, "size", size)
-	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+	return d.layoutOf(v.Layout).expandNode(ctx, nodeVolume{id: vid, pool: p, vol: v}, req, path)
 }
 
 // refreshLoop makes the loop device as large as the image file and returns that
@@ -259,4 +184,72 @@ func (d *Driver) growAfterMount(ctx context.Context, g stageGrowth, nv nodeVolum
 	if err := d.devs.ResizeFS(ctx, dev, staging); err != nil {
 		klog.FromContext(ctx).Error(err, "Growing the filesystem after staging failed; NodeExpandVolume will retry", "volume", nv.id, "path", staging)
 	}
+}
+
+// expandNode brings a staged image volume to the size its image file has: the
+// loop device first, then the filesystem, online.
+func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.NodeExpandVolumeRequest, path string) (*csi.NodeExpandVolumeResponse, error) {
+	v := nv.vol
+	image := nv.pool.ImagePath(nv.id)
+	dev, attached, err := d.loops.Find(image)
+	if err != nil {
+		return nil, grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
+	}
+	if !attached {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", nv.id)
+	}
+	if r := req.GetCapacityRange(); d.opts.ExpandOnNode && isLocal(nv.pool) && r.GetRequiredBytes() > v.CapacityBytes {
+		// Local pools deployed with one cluster-wide resizer: the resizer cannot
+		// reach this node's pool, so it skips ControllerExpandVolume (not
+		// advertised) and the file grows here, where the pool is.
+		if v, err = d.growImage(ctx, nv.pool, nv.id, v, r); err != nil {
+			return nil, err
+		}
+	}
+	info, mounted, err := d.mounts.Info(path)
+	if err != nil {
+		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
+	}
+	holds := mounted && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
+	if !holds && v.AccessType == pool.AccessBlock {
+		// A block volume's staging path has nothing mounted on it.
+		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
+	}
+	if !holds {
+		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", nv.id, path)
+	}
+
+	size, err := d.refreshLoop(nv.pool, nv.id, dev, v)
+	if err != nil {
+		return nil, err
+	}
+	if req := req.GetCapacityRange().GetRequiredBytes(); req > size {
+		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
+	}
+	if v.AccessType == pool.AccessFilesystem {
+		// Grow through the staging mount when kubelet names it: a pod's publish
+		// path may be a read-only bind of a read-write staging mount.
+		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
+			if si, ok, err := d.mounts.Info(sp); err == nil && ok && (si.Source == dev || d.mounts.IsDevice(si.Target, dev)) {
+				path, info = sp, si
+			}
+		}
+		if info.ReadOnly {
+			// Growing writes the filesystem; a read-only mount must not be
+			// written. The next read-write stage grows it.
+			klog.FromContext(ctx).Info("Not growing a read-only filesystem", "volume", nv.id, "path", path)
+			return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+		}
+		need, err := d.devs.NeedResize(dev, path)
+		if err != nil {
+			return nil, grpcError(fmt.Errorf("volume %s: %w", nv.id, err))
+		}
+		if need {
+			if err := d.devs.ResizeFS(ctx, dev, path); err != nil {
+				return nil, grpcError(fmt.Errorf("grow filesystem of volume %s: %w", nv.id, err))
+			}
+		}
+	}
+	klog.FromContext(ctx).Info("Expanded volume on node", "volume", nv.id, "path", path, "device", dev, "size", size)
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
 }

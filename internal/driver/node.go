@@ -3,8 +3,6 @@ package driver
 import (
 	"context"
 	"fmt"
-	"os"
-	"slices"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -96,7 +94,7 @@ func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (n
 	if nv.vol, err = loadVolume(nv.pool, nv.id); err != nil {
 		return nv, err
 	}
-	if err := caps.compatible(nv.vol); err != nil {
+	if err := d.compatible(caps, nv.vol); err != nil {
 		return nv, status.Error(codes.FailedPrecondition, err.Error())
 	}
 	return nv, nil
@@ -112,100 +110,13 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	defer release()
-	if nv.vol.Layout == pool.LayoutDir {
-		if err := d.stageDir(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
-			return nil, err
-		}
-		if err := d.recordStage(ctx, nv, staging); err != nil {
-			return nil, err
-		}
-		return &csi.NodeStageVolumeResponse{}, nil
-	}
-	if err := d.nodeFence(nv, readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())); err != nil {
-		return nil, err
-	}
-	image := nv.pool.ImagePath(nv.id)
-	if _, err := nv.pool.ImageSize(nv.id); err != nil {
-		return nil, grpcError(err)
-	}
-	if nv.caps.access == pool.AccessBlock {
-		dev, err := d.loops.Attach(ctx, image)
-		if err != nil {
-			return nil, grpcError(fmt.Errorf("attach %s: %w", image, err))
-		}
-		if _, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol); err != nil {
-			return nil, err
-		}
-	} else if err := d.stageFilesystem(ctx, nv, image, staging, req.GetVolumeCapability()); err != nil {
+	if err := d.layoutOf(nv.vol.Layout).stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
 	if err := d.recordStage(ctx, nv, staging); err != nil {
 		return nil, err
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
-}
-
-// stageFilesystem converges the staging path to "the volume's filesystem is mounted
-// here" from whatever state a previous, possibly interrupted, call left.
-func (d *Driver) stageFilesystem(ctx context.Context, nv nodeVolume, image, staging string, vc *csi.VolumeCapability) error {
-	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	info, mounted, err := d.mounts.Info(staging)
-	if err != nil {
-		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
-	}
-	if mounted {
-		if !d.isVolumeMount(info, image) {
-			return status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount (%s)", staging, info.Source)
-		}
-		if info.ReadOnly != readOnly {
-			return status.Errorf(codes.AlreadyExists, "volume %s is staged at %s with read-only=%v, the request asks read-only=%v", nv.id, staging, info.ReadOnly, readOnly)
-		}
-		return nil
-	}
-	dev, err := d.loops.Attach(ctx, image)
-	if err != nil {
-		return grpcError(fmt.Errorf("attach %s: %w", image, err))
-	}
-	found, err := d.devs.DiskFormat(ctx, dev)
-	if err != nil {
-		return grpcError(fmt.Errorf("inspect %s: %w", dev, err))
-	}
-	switch found {
-	case "":
-		// Volumes are formatted at CreateVolume; a blank one was made by an older
-		// version or lost its mkfs. Blank means no data, so formatting is safe.
-		if err := d.devs.Format(ctx, dev, nv.vol.FSType); err != nil {
-			return grpcError(fmt.Errorf("format %s: %w", dev, err))
-		}
-	case nv.vol.FSType:
-	default:
-		return status.Errorf(codes.FailedPrecondition, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
-	}
-	growth, err := d.growBeforeMount(ctx, nv, dev, readOnly)
-	if err != nil {
-		return err
-	}
-	if err := os.MkdirAll(staging, 0o750); err != nil {
-		return grpcError(fmt.Errorf("create staging path: %w", err))
-	}
-	opts := slices.Clone(vc.GetMount().GetMountFlags())
-	if readOnly {
-		opts = append(opts, "ro")
-	}
-	if nv.vol.FSType == "xfs" && !slices.Contains(opts, "nouuid") {
-		// A clone or restored snapshot has its source's filesystem UUID, and XFS
-		// refuses a second mount of one UUID on a node. nouuid changes nothing else.
-		opts = append(opts, "nouuid")
-	}
-	if err := d.mounts.Mount(ctx, dev, staging, nv.vol.FSType, opts); err != nil {
-		if derr := d.loops.Detach(ctx, image); derr != nil {
-			klog.FromContext(ctx).Error(derr, "Detach after failed mount", "device", dev)
-		}
-		return grpcError(fmt.Errorf("mount %s at %s: %w", dev, staging, err))
-	}
-	d.growAfterMount(ctx, growth, nv, dev, staging)
-	klog.FromContext(ctx).Info("Staged volume", "volume", nv.id, "device", dev, "path", staging, "fsType", nv.vol.FSType)
-	return nil
 }
 
 // isVolumeMount tells whether a mount comes from the loop device backed by image.
@@ -282,96 +193,10 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	}
 	defer release()
 	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
-	if nv.vol.Layout == pool.LayoutDir {
-		if err := d.publishDir(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
-			return nil, err
-		}
-		return &csi.NodePublishVolumeResponse{}, nil
+	if err := d.layoutOf(nv.vol.Layout).publish(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
+		return nil, err
 	}
-	image := nv.pool.ImagePath(nv.id)
-
-	var source string
-	if nv.caps.access == pool.AccessBlock {
-		dev, ok, err := d.loops.Find(image)
-		if err != nil || !ok {
-			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
-		}
-		source = dev
-	} else {
-		info, mounted, err := d.mounts.Info(staging)
-		if err != nil {
-			return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
-		}
-		if !mounted || !d.isVolumeMount(info, image) {
-			return nil, status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
-		}
-		source = staging
-	}
-	if done, err := d.alreadyPublished(nv, image, target, readOnly); done || err != nil {
-		if err != nil {
-			return nil, err
-		}
-		return &csi.NodePublishVolumeResponse{}, nil
-	}
-	if req.GetVolumeCapability().GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
-		if err := d.singleWriterFree(nv, image, staging, target); err != nil {
-			return nil, err
-		}
-	}
-	if nv.caps.access == pool.AccessBlock {
-		if err := d.setBlockReadOnly(source, target, readOnly); err != nil {
-			return nil, err
-		}
-		err = d.mounts.BindBlock(ctx, source, target, readOnly)
-	} else {
-		err = d.mounts.Bind(ctx, source, target, readOnly, req.GetVolumeCapability().GetMount().GetMountFlags())
-	}
-	if err != nil {
-		return nil, grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
-	}
-	klog.FromContext(ctx).Info("Published volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return &csi.NodePublishVolumeResponse{}, nil
-}
-
-// singleWriterFree enforces ReadWriteOncePod: the volume may be published at one
-// target only.
-func (d *Driver) singleWriterFree(nv nodeVolume, image, staging, target string) error {
-	dev, ok, err := d.loops.Find(image)
-	if err != nil || !ok {
-		return status.Errorf(codes.FailedPrecondition, "volume %s is not attached on this node", nv.id)
-	}
-	points, err := d.mounts.MountPoints(dev)
-	if err != nil {
-		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
-	}
-	for _, p := range points {
-		if p != staging && p != target {
-			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, p)
-		}
-	}
-	return nil
-}
-
-// alreadyPublished answers a repeated NodePublishVolume: done when the target
-// already shows this volume the same way, ALREADY_EXISTS when it shows it
-// differently or shows something else.
-func (d *Driver) alreadyPublished(nv nodeVolume, image, target string, readOnly bool) (bool, error) {
-	info, mounted, err := d.mounts.Info(target)
-	if err != nil {
-		return false, grpcError(fmt.Errorf("inspect %s: %w", target, err))
-	}
-	if !mounted {
-		return false, nil
-	}
-	dev, ok, _ := d.loops.Find(image)
-	same := ok && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
-	if !same {
-		return false, status.Errorf(codes.AlreadyExists, "target path %s already holds another mount (%s)", target, info.Source)
-	}
-	if info.ReadOnly != readOnly {
-		return false, status.Errorf(codes.AlreadyExists, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
-	}
-	return true, nil
 }
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {

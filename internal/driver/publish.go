@@ -59,28 +59,6 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	return nil
 }
 
-// publishFence decides whether node may have the volume published the way it
-// asks. Image volumes are one filesystem image: any writer excludes every other
-// node, readers included, since a reader of a filesystem another node is writing
-// sees it corrupt. Dir volumes are directories on a shared filesystem and may be
-// published to any number of nodes.
-func publishFence(v *pool.Volume, node string, readOnly bool) error {
-	if v.Layout == pool.LayoutDir {
-		return nil
-	}
-	for _, r := range v.Published {
-		if r.Node == node {
-			continue
-		}
-		if !r.ReadOnly || !readOnly {
-			return status.Errorf(codes.FailedPrecondition,
-				"volume %s is published to node %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unpublish it there first (for a dead node see docs/fencing.md)",
-				v.ID, r.Node, r.ReadOnly, r.At.Format(time.RFC3339))
-		}
-	}
-	return nil
-}
-
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
@@ -115,7 +93,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if err := d.checkNode(p, v, node); err != nil {
 			return false, err
 		}
-		if err := caps.compatible(v); err != nil {
+		if err := d.compatible(caps, v); err != nil {
 			return false, status.Error(codes.InvalidArgument, err.Error())
 		}
 		if r, ok := v.PublishedTo(node); ok {
@@ -124,7 +102,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 			}
 			return false, nil
 		}
-		if err := publishFence(v, node, readOnly); err != nil {
+		if err := d.layoutOf(v.Layout).fence(v, node, readOnly); err != nil {
 			return false, err
 		}
 		if err := d.checkAttachLimit(ctx, p, node); err != nil {
@@ -194,7 +172,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 // read-write while the controller has granted it to another node, even if the CO
 // skipped ControllerPublishVolume.
 func (d *Driver) nodeFence(nv nodeVolume, readOnly bool) error {
-	if err := publishFence(nv.vol, d.opts.NodeID, readOnly); err != nil {
+	if err := d.layoutOf(nv.vol.Layout).fence(nv.vol, d.opts.NodeID, readOnly); err != nil {
 		return status.Errorf(codes.FailedPrecondition, "refusing to stage here (node %s): %s", d.opts.NodeID, status.Convert(err).Message())
 	}
 	return nil

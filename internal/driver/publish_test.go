@@ -30,9 +30,10 @@ func TestPublishFence(t *testing.T) {
 		{"own record", pool.LayoutImage, []pool.PublishRecord{rec("n2", false)}, false, codes.OK},
 		{"dir writers", pool.LayoutDir, []pool.PublishRecord{rec("n1", false), rec("n3", false)}, false, codes.OK},
 	}
+	d := &Driver{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
-		if got := status.Code(publishFence(v, "n2", tt.readOnly)); got != tt.want {
+		if got := status.Code(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly)); got != tt.want {
 			t.Errorf("%s: %s, want %s", tt.name, got, tt.want)
 		}
 	}
@@ -57,14 +58,15 @@ func TestAccessModesByLayout(t *testing.T) {
 		{"dir block", block, pool.LayoutDir, false},
 		{"image block", block, pool.LayoutImage, true},
 	}
+	d := &Driver{}
 	for _, tt := range tests {
 		caps, err := parseCaps([]*csi.VolumeCapability{tt.vc}, "ext4")
 		if err != nil {
 			t.Fatalf("%s: parseCaps: %v", tt.name, err)
 		}
-		err = caps.allowedFor(tt.layout)
+		err = d.layoutOf(tt.layout).allowed(caps)
 		if (err == nil) != tt.ok {
-			t.Errorf("%s: allowedFor = %v, want ok=%t", tt.name, err, tt.ok)
+			t.Errorf("%s: allowed = %v, want ok=%t", tt.name, err, tt.ok)
 		}
 		if err != nil && status.Code(err) != codes.InvalidArgument {
 			t.Errorf("%s: code %s", tt.name, status.Code(err))

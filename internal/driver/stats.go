@@ -43,9 +43,25 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err != nil {
 		return nil, err
 	}
-	if v.Layout == pool.LayoutDir {
-		return d.dirStats(ctx, p, vid, v, path)
+	return d.layoutOf(v.Layout).stats(ctx, p, vid, v, path)
+}
+
+// filesystemStats is the usage of the filesystem mounted at path.
+func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
+	var st unix.Statfs_t
+	if err := d.fs.Statfs(path, &st); err != nil {
+		return nil, grpcError(err)
 	}
+	bs := st.Bsize
+	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
+		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
+		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
+	}}, nil
+}
+
+// stats of an image volume: its filesystem's, or its block device's size.
+func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+	image := p.ImagePath(vid)
 	dev, attached, _ := d.loops.Find(image)
 	if !attached {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node, so not mounted at %s", vid, path)
@@ -67,17 +83,4 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}
 	return d.filesystemStats(path)
-}
-
-// filesystemStats is the usage of the filesystem mounted at path.
-func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
-	var st unix.Statfs_t
-	if err := d.fs.Statfs(path, &st); err != nil {
-		return nil, grpcError(err)
-	}
-	bs := st.Bsize
-	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
-		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
-		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
-	}}, nil
 }

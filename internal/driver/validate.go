@@ -80,16 +80,6 @@ type capsSpec struct {
 	modes  []csi.VolumeCapability_AccessMode_Mode
 }
 
-// imageModes are the access modes an image volume can honour: one writer node, or
-// read-only on many. Two nodes writing one filesystem image would corrupt it.
-var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
-	csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER:        true,
-	csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY:   true,
-	csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER: true,
-	csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER:  true,
-	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
-}
-
 // parseCaps checks a capability list and folds it into one spec; which access
 // modes a volume allows depends on its layout (capsSpec.allowedFor). defaultFS
 // applies when no capability names a filesystem.
@@ -141,15 +131,15 @@ func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error)
 }
 
 // compatible tells whether an existing volume satisfies a capability spec.
-func (s capsSpec) compatible(v *pool.Volume) error {
+func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 	if s.access != v.AccessType {
 		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.access)
 	}
-	// A dir volume has the pool's filesystem, whatever fs_type the CO names.
-	if v.Layout != pool.LayoutDir && s.access == pool.AccessFilesystem && s.fsType != "" && s.fsType != v.FSType {
+	lay := d.layoutOf(v.Layout)
+	if !lay.sameFS(s, v.FSType) {
 		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
 	}
-	if err := s.allowedFor(v.Layout); err != nil {
+	if err := lay.allowed(s); err != nil {
 		return fmt.Errorf("volume %s: %s", v.ID, status.Convert(err).Message())
 	}
 	return nil
@@ -188,7 +178,7 @@ func volumePath(vid pool.VolumeID, raw string) (string, error) {
 
 // checkCapability refuses an optional capability (ControllerExpandVolume and
 // NodeExpandVolume carry one) that the volume cannot honour.
-func checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
+func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
 	if vc == nil {
 		return nil
 	}
@@ -196,7 +186,7 @@ func checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
 	if err != nil {
 		return err
 	}
-	if err := caps.compatible(v); err != nil {
+	if err := d.compatible(caps, v); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	return nil

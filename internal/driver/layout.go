@@ -1,0 +1,57 @@
+package driver
+
+import (
+	"context"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// layout is everything the image and dir layouts do differently. Handlers pick
+// it once per volume (layoutOf) and never branch on pool.Layout themselves, so
+// a third layout is one more implementation in a file of its own.
+type layout interface {
+	// allowed refuses capabilities the layout cannot honour (INVALID_ARGUMENT).
+	allowed(s capsSpec) error
+	// minSize is the smallest volume of the layout for s.
+	minSize(s capsSpec) int64
+	// fsType is the filesystem volume.json records for a volume made for s.
+	fsType(s capsSpec) string
+	// sameFS refuses a request whose fs_type the volume does not have.
+	sameFS(s capsSpec, fsType string) bool
+	// volumeContext adds the layout's keys to a volume's context.
+	volumeContext(v *pool.Volume, ctx map[string]string)
+
+	finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error
+	// cloneFrom fills a volume still creating from a snapshot or volume and
+	// marks it ready; finishClone holds the source.
+	cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error
+	delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error
+	// fence decides whether node may have v published the way it asks.
+	fence(v *pool.Volume, node string, readOnly bool) error
+	expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error)
+	nodeExpansionRequired() bool
+
+	stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error
+	publish(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error
+	expandNode(ctx context.Context, nv nodeVolume, req *csi.NodeExpandVolumeRequest, path string) (*csi.NodeExpandVolumeResponse, error)
+	stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error)
+}
+
+// layouts are the layouts a StorageClass may name.
+var layouts = []pool.Layout{pool.LayoutImage, pool.LayoutDir}
+
+// layoutOf returns the implementation of l; an unknown layout (a volume.json
+// written by a newer driver) is treated as an image, whose checks refuse
+// anything they do not recognise.
+func (d *Driver) layoutOf(l pool.Layout) layout {
+	if l == pool.LayoutDir {
+		return dirLayout{d}
+	}
+	return imageLayout{d}
+}
+
+// dirLayout is a subdirectory of the pool, bind-mounted into pods: many
+// writers on many nodes, size enforced where the pool's filesystem can.
+type dirLayout struct{ *Driver }
