@@ -19,9 +19,15 @@ if [ -n "$unformatted" ]; then
 fi
 echo "== go vet"
 go vet ./...
+echo "== golangci-lint"
+hack/lint.sh
+echo "== unit tests without root, and internal/driver coverage (make unit)"
+hack/unit.sh
 echo "== go test"
 # CI=true turns every missing prerequisite into a failure instead of a skip.
-go test ./... -count=1 -timeout 40m
+# -race everywhere: the root suites drive a separately built binary, so the race
+# detector watches the test code and the in-process driver of the unit tests.
+go test -race ./... -count=1 -timeout 40m
 if [ -f test/k8s/go.mod ]; then
 	echo "== Kubernetes harness (test/k8s)"
 	(cd test/k8s && go vet ./... && go test ./... -count=1 -timeout 60m)

@@ -92,13 +92,11 @@ func Run(ctx context.Context, cfg Config) (err error) {
 		staging: filepath.Join(dir, "kubelet", "staging"), target: filepath.Join(dir, "kubelet", "pod", "mount")}
 	p, err := pool.Open(pool.Config{Name: "demo", Path: filepath.Join(dir, "pool")})
 	if err != nil {
-		os.RemoveAll(dir)
-		return err
+		return errors.Join(err, os.RemoveAll(dir))
 	}
 	d, err := driver.New(driver.Options{Name: "poolcsi.io", Version: cfg.Version, NodeID: "demo-node", Mode: driver.ModeAll, Pools: []*pool.Pool{p}})
 	if err != nil {
-		os.RemoveAll(dir)
-		return err
+		return errors.Join(err, os.RemoveAll(dir))
 	}
 	serveCtx, stop := context.WithCancel(context.Background())
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
@@ -107,7 +105,9 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	defer func() {
 		r.cleanup(p)
 		stop()
-		<-served
+		if serr := <-served; serr != nil && err == nil {
+			err = serr
+		}
 		if rerr := os.RemoveAll(dir); rerr != nil && err == nil {
 			err = rerr
 		}
@@ -116,7 +116,7 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	if err != nil {
 		return err
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }() // a client connection holds nothing to lose
 	r.ctrl, r.node, r.id = csi.NewControllerClient(conn), csi.NewNodeClient(conn), csi.NewIdentityClient(conn)
 	r.say("poolcsi demo: one volume through the calls Kubernetes makes, on a throw-away pool in %s\n", dir)
 	return r.walk()
@@ -366,9 +366,17 @@ func (r *run) cleanup(p *pool.Pool) {
 	defer cancel()
 	if r.volumeID != "" {
 		r.say("\n(cleaning up after a failed step)\n")
-		r.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: r.volumeID, TargetPath: r.target})
-		r.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: r.volumeID, StagingTargetPath: r.staging})
-		r.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: r.volumeID})
+		// Each step is tried whatever the one before answered; what they
+		// leave is removed by hand below.
+		if _, err := r.node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: r.volumeID, TargetPath: r.target}); err != nil {
+			r.say("  NodeUnpublishVolume: %v\n", err)
+		}
+		if _, err := r.node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: r.volumeID, StagingTargetPath: r.staging}); err != nil {
+			r.say("  NodeUnstageVolume: %v\n", err)
+		}
+		if _, err := r.ctrl.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: r.volumeID}); err != nil {
+			r.say("  DeleteVolume: %v\n", err)
+		}
 	}
 	for _, m := range []string{r.target, r.staging} {
 		for i := 0; i < 4 && unix.Unmount(m, 0) == nil; i++ {
@@ -377,7 +385,9 @@ func (r *run) cleanup(p *pool.Pool) {
 	if r.volumeID != "" {
 		if loops, err := mount.NewLoops(); err == nil {
 			if vid, err := pool.ParseVolumeID(r.volumeID); err == nil {
-				loops.Detach(ctx, p.ImagePath(vid))
+				if err := loops.Detach(ctx, p.ImagePath(vid)); err != nil {
+					r.say("  detach: %v\n", err)
+				}
 			}
 		}
 	}

@@ -24,7 +24,6 @@ type testDriver struct {
 }
 
 type testOpts struct {
-	shared    bool
 	maxVols   int64
 	modify    func(*Options)
 	extraPool bool

@@ -105,7 +105,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if err := d.layoutOf(v.Layout).fence(v, node, readOnly); err != nil {
 			return false, err
 		}
-		if err := d.checkAttachLimit(ctx, p, node); err != nil {
+		if err := d.checkAttachLimit(p, node); err != nil {
 			return false, err
 		}
 		v.SetPublished(node, readOnly, time.Now())
@@ -191,7 +191,7 @@ func publishedError(v *pool.Volume) error {
 // from CSINode; this catches whatever reaches the controller regardless. It counts
 // by listing every pool, which is proportional to the number of volumes and runs
 // only on a new publish.
-func (d *Driver) checkAttachLimit(ctx context.Context, p *pool.Pool, node string) error {
+func (d *Driver) checkAttachLimit(p *pool.Pool, node string) error {
 	rec, ok, err := p.Node(node)
 	if err != nil || !ok || rec.MaxVolumes <= 0 {
 		return grpcError(err)

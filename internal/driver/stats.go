@@ -71,7 +71,7 @@ func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 		if err != nil {
 			return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
 		}
-		if !mounted || !(info.Source == dev || d.mounts.IsDevice(info.Target, dev)) {
+		if !mounted || (info.Source != dev && !d.mounts.IsDevice(info.Target, dev)) {
 			return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
 		}
 	}

@@ -82,9 +82,12 @@ func (m *Metrics) Serve(ctx context.Context, addr string) (net.Addr, error) {
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
-		shutdown, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		// ctx is done: the shutdown gets a deadline of its own.
+		shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
-		srv.Shutdown(shutdown)
+		if err := srv.Shutdown(shutdown); err != nil {
+			klog.ErrorS(err, "Metrics server did not shut down cleanly", "address", addr)
+		}
 	}()
 	go func() {
 		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {

@@ -112,7 +112,7 @@ type ctxExec struct {
 }
 
 func (e ctxExec) Command(cmd string, args ...string) utilexec.Cmd {
-	return e.Interface.CommandContext(e.ctx, cmd, args...)
+	return e.CommandContext(e.ctx, cmd, args...)
 }
 
 func sleepContext(ctx context.Context) error {

@@ -367,7 +367,7 @@ func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error 
 		// -p repairs only what is safe without a human; exit 1 means it did.
 		out, err := exec.CommandContext(ctx, "e2fsck", "-f", "-p", device).CombinedOutput()
 		var ee *exec.ExitError
-		if err != nil && !(errors.As(err, &ee) && ee.ExitCode() == 1) {
+		if err != nil && (!errors.As(err, &ee) || ee.ExitCode() != 1) {
 			return fmt.Errorf("resize %s: e2fsck: %w: %s", device, err, out)
 		}
 	}

@@ -64,7 +64,7 @@ func (p *Pool) Freezes() ([]Freeze, error) {
 	dir := filepath.Join(p.Path, volumesDir)
 	des, err := os.ReadDir(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
 	}
 	var out []Freeze
 	for _, de := range des {

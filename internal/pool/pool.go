@@ -160,7 +160,7 @@ func (p *Pool) Check() error {
 func (p *Pool) check() error {
 	vols := filepath.Join(p.Path, volumesDir)
 	if _, err := os.Stat(p.Path); err != nil {
-		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %v", p.Name, p.Path, err)
+		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %v", p.Name, p.Path, err) //nolint:errorlint // Check wraps ErrUnavailable, never os.ErrNotExist
 	}
 	if err := p.mountReady(); err != nil {
 		return err
@@ -173,7 +173,7 @@ func (p *Pool) check() error {
 		}
 	}
 	if err := unix.Access(vols, unix.W_OK); err != nil {
-		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %v", p.Name, vols, err)
+		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %v", p.Name, vols, err) //nolint:errorlint // Check wraps ErrUnavailable only
 	}
 	return nil
 }
@@ -205,7 +205,7 @@ type Entry struct {
 func (p *Pool) List() ([]Entry, error) {
 	des, err := os.ReadDir(filepath.Join(p.Path, volumesDir))
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
 	}
 	var out []Entry
 	for _, de := range des {

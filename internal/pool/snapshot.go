@@ -163,7 +163,7 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 		return nil, nil // no snapshot was ever taken
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list snapshots of pool %s: %v", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list snapshots of pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing snapshot
 	}
 	var out []SnapshotEntry
 	for _, de := range des {

@@ -135,7 +135,7 @@ func writeFileAtomic(path string, data []byte) error {
 		return fmt.Errorf("write %s: %w", path, err)
 	}
 	tmp := f.Name()
-	defer os.Remove(tmp) // no-op after the rename
+	defer func() { _ = os.Remove(tmp) }() // a no-op after the rename; a leftover is swept by pool check
 	if _, err := f.Write(data); err != nil {
 		f.Close()
 		return fmt.Errorf("write %s: %w", tmp, err)

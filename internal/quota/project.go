@@ -40,8 +40,9 @@ const (
 	fsXflagProjInherit = 0x200
 )
 
-// qcmd is QCMD(cmd, type) of linux/quota.h.
-func qcmd(cmd, typ uint32) uint32 { return cmd<<8 | typ&0xff }
+// qcmd is QCMD(cmd, PRJQUOTA) of linux/quota.h: every call here is about
+// project quotas.
+func qcmd(cmd uint32) uint32 { return cmd<<8 | prjQuota&0xff }
 
 type ifDqblk struct {
 	BHardLimit uint64
@@ -101,7 +102,7 @@ func quotactlFD(path string, cmd uint32, id uint32, addr unsafe.Pointer) error {
 
 func detectProject(path, kind, fs, howto string) Backend {
 	var info ifDqinfo
-	if err := quotactlFD(path, qcmd(qGetInfo, prjQuota), 0, unsafe.Pointer(&info)); err != nil {
+	if err := quotactlFD(path, qcmd(qGetInfo), 0, unsafe.Pointer(&info)); err != nil {
 		return None{Why: fmt.Sprintf("%s project quota is not on for the pool's filesystem (%s) [quotactl Q_GETINFO: %v]", fs, howto, err)}
 	}
 	return Project{kind: kind, pool: path}
@@ -152,7 +153,7 @@ func (p Project) Create(ctx context.Context, dir string, limit int64, taken map[
 
 func (p Project) SetLimit(_ context.Context, _ string, id uint64, limit int64) error {
 	q := limitBlock(limit)
-	if err := quotactlFD(p.pool, qcmd(qSetQuota, prjQuota), uint32(id), unsafe.Pointer(&q)); err != nil {
+	if err := quotactlFD(p.pool, qcmd(qSetQuota), uint32(id), unsafe.Pointer(&q)); err != nil {
 		return fmt.Errorf("set project %d limit to %d bytes: %w", id, limit, err)
 	}
 	return nil
@@ -160,7 +161,7 @@ func (p Project) SetLimit(_ context.Context, _ string, id uint64, limit int64) e
 
 func (p Project) Usage(_ context.Context, _ string, id uint64) (Usage, error) {
 	var q ifDqblk
-	if err := quotactlFD(p.pool, qcmd(qGetQuota, prjQuota), uint32(id), unsafe.Pointer(&q)); err != nil {
+	if err := quotactlFD(p.pool, qcmd(qGetQuota), uint32(id), unsafe.Pointer(&q)); err != nil {
 		return Usage{}, fmt.Errorf("project %d usage: %w", id, err)
 	}
 	return Usage{UsedBytes: int64(q.CurSpace), LimitBytes: int64(q.BHardLimit) * qifBlock}, nil

@@ -34,10 +34,10 @@ func TestBtrfsCommandLines(t *testing.T) {
 // backend sends, since this kernel cannot run them against a quota-enabled
 // filesystem.
 func TestProjectQuotaRequests(t *testing.T) {
-	if got := qcmd(qSetQuota, prjQuota); got != 0x80000802 {
+	if got := qcmd(qSetQuota); got != 0x80000802 {
 		t.Errorf("QCMD(Q_SETQUOTA, PRJQUOTA) = %#x, want 0x80000802", got)
 	}
-	if got := qcmd(qGetInfo, prjQuota); got != 0x80000502 {
+	if got := qcmd(qGetInfo); got != 0x80000502 {
 		t.Errorf("QCMD(Q_GETINFO, PRJQUOTA) = %#x", got)
 	}
 	for _, tt := range []struct {

@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -23,7 +24,8 @@ func TestPoolCommands(t *testing.T) {
 	poolcsi := func(args ...string) (string, int) {
 		out, err := exec.Command(harness.Binary(t), append([]string{"pool"}, args...)...).CombinedOutput()
 		code := 0
-		if ee, ok := err.(*exec.ExitError); ok {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
 			code = ee.ExitCode()
 		} else if err != nil {
 			t.Fatal(err)

@@ -201,7 +201,7 @@ func StartCluster(t testing.TB, dir string) *Cluster {
 		api.mustRun(t)
 		b, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
 		if err != nil {
-			return fmt.Errorf("%v %s", err, b)
+			return fmt.Errorf("%w %s", err, b)
 		}
 		return nil
 	})

@@ -240,14 +240,14 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 	vsDeleted = true
 	waitFor(t, 90*time.Second, "VolumeSnapshot "+vsName+" and content "+contentName+" gone", func() error {
 		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, vsName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			return fmt.Errorf("VolumeSnapshot still there (%v)", err)
+			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
 		}
 		if got, err := dyn.Resource(vscGVR).Get(ctx, contentName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 			var fin []string
 			if got != nil {
 				fin = got.GetFinalizers()
 			}
-			return fmt.Errorf("content still there (%v), finalizers %v", err, fin)
+			return fmt.Errorf("content still there (%w), finalizers %v", err, fin)
 		}
 		return nil
 	})

@@ -222,7 +222,7 @@ func (tl Tool) build(dir, bin string) error {
 	cmd.Dir = work
 	cmd.Env = goEnv()
 	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("%v\n%s", err, tail(string(b), 40))
+		return fmt.Errorf("%w\n%s", err, tail(string(b), 40))
 	}
 	return os.Rename(tmp, bin)
 }
@@ -251,7 +251,7 @@ func modDownload(mod, ver string) (modInfo, error) {
 	cmd.Dir = os.TempDir()
 	b, err := cmd.Output()
 	if err != nil {
-		return info, fmt.Errorf("go mod download %s@%s: %v %s", mod, ver, err, b)
+		return info, fmt.Errorf("go mod download %s@%s: %w %s", mod, ver, err, b)
 	}
 	if err := json.Unmarshal(b, &info); err != nil {
 		return info, err
