@@ -316,9 +316,16 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	case err == nil && len(v.Published) > 0:
 		return nil, publishedError(v)
 	case err != nil && !errors.Is(err, os.ErrNotExist):
-		klog.FromContext(ctx).Error(err, "Deleting a volume whose metadata is damaged", "volume", vid)
+		// Damaged, or written by a newer driver: it may record nodes that still
+		// hold the volume, so nothing is deleted on a guess.
+		return nil, status.Errorf(codes.FailedPrecondition,
+			"volume %s: %v. poolcsi does not delete a volume whose metadata it cannot read: it may still be staged or published. "+
+				"Repair %s (poolcsi pool check names the fault) or, if the data is no longer wanted, remove the volume's directory by hand",
+			vid, err, p.MetadataPath(vid))
 	}
-	lay := d.layoutOf(pool.LayoutImage) // metadata unreadable: what the directory holds decides
+	// No metadata at all is a create interrupted before it wrote any: nothing
+	// holds it, and an image layout's delete removes whatever it left.
+	lay := d.layoutOf(pool.LayoutImage)
 	if err == nil {
 		lay = d.layoutOf(v.Layout)
 	} else {

@@ -29,6 +29,11 @@ func Capacity(required, limit, minimum int64) (int64, error) {
 	if limit > 0 && required > limit {
 		return 0, fmt.Errorf("%w: required_bytes %d is above limit_bytes %d", ErrBadRange, required, limit)
 	}
+	// Before any arithmetic: rounding a size near 2^63 up to whole MiB wraps
+	// it negative.
+	if required > MaxCapacity || minimum > MaxCapacity {
+		return 0, fmt.Errorf("%w: %d bytes is above the largest volume poolcsi makes (%d bytes)", ErrOutOfRange, max(required, minimum), int64(MaxCapacity))
+	}
 	size := required
 	if size == 0 {
 		size = DefaultCapacity

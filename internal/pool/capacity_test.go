@@ -2,6 +2,7 @@ package pool
 
 import (
 	"errors"
+	"math"
 	"testing"
 )
 
@@ -57,5 +58,18 @@ func TestAvailableBytes(t *testing.T) {
 		if got := p.AvailableBytes(tt.u); got != tt.want {
 			t.Errorf("overcommit %v, %+v: got %d want %d", tt.overcommit, tt.u, got, tt.want)
 		}
+	}
+}
+
+// Sizes near 2^63 are OUT_OF_RANGE, never wrapped into a small or negative size.
+func TestCapacityNeverOverflows(t *testing.T) {
+	for _, req := range []int64{math.MaxInt64, math.MaxInt64 - MiB + 2, MaxCapacity + 1, 1 << 62} {
+		got, err := Capacity(req, 0, 0)
+		if !errors.Is(err, ErrOutOfRange) {
+			t.Errorf("Capacity(%d) = %d, %v; want ErrOutOfRange", req, got, err)
+		}
+	}
+	if got, err := Capacity(MaxCapacity, 0, 0); err != nil || got != MaxCapacity {
+		t.Errorf("Capacity(MaxCapacity) = %d, %v", got, err)
 	}
 }

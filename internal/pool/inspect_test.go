@@ -11,14 +11,14 @@ import (
 func TestOpenExistingAndLeftovers(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
-	v, err := p.Reserve(ctx, Spec{Name: "ok", Layout: LayoutImage, CapacityBytes: MiB})
+	v, err := p.Reserve(ctx, Spec{Name: "ok", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.Reserve(ctx, Spec{Name: "stuck", Layout: LayoutImage, CapacityBytes: MiB}); err != nil {
+	if _, err := p.Reserve(ctx, Spec{Name: "stuck", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB}); err != nil {
 		t.Fatal(err)
 	}
 	vols := filepath.Join(p.Path, "volumes")

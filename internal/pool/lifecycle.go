@@ -55,10 +55,6 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, err
 	}
 
-	dir := p.Dir(id)
-	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return nil, fmt.Errorf("create volume %s: %w", id, err)
-	}
 	v := &Volume{
 		ID:            id.String(),
 		Name:          spec.Name,
@@ -72,6 +68,13 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		Topology:      spec.Topology,
 		Source:        spec.Source,
 		CreatedAt:     time.Now().UTC(),
+	}
+	if err := v.validate(); err != nil {
+		return nil, fmt.Errorf("%w: volume %q: %w", ErrBadRange, spec.Name, err)
+	}
+	dir := p.Dir(id)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, fmt.Errorf("create volume %s: %w", id, err)
 	}
 	if err := touch(filepath.Join(dir, lockFile)); err != nil {
 		return nil, err

@@ -94,7 +94,7 @@ func TestReserveRefusesWhenFull(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = p.Reserve(context.Background(), Spec{Name: "huge", Layout: LayoutImage, CapacityBytes: u.FreeBytes + GiB})
+	_, err = p.Reserve(context.Background(), Spec{Name: "huge", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: u.FreeBytes + GiB})
 	if !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("Reserve beyond free space = %v, want ErrNoSpace", err)
 	}
@@ -107,7 +107,7 @@ func TestDeleteRemovesOnlyTheVolume(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
 	for _, n := range []string{"a", "b"} {
-		v, err := p.Reserve(ctx, Spec{Name: n, Layout: LayoutImage, CapacityBytes: MiB})
+		v, err := p.Reserve(ctx, Spec{Name: n, Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -136,7 +136,7 @@ func TestLockVolumeExcludesAndSeesDeletion(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
 	id := NewVolumeID("test", "v")
-	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, CapacityBytes: MiB}); err != nil {
+	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB}); err != nil {
 		t.Fatal(err)
 	}
 	unlock, err := p.LockVolume(ctx, id)
@@ -169,7 +169,7 @@ func TestLockVolumeExcludesAndSeesDeletion(t *testing.T) {
 func TestListReportsDamagedMetadata(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
-	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, CapacityBytes: MiB}); err != nil {
+	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB}); err != nil {
 		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(p.Dir(NewVolumeID("test", "v")), "volume.json"), []byte("{garbage"), 0o600)
@@ -182,7 +182,7 @@ func TestListReportsDamagedMetadata(t *testing.T) {
 func TestDeleteFinishesAnInterruptedDelete(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
-	v, err := p.Reserve(ctx, Spec{Name: "a", Layout: LayoutImage, CapacityBytes: MiB})
+	v, err := p.Reserve(ctx, Spec{Name: "a", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB})
 	if err != nil {
 		t.Fatal(err)
 	}

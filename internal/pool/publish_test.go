@@ -93,7 +93,7 @@ func TestRequireMount(t *testing.T) {
 	if err := p.Check(); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("Check = %v, want unavailable", err)
 	}
-	if _, err := p.Reserve(t.Context(), Spec{Name: "v", Layout: LayoutDir, CapacityBytes: MiB}); !errors.Is(err, ErrUnavailable) {
+	if _, err := p.Reserve(t.Context(), Spec{Name: "v", Layout: LayoutDir, AccessType: AccessBlock, CapacityBytes: MiB}); !errors.Is(err, ErrUnavailable) {
 		t.Fatalf("Reserve = %v, want unavailable", err)
 	}
 	if entries, _ := os.ReadDir(dir); len(entries) != 0 {

@@ -132,6 +132,10 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	if s.ID != id.String() {
 		return nil, fmt.Errorf("%w: %s records ID %q", ErrCorrupt, path, s.ID)
 	}
+	if _, err := ParseVolumeID(s.SourceVolumeID); err != nil || s.SizeBytes <= 0 || s.SizeBytes > MaxCapacity ||
+		(s.Layout != LayoutImage && s.Layout != LayoutDir) || (s.AccessType != AccessFilesystem && s.AccessType != AccessBlock) {
+		return nil, fmt.Errorf("%w: %s: source, size, layout or access type is not one a driver writes", ErrCorrupt, path)
+	}
 	return &s, nil
 }
 

@@ -110,7 +110,45 @@ func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	if v.ID != id.String() {
 		return nil, fmt.Errorf("%w: %s records ID %q", ErrCorrupt, filepath.Join(p.Dir(id), metadataFile), v.ID)
 	}
+	if err := v.validate(); err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, filepath.Join(p.Dir(id), metadataFile), err)
+	}
 	return &v, nil
+}
+
+// validate checks every field a decision is made on: volume.json is input like
+// any request (on a shared pool, anyone who can write the pool wrote it), and a
+// value no driver writes is damage, not something to act on.
+func (v *Volume) validate() error {
+	switch {
+	case v.CapacityBytes <= 0 || v.CapacityBytes > MaxCapacity:
+		return fmt.Errorf("capacityBytes %d is outside 1..%d", v.CapacityBytes, int64(MaxCapacity))
+	case v.Layout != LayoutImage && v.Layout != LayoutDir:
+		return fmt.Errorf("layout %q is unknown", v.Layout)
+	case v.AccessType != AccessFilesystem && v.AccessType != AccessBlock:
+		return fmt.Errorf("accessType %q is unknown", v.AccessType)
+	case v.State != StateCreating && v.State != StateReady:
+		return fmt.Errorf("state %q is unknown", v.State)
+	case v.FSType != "" && v.FSType != "ext4" && v.FSType != "xfs" && v.FSType != "btrfs":
+		return fmt.Errorf("fsType %q is unknown", v.FSType)
+	}
+	if err := ValidateVolumeName(v.Name); err != nil {
+		return err
+	}
+	for _, s := range v.Staged {
+		if err := ValidateNodeID(s.Node); err != nil {
+			return fmt.Errorf("staged: %w", err)
+		}
+		if !filepath.IsAbs(s.Path) || filepath.Clean(s.Path) != s.Path {
+			return fmt.Errorf("staged: path %q is not a clean absolute path", s.Path)
+		}
+	}
+	for _, r := range v.Published {
+		if err := ValidateNodeID(r.Node); err != nil {
+			return fmt.Errorf("published: %w", err)
+		}
+	}
+	return nil
 }
 
 // Save writes volume.json atomically: a reader sees the old or the new content,
