@@ -184,13 +184,17 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", name)
 	}
 	if v.State == pool.StateCreating {
-		if src != nil {
-			err = d.finishClone(ctx, p, v, src)
-		} else {
-			err = lay.finishCreate(ctx, p, v)
+		v, err = p.Finish(ctx, id, func(v *pool.Volume) error {
+			if src != nil {
+				return d.finishClone(ctx, p, v, src)
+			}
+			return lay.finishCreate(ctx, p, v)
+		})
+		if errors.Is(err, os.ErrNotExist) {
+			return nil, status.Errorf(codes.Aborted, "volume %q was deleted while it was being created; retry", name)
 		}
 		if err != nil {
-			return nil, err
+			return nil, grpcError(err)
 		}
 	}
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil

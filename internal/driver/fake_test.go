@@ -24,6 +24,7 @@ type testDriver struct {
 }
 
 type testOpts struct {
+	shared    bool
 	maxVols   int64
 	modify    func(*Options)
 	extraPool bool
@@ -32,7 +33,8 @@ type testOpts struct {
 func newTestDriver(t testing.TB, o testOpts) *testDriver {
 	t.Helper()
 	root := t.TempDir()
-	p, err := pool.Open(pool.Config{Name: "local", Path: filepath.Join(root, "pool")})
+	cfg := pool.Config{Name: "local", Path: filepath.Join(root, "pool"), Shared: o.shared}
+	p, err := pool.Initialise(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

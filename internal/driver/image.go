@@ -23,9 +23,6 @@ type imageLayout struct{ *Driver }
 // stage attaches the image and, for Filesystem access, mounts its filesystem
 // at the staging path, growing it first if it was expanded while unstaged.
 func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
-	if err := d.nodeFence(nv, readOnlyMode(vc.GetAccessMode().GetMode())); err != nil {
-		return err
-	}
 	image := nv.pool.ImagePath(nv.id)
 	if _, err := nv.pool.ImageSize(nv.id); err != nil {
 		return grpcError(err)
@@ -140,6 +137,8 @@ func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 // fence: an image volume is one filesystem image, so any writer excludes every
 // other node, readers included, since a reader of a filesystem another node is
 // writing sees it corrupt.
+// Publish records and stage records both hold a node: a node that staged the
+// volume without ControllerPublishVolume (a CO that skips it) fences it too.
 func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 	for _, r := range v.Published {
 		if r.Node == node {
@@ -149,6 +148,16 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 			return status.Errorf(codes.FailedPrecondition,
 				"volume %s is published to node %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unpublish it there first (for a dead node see docs/fencing.md)",
 				v.ID, r.Node, r.ReadOnly, r.At.Format(time.RFC3339))
+		}
+	}
+	for _, s := range v.Staged {
+		if s.Node == node {
+			continue
+		}
+		if !s.ReadOnly || !readOnly {
+			return status.Errorf(codes.FailedPrecondition,
+				"volume %s is staged on node %s at %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unstage it there first (for a dead node see docs/fencing.md)",
+				v.ID, s.Node, s.Path, s.ReadOnly, s.At.Format(time.RFC3339))
 		}
 	}
 	return nil

@@ -110,13 +110,39 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	defer release()
-	if err := d.layoutOf(nv.vol.Layout).stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
+	readOnly := readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	claimed, err := d.claimStage(ctx, nv, staging, readOnly)
+	if err != nil {
 		return nil, err
 	}
-	if err := d.recordStage(ctx, nv, staging); err != nil {
+	if err := d.layoutOf(nv.vol.Layout).stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
+		if claimed {
+			d.unclaimStage(ctx, nv)
+		}
 		return nil, err
+	}
+	if !claimed {
+		if err := d.recordStage(ctx, nv, staging, readOnly); err != nil {
+			return nil, err
+		}
 	}
 	return &csi.NodeStageVolumeResponse{}, nil
+}
+
+// showsVolume tells whether the mount info at path shows volume vid: the
+// filesystem or the device node of the loop device its image is attached to,
+// or its data directory. It needs no metadata, so a volume whose volume.json is
+// gone can still be unmounted, and nothing else ever is.
+func (d *Driver) showsVolume(vid pool.VolumeID, path string, info mount.MountInfo) bool {
+	p := d.pool(vid.Pool)
+	if p == nil {
+		return false
+	}
+	if dev, ok, err := d.loops.Find(p.ImagePath(vid)); err == nil && ok &&
+		(info.Source == dev || d.mounts.OnDevice(path, dev) || d.mounts.IsDevice(path, dev)) {
+		return true
+	}
+	return d.mounts.SameDir(path, p.DataPath(vid))
 }
 
 // isVolumeMount tells whether a mount comes from the loop device backed by image.
@@ -125,18 +151,53 @@ func (d *Driver) isVolumeMount(info mount.MountInfo, image string) bool {
 	return err == nil && ok && dev == info.Source
 }
 
-// recordStage notes in volume.json that this node holds the volume, so the
-// controller refuses to delete it meanwhile.
-func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string) error {
+// claimStage records in volume.json, before anything is attached or mounted,
+// that this node holds the volume at staging, and in the same locked update
+// checks the fence: on a shared pool the other holder is another node, and a
+// check made apart from the record would let two nodes both pass it. claimed
+// tells whether this call added the record (a retried stage finds it there).
+// The record also makes the controller refuse to delete the volume meanwhile.
+func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
+	err = d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
+		if err := d.layoutOf(v.Layout).fence(v, d.opts.NodeID, readOnly); err != nil {
+			return false, status.Errorf(codes.FailedPrecondition, "refusing to stage here (node %s): %s", d.opts.NodeID, status.Convert(err).Message())
+		}
+		for _, s := range v.Staged {
+			if s.Node == d.opts.NodeID {
+				return false, nil // recordStage updates it once the stage is done
+			}
+		}
+		v.SetStaged(d.opts.NodeID, staging, readOnly, time.Now())
+		claimed = true
+		return true, nil
+	})
+	return claimed, err
+}
+
+// recordStage makes this node's stage record say staging and readOnly, after a
+// stage that found an older record of this node.
+func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
 	return d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
-			if s.Node == d.opts.NodeID && s.Path == staging {
+			if s.Node == d.opts.NodeID && s.Path == staging && s.ReadOnly == readOnly {
 				return false, nil
 			}
 		}
-		v.SetStaged(d.opts.NodeID, staging, time.Now())
+		v.SetStaged(d.opts.NodeID, staging, readOnly, time.Now())
 		return true, nil
 	})
+}
+
+// unclaimStage takes back a claim whose stage failed, so it fences nothing.
+func (d *Driver) unclaimStage(ctx context.Context, nv nodeVolume) {
+	err := d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
+		before := len(v.Staged)
+		v.ClearStaged(d.opts.NodeID)
+		return len(v.Staged) != before, nil
+	})
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Taking back the stage record of a failed stage", "volume", nv.id)
+	}
 }
 
 // updateVolume is pool.Update with its error mapped to a gRPC code.
@@ -157,7 +218,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	image := p.ImagePath(vid)
 	if info, mounted, err := d.mounts.Info(staging); err != nil {
 		return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
-	} else if mounted && !d.isVolumeMount(info, image) && !d.mounts.SameDir(staging, p.DataPath(vid)) {
+	} else if mounted && !d.showsVolume(vid, staging, info) {
 		return nil, status.Errorf(codes.FailedPrecondition, "staging path %s holds %s, not volume %s; refusing to unmount it", staging, info.Source, vid)
 	}
 	if err := d.mounts.Unmount(ctx, staging); err != nil {
@@ -213,6 +274,14 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, err
 	}
 	defer release()
+	// Only this volume's mount is taken down: the CO names the target, and a
+	// wrong or hostile call must not unmount another volume's pod mount or
+	// anything else mounted there.
+	if info, mounted, err := d.mounts.Info(target); err != nil {
+		return nil, grpcError(fmt.Errorf("inspect %s: %w", target, err))
+	} else if mounted && !d.showsVolume(vid, target, info) {
+		return nil, status.Errorf(codes.FailedPrecondition, "target path %s holds %s, not volume %s; refusing to unmount it", target, info.Source, vid)
+	}
 	if err := d.mounts.Unmount(ctx, target); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", target, err))
 	}

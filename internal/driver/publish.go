@@ -168,16 +168,6 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }
 
-// nodeFence is the node side of the fence: a node never stages an image volume
-// read-write while the controller has granted it to another node, even if the CO
-// skipped ControllerPublishVolume.
-func (d *Driver) nodeFence(nv nodeVolume, readOnly bool) error {
-	if err := d.layoutOf(nv.vol.Layout).fence(nv.vol, d.opts.NodeID, readOnly); err != nil {
-		return status.Errorf(codes.FailedPrecondition, "refusing to stage here (node %s): %s", d.opts.NodeID, status.Convert(err).Message())
-	}
-	return nil
-}
-
 // publishedError refuses to delete a volume that is published somewhere.
 func publishedError(v *pool.Volume) error {
 	if len(v.Published) == 0 {

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -107,5 +108,127 @@ func TestHugeSizesAreOutOfRange(t *testing.T) {
 	}
 	if after := tree(t, td.pool.Path); after != before {
 		t.Errorf("a refused expand changed the pool:\n%s\n---\n%s", before, after)
+	}
+}
+
+// NodeUnpublishVolume takes down only the named volume's mount: not another
+// volume's pod mount, not a foreign mount at the path.
+func TestUnpublishOnlyItsOwnMount(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	a := td.create(t, "a", vc, nil)
+	b := td.create(t, "b", vc, nil)
+	dirVol := td.create(t, "d", mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, ""), map[string]string{"layout": "dir"})
+	for _, id := range []string{a, b, dirVol} {
+		c := vc
+		if id == dirVol {
+			c = mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
+		}
+		if err := td.stage(id, c); err != nil {
+			t.Fatal(err)
+		}
+		if err := td.publish(id, c, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	foreign := filepath.Join(td.root, "foreign")
+	if err := os.MkdirAll(filepath.Join(td.root, "elsewhere"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := td.host.Bind(context.Background(), filepath.Join(td.root, "elsewhere"), foreign, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct{ id, target string }{
+		{a, filepath.Join(td.root, "target", b)},
+		{a, filepath.Join(td.root, "target", dirVol)},
+		{dirVol, filepath.Join(td.root, "target", a)},
+		{a, foreign},
+		{"nopool.0123456789abcdef0123456789abcdef", filepath.Join(td.root, "target", a)},
+	} {
+		mountsBefore := len(td.host.Mounts())
+		_, err := td.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: tc.id, TargetPath: tc.target})
+		wantCode(t, err, codes.FailedPrecondition)
+		if len(td.host.Mounts()) != mountsBefore {
+			t.Fatalf("unpublish of %s at %s took a mount down", tc.id, tc.target)
+		}
+	}
+	for _, id := range []string{a, b, dirVol} {
+		if _, err := td.NodeUnpublishVolume(context.Background(), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: filepath.Join(td.root, "target", id)}); err != nil {
+			t.Fatalf("own unpublish of %s: %v", id, err)
+		}
+	}
+}
+
+// Two nodes cannot both stage one image volume read-write, even when the CO
+// never called ControllerPublishVolume: the stage record fences like a publish
+// record. Readers on many nodes are fine; a failed stage takes its record back.
+func TestStageRecordsFence(t *testing.T) {
+	td := newTestDriver(t, testOpts{shared: true})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	// Node 2: another driver over the same pool directory.
+	other := newTestDriver(t, testOpts{modify: func(o *Options) {
+		o.NodeID = "node-2"
+		o.Pools = []*pool.Pool{td.pool}
+	}})
+	other.registerNode(context.Background())
+	err := other.stage(id, vc)
+	wantCode(t, err, codes.FailedPrecondition)
+	ro := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, "ext4")
+	wantCode(t, other.stage(id, ro), codes.FailedPrecondition) // a reader beside a writer
+	// The controller refuses to publish it elsewhere too.
+	_, err = td.ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-2", VolumeCapability: vc})
+	wantCode(t, err, codes.FailedPrecondition)
+	if _, err := td.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id)}); err != nil {
+		t.Fatal(err)
+	}
+	// Readers on both nodes.
+	if err := td.stage(id, ro); err != nil {
+		t.Fatal(err)
+	}
+	if err := other.stage(id, ro); err != nil {
+		t.Fatalf("second reader: %v", err)
+	}
+	// A stage that fails leaves no record behind to fence anyone.
+	td2 := newTestDriver(t, testOpts{})
+	id2 := td2.create(t, "w", vc, nil)
+	td2.host.Faults.FailNth("Mount", 1, errInjected)
+	wantCode(t, td2.stage(id2, vc), codes.Internal)
+	v, err := td2.pool.Load(pool.NewVolumeID("local", "w"))
+	if err != nil || len(v.Staged) != 0 {
+		t.Fatalf("failed stage left records: %+v %v", v, err)
+	}
+}
+
+// Two controllers creating one name on a shared pool at once: one formats, the
+// other waits for it and answers the same volume; neither formats twice.
+func TestConcurrentCreateFormatsOnce(t *testing.T) {
+	a := newTestDriver(t, testOpts{shared: true})
+	b := newTestDriver(t, testOpts{modify: func(o *Options) { o.Pools = []*pool.Pool{a.pool} }})
+	a.host.Faults.OnCall("Format", func() { time.Sleep(200 * time.Millisecond) })
+	b.host.Faults.OnCall("Format", func() { time.Sleep(200 * time.Millisecond) })
+	req := &csi.CreateVolumeRequest{Name: "race", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "xfs")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 512 << 20}}
+	type result struct {
+		id  string
+		err error
+	}
+	out := make(chan result, 2)
+	for _, d := range []*testDriver{a, b} {
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			resp, err := d.CreateVolume(ctx, req)
+			out <- result{resp.GetVolume().GetVolumeId(), err}
+		}()
+	}
+	r1, r2 := <-out, <-out
+	if r1.err != nil || r2.err != nil || r1.id != r2.id {
+		t.Fatalf("racing creates: %v %v / %s %s", r1.err, r2.err, r1.id, r2.id)
+	}
+	if n := a.host.Faults.Calls("Format") + b.host.Faults.Calls("Format"); n != 1 {
+		t.Fatalf("the image was formatted %d times", n)
 	}
 }

@@ -146,6 +146,31 @@ func (p *Pool) DiscardImage(v *Volume) error {
 	return nil
 }
 
+// Finish runs make on a volume still in state creating, holding the volume's
+// lock from before it looks until make is done, and returns the volume as it
+// then is. On a shared pool two controllers may both reserve one name (the
+// second finds the first's record): only one makes the volume, the other waits
+// for the lock, within ctx, and gets the finished volume. make formats, copies
+// or lays out data, and ends with MarkReady. A volume deleted meanwhile wraps
+// os.ErrNotExist.
+func (p *Pool) Finish(ctx context.Context, id VolumeID, make func(*Volume) error) (*Volume, error) {
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	v, err := p.Load(id)
+	if err != nil {
+		return nil, err
+	}
+	if v.State == StateCreating {
+		if err := make(v); err != nil {
+			return nil, err
+		}
+	}
+	return v, nil
+}
+
 // MarkReady records that the volume is complete.
 func (p *Pool) MarkReady(v *Volume) error {
 	v.State = StateReady

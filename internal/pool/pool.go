@@ -77,12 +77,22 @@ func Open(cfg Config) (*Pool, error) {
 	return p, nil
 }
 
-// Initialise lays out a new pool at cfg.Path, which must exist — the operator's
-// one explicit step for a shared pool the admin mounts (poolcsi pool init). It is
-// idempotent, and refuses a directory that belongs to a pool of another name.
+// Initialise lays out a new pool at cfg.Path — the operator's one explicit step
+// for a shared pool the admin mounts (poolcsi pool init). The directory is
+// created when its parent exists; a missing parent is most likely a share that
+// is not mounted, and is refused with what to do. It is idempotent, and refuses
+// a directory that belongs to a pool of another name.
 func Initialise(cfg Config) (*Pool, error) {
-	if _, err := os.Stat(cfg.Path); err != nil {
-		return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
+	if _, err := os.Stat(cfg.Path); errors.Is(err, os.ErrNotExist) {
+		parent := filepath.Dir(cfg.Path)
+		if _, perr := os.Stat(parent); perr != nil {
+			return nil, fmt.Errorf("pool %s: neither %s nor its parent %s exists: mount the share (or create the parent directory) first, then run pool init again", cfg.Name, cfg.Path, parent)
+		}
+		if err := os.Mkdir(cfg.Path, 0o750); err != nil && !errors.Is(err, os.ErrExist) {
+			return nil, fmt.Errorf("pool %s: create %s: %w", cfg.Name, cfg.Path, err)
+		}
+	} else if err != nil {
+		return nil, fmt.Errorf("pool %s: %s: %w", cfg.Name, cfg.Path, err)
 	}
 	p, err := Open(cfg)
 	if err != nil {

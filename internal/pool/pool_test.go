@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -224,7 +225,21 @@ func TestSharedPoolIsLaidOutOnlyOnRequest(t *testing.T) {
 	if _, err := Initialise(Config{Name: "other", Path: dir, Shared: true}); err == nil {
 		t.Fatal("Initialise gave a pool's directory a second name")
 	}
-	if _, err := Initialise(Config{Name: "s", Path: filepath.Join(dir, "missing"), Shared: true}); err == nil {
-		t.Fatal("Initialise created a missing share directory")
+	if _, err := Initialise(Config{Name: "s", Path: filepath.Join(dir, "unmounted", "pool"), Shared: true}); err == nil {
+		t.Fatal("Initialise created a directory whose parent (the share) is missing")
+	}
+}
+
+func TestInitialiseCreatesTheDirectory(t *testing.T) {
+	root := t.TempDir()
+	if _, err := Initialise(Config{Name: "share", Path: filepath.Join(root, "pool"), Shared: true}); err != nil {
+		t.Fatalf("parent exists: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "pool", "pool.json")); err != nil {
+		t.Fatal(err)
+	}
+	_, err := Initialise(Config{Name: "share", Path: filepath.Join(root, "not-mounted", "pool"), Shared: true})
+	if err == nil || !strings.Contains(err.Error(), "mount the share") {
+		t.Fatalf("missing parent: %v", err)
 	}
 }

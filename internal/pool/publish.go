@@ -182,6 +182,19 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 			}
 		}
 		v.ClearPublished(node)
+		// A dead node's stage record fences the volume too.
+		kept := v.Staged[:0]
+		for _, s := range v.Staged {
+			if node == "" || s.Node == node {
+				gone = append(gone, s.Node+" (staged)")
+				continue
+			}
+			kept = append(kept, s)
+		}
+		v.Staged = kept
+		if len(v.Staged) == 0 {
+			v.Staged = nil
+		}
 		return len(gone) > 0, nil
 	})
 	return gone, err

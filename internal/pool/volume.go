@@ -75,11 +75,15 @@ type ContentSource struct {
 	Volume   string `json:"volume,omitempty"`
 }
 
-// StageRecord says that node has the volume staged at path.
+// StageRecord says that node has the volume staged at path. For an image
+// volume a record with ReadOnly false fences every other node, as a publish
+// record does (a record written before the field existed counts as
+// read-write).
 type StageRecord struct {
-	Node string    `json:"node"`
-	Path string    `json:"path"`
-	At   time.Time `json:"at"`
+	Node     string    `json:"node"`
+	Path     string    `json:"path"`
+	ReadOnly bool      `json:"readOnly,omitempty"`
+	At       time.Time `json:"at"`
 }
 
 const (
@@ -207,9 +211,9 @@ func syncDir(dir string) error {
 func (v *Volume) IsStaged() bool { return len(v.Staged) > 0 }
 
 // SetStaged records (node, path) as staged, replacing an older record of the node.
-func (v *Volume) SetStaged(node, path string, now time.Time) {
+func (v *Volume) SetStaged(node, path string, readOnly bool, now time.Time) {
 	v.ClearStaged(node)
-	v.Staged = append(v.Staged, StageRecord{Node: node, Path: path, At: now.UTC()})
+	v.Staged = append(v.Staged, StageRecord{Node: node, Path: path, ReadOnly: readOnly, At: now.UTC()})
 }
 
 // ClearStaged forgets node's staging.

@@ -9,6 +9,18 @@ type Faults struct {
 	mu    sync.Mutex
 	calls map[string]int
 	rules []rule
+	hooks map[string]func()
+}
+
+// OnCall runs fn at every call of method, before it does anything (to make a
+// call slow, or to act in the middle of another call).
+func (f *Faults) OnCall(method string, fn func()) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.hooks == nil {
+		f.hooks = map[string]func(){}
+	}
+	f.hooks[method] = fn
 }
 
 type rule struct {
@@ -48,6 +60,12 @@ func (f *Faults) Calls(method string) int {
 }
 
 func (f *Faults) hit(method string) error {
+	f.mu.Lock()
+	hook := f.hooks[method]
+	f.mu.Unlock()
+	if hook != nil {
+		hook()
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.calls == nil {
