@@ -156,13 +156,21 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 // cloneFrom copies an image (a snapshot's, or a volume's, frozen if it is
 // staged here) into the new volume's image, grown to its size.
 func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
-	from := p.SnapshotImagePath(src.snapID)
+	var from *pool.Handle
+	var err error
 	thaw := func() {}
-	if !src.isSnapshot() {
-		from = p.ImagePath(src.volID)
+	if src.isSnapshot() {
+		from, err = p.OpenSnapshotImage(src.snapID)
+	} else {
+		from, err = p.OpenImage(src.volID)
 		thaw = d.freezeIfStagedHere(ctx, p, src.volID, src.vol)
 	}
-	method, err := p.PrepareImageFrom(ctx, v, from)
+	if err != nil {
+		thaw()
+		return grpcError(fmt.Errorf("source of volume %s: %w", v.ID, err))
+	}
+	defer from.Close()
+	method, err := p.PrepareImageFrom(ctx, v, from.Path())
 	thaw()
 	if err != nil {
 		return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
@@ -177,12 +185,19 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 // cloneFrom makes the new dir volume's data directory and copies the source's
 // tree into it.
 func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
-	from := p.SnapshotDataPath(src.snapID)
-	if !src.isSnapshot() {
-		from = p.DataPath(src.volID)
+	var from *pool.Handle
+	var err error
+	if src.isSnapshot() {
+		from, err = p.OpenSnapshotData(src.snapID)
+	} else {
+		from, err = p.OpenData(src.volID)
 	}
+	if err != nil {
+		return grpcError(fmt.Errorf("source of volume %s: %w", v.ID, err))
+	}
+	defer from.Close()
 	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
-		if err := pool.CopyTree(ctx, from, data); err != nil {
+		if err := pool.CopyTree(ctx, from.Path(), data); err != nil {
 			return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
 		}
 		return nil

@@ -209,7 +209,7 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 		return grpcError(err)
 	}
 	if v.AccessType == pool.AccessFilesystem {
-		if err := d.devs.Format(ctx, p.ImagePath(vid), v.FSType); err != nil {
+		if err := d.format(ctx, p, vid, v.FSType); err != nil {
 			if derr := p.DiscardImage(v); derr != nil {
 				klog.FromContext(ctx).Error(derr, "Discarding the image after a failed mkfs", "volume", v.ID)
 			}
@@ -221,6 +221,17 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 	}
 	klog.FromContext(ctx).Info("Created volume", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "fsType", v.FSType, "access", v.AccessType)
 	return nil
+}
+
+// format makes a filesystem on a volume's image, through a descriptor opened
+// without following links.
+func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID, fsType string) error {
+	h, err := p.OpenImage(vid)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	return d.devs.Format(ctx, h.Path(), fsType)
 }
 
 // nameInOtherPool refuses a name that already names a volume in another pool: the

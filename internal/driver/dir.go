@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -170,12 +171,17 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 
 // stage bind-mounts the volume's data directory at the staging path.
 func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
-	data := nv.pool.DataPath(nv.id)
-	if !nv.pool.DataExists(nv.id) {
-		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, data)
+	// Bound through a descriptor opened without following links: a link put
+	// in place of the data directory never exposes anything outside the pool.
+	h, err := nv.pool.OpenData(nv.id)
+	if errors.Is(err, os.ErrNotExist) {
+		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
+	} else if err != nil {
+		return grpcError(err)
 	}
+	defer h.Close()
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	if err := d.mounts.Bind(ctx, data, staging, readOnly, vc.GetMount().GetMountFlags()); err != nil {
+	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, vc.GetMount().GetMountFlags()); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "staging path %s: %v", staging, err)
 		}

@@ -23,10 +23,15 @@ type imageLayout struct{ *Driver }
 // stage attaches the image and, for Filesystem access, mounts its filesystem
 // at the staging path, growing it first if it was expanded while unstaged.
 func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
-	image := nv.pool.ImagePath(nv.id)
-	if _, err := nv.pool.ImageSize(nv.id); err != nil {
+	// The image is opened without following links, and attached, inspected and
+	// mounted through that descriptor: nothing outside the pool is ever
+	// attached or formatted, whatever was put in the volume's directory.
+	h, err := nv.pool.OpenImage(nv.id)
+	if err != nil {
 		return grpcError(err)
 	}
+	defer h.Close()
+	image := h.Path()
 	if nv.caps.access == pool.AccessBlock {
 		dev, err := d.loops.Attach(ctx, image)
 		if err != nil {

@@ -232,3 +232,95 @@ func TestConcurrentCreateFormatsOnce(t *testing.T) {
 		t.Fatalf("the image was formatted %d times", n)
 	}
 }
+
+// The pool's contents are untrusted: a symbolic link put in place of a volume's
+// image, data directory or whole directory is never followed. Nothing outside
+// the pool is attached, formatted, mounted or copied, and health reports it.
+func TestPoolLinksAreNeverFollowed(t *testing.T) {
+	type setup struct {
+		name   string
+		layout string
+		// plant replaces part of volume id with a link to outside (a file or
+		// directory in td.root/outside).
+		plant func(t *testing.T, td *testDriver, vid pool.VolumeID, outside string)
+	}
+	link := func(t *testing.T, target, at string) {
+		t.Helper()
+		if err := os.RemoveAll(at); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(target, at); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cases := []setup{
+		{"image is a link to a file outside", "image", func(t *testing.T, td *testDriver, vid pool.VolumeID, outside string) {
+			link(t, filepath.Join(outside, "victim.img"), td.pool.ImagePath(vid))
+		}},
+		{"image is a link to another volume's image", "image", func(t *testing.T, td *testDriver, vid pool.VolumeID, _ string) {
+			other := pool.NewVolumeID("local", "other")
+			link(t, td.pool.ImagePath(other), td.pool.ImagePath(vid))
+		}},
+		{"volume directory is a link", "image", func(t *testing.T, td *testDriver, vid pool.VolumeID, outside string) {
+			if err := os.Rename(td.pool.Dir(vid), filepath.Join(outside, "moved")); err != nil {
+				t.Fatal(err)
+			}
+			link(t, filepath.Join(outside, "moved"), td.pool.Dir(vid))
+		}},
+		{"data directory is a link", "dir", func(t *testing.T, td *testDriver, vid pool.VolumeID, outside string) {
+			link(t, outside, td.pool.DataPath(vid))
+		}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			outside := filepath.Join(td.root, "outside")
+			if err := os.MkdirAll(outside, 0o750); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(filepath.Join(outside, "victim.img"), make([]byte, 64<<20), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			vc := mountCap(rwo, "ext4")
+			params := map[string]string(nil)
+			if tc.layout == "dir" {
+				vc = mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
+				params = map[string]string{"layout": "dir"}
+			}
+			td.create(t, "other", mountCap(rwo, "ext4"), nil)
+			id := td.create(t, "v", vc, params)
+			vid, _ := pool.ParseVolumeID(id)
+			tc.plant(t, td, vid, outside)
+			before := tree(t, outside)
+			attached := td.host.Attached()
+
+			if err := td.stage(id, vc); err == nil {
+				t.Error("a volume whose files are links was staged")
+			}
+			if _, err := td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: id}); err == nil {
+				t.Error("a snapshot copied through a link")
+			}
+			if _, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+				Name: "clone", VolumeCapabilities: []*csi.VolumeCapability{vc}, Parameters: params,
+				VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}},
+			}); err == nil {
+				t.Error("a clone copied through a link")
+			}
+			if got := td.host.Attached(); len(got) != len(attached) {
+				t.Errorf("something was attached: %v", got)
+			}
+			for _, m := range td.host.Mounts() {
+				if strings.HasPrefix(m.Dir, outside) {
+					t.Errorf("something outside the pool was mounted: %+v", m)
+				}
+			}
+			if after := tree(t, outside); after != before {
+				t.Errorf("files outside the pool changed:\n%s\n---\n%s", before, after)
+			}
+			h, err := td.ControllerGetVolumeHealth(context.Background(), &csi.ControllerGetVolumeHealthRequest{VolumeId: id})
+			if err != nil || len(h.GetVolumeHealth().GetHealthStatuses()) == 0 {
+				t.Errorf("health does not report it: %v %v", h, err)
+			}
+		})
+	}
+}

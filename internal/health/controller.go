@@ -89,29 +89,34 @@ func CheckVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeR
 	}
 	v := e.Volume
 	if v.Layout != pool.LayoutImage {
-		return r
+		return checkData(p, e.ID, r)
 	}
 	image := p.ImagePath(e.ID)
-	var st unix.Stat_t
-	if err := unix.Stat(image, &st); err != nil {
-		if errors.Is(err, unix.ENOENT) {
+	size, allocated, err := p.ImageStat(e.ID)
+	if err != nil {
+		switch {
+		case errors.Is(err, pool.ErrCorrupt):
+			r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonUnsafeEntry, Message: fmt.Sprintf(
+				"volume %s: %v. poolcsi will not stage, copy or grow it. Put the volume's own image back at %s (or delete the PVC); "+
+					"anyone who can write pool %s can do this, so check who did", e.ID, err, image, p.Name)})
+		case errors.Is(err, os.ErrNotExist):
 			r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonImageMissing, Message: fmt.Sprintf(
 				"image file %s of volume %s is missing: the volume's data is gone from pool %s. "+
 					"Restore the image from a backup to that path, or delete the PVC and provision a new volume",
 				image, e.ID, p.Name)})
-		} else {
+		default:
 			r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonImageUnreadable, Message: fmt.Sprintf(
 				"image file %s of volume %s cannot be examined: %v. Check the pool's filesystem (%s) and the file's permissions",
-				image, e.ID, &os.PathError{Op: "stat", Path: image, Err: err}, p.Path)})
+				image, e.ID, err, p.Path)})
 		}
 		return r
 	}
-	r.AllocatedBytes = st.Blocks * 512
-	if st.Size < v.CapacityBytes {
+	r.AllocatedBytes = allocated
+	if size < v.CapacityBytes {
 		r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonImageTruncated, Message: fmt.Sprintf(
 			"image file %s of volume %s is %d bytes but the volume is recorded as %d bytes: the end of its filesystem is cut off. "+
 				"Stop the pods using it, restore the image from a backup, or grow it back (truncate -s %d %s) and run fsck on it before use",
-			image, e.ID, st.Size, v.CapacityBytes, v.CapacityBytes, image)})
+			image, e.ID, size, v.CapacityBytes, v.CapacityBytes, image)})
 	}
 	r.Issues = append(r.Issues, poolRoom(p, e.ID, v, r.AllocatedBytes, space, o)...)
 	return r
@@ -167,4 +172,23 @@ func CheckPoolReady(p *pool.Pool) (PoolSpace, error) {
 func PoolFullMessage(s PoolSpace, o Options) string {
 	return fmt.Sprintf("pool %s is %s full (%s free of %s, threshold %s): sparse volume images in it can fail writes once it fills. Free space in %s or grow its filesystem",
 		s.Pool, percent(s.UsedFraction()), bytesIEC(s.Free), bytesIEC(s.Total), percent(o.PoolFullThreshold), s.Path)
+}
+
+// checkData checks a dir volume's data directory: there, a real directory.
+func checkData(p *pool.Pool, id pool.VolumeID, r VolumeReport) VolumeReport {
+	h, err := p.OpenData(id)
+	switch {
+	case err == nil:
+		_ = h.Close()
+	case errors.Is(err, pool.ErrCorrupt):
+		r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonUnsafeEntry, Message: fmt.Sprintf(
+			"volume %s: %v. poolcsi will not stage or copy it. Put the volume's own directory back at %s (or delete the PVC)", id, err, p.DataPath(id))})
+	case errors.Is(err, os.ErrNotExist):
+		r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonDataMissing, Message: fmt.Sprintf(
+			"data directory %s of volume %s is missing: the volume's data is gone from pool %s. Restore it from a backup, or delete the PVC", p.DataPath(id), id, p.Name)})
+	default:
+		r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonImageUnreadable, Message: fmt.Sprintf(
+			"data directory %s of volume %s cannot be examined: %v", p.DataPath(id), id, err)})
+	}
+	return r
 }

@@ -48,10 +48,15 @@ type Issue struct {
 
 // Reasons, stable across releases: metrics and alerts key on them.
 const (
-	ReasonMetadataUnreadable  = "MetadataUnreadable"
-	ReasonImageMissing        = "ImageMissing"
-	ReasonImageUnreadable     = "ImageUnreadable"
-	ReasonImageTruncated      = "ImageTruncated"
+	ReasonMetadataUnreadable = "MetadataUnreadable"
+	ReasonImageMissing       = "ImageMissing"
+	ReasonImageUnreadable    = "ImageUnreadable"
+	ReasonImageTruncated     = "ImageTruncated"
+	// ReasonUnsafeEntry: a volume's image or data directory was replaced by a
+	// symbolic link or something else the driver refuses to use.
+	ReasonUnsafeEntry = "UnsafeEntry"
+	// ReasonDataMissing: a dir volume's data directory is gone.
+	ReasonDataMissing         = "DataMissing"
 	ReasonPoolNearlyFull      = "PoolNearlyFull"
 	ReasonPoolUnavailable     = "PoolUnavailable"
 	ReasonStagingMountMissing = "StagingMountMissing"

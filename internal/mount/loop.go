@@ -231,12 +231,20 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 	}
 	defer unix.Close(fd)
 
+	// A /proc/<pid>/fd/<n> path (the pool opens images without following
+	// links and hands over that path) is recorded as the file's own name.
+	name := backingFile
+	if strings.HasPrefix(backingFile, "/proc/") {
+		if r, err := os.Readlink(backingFile); err == nil {
+			name = r
+		}
+	}
 	blockSize := backingBlockSize(st.Dev)
 	for attempt := 0; ; attempt++ {
 		if err := ctx.Err(); err != nil {
 			return "", fmt.Errorf("attach %s: %w", backingFile, err)
 		}
-		dev, err = attachFree(fd, backingFile, blockSize)
+		dev, err = attachFree(fd, name, blockSize)
 		if err == nil {
 			break
 		}
@@ -247,7 +255,7 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 		return "", fmt.Errorf("attach %s: %w", backingFile, err)
 	}
 	l.byID[id] = dev
-	l.paths[dev] = backingFile
+	l.paths[dev] = name
 	if dio, err := readSysBool(dev, "loop/dio"); err == nil && !dio {
 		klog.InfoS("Loop device runs without direct I/O", "device", dev, "file", backingFile)
 	}

@@ -35,8 +35,12 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volum
 	if v.Layout != LayoutImage {
 		return nil, fmt.Errorf("volume %s has layout %s: only image volumes grow here", id, v.Layout)
 	}
-	image := p.ImagePath(id)
-	fi, err := os.Stat(image)
+	h, err := p.OpenImage(id)
+	if err != nil {
+		return nil, fmt.Errorf("%w: volume %s: image: %w", ErrCorrupt, id, err)
+	}
+	defer h.Close()
+	fi, err := h.f.Stat()
 	if err != nil {
 		return nil, fmt.Errorf("%w: volume %s: image: %w", ErrCorrupt, id, err)
 	}
@@ -62,7 +66,7 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volum
 		return nil, err
 	}
 	if fi.Size() < target {
-		if err := growFile(image, target); err != nil {
+		if err := growFile(h.Path(), target); err != nil {
 			return nil, err
 		}
 	}

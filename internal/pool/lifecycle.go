@@ -96,6 +96,9 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return err
+	}
 	path := p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("remove half-made image %s: %w", path, err)
@@ -122,6 +125,9 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 	if v.State != StateCreating {
 		return "", fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return "", err
+	}
 	path := p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
@@ -139,6 +145,9 @@ func (p *Pool) DiscardImage(v *Volume) error {
 	}
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to discard its image", id, v.State)
+	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return err
 	}
 	if err := os.Remove(p.ImagePath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("discard half-made image of volume %s: %w", id, err)

@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // This file holds what the driver and the health checks need to know about a
@@ -44,6 +46,9 @@ type Freeze struct {
 // RecordFreeze writes the freeze record of a volume, before the freeze.
 func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
 	return writeFileAtomic(filepath.Join(p.Dir(id), freezeFile), []byte(node+"\n"+path))
@@ -98,8 +103,16 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 	if err != nil {
 		return err
 	}
+	if err := p.checkDir(snapshotRel(sid)); err != nil {
+		return err
+	}
 	var method string
 	if src.Layout == LayoutDir {
+		from, err := p.OpenData(vid)
+		if err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		defer from.Close()
 		data := p.SnapshotDataPath(sid)
 		if err := os.RemoveAll(data); err != nil {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
@@ -107,11 +120,16 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 		if err := os.Mkdir(data, 0o750); err != nil {
 			return fmt.Errorf("snapshot %s: %w", sid, err)
 		}
-		if err := CopyTree(ctx, p.DataPath(vid), data); err != nil {
+		if err := CopyTree(ctx, from.Path(), data); err != nil {
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
 		}
 		method = CopyFull
 	} else {
+		from, err := p.OpenImage(vid)
+		if err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		defer from.Close()
 		image := p.SnapshotImagePath(sid)
 		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
@@ -121,7 +139,7 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 				// Deferred, so a panic in the copy cannot leave it quiesced.
 				defer quiesce()()
 			}
-			return CopyImage(ctx, p.ImagePath(vid), image, 0)
+			return CopyImage(ctx, from.Path(), image, 0)
 		}()
 		if err != nil {
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
@@ -154,6 +172,9 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 		return 0, err
 	}
 	defer unlock()
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return 0, err
+	}
 	entries, err := p.List()
 	if err != nil {
 		return 0, err
@@ -173,21 +194,42 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 
 // DataExists tells whether a dir volume's data directory is there.
 func (p *Pool) DataExists(id VolumeID) bool {
-	fi, err := os.Lstat(p.DataPath(id))
-	return err == nil && fi.IsDir()
+	h, err := p.OpenData(id)
+	if err != nil {
+		return false
+	}
+	_ = h.Close()
+	return true
 }
 
 // ImageSize is the size of a volume's image file. A missing image wraps
-// os.ErrNotExist; anything but a regular file (a symlink placed in the pool, a
-// device node) is ErrCorrupt and is never followed.
+// os.ErrNotExist; a link or anything but a regular file is ErrCorrupt and is
+// never followed.
 func (p *Pool) ImageSize(id VolumeID) (int64, error) {
-	path := p.ImagePath(id)
-	fi, err := os.Lstat(path)
+	h, err := p.OpenImage(id)
 	if err != nil {
 		return 0, fmt.Errorf("volume %s: image: %w", id, err)
 	}
-	if !fi.Mode().IsRegular() {
-		return 0, fmt.Errorf("%w: volume %s: image %s is not a regular file (%s)", ErrCorrupt, id, path, fi.Mode().Type())
+	defer h.Close()
+	fi, err := h.f.Stat()
+	if err != nil {
+		return 0, fmt.Errorf("volume %s: image: %w", id, err)
 	}
 	return fi.Size(), nil
+}
+
+// ImageStat is the size of a volume's image file and the bytes it holds on the
+// pool's filesystem, from a descriptor opened without following links (errors
+// as ImageSize).
+func (p *Pool) ImageStat(id VolumeID) (size, allocated int64, err error) {
+	h, err := p.OpenImage(id)
+	if err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	defer h.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	return st.Size, st.Blocks * 512, nil
 }

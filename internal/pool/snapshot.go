@@ -19,6 +19,7 @@ import (
 const (
 	snapshotsDir     = "snapshots"
 	snapshotMetaFile = "snapshot.json"
+	snapshotImage    = "image"
 	// SnapshotSep separates pool and key in a snapshot ID. Volume IDs use ".",
 	// and neither a pool name nor a key may contain "@", so a snapshot ID can
 	// never parse as a volume ID, nor the other way round.
@@ -107,7 +108,7 @@ func (p *Pool) SnapshotDir(id SnapshotID) string {
 
 // SnapshotImagePath is the copied disk image of an image-layout snapshot.
 func (p *Pool) SnapshotImagePath(id SnapshotID) string {
-	return filepath.Join(p.SnapshotDir(id), "image")
+	return filepath.Join(p.SnapshotDir(id), snapshotImage)
 }
 
 // SnapshotDataPath is the copied directory tree of a dir-layout snapshot.
@@ -118,7 +119,7 @@ func (p *Pool) SnapshotDataPath(id SnapshotID) string {
 // LoadSnapshot reads snapshot.json; a missing snapshot wraps os.ErrNotExist.
 func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	path := filepath.Join(p.SnapshotDir(id), snapshotMetaFile)
-	raw, err := os.ReadFile(path)
+	raw, err := p.readBeneath(snapshotRel(id, snapshotMetaFile))
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, err)
 	}
@@ -143,6 +144,9 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 func (p *Pool) SaveSnapshot(s *Snapshot) error {
 	id, err := ParseSnapshotID(s.ID)
 	if err != nil {
+		return err
+	}
+	if err := p.checkDir(snapshotRel(id)); err != nil {
 		return err
 	}
 	s.SchemaVersion = SnapshotSchemaVersion

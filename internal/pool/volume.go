@@ -100,7 +100,7 @@ func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), i
 
 // Load reads volume.json. A missing volume is an error wrapping os.ErrNotExist.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
-	raw, err := os.ReadFile(filepath.Join(p.Dir(id), metadataFile))
+	raw, err := p.readBeneath(volumeRel(id, metadataFile))
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of volume %s: %w", id, err)
 	}
@@ -160,6 +160,9 @@ func (v *Volume) validate() error {
 func (p *Pool) Save(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
+		return err
+	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
 	v.SchemaVersion = SchemaVersion

@@ -118,6 +118,17 @@ func (h *Host) SetFilesystemReadOnly(target string) {
 
 // ---- loop devices
 
+// resolveProc turns a /proc/<pid>/fd/<n> path into the file's own path, as
+// the kernel does when it opens one.
+func resolveProc(path string) string {
+	if strings.HasPrefix(path, "/proc/") {
+		if r, err := os.Readlink(path); err == nil {
+			return filepath.Clean(r)
+		}
+	}
+	return filepath.Clean(path)
+}
+
 func (h *Host) Attach(ctx context.Context, backingFile string) (string, error) {
 	if err := h.Faults.hit("Attach"); err != nil {
 		return "", err
@@ -125,10 +136,13 @@ func (h *Host) Attach(ctx context.Context, backingFile string) (string, error) {
 	if err := ctx.Err(); err != nil {
 		return "", err
 	}
-	file := filepath.Clean(backingFile)
+	file := resolveProc(backingFile)
 	fi, err := os.Stat(file)
 	if err != nil {
 		return "", fmt.Errorf("attach %s: %w", file, err)
+	}
+	if !fi.Mode().IsRegular() {
+		return "", fmt.Errorf("attach %s: not a regular file", file)
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -148,7 +162,7 @@ func (h *Host) Find(backingFile string) (string, bool, error) {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	dev, ok := h.loops[filepath.Clean(backingFile)]
+	dev, ok := h.loops[resolveProc(backingFile)]
 	return dev, ok, nil
 }
 
@@ -158,7 +172,7 @@ func (h *Host) Detach(ctx context.Context, backingFile string) error {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	file := filepath.Clean(backingFile)
+	file := resolveProc(backingFile)
 	dev, ok := h.loops[file]
 	if !ok {
 		return nil
@@ -213,7 +227,7 @@ func (h *Host) backingOf(target string) string {
 	if d, ok := h.devices[target]; ok {
 		return d.backing
 	}
-	return filepath.Clean(target)
+	return resolveProc(target)
 }
 
 func (h *Host) Format(ctx context.Context, target, fsType string) error {
@@ -423,6 +437,7 @@ func (h *Host) Bind(ctx context.Context, source, target string, readOnly bool, o
 	if m, ok := h.mounts[source]; ok {
 		want.Device, want.Dir, want.FSType, want.Block = m.Device, m.Dir, m.FSType, m.Block
 	} else {
+		source = resolveProc(source)
 		fi, err := os.Stat(source)
 		if err != nil {
 			return fmt.Errorf("bind %s: %w", source, err)
