@@ -120,6 +120,7 @@ func serve(ctx context.Context, args []string) error {
 	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
 	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
+	pathPrefix := fs.String("allowed-path-prefix", "", "the only directory staging and target paths may be under (kubelet's root directory); empty: any absolute path")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -173,6 +174,7 @@ func serve(ctx context.Context, args []string) error {
 	d, err := driver.New(driver.Options{
 		Name:              *driverName,
 		Version:           buildVersion(),
+		PathPrefix:        *pathPrefix,
 		NodeID:            *nodeID,
 		Mode:              m,
 		Pools:             opened,

@@ -256,6 +256,8 @@ func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 
 func (dirLayout) minSize(capsSpec) int64 { return mount.MinSize("") }
 
+func (dirLayout) mountFS(*pool.Volume) string { return "" }
+
 // fsType: a dir volume has the pool's filesystem, whatever the CO names.
 func (dirLayout) fsType(capsSpec) string                 { return "" }
 func (dirLayout) sameFS(capsSpec, string) bool           { return true }

@@ -65,6 +65,10 @@ type Options struct {
 	// Health holds the thresholds of the volume health checks; zero values
 	// take health.DefaultOptions.
 	Health health.Options
+	// PathPrefix, if set, is the only directory staging and target paths may
+	// be under (kubelet's root directory). Below it, and below / when unset, no
+	// component of such a path may be a symbolic link.
+	PathPrefix string
 	// Host is how the driver reaches the node's kernel; the zero value is
 	// the real one.
 	Host Host
@@ -102,6 +106,9 @@ func New(opts Options) (*Driver, error) {
 	}
 	if len(opts.Pools) == 0 {
 		return nil, errors.New("no pools configured")
+	}
+	if opts.PathPrefix != "" && (!filepath.IsAbs(opts.PathPrefix) || filepath.Clean(opts.PathPrefix) != opts.PathPrefix) {
+		return nil, fmt.Errorf("allowed path prefix %q must be a clean absolute path", opts.PathPrefix)
 	}
 	if opts.Health.PoolFullThreshold == 0 {
 		opts.Health.PoolFullThreshold = health.DefaultOptions.PoolFullThreshold

@@ -105,7 +105,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err != nil {
 		return nil, err
 	}
-	path, err := volumePath(vid, req.GetVolumePath())
+	path, err := d.volumePath(vid, req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}
@@ -229,7 +229,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	if v.AccessType == pool.AccessFilesystem {
 		// Grow through the staging mount when kubelet names it: a pod's publish
 		// path may be a read-only bind of a read-write staging mount.
-		if sp, err := cleanPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
+		if sp, err := d.requestPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
 			if si, ok, err := d.mounts.Info(sp); err == nil && ok && (si.Source == dev || d.mounts.IsDevice(si.Target, dev)) {
 				path, info = sp, si
 			}

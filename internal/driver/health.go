@@ -130,7 +130,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		if f.v == "" {
 			continue
 		}
-		if paths[i], err = cleanPath(f.name, f.v); err != nil {
+		if paths[i], err = d.requestPath(f.name, f.v); err != nil {
 			return nil, err
 		}
 	}

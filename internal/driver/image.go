@@ -83,7 +83,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 		}
 		err = d.mounts.BindBlock(ctx, source, target, readOnly)
 	} else {
-		err = d.mounts.Bind(ctx, source, target, readOnly, vc.GetMount().GetMountFlags())
+		err = d.mounts.Bind(ctx, source, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags()))
 	}
 	if err != nil {
 		return grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
@@ -130,6 +130,8 @@ func (imageLayout) sameFS(s capsSpec, fsType string) bool {
 }
 
 func (imageLayout) volumeContext(*pool.Volume, map[string]string) {}
+
+func (imageLayout) mountFS(v *pool.Volume) string { return v.FSType }
 
 // delete removes an image volume that is not attached on this node.
 func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume) error {

@@ -20,6 +20,9 @@ type layout interface {
 	fsType(s capsSpec) string
 	// sameFS refuses a request whose fs_type the volume does not have.
 	sameFS(s capsSpec, fsType string) bool
+	// mountFS is the filesystem whose mount options a stage or publish of v
+	// may carry ("" for a bind of a directory).
+	mountFS(v *pool.Volume) string
 	// volumeContext adds the layout's keys to a volume's context.
 	volumeContext(v *pool.Volume, ctx map[string]string)
 

@@ -97,11 +97,16 @@ func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (n
 	if err := d.compatible(caps, nv.vol); err != nil {
 		return nv, status.Error(codes.FailedPrecondition, err.Error())
 	}
+	// mount flags are request input: checked against the filesystem's
+	// allow-list, never passed through as they come.
+	if err := mount.CheckOptions(d.layoutOf(nv.vol.Layout).mountFS(nv.vol), vc.GetMount().GetMountFlags()); err != nil {
+		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.id, err)
+	}
 	return nv, nil
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
-	staging, err := cleanPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -206,7 +211,7 @@ func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeI
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
-	staging, err := cleanPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -240,11 +245,11 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 }
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
-	target, err := cleanPath("target_path", req.GetTargetPath())
+	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
 	}
-	staging, err := cleanPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -261,7 +266,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 }
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
-	target, err := cleanPath("target_path", req.GetTargetPath())
+	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
 	}

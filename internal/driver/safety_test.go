@@ -324,3 +324,48 @@ func TestPoolLinksAreNeverFollowed(t *testing.T) {
 		})
 	}
 }
+
+// Mount options are checked against the filesystem's allow-list, and staging and
+// target paths may not go through a link or leave the allowed prefix.
+func TestHostileMountFlagsAndPaths(t *testing.T) {
+	td := newTestDriver(t, testOpts{modify: func(o *Options) {}})
+	id := td.create(t, "v", mountCap(rwo, "ext4"), nil)
+	for _, flags := range [][]string{{"loop"}, {"offset=4096"}, {"sizelimit=1"}, {"errors=panic"}, {"noatime,loop"}} {
+		vc := mountCap(rwo, "ext4")
+		vc.GetMount().MountFlags = flags
+		wantCode(t, td.stage(id, vc), codes.InvalidArgument)
+		if n := len(td.host.Mounts()) + len(td.host.Attached()); n != 0 {
+			t.Fatalf("mount flags %q: something was mounted or attached", flags)
+		}
+	}
+	vc := mountCap(rwo, "ext4")
+	vc.GetMount().MountFlags = []string{"noatime", "discard"}
+	if err := td.stage(id, vc); err != nil {
+		t.Fatalf("allowed flags refused: %v", err)
+	}
+	if err := td.publish(id, vc, false); err != nil {
+		t.Fatalf("allowed flags refused at publish: %v", err)
+	}
+
+	// A target path through a link.
+	elsewhere := filepath.Join(td.root, "elsewhere")
+	if err := os.MkdirAll(elsewhere, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(elsewhere, filepath.Join(td.root, "link")); err != nil {
+		t.Fatal(err)
+	}
+	_, err := td.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id),
+		TargetPath: filepath.Join(td.root, "link", "target"), VolumeCapability: vc,
+	})
+	wantCode(t, err, codes.InvalidArgument)
+
+	// Outside the allowed prefix.
+	pinned := newTestDriver(t, testOpts{modify: func(o *Options) { o.PathPrefix = "/var/lib/kubelet" }})
+	pid := pinned.create(t, "v", mountCap(rwo, "ext4"), nil)
+	wantCode(t, pinned.stage(pid, mountCap(rwo, "ext4")), codes.InvalidArgument)
+	if n := len(pinned.host.Mounts()); n != 0 {
+		t.Fatal("a stage outside the allowed prefix mounted something")
+	}
+}

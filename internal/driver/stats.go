@@ -28,7 +28,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err != nil {
 		return nil, err
 	}
-	path, err := volumePath(vid, req.GetVolumePath())
+	path, err := d.volumePath(vid, req.GetVolumePath())
 	if err != nil {
 		return nil, err
 	}

@@ -145,8 +145,11 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 	return nil
 }
 
-// cleanPath validates a staging or target path sent by the CO.
-func cleanPath(field, p string) (string, error) {
+// requestPath validates a staging or target path sent by the CO: absolute,
+// clean of "..", under the allowed prefix when one is set, and with no
+// symbolic link in any component below it. Kubelet never sends a link; a path
+// through one could make a mount or unmount act somewhere else.
+func (d *Driver) requestPath(field, p string) (string, error) {
 	switch {
 	case p == "":
 		return "", status.Errorf(codes.InvalidArgument, "%s is required", field)
@@ -162,14 +165,46 @@ func cleanPath(field, p string) (string, error) {
 			return "", status.Errorf(codes.InvalidArgument, "%s %q contains '..'", field, p)
 		}
 	}
-	return filepath.Clean(p), nil
+	clean := filepath.Clean(p)
+	base := "/"
+	if prefix := d.opts.PathPrefix; prefix != "" {
+		if clean != prefix && !strings.HasPrefix(clean, prefix+"/") {
+			return "", status.Errorf(codes.InvalidArgument, "%s %q is not under %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
+		}
+		base = prefix
+	}
+	if link := firstLink(base, clean); link != "" {
+		return "", status.Errorf(codes.InvalidArgument, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
+	}
+	return clean, nil
+}
+
+// firstLink returns the first component of path below base that is a
+// symbolic link, "" if none (components that do not exist yet are fine).
+func firstLink(base, path string) string {
+	rest := strings.TrimPrefix(strings.TrimPrefix(path, base), "/")
+	cur := base
+	for _, part := range strings.Split(rest, "/") {
+		if part == "" {
+			continue
+		}
+		cur = filepath.Join(cur, part)
+		fi, err := os.Lstat(cur)
+		if err != nil {
+			return ""
+		}
+		if fi.Mode()&os.ModeSymlink != 0 {
+			return cur
+		}
+	}
+	return ""
 }
 
 // volumePath validates the volume_path of NodeGetVolumeStats and NodeExpandVolume.
 // Kubelet only sends absolute paths, so any other path cannot hold the volume:
 // NOT_FOUND, as the CSI sanity suite expects, rather than INVALID_ARGUMENT.
-func volumePath(vid pool.VolumeID, raw string) (string, error) {
-	path, err := cleanPath("volume_path", raw)
+func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
+	path, err := d.requestPath("volume_path", raw)
 	if err != nil {
 		return "", status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
 	}

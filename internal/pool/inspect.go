@@ -59,6 +59,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		case !de.IsDir() || !keyRE.MatchString(de.Name()):
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
+			out = append(out, tempLeftovers(path)...)
 			id := VolumeID{Pool: p.Name, Key: de.Name()}
 			v, err := p.Load(id)
 			switch {
@@ -69,5 +70,30 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			}
 		}
 	}
+	sdir := filepath.Join(p.Path, snapshotsDir)
+	if sdes, err := os.ReadDir(sdir); err == nil {
+		for _, de := range sdes {
+			if de.IsDir() && keyRE.MatchString(de.Name()) {
+				out = append(out, tempLeftovers(filepath.Join(sdir, de.Name()))...)
+			}
+		}
+	}
 	return out, nil
+}
+
+// tempLeftovers lists the temp files of metadata writes in dir (a volume's or
+// a snapshot's directory): a write in progress, or one a crash interrupted.
+// Those older than staleTemp are certainly the latter.
+func tempLeftovers(dir string) []Leftover {
+	des, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var out []Leftover
+	for _, de := range des {
+		if isTemp(de.Name()) {
+			out = append(out, Leftover{filepath.Join(dir, de.Name()), "a metadata write interrupted by a crash (or in progress right now); the metadata itself is intact: remove it"})
+		}
+	}
+	return out
 }

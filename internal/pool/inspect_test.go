@@ -41,3 +41,41 @@ func TestOpenExistingAndLeftovers(t *testing.T) {
 		t.Fatalf("leftovers later = %+v, want the stuck create too", got)
 	}
 }
+
+// A crash between writing volume.json's temp file and renaming it leaves the
+// temp file: pool check reports it, and the next write removes it once stale.
+func TestTempLeftovers(t *testing.T) {
+	p, err := Open(Config{Name: "t", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, err := p.Reserve(context.Background(), Spec{Name: "v", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := NewVolumeID("t", "v")
+	tmp := filepath.Join(p.Dir(id), ".volume.json.tmp-12345")
+	if err := os.WriteFile(tmp, []byte("{"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	left, err := p.Leftovers(time.Now())
+	if err != nil || len(left) != 1 || left[0].Path != tmp {
+		t.Fatalf("leftovers: %+v %v", left, err)
+	}
+	if err := p.Save(v); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(tmp); err != nil {
+		t.Fatal("a fresh temp file was removed: it may be another writer's")
+	}
+	old := time.Now().Add(-time.Hour)
+	if err := os.Chtimes(tmp, old, old); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Save(v); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
+		t.Fatalf("a stale temp file survived the next write: %v", err)
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 )
 
@@ -173,7 +174,28 @@ func (p *Pool) Save(v *Volume) error {
 	return writeFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'))
 }
 
+// staleTemp is how old a metadata temp file must be before a writer removes it
+// as a crash's leftover: far longer than any write takes, so a concurrent
+// writer on another node never loses its temp file.
+const staleTemp = 10 * time.Minute
+
+func isTemp(name string) bool {
+	return strings.HasPrefix(name, ".") && strings.Contains(name, ".tmp-")
+}
+
+// sweepTemps removes the stale temp files of earlier writes of path, which a
+// crash between create and rename left behind.
+func sweepTemps(path string) {
+	matches, _ := filepath.Glob(filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*"))
+	for _, m := range matches {
+		if fi, err := os.Lstat(m); err == nil && fi.Mode().IsRegular() && time.Since(fi.ModTime()) > staleTemp {
+			_ = os.Remove(m) // best effort; pool check reports what stays
+		}
+	}
+}
+
 func writeFileAtomic(path string, data []byte) error {
+	sweepTemps(path)
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
 	if err != nil {

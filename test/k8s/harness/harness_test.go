@@ -102,8 +102,9 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 		t.Fatal(err)
 	}
 	sock := filepath.Join(c.Dir, name+".sock")
-	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address"},
-		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile,
+	// The cluster's directory stands in for kubelet's: staging paths are made there.
+	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix"},
+		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile, "--allowed-path-prefix="+filepath.Clean(c.Dir),
 		"--metrics-address=127.0.0.1:"+strconv.Itoa(freePort(t)))
 	for i, a := range args {
 		if strings.HasPrefix(a, "-v=") {
