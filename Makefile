@@ -2,7 +2,7 @@
 BIN := bin/poolcsi
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: build test unit lint run demo clean
+.PHONY: build test unit lint fuzz run demo clean
 
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
@@ -15,6 +15,10 @@ test:
 # kernel, internal/driver coverage. Under a minute.
 unit:
 	hack/unit.sh
+
+# Every Go fuzz target for FUZZTIME (default 10s) each.
+fuzz:
+	hack/fuzz.sh
 
 # golangci-lint (built once from the Go module proxy into bin/), zero findings.
 lint:

@@ -23,6 +23,8 @@ echo "== golangci-lint"
 hack/lint.sh
 echo "== unit tests without root, and internal/driver coverage (make unit)"
 hack/unit.sh
+echo "== fuzzing, bounded (make fuzz)"
+hack/fuzz.sh
 echo "== go test"
 # CI=true turns every missing prerequisite into a failure instead of a skip.
 # -race everywhere: the root suites drive a separately built binary, so the race
