@@ -229,8 +229,8 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.mounts.Unmount(ctx, staging); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", staging, err))
 	}
-	if err := d.loops.Detach(ctx, image); err != nil {
-		return nil, grpcError(fmt.Errorf("detach loop device of %s: %w", image, err))
+	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
+		return nil, err
 	}
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
@@ -242,6 +242,40 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	klog.FromContext(ctx).Info("Unstaged volume", "volume", vid, "path", staging)
 	return &csi.NodeUnstageVolumeResponse{}, nil
+}
+
+// detachIfOurs detaches the volume's loop device once nothing mounts it, or
+// when this node's stage record says the device is this stage's (a mount still
+// on it then fails the detach, and the call is retried). A device that is
+// mounted and that this node never recorded belongs to something else (two
+// node plugins on one kernel in tests, or an operator) and is left alone.
+func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
+	dev, ok, err := d.loops.Find(image)
+	if err != nil {
+		return grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
+	}
+	if !ok {
+		return nil
+	}
+	points, err := d.mounts.MountPoints(dev)
+	if err != nil {
+		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
+	}
+	if len(points) > 0 {
+		v, err := p.Load(vid)
+		recorded := err != nil // unreadable metadata: act as before, detach
+		for _, s := range v.GetStaged() {
+			recorded = recorded || s.Node == d.opts.NodeID
+		}
+		if !recorded {
+			klog.FromContext(ctx).Info("Not detaching a loop device this node did not stage", "volume", vid, "device", dev, "mountedAt", points)
+			return nil
+		}
+	}
+	if err := d.loops.Detach(ctx, image); err != nil {
+		return grpcError(fmt.Errorf("detach loop device of %s: %w", image, err))
+	}
+	return nil
 }
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {

@@ -232,6 +232,14 @@ func syncDir(dir string) error {
 	return nil
 }
 
+// GetStaged returns the stage records; nil-safe.
+func (v *Volume) GetStaged() []StageRecord {
+	if v == nil {
+		return nil
+	}
+	return v.Staged
+}
+
 // IsStaged reports whether any node has the volume staged.
 func (v *Volume) IsStaged() bool { return len(v.Staged) > 0 }
 

@@ -176,6 +176,28 @@ func (d *Driver) Stop() {
 	}
 }
 
+// Kill ends the driver with SIGKILL at once, as a crash or an OOM kill does,
+// and waits for it: no cleanup of its own runs.
+func (d *Driver) Kill() {
+	if d.cmd == nil {
+		return
+	}
+	select {
+	case <-d.done:
+		return
+	default:
+	}
+	_ = d.cmd.Process.Kill()
+	<-d.done
+}
+
+// Launch starts the driver again after Kill or Stop, on the same socket and
+// pools, and waits until it is ready.
+func (d *Driver) Launch(t testing.TB) {
+	t.Helper()
+	d.launch(t)
+}
+
 // Log returns what the driver printed so far.
 func (d *Driver) Log() string {
 	d.logMu.Lock()
