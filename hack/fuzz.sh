@@ -15,6 +15,13 @@ for target in \
 	./internal/driver:FuzzListTokens; do
 	pkg=${target%%:*} name=${target##*:}
 	echo "fuzz $pkg $name ($t)"
-	go test "$pkg" -run '^$' -fuzz "^$name\$" -fuzztime "$t" 2>&1 | grep -v '^\(I\|E\|W\)[0-9]\{4\} ' | tail -n 3
-	[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "fuzz: $name failed" >&2; exit 1; }
+	out=$(mktemp)
+	if ! go test "$pkg" -run '^$' -fuzz "^$name\$" -fuzztime "$t" >"$out" 2>&1; then
+		grep -v '^[IEW][0-9]\{4\} ' "$out" >&2
+		rm -f "$out"
+		echo "fuzz: $name failed (a crasher is saved under $pkg/testdata/fuzz/$name)" >&2
+		exit 1
+	fi
+	grep -v '^[IEW][0-9]\{4\} ' "$out" | tail -n 3
+	rm -f "$out"
 done

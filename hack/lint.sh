@@ -15,3 +15,4 @@ if [ ! -x "$bin" ]; then
 fi
 "$bin" run ./...
 (cd test/k8s && "$bin" run ./...)
+(cd test/legacy && "$bin" run ./...)

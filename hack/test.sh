@@ -30,6 +30,8 @@ echo "== go test"
 # -race everywhere: the root suites drive a separately built binary, so the race
 # detector watches the test code and the in-process driver of the unit tests.
 go test -race ./... -count=1 -timeout 40m
+echo "== legacy CSI client (test/legacy, spec v1.12.0)"
+(cd test/legacy && go vet ./... && go test ./... -count=1 -timeout 10m)
 if [ -f test/k8s/go.mod ]; then
 	echo "== Kubernetes harness (test/k8s)"
 	(cd test/k8s && go vet ./... && go test ./... -count=1 -timeout 60m)

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -40,6 +41,7 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
 	csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 	csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+	legacyControllerVolumeCondition,
 }
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -439,18 +441,24 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		resp.NextToken = vols[n].entry.ID.String()
 		vols = vols[:n]
 	}
+	spaces := map[*pool.Pool]health.PoolSpace{} // one statfs per pool of the page
 	for _, l := range vols {
+		space, ok := spaces[l.pool]
+		if !ok {
+			space = health.StatPool(l.pool)
+			spaces[l.pool] = space
+		}
+		st := &csi.ListVolumesResponse_VolumeStatus{}
+		setLegacyCondition(st, health.CheckVolume(l.pool, l.entry, space, d.opts.Health).Issues)
 		if l.entry.Volume == nil {
-			// Capacity 0 means unknown; ControllerGetVolumeHealth explains.
+			// Capacity 0 means unknown; the condition says why.
 			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
 				VolumeId: l.entry.ID.String(), VolumeContext: map[string]string{ParamPool: l.pool.Name},
-			}})
+			}, Status: st})
 			continue
 		}
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{
-			Volume: d.csiVolume(l.pool, l.entry.Volume),
-			Status: &csi.ListVolumesResponse_VolumeStatus{PublishedNodeIds: l.entry.Volume.PublishedNodes()},
-		})
+		st.PublishedNodeIds = l.entry.Volume.PublishedNodes()
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: d.csiVolume(l.pool, l.entry.Volume), Status: st})
 	}
 	return resp, nil
 }
@@ -464,7 +472,13 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}}, nil
+	st := &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}
+	issues, err := d.controllerIssues(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	setLegacyCondition(st, issues)
+	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: st}, nil
 }
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {

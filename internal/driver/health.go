@@ -73,12 +73,21 @@ func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.Control
 	if err != nil {
 		return nil, err
 	}
+	issues, err := d.controllerIssues(p, vid)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.ControllerGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), issues)}, nil
+}
+
+// controllerIssues is the controller-side health of one volume, for the
+// VolumeHealth RPCs and the legacy volume_condition alike.
+func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Issue, error) {
 	e, err := loadEntry(p, vid)
 	if err != nil {
 		return nil, err
 	}
-	r := health.CheckVolume(p, e, health.StatPool(p), d.opts.Health)
-	return &csi.ControllerGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), r.Issues)}, nil
+	return health.CheckVolume(p, e, health.StatPool(p), d.opts.Health).Issues, nil
 }
 
 // ControllerListVolumeHealth lists the volumes with an adverse condition, damaged
@@ -134,12 +143,23 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 			return nil, err
 		}
 	}
+	issues, err := d.nodeIssues(p, vid, paths[0], paths[1])
+	if err != nil {
+		return nil, err
+	}
+	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), issues)}, nil
+}
+
+// nodeIssues is the node-side health of one volume at the paths given (either
+// may be empty), for NodeGetVolumeHealth and the legacy volume_condition of
+// NodeGetVolumeStats alike.
+func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish string) ([]health.Issue, error) {
 	e, err := loadEntry(p, vid)
 	if err != nil {
 		return nil, err
 	}
 	var issues []health.Issue
-	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: paths[0], PublishPath: paths[1], Loops: d.loops}
+	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: staging, PublishPath: publish, Loops: d.loops}
 	if e.Err != nil {
 		issues = health.CheckVolume(p, e, health.PoolSpace{}, d.opts.Health).Issues
 	} else {
@@ -149,8 +169,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 	if dev, ok, _ := d.loops.Find(nv.Image); ok {
 		nv.Device = dev
 	}
-	issues = append(issues, health.CheckNode(nv, d.opts.Health)...)
-	return &csi.NodeGetVolumeHealthResponse{VolumeHealth: csiHealth(vid.String(), issues)}, nil
+	return append(issues, health.CheckNode(nv, d.opts.Health)...), nil
 }
 
 // NodeGetStorageHealth reports the pools as seen from this node: one entry per

@@ -21,6 +21,7 @@ var nodeCaps = []csi.NodeServiceCapability_RPC_Type{
 	csi.NodeServiceCapability_RPC_EXPAND_VOLUME,
 	csi.NodeServiceCapability_RPC_GET_VOLUME_HEALTH,
 	csi.NodeServiceCapability_RPC_GET_STORAGE_HEALTH,
+	legacyNodeVolumeCondition,
 }
 
 func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {

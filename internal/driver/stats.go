@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -17,6 +18,28 @@ import (
 // volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+	resp, err := d.volumeStats(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	// The legacy volume_condition, which kubelet turns into
+	// kubelet_volume_stats_health_status_abnormal and a pod event.
+	vid, p, _ := d.volumeRef(req.GetVolumeId())
+	path, _ := d.volumePath(vid, req.GetVolumePath())
+	staging := ""
+	if req.GetStagingTargetPath() != "" {
+		staging, _ = d.requestPath("staging_target_path", req.GetStagingTargetPath())
+	}
+	issues, err := d.nodeIssues(p, vid, staging, path)
+	if err != nil {
+		klog.FromContext(ctx).V(2).Info("Volume health not computed for the stats", "volume", vid, "err", err)
+		return resp, nil
+	}
+	setLegacyCondition(resp, issues)
+	return resp, nil
+}
+
+func (d *Driver) volumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err

@@ -1,0 +1,61 @@
+package driver
+
+import (
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/poolcsi/poolcsi/internal/health"
+)
+
+// The consumers that exist read volume health the CSI v1.12 way: kubelet v1.36
+// (spec v1.9) reads NodeGetVolumeStatsResponse.volume_condition when the node
+// capability VOLUME_CONDITION is advertised, and csi-external-health-monitor
+// v0.15 reads volume_condition from ListVolumes and ControllerGetVolume when
+// the controller capability VOLUME_CONDITION is advertised (and exits when it
+// is not). Spec v1.13, which poolcsi is built on, reserved those fields and
+// values in favour of the VolumeHealth RPCs, which nothing released calls yet.
+//
+// poolcsi serves both from one health computation: the v1.13 RPCs as generated,
+// and the v1.12 fields written onto the same v1.13 messages as protobuf fields
+// the v1.13 code does not know (field 2, VolumeCondition{bool abnormal = 1;
+// string message = 2}), and the capabilities by their v1.12 numbers. On the wire
+// that is exactly what a v1.12 message with the field set encodes to; a v1.13
+// client skips it, a v1.12 client decodes it (test/legacy proves both).
+const (
+	legacyControllerVolumeCondition = csi.ControllerServiceCapability_RPC_Type(11) // VOLUME_CONDITION, spec ≤ v1.12
+	legacyNodeVolumeCondition       = csi.NodeServiceCapability_RPC_Type(4)        // VOLUME_CONDITION, spec ≤ v1.12
+	legacyVolumeConditionField      = protowire.Number(2)                          // volume_condition in the three messages
+)
+
+// legacyCondition folds health issues into the v1.12 condition: abnormal when
+// there is any, with every issue's reason and message.
+func legacyCondition(issues []health.Issue) (abnormal bool, message string) {
+	if len(issues) == 0 {
+		return false, "volume is healthy"
+	}
+	parts := make([]string, 0, len(issues))
+	for _, i := range issues {
+		parts = append(parts, i.Reason+": "+i.Message)
+	}
+	return true, strings.Join(parts, "; ")
+}
+
+// setLegacyCondition writes volume_condition onto m (a v1.13
+// NodeGetVolumeStatsResponse, ListVolumesResponse_VolumeStatus or
+// ControllerGetVolumeResponse_VolumeStatus) as spec v1.12 encodes it.
+func setLegacyCondition(m proto.Message, issues []health.Issue) {
+	abnormal, message := legacyCondition(issues)
+	var cond []byte
+	cond = protowire.AppendTag(cond, 1, protowire.VarintType)
+	cond = protowire.AppendVarint(cond, protowire.EncodeBool(abnormal))
+	cond = protowire.AppendTag(cond, 2, protowire.BytesType)
+	cond = protowire.AppendString(cond, message)
+	r := m.ProtoReflect()
+	raw := r.GetUnknown()
+	raw = protowire.AppendTag(raw, legacyVolumeConditionField, protowire.BytesType)
+	raw = protowire.AppendBytes(raw, cond)
+	r.SetUnknown(raw)
+}
