@@ -72,7 +72,7 @@ type Options struct {
 	// Host is how the driver reaches the node's kernel; the zero value is
 	// the real one.
 	Host Host
-	// Readiness are extra checks Probe runs, such as the pool mounts of the config's
+	// Readiness are extra checks whose faults Probe logs, such as the pool mounts of the config's
 	// mount stanzas; each returns why the driver is not ready, or nil.
 	Readiness []func() error
 }
@@ -94,6 +94,9 @@ type Driver struct {
 	quotas    quotaBackends
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
+	// poolState holds each pool's last seen fault ("" when usable), so Probe
+	// logs changes once (see notePools).
+	poolState sync.Map
 }
 
 // New checks opts and prepares the node-side state (the loop device map).

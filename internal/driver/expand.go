@@ -227,18 +227,32 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
 	}
 	if v.AccessType == pool.AccessFilesystem {
-		// Grow through the staging mount when kubelet names it: a pod's publish
-		// path may be a read-only bind of a read-write staging mount.
-		if sp, err := d.requestPath("staging_target_path", req.GetStagingTargetPath()); err == nil && sp != path {
-			if si, ok, err := d.mounts.Info(sp); err == nil && ok && (si.Source == dev || d.mounts.IsDevice(si.Target, dev)) {
-				path, info = sp, si
+		// Grow through the staging mount: a pod's publish path may be a
+		// read-only bind of a read-write staging mount. Kubelet names it, or
+		// this node's stage record does.
+		candidates := []string{req.GetStagingTargetPath()}
+		for _, s := range v.Staged {
+			if s.Node == d.opts.NodeID {
+				candidates = append(candidates, s.Path)
+			}
+		}
+		for _, c := range candidates {
+			if info.ReadOnly && c != "" {
+				if sp, err := d.requestPath("staging_target_path", c); err == nil && sp != path {
+					if si, ok, err := d.mounts.Info(sp); err == nil && ok && !si.ReadOnly && (si.Source == dev || d.mounts.OnDevice(sp, dev)) {
+						path, info = sp, si
+					}
+				}
 			}
 		}
 		if info.ReadOnly {
-			// Growing writes the filesystem; a read-only mount must not be
-			// written. The next read-write stage grows it.
-			klog.FromContext(ctx).Info("Not growing a read-only filesystem", "volume", nv.id, "path", path)
-			return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+			// Growing writes the filesystem, and a read-only stage must not be
+			// written. Answering the new size would make kubelet mark the claim
+			// resized while the filesystem keeps its old size: answer an error
+			// kubelet retries (and shows as an event) instead; the next
+			// read-write stage grows the filesystem.
+			return nil, status.Errorf(codes.FailedPrecondition,
+				"volume %s is mounted read-only at %s: its filesystem cannot grow to %d bytes until the volume is staged read-write, which grows it", nv.id, path, size)
 		}
 		need, err := d.devs.NeedResize(dev, path)
 		if err != nil {

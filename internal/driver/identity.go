@@ -2,12 +2,11 @@ package driver
 
 import (
 	"context"
-	"strings"
+	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/wrapperspb"
+	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
 )
@@ -39,25 +38,48 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil
 }
 
-// Probe is ready only when every pool is present, writable and not out of
-// space; otherwise it names
-// each broken pool and why, which the livenessprobe sidecar turns into a failing
-// /healthz. It does a few system calls per pool and no I/O on volumes.
+// Probe is liveness: it answers ready whenever this process can serve, and a
+// broken pool never makes it fail. A pool that is missing, unmounted,
+// read-only or out of space makes that pool unavailable, not the driver:
+// its calls answer UNAVAILABLE (or RESOURCE_EXHAUSTED) naming the cause and
+// the fix, NodeGetStorageHealth reports it, poolcsi_pool_up is 0 for it, and
+// the log says when it goes and when it comes back; the other pools keep
+// serving. That holds even when no pool is usable: restarting the process
+// mounts no share and frees no space, and a restart loop would only bury the
+// cause under CrashLoopBackOff (docs/health.md). Probe costs a few system
+// calls per pool.
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	var problems []string
-	for _, name := range d.poolNames {
-		if _, err := health.CheckPoolReady(d.pools[name]); err != nil {
-			problems = append(problems, err.Error())
-		}
-	}
-	for _, check := range d.opts.Readiness {
-		if err := check(); err != nil {
-			problems = append(problems, err.Error())
-		}
-	}
 	d.registerNode(ctx)
-	if len(problems) > 0 {
-		return nil, status.Errorf(codes.FailedPrecondition, "not ready: %s", strings.Join(problems, "; "))
-	}
+	d.notePools(ctx)
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}
+
+// notePools logs each pool's change between usable and unusable (and the
+// extra readiness checks', such as a mount stanza's), once per change.
+func (d *Driver) notePools(ctx context.Context) {
+	log := klog.FromContext(ctx)
+	note := func(key string, err error) {
+		prev, seen := d.poolState.Load(key)
+		now := ""
+		if err != nil {
+			now = err.Error()
+		}
+		if seen && prev.(string) == now {
+			return
+		}
+		d.poolState.Store(key, now)
+		switch {
+		case err != nil:
+			log.Error(err, "Pool unavailable; its calls answer UNAVAILABLE until it is back, the other pools keep serving", "pool", key)
+		case seen:
+			log.Info("Pool available again", "pool", key)
+		}
+	}
+	for _, name := range d.poolNames {
+		_, err := health.CheckPoolReady(d.pools[name])
+		note(name, err)
+	}
+	for i, check := range d.opts.Readiness {
+		note(fmt.Sprintf("readiness-check-%d", i), check())
+	}
 }

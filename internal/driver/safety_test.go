@@ -369,3 +369,45 @@ func TestHostileMountFlagsAndPaths(t *testing.T) {
 		t.Fatal("a stage outside the allowed prefix mounted something")
 	}
 }
+
+// An image volume staged read-only is never reported grown while its
+// filesystem keeps the old size; a read-only publish of a read-write stage
+// grows through the stage.
+func TestReadOnlyExpansionIsHonest(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name        string
+		stageMode   csi.VolumeCapability_AccessMode_Mode
+		publishRO   bool
+		wantGrowErr codes.Code
+	}{
+		{"read-only stage", csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY, true, codes.FailedPrecondition},
+		{"read-only publish of a read-write stage", rwo, true, codes.OK},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			vc := mountCap(tc.stageMode, "xfs")
+			resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 512 << 20}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			id := resp.GetVolume().GetVolumeId()
+			if err := td.stage(id, vc); err != nil {
+				t.Fatal(err)
+			}
+			if err := td.publish(id, vc, tc.publishRO); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := td.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}}); err != nil {
+				t.Fatal(err)
+			}
+			_, err = td.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: filepath.Join(td.root, "target", id), CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}})
+			wantCode(t, err, tc.wantGrowErr)
+			dev, _, _ := td.host.Find(td.pool.ImagePath(pool.NewVolumeID("local", "v")))
+			_, fsSize, _ := td.host.FilesystemSize(dev)
+			if grown := fsSize == 1<<30; grown != (tc.wantGrowErr == codes.OK) {
+				t.Errorf("filesystem is %d bytes after NodeExpandVolume answered %v", fsSize, err)
+			}
+		})
+	}
+}

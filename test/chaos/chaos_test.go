@@ -233,6 +233,19 @@ func (e *env) life(t *testing.T, layout string, round int) {
 	snapName := name + "-snap"
 	var snapID string
 	d := e.d1
+	t.Cleanup(func() { // a failed life leaves no mount or loop device behind
+		c := context.Background()
+		if id == "" {
+			return
+		}
+		_, _ = d.Node().NodeUnpublishVolume(c, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+		_, _ = d.Node().NodeUnstageVolume(c, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		_, _ = d.Controller().ControllerUnpublishVolume(c, &csi.ControllerUnpublishVolumeRequest{VolumeId: id})
+		if snapID != "" {
+			_, _ = d.Controller().DeleteSnapshot(c, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
+		}
+		_, _ = d.Controller().DeleteVolume(c, &csi.DeleteVolumeRequest{VolumeId: id})
+	})
 	steps := []step{
 		{"CreateVolume", func(ctx context.Context, d *harness.Driver) error {
 			r, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, Parameters: params,
@@ -371,6 +384,12 @@ func TestTwoControllersRace(t *testing.T) {
 		// Stage on two nodes at once, no publish at all: exactly one writer,
 		// and the volume mounts there.
 		stagings := map[string]string{"node-1": filepath.Join(e.root, name, "s1"), "node-2": filepath.Join(e.root, name, "s2")}
+		t.Cleanup(func() { // a failed round leaves no mount or loop device behind
+			for node, d := range map[string]*harness.Driver{"node-1": e.d1, "node-2": e.d2} {
+				_, _ = d.Node().NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: stagings[node]})
+			}
+			_, _ = e.d1.Controller().DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id})
+		})
 		e1, e2 = both(func(d *harness.Driver, node string) error {
 			_, err := d.Node().NodeStageVolume(ctx(), &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: stagings[node], VolumeCapability: vc})
 			return err

@@ -24,15 +24,33 @@ func (e *env) wantReady() {
 	}
 }
 
-func (e *env) wantNotReady(words ...string) {
+// wantPoolDown checks what a broken pool does: the driver stays live (Probe
+// ready: restarting it would fix nothing), the pool's storage health is
+// unreachable and a create in it answers code, each naming the cause.
+func (e *env) wantPoolDown(code codes.Code, words ...string) {
 	e.t.Helper()
-	_, err := e.d.Identity().Probe(ctx(e.t), &csi.ProbeRequest{})
-	if status.Code(err) != codes.FailedPrecondition {
-		e.t.Fatalf("Probe: want FAILED_PRECONDITION, got %v", err)
+	e.wantReady()
+	sh, err := e.d.Node().NodeGetStorageHealth(ctx(e.t), &csi.NodeGetStorageHealthRequest{})
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	msg := ""
+	for _, b := range sh.GetBackendHealth() {
+		if b.GetStatus() == csi.StorageHealthErrorType_STORAGE_UNREACHABLE {
+			msg = b.GetMessage()
+		}
+	}
+	_, cerr := e.d.Controller().CreateVolume(ctx(e.t), &csi.CreateVolumeRequest{Name: "while-down", VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if status.Code(cerr) != code {
+		e.t.Fatalf("CreateVolume in the broken pool: %v, want %v", cerr, code)
 	}
 	for _, w := range words {
-		if !strings.Contains(status.Convert(err).Message(), w) {
-			e.t.Errorf("Probe message does not mention %q: %s", w, status.Convert(err).Message())
+		if !strings.Contains(msg, w) {
+			e.t.Errorf("storage health does not mention %q: %q", w, msg)
+		}
+		if !strings.Contains(status.Convert(cerr).Message(), w) && code == codes.Unavailable {
+			e.t.Errorf("CreateVolume's error does not mention %q: %s", w, status.Convert(cerr).Message())
 		}
 	}
 }
@@ -51,7 +69,7 @@ func TestProbePoolUnwritable(t *testing.T) {
 	e := start(t, "")
 	e.wantReady()
 	restore := readOnlyOver(t, e.pool)
-	e.wantNotReady("pool p", "not writable", e.pool)
+	e.wantPoolDown(codes.Unavailable, "pool p", "not writable", e.pool)
 	restore()
 	e.wantReady()
 }
@@ -63,7 +81,7 @@ func TestProbePoolMissing(t *testing.T) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { os.Rename(moved, e.pool) })
-	e.wantNotReady("pool p", "missing", e.pool)
+	e.wantPoolDown(codes.Unavailable, "pool p", "missing", e.pool)
 	if err := os.Rename(moved, e.pool); err != nil {
 		t.Fatal(err)
 	}
@@ -128,7 +146,7 @@ func TestPoolNearlyFullAndOutOfSpace(t *testing.T) {
 	e.wantReady() // nearly full is a warning, not a reason to restart the driver
 
 	rest := fill2(t, filepath.Dir(poolDir))
-	e.wantNotReady("pool p", "out of space")
+	e.wantPoolDown(codes.ResourceExhausted, "pool p", "out of space")
 
 	os.Remove(rest)
 	os.Remove(filler)
@@ -154,4 +172,49 @@ func fill2(t *testing.T, dir string) string {
 		n -= st.Bsize * 16 // metadata blocks for the extent tree come out of the same space
 	}
 	return path
+}
+
+// One pool unmounted under a running driver: no restart (Probe stays ready),
+// and the healthy pool's volumes are created, staged and published.
+func TestOneBrokenPoolKeepsTheOthersServing(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "losetup", "mount")
+	root := t.TempDir()
+	harness.CheckNoLeaks(t, root)
+	broken := smallFS(t, 64<<20)
+	good := filepath.Join(root, "good")
+	d := harness.Start(t, harness.Options{Pools: []string{"broken=" + broken, "good=" + good}})
+	e := &env{t: t, root: root, pool: good, d: d}
+	// The broken pool's filesystem goes away under the driver.
+	if err := unix.Unmount(filepath.Dir(broken), unix.MNT_DETACH); err != nil {
+		t.Fatal(err)
+	}
+	e.wantReady()
+	_, err := d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "in-broken", Parameters: map[string]string{"pool": "broken"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if status.Code(err) != codes.Unavailable {
+		t.Fatalf("create in the unmounted pool: %v, want UNAVAILABLE", err)
+	}
+	resp, err := d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "in-good", Parameters: map[string]string{"pool": "good"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatalf("create in the healthy pool: %v", err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	staging, target := filepath.Join(root, "staging"), filepath.Join(root, "target")
+	t.Cleanup(func() {
+		d.Node().NodeUnpublishVolume(ctx(t), &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+		d.Node().NodeUnstageVolume(ctx(t), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+		d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id})
+	})
+	if _, err := d.Node().NodeStageVolume(ctx(t), &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap("ext4")}); err != nil {
+		t.Fatalf("stage in the healthy pool: %v", err)
+	}
+	if _, err := d.Node().NodePublishVolume(ctx(t), &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: mountCap("ext4")}); err != nil {
+		t.Fatalf("publish in the healthy pool: %v", err)
+	}
+	e.wantReady()
+	if !strings.Contains(d.Log(), "Pool unavailable") {
+		t.Error("the log does not say the pool is unavailable")
+	}
 }

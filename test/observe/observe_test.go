@@ -117,9 +117,10 @@ func TestLivenessProbeHealthz(t *testing.T) {
 			t.Fatalf("mount %v: %v %s", args, err, out)
 		}
 	}
-	code, body := get(t, url)
-	if code == http.StatusOK || !strings.Contains(body, "pool p") || !strings.Contains(body, "not writable") {
-		t.Fatalf("broken pool: /healthz %d %q, want non-200 naming the pool", code, body)
+	// A broken pool is that pool's fault, not the process's: liveness stays
+	// healthy (a restart would fix nothing), the pool's calls fail instead.
+	if code, body := get(t, url); code != http.StatusOK {
+		t.Fatalf("broken pool: /healthz %d %q, want 200 (the driver still serves)", code, body)
 	}
 
 	if err := unix.Unmount(poolDir, 0); err != nil {
