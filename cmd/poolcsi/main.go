@@ -7,6 +7,8 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"net"
+	"net/http"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -14,14 +16,17 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/demo"
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
@@ -121,6 +126,9 @@ func serve(ctx context.Context, args []string) error {
 	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
 	pathPrefix := fs.String("allowed-path-prefix", "", "the only directory staging and target paths may be under (kubelet's root directory); empty: any absolute path")
+	registrationDir := fs.String("registration-dir", "", "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
+	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
+	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -194,7 +202,62 @@ func serve(ctx context.Context, args []string) error {
 		}
 		interceptors = append(interceptors, mx.Interceptor)
 	}
+	if *healthzAddr != "" {
+		if err := serveHealthz(ctx, *healthzAddr, d); err != nil {
+			return err
+		}
+	}
+	if *registrationDir != "" {
+		csiPath := *kubeletEndpoint
+		if csiPath == "" {
+			csiPath = strings.TrimPrefix(*endpoint, "unix://")
+		}
+		r := &kubeletplugin.Registrar{DriverName: *driverName, Endpoint: csiPath, Dir: *registrationDir}
+		go func() {
+			if err := r.Run(ctx, probeEndpoint(*endpoint)); err != nil {
+				klog.ErrorS(err, "Kubelet plugin registration stopped; kubelet will not use this node plugin until it restarts")
+			}
+		}()
+	}
 	return d.Serve(ctx, *endpoint, interceptors...)
+}
+
+// serveHealthz serves /healthz (Probe, in-process) on addr until ctx ends.
+func serveHealthz(ctx context.Context, addr string, d *driver.Driver) error {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("healthz address %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", kubeletplugin.Healthz(d, 3*time.Second))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx) // the process is ending
+	}()
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			klog.ErrorS(err, "healthz server stopped", "address", addr)
+		}
+	}()
+	klog.InfoS("Serving /healthz", "address", lis.Addr().String())
+	return nil
+}
+
+// probeEndpoint calls Probe over the CSI socket: the registration waits until
+// the socket kubelet will use answers.
+func probeEndpoint(endpoint string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return err
+		}
+		defer func() { _ = conn.Close() }()
+		_, err = csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
+		return err
+	}
 }
 
 func runDemo(ctx context.Context, args []string) error {

@@ -227,23 +227,8 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
 	}
 	if v.AccessType == pool.AccessFilesystem {
-		// Grow through the staging mount: a pod's publish path may be a
-		// read-only bind of a read-write staging mount. Kubelet names it, or
-		// this node's stage record does.
-		candidates := []string{req.GetStagingTargetPath()}
-		for _, s := range v.Staged {
-			if s.Node == d.opts.NodeID {
-				candidates = append(candidates, s.Path)
-			}
-		}
-		for _, c := range candidates {
-			if info.ReadOnly && c != "" {
-				if sp, err := d.requestPath("staging_target_path", c); err == nil && sp != path {
-					if si, ok, err := d.mounts.Info(sp); err == nil && ok && !si.ReadOnly && (si.Source == dev || d.mounts.OnDevice(sp, dev)) {
-						path, info = sp, si
-					}
-				}
-			}
+		if info.ReadOnly {
+			path, info = d.writableMount(nv, req.GetStagingTargetPath(), dev, path, info)
 		}
 		if info.ReadOnly {
 			// Growing writes the filesystem, and a read-only stage must not be
@@ -266,4 +251,31 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	}
 	klog.FromContext(ctx).Info("Expanded volume on node", "volume", nv.id, "path", path, "device", dev, "size", size)
 	return &csi.NodeExpandVolumeResponse{CapacityBytes: size}, nil
+}
+
+// writableMount finds a read-write mount of the volume's filesystem to grow
+// through when the path kubelet named is read-only: a pod's publish path may be
+// a read-only bind of a read-write staging mount, which kubelet names, or this
+// node's stage record does. It returns path and info unchanged when there is
+// none.
+func (d imageLayout) writableMount(nv nodeVolume, staging, dev, path string, info mount.MountInfo) (string, mount.MountInfo) {
+	candidates := []string{staging}
+	for _, s := range nv.vol.Staged {
+		if s.Node == d.opts.NodeID {
+			candidates = append(candidates, s.Path)
+		}
+	}
+	for _, c := range candidates {
+		if c == "" {
+			continue
+		}
+		sp, err := d.requestPath("staging_target_path", c)
+		if err != nil || sp == path {
+			continue
+		}
+		if si, ok, err := d.mounts.Info(sp); err == nil && ok && !si.ReadOnly && (si.Source == dev || d.mounts.OnDevice(sp, dev)) {
+			return sp, si
+		}
+	}
+	return path, info
 }

@@ -103,7 +103,9 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 	}
 	sock := filepath.Join(c.Dir, name+".sock")
 	// The cluster's directory stands in for kubelet's: staging paths are made there.
-	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix"},
+	// No kubelet here: registration and /healthz are the kubelet tests' business.
+	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
+		"--registration-dir", "--kubelet-registration-path", "--healthz-address"},
 		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile, "--allowed-path-prefix="+filepath.Clean(c.Dir),
 		"--metrics-address=127.0.0.1:"+strconv.Itoa(freePort(t)))
 	for i, a := range args {

@@ -1,0 +1,103 @@
+// Package kubeletplugin registers poolcsi with kubelet itself, and serves
+// the liveness endpoint in-process, so a node pod needs neither the
+// node-driver-registrar nor the livenessprobe sidecar (one image to pull per
+// node instead of three). It speaks kubelet's plugin registration API v1
+// (k8s.io/kubelet/pkg/apis/pluginregistration/v1): a socket in kubelet's
+// plugins_registry directory serving GetInfo and NotifyRegistrationStatus.
+package kubeletplugin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"time"
+
+	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
+	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+)
+
+// Registrar serves the registration socket for one CSI driver.
+type Registrar struct {
+	registerapi.UnimplementedRegistrationServer
+	// DriverName is the CSI driver name kubelet registers.
+	DriverName string
+	// Endpoint is the CSI socket as kubelet sees it, on the host (for example
+	// /var/lib/kubelet/plugins/poolcsi.io/csi.sock).
+	Endpoint string
+	// Dir is kubelet's plugins_registry directory as this process sees it;
+	// the socket is <Dir>/<DriverName>-reg.sock.
+	Dir string
+}
+
+// SocketPath is where the registration socket is made.
+func (r *Registrar) SocketPath() string { return filepath.Join(r.Dir, r.DriverName+"-reg.sock") }
+
+// Run waits until ready answers (the CSI socket serves: kubelet calls
+// NodeGetInfo right after it registers the plugin), then serves the
+// registration socket until ctx ends, and removes it on the way out, which
+// deregisters the driver. A stale socket from an earlier process is replaced:
+// kubelet's watcher sees the new one and registers the restarted driver.
+func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) error {
+	log := klog.FromContext(ctx).WithValues("driver", r.DriverName, "socket", r.SocketPath())
+	for {
+		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+		err := ready(pctx)
+		cancel()
+		if err == nil {
+			break
+		}
+		log.V(2).Info("Waiting for the CSI socket before registering with kubelet", "err", err)
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(time.Second):
+		}
+	}
+	sock := r.SocketPath()
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("remove stale registration socket %s: %w", sock, err)
+	}
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		return fmt.Errorf("registration socket %s (is kubelet's plugins_registry mounted?): %w", sock, err)
+	}
+	srv := grpc.NewServer()
+	registerapi.RegisterRegistrationServer(srv, r)
+	go func() {
+		<-ctx.Done()
+		srv.Stop()
+		if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+			log.Error(err, "Removing the registration socket")
+		}
+	}()
+	log.Info("Serving kubelet plugin registration", "endpoint", r.Endpoint)
+	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+		return fmt.Errorf("serve registration socket: %w", err)
+	}
+	return nil
+}
+
+// GetInfo tells kubelet what this plugin is and where its CSI socket is.
+func (r *Registrar) GetInfo(ctx context.Context, _ *registerapi.InfoRequest) (*registerapi.PluginInfo, error) {
+	return &registerapi.PluginInfo{
+		Type:              registerapi.CSIPlugin,
+		Name:              r.DriverName,
+		Endpoint:          r.Endpoint,
+		SupportedVersions: []string{"1.0.0"},
+	}, nil
+}
+
+// NotifyRegistrationStatus is kubelet's answer: logged, and an error when
+// kubelet refused the plugin (it says why).
+func (r *Registrar) NotifyRegistrationStatus(ctx context.Context, s *registerapi.RegistrationStatus) (*registerapi.RegistrationStatusResponse, error) {
+	if !s.GetPluginRegistered() {
+		klog.FromContext(ctx).Error(errors.New(s.GetError()), "Kubelet refused to register the driver", "driver", r.DriverName)
+		return &registerapi.RegistrationStatusResponse{}, nil
+	}
+	klog.FromContext(ctx).Info("Registered with kubelet", "driver", r.DriverName, "endpoint", r.Endpoint)
+	return &registerapi.RegistrationStatusResponse{}, nil
+}
