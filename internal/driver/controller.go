@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"slices"
-	"sort"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -390,57 +389,89 @@ type listed struct {
 	entry pool.Entry
 }
 
-// allVolumes lists every ready volume of every pool, and every volume whose
-// metadata is damaged (so the CO still sees it exists; its health says why),
-// sorted by ID, which is what makes a volume ID usable as a paging token.
-func (d *Driver) allVolumes(ctx context.Context) ([]listed, error) {
-	var out []listed
-	for _, pn := range d.poolNames {
-		p := d.pools[pn]
-		entries, err := p.List()
+// pageVolumes lists, across every pool in (pool name, key) order, the volumes
+// keep accepts from the volume ID token (inclusive; "" for the start), at most
+// max (0: all), and returns the ID of the next one keep accepts ("" at the
+// end): the next page's token. It reads only the page's metadata (plus the
+// next entry's), so a walk costs what it returns, whatever the pool's size.
+func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.Entry) bool) ([]listed, string, error) {
+	var start pool.VolumeID
+	if token != "" {
+		id, err := pool.ParseVolumeID(token)
 		if err != nil {
-			return nil, grpcError(err)
+			return nil, "", status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", token)
 		}
-		for _, e := range entries {
-			if e.Err != nil {
-				klog.FromContext(ctx).Error(e.Err, "Volume metadata unreadable", "volume", e.ID)
-				out = append(out, listed{pool: p, entry: e})
-				continue
+		start = id
+	}
+	return walkPools(d, start.Pool, start.Key, max, func(p *pool.Pool, from string, limit int) ([]listed, string, error) {
+		page, next, err := p.ListPage(from, limit, func(e pool.Entry) bool { return keep(p, e) })
+		out := make([]listed, len(page))
+		for i, e := range page {
+			out[i] = listed{pool: p, entry: e}
+		}
+		if next != "" {
+			next = pool.VolumeID{Pool: p.Name, Key: next}.String()
+		}
+		return out, next, err
+	}, func(l listed) string { return l.entry.ID.String() })
+}
+
+// walkPools pages through the pools in name order, from key startKey of pool
+// startPool: list returns one pool's page from a key, at most limit entries
+// (0: all), and the token of the entry after it. It returns at most most
+// entries (0: all) and the next page's token.
+func walkPools[E any](d *Driver, startPool, startKey string, most int, list func(p *pool.Pool, from string, limit int) ([]E, string, error), token func(E) string) ([]E, string, error) {
+	var out []E
+	for _, pn := range d.poolNames {
+		if pn < startPool {
+			continue
+		}
+		from := ""
+		if pn == startPool {
+			from = startKey
+		}
+		limit := 0
+		if most > 0 {
+			// A full page still asks for one entry: its token is the next page's.
+			limit = max(most-len(out), 1)
+		}
+		page, next, err := list(d.pools[pn], from, limit)
+		if err != nil {
+			return nil, "", grpcError(err)
+		}
+		if most > 0 && len(out) == most {
+			if len(page) > 0 {
+				return out, token(page[0]), nil
 			}
-			if e.Volume.State != pool.StateReady {
-				continue
-			}
-			out = append(out, listed{pool: p, entry: e})
+			continue
+		}
+		out = append(out, page...)
+		if next != "" {
+			return out, next, nil
 		}
 	}
-	sort.Slice(out, func(i, j int) bool { return out[i].entry.ID.String() < out[j].entry.ID.String() })
-	return out, nil
+	return out, "", nil
 }
 
 // ListVolumes pages by volume ID: the token is the ID of the first volume of the
 // next page, so volumes created or deleted between pages neither repeat nor vanish
-// from the rest of the listing.
+// from the rest of the listing. Ready volumes are listed, and volumes whose
+// metadata is damaged (so the CO still sees they exist; the condition says why).
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
-	start := req.GetStartingToken()
-	if start != "" {
-		if _, err := pool.ParseVolumeID(start); err != nil {
-			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+	vols, next, err := d.pageVolumes(req.GetStartingToken(), int(req.GetMaxEntries()), func(_ *pool.Pool, e pool.Entry) bool {
+		if e.Err != nil {
+			klog.FromContext(ctx).Error(e.Err, "Volume metadata unreadable", "volume", e.ID)
+			return true
 		}
-	}
-	vols, err := d.allVolumes(ctx)
+		return e.Volume.State == pool.StateReady
+	})
 	if err != nil {
 		return nil, err
 	}
-	i := sort.Search(len(vols), func(i int) bool { return vols[i].entry.ID.String() >= start })
-	vols = vols[i:]
-	resp := &csi.ListVolumesResponse{}
-	if n := int(req.GetMaxEntries()); n > 0 && len(vols) > n {
-		resp.NextToken = vols[n].entry.ID.String()
-		vols = vols[:n]
-	}
+	resp := &csi.ListVolumesResponse{NextToken: next}
 	spaces := map[*pool.Pool]health.PoolSpace{} // one statfs per pool of the page
 	for _, l := range vols {
 		space, ok := spaces[l.pool]

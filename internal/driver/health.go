@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"os"
-	"sort"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -96,33 +95,28 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
-	start := req.GetStartingToken()
-	if start != "" {
-		if _, err := pool.ParseVolumeID(start); err != nil {
-			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+	spaces := map[*pool.Pool]health.PoolSpace{} // one statfs per pool
+	found := map[pool.VolumeID][]health.Issue{}
+	vols, next, err := d.pageVolumes(req.GetStartingToken(), int(req.GetMaxEntries()), func(p *pool.Pool, e pool.Entry) bool {
+		if e.Err == nil && e.Volume.State != pool.StateReady {
+			return false
 		}
-	}
-	var sick []*csi.VolumeHealth
-	for _, pn := range d.poolNames {
-		scan, err := health.ScanPool(d.pools[pn], d.opts.Health)
-		if err != nil {
-			return nil, grpcError(err)
+		space, ok := spaces[p]
+		if !ok {
+			space = health.StatPool(p)
+			spaces[p] = space
 		}
-		for _, r := range scan.Volumes {
-			if len(r.Issues) > 0 {
-				sick = append(sick, csiHealth(r.ID.String(), r.Issues))
-			}
-		}
+		issues := health.CheckVolume(p, e, space, d.opts.Health).Issues
+		found[e.ID] = issues
+		return len(issues) > 0
+	})
+	if err != nil {
+		return nil, err
 	}
-	sort.Slice(sick, func(i, j int) bool { return sick[i].VolumeId < sick[j].VolumeId })
-	i := sort.Search(len(sick), func(i int) bool { return sick[i].VolumeId >= start })
-	sick = sick[i:]
-	resp := &csi.ControllerListVolumeHealthResponse{}
-	if n := int(req.GetMaxEntries()); n > 0 && len(sick) > n {
-		resp.NextToken = sick[n].VolumeId
-		sick = sick[:n]
+	resp := &csi.ControllerListVolumeHealthResponse{NextToken: next}
+	for _, l := range vols {
+		resp.Entries = append(resp.Entries, csiHealth(l.entry.ID.String(), found[l.entry.ID]))
 	}
-	resp.Entries = sick
 	return resp, nil
 }
 

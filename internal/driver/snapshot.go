@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"sort"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -255,11 +254,13 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
-	start := req.GetStartingToken()
-	if start != "" {
-		if _, err := pool.ParseSnapshotID(start); err != nil {
-			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", start)
+	var start pool.SnapshotID
+	if token := req.GetStartingToken(); token != "" {
+		id, err := pool.ParseSnapshotID(token)
+		if err != nil {
+			return nil, status.Errorf(codes.Aborted, "starting_token %q was not issued by this driver", token)
 		}
+		start = id
 	}
 	if raw := req.GetSnapshotId(); raw != "" {
 		sid, known, err := parseSnapshotRef("snapshot_id", raw)
@@ -276,28 +277,28 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	if source != "" && pool.HostileID(source) {
 		return nil, status.Errorf(codes.InvalidArgument, "source_volume_id %q is not a poolcsi volume ID", source)
 	}
-	var all []*pool.Snapshot
-	for _, pn := range d.poolNames {
-		entries, err := d.pools[pn].ListSnapshots()
-		if err != nil {
-			return nil, grpcError(err)
-		}
-		for _, e := range entries {
-			switch {
-			case e.Err != nil:
+	// Paged like ListVolumes, reading only the page's snapshot.json files.
+	all, next, err := walkPools(d, start.Pool, start.Key, int(req.GetMaxEntries()), func(p *pool.Pool, from string, limit int) ([]*pool.Snapshot, string, error) {
+		page, next, err := p.ListSnapshotsPage(from, limit, func(e pool.SnapshotEntry) bool {
+			if e.Err != nil {
 				klog.FromContext(ctx).Error(e.Err, "Snapshot metadata unreadable", "snapshot", e.ID)
-			case e.Snapshot.ReadyToUse && (source == "" || e.Snapshot.SourceVolumeID == source):
-				all = append(all, e.Snapshot)
+				return false
 			}
+			return e.Snapshot.ReadyToUse && (source == "" || e.Snapshot.SourceVolumeID == source)
+		})
+		out := make([]*pool.Snapshot, len(page))
+		for i, e := range page {
+			out[i] = e.Snapshot
 		}
+		if next != "" {
+			next = pool.SnapshotID{Pool: p.Name, Key: next}.String()
+		}
+		return out, next, err
+	}, func(s *pool.Snapshot) string { return s.ID })
+	if err != nil {
+		return nil, err
 	}
-	sort.Slice(all, func(i, j int) bool { return all[i].ID < all[j].ID })
-	all = all[sort.Search(len(all), func(i int) bool { return all[i].ID >= start }):]
-	resp := &csi.ListSnapshotsResponse{}
-	if n := int(req.GetMaxEntries()); n > 0 && len(all) > n {
-		resp.NextToken = all[n].ID
-		all = all[:n]
-	}
+	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, s := range all {
 		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
 	}

@@ -42,6 +42,9 @@ type Pool struct {
 	// initialising is set by Initialise: the operator asked for the layout, so
 	// even a shared pool may be laid out.
 	initialising bool
+	// keys and snapKeys cache the sorted volume and snapshot keys, for
+	// listing in pages (list.go).
+	keys, snapKeys keyCache
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is

@@ -1,0 +1,139 @@
+package pool
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Listing in pages costs what the page returns, not the whole pool: the sorted
+// names of the volumes directory are cached and read again only when the
+// directory changed (one stat tells: its mtime and ctime move with every entry
+// created, renamed or removed, here or on another node of a shared pool), and
+// only the volumes of the page (plus the one after, for the next token) have
+// their volume.json read.
+
+// keyCache is the sorted volume keys of the pool's volumes directory, valid
+// while the directory's change times are the ones recorded.
+type keyCache struct {
+	mu           sync.Mutex
+	mtime, ctime unix.Timespec
+	ino          uint64
+	keys         []string
+	// stable: when the directory was read, its last change was already
+	// settleTime old. Timestamps are coarse (a jiffy) and, on a shared
+	// filesystem, set by another clock: a change in the same tick as the one
+	// recorded would leave the times equal, so a listing read that soon after a
+	// change is not reused.
+	stable bool
+}
+
+// settleTime is how old a directory's last change must be, when it is read,
+// for the listing to be reused while its times stay the same.
+const settleTime = 2 * time.Second
+
+// volumeKeys returns the pool's volume keys, sorted. The slice is shared:
+// callers do not modify it.
+func (p *Pool) volumeKeys() ([]string, error) {
+	return p.cachedKeys(&p.keys, filepath.Join(p.Path, volumesDir))
+}
+
+// snapshotKeys is volumeKeys for snapshots; no snapshots directory is none.
+func (p *Pool) snapshotKeys() ([]string, error) {
+	dir := filepath.Join(p.Path, snapshotsDir)
+	if _, err := os.Lstat(dir); os.IsNotExist(err) {
+		return nil, nil
+	}
+	return p.cachedKeys(&p.snapKeys, dir)
+}
+
+func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.keys != nil && c.stable && c.mtime == st.Mtim && c.ctime == st.Ctim && c.ino == st.Ino {
+		return c.keys, nil
+	}
+	readAt := time.Now()
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
+	}
+	names, err := f.Readdirnames(-1)
+	f.Close()
+	if err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
+	}
+	keys := names[:0]
+	for _, n := range names {
+		if keyRE.MatchString(n) {
+			keys = append(keys, n)
+		}
+	}
+	sort.Strings(keys)
+	c.keys, c.mtime, c.ctime, c.ino = keys, st.Mtim, st.Ctim, st.Ino
+	c.stable = readAt.Sub(time.Unix(st.Ctim.Unix())) > settleTime && readAt.Sub(time.Unix(st.Mtim.Unix())) > settleTime
+	return keys, nil
+}
+
+// ListPage returns, in key order from the key from (inclusive; "" for the
+// start), up to limit entries (0: all) that keep accepts, and the key of the
+// next entry keep accepts after them ("" at the end), which is where the next
+// page starts. A volume created or deleted between pages is listed or not,
+// but no other volume is missed or repeated, whatever controller of a shared
+// pool serves the next page. keep sees entries whose metadata loaded and
+// damaged ones (Err set).
+func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) (page []Entry, next string, err error) {
+	keys, err := p.volumeKeys()
+	if err != nil {
+		return nil, "", err
+	}
+	for i := sort.SearchStrings(keys, from); i < len(keys); i++ {
+		id := VolumeID{Pool: p.Name, Key: keys[i]}
+		v, err := p.Load(id)
+		if os.IsNotExist(err) && !p.VolumeExists(id) {
+			continue // deleted since the directory was read
+		}
+		e := Entry{ID: id, Volume: v, Err: err}
+		if !keep(e) {
+			continue
+		}
+		if limit > 0 && len(page) == limit {
+			return page, keys[i], nil
+		}
+		page = append(page, e)
+	}
+	return page, "", nil
+}
+
+// ListSnapshotsPage is ListPage for snapshots.
+func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry) bool) (page []SnapshotEntry, next string, err error) {
+	keys, err := p.snapshotKeys()
+	if err != nil {
+		return nil, "", err
+	}
+	for i := sort.SearchStrings(keys, from); i < len(keys); i++ {
+		id := SnapshotID{Pool: p.Name, Key: keys[i]}
+		s, err := p.LoadSnapshot(id)
+		if os.IsNotExist(err) && !p.SnapshotExists(id) {
+			continue
+		}
+		e := SnapshotEntry{ID: id, Snapshot: s, Err: err}
+		if !keep(e) {
+			continue
+		}
+		if limit > 0 && len(page) == limit {
+			return page, keys[i], nil
+		}
+		page = append(page, e)
+	}
+	return page, "", nil
+}
