@@ -17,9 +17,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
-	"google.golang.org/grpc/status"
 )
 
 var (
@@ -73,9 +71,6 @@ type Options struct {
 	NodeID string
 	Pools  []string // NAME=PATH[,shared]
 	Args   []string // extra flags
-	// AllowNotReady makes Start return once the driver answers Probe at all,
-	// for tests of a driver that is meant to be not ready.
-	AllowNotReady bool
 }
 
 // Start runs `poolcsi serve` and waits until Probe answers. The process is stopped
@@ -142,7 +137,7 @@ func (d *Driver) launch(t testing.TB) {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 		_, err := csi.NewIdentityClient(d.Conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
 		cancel()
-		if err == nil || (d.opts.AllowNotReady && status.Code(err) == codes.FailedPrecondition) {
+		if err == nil {
 			return
 		}
 		select {

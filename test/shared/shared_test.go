@@ -461,17 +461,25 @@ func TestUnenforcedDirVolume(t *testing.T) {
 // TestUninitialisedSharedPoolIsNotReady starts a driver on an empty directory
 // configured as a shared pool — what an unmounted share looks like — and checks
 // that it writes nothing there and is not ready until the operator lays it out.
-func TestUninitialisedSharedPoolIsNotReady(t *testing.T) {
+func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 	testutil.RequireRoot(t)
 	root := t.TempDir()
 	share := filepath.Join(root, "share")
 	if err := os.Mkdir(share, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + share + ",shared"}, AllowNotReady: true})
-	_, err := d.Identity().Probe(context.Background(), &csi.ProbeRequest{})
-	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "pool init") {
-		t.Fatalf("Probe on an uninitialised shared pool = %v, want FailedPrecondition saying how to initialise it", err)
+	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + share + ",shared"}})
+	// The process serves (liveness); the pool is unavailable and says how to
+	// initialise it, in its calls and in storage health.
+	_, err := d.Controller().CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "v",
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")},
+		CapacityRange:      &csi.CapacityRange{RequiredBytes: 16 * mib}})
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "pool init") {
+		t.Fatalf("CreateVolume on an uninitialised shared pool = %v, want UNAVAILABLE saying how to initialise it", err)
+	}
+	sh, err := d.Node().NodeGetStorageHealth(context.Background(), &csi.NodeGetStorageHealthRequest{})
+	if err != nil || len(sh.GetBackendHealth()) != 1 || !strings.Contains(sh.GetBackendHealth()[0].GetMessage(), "pool init") {
+		t.Fatalf("storage health of an uninitialised shared pool: %v %v", sh, err)
 	}
 	if entries, _ := os.ReadDir(share); len(entries) != 0 {
 		t.Fatalf("the driver wrote into what may be an unmounted share: %v", entries)
@@ -479,7 +487,7 @@ func TestUninitialisedSharedPoolIsNotReady(t *testing.T) {
 	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", share, "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	if _, err := d.Identity().Probe(context.Background(), &csi.ProbeRequest{}); err != nil {
-		t.Fatalf("Probe after pool init: %v", err)
+	if sh, err := d.Node().NodeGetStorageHealth(context.Background(), &csi.NodeGetStorageHealthRequest{}); err != nil || len(sh.GetBackendHealth()) != 0 {
+		t.Fatalf("storage health after pool init: %v %v", sh, err)
 	}
 }
