@@ -128,6 +128,7 @@ func serve(ctx context.Context, args []string) error {
 	pathPrefix := fs.String("allowed-path-prefix", "", "the only directory staging and target paths may be under (kubelet's root directory); empty: any absolute path")
 	registrationDir := fs.String("registration-dir", "", "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
 	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
+	statsHealthTTL := fs.Duration("stats-health-ttl", 5*time.Second, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
 	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
@@ -183,6 +184,7 @@ func serve(ctx context.Context, args []string) error {
 		Name:              *driverName,
 		Version:           buildVersion(),
 		PathPrefix:        *pathPrefix,
+		StatsHealthTTL:    *statsHealthTTL,
 		NodeID:            *nodeID,
 		Mode:              m,
 		Pools:             opened,

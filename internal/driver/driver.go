@@ -15,6 +15,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -65,6 +66,13 @@ type Options struct {
 	// Health holds the thresholds of the volume health checks; zero values
 	// take health.DefaultOptions.
 	Health health.Options
+	// StatsHealthTTL is how long NodeGetVolumeStats reuses a volume's
+	// node-side health (0: never). The checks read the whole mount table and
+	// sysfs, a few hundred microseconds, twenty times the rest of the call;
+	// kubelet asks once a minute and always gets a fresh answer with a few
+	// seconds, while a burst of callers does not pay for the checks each time.
+	// NodeGetVolumeHealth never reuses one.
+	StatsHealthTTL time.Duration
 	// PathPrefix, if set, is the only directory staging and target paths may
 	// be under (kubelet's root directory). Below it, and below / when unset, no
 	// component of such a path may be a symbolic link.
@@ -97,6 +105,9 @@ type Driver struct {
 	// poolState holds each pool's last seen fault ("" when usable), so Probe
 	// logs changes once (see notePools).
 	poolState sync.Map
+	// conditions caches the node-side health NodeGetVolumeStats reports,
+	// for Options.StatsHealthTTL (see statsCondition).
+	conditions sync.Map
 }
 
 // New checks opts and prepares the node-side state (the loop device map).

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -10,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -30,13 +32,31 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetStagingTargetPath() != "" {
 		staging, _ = d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	}
-	issues, err := d.nodeIssues(p, vid, staging, path)
+	issues, err := d.statsCondition(p, vid, staging, path)
 	if err != nil {
 		klog.FromContext(ctx).V(2).Info("Volume health not computed for the stats", "volume", vid, "err", err)
 		return resp, nil
 	}
 	setLegacyCondition(resp, issues)
 	return resp, nil
+}
+
+type cachedCondition struct {
+	at     time.Time
+	issues []health.Issue
+}
+
+func (d *Driver) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path string) ([]health.Issue, error) {
+	key := vid.String() + "\x00" + staging + "\x00" + path
+	if c, ok := d.conditions.Load(key); ok && time.Since(c.(cachedCondition).at) < d.opts.StatsHealthTTL {
+		return c.(cachedCondition).issues, nil
+	}
+	issues, err := d.nodeIssues(p, vid, staging, path)
+	if err != nil {
+		return nil, err
+	}
+	d.conditions.Store(key, cachedCondition{at: time.Now(), issues: issues})
+	return issues, nil
 }
 
 func (d *Driver) volumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
@@ -22,7 +23,7 @@ func BenchmarkNodeGetVolumeStatsInProcess(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	d, err := New(Options{Name: "x", NodeID: "n", Mode: ModeAll, Pools: []*pool.Pool{p}})
+	d, err := New(Options{Name: "x", NodeID: "n", Mode: ModeAll, Pools: []*pool.Pool{p}, StatsHealthTTL: 5 * time.Second})
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -54,7 +54,7 @@ func serve(t *testing.T) (*grpc.ClientConn, string) {
 	sock := filepath.Join(sockDir, "csi.sock")
 	poolDir := filepath.Join(dir, "pool")
 	var log bytes.Buffer
-	cmd := exec.Command(bin, "serve", "--endpoint", "unix://"+sock, "--node-id", "node-1", "--pool", "local="+poolDir, "-v", "2")
+	cmd := exec.Command(bin, "serve", "--endpoint", "unix://"+sock, "--node-id", "node-1", "--pool", "local="+poolDir, "-v", "2", "--stats-health-ttl=0")
 	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
