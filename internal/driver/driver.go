@@ -150,6 +150,7 @@ func New(opts Options) (*Driver, error) {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
 		}
+		p.SetNode(opts.NodeID) // named in the lock files it takes
 		d.pools[p.Name] = p
 		d.poolNames = append(d.poolNames, p.Name)
 	}

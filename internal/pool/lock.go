@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,17 +20,27 @@ const lockPoll = 5 * time.Millisecond
 // expand, delete) across every process and node that shares the pool. It is a lock
 // file, not a mutex: on a shared filesystem the other holder is another machine.
 func (p *Pool) LockPool(ctx context.Context) (unlock func(), err error) {
-	return lockFileAt(ctx, filepath.Join(p.Path, poolLock), true)
+	return p.lockFileAt(ctx, filepath.Join(p.Path, poolLock), true)
 }
 
 // LockVolume takes the lock of one volume's metadata. It fails with an error
 // wrapping os.ErrNotExist when the volume does not exist (or is deleted while
 // waiting), so no caller ever acts on a volume that vanished under it.
 func (p *Pool) LockVolume(ctx context.Context, id VolumeID) (unlock func(), err error) {
-	return lockFileAt(ctx, filepath.Join(p.Dir(id), lockFile), false)
+	return p.lockFileAt(ctx, filepath.Join(p.Dir(id), lockFile), false)
 }
 
-func lockFileAt(ctx context.Context, path string, create bool) (func(), error) {
+// lockPatience bounds the wait for a lock when the call has no deadline of its
+// own: on a shared filesystem a lock held by a dead node stays held until the
+// server evicts that client (minutes), and no call may hang that long.
+const lockPatience = 30 * time.Second
+
+func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func(), error) {
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeoutCause(ctx, lockPatience, ErrBusy)
+		defer cancel()
+	}
 	flags := os.O_RDWR
 	if create {
 		flags |= os.O_CREATE
@@ -40,8 +51,12 @@ func lockFileAt(ctx context.Context, path string, create bool) (func(), error) {
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
 		if err := flockContext(ctx, f); err != nil {
+			holder := readHolder(f)
 			f.Close()
-			return nil, fmt.Errorf("lock %s: %w", path, err)
+			if errors.Is(context.Cause(ctx), ErrBusy) {
+				err = fmt.Errorf("%w: waited %s", ErrBusy, lockPatience)
+			}
+			return nil, fmt.Errorf("lock %s (last taken by %s): %w", path, holder, err)
 		}
 		// The file may have been removed (volume deleted) between open and lock:
 		// then the lock we hold guards nothing, and we look again.
@@ -57,6 +72,7 @@ func lockFileAt(ctx context.Context, path string, create bool) (func(), error) {
 			}
 			continue
 		}
+		p.writeHolder(f)
 		return func() { f.Close() }, nil // closing releases the flock
 	}
 }
@@ -79,3 +95,35 @@ func flockContext(ctx context.Context, f *os.File) error {
 		}
 	}
 }
+
+// writeHolder records in a lock file just taken who holds it (node and
+// process), so a caller that cannot get the lock can name the holder: on a
+// shared pool it is another machine. It writes only when the record changes,
+// so taking a lock again leaves the file alone. Best effort: the record is a
+// message, not part of the lock.
+func (p *Pool) writeHolder(f *os.File) {
+	node := p.node
+	if node == "" {
+		node, _ = os.Hostname()
+	}
+	rec := fmt.Sprintf("node %s, pid %d", node, os.Getpid())
+	if readHolder(f) == rec {
+		return
+	}
+	if err := f.Truncate(0); err == nil {
+		_, _ = f.WriteAt([]byte(rec+"\n"), 0)
+	}
+}
+
+// readHolder reads the holder record of a lock file, or says there is none.
+func readHolder(f *os.File) string {
+	buf := make([]byte, 256)
+	n, _ := f.ReadAt(buf, 0)
+	if n == 0 {
+		return "an unknown holder"
+	}
+	return strings.TrimSpace(string(buf[:n]))
+}
+
+// SetNode names this process's node in the lock files it takes.
+func (p *Pool) SetNode(node string) { p.node = node }

@@ -45,6 +45,8 @@ type Pool struct {
 	// keys and snapKeys cache the sorted volume and snapshot keys, for
 	// listing in pages (list.go).
 	keys, snapKeys keyCache
+	// node names this process's node in the lock files it takes (SetNode).
+	node string
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
