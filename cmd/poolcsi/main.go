@@ -7,8 +7,6 @@ import (
 	"errors"
 	"flag"
 	"fmt"
-	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"runtime/debug"
@@ -16,10 +14,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/go-logr/logr"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/config"
@@ -129,6 +125,9 @@ func serve(ctx context.Context, args []string) error {
 	registrationDir := fs.String("registration-dir", "", "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
 	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
 	statsHealthTTL := fs.Duration("stats-health-ttl", 5*time.Second, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
+	pvcEvents := fs.Duration("pvc-events-interval", 0, "how often to put volume health on the claims as events (VolumeConditionAbnormal), as the health monitor sidecar does; 0: off")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for --pvc-events-interval (default: the pod's service account)")
+	leaseNamespace := fs.String("leader-election-namespace", "", "with --pvc-events-interval: only the holder of a Lease in this namespace reports, so controller replicas do not repeat each other; empty: no leader election")
 	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
@@ -204,6 +203,11 @@ func serve(ctx context.Context, args []string) error {
 		}
 		interceptors = append(interceptors, mx.Interceptor)
 	}
+	if *pvcEvents > 0 {
+		if err := startPVCEvents(ctx, d, *driverName, *kubeconfig, *leaseNamespace, *pvcEvents); err != nil {
+			return err
+		}
+	}
 	if *healthzAddr != "" {
 		if err := serveHealthz(ctx, *healthzAddr, d); err != nil {
 			return err
@@ -222,44 +226,6 @@ func serve(ctx context.Context, args []string) error {
 		}()
 	}
 	return d.Serve(ctx, *endpoint, interceptors...)
-}
-
-// serveHealthz serves /healthz (Probe, in-process) on addr until ctx ends.
-func serveHealthz(ctx context.Context, addr string, d *driver.Driver) error {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return fmt.Errorf("healthz address %s: %w", addr, err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/healthz", kubeletplugin.Healthz(d, 3*time.Second))
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx) // the process is ending
-	}()
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			klog.ErrorS(err, "healthz server stopped", "address", addr)
-		}
-	}()
-	klog.InfoS("Serving /healthz", "address", lis.Addr().String())
-	return nil
-}
-
-// probeEndpoint calls Probe over the CSI socket: the registration waits until
-// the socket kubelet will use answers.
-func probeEndpoint(endpoint string) func(context.Context) error {
-	return func(ctx context.Context) error {
-		conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
-		if err != nil {
-			return err
-		}
-		defer func() { _ = conn.Close() }()
-		_, err = csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
-		return err
-	}
 }
 
 func runDemo(ctx context.Context, args []string) error {

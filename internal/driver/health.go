@@ -194,3 +194,23 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 	}
 	return resp, nil
 }
+
+// AbnormalVolumes returns every volume of the driver's pools with a
+// controller-side health issue, by volume ID, with the message the legacy
+// condition carries: for reporting health where the health monitor sidecar is
+// not deployed (internal/pvcevents).
+func (d *Driver) AbnormalVolumes(ctx context.Context) (map[string]string, error) {
+	resp, err := d.ControllerListVolumeHealth(ctx, &csi.ControllerListVolumeHealthRequest{})
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]string, len(resp.GetEntries()))
+	for _, h := range resp.GetEntries() {
+		var parts []string
+		for _, s := range h.GetHealthStatuses() {
+			parts = append(parts, s.GetReason()+": "+s.GetMessage())
+		}
+		out[h.GetVolumeId()] = strings.Join(parts, "; ")
+	}
+	return out, nil
+}

@@ -73,7 +73,7 @@ func buildPoolcsi(t *testing.T, dir string) string {
 
 // startDriver runs `poolcsi serve` with the args the chart gives the container, pointed at
 // a socket, config file and pool directories under dir.
-func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.Unstructured, name, kind, workload, container, configKey, nodeID string, pools map[string]string) *driver {
+func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.Unstructured, name, kind, workload, container, configKey, nodeID, kubeconfig string, pools map[string]string) *driver {
 	t.Helper()
 	obj := find(rendered, kind, workload)
 	if obj == nil {
@@ -104,6 +104,13 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 	sock := filepath.Join(c.Dir, name+".sock")
 	// The cluster's directory stands in for kubelet's: staging paths are made there.
 	// No kubelet here: registration and /healthz are the kubelet tests' business.
+	for _, a := range args {
+		if strings.HasPrefix(a, "--pvc-events-interval=") {
+			// Claims' health events, through the chart's service account, every second.
+			args = rewriteArgs(args, []string{"--pvc-events-interval"}, "--pvc-events-interval=1s", "--kubeconfig="+kubeconfig)
+			break
+		}
+	}
 	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
 		"--registration-dir", "--kubelet-registration-path", "--healthz-address"},
 		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile, "--allowed-path-prefix="+filepath.Clean(c.Dir),
@@ -342,13 +349,13 @@ func TestKubernetes(t *testing.T) {
 	if out, err := exec.Command(poolcsi, "pool", "init", "--path", sharedPool["/mnt/poolcsi-shared"], "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	local := startDriver(t, c, poolcsi, rendered, "poolcsi-local-node-1", "DaemonSet", "poolcsi-node", "poolcsi-local", "local.yaml", "node-1",
+	local := startDriver(t, c, poolcsi, rendered, "poolcsi-local-node-1", "DaemonSet", "poolcsi-node", "poolcsi-local", "local.yaml", "node-1", nodeKube,
 		map[string]string{"/var/lib/poolcsi/pools/local": filepath.Join(dir, "pools", "node-1-local")})
-	shared := startDriver(t, c, poolcsi, rendered, "poolcsi-controller", "Deployment", "poolcsi-controller", "poolcsi", "shared.yaml", "controller", sharedPool)
+	shared := startDriver(t, c, poolcsi, rendered, "poolcsi-controller", "Deployment", "poolcsi-controller", "poolcsi", "shared.yaml", "controller", ctrlKube, sharedPool)
 	// The shared driver's node plugins on both nodes: they register the nodes with the
 	// shared pool, which ControllerPublishVolume checks.
 	for _, n := range []string{"node-1", "node-2"} {
-		startDriver(t, c, poolcsi, rendered, "poolcsi-shared-"+n, "DaemonSet", "poolcsi-node", "poolcsi", "shared.yaml", n, sharedPool)
+		startDriver(t, c, poolcsi, rendered, "poolcsi-shared-"+n, "DaemonSet", "poolcsi-node", "poolcsi", "shared.yaml", n, nodeKube, sharedPool)
 	}
 	localProvisioner := startSidecar(t, c, provisioner, "csi-provisioner-local", ds, "csi-provisioner-local", local.sock, nodeKube,
 		[]string{"NODE_NAME=node-1"}, "--retry-interval-max=5s")
@@ -486,6 +493,42 @@ func TestKubernetes(t *testing.T) {
 		})
 		checkGoneFromPool(t, filepath.Join(dir, "pools", "shared"), handle)
 	})
+	t.Run("an abnormal volume puts a VolumeConditionAbnormal event on its claim", func(t *testing.T) {
+		size := resource.MustParse("96Mi")
+		pvc := newPVC("sick-claim", "poolcsi-shared-image", size, corev1.ReadWriteOnce)
+		pv := provision(t, c, pvc)
+		handle := pv.Spec.CSI.VolumeHandle
+		defer deleteClaim(t, c, pvc.Name, pv.Name)
+		key := handle[strings.Index(handle, ".")+1:]
+		// The fault, behind the driver's back: the image is cut short.
+		image := filepath.Join(sharedPool["/mnt/poolcsi-shared"], "volumes", key, "disk.img")
+		fi, err := os.Stat(image)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(image, fi.Size()/2); err != nil {
+			t.Fatal(err)
+		}
+		event := func(reason string) error {
+			evs, err := c.Client.CoreV1().Events(pvc.Namespace).List(ctx, metav1.ListOptions{})
+			if err != nil {
+				return err
+			}
+			for _, e := range evs.Items {
+				if e.InvolvedObject.Kind == "PersistentVolumeClaim" && e.InvolvedObject.Name == pvc.Name && e.Reason == reason {
+					t.Logf("%s event on claim %s: %s", e.Type, pvc.Name, e.Message)
+					return nil
+				}
+			}
+			return fmt.Errorf("no %s event on claim %s yet", reason, pvc.Name)
+		}
+		waitFor(t, 60*time.Second, "VolumeConditionAbnormal event", func() error { return event("VolumeConditionAbnormal") })
+		if err := os.Truncate(image, fi.Size()); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 60*time.Second, "VolumeConditionNormal event", func() error { return event("VolumeConditionNormal") })
+	})
+
 	t.Run("shared PVC expanded by csi-resizer through ControllerExpandVolume", func(t *testing.T) {
 		testSharedResize(t, c, shared, sharedResizer, filepath.Join(dir, "pools", "shared"))
 	})

@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
+	"github.com/poolcsi/poolcsi/internal/pvcevents"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/leaderelection"
+	"k8s.io/client-go/tools/leaderelection/resourcelock"
+	"k8s.io/klog/v2"
+)
+
+// The optional parts of serve that talk to kubelet or the API server.
+
+// serveHealthz serves /healthz (Probe, in-process) on addr until ctx ends.
+func serveHealthz(ctx context.Context, addr string, d *driver.Driver) error {
+	lis, err := net.Listen("tcp", addr)
+	if err != nil {
+		return fmt.Errorf("healthz address %s: %w", addr, err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/healthz", kubeletplugin.Healthz(d, 3*time.Second))
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	go func() {
+		<-ctx.Done()
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+		defer cancel()
+		_ = srv.Shutdown(sctx) // the process is ending
+	}()
+	go func() {
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			klog.ErrorS(err, "healthz server stopped", "address", addr)
+		}
+	}()
+	klog.InfoS("Serving /healthz", "address", lis.Addr().String())
+	return nil
+}
+
+// probeEndpoint calls Probe over the CSI socket: the registration waits until
+// the socket kubelet will use answers.
+func probeEndpoint(endpoint string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		conn, err := grpc.NewClient(endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			return err
+		}
+		defer func() { _ = conn.Close() }()
+		_, err = csi.NewIdentityClient(conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
+		return err
+	}
+}
+
+// startPVCEvents reports volume health on the claims every interval, in the
+// background, through the API server kubeconfig (or the service account) names.
+func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, leaseNamespace string, interval time.Duration) error {
+	var cfg *rest.Config
+	var err error
+	if kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return fmt.Errorf("--pvc-events-interval: API server config: %w", err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return fmt.Errorf("--pvc-events-interval: %w", err)
+	}
+	r := &pvcevents.Reporter{Client: client, Driver: name, Conditions: func(ctx context.Context) (map[string]pvcevents.Condition, error) {
+		sick, err := d.AbnormalVolumes(ctx)
+		out := make(map[string]pvcevents.Condition, len(sick))
+		for id, msg := range sick {
+			out[id] = pvcevents.Condition{Abnormal: true, Message: msg}
+		}
+		return out, err
+	}}
+	if leaseNamespace == "" {
+		go r.Run(ctx, interval)
+		klog.InfoS("Reporting volume health on claims", "interval", interval)
+		return nil
+	}
+	id, _ := os.Hostname() // the pod's name
+	lock := &resourcelock.LeaseLock{
+		LeaseMeta:  metav1.ObjectMeta{Name: strings.ReplaceAll(name, ".", "-") + "-pvc-events", Namespace: leaseNamespace},
+		Client:     client.CoordinationV1(),
+		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
+	}
+	go leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
+		Lock: lock, ReleaseOnCancel: true,
+		LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 5 * time.Second,
+		Callbacks: leaderelection.LeaderCallbacks{
+			OnStartedLeading: func(ctx context.Context) {
+				klog.InfoS("Reporting volume health on claims (leader)", "interval", interval, "identity", id)
+				r.Run(ctx, interval)
+			},
+			OnStoppedLeading: func() { klog.InfoS("No longer reporting volume health on claims", "identity", id) },
+		},
+	})
+	return nil
+}
