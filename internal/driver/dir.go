@@ -96,8 +96,11 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 		return err
 	}
 	if v.Quota != nil {
-		// An interrupted attempt's limit; its directory goes next.
-		_ = b.Remove(ctx, p.DataPath(vid), v.Quota.ID)
+		// An interrupted attempt's limit; its directory goes next (b.Remove
+		// refuses a link, which MakeData's RemoveAll then takes as a link).
+		if err := b.Remove(ctx, p.DataPath(vid), v.Quota.ID); err != nil {
+			klog.FromContext(ctx).Info("Not removing the half-made data's quota", "volume", vid, "err", err)
+		}
 	}
 	id, err := p.MakeData(ctx, v, b.Kind(), func(data string, taken map[uint64]bool) (uint64, error) {
 		return b.Create(ctx, data, v.CapacityBytes, taken)
@@ -149,6 +152,13 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		} else if other != "" {
 			return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
 		}
+	}
+	// A link in place of the data directory is removed as a link; nothing is
+	// deleted or unquota'd through it.
+	if h, err := p.OpenData(vid); err == nil {
+		_ = h.Close()
+	} else if errors.Is(err, pool.ErrCorrupt) {
+		v = nil // no quota step: RemoveAll takes the link itself
 	}
 	var q pool.DirQuota
 	if v != nil && v.Quota != nil {

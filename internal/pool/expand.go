@@ -20,21 +20,11 @@ import (
 // Locks: the volume's lock, then the pool's lock around the capacity decision;
 // callers hold no pool lock.
 func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volume, error) {
-	unlock, err := p.LockVolume(ctx, id)
+	v, unlock, err := p.lockForGrowth(ctx, id, LayoutImage)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	v, err := p.Load(id)
-	if err != nil {
-		return nil, err
-	}
-	if v.State != StateReady {
-		return nil, fmt.Errorf("%w: volume %s is %s", ErrNotReady, id, v.State)
-	}
-	if v.Layout != LayoutImage {
-		return nil, fmt.Errorf("volume %s has layout %s: only image volumes grow here", id, v.Layout)
-	}
 	h, err := p.OpenImage(id)
 	if err != nil {
 		return nil, fmt.Errorf("%w: volume %s: image: %w", ErrCorrupt, id, err)
@@ -100,21 +90,11 @@ func growFile(path string, size int64) error {
 // promises more than the limit allows. A size at or below the recorded one
 // changes nothing. Locks as Grow.
 func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit func(v *Volume, size int64) error) (*Volume, error) {
-	unlock, err := p.LockVolume(ctx, id)
+	v, unlock, err := p.lockForGrowth(ctx, id, LayoutDir)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	v, err := p.Load(id)
-	if err != nil {
-		return nil, err
-	}
-	if v.State != StateReady {
-		return nil, fmt.Errorf("%w: volume %s is %s", ErrNotReady, id, v.State)
-	}
-	if v.Layout != LayoutDir {
-		return nil, fmt.Errorf("volume %s has layout %s: only dir volumes grow here", id, v.Layout)
-	}
 	if size <= v.CapacityBytes {
 		return v, nil
 	}
@@ -136,4 +116,26 @@ func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit fu
 		return nil, fmt.Errorf("volume %s: limit raised to %d but not recorded: %w", id, size, err)
 	}
 	return v, nil
+}
+
+// lockForGrowth takes a volume's lock and loads it, refusing one that is not
+// ready or not of layout; the caller defers unlock.
+func (p *Pool) lockForGrowth(ctx context.Context, id VolumeID, layout Layout) (*Volume, func(), error) {
+	unlock, err := p.LockVolume(ctx, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	v, err := p.Load(id)
+	switch {
+	case err != nil:
+	case v.State != StateReady:
+		err = fmt.Errorf("%w: volume %s is %s", ErrNotReady, id, v.State)
+	case v.Layout != layout:
+		err = fmt.Errorf("volume %s has layout %s: only %s volumes grow here", id, v.Layout, layout)
+	}
+	if err != nil {
+		unlock()
+		return nil, nil, err
+	}
+	return v, unlock, nil
 }

@@ -91,49 +91,48 @@ func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 // but no other volume is missed or repeated, whatever controller of a shared
 // pool serves the next page. keep sees entries whose metadata loaded and
 // damaged ones (Err set).
-func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) (page []Entry, next string, err error) {
+func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) ([]Entry, string, error) {
 	keys, err := p.volumeKeys()
 	if err != nil {
 		return nil, "", err
 	}
-	for i := sort.SearchStrings(keys, from); i < len(keys); i++ {
-		id := VolumeID{Pool: p.Name, Key: keys[i]}
+	entries, next := page(keys, from, limit, func(key string) (Entry, bool) {
+		id := VolumeID{Pool: p.Name, Key: key}
 		v, err := p.Load(id)
-		if os.IsNotExist(err) && !p.VolumeExists(id) {
-			continue // deleted since the directory was read
-		}
-		e := Entry{ID: id, Volume: v, Err: err}
-		if !keep(e) {
+		gone := os.IsNotExist(err) && !p.VolumeExists(id) // deleted since the directory was read
+		return Entry{ID: id, Volume: v, Err: err}, !gone
+	}, keep)
+	return entries, next, nil
+}
+
+// page walks sorted keys from from, loading each (load says false for one
+// that is gone), and collects up to limit entries keep accepts, returning the
+// key of the next accepted one ("" at the end).
+func page[E any](keys []string, from string, limit int, load func(key string) (E, bool), keep func(E) bool) (out []E, next string) {
+	for i := sort.SearchStrings(keys, from); i < len(keys); i++ {
+		e, ok := load(keys[i])
+		if !ok || !keep(e) {
 			continue
 		}
-		if limit > 0 && len(page) == limit {
-			return page, keys[i], nil
+		if limit > 0 && len(out) == limit {
+			return out, keys[i]
 		}
-		page = append(page, e)
+		out = append(out, e)
 	}
-	return page, "", nil
+	return out, ""
 }
 
 // ListSnapshotsPage is ListPage for snapshots.
-func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry) bool) (page []SnapshotEntry, next string, err error) {
+func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry) bool) ([]SnapshotEntry, string, error) {
 	keys, err := p.snapshotKeys()
 	if err != nil {
 		return nil, "", err
 	}
-	for i := sort.SearchStrings(keys, from); i < len(keys); i++ {
-		id := SnapshotID{Pool: p.Name, Key: keys[i]}
+	entries, next := page(keys, from, limit, func(key string) (SnapshotEntry, bool) {
+		id := SnapshotID{Pool: p.Name, Key: key}
 		s, err := p.LoadSnapshot(id)
-		if os.IsNotExist(err) && !p.SnapshotExists(id) {
-			continue
-		}
-		e := SnapshotEntry{ID: id, Snapshot: s, Err: err}
-		if !keep(e) {
-			continue
-		}
-		if limit > 0 && len(page) == limit {
-			return page, keys[i], nil
-		}
-		page = append(page, e)
-	}
-	return page, "", nil
+		gone := os.IsNotExist(err) && !p.SnapshotExists(id)
+		return SnapshotEntry{ID: id, Snapshot: s, Err: err}, !gone
+	}, keep)
+	return entries, next, nil
 }

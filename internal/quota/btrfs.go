@@ -161,8 +161,14 @@ func readInt(path string) (int64, error) {
 // made), the caller's recursive removal still takes the content: root may rmdir
 // empty subvolumes.
 func (b Btrfs) Remove(ctx context.Context, dir string, id uint64) error {
-	if _, err := os.Lstat(dir); os.IsNotExist(err) {
+	fi, err := os.Lstat(dir)
+	if os.IsNotExist(err) {
 		return nil
+	}
+	if err == nil && fi.Mode()&os.ModeSymlink != 0 {
+		// btrfs subvolume delete would resolve the link and delete whatever
+		// subvolume it names: a link put in a pool is never followed.
+		return fmt.Errorf("%s is a symbolic link, not the volume's subvolume: not deleting through it", dir)
 	}
 	if err := runBtrfs(ctx, btrfsDeleteArgs(dir)); err != nil {
 		klog.FromContext(ctx).Info("Deleting the subvolume failed; removing its files instead", "dir", dir, "err", err)

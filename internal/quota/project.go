@@ -173,5 +173,8 @@ func (p Project) Remove(ctx context.Context, dir string, id uint64) error {
 	if id == 0 {
 		return nil
 	}
+	if fi, err := os.Lstat(dir); err == nil && fi.Mode()&os.ModeSymlink != 0 {
+		return fmt.Errorf("%s is a symbolic link, not the volume's directory: not changing its quota", dir)
+	}
 	return p.SetLimit(ctx, dir, id, 0)
 }

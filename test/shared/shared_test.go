@@ -491,3 +491,37 @@ func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 		t.Fatalf("storage health after pool init: %v %v", sh, err)
 	}
 }
+
+// A link put in place of a dir volume's data directory, pointing at another
+// subvolume, is removed as a link when the volume is deleted: the subvolume it
+// names (here, a sibling volume's) is not deleted through it.
+func TestDeleteDirVolumeWhoseDataIsALink(t *testing.T) {
+	e := setup(t)
+	ctx := context.Background()
+	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
+	params := map[string]string{"pool": "shared", "layout": "dir"}
+	doomed := createVolume(t, e.d1, "linked", 20*mib, params, vc).GetVolumeId()
+	victim := createVolume(t, e.d1, "victim", 20*mib, params, vc).GetVolumeId()
+	p, err := pool.OpenExisting(e.poolDir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dv, _ := pool.ParseVolumeID(doomed)
+	vv, _ := pool.ParseVolumeID(victim)
+	canary := filepath.Join(p.DataPath(vv), "canary")
+	if err := os.WriteFile(canary, []byte("alive"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("btrfs", "subvolume", "delete", p.DataPath(dv)).CombinedOutput(); err != nil {
+		t.Fatalf("btrfs subvolume delete: %v\n%s", err, out)
+	}
+	if err := os.Symlink(p.DataPath(vv), p.DataPath(dv)); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.d1.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: doomed}); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+	if raw, err := os.ReadFile(canary); err != nil || string(raw) != "alive" {
+		t.Fatalf("the other volume's data went with the link: %q %v", raw, err)
+	}
+}
