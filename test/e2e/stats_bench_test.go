@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"context"
-	"github.com/poolcsi/poolcsi/test/harness"
 	"slices"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/poolcsi/poolcsi/test/harness"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -76,4 +78,57 @@ func percentile(ds []time.Duration, p int) float64 {
 	i := (len(s)*p + 99) / 100
 	i = min(max(i, 1), len(s)) - 1
 	return float64(s[i].Nanoseconds()) / 1e3
+}
+
+// BenchmarkNodeGetVolumeStatsConcurrent is the same call from 50 callers at
+// once (issue 14's load), beside the no-op RPC from 50 callers in the same
+// run: the difference is what the driver adds under load.
+//
+//	go test ./test/e2e -run '^$' -bench NodeGetVolumeStatsConcurrent -benchtime 20000x
+func BenchmarkNodeGetVolumeStatsConcurrent(b *testing.B) {
+	e := newEnvArgs(b, []string{"-v", "2"}, "mkfs.ext4")
+	vc := harness.MountCap("ext4", harness.RWO)
+	id := e.create("bench-stats-50", vc, 64*mib)
+	e.stage(id, vc)
+	e.publish(id, vc, false)
+	node, ident := e.drv.Node(), e.drv.Identity()
+	req := &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: e.target(id)}
+	ctx := context.Background()
+	if _, err := node.NodeGetVolumeStats(ctx, req); err != nil {
+		b.Fatal(err)
+	}
+	const callers = 50
+	run := func(call func() error) []time.Duration {
+		var mu sync.Mutex
+		all := make([]time.Duration, 0, b.N)
+		var wg sync.WaitGroup
+		for c := 0; c < callers; c++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				mine := make([]time.Duration, 0, b.N/callers+1)
+				for i := c; i < b.N; i += callers {
+					start := time.Now()
+					if err := call(); err != nil {
+						b.Error(err)
+						return
+					}
+					mine = append(mine, time.Since(start))
+				}
+				mu.Lock()
+				all = append(all, mine...)
+				mu.Unlock()
+			}()
+		}
+		wg.Wait()
+		return all
+	}
+	b.ResetTimer()
+	stats := run(func() error { _, err := node.NodeGetVolumeStats(ctx, req); return err })
+	noop := run(func() error { _, err := ident.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{}); return err })
+	b.StopTimer()
+	b.ReportMetric(percentile(stats, 50), "rpc-p50-µs")
+	b.ReportMetric(percentile(stats, 99), "rpc-p99-µs")
+	b.ReportMetric(percentile(noop, 50), "noop-p50-µs")
+	b.ReportMetric(percentile(noop, 99), "noop-p99-µs")
 }
