@@ -66,10 +66,10 @@ func rounds(def int) int {
 // per mount.
 func setup(t *testing.T) *env {
 	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.btrfs", "btrfs", "mkfs.ext4", "blkid", "mount", "umount")
+	testutil.RequireCommands(t, "mkfs.btrfs", "btrfs", "mkfs.ext4", "mkfs.xfs", "xfs_growfs", "blkid", "mount", "umount")
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
-	mnt := testutil.LoopFS(t, root, "btrfs", 1024*mib)
+	mnt := testutil.LoopFS(t, root, "btrfs", 4096*mib)
 	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
 		t.Fatalf("btrfs quota enable: %v\n%s", err, out)
 	}
@@ -205,7 +205,9 @@ func (e *env) poolCheck(t *testing.T) {
 	}
 }
 
-// TestKillAnywhere walks volumes of both layouts through their whole life,
+// TestKillAnywhere walks volumes of both layouts through their whole life
+// (create, publish, stage, expand on the controller and the node, snapshot,
+// restore from it, and back),
 // killing the driver at a random moment of every mutating call; each call's
 // retry must converge, the data written before must read back, and the pool
 // must be clean with nothing leaked.
@@ -221,9 +223,10 @@ func TestKillAnywhere(t *testing.T) {
 
 func (e *env) life(t *testing.T, layout string, round int) {
 	name := fmt.Sprintf("pvc-%s-%d", layout, round)
-	vc := mountCap(rwo, "ext4")
+	// xfs, so NodeExpandVolume grows online here (ext4 needs CAP_SYS_RESOURCE).
+	vc := mountCap(rwo, "xfs")
 	params := map[string]string{"layout": layout}
-	size := int64(64 * mib)
+	size := int64(320 * mib)
 	if layout == "dir" {
 		vc = mountCap(rwx, "")
 	}
@@ -231,7 +234,7 @@ func (e *env) life(t *testing.T, layout string, round int) {
 	staging, target := filepath.Join(dir, "staging"), filepath.Join(dir, "target")
 	var id, data string
 	snapName := name + "-snap"
-	var snapID string
+	var snapID, restoredID string
 	d := e.d1
 	t.Cleanup(func() { // a failed life leaves no mount or loop device behind
 		c := context.Background()
@@ -241,6 +244,9 @@ func (e *env) life(t *testing.T, layout string, round int) {
 		_, _ = d.Node().NodeUnpublishVolume(c, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
 		_, _ = d.Node().NodeUnstageVolume(c, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
 		_, _ = d.Controller().ControllerUnpublishVolume(c, &csi.ControllerUnpublishVolumeRequest{VolumeId: id})
+		if restoredID != "" {
+			_, _ = d.Controller().DeleteVolume(c, &csi.DeleteVolumeRequest{VolumeId: restoredID})
+		}
 		if snapID != "" {
 			_, _ = d.Controller().DeleteSnapshot(c, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
 		}
@@ -273,9 +279,25 @@ func (e *env) life(t *testing.T, layout string, round int) {
 			_, err := d.Controller().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
 			return err
 		}},
+		{"NodeExpandVolume", func(ctx context.Context, d *harness.Driver) error {
+			_, err := d.Node().NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: target, StagingTargetPath: staging,
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
+			return err
+		}},
 		{"CreateSnapshot", func(ctx context.Context, d *harness.Driver) error {
 			r, err := d.Controller().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: snapName, SourceVolumeId: id})
 			snapID = r.GetSnapshot().GetSnapshotId()
+			return err
+		}},
+		{"CreateVolume from the snapshot", func(ctx context.Context, d *harness.Driver) error {
+			r, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name + "-restored", Parameters: params,
+				VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size},
+				VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}})
+			restoredID = r.GetVolume().GetVolumeId()
+			return err
+		}},
+		{"DeleteVolume of the restored volume", func(ctx context.Context, d *harness.Driver) error {
+			_, err := d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: restoredID})
 			return err
 		}},
 		{"NodeUnpublishVolume", func(ctx context.Context, d *harness.Driver) error {
