@@ -118,6 +118,14 @@ func Run(ctx context.Context, cfg Config) (err error) {
 	}
 	defer func() { _ = conn.Close() }() // a client connection holds nothing to lose
 	r.ctrl, r.node, r.id = csi.NewControllerClient(conn), csi.NewNodeClient(conn), csi.NewIdentityClient(conn)
+	// The driver listens in its own goroutine: wait until its socket serves
+	// before the first call, which does not wait.
+	wctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	_, err = r.id.Probe(wctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
+	cancel()
+	if err != nil {
+		return fmt.Errorf("the demo's driver did not start: %w", err)
+	}
 	r.say("poolcsi demo: one volume through the calls Kubernetes makes, on a throw-away pool in %s\n", dir)
 	return r.walk()
 }
