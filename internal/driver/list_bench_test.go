@@ -70,3 +70,21 @@ func BenchmarkListVolumes10k(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkGetCapacity10k is GetCapacity on a pool of 10,000 volumes: the
+// overcommit accounting stats every image and, once, reads every volume.json.
+//
+//	go test ./internal/driver -run '^$' -bench GetCapacity10k -benchtime 20x
+func BenchmarkGetCapacity10k(b *testing.B) {
+	td := newTestDriver(b, testOpts{})
+	fixture(b, td, 10000)
+	if _, err := td.GetCapacity(context.Background(), &csi.GetCapacityRequest{}); err != nil { // the first reads them all
+		b.Fatal(err)
+	}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if _, err := td.GetCapacity(context.Background(), &csi.GetCapacityRequest{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}

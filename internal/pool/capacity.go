@@ -3,6 +3,7 @@ package pool
 import (
 	"fmt"
 	"math"
+	"sort"
 
 	"golang.org/x/sys/unix"
 )
@@ -93,18 +94,21 @@ func (p *Pool) Usage() (Usage, error) {
 		TotalBytes: int64(st.Blocks) * st.Bsize,
 		FreeBytes:  int64(st.Bavail) * st.Bsize,
 	}
-	entries, err := p.List()
+	keys, err := p.volumeKeys()
 	if err != nil {
 		return Usage{}, err
 	}
-	for _, e := range entries {
-		if e.Err != nil {
-			continue
+	for _, key := range keys {
+		id := VolumeID{Pool: p.Name, Key: key}
+		v, err := p.loadForUsage(id)
+		if err != nil {
+			continue // deleted meanwhile, or damaged: health reports it
 		}
 		u.Volumes++
-		u.ProvisionedBytes += e.Volume.CapacityBytes
-		u.UnbackedBytes += max(e.Volume.CapacityBytes-p.allocatedBytes(e.ID, e.Volume), 0)
+		u.ProvisionedBytes += v.CapacityBytes
+		u.UnbackedBytes += max(v.CapacityBytes-p.allocatedBytes(id, v), 0)
 	}
+	p.pruneMeta(keys)
 	snaps, err := p.ListSnapshots()
 	if err != nil {
 		return Usage{}, err
@@ -148,4 +152,48 @@ func (p *Pool) admit(need int64, what string) error {
 			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
 	}
 	return nil
+}
+
+// metaStamp identifies one version of a volume.json: every write renames a new
+// file into place, so a new version has a new inode.
+type metaStamp struct {
+	ino, size uint64
+	mtime     unix.Timespec
+}
+
+type cachedMeta struct {
+	stamp metaStamp
+	vol   *Volume
+}
+
+// loadForUsage is Load for capacity accounting, which reads every volume on
+// every decision: a volume.json unchanged since it was last read (same inode,
+// size and mtime: one stat) is not read and parsed again. Only the capacity
+// and layout are used from it.
+func (p *Pool) loadForUsage(id VolumeID) (*Volume, error) {
+	var st unix.Stat_t
+	if err := unix.Lstat(p.MetadataPath(id), &st); err != nil {
+		return nil, err
+	}
+	stamp := metaStamp{ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim}
+	if c, ok := p.meta.Load(id.Key); ok && c.(cachedMeta).stamp == stamp {
+		return c.(cachedMeta).vol, nil
+	}
+	v, err := p.Load(id)
+	if err != nil {
+		p.meta.Delete(id.Key)
+		return nil, err
+	}
+	p.meta.Store(id.Key, cachedMeta{stamp: stamp, vol: v})
+	return v, nil
+}
+
+// pruneMeta forgets the cached metadata of volumes no longer in the pool.
+func (p *Pool) pruneMeta(keys []string) {
+	p.meta.Range(func(k, _ any) bool {
+		if i := sort.SearchStrings(keys, k.(string)); i == len(keys) || keys[i] != k.(string) {
+			p.meta.Delete(k)
+		}
+		return true
+	})
 }

@@ -10,6 +10,7 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
+	"sync"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -47,6 +48,9 @@ type Pool struct {
 	keys, snapKeys keyCache
 	// node names this process's node in the lock files it takes (SetNode).
 	node string
+	// meta caches parsed volume.json files for capacity accounting, by key
+	// (loadForUsage).
+	meta sync.Map
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
