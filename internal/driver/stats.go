@@ -20,14 +20,27 @@ import (
 // volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
-	resp, err := d.volumeStats(ctx, req)
+	vid, err := parseVolumeID(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	if req.GetVolumePath() == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+	}
+	_, p, err := d.volumeRef(req.GetVolumeId())
+	if err != nil {
+		return nil, err
+	}
+	path, err := d.volumePath(vid, req.GetVolumePath())
+	if err != nil {
+		return nil, err
+	}
+	resp, err := d.volumeStats(ctx, p, vid, path)
 	if err != nil {
 		return nil, err
 	}
 	// The legacy volume_condition, which kubelet turns into
 	// kubelet_volume_stats_health_status_abnormal and a pod event.
-	vid, p, _ := d.volumeRef(req.GetVolumeId())
-	path, _ := d.volumePath(vid, req.GetVolumePath())
 	staging := ""
 	if req.GetStagingTargetPath() != "" {
 		staging, _ = d.requestPath("staging_target_path", req.GetStagingTargetPath())
@@ -59,22 +72,8 @@ func (d *Driver) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path s
 	return issues, nil
 }
 
-func (d *Driver) volumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
-	vid, err := parseVolumeID(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	if req.GetVolumePath() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
-	}
-	_, p, err := d.volumeRef(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	path, err := d.volumePath(vid, req.GetVolumePath())
-	if err != nil {
-		return nil, err
-	}
+// volumeStats is the usage of volume vid of pool p at path.
+func (d *Driver) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	// Fast path, for ext4 and xfs image volumes: the path shows the filesystem of
 	// the loop device backed by this volume's image, which proves everything the
 	// call needs without reading volume.json or mountinfo.
