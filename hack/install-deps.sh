@@ -4,9 +4,14 @@
 set -euo pipefail
 need=()
 for cmd in mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:xfsprogs \
-	mkfs.btrfs:btrfs-progs btrfs:btrfs-progs losetup:util-linux blkid:util-linux mount:mount; do
+	mkfs.btrfs:btrfs-progs btrfs:btrfs-progs losetup:util-linux blkid:util-linux mount:mount \
+	containerd:containerd ctr:containerd runc:runc iptables:iptables ip:iproute2 ldd:libc-bin; do
 	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
 done
+# The kubelet tests (test/k8s/harness/kubelet_test.go): CNI plugins for the pod network and
+# a static busybox for the test pods' image.
+[ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
+{ [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)
 [ ${#need[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
 	echo "install-deps: missing packages ${need[*]}; install them with your package manager" >&2

@@ -142,6 +142,22 @@ func (c *Cluster) WriteKubeconfig(name, token string) (string, error) {
 // server is ready.
 func StartCluster(t testing.TB, dir string) *Cluster {
 	t.Helper()
+	return StartClusterWith(t, dir, ClusterOptions{})
+}
+
+// ClusterOptions changes the control plane for a cluster with real nodes.
+type ClusterOptions struct {
+	// NodeIP, when set, makes kube-apiserver listen on every address and advertise NodeIP:
+	// pods reach it through the kubernetes Service, which kube-proxy maps to NodeIP. It
+	// also asks for kube-controller-manager with all its controllers (service-account
+	// tokens, the root CA ConfigMap, namespaces, garbage collection, ...) and
+	// kube-scheduler: without them no pod starts.
+	NodeIP string
+}
+
+// StartClusterWith is StartCluster with options.
+func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
+	t.Helper()
 	etcd, apiserver, kcm := etcdTool.Path(t), apiserverTool.Path(t), kcmTool.Path(t)
 	pki, err := NewPKI(filepath.Join(dir, "pki"))
 	if err != nil {
@@ -173,20 +189,30 @@ func StartCluster(t testing.TB, dir string) *Cluster {
 
 	port := freePort(t)
 	c.APIServer = "https://127.0.0.1:" + strconv.Itoa(port)
-	api := c.Start(t, "kube-apiserver", apiserver, nil,
-		"--etcd-servers="+etcdURL,
-		"--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", "--secure-port="+strconv.Itoa(port),
-		"--tls-cert-file="+pki.ServingCert, "--tls-private-key-file="+pki.ServingKey,
-		"--client-ca-file="+pki.CACert,
+	bind, advertise := "127.0.0.1", "127.0.0.1"
+	var nodeArgs []string
+	if opts.NodeIP != "" {
+		bind, advertise = "0.0.0.0", opts.NodeIP
+		// kubectl logs/exec and the e2e suite reach kubelet by the node's InternalIP: this
+		// machine's hostname does not resolve.
+		nodeArgs = append(nodeArgs, "--kubelet-preferred-address-types=InternalIP",
+			// logs, exec and the node proxy authenticate to kubelet (anonymous is off there).
+			"--kubelet-client-certificate="+pki.AdminCert, "--kubelet-client-key="+pki.AdminKey)
+	}
+	api := c.Start(t, "kube-apiserver", apiserver, nil, append([]string{
+		"--etcd-servers=" + etcdURL,
+		"--bind-address=" + bind, "--advertise-address=" + advertise, "--secure-port=" + strconv.Itoa(port),
+		"--tls-cert-file=" + pki.ServingCert, "--tls-private-key-file=" + pki.ServingKey,
+		"--client-ca-file=" + pki.CACert,
 		"--service-account-issuer=https://kubernetes.default.svc",
-		"--service-account-key-file="+pki.SAPublicKey, "--service-account-signing-key-file="+pki.SASigningKey,
+		"--service-account-key-file=" + pki.SAPublicKey, "--service-account-signing-key-file=" + pki.SASigningKey,
 		"--api-audiences=https://kubernetes.default.svc",
 		"--service-cluster-ip-range=10.96.0.0/24",
 		"--authorization-mode=RBAC",
 		"--allow-privileged=true",
 		"--enable-priority-and-fairness=false",
 		"--profiling=false",
-		"--v=1")
+		"--v=1"}, nodeArgs...)...)
 	c.AdminKube, err = c.WriteKubeconfig("admin", "")
 	if err != nil {
 		t.Fatal(err)
@@ -211,21 +237,34 @@ func StartCluster(t testing.TB, dir string) *Cluster {
 		return err
 	})
 
+	controllers := "--controllers=" + strings.Join([]string{
+		"persistentvolume-binder-controller",
+		"persistentvolume-expander-controller",
+		"persistentvolume-protection-controller",
+		"persistentvolumeclaim-protection-controller",
+	}, ",")
+	var kcmArgs []string
+	if opts.NodeIP != "" {
+		controllers = "--controllers=*"
+		kcmArgs = []string{
+			// Service-account tokens and the kube-root-ca.crt ConfigMap every pod mounts.
+			"--service-account-private-key-file=" + pki.SASigningKey,
+			"--root-ca-file=" + pki.CACert,
+			// One node, no cloud: nothing allocates pod CIDRs, the CNI config has its own.
+			"--allocate-node-cidrs=false",
+			"--node-monitor-grace-period=40s",
+		}
+	}
 	kcmPort := freePort(t)
-	k := c.Start(t, "kube-controller-manager", kcm, nil,
-		"--kubeconfig="+c.AdminKube,
-		"--authentication-kubeconfig="+c.AdminKube, "--authorization-kubeconfig="+c.AdminKube,
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(kcmPort),
+	k := c.Start(t, "kube-controller-manager", kcm, nil, append([]string{
+		"--kubeconfig=" + c.AdminKube,
+		"--authentication-kubeconfig=" + c.AdminKube, "--authorization-kubeconfig=" + c.AdminKube,
+		"--bind-address=127.0.0.1", "--secure-port=" + strconv.Itoa(kcmPort),
 		"--leader-elect=false",
 		"--use-service-account-credentials=false",
-		"--controllers="+strings.Join([]string{
-			"persistentvolume-binder-controller",
-			"persistentvolume-expander-controller",
-			"persistentvolume-protection-controller",
-			"persistentvolumeclaim-protection-controller",
-		}, ","),
+		controllers,
 		"--pvclaimbinder-sync-period=1s",
-		"--v=2")
+		"--v=2"}, kcmArgs...)...)
 	time.Sleep(500 * time.Millisecond)
 	k.mustRun(t)
 	return c

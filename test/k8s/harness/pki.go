@@ -97,7 +97,9 @@ func (p *PKI) issue(name string, subj pkix.Name, server bool, serial int64) (str
 	}
 	if server {
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		tmpl.IPAddresses = []net.IP{net.ParseIP("127.0.0.1")}
+		// The kubernetes Service's address and the host's own: pods reach the API server
+		// through either.
+		tmpl.IPAddresses = append([]net.IP{net.ParseIP("127.0.0.1"), net.ParseIP(ServiceIP)}, hostIPs()...)
 		tmpl.DNSNames = []string{"localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"}
 	} else {
 		tmpl.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
@@ -115,4 +117,23 @@ func (p *PKI) issue(name string, subj pkix.Name, server bool, serial int64) (str
 		return "", "", err
 	}
 	return c, k, writePEM(k, "EC PRIVATE KEY", kder)
+}
+
+// ServiceIP is the kubernetes Service's ClusterIP: the first address of the API server's
+// --service-cluster-ip-range.
+const ServiceIP = "10.96.0.1"
+
+// hostIPs lists this machine's non-loopback IPv4 addresses.
+func hostIPs() []net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	var out []net.IP
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && !n.IP.IsLoopback() && n.IP.To4() != nil {
+			out = append(out, n.IP)
+		}
+	}
+	return out
 }

@@ -91,6 +91,12 @@ var (
 		Package: "k8s.io/kubernetes/cmd/kube-apiserver", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
 	kcmTool = Tool{Name: "kube-controller-manager", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-controller-manager", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	schedulerTool = Tool{Name: "kube-scheduler", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/cmd/kube-scheduler", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	kubeletTool = Tool{Name: "kubelet", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/cmd/kubelet", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	proxyTool = Tool{Name: "kube-proxy", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/cmd/kube-proxy", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
 	provisionerTool = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
 		Package: "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
@@ -107,7 +113,7 @@ var (
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller", ReplaceFrom: snapshotterReplaces,
 		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
 	// AllTools in build order.
-	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, provisionerTool, attacherTool, resizerTool, snapshotterTool, snapshotControllerTool}
+	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, schedulerTool, kubeletTool, proxyTool, provisionerTool, attacherTool, resizerTool, snapshotterTool, snapshotControllerTool}
 )
 
 // CacheDir is $POOLCSI_K8S_CACHE, or $HOME/.cache/poolcsi-k8s.

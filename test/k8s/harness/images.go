@@ -1,0 +1,303 @@
+package harness
+
+import (
+	"archive/tar"
+	"bufio"
+	"bytes"
+	"debug/elf"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+
+	"github.com/poolcsi/poolcsi/test/k8s/chart"
+)
+
+// Image is a single-layer image built here from files of this machine: no registry is
+// reachable and no Docker engine runs, so every image a test runs is built by the test.
+type Image struct {
+	Ref        string
+	Files      []ImageFile
+	Entrypoint []string
+	Cmd        []string
+}
+
+// ImageFile is one entry of an image's layer: a copy of Src, a symlink to Link, or a
+// directory.
+type ImageFile struct {
+	Path string // absolute path inside the image
+	Src  string // host file to copy (its content, symlinks followed)
+	Link string // symlink target
+	Dir  bool
+	Mode int64 // for directories; files keep the host file's mode
+}
+
+// mergedUsr are the links of Debian's merged /usr, so that library paths ldd prints
+// (/lib/x86_64-linux-gnu/...) resolve inside the image as on the host.
+var mergedUsr = []ImageFile{
+	{Path: "/bin", Link: "usr/bin"}, {Path: "/sbin", Link: "usr/sbin"},
+	{Path: "/lib", Link: "usr/lib"}, {Path: "/lib64", Link: "usr/lib64"},
+	{Path: "/tmp", Dir: true, Mode: 0o1777}, {Path: "/run", Dir: true, Mode: 0o755},
+	{Path: "/etc", Dir: true, Mode: 0o755}, {Path: "/proc", Dir: true, Mode: 0o555},
+	{Path: "/sys", Dir: true, Mode: 0o555}, {Path: "/dev", Dir: true, Mode: 0o755},
+}
+
+// BinaryImage is one static binary at /<base> and nothing else.
+func BinaryImage(ref, bin string, args ...string) Image {
+	p := "/" + filepath.Base(bin)
+	return Image{Ref: ref, Files: []ImageFile{{Path: p, Src: bin}, {Path: "/tmp", Dir: true, Mode: 0o1777}},
+		Entrypoint: append([]string{p}, args...)}
+}
+
+// BusyboxImage is Debian's busybox-static with a link for each applet: the shell, dd,
+// df, stat... the test pods run.
+func BusyboxImage(t testing.TB, ref string) Image {
+	t.Helper()
+	const bb = "/bin/busybox"
+	if !fileExists(bb) {
+		missing(t, "needs /bin/busybox (Debian package busybox-static; hack/install-deps.sh installs it)")
+	}
+	if f, err := elf.Open(bb); err == nil {
+		dynamic := f.Section(".interp") != nil
+		f.Close()
+		if dynamic {
+			t.Fatalf("%s is dynamically linked: install busybox-static, not busybox", bb)
+		}
+	}
+	out, err := exec.Command(bb, "--list-full").Output()
+	if err != nil {
+		t.Fatalf("busybox --list-full: %v", err)
+	}
+	img := Image{Ref: ref, Files: append([]ImageFile{{Path: "/usr/bin/busybox", Src: bb}}, mergedUsr...), Cmd: []string{"sh"}}
+	for _, applet := range strings.Fields(string(out)) {
+		p := "/" + strings.TrimPrefix(applet, "/")
+		// Under merged /usr every applet lives in /usr/bin or /usr/sbin.
+		p = strings.Replace(strings.Replace(p, "/sbin/", "/usr/sbin/", 1), "/bin/", "/usr/bin/", 1)
+		p = strings.Replace(p, "/usr/usr/", "/usr/", 1)
+		if p == "/usr/bin/busybox" {
+			continue
+		}
+		img.Files = append(img.Files, ImageFile{Path: p, Link: "/usr/bin/busybox"})
+	}
+	return img
+}
+
+// ImageTool is one line of deploy/image-tools.txt: a command poolcsi runs in its container
+// and the Debian package it comes from.
+type ImageTool struct{ Path, Package string }
+
+// ImageTools reads deploy/image-tools.txt, the list both deploy/Dockerfile and the test
+// image builder follow.
+func ImageTools() ([]ImageTool, error) {
+	f, err := os.Open(filepath.Join(chart.RepoRoot(), "deploy", "image-tools.txt"))
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []ImageTool
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		fields := strings.Fields(line)
+		if len(fields) != 2 || !strings.HasPrefix(fields[0], "/") {
+			return nil, fmt.Errorf("deploy/image-tools.txt: want \"/path package\", got %q", line)
+		}
+		out = append(out, ImageTool{Path: fields[0], Package: fields[1]})
+	}
+	return out, sc.Err()
+}
+
+// PoolcsiImage is the poolcsi binary plus every tool of deploy/image-tools.txt with the
+// shared libraries it loads, copied from this machine's Debian packages.
+func PoolcsiImage(t testing.TB, ref, bin string) Image {
+	t.Helper()
+	tools, err := ImageTools()
+	if err != nil {
+		t.Fatal(err)
+	}
+	img := Image{Ref: ref, Entrypoint: []string{"/usr/local/bin/poolcsi"}, Cmd: []string{"serve", "--help"},
+		Files: append([]ImageFile{{Path: "/usr/local/bin/poolcsi", Src: bin}}, mergedUsr...)}
+	seen := map[string]bool{}
+	add := func(p string) {
+		if seen[p] {
+			return
+		}
+		seen[p] = true
+		img.Files = append(img.Files, ImageFile{Path: usrPath(p), Src: p})
+	}
+	for _, tl := range tools {
+		if !fileExists(tl.Path) {
+			missing(t, fmt.Sprintf("needs %s (Debian package %s) for the poolcsi image", tl.Path, tl.Package))
+		}
+		add(tl.Path)
+		libs, err := sharedLibraries(tl.Path)
+		if err != nil {
+			t.Fatalf("libraries of %s: %v", tl.Path, err)
+		}
+		for _, l := range libs {
+			add(l)
+		}
+	}
+	return img
+}
+
+// usrPath maps /lib/x/y to /usr/lib/x/y: in the image /lib is a link, as on the host.
+func usrPath(p string) string {
+	for _, top := range []string{"/bin/", "/sbin/", "/lib/", "/lib64/"} {
+		if strings.HasPrefix(p, top) {
+			return "/usr" + p
+		}
+	}
+	return p
+}
+
+var lddPath = regexp.MustCompile(`(/[^ \t]+) \(0x`)
+
+// sharedLibraries lists what ldd says p loads, the dynamic loader included; nothing for a
+// static binary or a script.
+func sharedLibraries(p string) ([]string, error) {
+	f, err := elf.Open(p)
+	if err != nil {
+		return nil, nil // a script: the tool list names its interpreter separately
+	}
+	dynamic := f.Section(".interp") != nil
+	f.Close()
+	if !dynamic {
+		return nil, nil
+	}
+	out, err := exec.Command("ldd", p).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ldd %s: %w", p, err)
+	}
+	var libs []string
+	for _, m := range lddPath.FindAllStringSubmatch(string(out), -1) {
+		libs = append(libs, m[1])
+	}
+	return libs, nil
+}
+
+// build makes the image: one layer, files sorted, fixed times, so the same inputs give
+// the same digest.
+func (img Image) build() (v1.Image, error) {
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	files := append([]ImageFile{}, img.Files...)
+	sort.SliceStable(files, func(i, j int) bool { return files[i].Path < files[j].Path })
+	epoch := time.Unix(0, 0)
+	dirs := map[string]bool{"/": true}
+	var mkdirs func(string) error
+	mkdirs = func(d string) error {
+		if dirs[d] {
+			return nil
+		}
+		if err := mkdirs(filepath.Dir(d)); err != nil {
+			return err
+		}
+		dirs[d] = true
+		return tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: strings.TrimPrefix(d, "/") + "/", Mode: 0o755, ModTime: epoch})
+	}
+	for _, f := range files {
+		if err := mkdirs(filepath.Dir(f.Path)); err != nil {
+			return nil, err
+		}
+		name := strings.TrimPrefix(f.Path, "/")
+		switch {
+		case f.Dir:
+			if dirs[f.Path] {
+				continue
+			}
+			dirs[f.Path] = true
+			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: name + "/", Mode: f.Mode, ModTime: epoch}); err != nil {
+				return nil, err
+			}
+		case f.Link != "":
+			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeSymlink, Name: name, Linkname: f.Link, Mode: 0o777, ModTime: epoch}); err != nil {
+				return nil, err
+			}
+		default:
+			data, err := os.ReadFile(f.Src)
+			if err != nil {
+				return nil, err
+			}
+			st, err := os.Stat(f.Src)
+			if err != nil {
+				return nil, err
+			}
+			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: name, Size: int64(len(data)), Mode: int64(st.Mode().Perm()), ModTime: epoch}); err != nil {
+				return nil, err
+			}
+			if _, err := tw.Write(data); err != nil {
+				return nil, err
+			}
+		}
+	}
+	if err := tw.Close(); err != nil {
+		return nil, err
+	}
+	layerBytes := buf.Bytes()
+	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(layerBytes)), nil })
+	if err != nil {
+		return nil, err
+	}
+	v, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		return nil, err
+	}
+	cfg, err := v.ConfigFile()
+	if err != nil {
+		return nil, err
+	}
+	cfg = cfg.DeepCopy()
+	cfg.OS, cfg.Architecture = "linux", runtime.GOARCH
+	cfg.Created = v1.Time{Time: epoch}
+	cfg.Config.Entrypoint, cfg.Config.Cmd = img.Entrypoint, img.Cmd
+	cfg.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+	return mutate.ConfigFile(v, cfg)
+}
+
+// Import builds images into one docker archive and imports it into the node's containerd
+// (namespace k8s.io, where kubelet looks).
+func (n *Node) Import(t testing.TB, images []Image) {
+	t.Helper()
+	if len(images) == 0 {
+		return
+	}
+	start := time.Now()
+	refs := map[name.Reference]v1.Image{}
+	for _, img := range images {
+		ref, err := name.NewTag(img.Ref)
+		if err != nil {
+			t.Fatal(err)
+		}
+		v, err := img.build()
+		if err != nil {
+			t.Fatalf("image %s: %v", img.Ref, err)
+		}
+		refs[ref] = v
+	}
+	archive := filepath.Join(n.Dir, "images.tar")
+	if err := tarball.MultiRefWriteToFile(archive, refs); err != nil {
+		t.Fatal(err)
+	}
+	defer os.Remove(archive)
+	if out, err := n.ctr("images", "import", archive); err != nil {
+		t.Fatalf("ctr images import: %v\n%s", err, out)
+	}
+	t.Logf("built and imported %d images in %s", len(images), time.Since(start).Round(time.Millisecond))
+}

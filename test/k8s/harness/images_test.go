@@ -1,0 +1,81 @@
+package harness
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/poolcsi/poolcsi/test/k8s/chart"
+)
+
+// TestImageToolsMatchDockerfile keeps deploy/Dockerfile and the tests' image builder on one
+// list: every package of deploy/image-tools.txt is installed by the Dockerfile, and, on a
+// Debian machine, each listed file really belongs to the package named beside it (so the
+// image built here from this machine's packages has what the Dockerfile's image has).
+func TestImageToolsMatchDockerfile(t *testing.T) {
+	tools, err := ImageTools()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(tools) == 0 {
+		t.Fatal("deploy/image-tools.txt lists nothing")
+	}
+	df, err := os.ReadFile(filepath.Join(chart.RepoRoot(), "deploy", "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	install := regexp.MustCompile(`apt-get install[^&]*`).FindString(strings.ReplaceAll(string(df), "\\\n", " "))
+	if install == "" {
+		t.Fatal("deploy/Dockerfile has no apt-get install")
+	}
+	installed := map[string]bool{}
+	for _, w := range strings.Fields(install) {
+		installed[w] = true
+	}
+	for _, tl := range tools {
+		if !installed[tl.Package] {
+			t.Errorf("%s comes from %s, which deploy/Dockerfile does not install", tl.Path, tl.Package)
+		}
+	}
+	// The driver runs each of these (itself or through k8s.io/mount-utils).
+	listed := map[string]bool{}
+	for _, tl := range tools {
+		listed[filepath.Base(tl.Path)] = true
+	}
+	for _, cmd := range []string{"mount", "umount", "blkid", "blockdev", "fsck", "mkfs.ext4", "fsck.ext4", "e2fsck", "resize2fs", "dumpe2fs",
+		"mkfs.xfs", "xfs_growfs", "xfs_io", "mkfs.btrfs", "btrfs", "cp"} {
+		if !listed[cmd] {
+			t.Errorf("deploy/image-tools.txt does not list %s, which poolcsi runs", cmd)
+		}
+	}
+	if _, err := exec.LookPath("dpkg"); err != nil {
+		t.Log("not a Debian machine: package ownership not checked")
+		return
+	}
+	for _, tl := range tools {
+		owner := dpkgOwner(tl.Path)
+		if owner == "" {
+			// Merged /usr: dpkg knows /sbin/blkid, not /usr/sbin/blkid.
+			owner = dpkgOwner(strings.TrimPrefix(tl.Path, "/usr"))
+		}
+		switch {
+		case owner == "":
+			missing(t, tl.Path+" is not installed from a Debian package here (hack/install-deps.sh installs "+tl.Package+")")
+		case owner != tl.Package:
+			t.Errorf("%s belongs to %s here, deploy/image-tools.txt says %s", tl.Path, owner, tl.Package)
+		}
+	}
+}
+
+func dpkgOwner(p string) string {
+	out, err := exec.Command("dpkg", "-S", p).Output()
+	if err != nil {
+		return ""
+	}
+	line := strings.SplitN(strings.TrimSpace(string(out)), "\n", 2)[0]
+	pkg := strings.SplitN(line, ":", 2)[0]
+	return strings.TrimSpace(pkg)
+}
