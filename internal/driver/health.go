@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -152,18 +153,25 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 	if err != nil {
 		return nil, err
 	}
-	var issues []health.Issue
 	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: staging, PublishPath: publish, Loops: d.loops}
-	if e.Err != nil {
-		issues = health.CheckVolume(p, e, health.PoolSpace{}, d.opts.Health).Issues
-	} else {
+	// The volume's own checks (metadata, image present and as long as recorded), as the
+	// controller runs them: kubelet reads health only from NodeGetVolumeStats, so a
+	// truncated image must show here too. No pool space is passed: pool fullness is
+	// the controller's and the storage health's to report.
+	issues := health.CheckVolume(p, e, health.PoolSpace{}, d.opts.Health).Issues
+	if e.Err == nil {
 		nv.Block = e.Volume.AccessType == pool.AccessBlock
 		nv.FSType = e.Volume.FSType
 	}
 	if dev, ok, _ := d.loops.Find(nv.Image); ok {
 		nv.Device = dev
 	}
-	return append(issues, health.CheckNode(nv, d.opts.Health)...), nil
+	for _, is := range health.CheckNode(nv, d.opts.Health) {
+		if !slices.ContainsFunc(issues, func(o health.Issue) bool { return o.Reason == is.Reason }) {
+			issues = append(issues, is)
+		}
+	}
+	return issues, nil
 }
 
 // NodeGetStorageHealth reports the pools as seen from this node: one entry per

@@ -110,6 +110,25 @@ func TestImageOfUnstagedVolumeTruncated(t *testing.T) {
 	}
 }
 
+// Kubelet reads health only from the node (NodeGetVolumeStats), so the node must see an
+// image cut short under a staged, published volume too, not only the controller.
+func TestImageOfPublishedVolumeTruncated(t *testing.T) {
+	e := start(t, "")
+	v := e.create("trunc-node", "xfs", 300<<20)
+	e.stage(v)
+	e.publish(v)
+	t.Cleanup(func() { e.unpublish(v); e.unstage(v) })
+	wantHealthy(t, e.nodeHealth(v))
+	if err := os.Truncate(v.image, 299<<20); err != nil {
+		t.Fatal(err)
+	}
+	wantIssue(t, e.nodeHealth(v), dataLoss, "ImageTruncated", v.image, "313524224 bytes", "314572800 bytes")
+	if err := os.Truncate(v.image, 300<<20); err != nil {
+		t.Fatal(err)
+	}
+	wantHealthy(t, e.nodeHealth(v))
+}
+
 func TestImageDeleted(t *testing.T) {
 	e := start(t, "")
 	v := e.create("deleted", "ext4", 64<<20)
