@@ -55,7 +55,7 @@ type driver struct {
 
 func (d *driver) controller() csi.ControllerClient { return csi.NewControllerClient(d.conn) }
 
-func buildPoolcsi(t *testing.T, dir string) string {
+func buildPoolcsi(t testing.TB, dir string) string {
 	if p := os.Getenv("POOLCSI_BIN"); p != "" {
 		return p
 	}

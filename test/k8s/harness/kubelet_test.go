@@ -9,9 +9,11 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -45,7 +47,7 @@ type kubeletEnv struct {
 // startKubeletEnv brings up the control plane, a real node and the chart, rendered with
 // image overrides only and applied as it is; it returns once both drivers are registered
 // with kubelet.
-func startKubeletEnv(t *testing.T) *kubeletEnv {
+func startKubeletEnv(t testing.TB) *kubeletEnv {
 	t.Helper()
 	requireNode(t)
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
@@ -83,10 +85,23 @@ func startKubeletEnv(t *testing.T) *kubeletEnv {
 	// tells an administrator.
 	mountPoolFS(t, localPoolPath, "xfs", 6<<30)
 	mountPoolFS(t, sharedPoolPath, "btrfs", 4<<30)
+	// Dir volumes get a size limit only where the administrator turned quota on
+	// (docs/pools.md, "Quota is the admin's decision").
+	if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
+		t.Fatalf("btrfs quota enable: %v\n%s", err, out)
+	}
 	if out, err := exec.Command(bin, "pool", "init", "--path", sharedPoolPath, "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 
+	// Last resort, after the node is gone and before the pools are unmounted: a loop device
+	// the test run left (a failure before the claims were deleted) keeps a pool busy.
+	t.Cleanup(func() {
+		for dev, line := range ourLoops() {
+			t.Errorf("detaching a loop device left behind: %s", line)
+			_ = exec.Command("losetup", "-d", dev).Run()
+		}
+	})
 	node := StartNode(t, c, ip, images)
 	t.Logf("node %s Ready after %s", node.Name, time.Since(total).Round(time.Second))
 	env := &kubeletEnv{c: c, node: node, poolcsi: bin}
@@ -133,7 +148,7 @@ func isNamespaced(o *unstructured.Unstructured) bool {
 
 // mountPoolFS formats a sparse image and mounts it at path (loop, autoclear), undone when
 // the test ends.
-func mountPoolFS(t *testing.T, path, fsType string, size int64) {
+func mountPoolFS(t testing.TB, path, fsType string, size int64) {
 	t.Helper()
 	img := filepath.Join(t.TempDir(), "pool-"+fsType+".img")
 	f, err := os.Create(img)
@@ -181,7 +196,7 @@ func mountPoolFS(t *testing.T, path, fsType string, size int64) {
 	})
 }
 
-func buildPause(t *testing.T, dir string) string {
+func buildPause(t testing.TB, dir string) string {
 	t.Helper()
 	bin := filepath.Join(dir, "pause")
 	cmd := niceCmd(goBin(), "build", "-o", bin, "./cmd/pause")
@@ -195,7 +210,7 @@ func buildPause(t *testing.T, dir string) string {
 
 // waitChartReady waits for every pod of the release to be Ready and for kubelet to list
 // both drivers in the node's CSINode, registered by poolcsi itself.
-func (e *kubeletEnv) waitChartReady(t *testing.T) {
+func (e *kubeletEnv) waitChartReady(t testing.TB) {
 	t.Helper()
 	ctx := context.Background()
 	waitFor(t, 180*time.Second, "the chart's pods Ready", func() error {
@@ -261,7 +276,7 @@ func podSummary(p *corev1.Pod) string {
 }
 
 // deleteAll deletes every test namespace's pods and claims and waits until no PV is left.
-func (e *kubeletEnv) deleteAll(t *testing.T) {
+func (e *kubeletEnv) deleteAll(t testing.TB) {
 	ctx := context.Background()
 	nss, err := e.c.Client.CoreV1().Namespaces().List(ctx, metav1.ListOptions{LabelSelector: "poolcsi-test=true"})
 	if err != nil {
@@ -283,7 +298,7 @@ func (e *kubeletEnv) deleteAll(t *testing.T) {
 }
 
 // namespace creates a test namespace, deleted with everything in it by deleteAll.
-func (e *kubeletEnv) namespace(t *testing.T, name string) string {
+func (e *kubeletEnv) namespace(t testing.TB, name string) string {
 	t.Helper()
 	_, err := e.c.Client.CoreV1().Namespaces().Create(context.Background(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{
 		Name: name, Labels: map[string]string{"poolcsi-test": "true"}}}, metav1.CreateOptions{})
@@ -295,7 +310,7 @@ func (e *kubeletEnv) namespace(t *testing.T, name string) string {
 
 // exec runs a shell command in a pod's first container through the API server and
 // kubelet's streaming server, as kubectl exec does.
-func (e *kubeletEnv) exec(t *testing.T, ns, pod, script string) (string, error) {
+func (e *kubeletEnv) exec(t testing.TB, ns, pod, script string) (string, error) {
 	t.Helper()
 	req := e.c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(ns).Name(pod).SubResource("exec").
 		VersionedParams(&corev1.PodExecOptions{Command: []string{"sh", "-c", script}, Stdout: true, Stderr: true}, scheme.ParameterCodec)
@@ -313,7 +328,7 @@ func (e *kubeletEnv) exec(t *testing.T, ns, pod, script string) (string, error) 
 	return stdout.String(), nil
 }
 
-func (e *kubeletEnv) mustExec(t *testing.T, ns, pod, script string) string {
+func (e *kubeletEnv) mustExec(t testing.TB, ns, pod, script string) string {
 	t.Helper()
 	out, err := e.exec(t, ns, pod, script)
 	if err != nil {
@@ -324,7 +339,7 @@ func (e *kubeletEnv) mustExec(t *testing.T, ns, pod, script string) string {
 
 // storageClasses are what a user of the chart writes: one per filesystem for the local
 // driver, dir and image layouts for the shared one.
-func (e *kubeletEnv) storageClasses(t *testing.T) {
+func (e *kubeletEnv) storageClasses(t testing.TB) {
 	t.Helper()
 	ctx := context.Background()
 	wffc, immediate := storagev1.VolumeBindingWaitForFirstConsumer, storagev1.VolumeBindingImmediate
@@ -340,6 +355,8 @@ func (e *kubeletEnv) storageClasses(t *testing.T) {
 			Parameters: map[string]string{"pool": "shared", "layout": "dir"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "shared-xfs"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
 			Parameters: map[string]string{"pool": "shared", "layout": "image", "csi.storage.k8s.io/fstype": "xfs"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "shared-ext4"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
+			Parameters: map[string]string{"pool": "shared", "layout": "image", "csi.storage.k8s.io/fstype": "ext4"}},
 	} {
 		sc.AllowVolumeExpansion, sc.ReclaimPolicy = &expand, &del
 		if _, err := e.c.Client.StorageV1().StorageClasses().Create(ctx, &sc, metav1.CreateOptions{}); err != nil {
@@ -360,7 +377,7 @@ type claimSpec struct {
 	dataSource        string // a VolumeSnapshot to restore
 }
 
-func (e *kubeletEnv) claim(t *testing.T, ns string, c claimSpec) {
+func (e *kubeletEnv) claim(t testing.TB, ns string, c claimSpec) {
 	t.Helper()
 	mode := corev1.PersistentVolumeFilesystem
 	if c.block {
@@ -390,11 +407,19 @@ type podSpec struct {
 	claims   []string // mounted at /data, /data2...; block claims appear at /dev/xvda...
 	block    bool
 	readOnly bool
+	hostPath string // a hostPath volume at /data instead
 }
 
 // pod runs busybox sleeping, with the claims, and waits until it is Running.
-func (e *kubeletEnv) pod(t *testing.T, ns string, p podSpec) *corev1.Pod {
+func (e *kubeletEnv) pod(t testing.TB, ns string, p podSpec) *corev1.Pod {
 	t.Helper()
+	if _, err := e.c.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, p), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	return e.waitRunning(t, ns, p.name)
+}
+
+func podObject(ns string, p podSpec) *corev1.Pod {
 	grace := int64(1)
 	pod := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Name: p.name, Namespace: ns},
 		Spec: corev1.PodSpec{
@@ -403,6 +428,12 @@ func (e *kubeletEnv) pod(t *testing.T, ns string, p podSpec) *corev1.Pod {
 				Command: []string{"sleep", "100000"}}},
 		}}
 	c := &pod.Spec.Containers[0]
+	if p.hostPath != "" {
+		dirOrCreate := corev1.HostPathDirectoryOrCreate
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "h", VolumeSource: corev1.VolumeSource{
+			HostPath: &corev1.HostPathVolumeSource{Path: p.hostPath, Type: &dirOrCreate}}})
+		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: "h", MountPath: "/data"})
+	}
 	for i, cl := range p.claims {
 		vol := fmt.Sprintf("v%d", i)
 		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: vol, VolumeSource: corev1.VolumeSource{
@@ -417,14 +448,10 @@ func (e *kubeletEnv) pod(t *testing.T, ns string, p podSpec) *corev1.Pod {
 		}
 		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: vol, MountPath: path, ReadOnly: p.readOnly})
 	}
-	ctx := context.Background()
-	if _, err := e.c.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	return e.waitRunning(t, ns, p.name)
+	return pod
 }
 
-func (e *kubeletEnv) waitRunning(t *testing.T, ns, name string) *corev1.Pod {
+func (e *kubeletEnv) waitRunning(t testing.TB, ns, name string) *corev1.Pod {
 	t.Helper()
 	var got *corev1.Pod
 	waitFor(t, 120*time.Second, "pod "+ns+"/"+name+" Running", func() error {
@@ -455,7 +482,7 @@ func (e *kubeletEnv) events(ns, name string) string {
 }
 
 // deletePod deletes a pod and waits until it is gone: kubelet has unpublished its volumes.
-func (e *kubeletEnv) deletePod(t *testing.T, ns, name string) {
+func (e *kubeletEnv) deletePod(t testing.TB, ns, name string) {
 	t.Helper()
 	ctx := context.Background()
 	if err := e.c.Client.CoreV1().Pods(ns).Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
@@ -470,7 +497,7 @@ func (e *kubeletEnv) deletePod(t *testing.T, ns, name string) {
 	})
 }
 
-func (e *kubeletEnv) pvc(t *testing.T, ns, name string) *corev1.PersistentVolumeClaim {
+func (e *kubeletEnv) pvc(t testing.TB, ns, name string) *corev1.PersistentVolumeClaim {
 	t.Helper()
 	pvc, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Get(context.Background(), name, metav1.GetOptions{})
 	if err != nil {
@@ -480,7 +507,7 @@ func (e *kubeletEnv) pvc(t *testing.T, ns, name string) *corev1.PersistentVolume
 }
 
 // resize asks for a bigger claim.
-func (e *kubeletEnv) resize(t *testing.T, ns, name, size string) {
+func (e *kubeletEnv) resize(t testing.TB, ns, name, size string) {
 	t.Helper()
 	patch := fmt.Sprintf(`{"spec":{"resources":{"requests":{"storage":%q}}}}`, size)
 	if _, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
@@ -489,7 +516,7 @@ func (e *kubeletEnv) resize(t *testing.T, ns, name, size string) {
 }
 
 // waitCapacity waits for the claim's status.capacity to reach size.
-func (e *kubeletEnv) waitCapacity(t *testing.T, ns, name, size string, timeout time.Duration) {
+func (e *kubeletEnv) waitCapacity(t testing.TB, ns, name, size string, timeout time.Duration) {
 	t.Helper()
 	want := resource.MustParse(size)
 	waitFor(t, timeout, "claim "+ns+"/"+name+" status.capacity "+size, func() error {
@@ -503,7 +530,7 @@ func (e *kubeletEnv) waitCapacity(t *testing.T, ns, name, size string, timeout t
 }
 
 // dfBytes is the size in bytes of the filesystem at path in the pod.
-func (e *kubeletEnv) dfBytes(t *testing.T, ns, pod, path string) int64 {
+func (e *kubeletEnv) dfBytes(t testing.TB, ns, pod, path string) int64 {
 	t.Helper()
 	out := e.mustExec(t, ns, pod, "df -k "+path+" | tail -1")
 	f := strings.Fields(out)
@@ -518,7 +545,7 @@ func (e *kubeletEnv) dfBytes(t *testing.T, ns, pod, path string) int64 {
 }
 
 // kubeletMetrics reads kubelet's /metrics through the API server's node proxy.
-func (e *kubeletEnv) kubeletMetrics(t *testing.T) string {
+func (e *kubeletEnv) kubeletMetrics(t testing.TB) string {
 	t.Helper()
 	b, err := e.c.Client.CoreV1().RESTClient().Get().AbsPath("/api/v1/nodes/" + e.node.Name + "/proxy/metrics").DoRaw(context.Background())
 	if err != nil {
@@ -568,4 +595,386 @@ func TestKubelet(t *testing.T) {
 			}
 		})
 	}
+	kubeletMore(t, env)
+}
+
+// volumeHandle returns the CSI volume handle of a bound claim.
+func (e *kubeletEnv) volumeHandle(t testing.TB, ns, claim string) string {
+	t.Helper()
+	var handle string
+	waitFor(t, 60*time.Second, "claim "+ns+"/"+claim+" bound", func() error {
+		pvc := e.pvc(t, ns, claim)
+		if pvc.Spec.VolumeName == "" {
+			return fmt.Errorf("not bound")
+		}
+		pv, err := e.c.Client.CoreV1().PersistentVolumes().Get(context.Background(), pvc.Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		handle = pv.Spec.CSI.VolumeHandle
+		return nil
+	})
+	return handle
+}
+
+// imagePath is the backing image of an image volume in a pool on this machine.
+func imagePath(t testing.TB, poolPath, handle string) string {
+	t.Helper()
+	m := handleRE.FindStringSubmatch(handle)
+	if m == nil {
+		t.Fatalf("volume handle %q", handle)
+	}
+	hits, _ := filepath.Glob(filepath.Join(poolPath, "volumes", "*"+m[2]+"*", "disk.img"))
+	if len(hits) != 1 {
+		t.Fatalf("image of %s in %s: %v", handle, poolPath, hits)
+	}
+	return hits[0]
+}
+
+// waitMetric waits until kubelet exports want for the claim.
+func (e *kubeletEnv) waitMetric(t testing.TB, name, ns, claim string, timeout time.Duration, ok func(float64) bool) float64 {
+	t.Helper()
+	var v float64
+	waitFor(t, timeout, name+" of "+ns+"/"+claim, func() error {
+		var found bool
+		v, found = volumeMetric(e.kubeletMetrics(t), name, ns, claim)
+		if !found {
+			return fmt.Errorf("not exported")
+		}
+		if !ok(v) {
+			return fmt.Errorf("value %v", v)
+		}
+		return nil
+	})
+	return v
+}
+
+// waitEvent waits for an event of that reason on the object (kind, name).
+func (e *kubeletEnv) waitEvent(t testing.TB, ns, kind, name, reason string, timeout time.Duration) string {
+	t.Helper()
+	var msg string
+	waitFor(t, timeout, reason+" event on "+kind+" "+ns+"/"+name, func() error {
+		evs, err := e.c.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{
+			FieldSelector: "involvedObject.kind=" + kind + ",involvedObject.name=" + name})
+		if err != nil {
+			return err
+		}
+		for _, ev := range evs.Items {
+			if ev.Reason == reason {
+				msg = ev.Type + ": " + ev.Message
+				return nil
+			}
+		}
+		return fmt.Errorf("none among %d events", len(evs.Items))
+	})
+	return msg
+}
+
+func sum(t testing.TB, env *kubeletEnv, ns, pod, path string) string {
+	t.Helper()
+	return strings.TrimSpace(env.mustExec(t, ns, pod, "md5sum "+path+" | cut -d' ' -f1"))
+}
+
+// nodePodName is the node DaemonSet's pod that is not being deleted.
+func (e *kubeletEnv) nodePodName(t testing.TB) (string, error) {
+	t.Helper()
+	pods, err := e.c.Client.CoreV1().Pods(chart.Namespace).List(context.Background(), metav1.ListOptions{LabelSelector: "app.kubernetes.io/component=node"})
+	if err != nil {
+		return "", err
+	}
+	var names []string
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp == nil {
+			names = append(names, p.Name)
+		}
+	}
+	if len(names) != 1 {
+		return "", fmt.Errorf("node pods %v", names)
+	}
+	return names[0], nil
+}
+
+// kubeletMore are the rest of the kubelet issue's cases, on the environment of TestKubelet.
+func kubeletMore(t *testing.T, env *kubeletEnv) {
+	ctx := context.Background()
+
+	t.Run("RWX dir volume in two pods", func(t *testing.T) {
+		ns := env.namespace(t, "rwx")
+		env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "100Mi", rwx: true})
+		env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}})
+		env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}})
+		env.mustExec(t, ns, "a", "echo from-a > /data/a")
+		env.mustExec(t, ns, "b", "echo from-b > /data/b")
+		if got := env.mustExec(t, ns, "b", "cat /data/a") + env.mustExec(t, ns, "a", "cat /data/b"); got != "from-a\nfrom-b\n" {
+			t.Fatalf("the two pods do not see each other's writes: %q", got)
+		}
+	})
+
+	t.Run("read-only pod mount", func(t *testing.T) {
+		ns := env.namespace(t, "readonly")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
+		env.pod(t, ns, podSpec{name: "w", claims: []string{"c"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "w", writeBlob))
+		env.deletePod(t, ns, "w")
+		env.pod(t, ns, podSpec{name: "r", claims: []string{"c"}, readOnly: true})
+		if got := sum(t, env, ns, "r", "/data/blob"); got != want {
+			t.Fatalf("read-only pod reads %s, wrote %s", got, want)
+		}
+		if out, err := env.exec(t, ns, "r", "touch /data/x"); err == nil || !strings.Contains(err.Error()+out, "Read-only file system") {
+			t.Fatalf("a write in a read-only pod mount: err %v, output %q", err, out)
+		}
+	})
+
+	t.Run("block claim through volumeDevices", func(t *testing.T) {
+		ns := env.namespace(t, "block")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi", block: true})
+		env.pod(t, ns, podSpec{name: "w", claims: []string{"c"}, block: true})
+		size := strings.TrimSpace(env.mustExec(t, ns, "w", "blockdev --getsize64 /dev/xvda"))
+		if size != strconv.Itoa(64<<20) {
+			t.Fatalf("block device of a 64Mi claim is %s bytes", size)
+		}
+		want := strings.TrimSpace(env.mustExec(t, ns, "w", "dd if=/dev/urandom of=/tmp/b bs=1M count=8 2>/dev/null && dd if=/tmp/b of=/dev/xvda bs=1M conv=fsync 2>/dev/null && md5sum /tmp/b | cut -d' ' -f1"))
+		env.deletePod(t, ns, "w")
+		env.pod(t, ns, podSpec{name: "r", claims: []string{"c"}, block: true})
+		if got := strings.TrimSpace(env.mustExec(t, ns, "r", "dd if=/dev/xvda bs=1M count=8 2>/dev/null | md5sum | cut -d' ' -f1")); got != want {
+			t.Fatalf("block data: wrote %s, read %s", want, got)
+		}
+	})
+
+	t.Run("kubelet_volume_stats", func(t *testing.T) {
+		ns := env.namespace(t, "stats")
+		env.claim(t, ns, claimSpec{name: "img", class: "local-xfs", size: "300Mi"})
+		env.claim(t, ns, claimSpec{name: "dir", class: "shared-dir", size: "100Mi"})
+		env.claim(t, ns, claimSpec{name: "blk", class: "local-xfs", size: "64Mi", block: true})
+		env.pod(t, ns, podSpec{name: "fs", claims: []string{"img", "dir"}})
+		env.pod(t, ns, podSpec{name: "bd", claims: []string{"blk"}, block: true})
+		env.mustExec(t, ns, "fs", "dd if=/dev/zero of=/data/f bs=1M count=20 && dd if=/dev/zero of=/data2/f bs=1M count=10 && sync")
+		for _, c := range []struct{ claim, path string }{{"img", "/data"}, {"dir", "/data2"}} {
+			df := env.dfBytes(t, ns, "fs", c.path)
+			got := env.waitMetric(t, "kubelet_volume_stats_capacity_bytes", ns, c.claim, 90*time.Second, func(v float64) bool { return v > 0 })
+			// df in the pod shows a btrfs dir volume's whole pool: statfs knows no qgroups.
+			if c.claim == "img" && int64(got) != df {
+				t.Errorf("%s: kubelet_volume_stats_capacity_bytes %v, df in the pod %d", c.claim, got, df)
+			}
+			used := env.waitMetric(t, "kubelet_volume_stats_used_bytes", ns, c.claim, 60*time.Second, func(v float64) bool { return v >= 10<<20 })
+			t.Logf("%s: capacity %v bytes (df %d), used %v", c.claim, got, df, used)
+		}
+		// A dir volume's numbers are its quota's, not the pool filesystem's.
+		if got, _ := volumeMetric(env.kubeletMetrics(t), "kubelet_volume_stats_capacity_bytes", ns, "dir"); got != 100<<20 {
+			t.Errorf("dir: kubelet_volume_stats_capacity_bytes %v, want the claim's 100Mi", got)
+		}
+		got := env.waitMetric(t, "kubelet_volume_stats_capacity_bytes", ns, "blk", 90*time.Second, func(v float64) bool { return v > 0 })
+		if got != 64<<20 {
+			t.Errorf("blk: kubelet_volume_stats_capacity_bytes %v, want %d", got, 64<<20)
+		}
+	})
+
+	for _, fs := range []string{"xfs", "btrfs"} {
+		t.Run("online expansion/"+fs, func(t *testing.T) {
+			ns := env.namespace(t, "grow-"+fs)
+			env.claim(t, ns, claimSpec{name: "c", class: "local-" + fs, size: "300Mi"})
+			env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+			want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
+			before := env.dfBytes(t, ns, "p", "/data")
+			env.resize(t, ns, "c", "600Mi")
+			env.waitCapacity(t, ns, "c", "600Mi", 150*time.Second)
+			waitFor(t, 60*time.Second, "the pod's filesystem grown", func() error {
+				if after := env.dfBytes(t, ns, "p", "/data"); after < before+250<<20 {
+					return fmt.Errorf("df %d bytes, was %d", after, before)
+				}
+				return nil
+			})
+			if got := sum(t, env, ns, "p", "/data/blob"); got != want {
+				t.Fatalf("data after growth: %s, wrote %s", got, want)
+			}
+		})
+	}
+
+	// Offline: the claim grows while no pod uses it, and the filesystem grows at the next
+	// stage, before it is mounted (e2fsck + resize2fs). The shared driver's controller grows
+	// the image at once; the local driver (--expand-on-node) grows its image only in
+	// NodeExpandVolume, which kubelet calls with the filesystem mounted, so a local ext4
+	// claim always grows online, which needs CAP_SYS_RESOURCE (production nodes have it,
+	// this machine does not: docs/deploy.md).
+	t.Run("offline expansion/ext4", func(t *testing.T) {
+		ns := env.namespace(t, "grow-ext4")
+		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "200Mi"})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
+		before := env.dfBytes(t, ns, "p", "/data")
+		env.deletePod(t, ns, "p")
+		env.resize(t, ns, "c", "400Mi")
+		// The resizer grows the volume and leaves the filesystem to the next mount.
+		waitFor(t, 120*time.Second, "the claim waiting for a pod to finish its growth", func() error {
+			pvc := env.pvc(t, ns, "c")
+			for _, c := range pvc.Status.Conditions {
+				if c.Type == corev1.PersistentVolumeClaimFileSystemResizePending {
+					return nil
+				}
+			}
+			return fmt.Errorf("conditions %+v, capacity %v", pvc.Status.Conditions, pvc.Status.Capacity)
+		})
+		env.pod(t, ns, podSpec{name: "q", claims: []string{"c"}})
+		env.waitCapacity(t, ns, "c", "400Mi", 120*time.Second)
+		if after := env.dfBytes(t, ns, "q", "/data"); after < before+150<<20 {
+			t.Fatalf("df in the new pod %d bytes, before %d", after, before)
+		}
+		if got := sum(t, env, ns, "q", "/data/blob"); got != want {
+			t.Fatalf("data after growth: %s, wrote %s", got, want)
+		}
+	})
+
+	t.Run("driver pod restarted under a running pod", func(t *testing.T) {
+		ns := env.namespace(t, "driver-restart")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
+		env.claim(t, ns, claimSpec{name: "d", class: "shared-dir", size: "100Mi"})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"c", "d"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
+		old, err := env.nodePodName(t)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := env.c.Client.CoreV1().Pods(chart.Namespace).Delete(ctx, old, metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		waitFor(t, 120*time.Second, "a new node pod", func() error {
+			n, err := env.nodePodName(t)
+			if err == nil && n == old {
+				return fmt.Errorf("still %s", n)
+			}
+			return err
+		})
+		env.waitChartReady(t)
+		if got := sum(t, env, ns, "p", "/data/blob"); got != want {
+			t.Fatalf("after the driver restart the pod reads %s, wrote %s", got, want)
+		}
+		env.mustExec(t, ns, "p", "echo after > /data/after && echo after > /data2/after && sync")
+		env.deletePod(t, ns, "p")
+		env.pod(t, ns, podSpec{name: "q", claims: []string{"c", "d"}})
+		if got := env.mustExec(t, ns, "q", "cat /data/after /data2/after"); got != "after\nafter\n" {
+			t.Fatalf("writes after the restart: %q", got)
+		}
+	})
+
+	t.Run("kubelet restarted under a running pod", func(t *testing.T) {
+		ns := env.namespace(t, "kubelet-restart")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
+		env.node.RestartKubelet(t)
+		time.Sleep(5 * time.Second)
+		env.waitRunning(t, ns, "p")
+		if got := sum(t, env, ns, "p", "/data/blob"); got != want {
+			t.Fatalf("after the kubelet restart the pod reads %s, wrote %s", got, want)
+		}
+		env.deletePod(t, ns, "p")
+		env.pod(t, ns, podSpec{name: "q", claims: []string{"c"}})
+		if got := sum(t, env, ns, "q", "/data/blob"); got != want {
+			t.Fatalf("next pod reads %s, wrote %s", got, want)
+		}
+	})
+
+	t.Run("snapshot restored into a new claim", func(t *testing.T) {
+		ns := env.namespace(t, "snapshot")
+		env.claim(t, ns, claimSpec{name: "src", class: "shared-xfs", size: "300Mi"})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"src"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
+		snap := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+			"metadata": map[string]any{"name": "snap", "namespace": ns},
+			"spec":     map[string]any{"volumeSnapshotClassName": "shared", "source": map[string]any{"persistentVolumeClaimName": "src"}}}}
+		if err := env.c.Applier().Apply(ctx, snap, false); err != nil {
+			t.Fatal(err)
+		}
+		env.claim(t, ns, claimSpec{name: "restored", class: "shared-xfs", size: "300Mi", dataSource: "snap"})
+		env.pod(t, ns, podSpec{name: "q", claims: []string{"restored"}})
+		if got := sum(t, env, ns, "q", "/data/blob"); got != want {
+			t.Fatalf("restored claim reads %s, source had %s", got, want)
+		}
+	})
+
+	t.Run("volume health reaches kubelet and the claim", func(t *testing.T) {
+		ns := env.namespace(t, "health")
+		env.claim(t, ns, claimSpec{name: "c", class: "shared-xfs", size: "300Mi"})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		handle := env.volumeHandle(t, ns, "c")
+		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 0 })
+
+		// Filled past the 90 % threshold: abnormal for kubelet, a Warning on the pod.
+		out := env.mustExec(t, ns, "p", "set -e; s=$(df -k /data | tail -1); total=$(echo $s | cut -d' ' -f2); used=$(echo $s | cut -d' ' -f3); "+
+			"n=$(( (total*93/100 - used) / 1024 )); dd if=/dev/zero of=/data/fill bs=1M count=$n 2>&1 | tail -1; sync; df -k /data | tail -1")
+		t.Logf("filled: %s", strings.TrimSpace(out))
+		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 1 })
+		t.Logf("pod event: %s", env.waitEvent(t, ns, "Pod", "p", "VolumeConditionAbnormal", 60*time.Second))
+		env.mustExec(t, ns, "p", "rm /data/fill && sync")
+		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 0 })
+
+		// The backing image cut short on the pool: the controller sees it and puts an event
+		// on the claim; the node too. Grown back: normal again.
+		img := imagePath(t, sharedPoolPath, handle)
+		st, err := os.Stat(img)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(img, st.Size()-(1<<20)); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("claim event: %s", env.waitEvent(t, ns, "PersistentVolumeClaim", "c", "VolumeConditionAbnormal", 150*time.Second))
+		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 1 })
+		if err := os.Truncate(img, st.Size()); err != nil {
+			t.Fatal(err)
+		}
+		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 0 })
+	})
+
+	t.Run("every claim deleted leaves nothing behind", func(t *testing.T) {
+		env.deleteAll(t)
+		for _, m := range mountsUnder(KubeletDir) {
+			if strings.Contains(m, "kubernetes.io~csi") || strings.Contains(m, "/plugins/kubernetes.io/csi/") {
+				t.Errorf("a CSI mount is left: %s", m)
+			}
+		}
+		for _, line := range ourLoops() {
+			t.Errorf("a loop device is left: %s", line)
+		}
+		for _, p := range []string{localPoolPath, sharedPoolPath} {
+			entries, _ := os.ReadDir(filepath.Join(p, "volumes"))
+			for _, e := range entries {
+				t.Errorf("pool %s still holds volume %s", p, e.Name())
+			}
+		}
+	})
+}
+
+// ourLoops maps each loop device this test's node may have attached to its losetup -a
+// line: those backed by a file on one of the pools, and kubelet's own for block volumes
+// (backed by a device file under its directory). Other tests on this machine have loop
+// devices of their own, which are not ours to judge or detach. poolcsi attaches images
+// through /proc/<pid>/fd paths inside its container, so the backing file's name does not
+// show the pool: its device number does.
+func ourLoops() map[string]string {
+	var pools []string
+	for _, p := range []string{localPoolPath, sharedPoolPath} {
+		var st syscall.Stat_t
+		if err := syscall.Stat(p, &st); err == nil {
+			// losetup prints the backing file's device the old way: major<<8 | minor.
+			pools = append(pools, fmt.Sprintf("[%04d]:", unix.Major(st.Dev)<<8|unix.Minor(st.Dev)))
+		}
+	}
+	out, _ := exec.Command("losetup", "-a").Output()
+	m := map[string]string{}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		dev, rest, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		mine := strings.Contains(rest, "("+KubeletDir+"/")
+		for _, p := range pools {
+			mine = mine || strings.HasPrefix(strings.TrimSpace(rest), p)
+		}
+		if mine {
+			m[dev] = line
+		}
+	}
+	return m
 }

@@ -32,7 +32,10 @@ type Node struct {
 	// KubeletPort serves kubelet's API and /metrics (client certificates of the cluster CA).
 	KubeletPort int
 
-	c           *Cluster
+	c *Cluster
+	// t is the test that started the node: processes restarted by a subtest must outlive it.
+	t           testing.TB
+	restarts    int
 	kubeletBin  string
 	kubeletArgs []string
 	kubelet     *Proc
@@ -80,7 +83,7 @@ func requireNode(t testing.TB) {
 // StartNode starts containerd, kube-proxy, kube-scheduler and kubelet for c (started with
 // ClusterOptions.NodeIP = ip), imports images, and waits until the node is Ready. Everything
 // is stopped, unmounted and removed when the test ends, in the reverse order.
-func StartNode(t *testing.T, c *Cluster, ip string, images []Image) *Node {
+func StartNode(t testing.TB, c *Cluster, ip string, images []Image) *Node {
 	t.Helper()
 	requireNode(t)
 	dir, err := os.MkdirTemp("/tmp", "pk")
@@ -88,7 +91,7 @@ func StartNode(t *testing.T, c *Cluster, ip string, images []Image) *Node {
 		t.Fatal(err)
 	}
 	host, _ := os.Hostname()
-	n := &Node{Name: strings.ToLower(strings.SplitN(host, ".", 2)[0]), IP: ip, Dir: dir, KubeletDir: KubeletDir, c: c}
+	n := &Node{Name: strings.ToLower(strings.SplitN(host, ".", 2)[0]), IP: ip, Dir: dir, KubeletDir: KubeletDir, c: c, t: t}
 	// Runs last: whatever the graceful steps left behind.
 	t.Cleanup(func() { n.sweep(t) })
 
@@ -99,24 +102,12 @@ func StartNode(t *testing.T, c *Cluster, ip string, images []Image) *Node {
 	n.startKubelet(t)
 	waitFor(t, 120*time.Second, "node "+n.Name+" Ready", func() error {
 		n.kubelet.mustRun(t)
-		node, err := c.Client.CoreV1().Nodes().Get(context.Background(), n.Name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		for _, cond := range node.Status.Conditions {
-			if cond.Type == corev1.NodeReady {
-				if cond.Status == corev1.ConditionTrue {
-					return nil
-				}
-				return fmt.Errorf("%s: %s", cond.Reason, cond.Message)
-			}
-		}
-		return fmt.Errorf("no Ready condition yet")
+		return n.ready()
 	})
 	return n
 }
 
-func (n *Node) startContainerd(t *testing.T) {
+func (n *Node) startContainerd(t testing.TB) {
 	t.Helper()
 	n.Containerd = filepath.Join(n.Dir, "c.sock")
 	cniConf := filepath.Join(n.Dir, "cni")
@@ -172,7 +163,7 @@ func (n *Node) ctr(args ...string) ([]byte, error) {
 	return exec.Command("ctr", append([]string{"--address", n.Containerd, "--namespace", "k8s.io"}, args...)...).CombinedOutput()
 }
 
-func (n *Node) killContainers(t *testing.T) {
+func (n *Node) killContainers(t testing.TB) {
 	out, err := n.ctr("tasks", "ls", "-q")
 	if err != nil {
 		t.Logf("ctr tasks ls: %v %s", err, out)
@@ -193,7 +184,7 @@ func (n *Node) killContainers(t *testing.T) {
 	}
 }
 
-func (n *Node) startProxy(t *testing.T) {
+func (n *Node) startProxy(t testing.TB) {
 	t.Helper()
 	bin := proxyTool.Path(t)
 	// iptables mode: the kubernetes Service (10.96.0.1:443) becomes NodeIP:port, which is
@@ -214,7 +205,7 @@ func (n *Node) startProxy(t *testing.T) {
 	})
 }
 
-func (n *Node) startScheduler(t *testing.T) {
+func (n *Node) startScheduler(t testing.TB) {
 	t.Helper()
 	p := n.c.Start(t, "kube-scheduler", schedulerTool.Path(t), nil,
 		"--kubeconfig="+n.c.AdminKube,
@@ -225,7 +216,7 @@ func (n *Node) startScheduler(t *testing.T) {
 	p.mustRun(t)
 }
 
-func (n *Node) startKubelet(t *testing.T) {
+func (n *Node) startKubelet(t testing.TB) {
 	t.Helper()
 	n.kubeletBin = kubeletTool.Path(t)
 	n.KubeletPort = freePort(t)
@@ -291,17 +282,40 @@ featureGates:
 	n.kubelet = n.c.Start(t, "kubelet", n.kubeletBin, nil, n.kubeletArgs...)
 }
 
-// RestartKubelet stops kubelet (SIGTERM, as systemd would) and starts it again.
-func (n *Node) RestartKubelet(t *testing.T) {
+// RestartKubelet stops kubelet (SIGTERM, as systemd would) and starts it again; the new
+// kubelet lives as long as the test that started the node.
+func (n *Node) RestartKubelet(t testing.TB) {
 	t.Helper()
 	n.kubelet.Stop()
-	n.kubelet = n.c.Start(t, "kubelet-2", n.kubeletBin, nil, n.kubeletArgs...)
+	n.restarts++
+	n.kubelet = n.c.Start(n.t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, nil, n.kubeletArgs...)
+	waitFor(t, 60*time.Second, "node "+n.Name+" Ready after the kubelet restart", func() error {
+		n.kubelet.mustRun(t)
+		return n.ready()
+	})
+}
+
+// ready is nil when the node's Ready condition is True and its status is fresh.
+func (n *Node) ready() error {
+	node, err := n.c.Client.CoreV1().Nodes().Get(context.Background(), n.Name, metav1.GetOptions{})
+	if err != nil {
+		return err
+	}
+	for _, cond := range node.Status.Conditions {
+		if cond.Type == corev1.NodeReady {
+			if cond.Status == corev1.ConditionTrue {
+				return nil
+			}
+			return fmt.Errorf("%s: %s", cond.Reason, cond.Message)
+		}
+	}
+	return fmt.Errorf("no Ready condition yet")
 }
 
 // sweep releases what the graceful shutdown left: mounts under kubelet's root and the
 // node's directory (deepest first), the CNI bridge, and the directories kubelet creates
 // whatever --root-dir says.
-func (n *Node) sweep(t *testing.T) {
+func (n *Node) sweep(t testing.TB) {
 	// containerd-shims whose containerd is gone keep their mounts busy.
 	if out, err := exec.Command("pgrep", "-f", "containerd-shim.*"+n.Containerd).Output(); err == nil {
 		for _, f := range strings.Fields(string(out)) {

@@ -37,7 +37,7 @@ var (
 // installSnapshotCRDs installs the snapshot CRDs of the external-snapshotter release the
 // harness runs, read from its client module in the Go module cache (they are never copied
 // into this repository), and waits until the API server serves them.
-func installSnapshotCRDs(t *testing.T, c *Cluster) {
+func installSnapshotCRDs(t testing.TB, c *Cluster) {
 	t.Helper()
 	ctx := context.Background()
 	info, err := modDownload(snapshotClientModule, SnapshotterVersion)

@@ -1,0 +1,98 @@
+package harness
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+)
+
+// BenchmarkPodStart times, through kubelet, a claim created → its pod Running, beside the
+// same pod with a hostPath volume (what kubelet and containerd cost on their own), side by
+// side in one run, one of each per iteration. The claim is provisioned as a user's would be:
+// local-xfs waits for the pod (WaitForFirstConsumer), so CreateVolume, mkfs, stage and
+// publish are all inside the time; shared-dir is provisioned at once, but still inside it.
+// Reported: the median of each and its ratio to hostPath. Run with:
+//
+//	cd test/k8s && go test ./harness -run '^$' -bench PodStart -benchtime 20x -timeout 40m
+func BenchmarkPodStart(b *testing.B) {
+	env := startKubeletEnv(b)
+	env.storageClasses(b)
+	ns := env.namespace(b, "podstart")
+	host := filepath.Join(b.TempDir(), "hostpath")
+	if err := os.MkdirAll(host, 0o755); err != nil {
+		b.Fatal(err)
+	}
+	times := map[string][]time.Duration{}
+	classes := []string{"local-xfs", "shared-dir"}
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		name := fmt.Sprintf("h%d", i)
+		times["hostPath"] = append(times["hostPath"], env.timePod(b, ns, podSpec{name: name, hostPath: host}, nil))
+		env.deletePod(b, ns, name)
+		for _, class := range classes {
+			name := fmt.Sprintf("%s-%d", class, i)
+			c := &claimSpec{name: name, class: class, size: "300Mi"}
+			times[class] = append(times[class], env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, c))
+			env.deletePod(b, ns, name)
+			if err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
+				b.Fatal(err)
+			}
+		}
+	}
+	b.StopTimer()
+	base := median(times["hostPath"])
+	b.ReportMetric(float64(base.Milliseconds()), "hostPath-ms")
+	for _, class := range classes {
+		m := median(times[class])
+		b.ReportMetric(float64(m.Milliseconds()), class+"-ms")
+		b.ReportMetric(float64(m)/float64(base), class+"/hostPath")
+	}
+	b.Logf("medians of %d: hostPath %s, %v", b.N, base, func() map[string]time.Duration {
+		out := map[string]time.Duration{}
+		for _, c := range classes {
+			out[c] = median(times[c])
+		}
+		return out
+	}())
+}
+
+// timePod creates the claim (if any) and the pod and returns how long until kubelet
+// reports the pod Running and Ready, polled every 20 ms.
+func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) time.Duration {
+	t.Helper()
+	ctx := context.Background()
+	start := time.Now()
+	if c != nil {
+		e.claim(t, ns, *c)
+	}
+	if _, err := e.c.Client.CoreV1().Pods(ns).Create(ctx, podObject(ns, p), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	deadline := start.Add(120 * time.Second)
+	for {
+		pod, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, p.name, metav1.GetOptions{})
+		if err == nil && pod.Status.Phase == corev1.PodRunning && podReady(pod) {
+			return time.Since(start)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.name, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func median(d []time.Duration) time.Duration {
+	if len(d) == 0 {
+		return 0
+	}
+	s := append([]time.Duration{}, d...)
+	sort.Slice(s, func(i, j int) bool { return s[i] < s[j] })
+	return s[len(s)/2]
+}
