@@ -2,7 +2,7 @@
 BIN := bin/poolcsi
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: build test unit lint fuzz run demo clean
+.PHONY: build test unit lint fuzz run demo clean e2e conformance
 
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
@@ -30,6 +30,17 @@ run: build
 
 clean:
 	rm -rf bin
+
+# The Kubernetes storage e2e suite (e2e.test v1.36.3) against the chart on a real
+# one-node cluster (root). E2E_FOCUS narrows it (a ginkgo regexp).
+E2E_FOCUS ?= External.Storage
+e2e:
+	cd test/k8s && POOLCSI_E2E_FOCUS='$(E2E_FOCUS)' go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
+
+# Every External Storage spec, results written to docs/conformance.md.
+conformance:
+	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
+		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
 
 # A guided tour (root): one volume through every CSI call on a throw-away pool.
 demo:

@@ -49,6 +49,12 @@ type kubeletEnv struct {
 // with kubelet.
 func startKubeletEnv(t testing.TB) *kubeletEnv {
 	t.Helper()
+	return startKubeletEnvWith(t, nil)
+}
+
+// startKubeletEnvWith is startKubeletEnv with more images to import.
+func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletEnv {
+	t.Helper()
 	requireNode(t)
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
 	for _, p := range []string{localPoolPath, sharedPoolPath} {
@@ -68,8 +74,12 @@ func startKubeletEnv(t testing.TB) *kubeletEnv {
 	pause := buildPause(t, dir)
 	images := []Image{
 		BinaryImage(pauseImage, pause),
+		BinaryImage("poolcsi.test/pause:3.10.2", pause), // e2e.test's own pause image
 		BusyboxImage(t, busyboxImage),
 		PoolcsiImage(t, poolcsiImage+":"+poolcsiTag, bin),
+	}
+	if extra != nil {
+		images = append(images, extra(t)...)
 	}
 	overrides := map[string]any{"image": map[string]any{"repository": poolcsiImage, "tag": poolcsiTag}}
 	sidecars := map[string]any{}

@@ -36,6 +36,8 @@ type Tool struct {
 	// ReplaceFrom builds the wrapper's replace lines from the required module's go.mod.
 	ReplaceFrom func(f *modfile.File) [][2]string
 	LDFlags     string
+	// TestBinary builds the package's tests (go test -c), as e2e.test is.
+	TestBinary bool
 }
 
 func kubeLDFlags() string {
@@ -97,6 +99,12 @@ var (
 		Package: "k8s.io/kubernetes/cmd/kubelet", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
 	proxyTool = Tool{Name: "kube-proxy", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-proxy", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
+	// The Kubernetes e2e suite and its all-purpose test image, for the storage specs of
+	// external drivers (test/k8s/e2e).
+	e2eTool = Tool{Name: "e2e.test", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/test/e2e", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags(), TestBinary: true}
+	agnhostTool = Tool{Name: "agnhost", Module: "k8s.io/kubernetes", Version: KubeVersion,
+		Package: "k8s.io/kubernetes/test/images/agnhost", ReplaceFrom: stagingReplaces, LDFlags: "-s -w"}
 	provisionerTool = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
 		Package: "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
@@ -224,7 +232,11 @@ func (tl Tool) build(dir, bin string) error {
 		return err
 	}
 	tmp := bin + ".tmp"
-	cmd := niceCmd(goBin(), "build", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package)
+	args := []string{"build", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package}
+	if tl.TestBinary {
+		args = []string{"test", "-c", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package}
+	}
+	cmd := niceCmd(goBin(), args...)
 	cmd.Dir = work
 	cmd.Env = goEnv()
 	if b, err := cmd.CombinedOutput(); err != nil {
@@ -275,3 +287,6 @@ func tail(s string, n int) string {
 	}
 	return strings.Join(lines, "\n")
 }
+
+// E2ETools are built only for the e2e storage suite (make e2e), not by TestTools.
+var E2ETools = []Tool{e2eTool, agnhostTool}
