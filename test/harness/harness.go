@@ -201,6 +201,9 @@ func (d *Driver) Log() string {
 }
 
 // Controller, Node and Identity are clients over the driver's socket.
+// Pid is the driver process's, while it runs.
+func (d *Driver) Pid() int { return d.cmd.Process.Pid }
+
 func (d *Driver) Controller() csi.ControllerClient { return csi.NewControllerClient(d.Conn) }
 func (d *Driver) Node() csi.NodeClient             { return csi.NewNodeClient(d.Conn) }
 func (d *Driver) Identity() csi.IdentityClient     { return csi.NewIdentityClient(d.Conn) }

@@ -1,0 +1,82 @@
+package observe
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/test/harness"
+)
+
+// BenchmarkServeStart10k starts `poolcsi serve` on a pool of 10,000 volumes and reports
+// the time from exec to a ready Probe, and the process's resident memory after a whole
+// unpaged ListVolumes (everything the pool holds has been read once). Issue 14's budgets:
+// under 1 s and under 50 MiB.
+//
+//	go test ./test/observe -run '^$' -bench ServeStart10k -benchtime 5x
+func BenchmarkServeStart10k(b *testing.B) {
+	dir := b.TempDir()
+	p, err := pool.Open(pool.Config{Name: "local", Path: dir})
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i := 0; i < 10000; i++ {
+		name := fmt.Sprintf("pvc-%06d", i)
+		id := pool.NewVolumeID("local", name)
+		v := pool.Volume{SchemaVersion: pool.SchemaVersion, ID: id.String(), Name: name, Pool: "local", Layout: pool.LayoutImage,
+			AccessType: pool.AccessBlock, CapacityBytes: pool.MiB, State: pool.StateReady, CreatedAt: time.Now().UTC()}
+		raw, _ := json.Marshal(v)
+		if err := os.MkdirAll(p.Dir(id), 0o750); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.WriteFile(p.MetadataPath(id), raw, 0o600); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.WriteFile(p.ImagePath(id), nil, 0o600); err != nil {
+			b.Fatal(err)
+		}
+		if err := os.Truncate(p.ImagePath(id), pool.MiB); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var startTotal time.Duration
+	var rssMax int64
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		start := time.Now()
+		d := harness.Start(b, harness.Options{Pools: []string{"local=" + dir}, Args: []string{"-v", "1"}})
+		startTotal += time.Since(start)
+		resp, err := d.Controller().ListVolumes(context.Background(), &csi.ListVolumesRequest{})
+		if err != nil || len(resp.GetEntries()) != 10000 {
+			b.Fatalf("ListVolumes: %d entries, %v", len(resp.GetEntries()), err)
+		}
+		rssMax = max(rssMax, vmRSS(b, d.Pid()))
+		d.Stop()
+	}
+	b.ReportMetric(float64(startTotal.Milliseconds())/float64(b.N), "ms-to-ready")
+	b.ReportMetric(float64(rssMax)/(1<<20), "MiB-RSS")
+}
+
+// vmRSS reads a process's resident set size in bytes.
+func vmRSS(b *testing.B, pid int) int64 {
+	data, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, line := range strings.Split(string(data), "\n") {
+		if f := strings.Fields(line); len(f) >= 2 && f[0] == "VmRSS:" {
+			kb, _ := strconv.ParseInt(f[1], 10, 64)
+			return kb << 10
+		}
+	}
+	b.Fatal("no VmRSS")
+	return 0
+}
