@@ -503,7 +503,7 @@ func (e *kubeletEnv) deletePod(t testing.TB, ns, name string) {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
-		return fmt.Errorf("still there (%v)", err)
+		return fmt.Errorf("still there (%w)", err)
 	})
 }
 
