@@ -8,11 +8,19 @@ for cmd in mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:
 	containerd:containerd ctr:containerd runc:runc iptables:iptables ip:iproute2 ldd:libc-bin; do
 	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
 done
+# The CephFS tests (test/cephfs): a one-node Ceph (mon, mgr, OSD, MDS) and two ceph-fuse
+# clients. The "ceph" package brings mon, mgr and OSD; the MDS and the client are separate.
+for cmd in ceph:ceph-common ceph-authtool:ceph-common monmaptool:ceph-base ceph-mon:ceph-mon \
+	ceph-mgr:ceph-mgr ceph-osd:ceph-osd ceph-mds:ceph-mds ceph-fuse:ceph-fuse; do
+	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
+done
 # The kubelet tests (test/k8s/harness/kubelet_test.go): CNI plugins for the pod network and
 # a static busybox for the test pods' image.
 [ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)
 [ ${#need[@]} -eq 0 ] && exit 0
+# Once each, in the order found.
+mapfile -t need < <(printf '%s\n' "${need[@]}" | awk '!seen[$0]++')
 if ! command -v apt-get >/dev/null 2>&1; then
 	echo "install-deps: missing packages ${need[*]}; install them with your package manager" >&2
 	exit 1
