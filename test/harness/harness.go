@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -17,7 +18,9 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 )
 
 var (
@@ -64,6 +67,26 @@ type Driver struct {
 	log      *bytes.Buffer
 	logMu    sync.Mutex
 	done     chan struct{}
+
+	callsMu sync.Mutex
+	calls   []Call
+}
+
+// Call is one RPC the test made through the driver's connection.
+type Call struct {
+	Method   string
+	Elapsed  time.Duration
+	Deadline time.Duration // the call's deadline, from its start
+	Err      error
+}
+
+// Unanswered reports whether the driver did not answer the call within its
+// deadline: the client gave up (gRPC's own "context deadline exceeded"), which
+// is not the same as the driver answering DEADLINE_EXCEEDED itself, with the
+// reason, before the deadline.
+func (c Call) Unanswered() bool {
+	st, _ := status.FromError(c.Err)
+	return c.Err != nil && st.Code() == codes.DeadlineExceeded && st.Message() == context.DeadlineExceeded.Error()
 }
 
 // Options for Start.
@@ -71,7 +94,19 @@ type Options struct {
 	NodeID string
 	Pools  []string // NAME=PATH[,shared]
 	Args   []string // extra flags
+	// SidecarDeadlines gives every call without a deadline the one the chart's
+	// sidecars and probes give it (SidecarTimeout, ProbeTimeout for Probe),
+	// and fails the test if any call of the test was not answered within its
+	// deadline (Call.Unanswered).
+	SidecarDeadlines bool
 }
+
+// The deadlines of the chart's sidecars (--timeout=60s) and of its probes
+// (--probe-timeout=3s), which SidecarDeadlines puts on calls.
+const (
+	SidecarTimeout = 60 * time.Second
+	ProbeTimeout   = 3 * time.Second
+)
 
 // Start runs `poolcsi serve` and waits until Probe answers. The process is stopped
 // in t.Cleanup, and its log is printed when the test failed.
@@ -87,7 +122,8 @@ func Start(t testing.TB, o Options) *Driver {
 		o.NodeID = "node-1"
 	}
 	d := &Driver{Endpoint: "unix://" + sock, Socket: sock, log: &bytes.Buffer{}, opts: o}
-	conn, err := grpc.NewClient(d.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(d.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(d.intercept))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,12 +133,67 @@ func Start(t testing.TB, o Options) *Driver {
 	t.Cleanup(func() {
 		conn.Close()
 		d.Stop()
+		if o.SidecarDeadlines {
+			for _, c := range d.Calls() {
+				if c.Unanswered() {
+					t.Errorf("%s: %s was not answered within its deadline of %s: %v", o.NodeID, c.Method, c.Deadline, c.Err)
+				}
+			}
+		}
 		if t.Failed() {
 			t.Logf("poolcsi log (%s):\n%s", o.NodeID, d.Log())
 		}
 	})
 	d.launch(t)
 	return d
+}
+
+// intercept records every call the test makes (not the readiness probes of
+// launch) and gives it the sidecars' deadline if asked to.
+func (d *Driver) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+	if ctx.Value(launchProbe{}) != nil {
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	if _, ok := ctx.Deadline(); !ok && d.opts.SidecarDeadlines {
+		timeout := SidecarTimeout
+		if strings.HasSuffix(method, "/Probe") {
+			timeout = ProbeTimeout
+		}
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+		defer cancel()
+	}
+	start := time.Now()
+	var deadline time.Duration
+	if dl, ok := ctx.Deadline(); ok {
+		deadline = dl.Sub(start)
+	}
+	err := invoker(ctx, method, req, reply, cc, opts...)
+	d.callsMu.Lock()
+	d.calls = append(d.calls, Call{Method: method[strings.LastIndex(method, "/")+1:], Elapsed: time.Since(start), Deadline: deadline, Err: err})
+	d.callsMu.Unlock()
+	return err
+}
+
+type launchProbe struct{}
+
+// Calls returns the calls made so far, in the order they ended.
+func (d *Driver) Calls() []Call {
+	d.callsMu.Lock()
+	defer d.callsMu.Unlock()
+	return append([]Call(nil), d.calls...)
+}
+
+// LogSlowCalls logs, when the test ends, every call that took longer than
+// threshold: where a slow shared filesystem shows.
+func (d *Driver) LogSlowCalls(t testing.TB, threshold time.Duration) {
+	t.Cleanup(func() {
+		for _, c := range d.Calls() {
+			if c.Elapsed > threshold {
+				t.Logf("%s: slow call %s: %s (deadline %s, err %v)", d.opts.NodeID, c.Method, c.Elapsed.Round(time.Millisecond), c.Deadline, c.Err)
+			}
+		}
+	})
 }
 
 // Restart stops the driver process and starts a new one on the same socket and
@@ -133,8 +224,17 @@ func (d *Driver) launch(t testing.TB) {
 	}
 	go func() { d.cmd.Wait(); close(done) }()
 	deadline := time.Now().Add(30 * time.Second)
+	// Probe only once the socket is there: a dial that fails puts the
+	// connection into gRPC's reconnect backoff (a second at first).
+	for _, err := os.Stat(d.Socket); err != nil && time.Now().Before(deadline); _, err = os.Stat(d.Socket) {
+		select {
+		case <-done:
+			t.Fatalf("poolcsi exited before it was ready: %v\n%s", d.cmd.ProcessState, d.Log())
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
 	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		ctx, cancel := context.WithTimeout(context.WithValue(context.Background(), launchProbe{}, true), time.Second)
 		_, err := csi.NewIdentityClient(d.Conn).Probe(ctx, &csi.ProbeRequest{}, grpc.WaitForReady(true))
 		cancel()
 		if err == nil {

@@ -1,6 +1,9 @@
 // Package shared tests shared pools end to end: two real `poolcsi serve`
-// processes with different node IDs over one pool directory on a btrfs
-// filesystem (a loop device), as two nodes over one NFS export would be.
+// processes with different node IDs over one pool, on each backend: a btrfs
+// filesystem (a loop device) both drivers see at one path, and a CephFS (test/cephfs)
+// mounted twice with ceph-fuse, one mount per driver, as two nodes are two
+// clients of a real network filesystem, each with its own caches, and locks
+// that the metadata server grants.
 package shared
 
 import (
@@ -21,40 +24,85 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
+	"github.com/poolcsi/poolcsi/test/cephfs"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
 
 const mib = int64(1) << 20
 
+// TestMain tears down the CephFS once every test is done, if one was started.
+func TestMain(m *testing.M) { os.Exit(cephfs.Main(m)) }
+
 type env struct {
-	root, poolDir string
-	d1, d2        *harness.Driver
+	backend string
+	root    string
+	poolDir string // the pool as node 1 sees it
+	pool2   string // the pool as node 2 sees it: another mount of the same filesystem on cephfs
+	quota   bool   // dir volumes get an enforced size (btrfs qgroups)
+	d1, d2  *harness.Driver
 }
 
-// setup mounts a btrfs filesystem with quota enabled (the admin's step, see
-// docs/pools.md) and starts two drivers sharing a pool on it. Node 1 also has a
-// local pool.
-func setup(t *testing.T) *env {
+// backends are the shared filesystems every shared-pool test runs on.
+var backends = []string{"btrfs", "cephfs"}
+
+// onEachBackend runs f as a subtest per backend, each with its own pool and drivers.
+func onEachBackend(t *testing.T, f func(t *testing.T, e *env)) {
+	for _, b := range backends {
+		t.Run(b, func(t *testing.T) { f(t, setup(t, b)) })
+	}
+}
+
+// setup lays out a shared pool on backend and starts two drivers sharing it,
+// node 1 through poolDir, node 2 through pool2. Node 1 also has a local pool.
+//
+//   - btrfs: a loop-mounted btrfs with quota enabled (the admin's step, see
+//     docs/pools.md); both drivers use the same path.
+//   - cephfs: a directory of the package's one-node CephFS, node 1 through the
+//     ceph-fuse mount of "node A", node 2 through that of "node B".
+func setup(t *testing.T, backend string) *env {
 	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.btrfs", "btrfs", "mkfs.ext4", "blkid")
+	testutil.RequireCommands(t, "mkfs.ext4", "blkid")
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
-	mnt := testutil.LoopFS(t, root, "btrfs", 512*mib)
-	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
-		t.Fatalf("btrfs quota enable: %v\n%s", err, out)
-	}
-	poolDir := filepath.Join(mnt, "pool")
-	if err := os.Mkdir(poolDir, 0o755); err != nil {
-		t.Fatal(err)
+	e := &env{backend: backend, root: root}
+	switch backend {
+	case "btrfs":
+		testutil.RequireCommands(t, "mkfs.btrfs", "btrfs")
+		mnt := testutil.LoopFS(t, root, "btrfs", 512*mib)
+		if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
+			t.Fatalf("btrfs quota enable: %v\n%s", err, out)
+		}
+		e.poolDir = filepath.Join(mnt, "pool")
+		e.pool2, e.quota = e.poolDir, true
+		if err := os.Mkdir(e.poolDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	case "cephfs":
+		c := cephfs.Shared(t)
+		name := strings.NewReplacer("/", "-").Replace(t.Name())
+		e.poolDir = filepath.Join(c.Mounts[0], name)
+		e.pool2 = filepath.Join(c.Mounts[1], name)
+		// Each test has a pool of its own, left in place when it ends (the
+		// cluster goes whole at the end of the package): removing a tree on
+		// CephFS that the other client just wrote takes seconds.
+		if err := os.Mkdir(e.poolDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	default:
+		t.Fatalf("unknown backend %q", backend)
 	}
 	// The operator's one explicit step for a shared pool: the driver never lays
 	// out a share by itself (it could be an empty, unmounted directory).
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", e.poolDir, "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	e := &env{root: root, poolDir: poolDir}
-	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared", "local=" + filepath.Join(root, "local1")}})
-	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", Pools: []string{"shared=" + poolDir + ",shared"}})
+	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", SidecarDeadlines: true,
+		Pools: []string{"shared=" + e.poolDir + ",shared", "local=" + filepath.Join(root, "local1")}})
+	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", SidecarDeadlines: true,
+		Pools: []string{"shared=" + e.pool2 + ",shared"}})
+	for _, d := range []*harness.Driver{e.d1, e.d2} {
+		d.LogSlowCalls(t, time.Second)
+	}
 	return e
 }
 
@@ -138,8 +186,9 @@ func stagePublish(t *testing.T, d *harness.Driver, dir, id string, vc *csi.Volum
 	return target
 }
 
-func TestImageFence(t *testing.T) {
-	e := setup(t)
+func TestImageFence(t *testing.T) { onEachBackend(t, testImageFence) }
+
+func testImageFence(t *testing.T, e *env) {
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	v := createVolume(t, e.d1, "fenced", 32*mib, map[string]string{"pool": "shared", "layout": "image"}, vc)
@@ -196,14 +245,21 @@ func TestImageFence(t *testing.T) {
 	}
 }
 
-func TestRWXDirVolumeQuota(t *testing.T) {
-	e := setup(t)
+// TestRWXDirVolume: a dir volume written from both nodes at once. On btrfs its
+// size is enforced by a qgroup and grows with ControllerExpandVolume; CephFS
+// has no quota poolcsi sets, so there the volume says its size is not enforced,
+// and its stats are the filesystem's.
+func TestRWXDirVolume(t *testing.T) { onEachBackend(t, testRWXDirVolume) }
+
+func testRWXDirVolume(t *testing.T, e *env) {
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 	v := createVolume(t, e.d1, "rwx", 50*mib, map[string]string{"pool": "shared", "layout": "dir"}, vc)
 	id := v.GetVolumeId()
-	if got := v.GetVolumeContext(); got["sizeEnforced"] != "true" || got["quota"] != "btrfs-qgroup" {
+	if got := v.GetVolumeContext(); e.quota && (got["sizeEnforced"] != "true" || got["quota"] != "btrfs-qgroup") {
 		t.Fatalf("volume context %v, want an enforced btrfs-qgroup size", got)
+	} else if !e.quota && (got["sizeEnforced"] != "false" || got["quota"] != "none") {
+		t.Fatalf("volume context %v, want sizeEnforced=false on %s", got, e.backend)
 	}
 	for _, n := range []struct {
 		d    *harness.Driver
@@ -221,6 +277,35 @@ func TestRWXDirVolumeQuota(t *testing.T) {
 	}
 	if got, err := os.ReadFile(filepath.Join(t2, "note")); err != nil || string(got) != "from node 1" {
 		t.Fatalf("read through node 2: %q, %v", got, err)
+	}
+	if err := os.WriteFile(filepath.Join(t2, "reply"), []byte("from node 2"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(filepath.Join(t2, "reply"), filepath.Join(t2, "reply.done")); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := os.ReadFile(filepath.Join(t1, "reply.done")); err != nil || string(got) != "from node 2" {
+		t.Fatalf("read through node 1: %q, %v", got, err)
+	}
+	lv := must(e.d1.Controller().ListVolumes(ctx, &csi.ListVolumesRequest{}))(t)
+	if got := strings.Join(lv.Entries[0].GetStatus().GetPublishedNodeIds(), ","); got != "node-1,node-2" {
+		t.Fatalf("published nodes %q", got)
+	}
+	if !e.quota {
+		if n, err := writeZeros(filepath.Join(t1, "big"), 8*mib); err != nil {
+			t.Fatalf("write: %d bytes, %v", n, err)
+		}
+		st := must(e.d2.Node().NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: t2}))(t)
+		if u := st.GetUsage()[0]; u.GetTotal() <= 0 || u.GetAvailable() <= 0 {
+			t.Fatalf("stats of an unenforced volume %v: want the filesystem's size and free space", u)
+		}
+		exp := must(e.d2.Controller().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+			VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 120 * mib},
+		}))(t)
+		if exp.GetCapacityBytes() != 120*mib || exp.GetNodeExpansionRequired() {
+			t.Fatalf("expand = %v, want 120 MiB without node expansion", exp)
+		}
+		return
 	}
 
 	n, err := writeZeros(filepath.Join(t1, "big"), 90*mib)
@@ -252,10 +337,6 @@ func TestRWXDirVolumeQuota(t *testing.T) {
 	st = must(e.d1.Node().NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: t1}))(t)
 	if u := st.GetUsage()[0]; u.GetTotal() != 120*mib || u.GetUsed() < 90*mib {
 		t.Fatalf("stats after expansion %v", u)
-	}
-	lv := must(e.d1.Controller().ListVolumes(ctx, &csi.ListVolumesRequest{}))(t)
-	if got := strings.Join(lv.Entries[0].GetStatus().GetPublishedNodeIds(), ","); got != "node-1,node-2" {
-		t.Fatalf("published nodes %q", got)
 	}
 }
 
@@ -294,7 +375,10 @@ func syncfs(t *testing.T, path string) {
 // TestDeleteDirVolumeTouchesNothingElse is csi-driver-nfs #855 turned into a
 // test: deleting one volume must not reach its siblings or the pool.
 func TestDeleteDirVolumeTouchesNothingElse(t *testing.T) {
-	e := setup(t)
+	onEachBackend(t, testDeleteDirVolumeTouchesNothingElse)
+}
+
+func testDeleteDirVolumeTouchesNothingElse(t *testing.T, e *env) {
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 	params := map[string]string{"pool": "shared", "layout": "dir"}
@@ -318,15 +402,19 @@ func TestDeleteDirVolumeTouchesNothingElse(t *testing.T) {
 		}
 	}
 	// What a pod may leave in its volume: deep trees, a symlink pointing out of
-	// the volume at the pool, and a subvolume of its own.
+	// the volume at the pool, and on btrfs a subvolume of its own.
 	d := dataOf(doomed)
 	os.MkdirAll(filepath.Join(d, "a", "b", "c"), 0o755)
 	os.WriteFile(filepath.Join(d, "a", "b", "c", "file"), []byte("x"), 0o644)
 	if err := os.Symlink(e.poolDir, filepath.Join(d, "a", "escape")); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := exec.Command("btrfs", "subvolume", "create", filepath.Join(d, "a", "podsub")).CombinedOutput(); err != nil {
-		t.Fatalf("%v: %s", err, out)
+	if e.backend == "btrfs" {
+		if out, err := exec.Command("btrfs", "subvolume", "create", filepath.Join(d, "a", "podsub")).CombinedOutput(); err != nil {
+			t.Fatalf("%v: %s", err, out)
+		}
+	} else if err := os.Mkdir(filepath.Join(d, "a", "podsub"), 0o755); err != nil {
+		t.Fatal(err)
 	}
 	os.WriteFile(filepath.Join(d, "a", "podsub", "f"), []byte("x"), 0o644)
 
@@ -391,7 +479,7 @@ func stagePublishNoCleanup(t *testing.T, d *harness.Driver, dir, id string, vc *
 }
 
 func TestLocalPoolTopology(t *testing.T) {
-	e := setup(t)
+	e := setup(t, "btrfs") // the shared pool is not what this is about
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	topo := func(node string) *csi.TopologyRequirement {
@@ -496,7 +584,10 @@ func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 // subvolume, is removed as a link when the volume is deleted: the subvolume it
 // names (here, a sibling volume's) is not deleted through it.
 func TestDeleteDirVolumeWhoseDataIsALink(t *testing.T) {
-	e := setup(t)
+	onEachBackend(t, testDeleteDirVolumeWhoseDataIsALink)
+}
+
+func testDeleteDirVolumeWhoseDataIsALink(t *testing.T, e *env) {
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 	params := map[string]string{"pool": "shared", "layout": "dir"}
@@ -512,8 +603,12 @@ func TestDeleteDirVolumeWhoseDataIsALink(t *testing.T) {
 	if err := os.WriteFile(canary, []byte("alive"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := exec.Command("btrfs", "subvolume", "delete", p.DataPath(dv)).CombinedOutput(); err != nil {
-		t.Fatalf("btrfs subvolume delete: %v\n%s", err, out)
+	if e.backend == "btrfs" {
+		if out, err := exec.Command("btrfs", "subvolume", "delete", p.DataPath(dv)).CombinedOutput(); err != nil {
+			t.Fatalf("btrfs subvolume delete: %v\n%s", err, out)
+		}
+	} else if err := os.RemoveAll(p.DataPath(dv)); err != nil {
+		t.Fatal(err)
 	}
 	if err := os.Symlink(p.DataPath(vv), p.DataPath(dv)); err != nil {
 		t.Fatal(err)
