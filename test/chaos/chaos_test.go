@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
+	"github.com/poolcsi/poolcsi/test/cephfs"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
 
@@ -60,38 +62,65 @@ func rounds(def int) int {
 	return def
 }
 
-// setup makes a btrfs filesystem (reflinks, qgroups for dir volumes) with the
-// pool on it, mounts it a second time by bind at another path (each driver
-// sees the pool through its own mount, as two nodes do), and starts a driver
-// per mount.
-func setup(t *testing.T) *env {
+// TestMain tears down the CephFS once every test is done, if one was started.
+func TestMain(m *testing.M) { os.Exit(cephfs.Main(m)) }
+
+// setup makes a shared pool on backend and starts a driver per view of it:
+//
+//   - btrfs: a btrfs filesystem (reflinks, qgroups for dir volumes) with the
+//     pool on it, mounted a second time by bind at another path, so each driver
+//     sees the pool through its own mount, as two nodes do;
+//   - cephfs: a directory of the package's one-node CephFS (test/cephfs), seen
+//     by node 1 through one ceph-fuse mount and by node 2 through the other:
+//     two clients with their own caches, whose locks the MDS grants.
+func setup(t *testing.T, backend string) *env {
 	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.btrfs", "btrfs", "mkfs.ext4", "mkfs.xfs", "xfs_growfs", "blkid", "mount", "umount")
+	testutil.RequireCommands(t, "mkfs.ext4", "mkfs.xfs", "xfs_growfs", "blkid", "mount", "umount")
 	root := t.TempDir()
 	harness.CheckNoLeaks(t, root)
-	mnt := testutil.LoopFS(t, root, "btrfs", 4096*mib)
-	if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
-		t.Fatalf("btrfs quota enable: %v\n%s", err, out)
+	var poolDir, view2 string
+	switch backend {
+	case "btrfs":
+		testutil.RequireCommands(t, "mkfs.btrfs", "btrfs")
+		mnt := testutil.LoopFS(t, root, "btrfs", 4096*mib)
+		if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
+			t.Fatalf("btrfs quota enable: %v\n%s", err, out)
+		}
+		poolDir = filepath.Join(mnt, "pool")
+		view2 = filepath.Join(root, "node2-view")
+		if err := os.MkdirAll(poolDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Mkdir(view2, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if out, err := exec.Command("umount", view2).CombinedOutput(); err != nil {
+				t.Errorf("umount %s: %v\n%s", view2, err, out)
+			}
+		})
+		if out, err := exec.Command("mount", "--bind", poolDir, view2).CombinedOutput(); err != nil {
+			t.Fatalf("bind the pool for node 2: %v\n%s", err, out)
+		}
+	case "cephfs":
+		c := cephfs.Shared(t)
+		name := strings.ReplaceAll(t.Name(), "/", "-")
+		poolDir, view2 = filepath.Join(c.Mounts[0], name), filepath.Join(c.Mounts[1], name)
+		if err := os.Mkdir(poolDir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	default:
+		t.Fatalf("unknown backend %q", backend)
 	}
-	poolDir := filepath.Join(mnt, "pool")
 	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
-	view2 := filepath.Join(root, "node2-view")
-	if err := os.Mkdir(view2, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("umount", view2).CombinedOutput(); err != nil {
-			t.Errorf("umount %s: %v\n%s", view2, err, out)
-		}
-	})
-	if out, err := exec.Command("mount", "--bind", poolDir, view2).CombinedOutput(); err != nil {
-		t.Fatalf("bind the pool for node 2: %v\n%s", err, out)
-	}
 	e := &env{root: root, poolDir: poolDir, rng: rand.New(rand.NewPCG(seed(t), 7))}
-	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared"}})
-	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", Pools: []string{"shared=" + view2 + ",shared"}})
+	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared"}, SidecarDeadlines: true})
+	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", Pools: []string{"shared=" + view2 + ",shared"}, SidecarDeadlines: true})
+	for _, d := range []*harness.Driver{e.d1, e.d2} {
+		d.LogSlowCalls(t, time.Second)
+	}
 	return e
 }
 
@@ -212,7 +241,7 @@ func (e *env) poolCheck(t *testing.T) {
 // retry must converge, the data written before must read back, and the pool
 // must be clean with nothing leaked.
 func TestKillAnywhere(t *testing.T) {
-	e := setup(t)
+	e := setup(t, "btrfs")
 	for round := 0; round < rounds(3); round++ {
 		for _, layout := range []string{"image", "dir"} {
 			t.Run(fmt.Sprintf("round%d-%s", round, layout), func(t *testing.T) { e.life(t, layout, round) })
@@ -354,7 +383,12 @@ func (e *env) life(t *testing.T, layout string, round int) {
 // get a retryable code or the same answer, never INTERNAL; one image per name;
 // the fence holds; the pool is clean at the end.
 func TestTwoControllersRace(t *testing.T) {
-	e := setup(t)
+	for _, backend := range []string{"btrfs", "cephfs"} {
+		t.Run(backend, func(t *testing.T) { twoControllersRace(t, setup(t, backend)) })
+	}
+}
+
+func twoControllersRace(t *testing.T, e *env) {
 	vc := mountCap(rwo, "ext4")
 	both := func(f func(d *harness.Driver, node string) error) (error, error) {
 		var wg sync.WaitGroup
