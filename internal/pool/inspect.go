@@ -55,14 +55,20 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		path := filepath.Join(dir, de.Name())
 		switch {
 		case strings.HasPrefix(de.Name(), ".deleting-"):
-			out = append(out, Leftover{path, "an interrupted DeleteVolume; the volume is gone, its data may remain: remove it"})
+			if !p.changing() { // else a delete under way, maybe on another node
+				out = append(out, Leftover{path, "an interrupted DeleteVolume; the volume is gone, its data may remain: remove it"})
+			}
 		case !de.IsDir() || !keyRE.MatchString(de.Name()):
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
-			out = append(out, tempLeftovers(path)...)
 			id := VolumeID{Pool: p.Name, Key: de.Name()}
-			v, err := p.Load(id)
+			if !lockHeld(filepath.Join(path, lockFile)) && !p.changing() { // else a write under way
+				out = append(out, tempLeftovers(path)...)
+			}
+			e, listed := p.loadListed(id)
+			v, err := e.Volume, e.Err
 			switch {
+			case !listed: // deleted since, or a create under way
 			case errors.Is(err, os.ErrNotExist):
 				out = append(out, Leftover{path, "volume directory without volume.json (a create interrupted before its metadata was written)"})
 			case err == nil && v.State == StateCreating && now.Sub(v.CreatedAt) > StaleCreate:

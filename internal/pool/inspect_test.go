@@ -79,3 +79,52 @@ func TestTempLeftovers(t *testing.T) {
 		t.Fatalf("a stale temp file survived the next write: %v", err)
 	}
 }
+
+// TestHalfDoneChangesOfAnotherNode: while another process (another node, on a
+// shared pool) holds the pool lock, a volume directory with no volume.json yet
+// and a .deleting- directory are a create and a delete under way: they are
+// neither listed as damaged volumes nor reported as leftovers. Once the lock
+// is free, the same things are damage and leftovers again. On CephFS another
+// client's create stays in that state for seconds.
+func TestHalfDoneChangesOfAnotherNode(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	other, err := Open(Config{Name: p.Name, Path: p.Path, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := other.LockPool(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	vols := filepath.Join(p.Path, "volumes")
+	nometa := filepath.Join(vols, KeyForName("creating"))
+	os.Mkdir(nometa, 0o750)
+	os.WriteFile(filepath.Join(nometa, ".volume.json.tmp-123"), []byte("{"), 0o600)
+	os.Mkdir(filepath.Join(vols, ".deleting-"+KeyForName("going")), 0o750)
+	snap := filepath.Join(p.Path, "snapshots", KeyForName("snapping"))
+	os.MkdirAll(snap, 0o750)
+
+	check := func(want int) {
+		t.Helper()
+		entries, err := p.List()
+		if err != nil || len(entries) != want {
+			t.Fatalf("List = %+v, %v; want %d entries", entries, err, want)
+		}
+		page, _, err := p.ListPage("", 0, func(Entry) bool { return true })
+		if err != nil || len(page) != want {
+			t.Fatalf("ListPage = %+v, %v; want %d entries", page, err, want)
+		}
+		snaps, err := p.ListSnapshots()
+		if err != nil || len(snaps) != want {
+			t.Fatalf("ListSnapshots = %+v, %v; want %d entries", snaps, err, want)
+		}
+		left, err := p.Leftovers(time.Now())
+		if err != nil || len(left) != 3*want {
+			t.Fatalf("Leftovers = %+v, %v; want %d", left, err, 3*want)
+		}
+	}
+	check(0) // under way elsewhere
+	unlock()
+	check(1) // nobody is changing the pool: the same things are damage
+}

@@ -97,10 +97,7 @@ func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) ([]Entry,
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (Entry, bool) {
-		id := VolumeID{Pool: p.Name, Key: key}
-		v, err := p.Load(id)
-		gone := os.IsNotExist(err) && !p.VolumeExists(id) // deleted since the directory was read
-		return Entry{ID: id, Volume: v, Err: err}, !gone
+		return p.loadListed(VolumeID{Pool: p.Name, Key: key})
 	}, keep)
 	return entries, next, nil
 }
@@ -129,10 +126,7 @@ func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (SnapshotEntry, bool) {
-		id := SnapshotID{Pool: p.Name, Key: key}
-		s, err := p.LoadSnapshot(id)
-		gone := os.IsNotExist(err) && !p.SnapshotExists(id)
-		return SnapshotEntry{ID: id, Snapshot: s, Err: err}, !gone
+		return p.loadListedSnapshot(SnapshotID{Pool: p.Name, Key: key})
 	}, keep)
 	return entries, next, nil
 }

@@ -125,5 +125,29 @@ func readHolder(f *os.File) string {
 	return strings.TrimSpace(string(buf[:n]))
 }
 
+// lockHeld reports whether some process, on this node or another, holds the
+// lock file at path right now. It takes nothing: a lock it could take is
+// released at once. A missing file is a lock nobody holds.
+func lockHeld(path string) bool {
+	f, err := os.Open(path)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		return errors.Is(err, unix.EWOULDBLOCK)
+	}
+	_ = unix.Flock(int(f.Fd()), unix.LOCK_UN)
+	return false
+}
+
+// changing reports whether a create or delete is under way in the pool, on
+// any node: both hold the pool lock from the first directory they make or
+// rename to the last. What they are half way through (a volume directory with
+// no volume.json yet, a .deleting- directory) is then not damage. On a shared
+// filesystem another node's half-done step can be visible for seconds (on
+// CephFS a metadata change from another client waits for the MDS's journal).
+func (p *Pool) changing() bool { return lockHeld(filepath.Join(p.Path, poolLock)) }
+
 // SetNode names this process's node in the lock files it takes.
 func (p *Pool) SetNode(node string) { p.node = node }

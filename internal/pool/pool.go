@@ -220,6 +220,22 @@ type Entry struct {
 	Err    error
 }
 
+// loadListed loads a volume found in the volumes directory. A directory
+// without volume.json is left out while it is on its way in or out: deleted
+// since the directory was read, or made by a create, here or on another node,
+// that has not written its metadata yet (changing). Otherwise it is listed
+// with the error: metadata that is gone is damage an operator must hear of.
+func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
+	v, err := p.Load(id)
+	if errors.Is(err, os.ErrNotExist) {
+		if !p.VolumeExists(id) || p.changing() {
+			return Entry{}, false
+		}
+		v, err = p.Load(id) // the create may have finished between the two looks
+	}
+	return Entry{ID: id, Volume: v, Err: err}, true
+}
+
 // List returns the pool's volumes sorted by ID.
 func (p *Pool) List() ([]Entry, error) {
 	des, err := os.ReadDir(filepath.Join(p.Path, volumesDir))
@@ -231,9 +247,9 @@ func (p *Pool) List() ([]Entry, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue // temp files and volumes being deleted
 		}
-		id := VolumeID{Pool: p.Name, Key: de.Name()}
-		v, err := p.Load(id)
-		out = append(out, Entry{ID: id, Volume: v, Err: err})
+		if e, ok := p.loadListed(VolumeID{Pool: p.Name, Key: de.Name()}); ok {
+			out = append(out, e)
+		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
 	return out, nil

@@ -164,6 +164,18 @@ type SnapshotEntry struct {
 	Err      error
 }
 
+// loadListedSnapshot is loadListed for a snapshot directory.
+func (p *Pool) loadListedSnapshot(id SnapshotID) (SnapshotEntry, bool) {
+	s, err := p.LoadSnapshot(id)
+	if errors.Is(err, os.ErrNotExist) {
+		if !p.SnapshotExists(id) || p.changing() {
+			return SnapshotEntry{}, false
+		}
+		s, err = p.LoadSnapshot(id)
+	}
+	return SnapshotEntry{ID: id, Snapshot: s, Err: err}, true
+}
+
 // ListSnapshots returns the pool's snapshots sorted by ID.
 func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 	des, err := os.ReadDir(filepath.Join(p.Path, snapshotsDir))
@@ -178,9 +190,9 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		id := SnapshotID{Pool: p.Name, Key: de.Name()}
-		s, err := p.LoadSnapshot(id)
-		out = append(out, SnapshotEntry{ID: id, Snapshot: s, Err: err})
+		if e, ok := p.loadListedSnapshot(SnapshotID{Pool: p.Name, Key: de.Name()}); ok {
+			out = append(out, e)
+		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
 	return out, nil
