@@ -150,7 +150,7 @@ func Start(ctx context.Context, o Options) (c *Cluster, err error) {
 		b, err := strconv.ParseBool(v)
 		if err != nil {
 			os.RemoveAll(dir)
-			return nil, fmt.Errorf("%s=%q: %v", EarlyReplyEnv, v, err)
+			return nil, fmt.Errorf("%s=%q: %w", EarlyReplyEnv, v, err)
 		}
 		c.EarlyReply = b
 	}
@@ -161,7 +161,7 @@ func Start(ctx context.Context, o Options) (c *Cluster, err error) {
 		if err != nil {
 			logs := c.tailLogs()
 			if serr := c.Stop(); serr != nil {
-				err = fmt.Errorf("%w (and teardown: %v)", err, serr)
+				err = fmt.Errorf("%w (and teardown: %w)", err, serr)
 			}
 			err = fmt.Errorf("%w\n%s", err, logs)
 		}
@@ -358,7 +358,7 @@ func (c *Cluster) Ceph(ctx context.Context, args ...string) (string, error) {
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	if err := cmd.Run(); err != nil {
-		return stdout.String(), fmt.Errorf("ceph %s: %v\n%s%s", strings.Join(args, " "), err, stdout.String(), stderr.String())
+		return stdout.String(), fmt.Errorf("ceph %s: %w\n%s%s", strings.Join(args, " "), err, stdout.String(), stderr.String())
 	}
 	return stdout.String(), nil
 }
@@ -378,7 +378,7 @@ func (c *Cluster) fsReady(ctx context.Context) (bool, error) {
 		} `json:"filesystems"`
 	}
 	if err := json.Unmarshal([]byte(out[strings.Index(out, "{"):]), &dump); err != nil {
-		return false, fmt.Errorf("ceph fs dump: %v: %s", err, out)
+		return false, fmt.Errorf("ceph fs dump: %w: %s", err, out)
 	}
 	for _, fs := range dump.Filesystems {
 		for _, i := range fs.MDSMap.Info {
@@ -401,7 +401,7 @@ func (c *Cluster) usageReported(ctx context.Context) (bool, error) {
 		} `json:"stats"`
 	}
 	if err := json.Unmarshal([]byte(out), &df); err != nil {
-		return false, fmt.Errorf("ceph df: %v: %s", err, out)
+		return false, fmt.Errorf("ceph df: %w: %s", err, out)
 	}
 	return df.Stats.Total > 0, nil
 }
@@ -423,7 +423,7 @@ func (c *Cluster) waitFor(ctx context.Context, what string, cond func(context.Co
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("waiting for %s: %w (last error: %v)", what, ctx.Err(), last)
+			return fmt.Errorf("waiting for %s: %w (last error: %w)", what, ctx.Err(), last)
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
@@ -467,6 +467,11 @@ func (p *proc) stop(grace time.Duration) {
 		return
 	default:
 	}
+	if grace == 0 {
+		_ = p.cmd.Process.Kill()
+		<-p.done
+		return
+	}
 	_ = p.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-p.done:
@@ -476,7 +481,7 @@ func (p *proc) stop(grace time.Duration) {
 	}
 }
 
-// Stop unmounts both clients, stops every daemon and removes the directory.
+// Stop unmounts both clients, ends every daemon and removes the directory.
 func (c *Cluster) Stop() error {
 	var errs []error
 	for _, mnt := range c.Mounts {
@@ -495,9 +500,10 @@ func (c *Cluster) Stop() error {
 			p.stop(5 * time.Second)
 		}
 	}
-	// MDS first, monitor last: each finds the ones it reports to still there.
-	for i := len(daemons) - 1; i >= 0; i-- {
-		daemons[i].stop(5 * time.Second)
+	// The cluster's data goes with it, so no daemon needs a clean shutdown
+	// (the OSD and the MDS take seconds to give up on a monitor already gone).
+	for _, p := range daemons {
+		p.stop(0)
 	}
 	if len(errs) == 0 {
 		if err := os.RemoveAll(c.Dir); err != nil {
@@ -526,7 +532,7 @@ func unmount(mnt string) error {
 		}
 		out, err := exec.Command("umount", args...).CombinedOutput()
 		if err != nil && i >= 5 {
-			return fmt.Errorf("umount %s: %v: %s", mnt, err, out)
+			return fmt.Errorf("umount %s: %w: %s", mnt, err, out)
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
@@ -601,7 +607,7 @@ func (c *Cluster) tailLogs() string {
 func run(ctx context.Context, bin string, args ...string) error {
 	out, err := exec.CommandContext(ctx, bin, args...).CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("%s %s: %v\n%s", bin, strings.Join(args, " "), err, out)
+		return fmt.Errorf("%s %s: %w\n%s", bin, strings.Join(args, " "), err, out)
 	}
 	return nil
 }

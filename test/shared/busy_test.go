@@ -71,7 +71,7 @@ func testWhileTheOtherNodeCreates(t *testing.T, e *env) {
 	watch("pool check", 200*time.Millisecond, func() error {
 		out, err := exec.Command(harness.Binary(t), "pool", "check", "--path", e.pool2).CombinedOutput()
 		if err != nil {
-			return fmt.Errorf("%v: %s", err, strings.TrimSpace(string(out)))
+			return fmt.Errorf("%w: %s", err, strings.TrimSpace(string(out)))
 		}
 		return nil
 	})
