@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -46,8 +47,14 @@ func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func()
 		flags |= os.O_CREATE
 	}
 	for {
-		f, err := os.OpenFile(path, flags, 0o600)
+		f, err := openLock(ctx, path, flags)
 		if err != nil {
+			if ctx.Err() != nil {
+				if errors.Is(context.Cause(ctx), ErrBusy) {
+					err = fmt.Errorf("%w: waited %s: %w", ErrBusy, lockPatience, err)
+				}
+				return nil, fmt.Errorf("lock %s (last taken by %s): %w", path, lastHolder(path), err)
+			}
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
 		if err := flockContext(ctx, f); err != nil {
@@ -96,6 +103,91 @@ func flockContext(ctx context.Context, f *os.File) error {
 	}
 }
 
+// An open of a lock file on a shared filesystem can block in the kernel, where
+// no context reaches it: on CephFS, while another client holds the file's
+// capabilities and does not answer the MDS's recall, which is what a node
+// that died looks like until the MDS gives up on it (a minute) or evicts it.
+// openLock gives up when the call's context ends, and answers a retryable
+// error; the blocked open goes on in the background, closes the file if it
+// ever returns, and is shared by every later call for the same file until
+// then, so stuck opens never pile up (one thread per lock file at most).
+type pendingOpen struct {
+	mu        sync.Mutex
+	done      chan struct{}
+	f         *os.File
+	err       error
+	abandoned bool
+	since     time.Time
+}
+
+var pendingOpens sync.Map // lock file path -> *pendingOpen
+
+// errStuckOpen says what a call that gave up waiting for a lock file's open
+// was waiting for.
+type errStuckOpen struct {
+	since time.Time
+	cause error
+}
+
+func (e errStuckOpen) Error() string {
+	return fmt.Sprintf("the filesystem has not opened the lock file for %s: another client holds it and does not answer "+
+		"(on a shared pool, a node that died: its locks are held until the server evicts it; see docs/pools.md): %v",
+		time.Since(e.since).Round(time.Millisecond), e.cause)
+}
+
+func (e errStuckOpen) Unwrap() error { return e.cause }
+
+func openLock(ctx context.Context, path string, flags int) (*os.File, error) {
+	for {
+		po := &pendingOpen{done: make(chan struct{}), since: time.Now()}
+		if cur, loaded := pendingOpens.LoadOrStore(path, po); loaded {
+			cur := cur.(*pendingOpen)
+			select {
+			case <-cur.done: // its file went to its caller, or was closed: open anew
+				continue
+			case <-ctx.Done():
+				return nil, errStuckOpen{since: cur.since, cause: context.Cause(ctx)}
+			}
+		}
+		go func() {
+			f, err := os.OpenFile(path, flags, 0o600)
+			po.mu.Lock()
+			if po.abandoned && f != nil {
+				f.Close()
+				f = nil
+			}
+			po.f, po.err = f, err
+			po.mu.Unlock()
+			pendingOpens.CompareAndDelete(path, po)
+			close(po.done)
+		}()
+		select {
+		case <-po.done:
+			return po.f, po.err
+		case <-ctx.Done():
+			po.mu.Lock()
+			po.abandoned = true
+			if po.f != nil { // it returned just now
+				po.f.Close()
+				po.f = nil
+			}
+			po.mu.Unlock()
+			return nil, errStuckOpen{since: po.since, cause: context.Cause(ctx)}
+		}
+	}
+}
+
+// lastHolders remembers the last holder record read from each lock file, for
+// the message of a call that cannot read the file itself (openLock).
+var lastHolders sync.Map // path -> string
+
+func lastHolder(path string) string {
+	if h, ok := lastHolders.Load(path); ok {
+		return h.(string) + " (as last read)"
+	}
+	return "an unknown holder"
+}
+
 // writeHolder records in a lock file just taken who holds it (node and
 // process), so a caller that cannot get the lock can name the holder: on a
 // shared pool it is another machine. It writes only when the record changes,
@@ -122,7 +214,9 @@ func readHolder(f *os.File) string {
 	if n == 0 {
 		return "an unknown holder"
 	}
-	return strings.TrimSpace(string(buf[:n]))
+	rec := strings.TrimSpace(string(buf[:n]))
+	lastHolders.Store(f.Name(), rec)
+	return rec
 }
 
 // lockHeld reports whether some process, on this node or another, holds the
