@@ -42,6 +42,9 @@ var Commands = []string{"ceph", "monmaptool", "ceph-mon", "ceph-mgr", "ceph-osd"
 // (~5 s), as on real clusters, and that is what CI runs.
 const EarlyReplyEnv = "POOLCSI_CEPH_MDS_EARLY_REPLY"
 
+// SessionTimeout is the filesystem's session_timeout (Ceph's default: 60 s).
+const SessionTimeout = 30 * time.Second
+
 // dirPrefix names the cluster directories under the temp dir; stale ones (whose
 // test process is gone) are cleaned up by the next Start.
 const dirPrefix = "pcceph-"
@@ -234,6 +237,14 @@ func (c *Cluster) bootstrap(ctx context.Context) error {
 	if _, err := c.Ceph(ctx, "fs", "new", "cephfs", "cephfs_metadata", "cephfs_data"); err != nil {
 		return err
 	}
+	// A client that stops answering is marked stale, and its capabilities
+	// taken back, after session_timeout: 30 s here (the least Ceph allows)
+	// instead of 60, so the
+	// tests of a dead node do not wait a minute. Eviction (its locks) is
+	// left at the default.
+	if _, err := c.Ceph(ctx, "fs", "set", "cephfs", "session_timeout", strconv.Itoa(int(SessionTimeout/time.Second))); err != nil {
+		return err
+	}
 	if err := c.daemon("mds.a", "ceph-mds", "-c", c.Conf, "-i", "a", "-f"); err != nil {
 		return err
 	}
@@ -348,6 +359,46 @@ func (c *Cluster) KillClient(i int) {
 	}
 	_ = p.cmd.Process.Kill()
 	<-p.done
+}
+
+// EvictClient evicts node i's client sessions from the MDS, as an operator
+// does for a dead node instead of waiting out mds_session_autoclose (300 s):
+// its caps and locks are released at once. It returns how many it evicted.
+func (c *Cluster) EvictClient(ctx context.Context, i int) (int, error) {
+	out, err := c.Ceph(ctx, "tell", "mds.a", "session", "ls", "--format=json")
+	if err != nil {
+		return 0, err
+	}
+	var sessions []struct {
+		ID       int64 `json:"id"`
+		Metadata struct {
+			Entity string `json:"entity_id"`
+		} `json:"client_metadata"`
+	}
+	if err := json.Unmarshal([]byte(out[strings.Index(out, "["):]), &sessions); err != nil {
+		return 0, fmt.Errorf("mds session ls: %w: %s", err, out)
+	}
+	n := 0
+	for _, s := range sessions {
+		if s.Metadata.Entity != "node"+string(rune('A'+i)) {
+			continue
+		}
+		if _, err := c.Ceph(ctx, "tell", "mds.a", "client", "evict", "id="+strconv.FormatInt(s.ID, 10)); err != nil {
+			return n, err
+		}
+		n++
+	}
+	return n, nil
+}
+
+// Remount replaces node i's ceph-fuse after KillClient: the dead mount is
+// taken down and a new client mounts the filesystem at the same place.
+func (c *Cluster) Remount(ctx context.Context, i int) error {
+	c.KillClient(i)
+	if err := unmount(c.Mounts[i]); err != nil {
+		return err
+	}
+	return c.Mount(ctx, i)
 }
 
 // Ceph runs the ceph command line against the cluster and returns its output.
@@ -519,11 +570,13 @@ func (c *Cluster) Stop() error {
 // it from going at once. Nothing is removed below a mount point still mounted.
 func unmount(mnt string) error {
 	for i := 0; ; i++ {
-		ok, err := mountinfo.Mounted(mnt)
-		if err != nil && !errors.Is(err, os.ErrNotExist) {
+		// Read from the mount table: a stat of a dead client's mount point
+		// fails (ENOTCONN), which is what Mounted does.
+		ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(mnt))
+		if err != nil {
 			return err
 		}
-		if !ok {
+		if len(ms) == 0 {
 			return nil
 		}
 		args := []string{mnt}

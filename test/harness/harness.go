@@ -81,12 +81,11 @@ type Call struct {
 }
 
 // Unanswered reports whether the driver did not answer the call within its
-// deadline: the client gave up (gRPC's own "context deadline exceeded"), which
-// is not the same as the driver answering DEADLINE_EXCEEDED itself, with the
-// reason, before the deadline.
+// deadline: the client gave up when the deadline came. The driver answers
+// DEADLINE_EXCEEDED itself, with the reason, a little before the deadline.
 func (c Call) Unanswered() bool {
-	st, _ := status.FromError(c.Err)
-	return c.Err != nil && st.Code() == codes.DeadlineExceeded && st.Message() == context.DeadlineExceeded.Error()
+	code := status.Code(c.Err)
+	return c.Deadline > 0 && c.Elapsed >= c.Deadline && (code == codes.DeadlineExceeded || code == codes.Canceled)
 }
 
 // Options for Start.
