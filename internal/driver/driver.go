@@ -105,6 +105,10 @@ type Driver struct {
 	// poolState holds each pool's last seen fault ("" when usable), so Probe
 	// logs changes once (see notePools).
 	poolState sync.Map
+	// probing is closed when the pool checks Probe started last are done
+	// (see Probe); probeMu guards it.
+	probeMu sync.Mutex
+	probing chan struct{}
 	// conditions caches the node-side health NodeGetVolumeStats reports,
 	// for Options.StatsHealthTTL (see statsCondition).
 	conditions sync.Map

@@ -87,7 +87,11 @@ func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Iss
 	if err != nil {
 		return nil, err
 	}
-	return health.CheckVolume(p, e, health.StatPool(p), d.opts.Health).Issues, nil
+	r := health.CheckVolume(p, e, health.StatPool(p), d.opts.Health)
+	if r.Gone {
+		return nil, status.Errorf(codes.NotFound, "volume %s was deleted", vid)
+	}
+	return r.Issues, nil
 }
 
 // ControllerListVolumeHealth lists the volumes with an adverse condition, damaged

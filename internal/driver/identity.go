@@ -48,10 +48,44 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 // mounts no share and frees no space, and a restart loop would only bury the
 // cause under CrashLoopBackOff (docs/health.md). Probe costs a few system
 // calls per pool.
+//
+// The pool checks (registering with a pool that appeared, logging a pool that
+// became unusable) read the pools' filesystems, which on a shared pool can
+// take seconds to answer: another client's change stalls a lookup on CephFS,
+// a dead client longer. Probe is the livenessprobe's question, "is the process
+// alive", with a 3 s timeout in the chart, so it does not wait for them past
+// its deadline: they run in the background, one round at a time, and Probe
+// answers when they are done or its deadline comes, whichever is first.
 func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
-	d.registerNode(ctx)
-	d.notePools(ctx)
+	select {
+	case <-d.probePools(ctx):
+	case <-ctx.Done():
+		klog.FromContext(ctx).V(2).Info("Probe answered before its pool checks finished: a pool's filesystem is slow to answer; they go on in the background")
+	}
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(true)}, nil
+}
+
+// probePools starts a round of Probe's pool checks unless one is under way,
+// and returns a channel closed when that round is done.
+func (d *Driver) probePools(ctx context.Context) <-chan struct{} {
+	d.probeMu.Lock()
+	defer d.probeMu.Unlock()
+	if d.probing != nil {
+		select {
+		case <-d.probing:
+		default:
+			return d.probing // a round under way: wait for that one
+		}
+	}
+	done := make(chan struct{})
+	d.probing = done
+	bg := context.WithoutCancel(ctx)
+	go func() {
+		defer close(done)
+		d.registerNode(bg)
+		d.notePools(bg)
+	}()
+	return done
 }
 
 // notePools logs each pool's change between usable and unusable (and the

@@ -48,6 +48,10 @@ type VolumeReport struct {
 	// AllocatedBytes is what the image holds on the pool's filesystem.
 	AllocatedBytes int64
 	Issues         []Issue
+	// Gone is set when the volume was deleted while it was being checked (its
+	// image or data vanished with its directory): a delete, maybe on another
+	// node, not data loss. Issues is empty then.
+	Gone bool
 }
 
 // PoolScan is the health of every volume of one pool, for listing and metrics.
@@ -69,7 +73,9 @@ func ScanPool(p *pool.Pool, o Options) (PoolScan, error) {
 		if e.Err == nil && e.Volume.State != pool.StateReady {
 			continue
 		}
-		scan.Volumes = append(scan.Volumes, CheckVolume(p, e, scan.Space, o))
+		if r := CheckVolume(p, e, scan.Space, o); !r.Gone {
+			scan.Volumes = append(scan.Volumes, r)
+		}
 	}
 	return scan, nil
 }
@@ -78,6 +84,19 @@ func ScanPool(p *pool.Pool, o Options) (PoolScan, error) {
 // image present and as large as recorded, and room in the pool for the image to
 // grow into. space is the pool's StatPool, shared by every volume of one scan.
 func CheckVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeReport {
+	r := checkVolume(p, e, space, o)
+	for _, is := range r.Issues {
+		// A DeleteVolume renames the volume's directory away, so a volume
+		// read a moment ago loses its image and data directory at once: on a
+		// shared pool another node's delete is seen here at any point.
+		if (is.Reason == ReasonImageMissing || is.Reason == ReasonDataMissing) && !p.VolumeExists(e.ID) {
+			return VolumeReport{ID: e.ID, Volume: e.Volume, Gone: true}
+		}
+	}
+	return r
+}
+
+func checkVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeReport {
 	r := VolumeReport{ID: e.ID, Volume: e.Volume}
 	if e.Err != nil {
 		meta := p.MetadataPath(e.ID)

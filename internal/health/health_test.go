@@ -100,3 +100,36 @@ func TestCheckVolume(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckVolumeDeletedMeanwhile: a volume read, and then deleted (its
+// directory renamed away, as DeleteVolume does, maybe on another node) before
+// its image is looked at, is gone, not data loss.
+func TestCheckVolumeDeletedMeanwhile(t *testing.T) {
+	p, err := pool.Open(pool.Config{Name: "t", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	v, err := p.Reserve(ctx, pool.Spec{Name: "v", Layout: pool.LayoutImage, AccessType: pool.AccessBlock, CapacityBytes: 8 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PrepareImage(v); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MarkReady(v); err != nil {
+		t.Fatal(err)
+	}
+	entries, err := p.List()
+	if err != nil || len(entries) != 1 {
+		t.Fatalf("List: %v %v", entries, err)
+	}
+	id, _ := pool.ParseVolumeID(v.ID)
+	if err := p.Delete(ctx, id); err != nil {
+		t.Fatal(err)
+	}
+	r := CheckVolume(p, entries[0], StatPool(p), DefaultOptions)
+	if !r.Gone || len(r.Issues) != 0 {
+		t.Fatalf("a volume deleted while checked: %+v, want gone without issues", r)
+	}
+}

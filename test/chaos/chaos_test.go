@@ -104,11 +104,11 @@ func setup(t *testing.T, backend string) *env {
 		}
 	case "cephfs":
 		c := cephfs.Shared(t)
-		name := strings.ReplaceAll(t.Name(), "/", "-")
-		poolDir, view2 = filepath.Join(c.Mounts[0], name), filepath.Join(c.Mounts[1], name)
-		if err := os.Mkdir(poolDir, 0o755); err != nil {
+		dir, err := os.MkdirTemp(c.Mounts[0], strings.ReplaceAll(t.Name(), "/", "-")+"-")
+		if err != nil {
 			t.Fatal(err)
 		}
+		poolDir, view2 = dir, filepath.Join(c.Mounts[1], filepath.Base(dir))
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}

@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -162,9 +163,13 @@ func testHealthAcrossNodes(t *testing.T, e *env) {
 		if h := health(d); len(h.GetHealthStatuses()) != 0 {
 			t.Fatalf("a new volume is unhealthy: %v", h)
 		}
+		// Only the shared pool's: node 1's local pool is on the host's disk,
+		// which the machine's other work may fill.
 		sh := must(d.Node().NodeGetStorageHealth(ctx, &csi.NodeGetStorageHealthRequest{}))(t)
-		if len(sh.GetBackendHealth()) != 0 {
-			t.Fatalf("storage health: %v", sh)
+		for _, b := range sh.GetBackendHealth() {
+			if strings.Contains(b.GetMessage(), "pool shared") {
+				t.Fatalf("storage health of the shared pool: %v", b)
+			}
 		}
 	}
 	vid, _ := pool.ParseVolumeID(id)

@@ -79,15 +79,15 @@ func setup(t *testing.T, backend string) *env {
 		}
 	case "cephfs":
 		c := cephfs.Shared(t)
-		name := strings.NewReplacer("/", "-").Replace(t.Name())
-		e.poolDir = filepath.Join(c.Mounts[0], name)
-		e.pool2 = filepath.Join(c.Mounts[1], name)
+		dir, err := os.MkdirTemp(c.Mounts[0], strings.ReplaceAll(t.Name(), "/", "-")+"-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.poolDir = dir
+		e.pool2 = filepath.Join(c.Mounts[1], filepath.Base(dir))
 		// Each test has a pool of its own, left in place when it ends (the
 		// cluster goes whole at the end of the package): removing a tree on
 		// CephFS that the other client just wrote takes seconds.
-		if err := os.Mkdir(e.poolDir, 0o755); err != nil {
-			t.Fatal(err)
-		}
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}
