@@ -75,7 +75,7 @@ func testWhileTheOtherNodeCreates(t *testing.T, e *env) {
 		}
 		return nil
 	})
-	for i := 0; i < 4; i++ {
+	for i := 0; i < 3; i++ {
 		for _, layout := range []string{"dir", "image"} {
 			vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 			if layout == "image" {
