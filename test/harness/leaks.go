@@ -5,7 +5,14 @@ import (
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 )
+
+// loopSettle is how long CheckNoLeaks gives a loop device to go after the
+// unmount of a filesystem mounted with -o loop: the kernel detaches it (autoclear)
+// when the filesystem lets go of it, which btrfs does a moment after umount
+// returns, later on a busy machine.
+const loopSettle = 5 * time.Second
 
 // CheckNoLeaks fails the test if a loop device backed by a file under root, or a
 // mount under root, is still there. Register it with t.Cleanup before anything is
@@ -13,14 +20,26 @@ import (
 func CheckNoLeaks(t testing.TB, roots ...string) {
 	t.Helper()
 	t.Cleanup(func() {
-		out, _ := exec.Command("losetup", "-a").Output()
-		mi, _ := os.ReadFile("/proc/self/mountinfo")
-		for _, r := range roots {
+		var loops []string
+		for deadline := time.Now().Add(loopSettle); ; time.Sleep(50 * time.Millisecond) {
+			out, _ := exec.Command("losetup", "-a").Output()
+			loops = loops[:0]
 			for _, line := range strings.Split(string(out), "\n") {
-				if strings.Contains(line, r) {
-					t.Errorf("loop device leaked: %s", line)
+				for _, r := range roots {
+					if strings.Contains(line, r) {
+						loops = append(loops, line)
+					}
 				}
 			}
+			if len(loops) == 0 || time.Now().After(deadline) {
+				break
+			}
+		}
+		for _, line := range loops {
+			t.Errorf("loop device leaked: %s", line)
+		}
+		mi, _ := os.ReadFile("/proc/self/mountinfo")
+		for _, r := range roots {
 			for _, line := range strings.Split(string(mi), "\n") {
 				if strings.Contains(line, r) {
 					t.Errorf("mount leaked: %s", line)
