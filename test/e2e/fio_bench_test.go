@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -9,7 +10,6 @@ import (
 	"strconv"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/moby/sys/mountinfo"
 
@@ -50,7 +50,8 @@ const (
 //
 // Each -benchtime iteration is one round of every target (the order rotates per
 // round). It reports per target the median IOPS (4 KiB jobs) or MiB/s (1 MiB jobs)
-// and the medians of the per-round ratios poolcsi/pool-fs and poolcsi/hand-loop.
+// and the median, smallest and largest of the per-round ratios poolcsi/pool-fs
+// and poolcsi/hand-loop; the log has every round's figures.
 // The pool lives under $TMPDIR: set TMPDIR to measure another filesystem.
 //
 // POOLCSI_FIO_RUNTIME (seconds, default 5) is each fio job's measured time.
@@ -117,6 +118,11 @@ func BenchmarkFio(b *testing.B) {
 				}
 				vsPool = append(vsPool, this["poolcsi"]/this["pool-fs"])
 				vsLoop = append(vsLoop, this["poolcsi"]/this["hand-loop"])
+				line := fmt.Sprintf("round %d:", round+1)
+				for _, t := range targets {
+					line += fmt.Sprintf(" %s %.0f", t.name, this[t.name])
+				}
+				b.Log(line)
 			}
 			unit := "IOPS"
 			if p.mibps {
@@ -125,8 +131,13 @@ func BenchmarkFio(b *testing.B) {
 			for _, t := range targets {
 				b.ReportMetric(median(got[t.name]), t.name+"-"+unit)
 			}
+			// The spread says how far one round's ratio can be trusted here.
 			b.ReportMetric(median(vsPool), "poolcsi/pool-fs")
+			b.ReportMetric(slices.Min(vsPool), "poolcsi/pool-fs-min")
+			b.ReportMetric(slices.Max(vsPool), "poolcsi/pool-fs-max")
 			b.ReportMetric(median(vsLoop), "poolcsi/hand-loop")
+			b.ReportMetric(slices.Min(vsLoop), "poolcsi/hand-loop-min")
+			b.ReportMetric(slices.Max(vsLoop), "poolcsi/hand-loop-max")
 		})
 	}
 }
@@ -180,7 +191,6 @@ func runFio(b *testing.B, dir, rw, bs string, depth, runtime int) fioResult {
 	if runtime > 0 {
 		args = append(args, "--time_based", "--ramp_time=1", "--runtime="+strconv.Itoa(runtime))
 	}
-	start := time.Now()
 	run(b, "fio", args...)
 	raw, err := os.ReadFile(out)
 	must(b, err)
@@ -197,9 +207,7 @@ func runFio(b *testing.B, dir, rw, bs string, depth, runtime int) fioResult {
 		b.Fatalf("fio in %s: unreadable report (%v):\n%s", dir, err, raw)
 	}
 	j := rep.Jobs[0]
-	r := fioResult{iops: j.Read.IOPS + j.Write.IOPS, mibps: (j.Read.BWBytes + j.Write.BWBytes) / (1 << 20)}
-	b.Logf("%s %s qd%d in %s: %.0f IOPS, %.1f MiB/s (%s)", rw, bs, depth, dir, r.iops, r.mibps, time.Since(start).Round(time.Millisecond))
-	return r
+	return fioResult{iops: j.Read.IOPS + j.Write.IOPS, mibps: (j.Read.BWBytes + j.Write.BWBytes) / (1 << 20)}
 }
 
 func median(xs []float64) float64 {
