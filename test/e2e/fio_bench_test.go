@@ -23,6 +23,8 @@ type fioPattern struct {
 	bs    string
 	depth int
 	mibps bool // report MiB/s rather than IOPS
+	fsync bool // synchronous writes, fsync after each (a database's commit)
+	knob  bool // only with POOLCSI_FIO_KNOBS
 }
 
 var fioPatterns = []fioPattern{
@@ -30,6 +32,7 @@ var fioPatterns = []fioPattern{
 	{name: "write-1m", rw: "write", bs: "1m", depth: 8, mibps: true},
 	{name: "randread-4k", rw: "randread", bs: "4k", depth: 32},
 	{name: "randwrite-4k", rw: "randwrite", bs: "4k", depth: 32},
+	{name: "randwrite-4k-fsync", rw: "randwrite", bs: "4k", depth: 1, fsync: true, knob: true},
 }
 
 // fioTarget is a directory fio writes its file in.
@@ -51,14 +54,17 @@ const (
 // Each -benchtime iteration is one round of every target (the order rotates per
 // round). It reports per target the median IOPS (4 KiB jobs) or MiB/s (1 MiB jobs)
 // and the median, smallest and largest of the per-round ratios poolcsi/pool-fs
-// and poolcsi/hand-loop; the log has every round's figures.
-// The pool lives under $TMPDIR: set TMPDIR to measure another filesystem.
+// and poolcsi/hand-loop, and the machine's CPU time per I/O (cpu-µs/io: every
+// process and kernel thread, other work included); the log has every round's
+// figures. The pool lives under $TMPDIR: set TMPDIR to measure another filesystem.
 //
 // POOLCSI_FIO_RUNTIME (seconds, default 5) is each fio job's measured time.
 // POOLCSI_FIO_KNOBS=1 adds hand-made loop devices that each differ from
 // hand-loop by one knob: 4096-byte logical blocks (loop-4k), a fully allocated
 // image (loop-thick, fallocate), buffered I/O (loop-buffered), and queue settings
-// (loop-queue: nomerges=2, iostats=0, add_random=0, wbt_lat_usec=0, rotational=0).
+// (loop-queue: nomerges=2, iostats=0, add_random=0, wbt_lat_usec=0, rotational=0),
+// and a fifth job: 4 KiB random writes, one at a time, each followed by fsync
+// (loop-4k's xfs has 4096-byte sectors, so its log writes match the pool's blocks).
 func BenchmarkFio(b *testing.B) {
 	if _, err := exec.LookPath("fio"); err != nil {
 		b.Fatalf("BenchmarkFio needs fio on PATH (Debian: apt-get install fio): %v", err)
@@ -97,18 +103,22 @@ func BenchmarkFio(b *testing.B) {
 	// Lay every file out before anything is measured: the jobs then overwrite
 	// written blocks everywhere, as a long-running workload does.
 	for _, t := range targets {
-		runFio(b, t.dir, "write", "1m", 8, 0)
+		runFio(b, t.dir, fioPattern{rw: "write", bs: "1m", depth: 8}, 0)
 	}
 
 	for _, p := range fioPatterns {
+		if p.knob && os.Getenv("POOLCSI_FIO_KNOBS") == "" {
+			continue
+		}
 		b.Run(p.name, func(b *testing.B) {
-			got := map[string][]float64{}
+			got, cpu := map[string][]float64{}, map[string][]float64{}
 			var vsPool, vsLoop []float64
 			for round := 0; b.Loop(); round++ {
 				this := map[string]float64{}
 				for i := range targets {
 					t := targets[(i+round)%len(targets)]
-					r := runFio(b, t.dir, p.rw, p.bs, p.depth, runtime)
+					r := runFio(b, t.dir, p, runtime)
+					cpu[t.name] = append(cpu[t.name], r.busyMicros)
 					v := r.iops
 					if p.mibps {
 						v = r.mibps
@@ -130,6 +140,7 @@ func BenchmarkFio(b *testing.B) {
 			}
 			for _, t := range targets {
 				b.ReportMetric(median(got[t.name]), t.name+"-"+unit)
+				b.ReportMetric(median(cpu[t.name]), t.name+"-cpu-µs/io")
 			}
 			// The spread says how far one round's ratio can be trusted here.
 			b.ReportMetric(median(vsPool), "poolcsi/pool-fs")
@@ -178,28 +189,42 @@ func handLoop(b *testing.B, root, name, sector, dio string, thick bool, queue ma
 	return mnt
 }
 
-type fioResult struct{ iops, mibps float64 }
+type fioResult struct {
+	iops, mibps float64
+	// busyMicros is the whole machine's CPU time (every process and kernel
+	// thread, the loop device's workers included) per I/O, over the fio run
+	// including its ramp-up second.
+	busyMicros float64
+}
 
 // runFio runs one fio job on dir/fio.dat (1 GiB, direct I/O, libaio); runtime 0
 // runs it once through the file instead of for a time.
-func runFio(b *testing.B, dir, rw, bs string, depth, runtime int) fioResult {
+func runFio(b *testing.B, dir string, p fioPattern, runtime int) fioResult {
 	b.Helper()
 	out := filepath.Join(dir, "fio.json")
 	args := []string{"--name=bench", "--directory=" + dir, "--filename=fio.dat", "--size=" + fioFileSize,
-		"--direct=1", "--ioengine=libaio", "--rw=" + rw, "--bs=" + bs, "--iodepth=" + strconv.Itoa(depth),
+		"--direct=1", "--rw=" + p.rw, "--bs=" + p.bs, "--iodepth=" + strconv.Itoa(p.depth),
 		"--output-format=json", "--output=" + out}
+	if p.fsync {
+		args = append(args, "--ioengine=psync", "--fsync=1")
+	} else {
+		args = append(args, "--ioengine=libaio")
+	}
 	if runtime > 0 {
 		args = append(args, "--time_based", "--ramp_time=1", "--runtime="+strconv.Itoa(runtime))
 	}
+	busy0 := busyTicks(b)
 	run(b, "fio", args...)
+	busy := busyTicks(b) - busy0
 	raw, err := os.ReadFile(out)
 	must(b, err)
 	must(b, os.Remove(out))
 	var rep struct {
 		Jobs []struct {
 			Read, Write struct {
-				IOPS    float64 `json:"iops"`
-				BWBytes float64 `json:"bw_bytes"`
+				IOPS     float64 `json:"iops"`
+				BWBytes  float64 `json:"bw_bytes"`
+				TotalIOs float64 `json:"total_ios"`
 			}
 		} `json:"jobs"`
 	}
@@ -207,7 +232,34 @@ func runFio(b *testing.B, dir, rw, bs string, depth, runtime int) fioResult {
 		b.Fatalf("fio in %s: unreadable report (%v):\n%s", dir, err, raw)
 	}
 	j := rep.Jobs[0]
-	return fioResult{iops: j.Read.IOPS + j.Write.IOPS, mibps: (j.Read.BWBytes + j.Write.BWBytes) / (1 << 20)}
+	r := fioResult{iops: j.Read.IOPS + j.Write.IOPS, mibps: (j.Read.BWBytes + j.Write.BWBytes) / (1 << 20)}
+	if ios := j.Read.TotalIOs + j.Write.TotalIOs; ios > 0 {
+		r.busyMicros = float64(busy) * 1e6 / clockTicks / ios
+	}
+	return r
+}
+
+// clockTicks is USER_HZ, the unit of /proc/stat: 100 on every Linux architecture.
+const clockTicks = 100
+
+// busyTicks is the machine's non-idle CPU time so far (/proc/stat: user, nice,
+// system, irq, softirq, steal), in clock ticks.
+func busyTicks(b *testing.B) int64 {
+	b.Helper()
+	raw, err := os.ReadFile("/proc/stat")
+	must(b, err)
+	line, _, _ := strings.Cut(string(raw), "\n")
+	f := strings.Fields(line) // cpu user nice system idle iowait irq softirq steal ...
+	if len(f) < 9 || f[0] != "cpu" {
+		b.Fatalf("/proc/stat: unexpected first line %q", line)
+	}
+	var busy int64
+	for _, i := range []int{1, 2, 3, 6, 7, 8} {
+		n, err := strconv.ParseInt(f[i], 10, 64)
+		must(b, err)
+		busy += n
+	}
+	return busy
 }
 
 func median(xs []float64) float64 {
