@@ -12,6 +12,7 @@ import (
 	"testing"
 
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/test/harness"
 )
@@ -60,7 +61,8 @@ const (
 //
 // POOLCSI_FIO_RUNTIME (seconds, default 5) is each fio job's measured time.
 // POOLCSI_FIO_KNOBS=1 adds hand-made loop devices that each differ from
-// hand-loop by one knob: 4096-byte logical blocks (loop-4k), a fully allocated
+// hand-loop (which has the pool disk's logical block size, as the driver's loop
+// devices do) by one knob: 4096-byte logical blocks (loop-4k), a fully allocated
 // image (loop-thick, fallocate), buffered I/O (loop-buffered), and queue settings
 // (loop-queue: nomerges=2, iostats=0, add_random=0, wbt_lat_usec=0, rotational=0),
 // and a fifth job: 4 KiB random writes, one at a time, each followed by fsync
@@ -85,17 +87,18 @@ func BenchmarkFio(b *testing.B) {
 	id := e.create("fio", vc, fioImageSize)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
+	sector := diskSectorSize(b, e.root)
 	targets := []fioTarget{
 		{"pool-fs", poolFS},
-		{"hand-loop", handLoop(b, e.root, "hand-loop", "512", "on", false, nil)},
+		{"hand-loop", handLoop(b, e.root, "hand-loop", sector, "on", false, nil)},
 		{"poolcsi", e.target(id)},
 	}
 	if os.Getenv("POOLCSI_FIO_KNOBS") != "" {
 		targets = append(targets,
 			fioTarget{"loop-4k", handLoop(b, e.root, "loop-4k", "4096", "on", false, nil)},
-			fioTarget{"loop-thick", handLoop(b, e.root, "loop-thick", "512", "on", true, nil)},
-			fioTarget{"loop-buffered", handLoop(b, e.root, "loop-buffered", "512", "off", false, nil)},
-			fioTarget{"loop-queue", handLoop(b, e.root, "loop-queue", "512", "on", false, map[string]string{
+			fioTarget{"loop-thick", handLoop(b, e.root, "loop-thick", sector, "on", true, nil)},
+			fioTarget{"loop-buffered", handLoop(b, e.root, "loop-buffered", sector, "off", false, nil)},
+			fioTarget{"loop-queue", handLoop(b, e.root, "loop-queue", sector, "on", false, map[string]string{
 				"nomerges": "2", "iostats": "0", "add_random": "0", "wbt_lat_usec": "0", "rotational": "0",
 			})},
 		)
@@ -174,6 +177,13 @@ func handLoop(b *testing.B, root, name, sector, dio string, thick bool, queue ma
 			b.Errorf("losetup -d %s: %v\n%s", dev, err, out)
 		}
 	})
+	if dio == "on" {
+		// losetup falls back to buffered I/O silently; the comparison would be void.
+		got, err := os.ReadFile(filepath.Join("/sys/block", filepath.Base(dev), "loop", "dio"))
+		if err != nil || strings.TrimSpace(string(got)) != "1" {
+			b.Fatalf("%s (%s) runs without direct I/O (sysfs dio %q, %v)", dev, name, got, err)
+		}
+	}
 	for attr, v := range queue {
 		must(b, os.WriteFile(filepath.Join("/sys/block", filepath.Base(dev), "queue", attr), []byte(v), 0o644))
 	}
@@ -187,6 +197,22 @@ func handLoop(b *testing.B, root, name, sector, dio string, thick bool, queue ma
 	})
 	run(b, "mount", dev, mnt)
 	return mnt
+}
+
+// diskSectorSize is the logical block size of the disk holding dir, which is
+// what the driver gives the loop devices of images in a pool there (512 when
+// sysfs does not say, as for the driver).
+func diskSectorSize(b *testing.B, dir string) string {
+	b.Helper()
+	var st unix.Stat_t
+	must(b, unix.Stat(dir, &st))
+	sys := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+	for _, q := range []string{"queue/logical_block_size", "../queue/logical_block_size"} {
+		if raw, err := os.ReadFile(filepath.Join(sys, q)); err == nil {
+			return strings.TrimSpace(string(raw))
+		}
+	}
+	return "512"
 }
 
 type fioResult struct {
