@@ -30,16 +30,25 @@ func BenchmarkPodStart(b *testing.B) {
 		b.Fatal(err)
 	}
 	times := map[string][]time.Duration{}
+	steps := map[string]map[string][]time.Duration{} // class → milestone → times
 	classes := []string{"local-xfs", "shared-dir"}
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		name := fmt.Sprintf("h%d", i)
-		times["hostPath"] = append(times["hostPath"], env.timePod(b, ns, podSpec{name: name, hostPath: host}, nil))
+		d, _ := env.timePod(b, ns, podSpec{name: name, hostPath: host}, nil)
+		times["hostPath"] = append(times["hostPath"], d)
 		env.deletePod(b, ns, name)
 		for _, class := range classes {
 			name := fmt.Sprintf("%s-%d", class, i)
 			c := &claimSpec{name: name, class: class, size: "300Mi"}
-			times[class] = append(times[class], env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, c))
+			d, seen := env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, c)
+			times[class] = append(times[class], d)
+			if steps[class] == nil {
+				steps[class] = map[string][]time.Duration{}
+			}
+			for m, at := range seen {
+				steps[class][m] = append(steps[class][m], at)
+			}
 			env.deletePod(b, ns, name)
 			if err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
 				b.Fatal(err)
@@ -61,13 +70,36 @@ func BenchmarkPodStart(b *testing.B) {
 		}
 		return out
 	}())
+	for _, class := range classes {
+		line := class + ", median time from the claim's creation to each milestone:"
+		for _, m := range milestones {
+			if at := steps[class][m]; len(at) > 0 {
+				line += fmt.Sprintf(" %s %s (%d of %d);", m, median(at).Round(time.Millisecond), len(at), b.N)
+			}
+		}
+		b.Log(line)
+	}
 }
 
+// Pod-start milestones, in the order they happen for a claim; each is the time from the
+// claim's creation to the first poll that saw it. They split the time between the
+// scheduler and provisioner (selected, bound, scheduled), the attach round trip
+// (attached: the VolumeAttachment's status, for drivers that need one) and kubelet
+// (running: stage, publish and the container).
+var milestones = []string{"selected-node", "bound", "scheduled", "attached", "running"}
+
 // timePod creates the claim (if any) and the pod and returns how long until kubelet
-// reports the pod Running and Ready, polled every 20 ms.
-func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) time.Duration {
+// reports the pod Running and Ready, polled every 20 ms, and when each milestone was first
+// seen.
+func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (time.Duration, map[string]time.Duration) {
 	t.Helper()
 	ctx := context.Background()
+	seen := map[string]time.Duration{}
+	mark := func(m string, ok bool, at time.Duration) {
+		if _, done := seen[m]; ok && !done {
+			seen[m] = at
+		}
+	}
 	start := time.Now()
 	if c != nil {
 		e.claim(t, ns, *c)
@@ -77,9 +109,30 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) t
 	}
 	deadline := start.Add(120 * time.Second)
 	for {
+		at := time.Since(start)
+		if c != nil {
+			if pvc, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c.name, metav1.GetOptions{}); err == nil {
+				_, selected := pvc.Annotations["volume.kubernetes.io/selected-node"]
+				mark("selected-node", selected, at)
+				mark("bound", pvc.Status.Phase == corev1.ClaimBound, at)
+				if pv := pvc.Spec.VolumeName; pv != "" && seen["attached"] == 0 {
+					if vas, err := e.c.Client.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{}); err == nil {
+						for _, va := range vas.Items {
+							if va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
+								mark("attached", va.Status.Attached, at)
+							}
+						}
+					}
+				}
+			}
+		}
 		pod, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, p.name, metav1.GetOptions{})
-		if err == nil && pod.Status.Phase == corev1.PodRunning && podReady(pod) {
-			return time.Since(start)
+		if err == nil {
+			mark("scheduled", pod.Spec.NodeName != "", at)
+			if pod.Status.Phase == corev1.PodRunning && podReady(pod) {
+				seen["running"] = time.Since(start)
+				return seen["running"], seen
+			}
 		}
 		if time.Now().After(deadline) {
 			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.name, err)
