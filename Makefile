@@ -37,10 +37,14 @@ E2E_FOCUS ?= External.Storage
 e2e:
 	cd test/k8s && POOLCSI_E2E_FOCUS='$(E2E_FOCUS)' go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
 
-# Every External Storage spec, results written to docs/conformance.md.
+# Every External Storage spec, one driver and test pattern at a time, each result kept in
+# test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
+# an earlier run stopped (RERUN=1 runs everything again); BUDGET stops starting new ones.
+BUDGET ?= 4h
 conformance:
 	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
-		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
+		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) \
+		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
 
 # A guided tour (root): one volume through every CSI call on a throw-away pool.
 demo:

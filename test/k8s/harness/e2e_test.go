@@ -1,7 +1,9 @@
 package harness
 
 import (
+	"encoding/json"
 	"encoding/xml"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -56,22 +58,51 @@ func TestE2EStorage(t *testing.T) {
 		t.Fatal(err)
 	}
 	k8sDir := filepath.Join(chart.RepoRoot(), "test", "k8s")
-	junit := filepath.Join(dir, "junit.xml")
+	run := e2eRun{env: env, e2e: e2e, repoList: repoList, k8sDir: k8sDir, dir: dir}
+	if report := os.Getenv("POOLCSI_E2E_REPORT"); report != "" {
+		run.conformance(t, focus, report)
+		return
+	}
+	res := run.run(t, focus, "e2e")
+	t.Logf("specs: %d passed, %d failed, %d skipped", len(res.passed), len(res.failed), len(res.skipped))
+	if len(res.passed)+len(res.failed) == 0 {
+		t.Errorf("no spec ran for focus %q", focus)
+	}
+	for _, f := range res.failed {
+		t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
+	}
+}
+
+// e2eRun runs e2e.test against one kubelet environment.
+type e2eRun struct {
+	env                        *kubeletEnv
+	e2e, repoList, k8sDir, dir string
+}
+
+func (r e2eRun) args(focus, junit string) []string {
 	args := []string{
-		"--kubeconfig=" + env.c.AdminKube, "--provider=skeleton", "--repo-root=" + k8sDir,
-		"--storage.testdriver=" + filepath.Join(k8sDir, "e2e", "local-image.yaml"),
-		"--storage.testdriver=" + filepath.Join(k8sDir, "e2e", "shared-image.yaml"),
+		"--kubeconfig=" + r.env.c.AdminKube, "--provider=skeleton", "--repo-root=" + r.k8sDir,
+		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "local-image.yaml"),
+		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "shared-image.yaml"),
 		"--ginkgo.focus=" + focus,
 		"--ginkgo.junit-report=" + junit,
 		"--ginkgo.no-color", "--ginkgo.timeout=4h",
-		"--report-dir=" + dir,
+		"--report-dir=" + r.dir,
 	}
 	if skip := os.Getenv("POOLCSI_E2E_SKIP"); skip != "" {
 		args = append(args, "--ginkgo.skip="+skip)
 	}
-	cmd := exec.Command(e2e, args...)
-	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+repoList)
-	logPath := filepath.Join(env.c.Dir, "logs", "e2e.log")
+	return args
+}
+
+// run runs the specs matching focus and returns their results; name tells this run's log
+// and report apart from the others of the test.
+func (r e2eRun) run(t *testing.T, focus, name string) *e2eResults {
+	t.Helper()
+	junit := filepath.Join(r.dir, name+".junit.xml")
+	cmd := exec.Command(r.e2e, r.args(focus, junit)...)
+	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
+	logPath := filepath.Join(r.env.c.Dir, "logs", name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
@@ -86,18 +117,94 @@ func TestE2EStorage(t *testing.T) {
 		b, _ := os.ReadFile(logPath)
 		t.Fatalf("e2e.test left no report (%v):\n%s", err, tail(string(b), 60))
 	}
-	t.Logf("specs: %d passed, %d failed, %d skipped", len(res.passed), len(res.failed), len(res.skipped))
-	if len(res.passed)+len(res.failed) == 0 {
-		t.Errorf("no spec ran for focus %q", focus)
+	return res
+}
+
+// list returns the names of the specs matching focus, from a dry run (nothing runs).
+func (r e2eRun) list(t *testing.T, focus string) []string {
+	t.Helper()
+	junit := filepath.Join(r.dir, "list.junit.xml")
+	cmd := exec.Command(r.e2e, append(r.args(focus, junit), "--ginkgo.dry-run")...)
+	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("e2e.test --ginkgo.dry-run: %v\n%s", err, tail(string(out), 40))
 	}
-	for _, f := range res.failed {
-		t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
+	res, err := readJUnit(junit)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if out := os.Getenv("POOLCSI_E2E_REPORT"); out != "" {
-		if err := os.WriteFile(out, []byte(res.markdown(focus)), 0o644); err != nil {
+	var names []string
+	for _, s := range append(append(res.passed, res.failed...), res.skipped...) {
+		names = append(names, s.name)
+	}
+	return names
+}
+
+// chunkOf is the driver and test pattern a spec belongs to: the unit the conformance run
+// runs, records and resumes from.
+var chunkOf = regexp.MustCompile(`^External Storage \[Driver: [^\]]+\] \[Testpattern: [^\]]+\]`)
+
+// conformance runs every spec matching focus, one driver and test pattern at a time, and
+// after each one merges its results into test/k8s/e2e/results.json and rewrites report
+// (docs/conformance.md) from every result recorded so far. A chunk whose specs all have a
+// result is not run again unless POOLCSI_E2E_RERUN is set, so an interrupted run resumes
+// where it stopped; POOLCSI_E2E_BUDGET (a duration) stops starting chunks after that long.
+// The whole suite takes hours on a 2-core machine, more than one sitting.
+func (r e2eRun) conformance(t *testing.T, focus, report string) {
+	resultsPath := filepath.Join(r.k8sDir, "e2e", "results.json")
+	results, err := loadResults(resultsPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	all := r.list(t, focus)
+	if len(all) == 0 {
+		t.Fatalf("no spec matches %q", focus)
+	}
+	chunks := map[string][]string{}
+	var order []string
+	for _, name := range all {
+		c := chunkOf.FindString(name)
+		if c == "" {
+			c = name
+		}
+		if chunks[c] == nil {
+			order = append(order, c)
+		}
+		chunks[c] = append(chunks[c], name)
+	}
+	sort.Strings(order)
+	budget := 5 * time.Hour
+	if b := os.Getenv("POOLCSI_E2E_BUDGET"); b != "" {
+		if budget, err = time.ParseDuration(b); err != nil {
+			t.Fatalf("POOLCSI_E2E_BUDGET: %v", err)
+		}
+	}
+	start := time.Now()
+	save := func() {
+		if err := results.save(resultsPath); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(report, []byte(results.markdown(all)), 0o644); err != nil {
 			t.Fatal(err)
 		}
 	}
+	for i, c := range order {
+		if os.Getenv("POOLCSI_E2E_RERUN") == "" && results.hasAll(chunks[c]) {
+			continue
+		}
+		if time.Since(start) > budget {
+			t.Logf("budget %s spent: chunks from %q on are left for the next run", budget, c)
+			break
+		}
+		res := r.run(t, regexp.QuoteMeta(c)+" ", fmt.Sprintf("chunk-%03d", i))
+		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
+		for _, f := range res.failed {
+			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
+		}
+		results.merge(res, time.Now())
+		save()
+	}
+	save()
 }
 
 type specResult struct{ name, message string }
@@ -152,34 +259,131 @@ func readJUnit(path string) (*e2eResults, error) {
 
 var skipReason = regexp.MustCompile(`(?s)skipped - (.*)`)
 
-func (r *e2eResults) markdown(focus string) string {
+// knownCauses explains failures that come from this machine, not the driver: the report
+// names the cause beside the spec.
+var knownCauses = []struct {
+	spec  *regexp.Regexp
+	cause string
+}{
+	{regexp.MustCompile(`any volume data source`), "needs the hello-populator and volume-data-source-validator images; " +
+		"their modules (github.com/kubernetes-csi/lib-volume-populator, github.com/kubernetes-csi/volume-data-source-validator) " +
+		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff"},
+}
+
+// specRecord is one spec's latest result.
+type specRecord struct {
+	Result string `json:"result"` // passed, failed or skipped
+	Reason string `json:"reason,omitempty"`
+	Date   string `json:"date"`
+}
+
+type conformanceResults map[string]specRecord
+
+func loadResults(path string) (conformanceResults, error) {
+	r := conformanceResults{}
+	data, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return r, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if err := json.Unmarshal(data, &r); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return r, nil
+}
+
+func (r conformanceResults) save(path string) error {
+	data, err := json.MarshalIndent(r, "", "  ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(data, '\n'), 0o644)
+}
+
+func (r conformanceResults) hasAll(names []string) bool {
+	for _, n := range names {
+		if _, ok := r[n]; !ok {
+			return false
+		}
+	}
+	return true
+}
+
+func (r conformanceResults) merge(res *e2eResults, now time.Time) {
+	date := now.UTC().Format("2006-01-02")
+	add := func(result string, specs []specResult) {
+		for _, s := range specs {
+			r[s.name] = specRecord{Result: result, Reason: oneLine(s.message), Date: date}
+		}
+	}
+	add("passed", res.passed)
+	add("failed", res.failed)
+	add("skipped", res.skipped)
+}
+
+// oneLine is a skip or failure message cut to what a reader of the report needs.
+func oneLine(msg string) string {
+	reason := strings.TrimSpace(msg)
+	if m := skipReason.FindStringSubmatch(reason); m != nil {
+		reason = m[1]
+	}
+	reason = strings.Join(strings.Fields(reason), " ")
+	if len(reason) > 240 {
+		reason = reason[:240] + "…"
+	}
+	return reason
+}
+
+// markdown renders docs/conformance.md: every recorded result, and the specs of the
+// suite (all) not run yet.
+func (r conformanceResults) markdown(all []string) string {
+	by := map[string][]string{}
+	var notRun []string
+	for _, n := range all {
+		if rec, ok := r[n]; ok {
+			by[rec.Result] = append(by[rec.Result], n)
+		} else {
+			notRun = append(notRun, n)
+		}
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Kubernetes storage e2e suite: results\n\n")
-	fmt.Fprintf(&b, "e2e.test %s, the External Storage specs (`--ginkgo.focus=%s`) for the driver definitions in\n", KubeVersion, focus)
-	fmt.Fprintf(&b, "`test/k8s/e2e`, against the chart running as pods on the one-node cluster of `TestKubelet`.\n")
-	fmt.Fprintf(&b, "Regenerate with `make conformance`. %d passed, %d failed, %d skipped.\n\n", len(r.passed), len(r.failed), len(r.skipped))
-	section := func(title string, specs []specResult, withReason bool) {
-		fmt.Fprintf(&b, "## %s (%d)\n\n", title, len(specs))
-		sort.Slice(specs, func(i, j int) bool { return specs[i].name < specs[j].name })
-		for _, s := range specs {
-			if withReason {
-				reason := strings.TrimSpace(s.message)
-				if m := skipReason.FindStringSubmatch(reason); m != nil {
-					reason = m[1]
-				}
-				reason = strings.Join(strings.Fields(reason), " ")
-				if len(reason) > 240 {
-					reason = reason[:240] + "…"
-				}
-				fmt.Fprintf(&b, "- %s — %s\n", s.name, reason)
-			} else {
-				fmt.Fprintf(&b, "- %s\n", s.name)
+	fmt.Fprintf(&b, "e2e.test %s, every External Storage spec for the driver definitions in `test/k8s/e2e`\n", KubeVersion)
+	fmt.Fprintf(&b, "(`local-image.yaml`: local.poolcsi.io; `shared-image.yaml`: poolcsi.io), against the chart\n")
+	fmt.Fprintf(&b, "running as pods on the one-node cluster of `TestKubelet` (docs/deploy.md). Generated by\n")
+	fmt.Fprintf(&b, "`make conformance` from `test/k8s/e2e/results.json`, which keeps each spec's latest result:\n")
+	fmt.Fprintf(&b, "the suite runs one driver and test pattern at a time and resumes where it stopped, since\n")
+	fmt.Fprintf(&b, "all of it takes hours on a 2-core machine (about a minute a spec that runs).\n\n")
+	fmt.Fprintf(&b, "%d specs: %d passed, %d failed, %d skipped, %d not run yet.\n\n",
+		len(all), len(by["passed"]), len(by["failed"]), len(by["skipped"]), len(notRun))
+	section := func(title string, names []string, withReason bool) {
+		fmt.Fprintf(&b, "## %s (%d)\n\n", title, len(names))
+		sort.Strings(names)
+		for _, n := range names {
+			rec := r[n]
+			line := "- " + n
+			if withReason && rec.Reason != "" {
+				line += " — " + rec.Reason
 			}
+			if rec.Result == "failed" {
+				for _, k := range knownCauses {
+					if k.spec.MatchString(n) {
+						line += " **Cause (this machine):** " + k.cause + "."
+					}
+				}
+			}
+			if rec.Date != "" {
+				line += " (" + rec.Date + ")"
+			}
+			fmt.Fprintln(&b, line)
 		}
 		b.WriteString("\n")
 	}
-	section("Failed", r.failed, true)
-	section("Passed", r.passed, false)
-	section("Skipped", r.skipped, true)
+	section("Failed", by["failed"], true)
+	section("Passed", by["passed"], false)
+	section("Skipped", by["skipped"], true)
+	section("Not run yet", notRun, false)
 	return b.String()
 }
