@@ -61,7 +61,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		case !de.IsDir() || !keyRE.MatchString(de.Name()):
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
-			id := VolumeID{Pool: p.Name, Key: de.Name()}
+			id := p.IDOf(de.Name())
 			if !lockHeld(filepath.Join(path, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}

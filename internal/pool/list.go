@@ -97,7 +97,7 @@ func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) ([]Entry,
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (Entry, bool) {
-		return p.loadListed(VolumeID{Pool: p.Name, Key: key})
+		return p.loadListed(p.IDOf(key))
 	}, keep)
 	return entries, next, nil
 }
