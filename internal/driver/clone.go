@@ -42,7 +42,7 @@ func csiContentSource(r *pool.ContentSource) *csi.VolumeContentSource {
 
 // resolveContentSource finds the snapshot or volume a CreateVolume copies:
 // NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
-func (d *Driver) resolveContentSource(src *csi.VolumeContentSource) (*contentSource, error) {
+func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource) (*contentSource, error) {
 	if src == nil {
 		return nil, nil
 	}
@@ -62,7 +62,7 @@ func (d *Driver) resolveContentSource(src *csi.VolumeContentSource) (*contentSou
 		}
 		return &contentSource{pool: p, record: pool.ContentSource{Snapshot: s.ID}, layout: s.Layout, access: s.AccessType, fsType: s.FSType, size: s.SizeBytes, snapID: sid}, nil
 	case src.GetVolume() != nil:
-		vid, p, err := d.volumeRef(src.GetVolume().GetVolumeId())
+		vid, p, err := d.volumeRef(ctx, src.GetVolume().GetVolumeId(), shareAccess{})
 		if err != nil {
 			return nil, err
 		}

@@ -82,13 +82,16 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(req.GetSourceVolumeId())
+	if vid, err := parseVolumeID(req.GetSourceVolumeId()); err == nil && vid.Share != "" {
+		return nil, status.Error(codes.InvalidArgument, "snapshots of volumes on shares a StorageClass names are not supported yet (they are for configured pools)")
+	}
+	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
 	sid := pool.NewSnapshotID(p.Name, name)
-	for _, pn := range d.poolNames {
-		if other := d.pools[pn]; other != p {
+	for _, pn := range d.names() {
+		if other := d.pool(pn); other != p {
 			if other.SnapshotExists(pool.NewSnapshotID(pn, name)) {
 				return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists in pool %s", name, pn)
 			}
@@ -322,8 +325,8 @@ func (d *Driver) thawAfterCrash(ctx context.Context) {
 		return
 	}
 	log := klog.FromContext(ctx)
-	for _, pn := range d.poolNames {
-		p := d.pools[pn]
+	for _, pn := range d.names() {
+		p := d.pool(pn)
 		freezes, err := p.Freezes()
 		if err != nil {
 			log.V(2).Info("Cannot look for filesystems left frozen; the pool is not available yet", "pool", pn, "err", err)
