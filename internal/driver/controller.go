@@ -609,15 +609,14 @@ func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*c
 	}
 	acc.layOut = true
 	acc.options = append(acc.options, params.share.options...)
-	if params.layout == pool.LayoutDir {
-		for _, c := range caps {
-			_, share, err := splitShareFlags(c.GetMount().GetMountFlags())
-			if err != nil {
-				return nil, err
-			}
-			acc.options = append(acc.options, share...)
-			break
+	if params.layout == pool.LayoutDir && len(caps) > 0 {
+		// Every capability of a CreateVolume carries the StorageClass's
+		// mountOptions; the first one's are the share's.
+		share, err := shareFlags(caps[0].GetMount().GetMountFlags())
+		if err != nil {
+			return nil, err
 		}
+		acc.options = append(acc.options, share...)
 	}
 	return d.sharePool(ctx, params.share.ref, acc)
 }

@@ -183,27 +183,27 @@ func secretOptions(secrets map[string]string) ([]string, error) {
 	return out, nil
 }
 
-// splitShareFlags divides the mount flags of a dir volume on a share (a
-// StorageClass's mountOptions): the generic per-mount flags (ro, noexec,
-// nosuid, nodev, atime, …) stay the volume's own bind mount's, as on every
-// pool; every other flag is the share's (nfsvers, hard, rsize, …), which a
-// bind mount could not honour anyway.
-func splitShareFlags(flags []string) (bind, share []string, err error) {
+// shareFlags are the mount flags of a dir volume on a share (a StorageClass's
+// mountOptions) that are the share's: every flag but the generic per-mount
+// ones (ro, noexec, nosuid, nodev, atime, …), which stay the volume's own bind
+// mount's as on every pool (volumeFlags). nfsvers, hard, rsize and the like
+// are the share's, which a bind mount could not honour anyway.
+func shareFlags(flags []string) ([]string, error) {
 	generic := map[string]bool{}
 	for _, o := range mount.BindOptions(flags) {
 		generic[o] = true
 	}
+	var share []string
 	for _, o := range flags {
 		if generic[o] {
-			bind = append(bind, o)
 			continue
 		}
 		if err := checkShareOption(o); err != nil {
-			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
+			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 		share = append(share, o)
 	}
-	return bind, share, nil
+	return share, nil
 }
 
 // shareParams are the share parameters of a StorageClass.
@@ -344,7 +344,7 @@ func contextAccess(volumeContext, secrets map[string]string, flags []string) (sh
 		return acc, status.Errorf(codes.InvalidArgument, "volume context %s: %v", ParamShareOptions, err)
 	}
 	if l := volumeContext[ParamLayout]; l == "" || l == string(pool.LayoutDir) {
-		_, share, err := splitShareFlags(flags)
+		share, err := shareFlags(flags)
 		if err != nil {
 			return acc, err
 		}
@@ -382,7 +382,7 @@ func (d *Driver) recoverShares(ctx context.Context) {
 
 // volumeFlags are the mount flags of a capability that concern the volume's
 // own mount: all of them, except on a dir volume of a share, whose
-// non-generic flags are the share's (splitShareFlags).
+// non-generic flags are the share's (shareFlags).
 func volumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []string {
 	flags := vc.GetMount().GetMountFlags()
 	if p.Share != nil && v.Layout == pool.LayoutDir {
