@@ -27,7 +27,7 @@ func OpenExisting(path string) (*Pool, error) {
 		return nil, err
 	}
 	// Shared, so that Open never creates or initialises anything.
-	return Open(Config{Name: info.Name, Path: abs, Shared: true})
+	return Open(Config{Name: info.Name, Path: abs, Shared: true, Share: info.Share, NoLayout: true})
 }
 
 // Leftover is something in a pool's volumes directory that is not a volume: the

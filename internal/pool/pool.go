@@ -164,6 +164,9 @@ func (p *Pool) mayInit() bool { return !p.NoLayout && (!p.Shared || p.RequireMou
 type poolInfo struct {
 	SchemaVersion int    `json:"schemaVersion"`
 	Name          string `json:"name"`
+	// Share is the share a pool on a share a StorageClass names is on, so
+	// operator tools opening the directory know its volume IDs.
+	Share *ShareRef `json:"share,omitempty"`
 }
 
 // init writes pool.json once and refuses a directory that already belongs to a
@@ -196,7 +199,7 @@ func (p *Pool) init(may bool) error {
 		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
-		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name})
+		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
 		return writeFileAtomic(metaPath, append(raw, '\n'))
 	default:
 		return fmt.Errorf("pool %s: %w", p.Name, err)

@@ -37,8 +37,8 @@ var (
 // options and secrets are never part of it: they do not make another share,
 // and an ID carries a ShareRef, so an ID must not be able to carry options.
 type ShareRef struct {
-	Type   string
-	Source string
+	Type   string `json:"type"`
+	Source string `json:"source"`
 }
 
 // Validate checks the syntax every share must have, whatever its type: a type

@@ -103,3 +103,44 @@ func TestParseShareVolumeID(t *testing.T) {
 		})
 	}
 }
+
+// TestSharePoolLayout: a share's pool is never laid out by itself (an ID
+// named the share, the driver mounted it to look), only by LayOut; its
+// pool.json records the share, so an operator tool opening the directory
+// knows its volume IDs.
+func TestSharePoolLayout(t *testing.T) {
+	ref := ShareRef{Type: "nfs", Source: "nfs.example.com:/export"}
+	dir := t.TempDir()
+	cfg := Config{Name: ref.PoolName(), Path: dir, Shared: true, RequireMount: true, Share: &ref, NoLayout: true}
+	cfg.RequireMount = false // a plain directory stands for the mounted share
+	p, err := Open(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Check(); !errors.Is(err, ErrUnavailable) || p.LaidOut() {
+		t.Fatalf("Check of a share without a pool: %v (laid out: %t)", err, p.LaidOut())
+	}
+	if err := p.LayOut(); err != nil {
+		t.Fatal(err)
+	}
+	v, err := p.Reserve(t.Context(), Spec{Name: "pvc-1", Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: MiB})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v.ID != NewShareVolumeID(ref, "pvc-1").String() {
+		t.Fatalf("volume ID %s", v.ID)
+	}
+	again, err := OpenExisting(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if again.Share == nil || *again.Share != ref {
+		t.Fatalf("pool.json gave share %+v", again.Share)
+	}
+	if _, err := again.Load(again.NewID("pvc-1")); err != nil {
+		t.Fatalf("an operator tool reads the share's volume: %v", err)
+	}
+	if _, err := Open(Config{Name: "s-0000000000000000", Path: dir, Shared: true, Share: &ref}); err == nil {
+		t.Fatal("a share opened under another pool name")
+	}
+}

@@ -105,6 +105,11 @@ func TestStorageClassShare(t *testing.T) {
 		t.Fatalf("no pool laid out on the share itself: %v", err)
 	}
 	v2 := create("pvc-share-2")
+	// The operator's tools read the share's pool like any other.
+	out, err := exec.Command(harness.Binary(t), "pool", "check", "--path", export).CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "2 volumes, no problems") {
+		t.Fatalf("poolcsi pool check on the share: %v\n%s", err, out)
+	}
 
 	// Node 2: publish and stage with what the CO has, the PV's volume context.
 	must(d1.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
