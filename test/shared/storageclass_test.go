@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
+	"github.com/poolcsi/poolcsi/test/cephfs"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
 
@@ -34,22 +36,29 @@ func unmountShares(t *testing.T, dirs ...string) {
 	})
 }
 
-// TestStorageClassShare: a StorageClass that names a share (here a bind
-// mount of a directory of a btrfs filesystem, standing in for an NFS export:
-// no NFS client here) provisions and mounts volumes through real driver
-// processes with no pool configured for it: node 1's controller mounts the
-// share and lays out the pool; node 2 mounts it when it stages, from the
-// volume context alone; both drivers restart and the volumes still unstage and
+// TestStorageClassShare: a StorageClass that names a share provisions and
+// mounts volumes through real driver processes with no pool configured for it,
+// on each backend: a bind mount of a directory of a btrfs filesystem (standing
+// in for an NFS export: no NFS client here), and the package's CephFS through
+// ceph-fuse (type fuse.ceph, mount.fuse.ceph). Node 1's controller mounts the
+// share and lays out the pool; node 2 mounts it when it stages, from the volume
+// context alone; both drivers restart and the volumes still unstage and
 // delete; a controller on a third node that never saw the share deletes from
 // the ID alone; a forged ID naming another directory lays nothing out and
 // leaves nothing mounted; the secret mount options reach no log and no file.
 func TestStorageClassShare(t *testing.T) {
+	for _, b := range backends {
+		t.Run(b, func(t *testing.T) { testStorageClassShare(t, b) })
+	}
+}
+
+func testStorageClassShare(t *testing.T, backend string) {
 	testutil.RequireRoot(t)
-	testutil.RequireCommands(t, "mkfs.btrfs", "mount", "umount")
+	testutil.RequireCommands(t, "mount", "umount")
 	ctx := context.Background()
 	// A short root: the share's type and source travel in every volume ID and
 	// may be 57 bytes together (docs/format.md); t.TempDir's paths are long.
-	root, err := os.MkdirTemp("", "pcsi-")
+	root, err := os.MkdirTemp("", "p")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,24 +69,57 @@ func TestStorageClassShare(t *testing.T) {
 		}
 	})
 	harness.CheckNoLeaks(t, root)
-	export := filepath.Join(testutil.LoopFS(t, root, "btrfs", 256*mib), "export")
-	if err := os.Mkdir(export, 0o755); err != nil {
-		t.Fatal(err)
+	// export is the share's root as this test sees it, to check what the
+	// drivers wrote there.
+	var share pool.ShareRef
+	var export string
+	switch backend {
+	case "btrfs":
+		testutil.RequireCommands(t, "mkfs.btrfs")
+		export = filepath.Join(testutil.LoopFS(t, root, "btrfs", 256*mib), "export")
+		if err := os.Mkdir(export, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		share = pool.ShareRef{Type: "bind", Source: export}
+	case "cephfs":
+		testutil.RequireCommands(t, "mount.fuse.ceph", "python3")
+		c := cephfs.Shared(t)
+		// The whole filesystem (its root holds the other tests' directories
+		// too), as client.admin (the test cluster has no authentication),
+		// through a copy of its ceph.conf at a short path.
+		conf, err := os.ReadFile(c.Conf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, "c"), conf, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		export = c.Mounts[0]
+		share = pool.ShareRef{Type: "fuse.ceph", Source: "conf=" + filepath.Join(root, "c")}
+	default:
+		t.Fatalf("unknown backend %q", backend)
 	}
-	shareDirs := []string{filepath.Join(root, "node-1", "shares"), filepath.Join(root, "node-2", "shares"), filepath.Join(root, "node-3", "shares")}
+	shareDirs := []string{filepath.Join(root, "n1"), filepath.Join(root, "n2"), filepath.Join(root, "n3")}
 	unmountShares(t, shareDirs...)
 	start := func(i int) *harness.Driver {
 		node := "node-" + string(rune('1'+i))
-		return harness.Start(t, harness.Options{NodeID: node, SidecarDeadlines: true,
+		d := harness.Start(t, harness.Options{NodeID: node, SidecarDeadlines: true,
 			// A local pool of its own, nothing for the share.
 			Pools: []string{"local=" + filepath.Join(root, node, "local")},
-			Args:  []string{"--share-dir", shareDirs[i], "--share-types", "bind"}})
+			Args:  []string{"--share-dir", shareDirs[i], "--share-types", "bind,fuse.ceph"}})
+		d.LogSlowCalls(t, time.Second)
+		return d
 	}
 	d1, d2 := start(0), start(1)
 
 	const secret = "s3cr3t-share-key"
 	secrets := map[string]string{"mountOptions": "poolcsi_test_key=" + secret}
-	params := map[string]string{"shareType": "bind", "shareSource": export, "shareOptions": "nodev",
+	if backend == "cephfs" {
+		// mount.fuse.ceph hands unknown options to FUSE, which refuses them:
+		// no secret option for the mount there, only a secret in the request.
+		secrets = map[string]string{"password": secret}
+	}
+	params := map[string]string{"shareType": share.Type, "shareSource": share.Source, "shareOptions": "nodev",
 		"csi.storage.k8s.io/pvc/name": "data", "csi.storage.k8s.io/pvc/namespace": "default"}
 	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 	vc.GetMount().MountFlags = []string{"noatime"}
@@ -91,10 +133,10 @@ func TestStorageClassShare(t *testing.T) {
 	v := create("pvc-share-1")
 	vid := must(pool.ParseVolumeID(v.GetVolumeId()))(t)
 	ref, ok := vid.ShareRef()
-	if !ok || ref != (pool.ShareRef{Type: "bind", Source: export}) {
+	if !ok || ref != share {
 		t.Fatalf("volume ID %s names share %+v", vid, ref)
 	}
-	if v.GetVolumeContext()["layout"] != "dir" || v.GetVolumeContext()["shareSource"] != export {
+	if v.GetVolumeContext()["layout"] != "dir" || v.GetVolumeContext()["shareSource"] != share.Source {
 		t.Fatalf("volume context %v", v.GetVolumeContext())
 	}
 	mnt1 := filepath.Join(shareDirs[0], ref.PoolName())
@@ -190,7 +232,7 @@ func TestStorageClassShare(t *testing.T) {
 			}
 		}
 	}
-	if !strings.Contains(d1.Log(), "<masked>") {
+	if backend == "btrfs" && !strings.Contains(d1.Log(), "<masked>") {
 		t.Error("the share's mount was not logged with its secret option masked")
 	}
 }
