@@ -293,3 +293,62 @@ func TestConcurrentCreatesMountOnce(t *testing.T) {
 		t.Fatalf("ListVolumes: %d entries, %v", len(list.GetEntries()), err)
 	}
 }
+
+// TestShareImageVolume: an image volume on a share (layout: image) goes
+// through publish (the attach fence), stage, stats and expansion; the image
+// filesystem gets the capability's mount flags, the share only shareOptions.
+func TestShareImageVolume(t *testing.T) {
+	ctx := context.Background()
+	shares := filepath.Join(t.TempDir(), "shares")
+	td, fs := newShareDriver(t, shares, "node-1")
+	vc := mountCap(rwo, "ext4")
+	vc.GetMount().MountFlags = []string{"noatime", "discard"}
+	params := nfsParams()
+	params["layout"] = "image"
+	params["shareOptions"] = "hard"
+	resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-img", VolumeCapabilities: []*csi.VolumeCapability{vc}, Parameters: params,
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := resp.GetVolume()
+	if got := strings.Join(fs.Mounts[0].Options, ","); got != "hard" {
+		t.Fatalf("share mounted with %q: an image volume's mount flags are its filesystem's", got)
+	}
+	if _, err := td.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+		VolumeId: v.GetVolumeId(), NodeId: "node-1", VolumeCapability: vc, VolumeContext: v.GetVolumeContext(),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = td.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+		VolumeId: v.GetVolumeId(), NodeId: "node-2", VolumeCapability: vc, VolumeContext: v.GetVolumeContext(),
+	})
+	wantCode(t, err, codes.FailedPrecondition) // the fence holds on a share's pool too
+	staging := filepath.Join(td.root, "staging")
+	if _, err := td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId: v.GetVolumeId(), StagingTargetPath: staging, VolumeCapability: vc, VolumeContext: v.GetVolumeContext(),
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := td.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: v.GetVolumeId(), VolumePath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := td.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{
+		VolumeId: v.GetVolumeId(), CapacityRange: &csi.CapacityRange{RequiredBytes: 128 << 20},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = td.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: v.GetVolumeId()})
+	wantCode(t, err, codes.InvalidArgument) // not yet on shares
+	if _, err := td.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := td.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
+		t.Fatal(err)
+	}
+}
