@@ -136,12 +136,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource())
+	srcAcc, err := secretAccess(req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
-	if src != nil && (src.pool.Share != nil || d.namesShare(req.GetParameters())) {
-		return nil, status.Error(codes.InvalidArgument, "volumes on shares a StorageClass names cannot be copied from or into yet (snapshots and clones are for configured pools)")
+	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), srcAcc)
+	if err != nil {
+		return nil, err
 	}
 	params, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
 	if err != nil {
@@ -622,7 +623,7 @@ func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*c
 }
 
 // namesShare tells whether StorageClass parameters name a share.
-func (d *Driver) namesShare(params map[string]string) bool {
+func namesShare(params map[string]string) bool {
 	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare} {
 		if _, ok := params[k]; ok {
 			return true

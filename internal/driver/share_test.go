@@ -295,8 +295,9 @@ func TestConcurrentCreatesMountOnce(t *testing.T) {
 }
 
 // TestShareImageVolume: an image volume on a share (layout: image) goes
-// through publish (the attach fence), stage, stats and expansion; the image
-// filesystem gets the capability's mount flags, the share only shareOptions.
+// through publish (the attach fence), stage, stats, expansion, a snapshot, a
+// restore and a clone (on the same share); the image filesystem gets the
+// capability's mount flags, the share only shareOptions.
 func TestShareImageVolume(t *testing.T) {
 	ctx := context.Background()
 	shares := filepath.Join(t.TempDir(), "shares")
@@ -340,8 +341,54 @@ func TestShareImageVolume(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	_, err = td.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: v.GetVolumeId()})
-	wantCode(t, err, codes.InvalidArgument) // not yet on shares
+	// A snapshot of it lives on the share too, and a restore lands there.
+	snap, err := td.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: v.GetVolumeId()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sid, err := pool.ParseSnapshotID(snap.GetSnapshot().GetSnapshotId())
+	if r, ok := sid.ShareRef(); err != nil || !ok || r.Source != "nfs.example.com:/export/poolcsi" {
+		t.Fatalf("snapshot ID %s: %v", snap.GetSnapshot().GetSnapshotId(), err)
+	}
+	restored, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-restored", VolumeCapabilities: []*csi.VolumeCapability{vc}, Parameters: params,
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid.String()}}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rid, _ := pool.ParseVolumeID(restored.GetVolume().GetVolumeId()); rid.Pool != sid.Pool {
+		t.Fatalf("restored into %s", rid)
+	}
+	// Without parameters (a clone whose StorageClass names nothing): the
+	// source's share.
+	clone, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-clone", VolumeCapabilities: []*csi.VolumeCapability{vc},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: v.GetVolumeId()}}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cid, _ := pool.ParseVolumeID(clone.GetVolume().GetVolumeId()); cid.Pool != sid.Pool {
+		t.Fatalf("cloned into %s", cid)
+	}
+	// A controller elsewhere deletes them from their IDs alone.
+	other, otherShares := newShareDriver(t, shares, "node-9")
+	otherShares.Unmount(pool.ShareRef{Type: "nfs", Source: "nfs.example.com:/export/poolcsi"})
+	for _, id := range []string{restored.GetVolume().GetVolumeId(), clone.GetVolume().GetVolumeId()} {
+		if _, err := other.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := other.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: sid.String()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid.String()}); err != nil {
+		t.Fatal(err)
+	}
+	if other.Driver.pool(sid.Pool).SnapshotExists(sid) {
+		t.Fatal("snapshot still there")
+	}
 	if _, err := td.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging}); err != nil {
 		t.Fatal(err)
 	}

@@ -144,3 +144,40 @@ func TestSharePoolLayout(t *testing.T) {
 		t.Fatal("a share opened under another pool name")
 	}
 }
+
+// TestParseShareSnapshotID: a share's snapshot ID follows its volume IDs'
+// rules.
+func TestParseShareSnapshotID(t *testing.T) {
+	ref := ShareRef{"nfs", "nfs.example.com:/export"}
+	dir := t.TempDir()
+	p, err := Open(Config{Name: ref.PoolName(), Path: dir, Shared: true, Share: &ref, NoLayout: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	good := p.NewSnapshotID("snap").String()
+	key := KeyForName("snap")
+	enc := func(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
+	for _, tt := range []struct {
+		in string
+		ok bool
+	}{
+		{good, true},
+		{"local@" + key, true},
+		{ref.PoolName() + "@" + key, false},
+		{"local@" + key + "." + enc("nfs x:/"), false},
+		{ref.PoolName() + "@" + key + "." + enc("nfs evil:/"), false},
+		{good + ".x", false},
+		{good + "=", false},
+	} {
+		id, err := ParseSnapshotID(tt.in)
+		if tt.ok != (err == nil) || (err == nil && id.String() != tt.in) {
+			t.Errorf("ParseSnapshotID(%q) = %+v, %v; want ok=%t", tt.in, id, err, tt.ok)
+		}
+		if err != nil && !errors.Is(err, ErrInvalidID) {
+			t.Errorf("ParseSnapshotID(%q) = %v, want ErrInvalidID", tt.in, err)
+		}
+	}
+	if _, err := ParseVolumeID(good); err == nil {
+		t.Fatal("a snapshot ID parsed as a volume ID")
+	}
+}

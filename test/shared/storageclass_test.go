@@ -187,9 +187,16 @@ func testStorageClassShare(t *testing.T, backend string) {
 		t.Fatalf("volume directory after DeleteVolume: %v", err)
 	}
 
-	// A controller on a node that never mounted the share: the ID is all it has.
+	// A snapshot of the other volume lives on the share too.
+	snap := must(d1.Controller().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap-share", SourceVolumeId: v2.GetVolumeId(), Secrets: secrets}))(t)
+
+	// A controller on a node that never mounted the share: the IDs are all it has.
 	d3 := start(2)
+	must(d3.Controller().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}))(t)
 	must(d3.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v2.GetVolumeId()}))(t)
+	if des, _ := os.ReadDir(filepath.Join(export, "snapshots")); len(des) != 0 {
+		t.Fatalf("snapshots left on the share: %v", des)
+	}
 	if list := must(d1.Controller().ListVolumes(ctx, &csi.ListVolumesRequest{}))(t); len(list.GetEntries()) != 0 {
 		t.Fatalf("volumes left: %v", list.GetEntries())
 	}
