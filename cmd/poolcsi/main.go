@@ -129,6 +129,9 @@ func serve(ctx context.Context, args []string) error {
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for --pvc-events-interval (default: the pod's service account)")
 	leaseNamespace := fs.String("leader-election-namespace", "", "with --pvc-events-interval: only the holder of a Lease in this namespace reports, so controller replicas do not repeat each other; empty: no leader election")
 	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
+	shareDir := fs.String("share-dir", poolmount.DefaultShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
+	shareTypes := fs.String("share-types", strings.Join(driver.DefaultShareTypes, ","), "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
+	shareTimeout := fs.Duration("share-mount-timeout", poolmount.DefaultTimeout, "how long one mount of a share may take before it is killed")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -178,6 +181,21 @@ func serve(ctx context.Context, args []string) error {
 		}
 		opened = append(opened, p)
 	}
+	var shares driver.ShareMounter
+	var types []string
+	if *shareDir != "" {
+		sh, err := poolmount.NewShares(*shareDir, *shareTimeout)
+		if err != nil {
+			return fmt.Errorf("--share-dir: %w", err)
+		}
+		shares = sh
+		types = []string{}
+		for _, t := range strings.Split(*shareTypes, ",") {
+			if t = strings.TrimSpace(t); t != "" {
+				types = append(types, t)
+			}
+		}
+	}
 	thresholds := health.Options{PoolFullThreshold: *poolFull / 100, VolumeFullThreshold: *volumeFull / 100}
 	d, err := driver.New(driver.Options{
 		Name:              *driverName,
@@ -191,6 +209,8 @@ func serve(ctx context.Context, args []string) error {
 		ExpandOnNode:      *expandOnNode,
 		Health:            thresholds,
 		Readiness:         readiness,
+		Shares:            shares,
+		ShareTypes:        types,
 	})
 	if err != nil {
 		return err

@@ -165,7 +165,11 @@ func poolUnfence(ctx context.Context, args []string) error {
 	if *path == "" {
 		return errors.New("pool unfence: --path is required")
 	}
-	p, err := pool.Open(pool.Config{Name: id.Pool, Path: filepath.Clean(*path), Shared: true})
+	cfg := pool.Config{Name: id.Pool, Path: filepath.Clean(*path), Shared: true, NoLayout: true}
+	if ref, ok := id.ShareRef(); ok {
+		cfg.Share = &ref // a volume on a share a StorageClass names: its IDs carry the share
+	}
+	p, err := pool.Open(cfg)
 	if err != nil {
 		return err
 	}

@@ -41,6 +41,9 @@ func Load(path string) (File, error) {
 		return f, fmt.Errorf("parse config %s: %w", path, err)
 	}
 	for _, p := range f.Pools {
+		if err := checkName(p.Name); err != nil {
+			return f, fmt.Errorf("config %s: %w", path, err)
+		}
 		if p.Mount != nil {
 			if err := p.Mount.Validate(); err != nil {
 				return f, fmt.Errorf("config %s: pool %s: %w", path, p.Name, err)
@@ -68,10 +71,23 @@ func ParsePoolFlag(s string) (pool.Config, error) {
 			return pool.Config{}, fmt.Errorf("--pool %q: unknown option %q (known: shared, local)", s, opt)
 		}
 	}
-	if err := pool.ValidatePoolName(c.Name); err != nil {
+	if err := checkName(c.Name); err != nil {
 		return pool.Config{}, fmt.Errorf("--pool %q: %w", s, err)
 	}
 	return c, nil
+}
+
+// checkName validates a configured pool's name. Names of the form of a
+// share's pool ("s-" and 16 hex digits) are the driver's own: a configured
+// pool of such a name could be taken for a share's.
+func checkName(name string) error {
+	if err := pool.ValidatePoolName(name); err != nil {
+		return err
+	}
+	if pool.IsSharePoolName(name) {
+		return fmt.Errorf("pool name %q is reserved: names of the form s-<16 hex digits> are those of the pools on shares a StorageClass names", name)
+	}
+	return nil
 }
 
 // Pools merges the config file's pools with the flags' (flags win on a name

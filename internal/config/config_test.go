@@ -22,6 +22,8 @@ func TestParsePoolFlag(t *testing.T) {
 		{in: "Bad_Name=/x", wantErr: true},
 		{in: "a=/x,bogus", wantErr: true},
 		{in: "a=", wantErr: true},
+		{in: "s-0123456789abcdef=/x", wantErr: true}, // a share's pool name
+		{in: "s-nfs=/x", want: pool.Config{Name: "s-nfs", Path: "/x"}},
 	}
 	for _, tt := range tests {
 		got, err := ParsePoolFlag(tt.in)

@@ -42,7 +42,7 @@ func csiContentSource(r *pool.ContentSource) *csi.VolumeContentSource {
 
 // resolveContentSource finds the snapshot or volume a CreateVolume copies:
 // NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
-func (d *Driver) resolveContentSource(src *csi.VolumeContentSource) (*contentSource, error) {
+func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc shareAccess) (*contentSource, error) {
 	if src == nil {
 		return nil, nil
 	}
@@ -56,13 +56,13 @@ func (d *Driver) resolveContentSource(src *csi.VolumeContentSource) (*contentSou
 		if !known {
 			return nil, status.Errorf(codes.NotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
 		}
-		p, s, err := d.loadSnapshot(sid)
+		p, s, err := d.loadSnapshot(ctx, sid, acc)
 		if err != nil {
 			return nil, err
 		}
 		return &contentSource{pool: p, record: pool.ContentSource{Snapshot: s.ID}, layout: s.Layout, access: s.AccessType, fsType: s.FSType, size: s.SizeBytes, snapID: sid}, nil
 	case src.GetVolume() != nil:
-		vid, p, err := d.volumeRef(src.GetVolume().GetVolumeId())
+		vid, p, err := d.volumeRef(ctx, src.GetVolume().GetVolumeId(), acc)
 		if err != nil {
 			return nil, err
 		}
@@ -82,6 +82,14 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 		return params
 	}
 	out := map[string]string{ParamPool: src.pool.Name, ParamLayout: string(src.layout)}
+	if r := src.pool.Share; r != nil {
+		// A copy stays on its source's share: named by the share, as a
+		// StorageClass names it, unless the parameters name it themselves.
+		delete(out, ParamPool)
+		if !namesShare(params) {
+			out[ParamShareType], out[ParamShareSource] = r.Type, r.Source
+		}
+	}
 	for k, v := range params {
 		out[k] = v
 	}

@@ -62,16 +62,40 @@ type createParams struct {
 	layout pool.Layout
 	fsType string
 	keep   map[string]string // recorded in volume.json for operators
+	// share is the share the parameters name; pool is then nil until
+	// resolvePool mounts it.
+	share *shareParams
 }
 
-func (d *Driver) parseCreateParams(params map[string]string) (createParams, error) {
+// parseCreateParams checks StorageClass parameters. It mounts nothing: a share
+// they name is resolved by resolvePool.
+func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 	cp := createParams{layout: pool.LayoutImage, keep: map[string]string{}}
+	params := make(map[string]string, len(in))
+	for k, v := range in {
+		params[k] = v
+	}
+	share, err := d.parseShareParams(params)
+	if err != nil {
+		return cp, err
+	}
+	if share != nil {
+		if _, ok := params[ParamPool]; ok {
+			return cp, status.Errorf(codes.InvalidArgument, "parameter pool names a configured pool, the share parameters a share: give one or the other")
+		}
+		cp.share = share
+		cp.layout = pool.LayoutDir // like every shared pool's RWX volumes; layout: image for an image
+		cp.keep[ParamShareType] = share.ref.Type
+		cp.keep[ParamShareSource] = share.ref.Source
+		if len(share.options) > 0 {
+			cp.keep[ParamShareOptions] = strings.Join(share.options, ",")
+		}
+	}
 	for k, v := range params {
 		switch {
 		case k == ParamPool:
-			cp.pool = d.pool(v)
-			if cp.pool == nil {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.poolNames))
+			if cp.pool = d.pool(v); cp.pool == nil || cp.pool.Share != nil {
+				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
 		case k == ParamLayout:
 			if !slices.Contains(layouts, pool.Layout(v)) {
@@ -91,15 +115,15 @@ func (d *Driver) parseCreateParams(params map[string]string) (createParams, erro
 			}
 			continue
 		default:
-			return cp, status.Errorf(codes.InvalidArgument, "unknown parameter %q (known: pool, layout, fsType, %s*)", k, k8sPrefix)
+			return cp, status.Errorf(codes.InvalidArgument, "unknown parameter %q (known: pool, layout, fsType, shareType, shareSource, shareOptions, server, share, %s*)", k, k8sPrefix)
 		}
 		cp.keep[k] = v
 	}
-	if cp.pool == nil {
-		if len(d.poolNames) != 1 {
-			return cp, status.Errorf(codes.InvalidArgument, "parameter pool is required when several pools are configured (pools: %s)", joinNames(d.poolNames))
+	if cp.pool == nil && cp.share == nil {
+		if len(d.configured) != 1 {
+			return cp, status.Errorf(codes.InvalidArgument, "parameter pool is required when several pools are configured (pools: %s)", joinNames(d.configured))
 		}
-		cp.pool = d.pools[d.poolNames[0]]
+		cp.pool = d.pool(d.configured[0])
 	}
 	return cp, nil
 }
@@ -112,7 +136,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	src, err := d.resolveContentSource(req.GetVolumeContentSource())
+	srcAcc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), srcAcc)
 	if err != nil {
 		return nil, err
 	}
@@ -135,7 +163,10 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := lay.allowed(caps); err != nil {
 		return nil, err
 	}
-	p := params.pool
+	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
 	topology, err := d.placeVolume(p, req.GetAccessibilityRequirements())
 	if err != nil {
 		return nil, err
@@ -155,7 +186,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, grpcError(err)
 	}
 
-	id := pool.NewVolumeID(p.Name, name)
+	id := p.NewID(name)
 	release, err := d.locks.acquire(id.String(), "CreateVolume")
 	if err != nil {
 		return nil, err
@@ -238,12 +269,12 @@ func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 // nameInOtherPool refuses a name that already names a volume in another pool: the
 // same name must always mean the same volume.
 func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
-	for _, pn := range d.poolNames {
-		p := d.pools[pn]
+	for _, pn := range d.names() {
+		p := d.pool(pn)
 		if p == want {
 			continue
 		}
-		if p.VolumeExists(pool.NewVolumeID(pn, name)) {
+		if p.VolumeExists(p.NewID(name)) {
 			return status.Errorf(codes.AlreadyExists, "volume %q already exists in pool %s", name, pn)
 		}
 	}
@@ -289,6 +320,15 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 		CapacityBytes: v.CapacityBytes,
 		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
 	}
+	if p.Share != nil {
+		// NodeStageVolume and ControllerPublishVolume get the volume context:
+		// the share's options reach every node this way. Never a secret.
+		out.VolumeContext[ParamShareType] = p.Share.Type
+		out.VolumeContext[ParamShareSource] = p.Share.Source
+		if o := v.Parameters[ParamShareOptions]; o != "" {
+			out.VolumeContext[ParamShareOptions] = o
+		}
+	}
 	d.layoutOf(v.Layout).volumeContext(v, out.VolumeContext)
 	out.ContentSource = csiContentSource(v.Source)
 	if len(v.Topology) > 0 {
@@ -302,10 +342,18 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		// Not a pool of this driver: nothing of the volume exists here.
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	p, err := d.poolOf(ctx, vid, acc)
+	if status.Code(err) == codes.NotFound {
+		// Not a pool of this driver, or a share without one: nothing of the
+		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
+		// the provisioner retries, nothing is said deleted that was not.
 		return &csi.DeleteVolumeResponse{}, nil
+	} else if err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(vid.String(), "DeleteVolume")
 	if err != nil {
@@ -355,7 +403,11 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
-	vid, p, err := d.volumeRef(req.GetVolumeId())
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), acc)
 	if err != nil {
 		return nil, err
 	}
@@ -410,7 +462,7 @@ func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.E
 			out[i] = listed{pool: p, entry: e}
 		}
 		if next != "" {
-			next = pool.VolumeID{Pool: p.Name, Key: next}.String()
+			next = p.IDOf(next).String()
 		}
 		return out, next, err
 	}, func(l listed) string { return l.entry.ID.String() })
@@ -422,7 +474,7 @@ func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.E
 // entries (0: all) and the next page's token.
 func walkPools[E any](d *Driver, startPool, startKey string, most int, list func(p *pool.Pool, from string, limit int) ([]E, string, error), token func(E) string) ([]E, string, error) {
 	var out []E
-	for _, pn := range d.poolNames {
+	for _, pn := range d.names() {
 		if pn < startPool {
 			continue
 		}
@@ -435,7 +487,7 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 			// A full page still asks for one entry: its token is the next page's.
 			limit = max(most-len(out), 1)
 		}
-		page, next, err := list(d.pools[pn], from, limit)
+		page, next, err := list(d.pool(pn), from, limit)
 		if err != nil {
 			return nil, "", grpcError(err)
 		}
@@ -495,7 +547,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 }
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
-	vid, p, err := d.volumeRef(req.GetVolumeId())
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -517,7 +569,10 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	if err != nil {
 		return nil, err
 	}
-	p := params.pool
+	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), nil)
+	if err != nil {
+		return nil, err
+	}
 	if seg := req.GetAccessibleTopology().GetSegments(); isLocal(p) && seg != nil && seg[TopologyKey] != d.opts.NodeID {
 		return &csi.GetCapacityResponse{}, nil // the pool is not on that node
 	}
@@ -540,4 +595,39 @@ func firstNonEmpty(s ...string) string {
 		}
 	}
 	return ""
+}
+
+// resolvePool is the pool parsed parameters name: a configured one, or the
+// share's, mounted (with the StorageClass's options and mount flags and the
+// request's secrets) and laid out if new.
+func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*csi.VolumeCapability, secrets map[string]string) (*pool.Pool, error) {
+	if params.share == nil {
+		return params.pool, nil
+	}
+	acc, err := secretAccess(secrets)
+	if err != nil {
+		return nil, err
+	}
+	acc.layOut = true
+	acc.options = append(acc.options, params.share.options...)
+	if params.layout == pool.LayoutDir && len(caps) > 0 {
+		// Every capability of a CreateVolume carries the StorageClass's
+		// mountOptions; the first one's are the share's.
+		share, err := shareFlags(caps[0].GetMount().GetMountFlags())
+		if err != nil {
+			return nil, err
+		}
+		acc.options = append(acc.options, share...)
+	}
+	return d.sharePool(ctx, params.share.ref, acc)
+}
+
+// namesShare tells whether StorageClass parameters name a share.
+func namesShare(params map[string]string) bool {
+	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare} {
+		if _, ok := params[k]; ok {
+			return true
+		}
+	}
+	return false
 }

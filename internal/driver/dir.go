@@ -64,8 +64,8 @@ func logQuota(ctx context.Context, p *pool.Pool, b quota.Backend) {
 // detectQuotas runs detection for every pool present at start-up, so the log
 // says at once what dir volumes will get.
 func (d *Driver) detectQuotas(ctx context.Context) {
-	for _, pn := range d.poolNames {
-		if _, err := d.quotaFor(ctx, d.pools[pn]); err != nil {
+	for _, pn := range d.names() {
+		if _, err := d.quotaFor(ctx, d.pool(pn)); err != nil {
 			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
 		}
 	}
@@ -191,7 +191,7 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 	}
 	defer h.Close()
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, vc.GetMount().GetMountFlags()); err != nil {
+	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "staging path %s: %v", staging, err)
 		}
@@ -216,7 +216,7 @@ func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target s
 			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
 		}
 	}
-	if err := d.mounts.Bind(ctx, staging, target, readOnly, vc.GetMount().GetMountFlags()); err != nil {
+	if err := d.mounts.Bind(ctx, staging, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return status.Errorf(codes.AlreadyExists, "target path %s: %v", target, err)
 		}

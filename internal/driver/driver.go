@@ -83,6 +83,12 @@ type Options struct {
 	// Readiness are extra checks whose faults Probe logs, such as the pool mounts of the config's
 	// mount stanzas; each returns why the driver is not ready, or nil.
 	Readiness []func() error
+	// Shares mounts the shares StorageClasses name (internal/poolmount; a
+	// fake in unit tests); nil: StorageClasses cannot name shares.
+	Shares ShareMounter
+	// ShareTypes are the share types StorageClasses and volume IDs may name
+	// (--share-types); with Shares set, nil means DefaultShareTypes.
+	ShareTypes []string
 }
 
 // Driver serves the CSI services over one pool set.
@@ -91,15 +97,21 @@ type Driver struct {
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
 
-	opts      Options
+	opts Options
+	// poolsMu guards pools and poolNames: the pools on shares StorageClasses
+	// name join them while the driver runs (share.go).
+	poolsMu   sync.RWMutex
 	pools     map[string]*pool.Pool
 	poolNames []string
-	locks     *volumeLocks
-	mounts    MountTable
-	loops     LoopDevices
-	devs      BlockDevices
-	fs        Filesystems
-	quotas    quotaBackends
+	// configured are the names of the operator's pools, sorted.
+	configured []string
+	shares     shareState
+	locks      *volumeLocks
+	mounts     MountTable
+	loops      LoopDevices
+	devs       BlockDevices
+	fs         Filesystems
+	quotas     quotaBackends
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
 	// poolState holds each pool's last seen fault ("" when usable), so Probe
@@ -122,7 +134,7 @@ func New(opts Options) (*Driver, error) {
 	if opts.NodeID == "" {
 		return nil, errors.New("node ID is empty")
 	}
-	if len(opts.Pools) == 0 {
+	if len(opts.Pools) == 0 && opts.Shares == nil {
 		return nil, errors.New("no pools configured")
 	}
 	if opts.PathPrefix != "" && (!filepath.IsAbs(opts.PathPrefix) || filepath.Clean(opts.PathPrefix) != opts.PathPrefix) {
@@ -154,11 +166,18 @@ func New(opts Options) (*Driver, error) {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
 		}
+		if p.Share != nil || pool.IsSharePoolName(p.Name) {
+			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name)
+		}
 		p.SetNode(opts.NodeID) // named in the lock files it takes
 		d.pools[p.Name] = p
 		d.poolNames = append(d.poolNames, p.Name)
 	}
 	sort.Strings(d.poolNames)
+	d.configured = append([]string(nil), d.poolNames...)
+	if err := d.shares.init(opts); err != nil {
+		return nil, err
+	}
 	return d, nil
 }
 
@@ -177,6 +196,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
+	d.recoverShares(ctx)
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
@@ -185,7 +205,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		srv.GracefulStop()
 	}()
 	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
-		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.poolNames)
+		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.names(), "shareTypes", d.shares.typeList())
 	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve %s: %w", endpoint, err)
 	}
@@ -224,8 +244,36 @@ func Listen(endpoint string) (net.Listener, error) {
 	return lis, nil
 }
 
-// pool returns the configured pool of an ID, or nil.
-func (d *Driver) pool(name string) *pool.Pool { return d.pools[name] }
+// pool returns the pool of a name (configured, or a share's this driver has
+// mounted), or nil.
+func (d *Driver) pool(name string) *pool.Pool {
+	d.poolsMu.RLock()
+	defer d.poolsMu.RUnlock()
+	return d.pools[name]
+}
+
+// names returns the names of every pool, configured or a share's, sorted.
+func (d *Driver) names() []string {
+	d.poolsMu.RLock()
+	defer d.poolsMu.RUnlock()
+	return d.poolNames
+}
+
+// addPool adds a share's pool. poolNames is replaced, never changed in
+// place: names() hands it out.
+func (d *Driver) addPool(p *pool.Pool) *pool.Pool {
+	d.poolsMu.Lock()
+	defer d.poolsMu.Unlock()
+	if old, ok := d.pools[p.Name]; ok {
+		return old
+	}
+	p.SetNode(d.opts.NodeID)
+	d.pools[p.Name] = p
+	names := append(append([]string(nil), d.poolNames...), p.Name)
+	sort.Strings(names)
+	d.poolNames = names
+	return p
+}
 
 // isLocal reports whether volumes of p live on this node only.
 func isLocal(p *pool.Pool) bool { return !p.Shared }

@@ -32,7 +32,11 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 	}
-	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "ControllerExpandVolume")
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerExpandVolume", acc)
 	if err != nil {
 		return nil, err
 	}
@@ -96,7 +100,11 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
-	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "NodeExpandVolume")
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", acc)
 	if err != nil {
 		return nil, err
 	}

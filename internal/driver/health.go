@@ -69,7 +69,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 }
 
 func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
-	vid, p, err := d.volumeRef(req.GetVolumeId())
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -129,7 +129,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
-	vid, p, err := d.volumeRef(req.GetVolumeId())
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -182,8 +182,8 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 // (status, reason), naming every pool it concerns.
 func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (*csi.NodeGetStorageHealthResponse, error) {
 	var unreachable, nearlyFull []string
-	for _, pn := range d.poolNames {
-		p := d.pools[pn]
+	for _, pn := range d.names() {
+		p := d.pool(pn)
 		s, err := health.CheckPoolReady(p)
 		if err != nil {
 			unreachable = append(unreachable, err.Error())

@@ -109,8 +109,8 @@ func (d *Driver) notePools(ctx context.Context) {
 			log.Info("Pool available again", "pool", key)
 		}
 	}
-	for _, name := range d.poolNames {
-		_, err := health.CheckPoolReady(d.pools[name])
+	for _, name := range d.names() {
+		_, err := health.CheckPoolReady(d.pool(name))
 		note(name, err)
 	}
 	for i, check := range d.opts.Readiness {

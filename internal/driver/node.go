@@ -60,18 +60,22 @@ type nodeVolume struct {
 // beginNodeCall checks the ID and capability every stage and publish carries,
 // takes the volume's in-process lock and resolves the volume. The caller defers
 // release.
-func (d *Driver) beginNodeCall(method, volumeID string, vc *csi.VolumeCapability) (nodeVolume, func(), error) {
+func (d *Driver) beginNodeCall(ctx context.Context, method, volumeID string, vc *csi.VolumeCapability, volumeContext, secrets map[string]string) (nodeVolume, func(), error) {
 	if volumeID == "" {
 		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
 	if vc == nil {
 		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_capability is required")
 	}
+	acc, err := contextAccess(volumeContext, secrets, vc.GetMount().GetMountFlags())
+	if err != nil {
+		return nodeVolume{}, nil, err
+	}
 	release, err := d.locks.acquire(volumeID, method)
 	if err != nil {
 		return nodeVolume{}, nil, err
 	}
-	nv, err := d.resolveNodeVolume(volumeID, vc)
+	nv, err := d.resolveNodeVolume(ctx, volumeID, vc, acc)
 	if err != nil {
 		release()
 		return nodeVolume{}, nil, err
@@ -79,7 +83,7 @@ func (d *Driver) beginNodeCall(method, volumeID string, vc *csi.VolumeCapability
 	return nv, release, nil
 }
 
-func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (nodeVolume, error) {
+func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, error) {
 	var nv nodeVolume
 	if vc == nil {
 		return nv, status.Error(codes.InvalidArgument, "volume_capability is required")
@@ -89,7 +93,7 @@ func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (n
 		return nv, err
 	}
 	nv.caps = caps
-	if nv.id, nv.pool, err = d.volumeRef(volumeID); err != nil {
+	if nv.id, nv.pool, err = d.volumeRef(ctx, volumeID, acc); err != nil {
 		return nv, err
 	}
 	if nv.vol, err = loadVolume(nv.pool, nv.id); err != nil {
@@ -100,7 +104,7 @@ func (d *Driver) resolveNodeVolume(volumeID string, vc *csi.VolumeCapability) (n
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
-	if err := mount.CheckOptions(d.layoutOf(nv.vol.Layout).mountFS(nv.vol), vc.GetMount().GetMountFlags()); err != nil {
+	if err := mount.CheckOptions(d.layoutOf(nv.vol.Layout).mountFS(nv.vol), volumeFlags(nv.pool, nv.vol, vc)); err != nil {
 		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.id, err)
 	}
 	return nv, nil
@@ -111,7 +115,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
-	nv, release, err := d.beginNodeCall("NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability())
+	nv, release, err := d.beginNodeCall(ctx, "NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
@@ -216,7 +220,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, err
 	}
-	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "NodeUnstageVolume")
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeUnstageVolume", shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -288,7 +292,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
-	nv, release, err := d.beginNodeCall("NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability())
+	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
@@ -314,6 +318,11 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, err
 	}
 	defer release()
+	if vid.Share != "" {
+		// showsVolume needs the share's pool: served since a restart only once
+		// something names it.
+		_, _ = d.poolOf(ctx, vid, shareAccess{})
+	}
 	// Only this volume's mount is taken down: the CO names the target, and a
 	// wrong or hostile call must not unmount another volume's pod mount or
 	// anything else mounted there.

@@ -22,11 +22,11 @@ func (d *Driver) registerNode(ctx context.Context) {
 	if !d.opts.Mode.node() {
 		return
 	}
-	for _, pn := range d.poolNames {
+	for _, pn := range d.names() {
 		if _, done := d.registered.Load(pn); done {
 			continue
 		}
-		p := d.pools[pn]
+		p := d.pool(pn)
 		if p.Check() != nil {
 			continue // not mounted yet: Probe tries again
 		}
@@ -48,6 +48,12 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	}
 	if owner, ok := v.Topology[TopologyKey]; ok && owner != node {
 		return status.Errorf(codes.NotFound, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name, owner)
+	}
+	if p.Share != nil {
+		// A node registers with a share's pool when it first mounts the share,
+		// which is at its first NodeStageVolume, after this call: the registry
+		// cannot know it yet.
+		return nil
 	}
 	known, err := p.NodeRegistered(node)
 	if err != nil {
@@ -75,7 +81,11 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err != nil {
 		return nil, err
 	}
-	vid, p, release, err := d.lockVolumeRef(req.GetVolumeId(), "ControllerPublishVolume")
+	acc, err := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
+	if err != nil {
+		return nil, err
+	}
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerPublishVolume", acc)
 	if err != nil {
 		return nil, err
 	}
@@ -136,9 +146,15 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		return &csi.ControllerUnpublishVolumeResponse{}, nil
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	p, err := d.poolOf(ctx, vid, acc)
+	if status.Code(err) == codes.NotFound {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
+	} else if err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(vid.String(), "ControllerUnpublishVolume")
 	if err != nil {
@@ -187,8 +203,8 @@ func (d *Driver) checkAttachLimit(p *pool.Pool, node string) error {
 		return grpcError(err)
 	}
 	var held int64
-	for _, pn := range d.poolNames {
-		entries, err := d.pools[pn].List()
+	for _, pn := range d.names() {
+		entries, err := d.pool(pn).List()
 		if err != nil {
 			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
 		}

@@ -82,14 +82,18 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(req.GetSourceVolumeId())
+	acc, err := secretAccess(req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
-	sid := pool.NewSnapshotID(p.Name, name)
-	for _, pn := range d.poolNames {
-		if other := d.pools[pn]; other != p {
-			if other.SnapshotExists(pool.NewSnapshotID(pn, name)) {
+	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), acc)
+	if err != nil {
+		return nil, err
+	}
+	sid := p.NewSnapshotID(name)
+	for _, pn := range d.names() {
+		if other := d.pool(pn); other != p {
+			if other.SnapshotExists(other.NewSnapshotID(name)) {
 				return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists in pool %s", name, pn)
 			}
 		}
@@ -199,9 +203,18 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if err != nil {
 		return nil, err
 	}
-	p := d.pool(sid.Pool)
-	if !known || p == nil {
+	if !known {
 		return &csi.DeleteSnapshotResponse{}, nil
+	}
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	p, err := d.snapshotPool(ctx, sid, acc)
+	if status.Code(err) == codes.NotFound {
+		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
+	} else if err != nil {
+		return nil, err
 	}
 	release, err := d.locks.acquire(sid.String(), "DeleteSnapshot")
 	if err != nil {
@@ -215,11 +228,24 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	return &csi.DeleteSnapshotResponse{}, nil
 }
 
-// loadSnapshot reads a ready snapshot, or NOT_FOUND.
-func (d *Driver) loadSnapshot(sid pool.SnapshotID) (*pool.Pool, *pool.Snapshot, error) {
+// snapshotPool is the pool of a snapshot ID: a configured one, or a share's
+// (mounted if it must be, as for a volume ID).
+func (d *Driver) snapshotPool(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, error) {
+	if r, ok := sid.ShareRef(); ok {
+		return d.sharePool(ctx, r, acc)
+	}
 	p := d.pool(sid.Pool)
 	if p == nil {
-		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s: pool %q is not configured on this driver", sid, sid.Pool)
+		return nil, status.Errorf(codes.NotFound, "snapshot %s: pool %q is not configured on this driver", sid, sid.Pool)
+	}
+	return p, nil
+}
+
+// loadSnapshot reads a ready snapshot, or NOT_FOUND.
+func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, *pool.Snapshot, error) {
+	p, err := d.snapshotPool(ctx, sid, acc)
+	if err != nil {
+		return nil, nil, err
 	}
 	s, err := p.LoadSnapshot(sid)
 	switch {
@@ -241,7 +267,11 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if !known {
 		return nil, status.Errorf(codes.NotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
 	}
-	_, s, err := d.loadSnapshot(sid)
+	acc, err := secretAccess(req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	_, s, err := d.loadSnapshot(ctx, sid, acc)
 	if err != nil {
 		return nil, err
 	}
@@ -267,7 +297,11 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		if err != nil || !known {
 			return &csi.ListSnapshotsResponse{}, err
 		}
-		_, s, err := d.loadSnapshot(sid)
+		acc, err := secretAccess(req.GetSecrets())
+		if err != nil {
+			return nil, err
+		}
+		_, s, err := d.loadSnapshot(ctx, sid, acc)
 		if err != nil || (req.GetSourceVolumeId() != "" && s.SourceVolumeID != req.GetSourceVolumeId()) {
 			return &csi.ListSnapshotsResponse{}, nil
 		}
@@ -291,7 +325,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 			out[i] = e.Snapshot
 		}
 		if next != "" {
-			next = pool.SnapshotID{Pool: p.Name, Key: next}.String()
+			next = p.SnapshotIDOf(next).String()
 		}
 		return out, next, err
 	}, func(s *pool.Snapshot) string { return s.ID })
@@ -322,8 +356,8 @@ func (d *Driver) thawAfterCrash(ctx context.Context) {
 		return
 	}
 	log := klog.FromContext(ctx)
-	for _, pn := range d.poolNames {
-		p := d.pools[pn]
+	for _, pn := range d.names() {
+		p := d.pool(pn)
 		freezes, err := p.Freezes()
 		if err != nil {
 			log.V(2).Info("Cannot look for filesystems left frozen; the pool is not available yet", "pool", pn, "err", err)

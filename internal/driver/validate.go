@@ -31,23 +31,21 @@ func parseVolumeID(id string) (pool.VolumeID, error) {
 	return vid, nil
 }
 
-// volumeRef is a parsed ID whose pool is configured here.
-func (d *Driver) volumeRef(id string) (pool.VolumeID, *pool.Pool, error) {
+// volumeRef is a parsed ID whose pool is configured here, or whose share is
+// mounted here (with what acc brings, if it must be mounted).
+func (d *Driver) volumeRef(ctx context.Context, id string, acc shareAccess) (pool.VolumeID, *pool.Pool, error) {
 	vid, err := parseVolumeID(id)
 	if err != nil {
 		return vid, nil, err
 	}
-	p := d.pool(vid.Pool)
-	if p == nil {
-		return vid, nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this driver (pools: %s)", id, vid.Pool, joinNames(d.poolNames))
-	}
-	return vid, p, nil
+	p, err := d.poolOf(ctx, vid, acc)
+	return vid, p, err
 }
 
 // lockVolumeRef is volumeRef followed by the volume's in-process lock for
 // method; the caller defers release.
-func (d *Driver) lockVolumeRef(id, method string) (pool.VolumeID, *pool.Pool, func(), error) {
-	vid, p, err := d.volumeRef(id)
+func (d *Driver) lockVolumeRef(ctx context.Context, id, method string, acc shareAccess) (pool.VolumeID, *pool.Pool, func(), error) {
+	vid, p, err := d.volumeRef(ctx, id, acc)
 	if err != nil {
 		return vid, nil, nil, err
 	}

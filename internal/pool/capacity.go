@@ -99,7 +99,7 @@ func (p *Pool) Usage() (Usage, error) {
 		return Usage{}, err
 	}
 	for _, key := range keys {
-		id := VolumeID{Pool: p.Name, Key: key}
+		id := p.IDOf(key)
 		v, err := p.loadForUsage(id)
 		if err != nil {
 			continue // deleted meanwhile, or damaged: health reports it

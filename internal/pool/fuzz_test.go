@@ -8,10 +8,12 @@ import (
 	"testing"
 )
 
-// FuzzParseVolumeID: whatever parses is exactly "<pool>.<32 hex>", round-trips,
-// and can never name a path outside the pool.
+// FuzzParseVolumeID: whatever parses is exactly "<pool>.<32 hex>" (or a share's
+// "s-<16 hex>.<32 hex>.<share>" whose share is valid and names that pool),
+// round-trips, and can never name a path outside the pool.
 func FuzzParseVolumeID(f *testing.F) {
-	for _, s := range []string{"local.0123456789abcdef0123456789abcdef", "../etc", "a./b", "local.", ".x", "a.b.c", "a\x00.b", strings.Repeat("a", 300)} {
+	for _, s := range []string{"local.0123456789abcdef0123456789abcdef", "../etc", "a./b", "local.", ".x", "a.b.c", "a\x00.b", strings.Repeat("a", 300),
+		NewShareVolumeID(ShareRef{Type: "nfs", Source: "nfs.example.com:/export"}, "pvc-1").String()} {
 		f.Add(s)
 	}
 	f.Fuzz(func(t *testing.T, s string) {
@@ -19,6 +21,9 @@ func FuzzParseVolumeID(f *testing.F) {
 		if err == nil {
 			if id.String() != s || strings.ContainsAny(s, "/\x00") || strings.Contains(s, "..") || len(id.Key) != 32 {
 				t.Fatalf("accepted %q as %+v", s, id)
+			}
+			if r, ok := id.ShareRef(); ok != (id.Share != "") || (ok && (r.Validate() != nil || r.PoolName() != id.Pool)) {
+				t.Fatalf("accepted %q with share %+v", s, r)
 			}
 		}
 		sid, err := ParseSnapshotID(s)

@@ -47,13 +47,23 @@ func KeyForName(name string) string {
 	return hex.EncodeToString(sum[:16])
 }
 
-// VolumeID is the handle Kubernetes stores in the PV: "<pool>.<key>".
+// VolumeID is the handle Kubernetes stores in the PV: "<pool>.<key>", or for a
+// volume on a share a StorageClass names, "<pool>.<key>.<share>" (share.go).
+// Only Pool and Key ever become parts of a path.
 type VolumeID struct {
 	Pool string
 	Key  string
+	// Share is the base64url encoding of the share's ShareRef, "" for a
+	// volume of an operator-configured pool.
+	Share string
 }
 
-func (id VolumeID) String() string { return id.Pool + "." + id.Key }
+func (id VolumeID) String() string {
+	if id.Share != "" {
+		return id.Pool + "." + id.Key + "." + id.Share
+	}
+	return id.Pool + "." + id.Key
+}
 
 // NewVolumeID builds the ID of the volume named name in pool poolName.
 func NewVolumeID(poolName, name string) VolumeID {
@@ -62,14 +72,36 @@ func NewVolumeID(poolName, name string) VolumeID {
 
 // ParseVolumeID validates an ID received over the wire before any path is built
 // from it: only "<pool name>.<32 lowercase hex>" passes, which cannot contain "/",
-// "..", NUL or anything else that leaves the pool.
+// "..", NUL or anything else that leaves the pool, or for a volume on a share
+// "s-<16 hex>.<32 hex>.<share>", whose share part decodes to a valid ShareRef
+// whose pool name is exactly the ID's pool (so one share has one pool name, and
+// an ID cannot pair a share with another share's pool). A share pool's name
+// without its share part is refused: such a pool is only ever reached through
+// its share.
 func ParseVolumeID(s string) (VolumeID, error) {
-	if len(s) > 32+1+32 {
+	if len(s) > MaxVolumeIDLength {
 		return VolumeID{}, fmt.Errorf("%w: volume ID is %d bytes long", ErrInvalidID, len(s))
 	}
-	poolName, key, ok := strings.Cut(s, ".")
-	if !ok || ValidatePoolName(poolName) != nil || !keyRE.MatchString(key) {
-		return VolumeID{}, fmt.Errorf("%w: %q is not a poolcsi volume ID (<pool>.<32 hex digits>)", ErrInvalidID, s)
+	bad := func() (VolumeID, error) {
+		return VolumeID{}, fmt.Errorf("%w: %q is not a poolcsi volume ID (<pool>.<32 hex digits>, or s-<16 hex digits>.<32 hex digits>.<share> for a share)", ErrInvalidID, s)
 	}
-	return VolumeID{Pool: poolName, Key: key}, nil
+	parts := strings.Split(s, ".")
+	if len(parts) < 2 || len(parts) > 3 || ValidatePoolName(parts[0]) != nil || !keyRE.MatchString(parts[1]) {
+		return bad()
+	}
+	id := VolumeID{Pool: parts[0], Key: parts[1]}
+	if IsSharePoolName(id.Pool) != (len(parts) == 3) {
+		return bad()
+	}
+	if len(parts) == 3 {
+		r, err := parsePayload(parts[2])
+		if err != nil {
+			return VolumeID{}, err
+		}
+		if r.PoolName() != id.Pool {
+			return VolumeID{}, fmt.Errorf("%w: volume ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, s, r, r.PoolName(), id.Pool)
+		}
+		id.Share = parts[2]
+	}
+	return id, nil
 }

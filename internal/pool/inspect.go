@@ -27,7 +27,7 @@ func OpenExisting(path string) (*Pool, error) {
 		return nil, err
 	}
 	// Shared, so that Open never creates or initialises anything.
-	return Open(Config{Name: info.Name, Path: abs, Shared: true})
+	return Open(Config{Name: info.Name, Path: abs, Shared: true, Share: info.Share, NoLayout: true})
 }
 
 // Leftover is something in a pool's volumes directory that is not a volume: the
@@ -61,7 +61,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		case !de.IsDir() || !keyRE.MatchString(de.Name()):
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
-			id := VolumeID{Pool: p.Name, Key: de.Name()}
+			id := p.IDOf(de.Name())
 			if !lockHeld(filepath.Join(path, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}

@@ -31,7 +31,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := ValidateVolumeName(spec.Name); err != nil {
 		return nil, err
 	}
-	id := NewVolumeID(p.Name, spec.Name)
+	id := p.NewID(spec.Name)
 	// An unmounted shared pool must not grow a volumes/ tree on the root disk.
 	if err := p.Check(); err != nil {
 		return nil, err

@@ -97,7 +97,7 @@ func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) ([]Entry,
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (Entry, bool) {
-		return p.loadListed(VolumeID{Pool: p.Name, Key: key})
+		return p.loadListed(p.IDOf(key))
 	}, keep)
 	return entries, next, nil
 }
@@ -126,7 +126,7 @@ func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (SnapshotEntry, bool) {
-		return p.loadListedSnapshot(SnapshotID{Pool: p.Name, Key: key})
+		return p.loadListedSnapshot(p.SnapshotIDOf(key))
 	}, keep)
 	return entries, next, nil
 }

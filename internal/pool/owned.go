@@ -84,7 +84,7 @@ func (p *Pool) Freezes() ([]Freeze, error) {
 		if !ok || ValidateNodeID(node) != nil || !filepath.IsAbs(path) {
 			continue
 		}
-		out = append(out, Freeze{Volume: VolumeID{Pool: p.Name, Key: de.Name()}, Node: node, Path: path})
+		out = append(out, Freeze{Volume: p.IDOf(de.Name()), Node: node, Path: path})
 	}
 	return out, nil
 }

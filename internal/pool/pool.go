@@ -35,14 +35,20 @@ type Config struct {
 	// mounted there the pool is unavailable, so volumes never land on the node's
 	// root disk under an empty mount point. Set by the config's mount stanza.
 	RequireMount bool `json:"requireMount,omitempty"`
+	// Share is the share a StorageClass named, for the pool the driver keeps
+	// on it; nil for an operator-configured pool. Its volume IDs carry it.
+	Share *ShareRef `json:"-"`
+	// NoLayout forbids laying the pool out by itself (Check, Open): only an
+	// explicit LayOut does. A share mounted because a volume ID named it is
+	// not trusted to be a pool until its pool.json says so.
+	NoLayout bool `json:"-"`
 }
 
 // Pool is an opened pool directory.
 type Pool struct {
 	Config
-	// initialising is set by Initialise: the operator asked for the layout, so
-	// even a shared pool may be laid out.
-	initialising bool
+	// share is the encoded ShareRef its volume IDs carry ("" for a configured pool).
+	share string
 	// keys and snapKeys cache the sorted volume and snapshot keys, for
 	// listing in pages (list.go).
 	keys, snapKeys keyCache
@@ -70,7 +76,18 @@ func Open(cfg Config) (*Pool, error) {
 	if cfg.Overcommit < 0 {
 		return nil, fmt.Errorf("pool %s: overcommit %v must be positive", cfg.Name, cfg.Overcommit)
 	}
+	if cfg.Share != nil {
+		if err := cfg.Share.Validate(); err != nil {
+			return nil, err
+		}
+		if cfg.Share.PoolName() != cfg.Name {
+			return nil, fmt.Errorf("pool %s: the pool of share %s is named %s", cfg.Name, cfg.Share, cfg.Share.PoolName())
+		}
+	}
 	p := &Pool{Config: cfg}
+	if cfg.Share != nil {
+		p.share = cfg.Share.payload()
+	}
 	if !cfg.Shared {
 		if err := os.MkdirAll(cfg.Path, 0o750); err != nil {
 			return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
@@ -79,7 +96,7 @@ func Open(cfg Config) (*Pool, error) {
 	// A missing or uninitialised shared pool is not fatal: Probe reports it until
 	// it appears.
 	if _, err := os.Stat(cfg.Path); err == nil && p.mountReady() == nil {
-		if err := p.init(); err != nil && !errors.Is(err, ErrUnavailable) {
+		if err := p.init(p.mayInit()); err != nil && !errors.Is(err, ErrUnavailable) {
 			return nil, err
 		}
 	}
@@ -107,31 +124,55 @@ func Initialise(cfg Config) (*Pool, error) {
 	if err != nil {
 		return nil, err
 	}
-	p.initialising = true
-	defer func() { p.initialising = false }()
-	if err := p.init(); err != nil {
+	if err := p.init(true); err != nil {
 		return nil, err
 	}
 	return p, nil
 }
+
+// LayOut lays out the pool if it has no pool.json yet: the driver's explicit
+// step for the pool on a share a StorageClass names, which it mounted itself
+// and checked before (see NoLayout).
+func (p *Pool) LayOut() error { return p.init(true) }
+
+// LaidOut tells whether the pool has its pool.json.
+func (p *Pool) LaidOut() bool {
+	_, err := os.Stat(filepath.Join(p.Path, poolMeta))
+	return err == nil
+}
+
+// MountReady fails when the pool must be a mount point and is not.
+func (p *Pool) MountReady() error { return p.mountReady() }
+
+// IDOf is the ID of the volume with key in this pool (carrying the pool's
+// share, if it is a share's).
+func (p *Pool) IDOf(key string) VolumeID {
+	return VolumeID{Pool: p.Name, Key: key, Share: p.share}
+}
+
+// NewID is the ID of the volume named name in this pool.
+func (p *Pool) NewID(name string) VolumeID { return p.IDOf(KeyForName(name)) }
 
 // mayInit tells whether the driver may lay out this pool by itself. A shared
 // pool that the admin mounts is laid out once, explicitly: an empty directory
 // where the share should be mounted looks exactly like a new pool, and laying it
 // out would put "shared" volumes on this node's own disk, where no other node
 // sees them. A pool the driver mounts itself (mount stanza) is checked mounted
-// first, so it may.
-func (p *Pool) mayInit() bool { return !p.Shared || p.RequireMount || p.initialising }
+// first, so it may, unless NoLayout says only LayOut may.
+func (p *Pool) mayInit() bool { return !p.NoLayout && (!p.Shared || p.RequireMount) }
 
 type poolInfo struct {
 	SchemaVersion int    `json:"schemaVersion"`
 	Name          string `json:"name"`
+	// Share is the share a pool on a share a StorageClass names is on, so
+	// operator tools opening the directory know its volume IDs.
+	Share *ShareRef `json:"share,omitempty"`
 }
 
 // init writes pool.json once and refuses a directory that already belongs to a
 // pool of another name: two names over one directory would double-count capacity
 // and give one volume two IDs.
-func (p *Pool) init() error {
+func (p *Pool) init(may bool) error {
 	metaPath := filepath.Join(p.Path, poolMeta)
 	raw, err := os.ReadFile(metaPath)
 	switch {
@@ -148,14 +189,17 @@ func (p *Pool) init() error {
 		}
 		return nil
 	case errors.Is(err, os.ErrNotExist):
-		if !p.mayInit() {
+		if !may {
+			if p.Share != nil {
+				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.Share, p.Path, poolMeta)
+			}
 			return fmt.Errorf("%w: shared pool %s: %s has no %s — the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s)",
 				ErrUnavailable, p.Name, p.Path, poolMeta, p.Path, p.Name)
 		}
 		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
-		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name})
+		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
 		return writeFileAtomic(metaPath, append(raw, '\n'))
 	default:
 		return fmt.Errorf("pool %s: %w", p.Name, err)
@@ -187,7 +231,7 @@ func (p *Pool) check() error {
 	if _, err := os.Stat(filepath.Join(p.Path, poolMeta)); errors.Is(err, os.ErrNotExist) {
 		// A pool that appeared after start-up (a share mounted late): lay it out
 		// now if the driver may, or say why not.
-		if err := p.init(); err != nil {
+		if err := p.init(p.mayInit()); err != nil {
 			return err
 		}
 	}
@@ -247,7 +291,7 @@ func (p *Pool) List() ([]Entry, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue // temp files and volumes being deleted
 		}
-		if e, ok := p.loadListed(VolumeID{Pool: p.Name, Key: de.Name()}); ok {
+		if e, ok := p.loadListed(p.IDOf(de.Name())); ok {
 			out = append(out, e)
 		}
 	}

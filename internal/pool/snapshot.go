@@ -39,13 +39,37 @@ const (
 )
 
 // SnapshotID is the handle Kubernetes stores in a VolumeSnapshotContent:
-// "<pool>@<key>".
+// "<pool>@<key>", or for a snapshot on a share a StorageClass names
+// "<pool>@<key>.<share>", the share part as in a VolumeID (share.go).
 type SnapshotID struct {
-	Pool string
-	Key  string
+	Pool  string
+	Key   string
+	Share string
 }
 
-func (id SnapshotID) String() string { return id.Pool + SnapshotSep + id.Key }
+func (id SnapshotID) String() string {
+	if id.Share != "" {
+		return id.Pool + SnapshotSep + id.Key + "." + id.Share
+	}
+	return id.Pool + SnapshotSep + id.Key
+}
+
+// ShareRef returns the share an ID names, if it names one.
+func (id SnapshotID) ShareRef() (ShareRef, bool) {
+	if id.Share == "" {
+		return ShareRef{}, false
+	}
+	r, err := parsePayload(id.Share)
+	return r, err == nil
+}
+
+// SnapshotIDOf is the ID of the snapshot with key in this pool.
+func (p *Pool) SnapshotIDOf(key string) SnapshotID {
+	return SnapshotID{Pool: p.Name, Key: key, Share: p.share}
+}
+
+// NewSnapshotID is the ID of the snapshot named name in this pool.
+func (p *Pool) NewSnapshotID(name string) SnapshotID { return p.SnapshotIDOf(KeyForName(name)) }
 
 // NewSnapshotID builds the ID of the snapshot named name in pool poolName. The key
 // is a hash of the name, so a retried CreateSnapshot finds its snapshot.
@@ -54,16 +78,35 @@ func NewSnapshotID(poolName, name string) SnapshotID {
 }
 
 // ParseSnapshotID validates a snapshot ID received over the wire before any path
-// is built from it: only "<pool name>@<32 lowercase hex>" passes.
+// is built from it: only "<pool name>@<32 lowercase hex>" passes, or on a share
+// "s-<16 hex>@<32 hex>.<share>" under the rules of ParseVolumeID.
 func ParseSnapshotID(s string) (SnapshotID, error) {
-	if len(s) > 32+1+32 {
+	if len(s) > MaxVolumeIDLength {
 		return SnapshotID{}, fmt.Errorf("%w: snapshot ID is %d bytes long", ErrInvalidID, len(s))
 	}
-	poolName, key, ok := strings.Cut(s, SnapshotSep)
-	if !ok || ValidatePoolName(poolName) != nil || !keyRE.MatchString(key) {
-		return SnapshotID{}, fmt.Errorf("%w: %q is not a poolcsi snapshot ID (<pool>@<32 hex digits>)", ErrInvalidID, s)
+	bad := func() (SnapshotID, error) {
+		return SnapshotID{}, fmt.Errorf("%w: %q is not a poolcsi snapshot ID (<pool>@<32 hex digits>, or s-<16 hex digits>@<32 hex digits>.<share> for a share)", ErrInvalidID, s)
 	}
-	return SnapshotID{Pool: poolName, Key: key}, nil
+	poolName, rest, ok := strings.Cut(s, SnapshotSep)
+	if !ok || ValidatePoolName(poolName) != nil {
+		return bad()
+	}
+	key, share, hasShare := strings.Cut(rest, ".")
+	if !keyRE.MatchString(key) || IsSharePoolName(poolName) != hasShare {
+		return bad()
+	}
+	id := SnapshotID{Pool: poolName, Key: key}
+	if hasShare {
+		r, err := parsePayload(share)
+		if err != nil {
+			return SnapshotID{}, err
+		}
+		if r.PoolName() != poolName {
+			return SnapshotID{}, fmt.Errorf("%w: snapshot ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, s, r, r.PoolName(), poolName)
+		}
+		id.Share = share
+	}
+	return id, nil
 }
 
 // HostileID tells whether an ID that failed to parse is more than merely unknown:
@@ -190,7 +233,7 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		if e, ok := p.loadListedSnapshot(SnapshotID{Pool: p.Name, Key: de.Name()}); ok {
+		if e, ok := p.loadListedSnapshot(p.SnapshotIDOf(de.Name())); ok {
 			out = append(out, e)
 		}
 	}
@@ -207,7 +250,7 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 	if err := ValidateVolumeName(name); err != nil {
 		return nil, err
 	}
-	id := NewSnapshotID(p.Name, name)
+	id := p.NewSnapshotID(name)
 	if err := p.Check(); err != nil {
 		return nil, err
 	}

@@ -34,6 +34,10 @@ type Spec struct {
 	Source  string   `json:"source"`
 	Options []string `json:"options,omitempty"`
 	Timeout string   `json:"timeout,omitempty"`
+	// Sensitive are options from secrets (a share's): passed to mount(8)
+	// after Options, masked in every log line (mount-utils'
+	// MakeMountArgsSensitive) and scrubbed from every error. Never in a file.
+	Sensitive []string `json:"-"`
 }
 
 // Validate checks the stanza before anything is run.
@@ -47,6 +51,11 @@ func (s Spec) Validate() error {
 	for _, o := range s.Options {
 		if o == "" || strings.ContainsAny(o, ",\x00") {
 			return fmt.Errorf("mount: option %q must be one option without commas", o)
+		}
+	}
+	for i, o := range s.Sensitive {
+		if o == "" || strings.ContainsAny(o, ",\x00") {
+			return fmt.Errorf("mount: secret option %d must be one option without commas", i+1)
 		}
 	}
 	if _, err := s.timeout(); err != nil {
@@ -78,7 +87,25 @@ func (s Spec) timeout() (time.Duration, error) {
 // Args is the mount(8) command line that mounts the stanza at target, built by
 // mount-utils exactly as kubelet builds its own.
 func (s Spec) Args(target string) []string {
-	return mountutils.MakeMountArgs(s.Source, target, s.Type, s.Options)
+	args, _ := s.args(target)
+	return args
+}
+
+// args is Args and the same command line for logs, the secret options masked.
+func (s Spec) args(target string) ([]string, string) {
+	return mountutils.MakeMountArgsSensitive(s.Source, target, s.Type, s.Options, s.Sensitive)
+}
+
+// scrub removes the secret options from text (a mount helper's output may
+// repeat its arguments), whole and by value.
+func (s Spec) scrub(text string) string {
+	for _, o := range s.Sensitive {
+		text = strings.ReplaceAll(text, o, "<masked>")
+		if _, v, ok := strings.Cut(o, "="); ok && len(v) >= 4 {
+			text = strings.ReplaceAll(text, v, "<masked>")
+		}
+	}
+	return text
 }
 
 // Mounter keeps one pool's mount.
@@ -127,7 +154,7 @@ func (m *Mounter) ensure(ctx context.Context) error {
 		return fmt.Errorf("pool %s: create mount point: %w", m.Pool, err)
 	}
 	timeout, _ := m.Spec.timeout()
-	args := m.Spec.Args(m.Path)
+	args, logArgs := m.Spec.args(m.Path)
 	cmd := exec.Command(m.Command, args...)
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -144,7 +171,7 @@ func (m *Mounter) ensure(ctx context.Context) error {
 		done <- err
 	}()
 	log := klog.FromContext(ctx)
-	log.Info("Mounting pool", "pool", m.Pool, "command", m.Command+" "+strings.Join(args, " "), "timeout", timeout)
+	log.Info("Mounting pool", "pool", m.Pool, "command", m.Command+" "+strings.TrimSpace(logArgs), "timeout", timeout)
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	// The waiting goroutine takes m.mu to clear inFlight, so release it while waiting.
@@ -153,7 +180,7 @@ func (m *Mounter) ensure(ctx context.Context) error {
 	select {
 	case err := <-done:
 		if err != nil {
-			return fmt.Errorf("pool %s: mount %s at %s: %w: %s", m.Pool, m.Spec.Source, m.Path, err, strings.TrimSpace(out.String()))
+			return fmt.Errorf("pool %s: mount %s at %s: %w: %s", m.Pool, m.Spec.Source, m.Path, err, m.Spec.scrub(strings.TrimSpace(out.String())))
 		}
 		log.Info("Mounted pool", "pool", m.Pool, "path", m.Path)
 		return nil
@@ -195,4 +222,11 @@ func (m *Mounter) Keep(ctx context.Context, interval time.Duration) {
 			}
 		}
 	}
+}
+
+// setSpec replaces the stanza (a share's options come with each request).
+func (m *Mounter) setSpec(s Spec) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.Spec = s
 }

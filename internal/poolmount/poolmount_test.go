@@ -113,3 +113,22 @@ func TestEnsureTimeout(t *testing.T) {
 		t.Fatalf("Ready = %v, want the timeout", r)
 	}
 }
+
+// TestSensitiveOptions: secret options reach mount(8) but not its log line,
+// nor an error that repeats the helper's output.
+func TestSensitiveOptions(t *testing.T) {
+	s := Spec{Type: "ceph", Source: "mon:/x", Options: []string{"name=csi"}, Sensitive: []string{"secret=AQBsecretkey=="}}
+	args, logged := s.args("/mnt")
+	if strings.Join(args, " ") != "-t ceph -o name=csi,secret=AQBsecretkey== mon:/x /mnt" {
+		t.Fatalf("args %q", args)
+	}
+	if strings.Contains(logged, "AQBsecretkey") || !strings.Contains(logged, "name=csi") {
+		t.Fatalf("logged %q", logged)
+	}
+	if out := s.scrub("mount error: bad option secret=AQBsecretkey== and AQBsecretkey=="); strings.Contains(out, "AQBsecretkey") {
+		t.Fatalf("scrubbed %q", out)
+	}
+	if err := (Spec{Type: "ceph", Source: "x", Sensitive: []string{"a,b"}}).Validate(); err == nil || strings.Contains(err.Error(), "a,b") {
+		t.Fatalf("Validate: %v", err)
+	}
+}

@@ -3,6 +3,7 @@ package e2e
 import (
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strconv"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
 
@@ -216,5 +218,90 @@ func TestSecretsNeverLogged(t *testing.T) {
 	}
 	if strings.Contains(log, secret) {
 		t.Fatal("a secret reached the driver's log")
+	}
+}
+
+// TestShareSecretsNeverLogged: the secret mount options of a share a
+// StorageClass names (the secret's mountOptions) reach the share's mount but
+// no log line at -v 5, no error and no file: CreateVolume, publish, stage,
+// delete with them, and a refused secret option.
+func TestShareSecretsNeverLogged(t *testing.T) {
+	testutil.RequireRoot(t)
+	// A short directory: a share's type and source travel in its volume IDs.
+	root, err := os.MkdirTemp("", "pcsi-e2e-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if mi, _ := os.ReadFile("/proc/self/mountinfo"); !strings.Contains(string(mi), root) {
+			os.RemoveAll(root)
+		}
+	})
+	harness.CheckNoLeaks(t, root)
+	export, shares := filepath.Join(root, "export"), filepath.Join(root, "shares")
+	if err := os.Mkdir(export, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // after the driver stops: it never unmounts a share with a pool
+		mounts, _ := filepath.Glob(filepath.Join(shares, "s-*"))
+		for _, m := range mounts {
+			if out, err := exec.Command("umount", m).CombinedOutput(); err != nil && !strings.Contains(string(out), "not mounted") {
+				t.Errorf("umount %s: %v %s", m, err, out)
+			}
+		}
+	})
+	e := newEnvArgs(t, []string{"--share-dir", shares, "--share-types", "bind"})
+	ctx := ctx(t)
+	const secret = "s3cr3t-share-do-not-log"
+	secrets := map[string]string{"mountOptions": "poolcsi_test_key=" + secret, "password": secret}
+	vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	resp, err := e.drv.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: "pvc-share-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
+		Parameters:         map[string]string{"shareType": "bind", "shareSource": export},
+		VolumeCapabilities: []*csi.VolumeCapability{vc}, Secrets: secrets,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := resp.GetVolume()
+	staging := filepath.Join(e.root, "staging")
+	if _, err := e.drv.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
+		VolumeId: v.GetVolumeId(), NodeId: "node-1", VolumeCapability: vc, VolumeContext: v.GetVolumeContext(), Secrets: secrets,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.drv.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{
+		VolumeId: v.GetVolumeId(), StagingTargetPath: staging, VolumeCapability: vc, VolumeContext: v.GetVolumeContext(), Secrets: secrets,
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// A secret option that is refused: the error and the log name it by
+	// position only.
+	bad := map[string]string{"mountOptions": "ok,bad " + secret}
+	_, err = e.drv.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId(), Secrets: bad})
+	if status.Code(err) != codes.InvalidArgument || strings.Contains(err.Error(), secret) {
+		t.Fatalf("a refused secret option: %v", err)
+	}
+	if _, err := e.drv.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.drv.Controller().ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "node-1", Secrets: secrets}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.drv.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId(), Secrets: secrets}); err != nil {
+		t.Fatal(err)
+	}
+	log := e.drv.Log()
+	if !strings.Contains(log, "<masked>") {
+		t.Fatal("the share's mount was not logged with its secret option masked; the check below would prove less")
+	}
+	if strings.Contains(log, secret) {
+		t.Fatal("a secret reached the driver's log")
+	}
+	recs, _ := filepath.Glob(filepath.Join(shares, "*"))
+	for _, r := range recs {
+		if raw, err := os.ReadFile(r); err == nil && strings.Contains(string(raw), secret) {
+			t.Fatalf("%s holds a secret", r)
+		}
 	}
 }

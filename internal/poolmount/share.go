@@ -1,0 +1,303 @@
+package poolmount
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// DefaultShareDir is where the driver mounts the shares StorageClasses name,
+// one directory per share, named after the share's pool.
+const DefaultShareDir = "/var/lib/poolcsi/shares"
+
+// BindType is the share type of a bind mount of a directory of the node
+// (mount -o bind SOURCE): for tests and for a filesystem the node mounts by
+// other means. It is not in the default allow-list.
+const BindType = "bind"
+
+// Share is what mounting one share takes: the share, and the options of the
+// request that needs it.
+type Share struct {
+	Ref pool.ShareRef
+	// Options come from the StorageClass (parameters, mountOptions); they
+	// are recorded next to the mount point, so a later call that brings only
+	// a volume ID mounts the share again the same way.
+	Options []string
+	// Sensitive come from the request's secrets: masked in logs, never
+	// recorded.
+	Sensitive []string
+}
+
+// record is <dir>/<pool>.json: which share the mount point <dir>/<pool> is
+// for, and its non-secret options. It is on the node's own disk, never on the
+// share, and lets a restarted driver find the shares it mounted.
+type record struct {
+	Type    string   `json:"type"`
+	Source  string   `json:"source"`
+	Options []string `json:"options,omitempty"`
+}
+
+// Shares mounts shares under Dir on demand and never unmounts one that holds a
+// pool: volumes staged from it may be in use, by this process or another
+// (the controller and the node plugin of one machine share Dir).
+type Shares struct {
+	Dir     string
+	Timeout time.Duration
+	// Command is the mount program; tests replace it.
+	Command string
+
+	mu       sync.Mutex
+	mounters map[string]*Mounter
+}
+
+// NewShares returns a share mounter over dir.
+func NewShares(dir string, timeout time.Duration) (*Shares, error) {
+	if !filepath.IsAbs(dir) || filepath.Clean(dir) != dir || dir == "/" {
+		return nil, fmt.Errorf("share directory %q must be a clean absolute path other than /", dir)
+	}
+	if timeout <= 0 {
+		timeout = DefaultTimeout
+	}
+	return &Shares{Dir: dir, Timeout: timeout, Command: "mount", mounters: map[string]*Mounter{}}, nil
+}
+
+// Path is the mount point of a share.
+func (s *Shares) Path(r pool.ShareRef) string { return filepath.Join(s.Dir, r.PoolName()) }
+
+// RequireMount is true: a share's pool is used only where the share is mounted.
+func (s *Shares) RequireMount() bool { return true }
+
+// spec is the mount stanza of a share.
+func (s *Shares) spec(sh Share) Spec {
+	spec := Spec{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options, Sensitive: sh.Sensitive, Timeout: s.Timeout.String()}
+	if sh.Ref.Type == BindType {
+		spec.Type = ""
+		spec.Options = append([]string{"bind"}, sh.Options...)
+	}
+	return spec
+}
+
+// Ensure mounts the share at its mount point unless it is mounted there
+// already, and checks that what is mounted there is the share. mountedNow
+// tells whether this call mounted it. Concurrent calls for one share, in this
+// process or in another sharing Dir, make one mount: they hold the share's
+// lock file while they look and mount.
+func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow bool, err error) {
+	if err := sh.Ref.Validate(); err != nil {
+		return "", false, err
+	}
+	name := sh.Ref.PoolName()
+	path = s.Path(sh.Ref)
+	if err := os.MkdirAll(s.Dir, 0o750); err != nil {
+		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
+	}
+	unlock, err := lockFile(ctx, filepath.Join(s.Dir, name+".lock"))
+	if err != nil {
+		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
+	}
+	defer unlock()
+	if mounted, err := mountinfo.Mounted(path); err == nil && mounted {
+		return path, false, Verify(sh.Ref, path)
+	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return "", false, fmt.Errorf("share %s: inspect %s: %w", sh.Ref, path, err)
+	}
+	recPath := filepath.Join(s.Dir, name+".json")
+	if len(sh.Options) == 0 {
+		// A call that brings no options (only an ID): mount as before.
+		if rec, err := readRecord(recPath); err == nil && rec.Type == sh.Ref.Type && rec.Source == sh.Ref.Source {
+			sh.Options = rec.Options
+		}
+	}
+	spec := s.spec(sh)
+	if err := spec.Validate(); err != nil {
+		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
+	}
+	raw, _ := json.Marshal(record{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options})
+	if err := writeAtomic(recPath, append(raw, '\n')); err != nil {
+		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
+	}
+	m := s.mounter(name, path)
+	m.setSpec(spec)
+	if err := m.Ensure(ctx); err != nil {
+		return "", false, err
+	}
+	if err := Verify(sh.Ref, path); err != nil {
+		return "", true, err
+	}
+	return path, true, nil
+}
+
+func (s *Shares) mounter(name, path string) *Mounter {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	m, ok := s.mounters[name]
+	if !ok {
+		m = &Mounter{Pool: name, Path: path, Command: s.Command}
+		s.mounters[name] = m
+	}
+	return m
+}
+
+// Release unmounts a share this driver mounted and found to hold no pool of
+// its name (a volume ID named a share that is not one of ours), and forgets
+// it. Nothing of a pool is ever there, so nothing is in use.
+func (s *Shares) Release(ctx context.Context, r pool.ShareRef) error {
+	path := s.Path(r)
+	unlock, err := lockFile(ctx, filepath.Join(s.Dir, r.PoolName()+".lock"))
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if mounted, err := mountinfo.Mounted(path); err == nil && mounted {
+		if err := unix.Unmount(path, 0); err != nil {
+			return fmt.Errorf("unmount share %s at %s: %w", r, path, err)
+		}
+	}
+	_ = os.Remove(filepath.Join(s.Dir, r.PoolName()+".json"))
+	_ = os.Remove(path)
+	klog.FromContext(ctx).Info("Unmounted a share that holds no pool of its name", "share", r.String(), "path", path)
+	return nil
+}
+
+// Known returns the shares mounted under Dir (by this process before a
+// restart, or by another process sharing Dir) that are what their records
+// say, with their mount points.
+func (s *Shares) Known() (map[pool.ShareRef]string, error) {
+	out := map[pool.ShareRef]string{}
+	recs, err := filepath.Glob(filepath.Join(s.Dir, "s-*.json"))
+	if err != nil {
+		return nil, err
+	}
+	for _, rp := range recs {
+		name := strings.TrimSuffix(filepath.Base(rp), ".json")
+		rec, err := readRecord(rp)
+		if err != nil {
+			klog.ErrorS(err, "Unreadable share record; ignored", "path", rp)
+			continue
+		}
+		r := pool.ShareRef{Type: rec.Type, Source: rec.Source}
+		if r.Validate() != nil || r.PoolName() != name {
+			klog.InfoS("Share record does not name its share; ignored", "path", rp)
+			continue
+		}
+		path := s.Path(r)
+		if mounted, err := mountinfo.Mounted(path); err != nil || !mounted {
+			continue // mounted again when a call needs it
+		}
+		if err := Verify(r, path); err != nil {
+			klog.ErrorS(err, "Share mount point holds something else; not used", "share", r.String())
+			continue
+		}
+		out[r] = path
+	}
+	return out, nil
+}
+
+// Verify checks that the filesystem mounted at path is the share: for a bind
+// mount, the same directory as the source; for NFS, an nfs or nfs4 mount of
+// that source; for CephFS, a ceph mount (the kernel shows the monitors its own
+// way) or a ceph-fuse one; for any other type, a mount of that type. The
+// mount point is one the driver made and mounted itself, so this guards
+// against a mount point taken over by something else, not against the server.
+func Verify(r pool.ShareRef, path string) error {
+	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	if err != nil {
+		return fmt.Errorf("share %s: read mount table: %w", r, err)
+	}
+	if len(ms) == 0 {
+		return fmt.Errorf("share %s: %s is not mounted", r, path)
+	}
+	m := ms[len(ms)-1] // the top mount is what a path lookup finds
+	wrong := func(want string) error {
+		return fmt.Errorf("share %s: %s holds %s %s, not %s", r, path, m.FSType, m.Source, want)
+	}
+	switch r.Type {
+	case BindType:
+		var a, b unix.Stat_t
+		if err := unix.Stat(path, &a); err != nil {
+			return fmt.Errorf("share %s: %w", r, err)
+		}
+		if err := unix.Stat(r.Source, &b); err != nil {
+			return fmt.Errorf("share %s: %w", r, err)
+		}
+		if a.Dev != b.Dev || a.Ino != b.Ino {
+			return wrong("a bind mount of " + r.Source)
+		}
+	case "nfs", "nfs4":
+		if m.FSType != "nfs" && m.FSType != "nfs4" {
+			return wrong("an NFS mount")
+		}
+		if strings.TrimSuffix(m.Source, "/") != strings.TrimSuffix(r.Source, "/") {
+			return wrong(r.Source)
+		}
+	case "fuse.ceph":
+		if m.FSType != "fuse.ceph-fuse" {
+			return wrong("a ceph-fuse mount")
+		}
+	default:
+		if m.FSType != r.Type {
+			return wrong("a " + r.Type + " mount")
+		}
+	}
+	return nil
+}
+
+func readRecord(path string) (record, error) {
+	var rec record
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return rec, err
+	}
+	if len(raw) > 64<<10 {
+		return rec, fmt.Errorf("%s is too large", path)
+	}
+	if err := json.Unmarshal(raw, &rec); err != nil {
+		return rec, fmt.Errorf("%s: %w", path, err)
+	}
+	return rec, nil
+}
+
+func writeAtomic(path string, data []byte) error {
+	tmp := path + ".tmp"
+	if err := os.WriteFile(tmp, data, 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, path)
+}
+
+// lockFile takes an exclusive flock on path, waiting until ctx ends.
+func lockFile(ctx context.Context, path string) (func(), error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, err
+	}
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		if err == nil {
+			return func() { _ = f.Close() }, nil
+		}
+		if !errors.Is(err, unix.EWOULDBLOCK) {
+			_ = f.Close()
+			return nil, fmt.Errorf("lock %s: %w", path, err)
+		}
+		select {
+		case <-ctx.Done():
+			_ = f.Close()
+			return nil, fmt.Errorf("lock %s: another mount of this share is under way: %w", path, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
