@@ -104,6 +104,8 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletE
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 
+	sharedBindMount(t, sharesDir)
+
 	// Last resort, after the node is gone and before the pools are unmounted: a loop device
 	// the test run left (a failure before the claims were deleted) keeps a pool busy.
 	t.Cleanup(func() {
@@ -202,6 +204,39 @@ func mountPoolFS(t testing.TB, path, fsType string, size int64) {
 			_ = os.Remove(path)
 			_ = os.Remove(filepath.Dir(path)) // /var/lib/poolcsi/pools, if empty
 			_ = os.Remove(filepath.Dir(filepath.Dir(path)))
+		}
+	})
+}
+
+// sharesDir is the chart's shares.hostDir, where the shared driver's node plugin mounts the
+// shares StorageClasses name.
+const sharesDir = "/var/lib/poolcsi/shares"
+
+// sharedBindMount makes path a mount point of its own with shared propagation: the chart
+// mounts it into the node plugin with Bidirectional propagation, which containerd refuses
+// below a private mount, and this machine's / is private (systemd makes it shared).
+func sharedBindMount(t testing.TB, path string) {
+	t.Helper()
+	created := false
+	if _, err := os.Stat(path); os.IsNotExist(err) {
+		created = true
+	}
+	if err := os.MkdirAll(path, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"--bind", path, path}, {"--make-shared", path}} {
+		if out, err := exec.Command("mount", args...).CombinedOutput(); err != nil {
+			t.Fatalf("mount %v: %v\n%s", args, err, out)
+		}
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", "-R", path).CombinedOutput(); err != nil {
+			t.Errorf("umount -R %s: %v %s", path, err, out)
+			_ = exec.Command("umount", "-R", "-l", path).Run()
+		}
+		if created {
+			_ = os.Remove(path)
+			_ = os.Remove(filepath.Dir(path)) // /var/lib/poolcsi, if empty
 		}
 	})
 }
