@@ -89,6 +89,11 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletE
 		sidecars[key] = map[string]any{"image": ref}
 	}
 	overrides["sidecars"] = sidecars
+	// bind is the one share type this machine can mount (no NFS or CephFS kernel client):
+	// the share test names a directory of the shared pool's filesystem, which both the
+	// controller and the node plugin see.
+	overrides["shares"] = map[string]any{"enabled": true, "hostDir": sharesDir,
+		"types": []any{"bind", "nfs", "nfs4", "ceph", "fuse.ceph"}}
 
 	// Pools: xfs for the local one, btrfs for the shared one (dir volumes get btrfs quota
 	// groups); the shared pool is laid out once with `poolcsi pool init`, as docs/pools.md
@@ -207,6 +212,9 @@ func mountPoolFS(t testing.TB, path, fsType string, size int64) {
 		}
 	})
 }
+
+// shareSource is the share the share-bind StorageClass names.
+const shareSource = sharedPoolPath + "/share-src"
 
 // sharesDir is the chart's shares.hostDir, where the shared driver's node plugin mounts the
 // shares StorageClasses name.
@@ -398,6 +406,8 @@ func (e *kubeletEnv) storageClasses(t testing.TB) {
 			Parameters: map[string]string{"pool": "local", "layout": "image", "csi.storage.k8s.io/fstype": "ext4"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "shared-dir"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
 			Parameters: map[string]string{"pool": "shared", "layout": "dir"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "share-bind"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
+			Parameters: map[string]string{"shareType": "bind", "shareSource": shareSource, "layout": "dir"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "shared-xfs"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
 			Parameters: map[string]string{"pool": "shared", "layout": "image", "csi.storage.k8s.io/fstype": "xfs"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "shared-ext4"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
@@ -972,6 +982,30 @@ func kubeletMore(t *testing.T, env *kubeletEnv) {
 		env.waitMetric(t, "kubelet_volume_stats_health_status_abnormal", ns, "c", 90*time.Second, func(v float64) bool { return v == 0 })
 	})
 
+	t.Run("StorageClass naming a share", func(t *testing.T) {
+		// No pool is configured for shareSource: the controller mounts it, lays out a pool
+		// there at the first CreateVolume, and the node plugin mounts it on demand at
+		// NodeStageVolume, under the chart's shares.hostDir.
+		if err := os.MkdirAll(shareSource, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		ns := env.namespace(t, "share")
+		env.claim(t, ns, claimSpec{name: "c", class: "share-bind", size: "100Mi", rwx: true})
+		env.pod(t, ns, podSpec{name: "w", claims: []string{"c"}})
+		want := strings.TrimSpace(env.mustExec(t, ns, "w", writeBlob))
+		if _, err := os.Stat(filepath.Join(shareSource, "pool.json")); err != nil {
+			t.Fatalf("the driver laid out no pool on the share: %v", err)
+		}
+		if len(mountsUnder(sharesDir)) < 2 { // sharesDir itself, and the share below it
+			t.Errorf("the node plugin's mount of the share is not under %s on the host", sharesDir)
+		}
+		env.deletePod(t, ns, "w")
+		env.pod(t, ns, podSpec{name: "r", claims: []string{"c"}})
+		if got := sum(t, env, ns, "r", "/data/blob"); got != want {
+			t.Fatalf("data on the share: wrote %s, read %s", want, got)
+		}
+	})
+
 	t.Run("every claim deleted leaves nothing behind", func(t *testing.T) {
 		env.deleteAll(t)
 		for _, m := range mountsUnder(KubeletDir) {
@@ -982,7 +1016,7 @@ func kubeletMore(t *testing.T, env *kubeletEnv) {
 		for _, line := range ourLoops() {
 			t.Errorf("a loop device is left: %s", line)
 		}
-		for _, p := range []string{localPoolPath, sharedPoolPath} {
+		for _, p := range []string{localPoolPath, sharedPoolPath, shareSource} {
 			entries, _ := os.ReadDir(filepath.Join(p, "volumes"))
 			for _, e := range entries {
 				t.Errorf("pool %s still holds volume %s", p, e.Name())
