@@ -217,6 +217,9 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 			return grpcError(fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err))
 		}
 	}
+	if err := p.SyncImage(vid); err != nil {
+		return grpcError(err)
+	}
 	if err := p.MarkReady(v); err != nil {
 		return grpcError(err)
 	}

@@ -156,7 +156,7 @@ func (p *Pool) init() error {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name})
-		return writeFileAtomic(metaPath, append(raw, '\n'))
+		return writeFileAtomic(metaPath, append(raw, '\n'), true)
 	default:
 		return fmt.Errorf("pool %s: %w", p.Name, err)
 	}
