@@ -237,9 +237,13 @@ func (m *Mounter) bind(source, target string, readOnly bool, options []string) e
 		// statfs reports the flag of the mount just made: the kernel's
 		// answer, without reading the whole mount table.
 		ro, err := readOnlyMount(target)
-		if err != nil || !ro {
+		if err != nil {
 			_ = sysUnmount(target)
-			return fmt.Errorf("bind %s on %s: mount is not read-only (%v)", source, target, err)
+			return fmt.Errorf("bind %s on %s: verify read-only: %w", source, target, err)
+		}
+		if !ro {
+			_ = sysUnmount(target)
+			return fmt.Errorf("bind %s on %s: mount is not read-only", source, target)
 		}
 	}
 	klog.V(2).InfoS("Bind-mounted", "source", source, "target", target, "readOnly", readOnly)
