@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"sync/atomic"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -51,6 +52,9 @@ type Pool struct {
 	// meta caches parsed volume.json files for capacity accounting, by key
 	// (loadForUsage).
 	meta sync.Map
+	// indexed is set once the per-node publish index is known to exist
+	// (EnsurePublishIndex).
+	indexed atomic.Bool
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
