@@ -474,9 +474,14 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	if err != nil {
 		return nil, err
 	}
-	resp := &csi.ListVolumesResponse{NextToken: next}
+	resp := &csi.ListVolumesResponse{NextToken: next, Entries: make([]*csi.ListVolumesResponse_Entry, 0, len(vols))}
 	spaces := map[*pool.Pool]health.PoolSpace{} // one statfs per pool of the page
-	for _, l := range vols {
+	var contexts contextInterner
+	for i, l := range vols {
+		// Each volume's record is let go once its entry is built: an unpaged
+		// listing of 10,000 volumes would otherwise hold every record and
+		// every entry at once (issue 14's memory budget).
+		vols[i] = listed{}
 		space, ok := spaces[l.pool]
 		if !ok {
 			space = health.StatPool(l.pool)
@@ -492,9 +497,47 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 			continue
 		}
 		st.PublishedNodeIds = l.entry.Volume.PublishedNodes()
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: d.csiVolume(l.pool, l.entry.Volume), Status: st})
+		v := d.csiVolume(l.pool, l.entry.Volume)
+		v.VolumeContext = contexts.intern(v.VolumeContext)
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: v, Status: st})
 	}
 	return resp, nil
+}
+
+// contextInterner hands out one map for each distinct volume context of a
+// listing: the volumes of a pool and layout mostly have the same few keys,
+// and a small map is about half of what a listed entry holds, so 10,000
+// entries share a handful of maps instead of holding 10,000 (issue 14's
+// memory budget). The response only reads them, while it is marshalled.
+type contextInterner struct {
+	seen map[string]map[string]string
+	key  strings.Builder
+}
+
+func (c *contextInterner) intern(m map[string]string) map[string]string {
+	if len(m) > 4 {
+		return m // not worth a key; never the case today
+	}
+	keys := make([]string, 0, 4)
+	for k := range m {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	c.key.Reset()
+	for _, k := range keys {
+		c.key.WriteString(k)
+		c.key.WriteByte(0)
+		c.key.WriteString(m[k])
+		c.key.WriteByte(0)
+	}
+	if shared, ok := c.seen[c.key.String()]; ok {
+		return shared
+	}
+	if c.seen == nil {
+		c.seen = map[string]map[string]string{}
+	}
+	c.seen[c.key.String()] = m
+	return m
 }
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
