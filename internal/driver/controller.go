@@ -511,32 +511,32 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 // memory budget). The response only reads them, while it is marshalled.
 type contextInterner struct {
 	seen map[string]map[string]string
-	key  strings.Builder
+	key  []byte
 }
 
 func (c *contextInterner) intern(m map[string]string) map[string]string {
-	if len(m) > 4 {
+	var keys [4]string
+	if len(m) > len(keys) {
 		return m // not worth a key; never the case today
 	}
-	keys := make([]string, 0, 4)
+	n := 0
 	for k := range m {
-		keys = append(keys, k)
+		keys[n] = k
+		n++
 	}
-	slices.Sort(keys)
-	c.key.Reset()
-	for _, k := range keys {
-		c.key.WriteString(k)
-		c.key.WriteByte(0)
-		c.key.WriteString(m[k])
-		c.key.WriteByte(0)
+	slices.Sort(keys[:n])
+	c.key = c.key[:0]
+	for _, k := range keys[:n] {
+		c.key = append(append(append(append(c.key, k...), 0), m[k]...), 0)
 	}
-	if shared, ok := c.seen[c.key.String()]; ok {
+	// Looked up without allocating; a key is only copied when first seen.
+	if shared, ok := c.seen[string(c.key)]; ok {
 		return shared
 	}
 	if c.seen == nil {
 		c.seen = map[string]map[string]string{}
 	}
-	c.seen[c.key.String()] = m
+	c.seen[string(c.key)] = m
 	return m
 }
 
