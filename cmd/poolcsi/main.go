@@ -132,6 +132,7 @@ func serve(ctx context.Context, args []string) error {
 	shareDir := fs.String("share-dir", poolmount.DefaultShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
 	shareTypes := fs.String("share-types", strings.Join(driver.DefaultShareTypes, ","), "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
 	shareTimeout := fs.Duration("share-mount-timeout", poolmount.DefaultTimeout, "how long one mount of a share may take before it is killed")
+	memLimit := fs.Int64("memory-limit-mib", defaultMemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
 	if err := fs.Parse(args); err != nil {
@@ -143,6 +144,7 @@ func serve(ctx context.Context, args []string) error {
 	if fs.NArg() > 0 {
 		return fmt.Errorf("serve: unexpected arguments %s", strings.Join(fs.Args(), " "))
 	}
+	setMemoryLimit(*memLimit)
 	m, err := driver.ParseMode(*mode)
 	if err != nil {
 		return err
@@ -266,4 +268,25 @@ func runDemo(ctx context.Context, args []string) error {
 		klog.SetLogger(logr.Discard())
 	}
 	return demo.Run(ctx, demo.Config{Out: os.Stdout, TempDir: *tempDir, Version: buildVersion()})
+}
+
+// defaultMemoryLimitMiB is the soft memory limit of `serve`. The driver's live
+// heap is a few MiB; what grows it is a burst, an unpaged ListVolumes of a
+// large pool, during which GOGC=100 lets the heap reach twice what the burst
+// holds, and the runtime keeps those pages until a later GC. The driver runs on
+// every node (a DaemonSet), so its footprint counts: with the limit the GC
+// collects earlier in such a burst, which costs CPU only then. The limit is
+// soft: a heap that needs more gets it (the runtime never fails an allocation
+// for it, and caps GC work at about half the CPU), so it cannot cause an
+// out-of-memory kill; the container's own limit (deploy/) is far above it.
+// Issue 14 measures it: docs/performance.md.
+const defaultMemoryLimitMiB = 20
+
+// setMemoryLimit applies --memory-limit-mib unless GOMEMLIMIT is set, which
+// the runtime has already applied and which an operator set on purpose.
+func setMemoryLimit(mib int64) {
+	if os.Getenv("GOMEMLIMIT") != "" || mib <= 0 {
+		return
+	}
+	debug.SetMemoryLimit(mib << 20)
 }

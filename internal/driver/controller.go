@@ -248,6 +248,9 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 			return grpcError(fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err))
 		}
 	}
+	if err := p.SyncImage(vid); err != nil {
+		return grpcError(err)
+	}
 	if err := p.MarkReady(v); err != nil {
 		return grpcError(err)
 	}
@@ -523,9 +526,14 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 	if err != nil {
 		return nil, err
 	}
-	resp := &csi.ListVolumesResponse{NextToken: next}
+	resp := &csi.ListVolumesResponse{NextToken: next, Entries: make([]*csi.ListVolumesResponse_Entry, 0, len(vols))}
 	spaces := map[*pool.Pool]health.PoolSpace{} // one statfs per pool of the page
-	for _, l := range vols {
+	var contexts contextInterner
+	for i, l := range vols {
+		// Each volume's record is let go once its entry is built: an unpaged
+		// listing of 10,000 volumes would otherwise hold every record and
+		// every entry at once (issue 14's memory budget).
+		vols[i] = listed{}
 		space, ok := spaces[l.pool]
 		if !ok {
 			space = health.StatPool(l.pool)
@@ -541,9 +549,47 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 			continue
 		}
 		st.PublishedNodeIds = l.entry.Volume.PublishedNodes()
-		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: d.csiVolume(l.pool, l.entry.Volume), Status: st})
+		v := d.csiVolume(l.pool, l.entry.Volume)
+		v.VolumeContext = contexts.intern(v.VolumeContext)
+		resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: v, Status: st})
 	}
 	return resp, nil
+}
+
+// contextInterner hands out one map for each distinct volume context of a
+// listing: the volumes of a pool and layout mostly have the same few keys,
+// and a small map is about half of what a listed entry holds, so 10,000
+// entries share a handful of maps instead of holding 10,000 (issue 14's
+// memory budget). The response only reads them, while it is marshalled.
+type contextInterner struct {
+	seen map[string]map[string]string
+	key  []byte
+}
+
+func (c *contextInterner) intern(m map[string]string) map[string]string {
+	var keys [4]string
+	if len(m) > len(keys) {
+		return m // not worth a key; never the case today
+	}
+	n := 0
+	for k := range m {
+		keys[n] = k
+		n++
+	}
+	slices.Sort(keys[:n])
+	c.key = c.key[:0]
+	for _, k := range keys[:n] {
+		c.key = append(append(append(append(c.key, k...), 0), m[k]...), 0)
+	}
+	// Looked up without allocating; a key is only copied when first seen.
+	if shared, ok := c.seen[string(c.key)]; ok {
+		return shared
+	}
+	if c.seen == nil {
+		c.seen = map[string]map[string]string{}
+	}
+	c.seen[string(c.key)] = m
+	return m
 }
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -84,6 +85,41 @@ func BenchmarkGetCapacity10k(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		if _, err := td.GetCapacity(context.Background(), &csi.GetCapacityRequest{}); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// BenchmarkControllerPublish10k is ControllerPublishVolume and
+// ControllerUnpublishVolume of one volume, to a node with an attach limit that
+// already holds 10 volumes, in a pool of 10,000: the limit's count reads the
+// node's publish index, not every volume.json.
+//
+//	go test ./internal/driver -run '^$' -bench ControllerPublish10k -benchtime 200x
+func BenchmarkControllerPublish10k(b *testing.B) {
+	td := newTestDriver(b, testOpts{maxVols: 100})
+	fixture(b, td, 10000)
+	ctx := context.Background()
+	vc := blockCap(rwo)
+	publish := func(i int) string {
+		vid := pool.NewVolumeID("local", fmt.Sprintf("pvc-%06d", i))
+		// The fixture writes no lock files; publish takes the volume's.
+		if err := os.WriteFile(filepath.Join(td.pool.Dir(vid), "lock"), nil, 0o600); err != nil {
+			b.Fatal(err)
+		}
+		id := vid.String()
+		if _, err := td.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1", VolumeCapability: vc}); err != nil {
+			b.Fatal(err)
+		}
+		return id
+	}
+	for i := range 10 {
+		publish(i)
+	}
+	b.ResetTimer()
+	for b.Loop() {
+		id := publish(10)
+		if _, err := td.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-1"}); err != nil {
 			b.Fatal(err)
 		}
 	}

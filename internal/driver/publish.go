@@ -115,7 +115,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if err := d.layoutOf(v.Layout).fence(v, node, readOnly); err != nil {
 			return false, err
 		}
-		if err := d.checkAttachLimit(p, node); err != nil {
+		if err := d.reserveAttachSlot(ctx, p, vid, node); err != nil {
 			return false, err
 		}
 		v.SetPublished(node, readOnly, time.Now())
@@ -178,7 +178,16 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	if err != nil && status.Code(err) != codes.NotFound {
 		return nil, err
 	}
-	if len(cleared) > 0 {
+	if status.Code(err) == codes.NotFound && node != "" {
+		cleared = append(cleared, node) // a marker the volume's deletion left, if any
+	}
+	// The index entries go after the records they stand for (attach.go).
+	for _, n := range cleared {
+		if err := p.UnmarkPublished(n, vid); err != nil {
+			klog.FromContext(ctx).Error(err, "Removing a publish index entry; the next count at the node's limit removes it", "volume", vid, "node", n)
+		}
+	}
+	if len(cleared) > 0 && err == nil {
 		klog.FromContext(ctx).Info("Unpublished volume from node", "volume", vid, "nodes", strings.Join(cleared, ","))
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
@@ -192,33 +201,63 @@ func publishedError(v *pool.Volume) error {
 	return status.Errorf(codes.FailedPrecondition, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
 }
 
-// checkAttachLimit refuses to publish one volume more to a node that already holds
-// as many as its --max-volumes-per-node. The scheduler enforces the same limit
-// from CSINode; this catches whatever reaches the controller regardless. It counts
-// by listing every pool, which is proportional to the number of volumes and runs
-// only on a new publish.
-func (d *Driver) checkAttachLimit(p *pool.Pool, node string) error {
+// reserveAttachSlot enters volume vid in node's publish index of its pool
+// before ControllerPublishVolume saves the publish record, and refuses when
+// node already holds its --max-volumes-per-node. The scheduler enforces the
+// same limit from CSINode; this catches whatever reaches the controller
+// regardless. The count reads the node's index in every pool (internal/pool
+// attach.go), which costs what the node holds, not what the pools hold, and
+// it and the new entry are made under the node's lock file in every pool
+// (taken in pool-name order), so two calls, or two controllers sharing the
+// pools, publishing different volumes to one node cannot both take its last
+// slot. The caller holds vid's volume lock file until the record is saved,
+// which is what keeps the entry from being taken for a stale one meanwhile.
+func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, node string) error {
 	rec, ok, err := p.Node(node)
-	if err != nil || !ok || rec.MaxVolumes <= 0 {
+	if err != nil {
 		return grpcError(err)
 	}
-	var held int64
+	if !ok || rec.MaxVolumes <= 0 {
+		// No limit to hold: the entry only keeps the index whole, for a limit
+		// set later.
+		return grpcError(p.MarkPublished(node, vid))
+	}
 	for _, pn := range d.names() {
-		entries, err := d.pool(pn).List()
+		q := d.pool(pn)
+		if err := q.Check(); err != nil {
+			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
+		}
+		if err := q.EnsurePublishIndex(); err != nil {
+			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
+		}
+		unlock, err := q.LockNode(ctx, node)
 		if err != nil {
 			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
 		}
-		for _, e := range entries {
-			if e.Volume == nil {
-				continue
+		defer unlock()
+	}
+	count := func(verify bool) (int64, error) {
+		var held int64
+		for _, pn := range d.names() {
+			n, err := d.pool(pn).CountPublished(node, vid, verify)
+			if err != nil {
+				return 0, fmt.Errorf("count volumes published to node %s: %w", node, err)
 			}
-			if _, published := e.Volume.PublishedTo(node); published {
-				held++
-			}
+			held += n
 		}
+		return held, nil
+	}
+	held, err := count(false)
+	if err == nil && held >= rec.MaxVolumes {
+		// About to refuse: make sure no entry is one a crash or a failed
+		// publish left behind.
+		held, err = count(true)
+	}
+	if err != nil {
+		return grpcError(err)
 	}
 	if held >= rec.MaxVolumes {
 		return status.Errorf(codes.ResourceExhausted, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
 	}
-	return nil
+	return grpcError(p.MarkPublished(node, vid))
 }

@@ -92,10 +92,17 @@ func Format(ctx context.Context, target, fsType string) error {
 	return nil
 }
 
-// DiskFormat returns the filesystem type blkid finds on target, "" if none.
-// Partition tables and unrecognised mixtures come back non-empty too, so a
-// caller that formats only on "" cannot destroy them.
+// DiskFormat returns the filesystem type on target, "" if none. Partition
+// tables and unrecognised mixtures come back non-empty too, so a caller that
+// formats only on "" cannot destroy them. The in-process probe answers the
+// cases it can prove (a checksummed ext4, xfs or btrfs superblock; a file
+// holding no data at all); everything else is blkid's to answer (probe.go).
 func DiskFormat(ctx context.Context, target string) (string, error) {
+	if t, sure, err := probeFormat(target); err == nil && sure {
+		return t, nil
+	} else if err != nil {
+		klog.V(4).InfoS("In-process format probe failed; asking blkid", "target", target, "err", err)
+	}
 	sfm := &mountutils.SafeFormatAndMount{Exec: ctxExec{ctx: ctx, Interface: utilexec.New()}}
 	t, err := sfm.GetDiskFormat(target)
 	if err != nil {

@@ -24,19 +24,16 @@ var ErrMountConflict = errors.New("target already mounted differently")
 // (a retried publish on an old kernel/mounter); more means something loops.
 const maxStackedUnmounts = 16
 
-// Mounter mounts, bind-mounts and grows filesystems. It holds no state of its
-// own beyond the mount-utils mounter, so one value serves all volumes.
-type Mounter struct {
-	mounter mountutils.Interface
-}
+// Mounter mounts, bind-mounts and grows filesystems. It holds no state, so
+// one value serves all volumes.
+type Mounter struct{}
 
-// NewMounter uses the system mount(8)/umount(8) through mount-utils, which
-// also turns a read-only bind into bind + remount,ro. Mounts are not wrapped in
-// systemd-run scopes: the driver runs in a container where systemd is not
-// reachable, and its filesystems need no user-space daemon to outlive it.
-func NewMounter() *Mounter {
-	return &Mounter{mounter: mountutils.NewWithoutSystemd("")}
-}
+// NewMounter mounts with mount(2) and umount2(2) (syscall.go says why not
+// mount(8)); a read-only bind is bind + bind remount, as mount(8) does it.
+// Nothing is wrapped in a systemd-run scope: the driver runs in a container
+// where systemd is not reachable, and its filesystems need no user-space
+// daemon to outlive it.
+func NewMounter() *Mounter { return &Mounter{} }
 
 // MountInfo describes one entry of /proc/self/mountinfo.
 type MountInfo struct {
@@ -193,7 +190,7 @@ func (m *Mounter) Mount(ctx context.Context, source, target, fsType string, opti
 	}
 	// mount(2) cannot be interrupted halfway, so the context is only checked
 	// before starting; abandoning a running mount would leave it behind.
-	if err := m.mounter.Mount(source, target, fsType, options); err != nil {
+	if err := sysMount(source, target, fsType, options); err != nil {
 		return fmt.Errorf("mount %s on %s: %w", source, target, err)
 	}
 	klog.V(2).InfoS("Mounted", "source", source, "target", target, "fsType", fsType, "options", options)
@@ -231,24 +228,22 @@ func (m *Mounter) Bind(ctx context.Context, source, target string, readOnly bool
 }
 
 func (m *Mounter) bind(source, target string, readOnly bool, options []string) error {
-	opts := append(slices.Clone(options), "bind")
-	if readOnly {
-		opts = append(opts, "ro")
-	}
-	if err := m.mounter.Mount(source, target, "", opts); err != nil {
+	if err := sysBind(source, target, readOnly, options); err != nil {
 		return fmt.Errorf("bind %s on %s: %w", source, target, err)
 	}
 	if readOnly {
 		// The ro remount is a second step that can fail on its own; a
 		// writable mount where read-only was asked for must not survive.
-		info, ok, err := m.Info(target)
+		// statfs reports the flag of the mount just made: the kernel's
+		// answer, without reading the whole mount table.
+		ro, err := readOnlyMount(target)
 		if err != nil {
-			_ = m.mounter.Unmount(target)
+			_ = sysUnmount(target)
 			return fmt.Errorf("bind %s on %s: verify read-only: %w", source, target, err)
 		}
-		if !ok || !info.ReadOnly {
-			_ = m.mounter.Unmount(target)
-			return fmt.Errorf("bind %s on %s: mount is not read-only (mounted=%t)", source, target, ok)
+		if !ro {
+			_ = sysUnmount(target)
+			return fmt.Errorf("bind %s on %s: mount is not read-only", source, target)
 		}
 	}
 	klog.V(2).InfoS("Bind-mounted", "source", source, "target", target, "readOnly", readOnly)
@@ -307,7 +302,7 @@ func (m *Mounter) Unmount(ctx context.Context, target string) error {
 		if i >= maxStackedUnmounts {
 			return fmt.Errorf("unmount %s: still mounted after %d unmounts", target, i)
 		}
-		if err := m.mounter.Unmount(info.Target); err != nil {
+		if err := sysUnmount(info.Target); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 		klog.V(2).InfoS("Unmounted", "target", target, "source", info.Source)

@@ -105,8 +105,8 @@ func (p *Pool) Usage() (Usage, error) {
 			continue // deleted meanwhile, or damaged: health reports it
 		}
 		u.Volumes++
-		u.ProvisionedBytes += v.CapacityBytes
-		u.UnbackedBytes += max(v.CapacityBytes-p.allocatedBytes(id, v), 0)
+		u.ProvisionedBytes += v.capacity
+		u.UnbackedBytes += max(v.capacity-p.allocatedBytes(id, v.layout), 0)
 	}
 	p.pruneMeta(keys)
 	snaps, err := p.ListSnapshots()
@@ -127,8 +127,8 @@ func (p *Pool) Usage() (Usage, error) {
 }
 
 // allocatedBytes is what a volume already holds on the pool's filesystem.
-func (p *Pool) allocatedBytes(id VolumeID, v *Volume) int64 {
-	if v.Layout != LayoutImage {
+func (p *Pool) allocatedBytes(id VolumeID, layout Layout) int64 {
+	if layout != LayoutImage {
 		return 0
 	}
 	var st unix.Stat_t
@@ -161,31 +161,41 @@ type metaStamp struct {
 	mtime     unix.Timespec
 }
 
+// usageMeta is what capacity accounting needs of a volume.json. Only this is
+// cached, not the parsed volume: with 10,000 volumes the whole records (names,
+// parameters, topology, stage and publish records) would be megabytes kept
+// for two fields.
+type usageMeta struct {
+	capacity int64
+	layout   Layout
+}
+
 type cachedMeta struct {
 	stamp metaStamp
-	vol   *Volume
+	usageMeta
 }
 
 // loadForUsage is Load for capacity accounting, which reads every volume on
 // every decision: a volume.json unchanged since it was last read (same inode,
 // size and mtime: one stat) is not read and parsed again. Only the capacity
 // and layout are used from it.
-func (p *Pool) loadForUsage(id VolumeID) (*Volume, error) {
+func (p *Pool) loadForUsage(id VolumeID) (usageMeta, error) {
 	var st unix.Stat_t
 	if err := unix.Lstat(p.MetadataPath(id), &st); err != nil {
-		return nil, err
+		return usageMeta{}, err
 	}
 	stamp := metaStamp{ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim}
 	if c, ok := p.meta.Load(id.Key); ok && c.(cachedMeta).stamp == stamp {
-		return c.(cachedMeta).vol, nil
+		return c.(cachedMeta).usageMeta, nil
 	}
 	v, err := p.Load(id)
 	if err != nil {
 		p.meta.Delete(id.Key)
-		return nil, err
+		return usageMeta{}, err
 	}
-	p.meta.Store(id.Key, cachedMeta{stamp: stamp, vol: v})
-	return v, nil
+	m := usageMeta{capacity: v.CapacityBytes, layout: v.Layout}
+	p.meta.Store(id.Key, cachedMeta{stamp: stamp, usageMeta: m})
+	return m, nil
 }
 
 // pruneMeta forgets the cached metadata of volumes no longer in the pool.

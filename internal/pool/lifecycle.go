@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Spec is what a new volume is made of.
@@ -79,7 +81,14 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := touch(filepath.Join(dir, lockFile)); err != nil {
 		return nil, err
 	}
-	if err := p.Save(v); err != nil {
+	// The creating record need not survive a crash by itself: MarkReady's
+	// durable write in the same directory makes it durable along with the
+	// ready one, and before that nothing has been promised. If a crash loses
+	// the rename, the directory has no volume.json, which the CO's retried
+	// CreateVolume (it got no answer) handles as a new volume, remaking the
+	// image, exactly as after a crash between the mkdir above and this write.
+	// The temp file is still fsynced, so what survives is whole.
+	if err := p.save(v, false); err != nil {
 		return nil, err
 	}
 	return v, nil
@@ -87,7 +96,9 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 
 // PrepareImage (re)creates the sparse image of a volume still in state creating.
 // Whatever an interrupted attempt left (a half-written mkfs) holds no user data yet,
-// so it is thrown away rather than trusted.
+// so it is thrown away rather than trusted. The image is not fsynced here: the
+// caller formats it (mkfs fsyncs what it wrote, the new size included) and
+// calls SyncImage before MarkReady, so one fsync covers both.
 func (p *Pool) PrepareImage(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
@@ -111,7 +122,29 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	if err := f.Truncate(v.CapacityBytes); err != nil {
 		return fmt.Errorf("size image %s to %d bytes: %w", path, v.CapacityBytes, err)
 	}
-	return f.Sync()
+	return f.Close()
+}
+
+// SyncImage makes a volume's image durable (its size and all it holds) before
+// MarkReady records it ready. After mkfs, which fsyncs the image itself, it
+// finds nothing left to write and costs almost nothing; it is here so that
+// the guarantee does not rest on what mkfs does.
+func (p *Pool) SyncImage(id VolumeID) error {
+	// O_NONBLOCK: a FIFO put in the image's place must not hang the open.
+	f, err := p.openBeneath(volumeRel(id, imageFile), unix.O_RDONLY|unix.O_NONBLOCK)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err != nil {
+		return fmt.Errorf("stat %s: %w", f.Name(), err)
+	} else if !fi.Mode().IsRegular() {
+		return fmt.Errorf("%w: %s is not a regular file (%s)", ErrCorrupt, f.Name(), fi.Mode().Type())
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", f.Name(), err)
+	}
+	return nil
 }
 
 // PrepareImageFrom (re)makes the image of a volume still in state creating as a

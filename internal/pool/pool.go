@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"sort"
 	"sync"
+	"sync/atomic"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -57,6 +58,9 @@ type Pool struct {
 	// meta caches parsed volume.json files for capacity accounting, by key
 	// (loadForUsage).
 	meta sync.Map
+	// indexed is set once the per-node publish index is known to exist
+	// (EnsurePublishIndex).
+	indexed atomic.Bool
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
@@ -200,7 +204,7 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
-		return writeFileAtomic(metaPath, append(raw, '\n'))
+		return writeFileAtomic(metaPath, append(raw, '\n'), true)
 	default:
 		return fmt.Errorf("pool %s: %w", p.Name, err)
 	}

@@ -89,6 +89,59 @@ func TestReserveIsIdempotentAndAtomic(t *testing.T) {
 	}
 }
 
+// TestReserveAfterLostCreatingRecord is the crash Reserve no longer fsyncs
+// against: the creating record's rename is lost (or only its temp file
+// survives), leaving a volume directory with a half-made image and no
+// volume.json. The retried create must make the volume as if new.
+func TestReserveAfterLostCreatingRecord(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	spec := Spec{Name: "pvc-lost", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: 8 * MiB}
+	v, err := p.Reserve(ctx, spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.PrepareImage(v); err != nil {
+		t.Fatal(err)
+	}
+	id := NewVolumeID("test", "pvc-lost")
+	meta := filepath.Join(p.Dir(id), "volume.json")
+	raw, err := os.ReadFile(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What a crash can leave: the temp file, not renamed, and no volume.json.
+	if err := os.WriteFile(filepath.Join(p.Dir(id), ".volume.json.tmp-1"), raw, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(meta); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(p.ImagePath(id), 1); err != nil {
+		t.Fatal(err)
+	}
+	v, err = p.Reserve(ctx, spec)
+	if err != nil || v.State != StateCreating {
+		t.Fatalf("retried Reserve = %+v, %v", v, err)
+	}
+	if err := p.PrepareImage(v); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.SyncImage(id); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.MarkReady(v); err != nil {
+		t.Fatal(err)
+	}
+	got, err := p.Load(id)
+	if err != nil || got.State != StateReady {
+		t.Fatalf("Load = %+v, %v", got, err)
+	}
+	if fi, err := os.Stat(p.ImagePath(id)); err != nil || fi.Size() != 8*MiB {
+		t.Fatalf("image after the retried create: %v, %v", fi, err)
+	}
+}
+
 func TestReserveRefusesWhenFull(t *testing.T) {
 	p := openTemp(t)
 	u, err := p.Usage()

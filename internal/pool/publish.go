@@ -127,7 +127,7 @@ func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes 
 		return fmt.Errorf("pool %s: register node %s: %w", p.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
-	return writeFileAtomic(p.nodePath(node), append(raw, '\n'))
+	return writeFileAtomic(p.nodePath(node), append(raw, '\n'), true)
 }
 
 // Node reads node's registration; ok is false when it never registered.
@@ -174,11 +174,12 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 			return nil, err
 		}
 	}
-	var gone []string
+	var gone, unpublished []string
 	err := p.Update(ctx, id, func(v *Volume) (bool, error) {
 		for _, r := range v.Published {
 			if node == "" || r.Node == node {
 				gone = append(gone, r.Node)
+				unpublished = append(unpublished, r.Node)
 			}
 		}
 		v.ClearPublished(node)
@@ -197,5 +198,14 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 		}
 		return len(gone) > 0, nil
 	})
-	return gone, err
+	if err != nil {
+		return gone, err
+	}
+	// After the records, as ControllerUnpublishVolume does (attach.go).
+	for _, n := range unpublished {
+		if err := p.UnmarkPublished(n, id); err != nil {
+			return gone, err
+		}
+	}
+	return gone, nil
 }

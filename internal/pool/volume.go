@@ -158,7 +158,14 @@ func (v *Volume) validate() error {
 
 // Save writes volume.json atomically: a reader sees the old or the new content,
 // never a torn one, even across a crash or power loss.
-func (p *Pool) Save(v *Volume) error {
+func (p *Pool) Save(v *Volume) error { return p.save(v, true) }
+
+// save is Save; durable false leaves out the fsync of the directory, so the
+// rename may not survive a crash (the content, if it does, is whole: the
+// temp file is still fsynced before the rename, or xfs could leave an empty
+// volume.json). Only for a write a later durable one in the same directory
+// supersedes, and whose loss the caller recovers from.
+func (p *Pool) save(v *Volume, durable bool) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
@@ -171,7 +178,7 @@ func (p *Pool) Save(v *Volume) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
 	}
-	return writeFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'))
+	return writeFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'), durable)
 }
 
 // staleTemp is how old a metadata temp file must be before a writer removes it
@@ -194,7 +201,9 @@ func sweepTemps(path string) {
 	}
 }
 
-func writeFileAtomic(path string, data []byte) error {
+// writeFileAtomic replaces path with data: temp file, fsync, rename, and with
+// durable an fsync of the directory, which makes the rename survive a crash.
+func writeFileAtomic(path string, data []byte, durable bool) error {
 	sweepTemps(path)
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
@@ -216,6 +225,9 @@ func writeFileAtomic(path string, data []byte) error {
 	}
 	if err := os.Rename(tmp, path); err != nil {
 		return fmt.Errorf("rename %s: %w", tmp, err)
+	}
+	if !durable {
+		return nil
 	}
 	return syncDir(dir)
 }

@@ -1,0 +1,202 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+)
+
+// The per-node publish index answers "how many volumes of this pool are
+// published to node N?" at the cost of N's volumes, for the attach limit
+// (--max-volumes-per-node) that ControllerPublishVolume holds, instead of
+// reading every volume.json of the pool:
+//
+//	nodes/<node>.published/<key>   one empty file per volume published to node
+//	nodes/<node>.lock              flock: serialises count-then-publish to node
+//	nodes/.published-index-v1      the index was built; absent, it is rebuilt
+//
+// volume.json's publish records stay the truth; the index is derived, kept a
+// superset of them across crashes, and repaired from them:
+//   - a marker is made, and made durable, before the publish record is saved,
+//     and removed only after the record is gone, so a crash can leave a marker
+//     without a record (a stale one) but never a record without a marker;
+//   - a stale marker only ever counts one volume too many, which can only
+//     refuse a publish; so markers are checked against volume.json (and
+//     stale ones removed) only when the count reaches the limit, just before
+//     a refusal. A marker whose volume's lock is held is a publish in flight,
+//     and counts;
+//   - a pool without the index (made by an older version) gets it rebuilt from
+//     every volume.json once, the old cost, before its first count.
+//
+// The node names in these paths are validated node IDs: no '/', no "..";
+// each node's entries end in their own suffix, so no two nodes' names meet.
+
+const (
+	publishedSuffix  = ".published"
+	nodeLockSuffix   = ".lock"
+	publishIndexDone = ".published-index-v1"
+)
+
+func (p *Pool) publishedDir(node string) string {
+	return filepath.Join(p.Path, nodesDir, node+publishedSuffix)
+}
+
+// LockNode takes node's attach-count lock in this pool: on a shared pool the
+// other counter is another controller, so it is a lock file. Lock order: a
+// volume's lock file, then node locks in pool-name order, then the pool lock.
+func (p *Pool) LockNode(ctx context.Context, node string) (unlock func(), err error) {
+	if err := ValidateNodeID(node); err != nil {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
+		return nil, fmt.Errorf("pool %s: lock node %s: %w", p.Name, node, err)
+	}
+	return p.lockFileAt(ctx, filepath.Join(p.Path, nodesDir, node+nodeLockSuffix), true)
+}
+
+// MarkPublished adds volume id to node's index, durably: it must be on disk
+// before the publish record it stands for.
+func (p *Pool) MarkPublished(node string, id VolumeID) error {
+	return p.markPublished(node, id, true)
+}
+
+func (p *Pool) markPublished(node string, id VolumeID, durable bool) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	dir := p.publishedDir(node)
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
+	}
+	if err := touch(filepath.Join(dir, id.Key)); err != nil {
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
+	}
+	if !durable {
+		return nil
+	}
+	return syncDir(dir)
+}
+
+// UnmarkPublished removes volume id from node's index, after its publish
+// record is gone. Not fsynced: a removal a crash undoes leaves a stale marker,
+// which the count repairs.
+func (p *Pool) UnmarkPublished(node string, id VolumeID) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	err := os.Remove(filepath.Join(p.publishedDir(node), id.Key))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", p.Name, id, node, err)
+	}
+	return nil
+}
+
+// CountPublished counts the volumes of this pool node's index holds, leaving
+// out except (the volume being published, which may have a stale marker).
+// With verify, each marker is checked against its volume.json first and stale
+// ones are removed. The caller holds node's lock (LockNode).
+func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64, error) {
+	if err := ValidateNodeID(node); err != nil {
+		return 0, err
+	}
+	dir := p.publishedDir(node)
+	names, err := readNames(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, fmt.Errorf("pool %s: count volumes published to node %s: %w", p.Name, node, err)
+	}
+	var n int64
+	for _, name := range names {
+		if name == except.Key || !validKey(name) {
+			continue
+		}
+		if verify && p.staleMarker(node, VolumeID{Pool: p.Name, Key: name}) {
+			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", p.Name, name, node, err)
+			}
+			continue
+		}
+		n++
+	}
+	return n, nil
+}
+
+// staleMarker tells whether node's marker of id stands for no publish record:
+// the volume is gone or not published to node, and no call holds its lock
+// (a publish holds it from before it makes the marker until its record is
+// saved). Anything unclear (a damaged volume.json) counts as published.
+func (p *Pool) staleMarker(node string, id VolumeID) bool {
+	if lockHeld(filepath.Join(p.Dir(id), lockFile)) {
+		return false
+	}
+	v, err := p.Load(id)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return true
+	case err != nil:
+		return false
+	}
+	_, published := v.PublishedTo(node)
+	return !published
+}
+
+// readNames lists a directory's entry names, unsorted.
+func readNames(dir string) ([]string, error) {
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return f.Readdirnames(-1)
+}
+
+func validKey(s string) bool { return keyRE.MatchString(s) }
+
+// EnsurePublishIndex builds the per-node publish index from every volume.json
+// if this pool does not have it yet (a pool an older version made), once per
+// pool and process. Markers are only ever added here, so it may run beside
+// publishes (which add their marker before their record) and beside another
+// controller's rebuild.
+func (p *Pool) EnsurePublishIndex() error {
+	if p.indexed.Load() {
+		return nil
+	}
+	done := filepath.Join(p.Path, nodesDir, publishIndexDone)
+	if _, err := os.Stat(done); err == nil {
+		p.indexed.Store(true)
+		return nil
+	}
+	entries, err := p.List()
+	if err != nil {
+		return fmt.Errorf("pool %s: build the publish index: %w", p.Name, err)
+	}
+	dirs := map[string]bool{}
+	for _, e := range entries {
+		if e.Volume == nil {
+			continue
+		}
+		for _, r := range e.Volume.Published {
+			if err := p.markPublished(r.Node, e.ID, false); err != nil {
+				return err
+			}
+			dirs[p.publishedDir(r.Node)] = true
+		}
+	}
+	for d := range dirs {
+		if err := syncDir(d); err != nil {
+			return err
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: build the publish index: %w", p.Name, err)
+	}
+	if err := writeFileAtomic(done, []byte("1\n"), true); err != nil {
+		return err
+	}
+	p.indexed.Store(true)
+	return nil
+}
