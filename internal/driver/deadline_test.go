@@ -39,7 +39,9 @@ func TestAnswerInTime(t *testing.T) {
 // TestAnswerInTimeWhenStuck: a handler stuck where no context reaches it (a
 // blocked system call) does not keep the caller waiting past its deadline.
 func TestAnswerInTimeWhenStuck(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	// 2 s leaves a 200 ms margin, 100 ms of it for the timer to fire late: at 200 ms
+	// (a 10 ms slack) the test failed on a loaded 2-core machine.
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	caller, _ := ctx.Deadline()
 	release := make(chan struct{})
