@@ -242,8 +242,17 @@ func sharedBindMount(t testing.TB, path string) {
 			t.Errorf("umount -R %s: %v %s", path, err, out)
 			_ = exec.Command("umount", "-R", "-l", path).Run()
 		}
+		// The bind mount is the directory itself, so what the driver wrote there (a
+		// mount point and a record per share) stays on the host's disk: remove it, once
+		// nothing is mounted below it any more.
+		if left := mountsUnder(path); len(left) > 0 {
+			t.Errorf("still mounted under %s: %v", path, left)
+			return
+		}
 		if created {
-			_ = os.Remove(path)
+			if err := os.RemoveAll(path); err != nil {
+				t.Errorf("removing %s: %v", path, err)
+			}
 			_ = os.Remove(filepath.Dir(path)) // /var/lib/poolcsi, if empty
 		}
 	})
