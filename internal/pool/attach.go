@@ -111,7 +111,7 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 	}
 	var n int64
 	for _, name := range names {
-		if name == except.Key || !validKey(name) {
+		if name == except.Key || !keyRE.MatchString(name) {
 			continue
 		}
 		if verify && p.staleMarker(node, VolumeID{Pool: p.Name, Key: name}) {
@@ -143,18 +143,6 @@ func (p *Pool) staleMarker(node string, id VolumeID) bool {
 	_, published := v.PublishedTo(node)
 	return !published
 }
-
-// readNames lists a directory's entry names, unsorted.
-func readNames(dir string) ([]string, error) {
-	f, err := os.Open(dir)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	return f.Readdirnames(-1)
-}
-
-func validKey(s string) bool { return keyRE.MatchString(s) }
 
 // EnsurePublishIndex builds the per-node publish index from every volume.json
 // if this pool does not have it yet (a pool an older version made), once per

@@ -94,12 +94,8 @@ func ParseVolumeID(s string) (VolumeID, error) {
 		return bad()
 	}
 	if len(parts) == 3 {
-		r, err := parsePayload(parts[2])
-		if err != nil {
+		if err := checkSharePart(s, id.Pool, parts[2]); err != nil {
 			return VolumeID{}, err
-		}
-		if r.PoolName() != id.Pool {
-			return VolumeID{}, fmt.Errorf("%w: volume ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, s, r, r.PoolName(), id.Pool)
 		}
 		id.Share = parts[2]
 	}

@@ -63,12 +63,7 @@ func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 		return c.keys, nil
 	}
 	readAt := time.Now()
-	f, err := os.Open(dir)
-	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
-	}
-	names, err := f.Readdirnames(-1)
-	f.Close()
+	names, err := readNames(dir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
 	}
@@ -129,4 +124,14 @@ func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry
 		return p.loadListedSnapshot(p.SnapshotIDOf(key))
 	}, keep)
 	return entries, next, nil
+}
+
+// readNames lists a directory's entry names, unsorted.
+func readNames(dir string) ([]string, error) {
+	f, err := os.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return f.Readdirnames(-1)
 }

@@ -48,9 +48,10 @@ type ShareRef struct {
 // starting with "-" (mount(8) would read it as an option); both short enough
 // for a volume ID. Which types a driver mounts is its own allow-list.
 func (r ShareRef) Validate() error {
+	if err := ValidateShareType(r.Type); err != nil {
+		return err
+	}
 	switch {
-	case !shareTypeRE.MatchString(r.Type):
-		return fmt.Errorf("%w: share type %q must be 1-24 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit", ErrInvalidID, r.Type)
 	case r.Source == "":
 		return fmt.Errorf("%w: share source is empty", ErrInvalidID)
 	case !shareSourceRE.MatchString(r.Source):
@@ -60,6 +61,14 @@ func (r ShareRef) Validate() error {
 	case len(r.Type)+1+len(r.Source) > MaxShareLength:
 		return fmt.Errorf("%w: share type and source are %d bytes together, the limit is %d (each volume ID carries them, and CSI limits IDs to %d bytes); mount a shorter path or use a shorter server name",
 			ErrInvalidID, len(r.Type)+1+len(r.Source), MaxShareLength, MaxVolumeIDLength)
+	}
+	return nil
+}
+
+// ValidateShareType checks the syntax of a share type (a mount type).
+func ValidateShareType(t string) error {
+	if !shareTypeRE.MatchString(t) {
+		return fmt.Errorf("%w: share type %q must be 1-24 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit", ErrInvalidID, t)
 	}
 	return nil
 }
@@ -113,10 +122,27 @@ func NewShareVolumeID(r ShareRef, name string) VolumeID {
 }
 
 // ShareRef returns the share an ID names, if it names one.
-func (id VolumeID) ShareRef() (ShareRef, bool) {
-	if id.Share == "" {
+func (id VolumeID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
+
+// checkSharePart validates the share part of the volume or snapshot ID id,
+// whose pool is poolName: a valid share, and one whose pool that is (so one
+// share has one pool name, and an ID cannot pair a share with another's pool).
+func checkSharePart(id, poolName, part string) error {
+	r, err := parsePayload(part)
+	if err != nil {
+		return err
+	}
+	if r.PoolName() != poolName {
+		return fmt.Errorf("%w: ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, id, r, r.PoolName(), poolName)
+	}
+	return nil
+}
+
+// shareOfPart is the share of an ID's (already validated) share part.
+func shareOfPart(part string) (ShareRef, bool) {
+	if part == "" {
 		return ShareRef{}, false
 	}
-	r, err := parsePayload(id.Share)
+	r, err := parsePayload(part)
 	return r, err == nil
 }

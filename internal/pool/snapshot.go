@@ -55,13 +55,7 @@ func (id SnapshotID) String() string {
 }
 
 // ShareRef returns the share an ID names, if it names one.
-func (id SnapshotID) ShareRef() (ShareRef, bool) {
-	if id.Share == "" {
-		return ShareRef{}, false
-	}
-	r, err := parsePayload(id.Share)
-	return r, err == nil
-}
+func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
 
 // SnapshotIDOf is the ID of the snapshot with key in this pool.
 func (p *Pool) SnapshotIDOf(key string) SnapshotID {
@@ -97,12 +91,8 @@ func ParseSnapshotID(s string) (SnapshotID, error) {
 	}
 	id := SnapshotID{Pool: poolName, Key: key}
 	if hasShare {
-		r, err := parsePayload(share)
-		if err != nil {
+		if err := checkSharePart(s, poolName, share); err != nil {
 			return SnapshotID{}, err
-		}
-		if r.PoolName() != poolName {
-			return SnapshotID{}, fmt.Errorf("%w: snapshot ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, s, r, r.PoolName(), poolName)
 		}
 		id.Share = share
 	}
