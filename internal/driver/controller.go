@@ -136,11 +136,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	srcAcc, err := secretAccess(req.GetSecrets())
+	acc, err := secretAccess(req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
-	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), srcAcc)
+	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), acc)
 	if err != nil {
 		return nil, err
 	}
@@ -163,7 +163,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := lay.allowed(caps); err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), req.GetSecrets())
+	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), acc)
 	if err != nil {
 		return nil, err
 	}
@@ -615,7 +615,7 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), nil)
+	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -644,15 +644,11 @@ func firstNonEmpty(s ...string) string {
 }
 
 // resolvePool is the pool parsed parameters name: a configured one, or the
-// share's, mounted (with the StorageClass's options and mount flags and the
-// request's secrets) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*csi.VolumeCapability, secrets map[string]string) (*pool.Pool, error) {
+// share's, mounted (with the StorageClass's options and mount flags and what
+// the request's secrets brought, acc) and laid out if new.
+func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
 	if params.share == nil {
 		return params.pool, nil
-	}
-	acc, err := secretAccess(secrets)
-	if err != nil {
-		return nil, err
 	}
 	acc.layOut = true
 	acc.options = append(acc.options, params.share.options...)

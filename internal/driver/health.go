@@ -129,7 +129,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{noMount: true})
 	if err != nil {
 		return nil, err
 	}

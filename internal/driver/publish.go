@@ -222,7 +222,10 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 		// set later.
 		return grpcError(p.MarkPublished(node, vid))
 	}
-	for _, pn := range d.names() {
+	// One set of pools for the locks and the count: a share's pool joining
+	// meanwhile is not counted unlocked.
+	names := d.names()
+	for _, pn := range names {
 		q := d.pool(pn)
 		if err := q.Check(); err != nil {
 			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
@@ -238,7 +241,7 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	}
 	count := func(verify bool) (int64, error) {
 		var held int64
-		for _, pn := range d.names() {
+		for _, pn := range names {
 			n, err := d.pool(pn).CountPublished(node, vid, verify)
 			if err != nil {
 				return 0, fmt.Errorf("count volumes published to node %s: %w", node, err)

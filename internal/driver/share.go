@@ -60,8 +60,6 @@ type shareState struct {
 	locks sync.Map // pool name → chan struct{}: one mount of a share at a time
 }
 
-var shareTypeRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,23}$`)
-
 func (s *shareState) init(opts Options) error {
 	s.m = opts.Shares
 	s.types = map[string]bool{}
@@ -70,8 +68,8 @@ func (s *shareState) init(opts Options) error {
 		types = DefaultShareTypes
 	}
 	for _, t := range types {
-		if !shareTypeRE.MatchString(t) {
-			return fmt.Errorf("share type %q: want a mount type such as nfs, ceph, fuse.ceph or bind", t)
+		if err := pool.ValidateShareType(t); err != nil {
+			return fmt.Errorf("%w (a mount type such as nfs, ceph, fuse.ceph or bind)", err)
 		}
 		s.types[t] = true
 	}
@@ -126,6 +124,11 @@ type shareAccess struct {
 	options   []string // from the StorageClass: parameters, mount flags, volume context
 	sensitive []string // from the request's secrets
 	layOut    bool     // a StorageClass's parameters named the share: lay out its pool if new
+	// noMount: only a pool this driver serves already will do. The calls
+	// kubelet repeats on staged volumes (stats, health) bring no options
+	// and must not start a mount; a staged volume's share was mounted by
+	// its stage, or found again at start (recoverShares).
+	noMount bool
 }
 
 // shareOptionRE is the syntax of one share mount option: nothing a shell or
@@ -267,12 +270,17 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 // must already hold this share's pool (its pool.json, written at the first
 // CreateVolume); otherwise it is unmounted again and the answer is NOT_FOUND.
 func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess) (*pool.Pool, error) {
+	name := r.PoolName()
+	// A served pool passed allowed when it joined, and the allow-list does
+	// not change while the driver runs.
+	if p := d.pool(name); p != nil && (acc.noMount || p.MountReady() == nil && (!acc.layOut || p.LaidOut())) {
+		return p, nil
+	}
+	if acc.noMount {
+		return nil, status.Errorf(codes.Unavailable, "share %s is not mounted on node %s: the next stage of one of its volumes mounts it", r, d.opts.NodeID)
+	}
 	if err := d.shares.allowed(r); err != nil {
 		return nil, err
-	}
-	name := r.PoolName()
-	if p := d.pool(name); p != nil && p.MountReady() == nil && (!acc.layOut || p.LaidOut()) {
-		return p, nil
 	}
 	unlock, err := d.shares.lock(ctx, name)
 	if err != nil {
@@ -285,8 +293,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess
 	}
 	p := d.pool(name)
 	if p == nil {
-		p, err = pool.Open(pool.Config{Name: name, Path: path, Shared: true, RequireMount: d.shares.m.RequireMount(), Share: &r, NoLayout: true})
-		if err != nil {
+		if p, err = d.openSharePool(r, path); err != nil {
 			return nil, grpcError(err)
 		}
 	}
@@ -312,15 +319,33 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess
 	return p, nil
 }
 
+// openSharePool opens the pool on share r, mounted at path. Only LayOut lays
+// it out: a share is a pool once its pool.json says so.
+func (d *Driver) openSharePool(r pool.ShareRef, path string) (*pool.Pool, error) {
+	return pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: d.shares.m.RequireMount(), Share: &r, NoLayout: true})
+}
+
 // poolOf returns the pool of a volume ID: a configured pool, or a share's
 // (mounted if it must be, with what acc brings).
 func (d *Driver) poolOf(ctx context.Context, vid pool.VolumeID, acc shareAccess) (*pool.Pool, error) {
-	if r, ok := vid.ShareRef(); ok {
+	r, isShare := vid.ShareRef()
+	return d.idPool(ctx, "volume "+vid.String(), vid.Pool, r, isShare, acc)
+}
+
+// snapshotPool is poolOf for a snapshot ID.
+func (d *Driver) snapshotPool(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, error) {
+	r, isShare := sid.ShareRef()
+	return d.idPool(ctx, "snapshot "+sid.String(), sid.Pool, r, isShare, acc)
+}
+
+// idPool is the pool named in an ID (what names the ID in messages).
+func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.ShareRef, isShare bool, acc shareAccess) (*pool.Pool, error) {
+	if isShare {
 		return d.sharePool(ctx, r, acc)
 	}
-	p := d.pool(vid.Pool)
+	p := d.pool(poolName)
 	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: pool %q is not configured on this driver (pools: %s)", vid, vid.Pool, joinNames(d.configured))
+		return nil, status.Errorf(codes.NotFound, "%s: pool %q is not configured on this driver (pools: %s)", what, poolName, joinNames(d.configured))
 	}
 	return p, nil
 }
@@ -371,7 +396,7 @@ func (d *Driver) recoverShares(ctx context.Context) {
 			log.Info("A share mounted before is not of an allowed type now; not served", "share", r.String())
 			continue
 		}
-		p, err := pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: d.shares.m.RequireMount(), Share: &r, NoLayout: true})
+		p, err := d.openSharePool(r, path)
 		if err != nil || !p.LaidOut() {
 			continue
 		}

@@ -211,6 +211,26 @@ func TestShareRecoveredAfterRestart(t *testing.T) {
 	}
 }
 
+// TestStatsNeverMountShares: NodeGetVolumeStats and NodeGetVolumeHealth, which
+// kubelet repeats on staged volumes and which bring no options, never mount a
+// share: a volume whose share this driver does not serve is UNAVAILABLE.
+func TestStatsNeverMountShares(t *testing.T) {
+	ctx := context.Background()
+	shares := filepath.Join(t.TempDir(), "shares")
+	td, fs := newShareDriver(t, shares, "node-1")
+	id := td.create(t, "pvc-1", mountCap(rwx, ""), nfsParams())
+	other := newTestDriver(t, testOpts{modify: func(o *Options) { o.NodeID = "node-2"; o.Shares = fs }})
+	fs.Unmount(pool.ShareRef{Type: "nfs", Source: "nfs.example.com:/export/poolcsi"}) // a call that mounts would count
+	before := fs.MountCount()
+	_, err := other.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: filepath.Join(other.root, "t")})
+	wantCode(t, err, codes.Unavailable)
+	_, err = other.NodeGetVolumeHealth(ctx, &csi.NodeGetVolumeHealthRequest{VolumeId: id, VolumePublishPath: filepath.Join(other.root, "t")})
+	wantCode(t, err, codes.Unavailable)
+	if fs.MountCount() != before {
+		t.Fatal("a stats or health call mounted a share")
+	}
+}
+
 // TestForgedShareID: an ID naming a share that holds no pool mounts it (it
 // must, to know), finds no pool, unmounts it and lays nothing out; a type not
 // allowed is never mounted at all.

@@ -228,19 +228,6 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	return &csi.DeleteSnapshotResponse{}, nil
 }
 
-// snapshotPool is the pool of a snapshot ID: a configured one, or a share's
-// (mounted if it must be, as for a volume ID).
-func (d *Driver) snapshotPool(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, error) {
-	if r, ok := sid.ShareRef(); ok {
-		return d.sharePool(ctx, r, acc)
-	}
-	p := d.pool(sid.Pool)
-	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "snapshot %s: pool %q is not configured on this driver", sid, sid.Pool)
-	}
-	return p, nil
-}
-
 // loadSnapshot reads a ready snapshot, or NOT_FOUND.
 func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, *pool.Snapshot, error) {
 	p, err := d.snapshotPool(ctx, sid, acc)
