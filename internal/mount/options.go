@@ -16,13 +16,8 @@ var ErrOptionRefused = errors.New("mount option refused")
 // something other than the volume (loop, offset=, sizelimit=, btrfs subvol=,
 // device=) or take the node down (errors=panic) are not on any list.
 var (
-	genericOptions = map[string]bool{
-		"ro": true, "rw": true, "defaults": true,
-		"noatime": true, "relatime": true, "strictatime": true, "atime": true,
-		"nodiratime": true, "diratime": true, "lazytime": true, "nolazytime": true,
-		"nodev": true, "nosuid": true, "noexec": true, "exec": true,
-		"sync": true, "async": true, "dirsync": true,
-	}
+	// The generic options are the keys of genericFlags (syscall.go), which
+	// says what each does to the mount flags: one list for both.
 	fsOptions = map[string]map[string]bool{
 		"ext4": {
 			"discard": true, "nodiscard": true, "barrier": true, "nobarrier": true,
@@ -96,7 +91,7 @@ func optionAllowed(fsType, o string) bool {
 	if o == "" || len(o) > 64 || strings.ContainsAny(o, ",\x00 \t\n") {
 		return false
 	}
-	if genericOptions[o] || fsOptions[fsType][o] {
+	if isGeneric(o) || fsOptions[fsType][o] {
 		return true
 	}
 	key, val, ok := strings.Cut(o, "=")
@@ -107,6 +102,12 @@ func optionAllowed(fsType, o string) bool {
 	return re != nil && re.MatchString(val)
 }
 
+// isGeneric tells whether o is an option of every mount, not a filesystem's.
+func isGeneric(o string) bool {
+	_, ok := genericFlags[o]
+	return ok
+}
+
 // BindOptions keeps what a bind mount honours of options checked for a
 // filesystem: the generic ones (a publish of a staged filesystem gets the
 // same mountOptions as its stage, and the filesystem's own options belong to
@@ -114,7 +115,7 @@ func optionAllowed(fsType, o string) bool {
 func BindOptions(options []string) []string {
 	var out []string
 	for _, o := range options {
-		if genericOptions[o] {
+		if isGeneric(o) {
 			out = append(out, o)
 		}
 	}
