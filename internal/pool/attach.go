@@ -182,7 +182,7 @@ func (p *Pool) EnsurePublishIndex() error {
 	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
 		return fmt.Errorf("pool %s: build the publish index: %w", p.Name, err)
 	}
-	if err := writeFileAtomic(done, []byte("1\n"), true); err != nil {
+	if err := WriteFileAtomic(done, []byte("1\n"), true); err != nil {
 		return err
 	}
 	p.indexed.Store(true)

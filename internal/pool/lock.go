@@ -57,7 +57,7 @@ func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func()
 			}
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
-		if err := flockContext(ctx, f); err != nil {
+		if err := FlockContext(ctx, f); err != nil {
 			holder := readHolder(f)
 			f.Close()
 			if errors.Is(context.Cause(ctx), ErrBusy) {
@@ -84,7 +84,8 @@ func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func()
 	}
 }
 
-func flockContext(ctx context.Context, f *os.File) error {
+// FlockContext takes an exclusive flock on f, waiting until ctx ends.
+func FlockContext(ctx context.Context, f *os.File) error {
 	t := time.NewTicker(lockPoll)
 	defer t.Stop()
 	for {

@@ -51,7 +51,7 @@ func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 	if err := p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(p.Dir(id), freezeFile), []byte(node+"\n"+path), true)
+	return WriteFileAtomic(filepath.Join(p.Dir(id), freezeFile), []byte(node+"\n"+path), true)
 }
 
 // ClearFreeze removes a volume's freeze record, after the thaw.

@@ -204,7 +204,7 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
-		return writeFileAtomic(metaPath, append(raw, '\n'), true)
+		return WriteFileAtomic(metaPath, append(raw, '\n'), true)
 	default:
 		return fmt.Errorf("pool %s: %w", p.Name, err)
 	}

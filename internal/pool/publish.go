@@ -127,7 +127,7 @@ func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes 
 		return fmt.Errorf("pool %s: register node %s: %w", p.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
-	return writeFileAtomic(p.nodePath(node), append(raw, '\n'), true)
+	return WriteFileAtomic(p.nodePath(node), append(raw, '\n'), true)
 }
 
 // Node reads node's registration; ok is false when it never registered.

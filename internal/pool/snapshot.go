@@ -187,7 +187,7 @@ func (p *Pool) SaveSnapshot(s *Snapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
 	}
-	return writeFileAtomic(filepath.Join(p.SnapshotDir(id), snapshotMetaFile), append(raw, '\n'), true)
+	return WriteFileAtomic(filepath.Join(p.SnapshotDir(id), snapshotMetaFile), append(raw, '\n'), true)
 }
 
 // SnapshotEntry is one listed snapshot, or the error that kept it from loading.

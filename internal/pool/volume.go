@@ -178,7 +178,7 @@ func (p *Pool) save(v *Volume, durable bool) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
 	}
-	return writeFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'), durable)
+	return WriteFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'), durable)
 }
 
 // staleTemp is how old a metadata temp file must be before a writer removes it
@@ -201,9 +201,9 @@ func sweepTemps(path string) {
 	}
 }
 
-// writeFileAtomic replaces path with data: temp file, fsync, rename, and with
+// WriteFileAtomic replaces path with data: temp file, fsync, rename, and with
 // durable an fsync of the directory, which makes the rename survive a crash.
-func writeFileAtomic(path string, data []byte, durable bool) error {
+func WriteFileAtomic(path string, data []byte, durable bool) error {
 	sweepTemps(path)
 	dir := filepath.Dir(path)
 	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")

@@ -126,7 +126,7 @@ func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow 
 		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
 	}
 	raw, _ := json.Marshal(record{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options})
-	if err := writeAtomic(recPath, append(raw, '\n')); err != nil {
+	if err := pool.WriteFileAtomic(recPath, append(raw, '\n'), true); err != nil {
 		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
 	}
 	m := s.mounter(name, path)
@@ -270,34 +270,16 @@ func readRecord(path string) (record, error) {
 	return rec, nil
 }
 
-func writeAtomic(path string, data []byte) error {
-	tmp := path + ".tmp"
-	if err := os.WriteFile(tmp, data, 0o600); err != nil {
-		return err
-	}
-	return os.Rename(tmp, path)
-}
-
-// lockFile takes an exclusive flock on path, waiting until ctx ends.
+// lockFile takes an exclusive flock on path (on the node's own disk, so its
+// open cannot hang as a share's can), waiting until ctx ends.
 func lockFile(ctx context.Context, path string) (func(), error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, err
 	}
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return func() { _ = f.Close() }, nil
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) {
-			_ = f.Close()
-			return nil, fmt.Errorf("lock %s: %w", path, err)
-		}
-		select {
-		case <-ctx.Done():
-			_ = f.Close()
-			return nil, fmt.Errorf("lock %s: another mount of this share is under way: %w", path, ctx.Err())
-		case <-time.After(20 * time.Millisecond):
-		}
+	if err := pool.FlockContext(ctx, f); err != nil {
+		_ = f.Close()
+		return nil, fmt.Errorf("lock %s: another mount of this share is under way: %w", path, err)
 	}
+	return func() { _ = f.Close() }, nil
 }
