@@ -227,17 +227,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 // delete with them, and a refused secret option.
 func TestShareSecretsNeverLogged(t *testing.T) {
 	testutil.RequireRoot(t)
-	// A short directory: a share's type and source travel in its volume IDs.
-	root, err := os.MkdirTemp("", "pcsi-e2e-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if mi, _ := os.ReadFile("/proc/self/mountinfo"); !strings.Contains(string(mi), root) {
-			os.RemoveAll(root)
-		}
-	})
-	harness.CheckNoLeaks(t, root)
+	root := harness.ShortRoot(t, "pcsi-e2e-")
 	export, shares := filepath.Join(root, "export"), filepath.Join(root, "shares")
 	if err := os.Mkdir(export, 0o755); err != nil {
 		t.Fatal(err)

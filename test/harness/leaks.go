@@ -48,3 +48,22 @@ func CheckNoLeaks(t testing.TB, roots ...string) {
 		}
 	})
 }
+
+// ShortRoot is a new directory with a short path (a share's type and source,
+// path included, travel in every volume ID and may be 57 bytes together;
+// t.TempDir's paths are long), checked with CheckNoLeaks and removed after the
+// test, but never through a mount left behind (CheckNoLeaks reports that).
+func ShortRoot(t testing.TB, prefix string) string {
+	t.Helper()
+	root, err := os.MkdirTemp("", prefix)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if mi, _ := os.ReadFile("/proc/self/mountinfo"); !strings.Contains(string(mi), root) {
+			os.RemoveAll(root)
+		}
+	})
+	CheckNoLeaks(t, root)
+	return root
+}

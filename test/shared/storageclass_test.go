@@ -56,19 +56,7 @@ func testStorageClassShare(t *testing.T, backend string) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mount", "umount")
 	ctx := context.Background()
-	// A short root: the share's type and source travel in every volume ID and
-	// may be 57 bytes together (docs/format.md); t.TempDir's paths are long.
-	root, err := os.MkdirTemp("", "p")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		// Never through a mount left behind (CheckNoLeaks reports it).
-		if mi, _ := os.ReadFile("/proc/self/mountinfo"); !strings.Contains(string(mi), root) {
-			os.RemoveAll(root)
-		}
-	})
-	harness.CheckNoLeaks(t, root)
+	root := harness.ShortRoot(t, "p")
 	// export is the share's root as this test sees it, to check what the
 	// drivers wrote there.
 	var share pool.ShareRef
