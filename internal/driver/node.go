@@ -143,8 +143,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 // filesystem or the device node of the loop device its image is attached to,
 // or its data directory. It needs no metadata, so a volume whose volume.json is
 // gone can still be unmounted, and nothing else ever is.
-func (d *Driver) showsVolume(vid pool.VolumeID, path string, info mount.MountInfo) bool {
-	p := d.pool(vid.Pool)
+func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mount.MountInfo) bool {
 	if p == nil {
 		return false
 	}
@@ -228,7 +227,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	image := p.ImagePath(vid)
 	if info, mounted, err := d.mounts.Info(staging); err != nil {
 		return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
-	} else if mounted && !d.showsVolume(vid, staging, info) {
+	} else if mounted && !d.showsVolume(p, vid, staging, info) {
 		return nil, status.Errorf(codes.FailedPrecondition, "staging path %s holds %s, not volume %s; refusing to unmount it", staging, info.Source, vid)
 	}
 	if err := d.mounts.Unmount(ctx, staging); err != nil {
@@ -318,17 +317,15 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, err
 	}
 	defer release()
-	if vid.Share != "" {
-		// showsVolume needs the share's pool: served since a restart only once
-		// something names it.
-		_, _ = d.poolOf(ctx, vid, shareAccess{})
-	}
+	// The volume's pool, to tell its mounts from others: a volume whose pool
+	// is unknown here (nil) has none.
+	p, _ := d.poolOf(ctx, vid, shareAccess{})
 	// Only this volume's mount is taken down: the CO names the target, and a
 	// wrong or hostile call must not unmount another volume's pod mount or
 	// anything else mounted there.
 	if info, mounted, err := d.mounts.Info(target); err != nil {
 		return nil, grpcError(fmt.Errorf("inspect %s: %w", target, err))
-	} else if mounted && !d.showsVolume(vid, target, info) {
+	} else if mounted && !d.showsVolume(p, vid, target, info) {
 		return nil, status.Errorf(codes.FailedPrecondition, "target path %s holds %s, not volume %s; refusing to unmount it", target, info.Source, vid)
 	}
 	if err := d.mounts.Unmount(ctx, target); err != nil {
