@@ -1,6 +1,8 @@
 package harness
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -39,5 +41,60 @@ func TestConformanceResults(t *testing.T) {
 	r.merge(&e2eResults{passed: []specResult{{name: b}}}, time.Now())
 	if r[b].Result != "passed" {
 		t.Errorf("a later result does not replace an earlier one: %v", r[b])
+	}
+}
+
+// junitSample has the shape of e2e.test v1.36.3's JUnit report (ginkgo v2): every spec of
+// the suite is listed, with its node type in front and its labels behind; the specs the
+// focus left out are "skipped" without a reason, a spec skipped at run time says why.
+const junitSample = `<?xml version="1.0" encoding="UTF-8"?>
+<testsuites tests="4" disabled="0" errors="0" failures="1" time="90">
+  <testsuite name="Kubernetes e2e suite" package="/" tests="4" disabled="0" skipped="2" errors="0" failures="1" time="90">
+    <testcase name="[SynchronizedBeforeSuite]" classname="Kubernetes e2e suite" status="passed" time="1"></testcase>
+    <testcase name="[It] External Storage [Driver: d] [Testpattern: p] volumes should store data" classname="Kubernetes e2e suite" status="passed" time="40"></testcase>
+    <testcase name="[It] External Storage [Driver: d] [Testpattern: p] provisioning should provision storage with mount options" classname="Kubernetes e2e suite" status="skipped" time="0">
+      <skipped message="skipped - Driver &#34;d&#34; does not define supported mount option"></skipped>
+    </testcase>
+    <testcase name="[It] External Storage [Driver: d] [Testpattern: p] volumes should allow exec of files on the volume [Serial] [Serial]" classname="Kubernetes e2e suite" status="failed" time="50">
+      <failure message="timed out" type="failed">pod not running</failure>
+    </testcase>
+    <testcase name="[It] External Storage [Driver: d] [Testpattern: q] volumes should store data" classname="Kubernetes e2e suite" status="skipped" time="0">
+      <skipped message="skipped"></skipped>
+    </testcase>
+  </testsuite>
+</testsuites>`
+
+func TestReadJUnitChunk(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "j.xml")
+	if err := os.WriteFile(path, []byte(junitSample), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	res, err := readJUnit(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const (
+		store = "External Storage [Driver: d] [Testpattern: p] volumes should store data"
+		opts  = "External Storage [Driver: d] [Testpattern: p] provisioning should provision storage with mount options"
+		exec  = "External Storage [Driver: d] [Testpattern: p] volumes should allow exec of files on the volume [Serial] [Serial]"
+	)
+	if c := chunkOf.FindString(store); c != "External Storage [Driver: d] [Testpattern: p]" {
+		t.Fatalf("chunk of %q = %q", store, c)
+	}
+	// The chunk's specs (the names a dry run listed) are what a chunk's run records: the
+	// pattern-q spec the focus left out must not count as run.
+	got := res.only([]string{store, opts, exec})
+	if len(got.passed) != 1 || got.passed[0].name != store ||
+		len(got.skipped) != 1 || got.skipped[0].name != opts ||
+		len(got.failed) != 1 || got.failed[0].name != exec {
+		t.Fatalf("chunk results = %+v", got)
+	}
+	r := conformanceResults{}
+	r.merge(got, time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC))
+	if reason := r[opts].Reason; reason != `Driver "d" does not define supported mount option` {
+		t.Errorf("skip reason = %q", reason)
+	}
+	if r.hasAll([]string{"External Storage [Driver: d] [Testpattern: q] volumes should store data"}) {
+		t.Error("a spec the focus left out is recorded as run")
 	}
 }

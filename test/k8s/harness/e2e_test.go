@@ -133,8 +133,9 @@ func (r e2eRun) list(t *testing.T, focus string) []string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A dry run reports the focused specs as passed and every other spec as skipped.
 	var names []string
-	for _, s := range append(append(res.passed, res.failed...), res.skipped...) {
+	for _, s := range res.passed {
 		names = append(names, s.name)
 	}
 	return names
@@ -196,7 +197,9 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 			t.Logf("budget %s spent: chunks from %q on are left for the next run", budget, c)
 			break
 		}
-		res := r.run(t, regexp.QuoteMeta(c)+" ", fmt.Sprintf("chunk-%03d", i))
+		// The report lists every spec of the suite, the ones the focus left out as
+		// "skipped": only the chunk's own are its results.
+		res := r.run(t, regexp.QuoteMeta(c)+" ", fmt.Sprintf("chunk-%03d", i)).only(chunks[c])
 		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
 		for _, f := range res.failed {
 			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
@@ -210,6 +213,24 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 type specResult struct{ name, message string }
 
 type e2eResults struct{ passed, failed, skipped []specResult }
+
+// only keeps the results of the named specs.
+func (r *e2eResults) only(names []string) *e2eResults {
+	keep := map[string]bool{}
+	for _, n := range names {
+		keep[n] = true
+	}
+	filter := func(specs []specResult) []specResult {
+		var out []specResult
+		for _, s := range specs {
+			if keep[s.name] {
+				out = append(out, s)
+			}
+		}
+		return out
+	}
+	return &e2eResults{passed: filter(r.passed), failed: filter(r.failed), skipped: filter(r.skipped)}
+}
 
 func readJUnit(path string) (*e2eResults, error) {
 	data, err := os.ReadFile(path)
@@ -242,6 +263,9 @@ func readJUnit(path string) (*e2eResults, error) {
 			if !strings.Contains(c.Name, "External Storage") {
 				continue // BeforeSuite/AfterSuite and other suites' specs
 			}
+			// Ginkgo names a spec in its JUnit report after its node type ("[It] External
+			// Storage …"); the chunks and the report use the spec's own text.
+			c.Name = strings.TrimPrefix(c.Name, "[It] ")
 			switch {
 			case c.Failure != nil:
 				r.failed = append(r.failed, specResult{c.Name, c.Failure.Message + "\n" + c.Failure.Text})
