@@ -16,6 +16,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
+	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
@@ -57,7 +58,12 @@ func mkfsFor(fsType, target string) []string {
 //     (unpublish), umount and losetup -d (unstage), rm (delete);
 //   - syscall-floor: the same work from Go with system calls only (open +
 //     ftruncate, LOOP_CTL_GET_FREE + LOOP_CONFIGURE, mount(2), MS_BIND,
-//     umount2, LOOP_CLR_FD, unlink) and mkfs, which cannot be avoided.
+//     umount2, LOOP_CLR_FD, unlink) and mkfs, which cannot be avoided;
+//   - durable-floor: syscall-floor plus the crash-safe records any driver that
+//     keeps a volume's state in its pool must write, with poolcsi's fsyncs
+//     (durableFloorArm): what is left of poolcsi/durable-floor is the driver's
+//     own cost, and durable-floor/raw says how near half the raw commands a
+//     driver that loses nothing on a crash can come on this disk.
 //
 // All three format the image file before it is attached, with the driver's
 // mkfs options. Run with
@@ -73,7 +79,7 @@ func BenchmarkLifecycle(b *testing.B) {
 			testutil.RequireCommands(b, "mkfs."+fs, "losetup", "mount", "umount", "truncate")
 			root := b.TempDir()
 			harness.CheckNoLeaks(b, root)
-			arms := []*lifecycleArm{poolcsiArm(fs), rawArm(fs), floorArm(fs)}
+			arms := []*lifecycleArm{poolcsiArm(fs), rawArm(fs), floorArm(fs), durableFloorArm(fs)}
 			for _, a := range arms {
 				a.times = map[string][]time.Duration{}
 				a.setup(b, filepath.Join(root, a.name))
@@ -130,11 +136,14 @@ func reportLifecycle(b *testing.B, arms []*lifecycleArm) {
 		fmt.Fprintf(&t, "%10s\n", ms(medianDur(a.total)))
 		b.ReportMetric(float64(medianDur(a.total).Microseconds())/1000, a.name+"-ms")
 	}
-	pc, raw, floor := arms[0], arms[1], arms[2]
+	pc, raw, floor, durable := arms[0], arms[1], arms[2], arms[3]
 	for _, r := range []struct {
 		name string
 		a, b *lifecycleArm
-	}{{"poolcsi/raw", pc, raw}, {"poolcsi/floor", pc, floor}, {"raw/floor", raw, floor}} {
+	}{
+		{"poolcsi/raw", pc, raw}, {"poolcsi/floor", pc, floor}, {"raw/floor", raw, floor},
+		{"poolcsi/durable", pc, durable}, {"durable/raw", durable, raw},
+	} {
 		fmt.Fprintf(&t, "%-14s", r.name)
 		for _, s := range lifecycleSteps {
 			fmt.Fprintf(&t, "%10.2f", medianRatio(r.a.times[s], r.b.times[s]))
@@ -264,6 +273,64 @@ func floorArm(fs string) *lifecycleArm {
 			dev = ""
 		case "delete":
 			must(b, unix.Unlink(img))
+		}
+	}
+	return a
+}
+
+// durableFloorArm is floorArm plus the records poolcsi keeps, written the way
+// it writes them (pool.WriteFileAtomic: temp file, fsync, rename, and for a
+// durable record an fsync of the directory), with the same fsyncs per step:
+// create writes a non-durable "creating" record, fsyncs the formatted image and
+// writes the durable "ready" record; stage writes the stage record before the
+// mount exists and unstage clears it after the device is gone; delete renames
+// the volume's directory away, removes it and fsyncs the parent. No locks, no
+// checks, no gRPC: the least a driver that survives a crash without losing a
+// volume or a fence pays.
+func durableFloorArm(fs string) *lifecycleArm {
+	a := &lifecycleArm{name: "durable-floor"}
+	floor := floorArm(fs)
+	var volumes, dir, rec, img string
+	a.setup = func(b *testing.B, root string) {
+		volumes, img = filepath.Join(root, "volumes"), filepath.Join(root, "floor.img")
+		must(b, os.MkdirAll(volumes, 0o750))
+		floor.setup(b, root)
+	}
+	record := func(b *testing.B, state string, durable bool) {
+		must(b, pool.WriteFileAtomic(rec, []byte(`{"state":"`+state+`"}`+"\n"), durable))
+	}
+	a.step = func(b *testing.B, i int, s string) {
+		switch s {
+		case "create":
+			dir = filepath.Join(volumes, "v"+strconv.Itoa(i))
+			rec = filepath.Join(dir, "volume.json")
+			must(b, os.Mkdir(dir, 0o750))
+			record(b, "creating", false)
+			floor.step(b, i, s)
+			f, err := os.Open(img)
+			must(b, err)
+			err = f.Sync()
+			f.Close()
+			must(b, err)
+			record(b, "ready", true)
+		case "stage":
+			record(b, "staged", true)
+			floor.step(b, i, s)
+		case "unstage":
+			floor.step(b, i, s)
+			record(b, "ready", true)
+		case "delete":
+			floor.step(b, i, s)
+			trash := filepath.Join(volumes, ".deleting-v"+strconv.Itoa(i))
+			must(b, os.Rename(dir, trash))
+			must(b, os.RemoveAll(trash))
+			d, err := os.Open(volumes)
+			must(b, err)
+			err = d.Sync()
+			d.Close()
+			must(b, err)
+		default:
+			floor.step(b, i, s)
 		}
 	}
 	return a
