@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -59,9 +60,19 @@ func cleanPath(p string) (string, error) {
 
 // Info reports the topmost mount on target from /proc/self/mountinfo.
 func (m *Mounter) Info(target string) (MountInfo, bool, error) {
-	p, err := cleanPath(target)
+	abs, err := filepath.Abs(target)
 	if err != nil {
-		return MountInfo{}, false, err
+		return MountInfo{}, false, fmt.Errorf("resolve %s: %w", target, err)
+	}
+	p, err := filepath.EvalSymlinks(abs)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		// Nothing is mounted on a path that does not resolve: mountinfo need not be read
+		// (publish asks about a target kubelet has not created yet). A stale mount fails
+		// its lstat with ESTALE or ENOTCONN, never ENOENT, and is still looked up.
+		return MountInfo{}, false, nil
+	case err != nil:
+		p = abs
 	}
 	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(p))
 	if err != nil {

@@ -308,3 +308,29 @@ func TestFormatMountWrite(t *testing.T) {
 		})
 	}
 }
+
+// Info answers for paths that do not resolve without reading mountinfo, and still
+// finds a mount through a symlink to it.
+func TestInfoPaths(t *testing.T) {
+	dir := t.TempDir()
+	m := NewMounter()
+	for _, p := range []string{
+		filepath.Join(dir, "missing"),
+		filepath.Join(dir, "missing", "below"),
+		filepath.Join(dir, "dangling"),
+	} {
+		if err := os.Symlink(filepath.Join(dir, "nowhere"), filepath.Join(dir, "dangling")); err != nil && !errors.Is(err, os.ErrExist) {
+			t.Fatal(err)
+		}
+		if info, ok, err := m.Info(p); err != nil || ok {
+			t.Errorf("Info(%s) = %+v, %t, %v; want not mounted", p, info, ok, err)
+		}
+	}
+	// / is always a mount point, also when named through a symlink.
+	if err := os.Symlink("/", filepath.Join(dir, "root")); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok, err := m.Info(filepath.Join(dir, "root")); err != nil || !ok {
+		t.Errorf("Info(symlink to /) = %t, %v; want mounted", ok, err)
+	}
+}
