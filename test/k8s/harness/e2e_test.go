@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -60,6 +61,7 @@ func TestE2EStorage(t *testing.T) {
 	k8sDir := filepath.Join(chart.RepoRoot(), "test", "k8s")
 	run := e2eRun{env: env, e2e: e2e, repoList: repoList, k8sDir: k8sDir, dir: dir}
 	if report := os.Getenv("POOLCSI_E2E_REPORT"); report != "" {
+		run.ginkgo = ginkgoTool.Path(t)
 		run.conformance(t, focus, report)
 		return
 	}
@@ -75,22 +77,32 @@ func TestE2EStorage(t *testing.T) {
 
 // e2eRun runs e2e.test against one kubelet environment.
 type e2eRun struct {
-	env                        *kubeletEnv
-	e2e, repoList, k8sDir, dir string
+	env                                *kubeletEnv
+	e2e, ginkgo, repoList, k8sDir, dir string
 }
 
-func (r e2eRun) args(focus, junit string) []string {
-	args := []string{
+// suiteArgs are e2e.test's own flags: the cluster, the driver definitions and the reports.
+func (r e2eRun) suiteArgs() []string {
+	return []string{
 		"--kubeconfig=" + r.env.c.AdminKube, "--provider=skeleton", "--repo-root=" + r.k8sDir,
 		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "local-image.yaml"),
 		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "shared-image.yaml"),
-		"--ginkgo.focus=" + focus,
-		"--ginkgo.junit-report=" + junit,
-		"--ginkgo.no-color", "--ginkgo.timeout=4h",
 		"--report-dir=" + r.dir,
 	}
-	if skip := os.Getenv("POOLCSI_E2E_SKIP"); skip != "" {
-		args = append(args, "--ginkgo.skip="+skip)
+}
+
+// ginkgoArgs are the flags of ginkgo itself: prefix is "--ginkgo." when e2e.test is run
+// directly and "--" for the ginkgo CLI.
+func ginkgoArgs(prefix, focus, skip, junit string) []string {
+	if env := os.Getenv("POOLCSI_E2E_SKIP"); env != "" {
+		if skip != "" {
+			skip += "|"
+		}
+		skip += env
+	}
+	args := []string{prefix + "focus=" + focus, prefix + "junit-report=" + junit, prefix + "no-color", prefix + "timeout=4h"}
+	if skip != "" {
+		args = append(args, prefix+"skip="+skip)
 	}
 	return args
 }
@@ -100,7 +112,22 @@ func (r e2eRun) args(focus, junit string) []string {
 func (r e2eRun) run(t *testing.T, focus, name string) *e2eResults {
 	t.Helper()
 	junit := filepath.Join(r.dir, name+".junit.xml")
-	cmd := exec.Command(r.e2e, r.args(focus, junit)...)
+	return r.exec(t, exec.Command(r.e2e, append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...)...), name, junit)
+}
+
+// runParallel runs the specs matching focus and not skip on procs ginkgo processes at once
+// (the ginkgo CLI runs e2e.test as a precompiled suite): the specs mostly wait on pods and
+// the API server, so a 2-core machine runs three about as fast as one.
+func (r e2eRun) runParallel(t *testing.T, focus, skip, name string, procs int) *e2eResults {
+	t.Helper()
+	junit := filepath.Join(r.dir, name+".junit.xml")
+	args := append([]string{"--procs=" + strconv.Itoa(procs)}, ginkgoArgs("--", focus, skip, junit)...)
+	args = append(append(args, r.e2e, "--"), r.suiteArgs()...)
+	return r.exec(t, exec.Command(r.ginkgo, args...), name, junit)
+}
+
+func (r e2eRun) exec(t *testing.T, cmd *exec.Cmd, name, junit string) *e2eResults {
+	t.Helper()
 	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
 	logPath := filepath.Join(r.env.c.Dir, "logs", name+".log")
 	logf, err := os.Create(logPath)
@@ -111,11 +138,11 @@ func (r e2eRun) run(t *testing.T, focus, name string) *e2eResults {
 	start := time.Now()
 	runErr := cmd.Run()
 	logf.Close()
-	t.Logf("e2e.test ran in %s (log %s): %v", time.Since(start).Round(time.Second), logPath, runErr)
+	t.Logf("%s ran in %s (log %s): %v", filepath.Base(cmd.Path), time.Since(start).Round(time.Second), logPath, runErr)
 	res, err := readJUnit(junit)
 	if err != nil {
 		b, _ := os.ReadFile(logPath)
-		t.Fatalf("e2e.test left no report (%v):\n%s", err, tail(string(b), 60))
+		t.Fatalf("%s left no report (%v):\n%s", filepath.Base(cmd.Path), err, tail(string(b), 60))
 	}
 	return res
 }
@@ -124,7 +151,7 @@ func (r e2eRun) run(t *testing.T, focus, name string) *e2eResults {
 func (r e2eRun) list(t *testing.T, focus string) []string {
 	t.Helper()
 	junit := filepath.Join(r.dir, "list.junit.xml")
-	cmd := exec.Command(r.e2e, append(r.args(focus, junit), "--ginkgo.dry-run")...)
+	cmd := exec.Command(r.e2e, append(append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...), "--ginkgo.dry-run")...)
 	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("e2e.test --ginkgo.dry-run: %v\n%s", err, tail(string(out), 40))
@@ -197,9 +224,7 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 			t.Logf("budget %s spent: chunks from %q on are left for the next run", budget, c)
 			break
 		}
-		// The report lists every spec of the suite, the ones the focus left out as
-		// "skipped": only the chunk's own are its results.
-		res := r.run(t, regexp.QuoteMeta(c)+" ", fmt.Sprintf("chunk-%03d", i)).only(chunks[c])
+		res := r.runChunk(t, c, chunks[c], fmt.Sprintf("chunk-%03d", i))
 		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
 		for _, f := range res.failed {
 			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
@@ -210,9 +235,51 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 	save()
 }
 
+// serialSpec marks the specs that must run alone: the suite's [Serial] and [Disruptive]
+// specs (a label only, not ginkgo's Serial decorator, so ginkgo would run them beside others).
+var serialSpec = regexp.MustCompile(`\[(Serial|Disruptive)\]`)
+
+// runChunk runs one chunk's specs: those that may share the cluster on
+// $POOLCSI_E2E_PROCS ginkgo processes (default 3), then the serial ones alone. A report
+// lists every spec of the suite, the ones its focus or skip left out as "skipped": only
+// the specs each run was for are its results.
+func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string) *e2eResults {
+	procs := 3
+	if p := os.Getenv("POOLCSI_E2E_PROCS"); p != "" {
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 1 {
+			t.Fatalf("POOLCSI_E2E_PROCS=%q: want a number of processes", p)
+		}
+		procs = n
+	}
+	var parallel, serial []string
+	for _, n := range names {
+		if serialSpec.MatchString(n) {
+			serial = append(serial, n)
+		} else {
+			parallel = append(parallel, n)
+		}
+	}
+	focus := regexp.QuoteMeta(chunk) + " "
+	res := &e2eResults{}
+	if len(parallel) > 0 {
+		res.add(r.runParallel(t, focus, serialSpec.String(), name+"-parallel", procs).only(parallel))
+	}
+	if len(serial) > 0 {
+		res.add(r.run(t, focus+".*"+serialSpec.String(), name+"-serial").only(serial))
+	}
+	return res
+}
+
 type specResult struct{ name, message string }
 
 type e2eResults struct{ passed, failed, skipped []specResult }
+
+func (r *e2eResults) add(o *e2eResults) {
+	r.passed = append(r.passed, o.passed...)
+	r.failed = append(r.failed, o.failed...)
+	r.skipped = append(r.skipped, o.skipped...)
+}
 
 // only keeps the results of the named specs.
 func (r *e2eResults) only(names []string) *e2eResults {

@@ -105,6 +105,10 @@ var (
 		Package: "k8s.io/kubernetes/test/e2e", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags(), TestBinary: true}
 	agnhostTool = Tool{Name: "agnhost", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/test/images/agnhost", ReplaceFrom: stagingReplaces, LDFlags: "-s -w"}
+	// The ginkgo CLI, which runs e2e.test's specs on several processes (make conformance);
+	// the version k8s.io/kubernetes v1.36.3 builds e2e.test with, as the CLI requires.
+	ginkgoTool = Tool{Name: "ginkgo", Module: "github.com/onsi/ginkgo/v2", Version: "v2.28.1",
+		Package: "github.com/onsi/ginkgo/v2/ginkgo", LDFlags: "-s -w"}
 	provisionerTool = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
 		Package: "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
@@ -289,4 +293,4 @@ func tail(s string, n int) string {
 }
 
 // E2ETools are built only for the e2e storage suite (make e2e), not by TestTools.
-var E2ETools = []Tool{e2eTool, agnhostTool}
+var E2ETools = []Tool{e2eTool, agnhostTool, ginkgoTool}
