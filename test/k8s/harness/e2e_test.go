@@ -45,12 +45,17 @@ func TestE2EStorage(t *testing.T) {
 		bb := BusyboxImage(t, "poolcsi.test/e2e-test-images/busybox:1.37.0-1")
 		bb136 := bb
 		bb136.Ref = "poolcsi.test/e2e-test-images/busybox:1.36.1-1"
+		// The storage specs run shell commands in these (multiVolume's concurrent-access pods
+		// in glibc-dns-testing, the exec spec's script in nginx): busybox's sh serves both.
+		glibc, nginx := bb, bb
+		glibc.Ref = "poolcsi.test/e2e-test-images/glibc-dns-testing:2.0.0"
+		nginx.Ref = "poolcsi.test/e2e-test-images/nginx:1.15-4"
 		// agnhost's image has a shell and the usual tools besides the binary.
 		ag := bb
 		ag.Ref = "poolcsi.test/e2e-test-images/agnhost:2.55"
 		ag.Files = append(append([]ImageFile{}, bb.Files...), ImageFile{Path: "/agnhost", Src: agnhost})
 		ag.Entrypoint, ag.Cmd = []string{"/agnhost"}, nil
-		return []Image{bb, bb136, ag}
+		return []Image{bb, bb136, glibc, nginx, ag}
 	}
 	env := startKubeletEnvWith(t, images)
 	dir := t.TempDir()
