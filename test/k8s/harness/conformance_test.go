@@ -81,6 +81,22 @@ func TestReadJUnitChunk(t *testing.T) {
 	if c := chunkOf.FindString(store); c != "External Storage [Driver: d] [Testpattern: p]" {
 		t.Fatalf("chunk of %q = %q", store, c)
 	}
+	// A driver definition's TestTags follow its name (shared-dir.yaml: "[Layout: dir]").
+	tagged := "External Storage [Driver: d] [Layout: dir] [Testpattern: p] volumes should store data"
+	if c := chunkOf.FindString(tagged); c != "External Storage [Driver: d] [Layout: dir] [Testpattern: p]" {
+		t.Fatalf("chunk of %q = %q", tagged, c)
+	}
+	for _, reason := range []string{
+		`Driver "local.poolcsi.io" does not support volume expansion - skipping`,
+		`Driver "poolcsi.io" does not support volume expansion - skipping`,
+	} {
+		if g := skipGist(reason); g != `Driver … does not support volume expansion - skipping` {
+			t.Errorf("skipGist(%q) = %q", reason, g)
+		}
+	}
+	if !serialSpec.MatchString(exec) || serialSpec.MatchString(store) {
+		t.Fatal("serialSpec does not tell [Serial] specs apart")
+	}
 	// The chunk's specs (the names a dry run listed) are what a chunk's run records: the
 	// pattern-q spec the focus left out must not count as run.
 	got := res.only([]string{store, opts, exec})
