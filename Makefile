@@ -41,9 +41,10 @@ e2e:
 # test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
 # an earlier run stopped (RERUN=1 runs everything again); BUDGET stops starting new ones.
 BUDGET ?= 4h
+PROCS ?= 3
 conformance:
 	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
-		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) \
+		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) \
 		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
 
 # A guided tour (root): one volume through every CSI call on a throw-away pool.
