@@ -52,11 +52,48 @@ func startKubeletEnv(t testing.TB) *kubeletEnv {
 	return startKubeletEnvWith(t, nil)
 }
 
+// kubeletEnvLock is held while a kubelet environment exists on this machine.
+const kubeletEnvLock = "/run/lock/poolcsi-kubelet-env.lock"
+
+// lockKubeletEnv waits until no other kubelet environment exists on this machine and holds
+// it off until this one is gone: each takes /var/lib/kubelet, the chart's pool paths,
+// kubelet's ports and the KUBE-* iptables chains, so two at once (a second go test, or
+// make conformance beside make test) would break each other. The lock is released last,
+// after every cleanup of the environment.
+func lockKubeletEnv(t testing.TB) {
+	t.Helper()
+	if err := os.MkdirAll(filepath.Dir(kubeletEnvLock), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	f, err := os.OpenFile(kubeletEnvLock, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		holder, _ := os.ReadFile(kubeletEnvLock)
+		t.Logf("waiting for the kubelet environment of %s to finish (%s)", strings.TrimSpace(string(holder)), kubeletEnvLock)
+		start := time.Now()
+		for {
+			if err = unix.Flock(int(f.Fd()), unix.LOCK_EX); err != unix.EINTR {
+				break
+			}
+		}
+		if err != nil {
+			t.Fatalf("lock %s: %v", kubeletEnvLock, err)
+		}
+		t.Logf("waited %s for the other kubelet environment", time.Since(start).Round(time.Second))
+	}
+	_ = f.Truncate(0)
+	_, _ = f.WriteAt([]byte(fmt.Sprintf("pid %d (%s)\n", os.Getpid(), t.Name())), 0)
+}
+
 // startKubeletEnvWith is startKubeletEnv with more images to import.
 func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletEnv {
 	t.Helper()
 	requireNode(t)
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
+	lockKubeletEnv(t)
 	for _, p := range []string{localPoolPath, sharedPoolPath} {
 		if entries, err := os.ReadDir(p); err == nil && len(entries) > 0 {
 			t.Fatalf("%s exists and is not empty: the kubelet test lays out the chart's default pools there", p)
