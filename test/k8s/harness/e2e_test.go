@@ -46,13 +46,15 @@ func TestE2EStorage(t *testing.T) {
 		bb136 := bb
 		bb136.Ref = "poolcsi.test/e2e-test-images/busybox:1.36.1-1"
 		// The storage specs run shell commands in these (multiVolume's concurrent-access pods
-		// in glibc-dns-testing, the exec spec's script in nginx): busybox's sh serves both.
-		glibc, nginx := bb, bb
+		// in glibc-dns-testing, the exec spec's script in nginx): busybox's sh serves both,
+		// with GNU dd (coreutils) where the block specs write with oflag=nocache.
+		glibc := WithHostBinaries(t, bb, "/usr/bin/dd")
 		glibc.Ref = "poolcsi.test/e2e-test-images/glibc-dns-testing:2.0.0"
+		nginx := bb
 		nginx.Ref = "poolcsi.test/e2e-test-images/nginx:1.15-4"
 		// agnhost's image has a shell and the usual tools besides the binary.
 		ag := bb
-		ag.Ref = "poolcsi.test/e2e-test-images/agnhost:2.55"
+		ag.Ref = "poolcsi.test/e2e-test-images/agnhost:2.63.0" // test/utils/image/manifest.go of v1.36.3
 		ag.Files = append(append([]ImageFile{}, bb.Files...), ImageFile{Path: "/agnhost", Src: agnhost})
 		ag.Entrypoint, ag.Cmd = []string{"/agnhost"}, nil
 		return []Image{bb, bb136, glibc, nginx, ag}

@@ -95,6 +95,44 @@ func BusyboxImage(t testing.TB, ref string) Image {
 	return img
 }
 
+// WithHostBinaries is img with the files at paths replaced by this machine's binaries, each
+// with the shared libraries it loads: for the busybox applets that lack what a test image
+// has (GNU dd's oflag=nocache).
+func WithHostBinaries(t testing.TB, img Image, paths ...string) Image {
+	t.Helper()
+	out := img
+	out.Files = nil
+	replace := map[string]bool{}
+	for _, p := range paths {
+		replace[usrPath(p)] = true
+	}
+	for _, f := range img.Files {
+		if !replace[f.Path] {
+			out.Files = append(out.Files, f)
+		}
+	}
+	seen := map[string]bool{}
+	for _, f := range out.Files {
+		seen[f.Path] = true
+	}
+	for _, p := range paths {
+		if !fileExists(p) {
+			missing(t, "needs "+p+" for a test image")
+		}
+		libs, err := sharedLibraries(p)
+		if err != nil {
+			t.Fatalf("libraries of %s: %v", p, err)
+		}
+		for _, src := range append([]string{p}, libs...) {
+			if dst := usrPath(src); !seen[dst] {
+				seen[dst] = true
+				out.Files = append(out.Files, ImageFile{Path: dst, Src: src})
+			}
+		}
+	}
+	return out
+}
+
 // ImageTool is one line of deploy/image-tools.txt: a command poolcsi runs in its container
 // and the Debian package it comes from.
 type ImageTool struct{ Path, Package string }

@@ -79,3 +79,35 @@ func dpkgOwner(p string) string {
 	pkg := strings.SplitN(line, ":", 2)[0]
 	return strings.TrimSpace(pkg)
 }
+
+// WithHostBinaries puts the machine's binary, and the libraries it loads, where an image
+// had a busybox applet.
+func TestWithHostBinaries(t *testing.T) {
+	if !fileExists("/usr/bin/dd") {
+		missing(t, "needs /usr/bin/dd (Debian package coreutils)")
+	}
+	img := Image{Ref: "x", Files: []ImageFile{
+		{Path: "/usr/bin/busybox", Src: "/bin/busybox"},
+		{Path: "/usr/bin/dd", Link: "/usr/bin/busybox"},
+	}}
+	got := WithHostBinaries(t, img, "/usr/bin/dd")
+	var dd []ImageFile
+	libc := false
+	for _, f := range got.Files {
+		if f.Path == "/usr/bin/dd" {
+			dd = append(dd, f)
+		}
+		if strings.Contains(f.Path, "/libc.so") {
+			libc = true
+		}
+	}
+	if len(dd) != 1 || dd[0].Src != "/usr/bin/dd" || dd[0].Link != "" {
+		t.Errorf("/usr/bin/dd in the image = %+v, want the host's binary once", dd)
+	}
+	if !libc {
+		t.Errorf("the image lacks the C library dd loads: %+v", got.Files)
+	}
+	if len(img.Files) != 2 || img.Files[1].Link == "" {
+		t.Error("WithHostBinaries changed the image it was given")
+	}
+}
