@@ -39,7 +39,8 @@ e2e:
 
 # Every External Storage spec, one driver and test pattern at a time, each result kept in
 # test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
-# an earlier run stopped (RERUN=1 runs everything again); BUDGET stops starting new ones.
+# an earlier run stopped (RERUN=1 runs everything again, RERUN=failed the chunks with a
+# failure); BUDGET stops starting new ones.
 BUDGET ?= 4h
 PROCS ?= 3
 conformance:

@@ -38,6 +38,21 @@ func TestConformanceResults(t *testing.T) {
 			t.Errorf("report lacks %q:\n%s", want, md)
 		}
 	}
+	for _, tc := range []struct {
+		names []string
+		rerun string
+		want  bool
+	}{
+		{[]string{a}, "", false},
+		{[]string{a, c}, "", true},
+		{[]string{a}, "failed", false},
+		{[]string{a, b}, "failed", true},
+		{[]string{a}, "1", true},
+	} {
+		if got := r.due(tc.names, tc.rerun); got != tc.want {
+			t.Errorf("due(%v, %q) = %t, want %t", tc.names, tc.rerun, got, tc.want)
+		}
+	}
 	r.merge(&e2eResults{passed: []specResult{{name: b}}}, time.Now())
 	if r[b].Result != "passed" {
 		t.Errorf("a later result does not replace an earlier one: %v", r[b])

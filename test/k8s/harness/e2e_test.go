@@ -183,7 +183,8 @@ var chunkOf = regexp.MustCompile(`^External Storage \[Driver: [^\]]+\](?: \[[^\]
 // conformance runs every spec matching focus, one driver and test pattern at a time, and
 // after each one merges its results into test/k8s/e2e/results.json and rewrites report
 // (docs/conformance.md) from every result recorded so far. A chunk whose specs all have a
-// result is not run again unless POOLCSI_E2E_RERUN is set, so an interrupted run resumes
+// result is not run again unless POOLCSI_E2E_RERUN is set (to "failed": only chunks with a
+// failed spec, after a fix), so an interrupted run resumes
 // where it stopped; POOLCSI_E2E_BUDGET (a duration) stops starting chunks after that long.
 // The whole suite takes hours on a 2-core machine, more than one sitting.
 func (r e2eRun) conformance(t *testing.T, focus, report string) {
@@ -225,7 +226,7 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 		}
 	}
 	for i, c := range order {
-		if os.Getenv("POOLCSI_E2E_RERUN") == "" && results.hasAll(chunks[c]) {
+		if !results.due(chunks[c], os.Getenv("POOLCSI_E2E_RERUN")) {
 			continue
 		}
 		if time.Since(start) > budget {
@@ -399,6 +400,27 @@ func (r conformanceResults) save(path string) error {
 		return err
 	}
 	return os.WriteFile(path, append(data, '\n'), 0o644)
+}
+
+// due reports whether a chunk of specs is to run: one without a result for every spec;
+// with rerun "failed", also one with a failed spec; with any other rerun, every chunk.
+func (r conformanceResults) due(names []string, rerun string) bool {
+	switch rerun {
+	case "":
+		return !r.hasAll(names)
+	case "failed":
+		if !r.hasAll(names) {
+			return true
+		}
+		for _, n := range names {
+			if r[n].Result == "failed" {
+				return true
+			}
+		}
+		return false
+	default:
+		return true
+	}
 }
 
 func (r conformanceResults) hasAll(names []string) bool {
