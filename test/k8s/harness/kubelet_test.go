@@ -1107,5 +1107,27 @@ func ourLoops() map[string]string {
 			m[dev] = line
 		}
 	}
+	// Kubelet holds every block volume it maps with a loop device of its own over the
+	// volume's device node. Once kubelet's bind mount of that node is gone, losetup shows
+	// its backing file as "/" on /dev's filesystem: it is known by the device and inode of
+	// one of ours.
+	held := map[string]bool{}
+	for dev := range m {
+		var st syscall.Stat_t
+		if err := syscall.Stat(dev, &st); err == nil {
+			held[fmt.Sprintf("[%04d]:%d ", unix.Major(st.Dev)<<8|unix.Minor(st.Dev), st.Ino)] = true
+		}
+	}
+	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+		dev, rest, ok := strings.Cut(line, ":")
+		if !ok {
+			continue
+		}
+		for h := range held {
+			if strings.HasPrefix(strings.TrimSpace(rest), h) {
+				m[dev] = line
+			}
+		}
+	}
 	return m
 }
