@@ -33,6 +33,9 @@ go test -race ./... -count=1 -timeout 40m
 echo "== legacy CSI client (test/legacy, spec v1.12.0)"
 (cd test/legacy && go vet ./... && go test ./... -count=1 -timeout 10m)
 if [ -f test/k8s/go.mod ]; then
-	echo "== Kubernetes harness (test/k8s)"
-	(cd test/k8s && go vet ./... && go test ./... -count=1 -timeout 60m)
+	# The storage e2e suite (TestE2EStorage, TestE2ETools) is make e2e and make conformance:
+	# building e2e.test alone took 16 min of a cold run here, which put make test past an
+	# hour. What the suite found is in docs/conformance.md.
+	echo "== Kubernetes harness (test/k8s), without the storage e2e suite (make e2e, make conformance)"
+	(cd test/k8s && go vet ./... && go test ./... -count=1 -timeout 80m -skip '^TestE2E')
 fi
