@@ -23,20 +23,25 @@ func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
 		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
 	}
 	points = slices.DeleteFunc(points, func(p string) bool { return p == target })
+	// The device's flag, not the mounts' flags, tells what the other publishes are:
+	// kubelet bind-mounts every block publish again under its global map path
+	// (volumeDevices/<pv>/dev/<pod>) read-write whatever the publish was, and a mount
+	// flag on a device node restricts nothing anyway.
+	ro, err := d.devs.ReadOnly(dev)
+	if err != nil {
+		return grpcError(err)
+	}
 	if readOnly {
-		for _, p := range points {
-			if info, ok, err := d.mounts.Info(p); err == nil && ok && !info.ReadOnly {
-				return status.Errorf(codes.FailedPrecondition, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, p)
-			}
+		if ro {
+			return nil // every publish on this node is read-only already
+		}
+		if len(points) > 0 {
+			return status.Errorf(codes.FailedPrecondition, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, points[0])
 		}
 		if err := d.devs.SetReadOnly(dev, true); err != nil {
 			return grpcError(err)
 		}
 		return nil
-	}
-	ro, err := d.devs.ReadOnly(dev)
-	if err != nil {
-		return grpcError(err)
 	}
 	if !ro {
 		return nil

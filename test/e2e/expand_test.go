@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"github.com/poolcsi/poolcsi/test/harness"
 	"os"
 	"path/filepath"
@@ -200,10 +201,38 @@ func TestBlockReadOnlyPublish(t *testing.T) {
 	if !errors.Is(err, unix.EROFS) && !errors.Is(err, unix.EPERM) && !errors.Is(err, unix.EACCES) {
 		t.Errorf("write to a read-only published block device: %v, want EROFS/EPERM/EACCES", err)
 	}
-	// A read-write publish beside it cannot be honoured with a per-device flag.
+	// Kubelet bind-mounts the device node itself (from /dev, so read-write) under its
+	// global map path for each block publish; a second read-only publish (two pods with
+	// readOnly claims, the e2e suite's multiVolume spec) must still be accepted beside it.
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil {
+		t.Fatal(err)
+	}
+	node := fmt.Sprintf("/dev/loop%d", unix.Minor(st.Rdev))
+	kubeletMap := filepath.Join(e.root, "map", "dev", "pod-1")
+	if err := os.MkdirAll(filepath.Dir(kubeletMap), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(kubeletMap, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount(node, kubeletMap, "", unix.MS_BIND, ""); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(kubeletMap, 0) })
+	second := filepath.Join(e.root, "target", "second")
+	t.Cleanup(func() { _ = unix.Unmount(second, 0); os.Remove(second) })
+	wantCode(t, "second read-only publish beside kubelet's read-write map", e.tryPublish(id, second, vc, true), codes.OK)
+	if err := unix.Unmount(second, 0); err != nil {
+		t.Fatal(err)
+	}
+	// A read-write publish beside them cannot be honoured with a per-device flag.
 	other := filepath.Join(e.root, "target", "other")
 	t.Cleanup(func() { os.Remove(other) })
 	wantCode(t, "read-write publish beside a read-only one", e.tryPublish(id, other, vc, false), codes.FailedPrecondition)
+	if err := unix.Unmount(kubeletMap, 0); err != nil {
+		t.Fatal(err)
+	}
 
 	e.unpublish(id)
 	e.publish(id, vc, false)
