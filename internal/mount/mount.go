@@ -47,32 +47,31 @@ type MountInfo struct {
 
 // cleanPath resolves symlinks when it can, since mountinfo lists resolved
 // paths; a broken (e.g. stale) mount point falls back to the cleaned path.
-func cleanPath(p string) (string, error) {
+// missing is true when the path does not resolve at all: nothing can be
+// mounted there. A stale mount fails its lstat with ESTALE or ENOTCONN, never
+// ENOENT, so it is not missing.
+func cleanPath(p string) (path string, missing bool, err error) {
 	abs, err := filepath.Abs(p)
 	if err != nil {
-		return "", fmt.Errorf("resolve %s: %w", p, err)
+		return "", false, fmt.Errorf("resolve %s: %w", p, err)
 	}
-	if r, err := filepath.EvalSymlinks(abs); err == nil {
-		return r, nil
+	r, err := filepath.EvalSymlinks(abs)
+	if err == nil {
+		return r, false, nil
 	}
-	return abs, nil
+	return abs, errors.Is(err, fs.ErrNotExist), nil
 }
 
 // Info reports the topmost mount on target from /proc/self/mountinfo.
 func (m *Mounter) Info(target string) (MountInfo, bool, error) {
-	abs, err := filepath.Abs(target)
+	p, missing, err := cleanPath(target)
 	if err != nil {
-		return MountInfo{}, false, fmt.Errorf("resolve %s: %w", target, err)
+		return MountInfo{}, false, err
 	}
-	p, err := filepath.EvalSymlinks(abs)
-	switch {
-	case errors.Is(err, fs.ErrNotExist):
-		// Nothing is mounted on a path that does not resolve: mountinfo need not be read
-		// (publish asks about a target kubelet has not created yet). A stale mount fails
-		// its lstat with ESTALE or ENOTCONN, never ENOENT, and is still looked up.
+	if missing {
+		// mountinfo need not be read (publish asks about a target kubelet has
+		// not created yet).
 		return MountInfo{}, false, nil
-	case err != nil:
-		p = abs
 	}
 	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(p))
 	if err != nil {
@@ -141,7 +140,7 @@ func MountPoints(dev string) ([]string, error) {
 		}
 		return nil, &os.PathError{Op: "stat", Path: dev, Err: err}
 	}
-	resolved, err := cleanPath(dev)
+	resolved, _, err := cleanPath(dev)
 	if err != nil {
 		return nil, err
 	}
@@ -172,7 +171,7 @@ func sameDevice(info MountInfo, source string) bool {
 		info.Major == int(unix.Major(st.Rdev)) && info.Minor == int(unix.Minor(st.Rdev)) {
 		return true
 	}
-	r, err := cleanPath(source)
+	r, _, err := cleanPath(source)
 	return err == nil && (info.Source == source || info.Source == r)
 }
 
