@@ -95,9 +95,9 @@ func BusyboxImage(t testing.TB, ref string) Image {
 	return img
 }
 
-// WithHostBinaries is img with the files at paths replaced by this machine's binaries, each
-// with the shared libraries it loads: for the busybox applets that lack what a test image
-// has (GNU dd's oflag=nocache).
+// WithHostBinaries is img with the files at paths replaced by (or added as) this machine's
+// binaries, each with the shared libraries it loads: the poolcsi image's tools, and the
+// busybox applets that lack what a test image has (GNU dd's oflag=nocache).
 func WithHostBinaries(t testing.TB, img Image, paths ...string) Image {
 	t.Helper()
 	out := img
@@ -171,28 +171,14 @@ func PoolcsiImage(t testing.TB, ref, bin string) Image {
 	}
 	img := Image{Ref: ref, Entrypoint: []string{"/usr/local/bin/poolcsi"}, Cmd: []string{"serve", "--help"},
 		Files: append([]ImageFile{{Path: "/usr/local/bin/poolcsi", Src: bin}}, mergedUsr...)}
-	seen := map[string]bool{}
-	add := func(p string) {
-		if seen[p] {
-			return
-		}
-		seen[p] = true
-		img.Files = append(img.Files, ImageFile{Path: usrPath(p), Src: p})
-	}
+	var paths []string
 	for _, tl := range tools {
 		if !fileExists(tl.Path) {
 			missing(t, fmt.Sprintf("needs %s (Debian package %s) for the poolcsi image", tl.Path, tl.Package))
 		}
-		add(tl.Path)
-		libs, err := sharedLibraries(tl.Path)
-		if err != nil {
-			t.Fatalf("libraries of %s: %v", tl.Path, err)
-		}
-		for _, l := range libs {
-			add(l)
-		}
+		paths = append(paths, tl.Path)
 	}
-	return img
+	return WithHostBinaries(t, img, paths...)
 }
 
 // usrPath maps /lib/x/y to /usr/lib/x/y: in the image /lib is a link, as on the host.

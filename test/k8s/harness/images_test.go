@@ -111,3 +111,26 @@ func TestWithHostBinaries(t *testing.T) {
 		t.Error("WithHostBinaries changed the image it was given")
 	}
 }
+
+// The poolcsi image holds every tool of deploy/image-tools.txt, once each.
+func TestPoolcsiImageFiles(t *testing.T) {
+	tools, err := ImageTools()
+	if err != nil {
+		t.Fatal(err)
+	}
+	img := PoolcsiImage(t, "x", "/bin/true")
+	count := map[string]int{}
+	for _, f := range img.Files {
+		count[f.Path]++
+	}
+	for p, n := range count {
+		if n > 1 {
+			t.Errorf("%s is in the image %d times", p, n)
+		}
+	}
+	for _, tl := range tools {
+		if count[usrPath(tl.Path)] != 1 {
+			t.Errorf("%s (%s) is not in the image", tl.Path, tl.Package)
+		}
+	}
+}
