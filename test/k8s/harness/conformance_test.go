@@ -135,3 +135,25 @@ func TestReadJUnitChunk(t *testing.T) {
 		t.Error("a spec the focus left out is recorded as run")
 	}
 }
+
+// make conformance's knobs are read, and refused, before any cluster starts.
+func TestConformanceOpts(t *testing.T) {
+	for _, tc := range []struct {
+		budget, procs string
+		ok            bool
+	}{
+		{"", "", true}, {"2h", "1", true}, {"soon", "", false}, {"", "0", false}, {"", "three", false},
+	} {
+		t.Setenv("POOLCSI_E2E_BUDGET", tc.budget)
+		t.Setenv("POOLCSI_E2E_PROCS", tc.procs)
+		o, err := conformanceOptsFromEnv()
+		if (err == nil) != tc.ok {
+			t.Errorf("budget %q procs %q: %+v, %v", tc.budget, tc.procs, o, err)
+		}
+	}
+	t.Setenv("POOLCSI_E2E_BUDGET", "")
+	t.Setenv("POOLCSI_E2E_PROCS", "")
+	if o, _ := conformanceOptsFromEnv(); o.budget != 5*time.Hour || o.procs != 3 {
+		t.Errorf("defaults = %+v", o)
+	}
+}

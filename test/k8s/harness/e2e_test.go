@@ -62,6 +62,15 @@ func TestE2EStorage(t *testing.T) {
 		ag.Entrypoint, ag.Cmd = []string{"/agnhost"}, nil
 		return []Image{bb, bb136, glibc, nginx, ag}
 	}
+	report := os.Getenv("POOLCSI_E2E_REPORT")
+	var opts conformanceOpts
+	if report != "" {
+		// Read before the cluster starts, so that a bad value fails at once.
+		var err error
+		if opts, err = conformanceOptsFromEnv(); err != nil {
+			t.Fatal(err)
+		}
+	}
 	env := startKubeletEnvWith(t, images)
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
@@ -70,9 +79,9 @@ func TestE2EStorage(t *testing.T) {
 	}
 	k8sDir := filepath.Join(chart.RepoRoot(), "test", "k8s")
 	run := e2eRun{env: env, e2e: e2e, repoList: repoList, k8sDir: k8sDir, dir: dir}
-	if report := os.Getenv("POOLCSI_E2E_REPORT"); report != "" {
+	if report != "" {
 		run.ginkgo = ginkgoTool.Path(t)
-		run.conformance(t, focus, report)
+		run.conformance(t, focus, report, opts)
 		return
 	}
 	res := run.run(t, focus, "e2e")
@@ -123,7 +132,7 @@ func ginkgoArgs(prefix, focus, skip, junit string) []string {
 func (r e2eRun) run(t *testing.T, focus, name string) *e2eResults {
 	t.Helper()
 	junit := filepath.Join(r.dir, name+".junit.xml")
-	return r.exec(t, exec.Command(r.e2e, append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...)...), name, junit)
+	return r.exec(t, r.command(r.e2e, append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...)...), name, junit)
 }
 
 // runParallel runs the specs matching focus and not skip on procs ginkgo processes at once
@@ -134,12 +143,19 @@ func (r e2eRun) runParallel(t *testing.T, focus, skip, name string, procs int) *
 	junit := filepath.Join(r.dir, name+".junit.xml")
 	args := append([]string{"--procs=" + strconv.Itoa(procs)}, ginkgoArgs("--", focus, skip, junit)...)
 	args = append(append(args, r.e2e, "--"), r.suiteArgs()...)
-	return r.exec(t, exec.Command(r.ginkgo, args...), name, junit)
+	return r.exec(t, r.command(r.ginkgo, args...), name, junit)
+}
+
+// command runs bin (e2e.test, or the ginkgo CLI running it) with the image names mapped to
+// the images built here.
+func (r e2eRun) command(bin string, args ...string) *exec.Cmd {
+	cmd := exec.Command(bin, args...)
+	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
+	return cmd
 }
 
 func (r e2eRun) exec(t *testing.T, cmd *exec.Cmd, name, junit string) *e2eResults {
 	t.Helper()
-	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
 	logPath := filepath.Join(r.env.c.Dir, "logs", name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
@@ -162,8 +178,7 @@ func (r e2eRun) exec(t *testing.T, cmd *exec.Cmd, name, junit string) *e2eResult
 func (r e2eRun) list(t *testing.T, focus string) []string {
 	t.Helper()
 	junit := filepath.Join(r.dir, "list.junit.xml")
-	cmd := exec.Command(r.e2e, append(append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...), "--ginkgo.dry-run")...)
-	cmd.Env = append(os.Environ(), "KUBE_TEST_REPO_LIST="+r.repoList)
+	cmd := r.command(r.e2e, append(append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...), "--ginkgo.dry-run")...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("e2e.test --ginkgo.dry-run: %v\n%s", err, tail(string(out), 40))
 	}
@@ -190,7 +205,7 @@ var chunkOf = regexp.MustCompile(`^External Storage \[Driver: [^\]]+\](?: \[[^\]
 // failed spec, after a fix), so an interrupted run resumes
 // where it stopped; POOLCSI_E2E_BUDGET (a duration) stops starting chunks after that long.
 // The whole suite takes hours on a 2-core machine, more than one sitting.
-func (r e2eRun) conformance(t *testing.T, focus, report string) {
+func (r e2eRun) conformance(t *testing.T, focus, report string, opts conformanceOpts) {
 	resultsPath := filepath.Join(r.k8sDir, "e2e", "results.json")
 	results, err := loadResults(resultsPath)
 	if err != nil {
@@ -213,12 +228,6 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 		chunks[c] = append(chunks[c], name)
 	}
 	sort.Strings(order)
-	budget := 5 * time.Hour
-	if b := os.Getenv("POOLCSI_E2E_BUDGET"); b != "" {
-		if budget, err = time.ParseDuration(b); err != nil {
-			t.Fatalf("POOLCSI_E2E_BUDGET: %v", err)
-		}
-	}
 	start := time.Now()
 	save := func() {
 		if err := results.save(resultsPath); err != nil {
@@ -229,14 +238,14 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 		}
 	}
 	for i, c := range order {
-		if !results.due(chunks[c], os.Getenv("POOLCSI_E2E_RERUN")) {
+		if !results.due(chunks[c], opts.rerun) {
 			continue
 		}
-		if time.Since(start) > budget {
-			t.Logf("budget %s spent: chunks from %q on are left for the next run", budget, c)
+		if time.Since(start) > opts.budget {
+			t.Logf("budget %s spent: chunks from %q on are left for the next run", opts.budget, c)
 			break
 		}
-		res := r.runChunk(t, c, chunks[c], fmt.Sprintf("chunk-%03d", i))
+		res := r.runChunk(t, c, chunks[c], fmt.Sprintf("chunk-%03d", i), opts.procs)
 		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
 		for _, f := range res.failed {
 			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
@@ -251,19 +260,38 @@ func (r e2eRun) conformance(t *testing.T, focus, report string) {
 // specs (a label only, not ginkgo's Serial decorator, so ginkgo would run them beside others).
 var serialSpec = regexp.MustCompile(`\[(Serial|Disruptive)\]`)
 
-// runChunk runs one chunk's specs: those that may share the cluster on
-// $POOLCSI_E2E_PROCS ginkgo processes (default 3), then the serial ones alone. A report
-// lists every spec of the suite, the ones its focus or skip left out as "skipped": only
-// the specs each run was for are its results.
-func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string) *e2eResults {
-	procs := 3
+// conformanceOpts are make conformance's knobs: POOLCSI_E2E_BUDGET (stop starting chunks
+// after this long; default 5h), POOLCSI_E2E_PROCS (ginkgo processes; default 3) and
+// POOLCSI_E2E_RERUN (see conformanceResults.due).
+type conformanceOpts struct {
+	budget time.Duration
+	procs  int
+	rerun  string
+}
+
+func conformanceOptsFromEnv() (conformanceOpts, error) {
+	o := conformanceOpts{budget: 5 * time.Hour, procs: 3, rerun: os.Getenv("POOLCSI_E2E_RERUN")}
+	if b := os.Getenv("POOLCSI_E2E_BUDGET"); b != "" {
+		d, err := time.ParseDuration(b)
+		if err != nil {
+			return o, fmt.Errorf("POOLCSI_E2E_BUDGET: %w", err)
+		}
+		o.budget = d
+	}
 	if p := os.Getenv("POOLCSI_E2E_PROCS"); p != "" {
 		n, err := strconv.Atoi(p)
 		if err != nil || n < 1 {
-			t.Fatalf("POOLCSI_E2E_PROCS=%q: want a number of processes", p)
+			return o, fmt.Errorf("POOLCSI_E2E_PROCS=%q: want a number of processes", p)
 		}
-		procs = n
+		o.procs = n
 	}
+	return o, nil
+}
+
+// runChunk runs one chunk's specs: those that may share the cluster on procs ginkgo
+// processes, then the serial ones alone. A report lists every spec of the suite, the ones
+// its focus or skip left out as "skipped": only the specs each run was for are its results.
+func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string, procs int) *e2eResults {
 	var parallel, serial []string
 	for _, n := range names {
 		if serialSpec.MatchString(n) {
