@@ -1088,23 +1088,25 @@ func ourLoops() map[string]string {
 	for _, p := range []string{localPoolPath, sharedPoolPath} {
 		var st syscall.Stat_t
 		if err := syscall.Stat(p, &st); err == nil {
-			// losetup prints the backing file's device the old way: major<<8 | minor.
-			pools = append(pools, fmt.Sprintf("[%04d]:", unix.Major(st.Dev)<<8|unix.Minor(st.Dev)))
+			pools = append(pools, losetupFile(st.Dev, 0))
 		}
 	}
 	out, _ := exec.Command("losetup", "-a").Output()
-	m := map[string]string{}
+	type loop struct{ dev, backing, line string }
+	var loops []loop
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		dev, rest, ok := strings.Cut(line, ":")
-		if !ok {
-			continue
+		if dev, rest, ok := strings.Cut(line, ":"); ok {
+			loops = append(loops, loop{dev, strings.TrimSpace(rest), line})
 		}
-		mine := strings.Contains(rest, "("+KubeletDir+"/")
+	}
+	m := map[string]string{}
+	for _, l := range loops {
+		mine := strings.Contains(l.backing, "("+KubeletDir+"/")
 		for _, p := range pools {
-			mine = mine || strings.HasPrefix(strings.TrimSpace(rest), p)
+			mine = mine || strings.HasPrefix(l.backing, p)
 		}
 		if mine {
-			m[dev] = line
+			m[l.dev] = l.line
 		}
 	}
 	// Kubelet holds every block volume it maps with a loop device of its own over the
@@ -1115,19 +1117,23 @@ func ourLoops() map[string]string {
 	for dev := range m {
 		var st syscall.Stat_t
 		if err := syscall.Stat(dev, &st); err == nil {
-			held[fmt.Sprintf("[%04d]:%d ", unix.Major(st.Dev)<<8|unix.Minor(st.Dev), st.Ino)] = true
+			held[losetupFile(st.Dev, st.Ino)] = true
 		}
 	}
-	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-		dev, rest, ok := strings.Cut(line, ":")
-		if !ok {
-			continue
-		}
-		for h := range held {
-			if strings.HasPrefix(strings.TrimSpace(rest), h) {
-				m[dev] = line
-			}
+	for _, l := range loops {
+		if file, _, _ := strings.Cut(l.backing, " "); held[file] {
+			m[l.dev] = l.line
 		}
 	}
 	return m
+}
+
+// losetupFile is how losetup -a names a backing file's filesystem device (the old way:
+// major<<8 | minor) and, if ino is not 0, the file: "[0006]:99".
+func losetupFile(dev, ino uint64) string {
+	s := fmt.Sprintf("[%04d]:", unix.Major(dev)<<8|unix.Minor(dev))
+	if ino != 0 {
+		s += strconv.FormatUint(ino, 10)
+	}
+	return s
 }
