@@ -33,6 +33,7 @@ var errorCodes = []struct {
 	{pool.ErrNotReady, codes.NotFound},
 	{os.ErrNotExist, codes.NotFound},
 	{pool.ErrCorrupt, codes.Internal},
+	{errForeignMount, codes.FailedPrecondition},
 }
 
 // grpcError turns an error into a gRPC status. A status passes through

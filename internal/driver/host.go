@@ -18,7 +18,7 @@ type MountTable interface {
 	Mount(ctx context.Context, source, target, fsType string, options []string) error
 	Bind(ctx context.Context, source, target string, readOnly bool, options []string) error
 	BindBlock(ctx context.Context, device, target string, readOnly bool) error
-	Unmount(ctx context.Context, target string) error
+	UnmountChecked(ctx context.Context, target string, check func(mount.MountInfo) error) error
 	MountPoints(dev string) ([]string, error)
 	MountsBelow(dir string) ([]string, error)
 	MountedElsewhere(data string, except ...string) (string, error)

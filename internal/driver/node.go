@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -139,6 +140,22 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
+// errForeignMount is the class of an unmount refused by onlyVolume.
+var errForeignMount = errors.New("refusing to unmount what is not this volume")
+
+// onlyVolume is the check before each unmount of a path the CO named (what
+// says which): only the volume's own mount is taken down, so a wrong or
+// hostile call cannot unmount another volume's mount or anything else mounted
+// there.
+func (d *Driver) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) func(mount.MountInfo) error {
+	return func(info mount.MountInfo) error {
+		if d.showsVolume(p, vid, path, info) {
+			return nil
+		}
+		return fmt.Errorf("%s %s holds %s, not volume %s: %w", what, path, info.Source, vid, errForeignMount)
+	}
+}
+
 // showsVolume tells whether the mount info at path shows volume vid: the
 // filesystem or the device node of the loop device its image is attached to,
 // or its data directory. It needs no metadata, so a volume whose volume.json is
@@ -225,12 +242,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	defer release()
 	image := p.ImagePath(vid)
-	if info, mounted, err := d.mounts.Info(staging); err != nil {
-		return nil, grpcError(fmt.Errorf("inspect %s: %w", staging, err))
-	} else if mounted && !d.showsVolume(p, vid, staging, info) {
-		return nil, status.Errorf(codes.FailedPrecondition, "staging path %s holds %s, not volume %s; refusing to unmount it", staging, info.Source, vid)
-	}
-	if err := d.mounts.Unmount(ctx, staging); err != nil {
+	if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", staging, err))
 	}
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
@@ -254,29 +266,21 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 // mounted and that this node never recorded belongs to something else (two
 // node plugins on one kernel in tests, or an operator) and is left alone.
 func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
-	dev, ok, err := d.loops.Find(image)
-	if err != nil {
-		return grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
-	}
-	if !ok {
-		return nil
-	}
-	points, err := d.mounts.MountPoints(dev)
-	if err != nil {
-		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
-	}
-	if len(points) > 0 {
-		v, err := p.Load(vid)
-		recorded := err != nil // unreadable metadata: act as before, detach
+	// Detach itself refuses a device that is still mounted (it reads the mount
+	// table for that, so this does not read it again first).
+	err := d.loops.Detach(ctx, image)
+	if errors.Is(err, mount.ErrDeviceBusy) {
+		v, lerr := p.Load(vid)
+		recorded := lerr != nil // unreadable metadata: act as before, fail the detach
 		for _, s := range v.GetStaged() {
 			recorded = recorded || s.Node == d.opts.NodeID
 		}
 		if !recorded {
-			klog.FromContext(ctx).Info("Not detaching a loop device this node did not stage", "volume", vid, "device", dev, "mountedAt", points)
+			klog.FromContext(ctx).Info("Not detaching a loop device this node did not stage", "volume", vid, "reason", err.Error())
 			return nil
 		}
 	}
-	if err := d.loops.Detach(ctx, image); err != nil {
+	if err != nil {
 		return grpcError(fmt.Errorf("detach loop device of %s: %w", image, err))
 	}
 	return nil
@@ -320,15 +324,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	// The volume's pool, to tell its mounts from others: a volume whose pool
 	// is unknown here (nil) has none.
 	p, _ := d.poolOf(ctx, vid, shareAccess{})
-	// Only this volume's mount is taken down: the CO names the target, and a
-	// wrong or hostile call must not unmount another volume's pod mount or
-	// anything else mounted there.
-	if info, mounted, err := d.mounts.Info(target); err != nil {
-		return nil, grpcError(fmt.Errorf("inspect %s: %w", target, err))
-	} else if mounted && !d.showsVolume(p, vid, target, info) {
-		return nil, status.Errorf(codes.FailedPrecondition, "target path %s holds %s, not volume %s; refusing to unmount it", target, info.Source, vid)
-	}
-	if err := d.mounts.Unmount(ctx, target); err != nil {
+	if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", target, err))
 	}
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)

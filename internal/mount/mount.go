@@ -73,6 +73,11 @@ func (m *Mounter) Info(target string) (MountInfo, bool, error) {
 		// not created yet).
 		return MountInfo{}, false, nil
 	}
+	if root, known := mountRoot(p); known && !root {
+		// Nor for a path the kernel says is no mount's root: a staging or target
+		// directory before its mount, and after each unmount.
+		return MountInfo{}, false, nil
+	}
 	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(p))
 	if err != nil {
 		return MountInfo{}, false, fmt.Errorf("read mountinfo: %w", err)
@@ -82,6 +87,23 @@ func (m *Mounter) Info(target string) (MountInfo, bool, error) {
 	}
 	// Entries are in mount order, so the last one is what the path shows.
 	return toMountInfo(infos[len(infos)-1]), true, nil
+}
+
+// mountRoot asks the kernel whether path is the root of a mount (statx's
+// STATX_ATTR_MOUNT_ROOT, Linux 5.8): the answer mountinfo would give about
+// whether anything is mounted there, without the kernel printing, and the
+// driver parsing, every mount of the node (hundreds on a busy one). known is
+// false when the kernel cannot say (an older kernel; a stale mount, whose statx
+// fails), and then mountinfo decides.
+func mountRoot(path string) (root, known bool) {
+	var stx unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, unix.AT_SYMLINK_NOFOLLOW|unix.AT_STATX_DONT_SYNC, unix.STATX_TYPE, &stx); err != nil {
+		return false, false
+	}
+	if stx.Attributes_mask&unix.STATX_ATTR_MOUNT_ROOT == 0 {
+		return false, false
+	}
+	return stx.Attributes&unix.STATX_ATTR_MOUNT_ROOT != 0, true
 }
 
 func toMountInfo(i *mountinfo.Info) MountInfo {
@@ -291,6 +313,15 @@ func (m *Mounter) BindBlock(ctx context.Context, device, target string, readOnly
 // is an empty directory or an empty file. Missing or unmounted is success;
 // a directory or file with content is never removed and yields an error.
 func (m *Mounter) Unmount(ctx context.Context, target string) error {
+	return m.UnmountChecked(ctx, target, nil)
+}
+
+// UnmountChecked is Unmount that first asks check about each mount it finds
+// on target (when check is not nil) and stops with check's error, as check
+// returned it, at the first mount check refuses: a caller that must only take
+// down its own mount says so there, and the mount table is read once for the
+// check and the unmount.
+func (m *Mounter) UnmountChecked(ctx context.Context, target string, check func(MountInfo) error) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -311,6 +342,11 @@ func (m *Mounter) Unmount(ctx context.Context, target string) error {
 		}
 		if i >= maxStackedUnmounts {
 			return fmt.Errorf("unmount %s: still mounted after %d unmounts", target, i)
+		}
+		if check != nil {
+			if err := check(info); err != nil {
+				return err
+			}
 		}
 		if err := sysUnmount(info.Target); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)

@@ -334,3 +334,59 @@ func TestInfoPaths(t *testing.T) {
 		t.Errorf("Info(symlink to /) = %t, %v; want mounted", ok, err)
 	}
 }
+
+// Info's statx shortcut (a path that is no mount's root is not mounted) gives
+// mountinfo's answer for mount roots, paths below them, bind mounts of a
+// directory and of a file, and a path after its mount is gone.
+func TestInfoAgreesWithMountinfo(t *testing.T) {
+	testutil.RequireRoot(t)
+	dir := t.TempDir()
+	fsRoot, sub, bindDir := filepath.Join(dir, "fs"), filepath.Join(dir, "fs", "sub"), filepath.Join(dir, "bind")
+	file, bindFile := filepath.Join(dir, "file"), filepath.Join(dir, "bindfile")
+	for _, d := range []string{fsRoot, bindDir} {
+		if err := os.Mkdir(d, 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, f := range []string{file, bindFile} {
+		if err := os.WriteFile(f, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mount := func(source, target, fsType string, flags uintptr) {
+		if err := unix.Mount(source, target, fsType, flags, ""); err != nil {
+			t.Fatalf("mount %s on %s: %v", source, target, err)
+		}
+		t.Cleanup(func() { _ = unix.Unmount(target, unix.MNT_DETACH) })
+	}
+	mount("poolcsi-test", fsRoot, "tmpfs", 0)
+	if err := os.Mkdir(sub, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	mount(sub, bindDir, "", unix.MS_BIND)
+	mount(file, bindFile, "", unix.MS_BIND)
+
+	m := NewMounter()
+	check := func(p string, want bool) {
+		t.Helper()
+		if root, known := mountRoot(p); !known {
+			t.Errorf("statx does not say whether %s is a mount root on this kernel", p)
+		} else if root != want {
+			t.Errorf("mountRoot(%s) = %t, want %t", p, root, want)
+		}
+		info, ok, err := m.Info(p)
+		if err != nil || ok != want {
+			t.Errorf("Info(%s) = %+v, %t, %v; want mounted=%t", p, info, ok, err, want)
+		}
+	}
+	for _, c := range []struct {
+		path    string
+		mounted bool
+	}{{fsRoot, true}, {sub, false}, {bindDir, true}, {bindFile, true}, {file, false}, {dir, false}} {
+		check(c.path, c.mounted)
+	}
+	if err := unix.Unmount(bindDir, 0); err != nil {
+		t.Fatal(err)
+	}
+	check(bindDir, false)
+}

@@ -486,12 +486,19 @@ func (h *Host) BindBlock(ctx context.Context, dev, target string, readOnly bool)
 	return nil
 }
 
-func (h *Host) Unmount(ctx context.Context, target string) error {
+func (h *Host) UnmountChecked(ctx context.Context, target string, check func(mount.MountInfo) error) error {
 	if err := h.Faults.hit("Unmount"); err != nil {
 		return err
 	}
 	if err := ctx.Err(); err != nil {
 		return err
+	}
+	if check != nil {
+		if info, ok, _ := h.Info(target); ok {
+			if err := check(info); err != nil {
+				return err
+			}
+		}
 	}
 	target = filepath.Clean(target)
 	h.mu.Lock()
