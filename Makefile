@@ -2,7 +2,7 @@
 BIN := bin/poolcsi
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 
-.PHONY: build test unit lint fuzz run demo clean e2e conformance
+.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop
 
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
@@ -47,6 +47,10 @@ conformance:
 	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
 		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) \
 		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
+
+# Stops a running make conformance after the chunk it is running (its results kept).
+conformance-stop:
+	touch /run/lock/poolcsi-conformance.stop
 
 # A guided tour (root): one volume through every CSI call on a throw-away pool.
 demo:
