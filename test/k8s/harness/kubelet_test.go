@@ -456,6 +456,8 @@ func (e *kubeletEnv) storageClasses(t testing.TB) {
 			Parameters: map[string]string{"pool": "local", "layout": "image", "csi.storage.k8s.io/fstype": "btrfs"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "local-ext4"}, Provisioner: localDriver, VolumeBindingMode: &wffc,
 			Parameters: map[string]string{"pool": "local", "layout": "image", "csi.storage.k8s.io/fstype": "ext4"}},
+		{ObjectMeta: metav1.ObjectMeta{Name: "local-immediate"}, Provisioner: localDriver, VolumeBindingMode: &immediate,
+			Parameters: map[string]string{"pool": "local", "layout": "image", "csi.storage.k8s.io/fstype": "xfs"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "shared-dir"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
 			Parameters: map[string]string{"pool": "shared", "layout": "dir"}},
 		{ObjectMeta: metav1.ObjectMeta{Name: "share-bind"}, Provisioner: sharedDrv, VolumeBindingMode: &immediate,
@@ -814,6 +816,24 @@ func kubeletMore(t *testing.T, env *kubeletEnv) {
 		env.mustExec(t, ns, "b", "echo from-b > /data/b")
 		if got := env.mustExec(t, ns, "b", "cat /data/a") + env.mustExec(t, ns, "a", "cat /data/b"); got != "from-a\nfrom-b\n" {
 			t.Fatalf("the two pods do not see each other's writes: %q", got)
+		}
+	})
+
+	t.Run("local claim of an Immediate class", func(t *testing.T) {
+		// No pod yet: a node's provisioner takes the claim (csi-provisioner's distributed
+		// immediate binding, after a random wait of up to its 20 s base delay), and the pod
+		// then goes where the volume is.
+		ns := env.namespace(t, "immediate")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-immediate", size: "300Mi"})
+		waitFor(t, 2*time.Minute, "claim "+ns+"/c of an Immediate local class bound without a pod", func() error {
+			if pvc := env.pvc(t, ns, "c"); pvc.Status.Phase != corev1.ClaimBound {
+				return fmt.Errorf("phase %s; events: %s", pvc.Status.Phase, env.events(ns, "c"))
+			}
+			return nil
+		})
+		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		if got := env.mustExec(t, ns, "p", "echo ok > /data/x && cat /data/x"); got != "ok\n" {
+			t.Fatalf("read back %q", got)
 		}
 	})
 
