@@ -139,21 +139,24 @@ func TestReadJUnitChunk(t *testing.T) {
 // make conformance's knobs are read, and refused, before any cluster starts.
 func TestConformanceOpts(t *testing.T) {
 	for _, tc := range []struct {
-		budget, procs string
-		ok            bool
+		budget, procs, chunks string
+		ok                    bool
 	}{
-		{"", "", true}, {"2h", "1", true}, {"soon", "", false}, {"", "0", false}, {"", "three", false},
+		{"", "", "", true}, {"2h", "1", "", true}, {"soon", "", "", false}, {"", "0", "", false}, {"", "three", "", false},
+		{"", "", `local\.poolcsi\.io.*Snapshot`, true}, {"", "", "Snapshot(", false},
 	} {
 		t.Setenv("POOLCSI_E2E_BUDGET", tc.budget)
 		t.Setenv("POOLCSI_E2E_PROCS", tc.procs)
+		t.Setenv("POOLCSI_E2E_CHUNKS", tc.chunks)
 		o, err := conformanceOptsFromEnv()
 		if (err == nil) != tc.ok {
-			t.Errorf("budget %q procs %q: %+v, %v", tc.budget, tc.procs, o, err)
+			t.Errorf("budget %q procs %q chunks %q: %+v, %v", tc.budget, tc.procs, tc.chunks, o, err)
 		}
 	}
 	t.Setenv("POOLCSI_E2E_BUDGET", "")
 	t.Setenv("POOLCSI_E2E_PROCS", "")
-	if o, _ := conformanceOptsFromEnv(); o.budget != 5*time.Hour || o.procs != 3 {
+	t.Setenv("POOLCSI_E2E_CHUNKS", "")
+	if o, _ := conformanceOptsFromEnv(); o.budget != 5*time.Hour || o.procs != 3 || o.chunks != nil {
 		t.Errorf("defaults = %+v", o)
 	}
 }

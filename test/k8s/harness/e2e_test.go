@@ -71,7 +71,9 @@ func TestE2EStorage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	env := startKubeletEnvWith(t, images)
+	// The chart's opt-in local snapshots (snapshots.local), so that the local driver's
+	// definition can claim snapshots: everything poolcsi does.
+	env := startKubeletEnvWith(t, images, map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}})
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
 	if err := os.WriteFile(repoList, []byte(e2eRepoList), 0o644); err != nil {
@@ -242,7 +244,7 @@ func (r e2eRun) conformance(t *testing.T, focus, report string, opts conformance
 		}
 	}
 	for i, c := range order {
-		if !results.due(chunks[c], opts.rerun) {
+		if (opts.chunks != nil && !opts.chunks.MatchString(c)) || !results.due(chunks[c], opts.rerun) {
 			continue
 		}
 		if time.Since(start) > opts.budget {
@@ -274,12 +276,14 @@ const conformanceStop = "/run/lock/poolcsi-conformance.stop"
 var serialSpec = regexp.MustCompile(`\[(Serial|Disruptive)\]`)
 
 // conformanceOpts are make conformance's knobs: POOLCSI_E2E_BUDGET (stop starting chunks
-// after this long; default 5h), POOLCSI_E2E_PROCS (ginkgo processes; default 3) and
-// POOLCSI_E2E_RERUN (see conformanceResults.due).
+// after this long; default 5h), POOLCSI_E2E_PROCS (ginkgo processes; default 3),
+// POOLCSI_E2E_RERUN (see conformanceResults.due) and POOLCSI_E2E_CHUNKS (a regexp: only the
+// chunks it matches run, e.g. after a definition claims a capability it did not before).
 type conformanceOpts struct {
 	budget time.Duration
 	procs  int
 	rerun  string
+	chunks *regexp.Regexp
 }
 
 func conformanceOptsFromEnv() (conformanceOpts, error) {
@@ -290,6 +294,13 @@ func conformanceOptsFromEnv() (conformanceOpts, error) {
 			return o, fmt.Errorf("POOLCSI_E2E_BUDGET: %w", err)
 		}
 		o.budget = d
+	}
+	if c := os.Getenv("POOLCSI_E2E_CHUNKS"); c != "" {
+		re, err := regexp.Compile(c)
+		if err != nil {
+			return o, fmt.Errorf("POOLCSI_E2E_CHUNKS: %w", err)
+		}
+		o.chunks = re
 	}
 	if p := os.Getenv("POOLCSI_E2E_PROCS"); p != "" {
 		n, err := strconv.Atoi(p)

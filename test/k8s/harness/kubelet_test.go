@@ -49,7 +49,7 @@ type kubeletEnv struct {
 // with kubelet.
 func startKubeletEnv(t testing.TB) *kubeletEnv {
 	t.Helper()
-	return startKubeletEnvWith(t, nil)
+	return startKubeletEnvWith(t, nil, nil)
 }
 
 // kubeletEnvLock is held while a kubelet environment exists on this machine.
@@ -88,8 +88,9 @@ func lockKubeletEnv(t testing.TB) {
 	_, _ = f.WriteAt([]byte(fmt.Sprintf("pid %d (%s)\n", os.Getpid(), t.Name())), 0)
 }
 
-// startKubeletEnvWith is startKubeletEnv with more images to import.
-func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletEnv {
+// startKubeletEnvWith is startKubeletEnv with more images to import and chart values set
+// beside the image overrides (top-level keys).
+func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values map[string]any) *kubeletEnv {
 	t.Helper()
 	requireNode(t)
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
@@ -104,8 +105,11 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletE
 	ip := NodeIP(t)
 	c := StartClusterWith(t, dir, ClusterOptions{NodeIP: ip})
 	installSnapshotCRDs(t, c)
+	// Distributed snapshotting, for a chart with snapshots.local (the e2e run's): local volumes
+	// are snapshotted by their node's csi-snapshotter, which only sees contents labelled with
+	// its node.
 	c.Start(t, "snapshot-controller", snapshotControllerTool.Path(t), nil, "--kubeconfig="+c.AdminKube,
-		"--retry-interval-max=5s", "--v=2").mustRun(t)
+		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=2").mustRun(t)
 
 	bin := buildPoolcsi(t, dir)
 	pause := buildPause(t, dir)
@@ -126,6 +130,9 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image) *kubeletE
 		sidecars[key] = map[string]any{"image": ref}
 	}
 	overrides["sidecars"] = sidecars
+	for k, v := range values {
+		overrides[k] = v
+	}
 	// bind is the one share type this machine can mount (no NFS or CephFS kernel client):
 	// the share test names a directory of the shared pool's filesystem, which both the
 	// controller and the node plugin see.
