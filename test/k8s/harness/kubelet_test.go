@@ -141,9 +141,12 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 
 	// Pools: xfs for the local one, btrfs for the shared one (dir volumes get btrfs quota
 	// groups); the shared pool is laid out once with `poolcsi pool init`, as docs/pools.md
-	// tells an administrator.
-	mountPoolFS(t, localPoolPath, "xfs", 6<<30)
-	mountPoolFS(t, sharedPoolPath, "btrfs", 4<<30)
+	// tells an administrator. Both are sparse files of 16 GiB: poolcsi admits a volume against
+	// what it has promised, not what is written, and the storage e2e suite runs three specs at
+	// once, each growing 1 GiB claims to 2 GiB (a 4 GiB shared pool refused the third with
+	// RESOURCE_EXHAUSTED, rightly).
+	mountPoolFS(t, localPoolPath, "xfs", 16<<30)
+	mountPoolFS(t, sharedPoolPath, "btrfs", 16<<30)
 	// Dir volumes get a size limit only where the administrator turned quota on
 	// (docs/pools.md, "Quota is the admin's decision").
 	if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
