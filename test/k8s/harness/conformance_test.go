@@ -61,6 +61,13 @@ func TestConformanceResults(t *testing.T) {
 	if md := r.markdown([]string{hostExec}); !strings.Contains(md, "**Cause (this machine):** the spec checks the node through the suite's host-exec pod") {
 		t.Errorf("a host-exec failure is not explained:\n%s", md)
 	}
+	dirRestore := "External Storage [Driver: poolcsi.io] [Layout: dir] [Testpattern: Dynamic PV (default fs)] provisioning should provision correct filesystem size when restoring snapshot to larger size pvc"
+	if c := machineCauses(dirRestore, "Filesystem resize failed when restoring from snapshot to PVC with larger size. Restored fs size: 4294967296 bytes is not larger than origin fs size: 4294967296 bytes."); len(c) != 1 {
+		t.Errorf("the dir volume restore spec has causes %q, want btrfs's statfs", c)
+	}
+	if c := machineCauses(strings.Replace(dirRestore, " [Layout: dir]", "", 1), "Restored fs size: 1 bytes is not larger than origin fs size: 1 bytes."); len(c) != 0 {
+		t.Errorf("an image volume's restore failure is put down to this machine: %q", c)
+	}
 	delete(r, hostExec)
 	r.merge(&e2eResults{passed: []specResult{{name: b}}}, time.Now())
 	if r[b].Result != "passed" {

@@ -427,6 +427,11 @@ var knownCauses = []struct {
 	{regexp.MustCompile(`any volume data source`), nil, "needs the hello-populator and volume-data-source-validator images; " +
 		"their modules (github.com/kubernetes-csi/lib-volume-populator, github.com/kubernetes-csi/volume-data-source-validator) " +
 		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff"},
+	{regexp.MustCompile(`\[Layout: dir\]`), regexp.MustCompile(`fs size: \d+ bytes is not larger than origin fs size`),
+		"the spec reads a dir volume's size with df in the pod. A dir volume's size is its quota, and this machine's only " +
+			"dir quota is btrfs quota groups (its kernel has no XFS or ext4 project quotas), whose limit statfs never shows: " +
+			"btrfs reports the whole filesystem. XFS and ext4 project quotas report the quota to statfs, so on such a pool " +
+			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)"},
 }
 
 // machineCauses are the known causes of this machine that explain a failed spec's reason.
