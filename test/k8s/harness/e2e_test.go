@@ -438,7 +438,7 @@ var knownCauses = []struct {
 		"local snapshots are taken by each node's csi-snapshotter (distributed snapshotting), which only sees the " +
 			"VolumeSnapshotContents labelled snapshot.storage.kubernetes.io/managed-by=<its node>. snapshot-controller " +
 			"labels the contents it creates, from the source volume's node; a pre-provisioned content, which the spec " +
-			"writes without that label, is seen by no node (docs/snapshots.md says how to label one)",
+			"writes without that label, is seen by no node (docs/deploy.md, Snapshots, says how to label one)",
 		"Kubernetes' distributed snapshotting"},
 }
 
