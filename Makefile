@@ -48,7 +48,8 @@ conformance:
 		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) POOLCSI_E2E_CHUNKS='$(CHUNKS)' \
 		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
 
-# Stops a running make conformance after the chunk it is running (its results kept).
+# Stops a running make conformance after the chunk it is running (its results kept); the
+# path is conformanceStop in test/k8s/harness/e2e_test.go.
 conformance-stop:
 	touch /run/lock/poolcsi-conformance.stop
 

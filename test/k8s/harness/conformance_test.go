@@ -62,14 +62,14 @@ func TestConformanceResults(t *testing.T) {
 		t.Errorf("a host-exec failure is not explained:\n%s", md)
 	}
 	dirRestore := "External Storage [Driver: poolcsi.io] [Layout: dir] [Testpattern: Dynamic PV (default fs)] provisioning should provision correct filesystem size when restoring snapshot to larger size pvc"
-	if c := machineCauses(dirRestore, "Filesystem resize failed when restoring from snapshot to PVC with larger size. Restored fs size: 4294967296 bytes is not larger than origin fs size: 4294967296 bytes."); len(c) != 1 {
+	if c := outsideCauses(dirRestore, "Filesystem resize failed when restoring from snapshot to PVC with larger size. Restored fs size: 4294967296 bytes is not larger than origin fs size: 4294967296 bytes."); len(c) != 1 {
 		t.Errorf("the dir volume restore spec has causes %q, want btrfs's statfs", c)
 	}
 	preSnap := "External Storage [Driver: local.poolcsi.io] [Testpattern: Pre-provisioned Snapshot (delete policy)] snapshottable [Feature:VolumeSnapshotDataSource] volume snapshot controller should check snapshot fields"
-	if c := machineCauses(preSnap, "VolumeSnapshot pre-provisioned-snapshot-x is not ready within 5m0s"); len(c) != 1 || !strings.HasPrefix(c[0], "**Cause (Kubernetes' distributed snapshotting):**") {
+	if c := outsideCauses(preSnap, "VolumeSnapshot pre-provisioned-snapshot-x is not ready within 5m0s"); len(c) != 1 || !strings.HasPrefix(c[0], "**Cause (Kubernetes' distributed snapshotting):**") {
 		t.Errorf("a local pre-provisioned snapshot's failure has causes %q", c)
 	}
-	if c := machineCauses(strings.Replace(dirRestore, " [Layout: dir]", "", 1), "Restored fs size: 1 bytes is not larger than origin fs size: 1 bytes."); len(c) != 0 {
+	if c := outsideCauses(strings.Replace(dirRestore, " [Layout: dir]", "", 1), "Restored fs size: 1 bytes is not larger than origin fs size: 1 bytes."); len(c) != 0 {
 		t.Errorf("an image volume's restore failure is put down to this machine: %q", c)
 	}
 	delete(r, hostExec)

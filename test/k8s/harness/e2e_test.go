@@ -442,9 +442,9 @@ var knownCauses = []struct {
 		"Kubernetes' distributed snapshotting"},
 }
 
-// machineCauses are the known causes outside the driver (knownCauses) that explain a failed
-// spec's reason, each as the report prints it.
-func machineCauses(name, reason string) []string {
+// outsideCauses are the known causes outside the driver (knownCauses: this machine's or
+// Kubernetes') that explain a failed spec's reason, each as the report prints it.
+func outsideCauses(name, reason string) []string {
 	var out []string
 	for _, k := range knownCauses {
 		if (k.spec == nil || k.spec.MatchString(name)) && (k.reason == nil || k.reason.MatchString(reason)) {
@@ -503,7 +503,7 @@ func (r conformanceResults) due(names []string, rerun string) bool {
 		// A failure explained outside the driver (knownCauses) is not fixed by a change to
 		// the driver, so it alone does not bring its chunk back.
 		for _, n := range names {
-			if r[n].Result == "failed" && len(machineCauses(n, r[n].Reason)) == 0 {
+			if r[n].Result == "failed" && len(outsideCauses(n, r[n].Reason)) == 0 {
 				return true
 			}
 		}
@@ -613,7 +613,7 @@ func (r conformanceResults) markdown(all []string) string {
 				line += " — " + rec.Reason
 			}
 			if rec.Result == "failed" {
-				for _, c := range machineCauses(n, rec.Reason) {
+				for _, c := range outsideCauses(n, rec.Reason) {
 					line += " " + c
 				}
 			}
