@@ -3,6 +3,7 @@ package harness
 import (
 	"context"
 	"fmt"
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 	"net"
 	"net/http"
 	"os"
@@ -158,7 +159,7 @@ type ClusterOptions struct {
 // StartClusterWith is StartCluster with options.
 func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 	t.Helper()
-	etcd, apiserver, kcm := etcdTool.Path(t), apiserverTool.Path(t), kcmTool.Path(t)
+	etcd, apiserver, kcm := tools.Etcd.Path(t), tools.APIServer.Path(t), tools.ControllerManager.Path(t)
 	pki, err := NewPKI(filepath.Join(dir, "pki"))
 	if err != nil {
 		t.Fatal(err)

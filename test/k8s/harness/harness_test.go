@@ -25,6 +25,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
 const (
@@ -38,14 +39,14 @@ var handleRE = regexp.MustCompile(`^([a-z0-9][a-z0-9_-]*)\.([0-9a-f]{32})$`)
 
 // TestTools builds (or finds in the cache) every component binary, so that a build
 // failure is reported on its own, with the time it took.
-func TestTools(t *testing.T) { buildTools(t, AllTools) }
+func TestTools(t *testing.T) { buildTools(t, tools.All) }
 
 // TestE2ETools does the same for the storage e2e suite's binaries (make e2e, make
 // conformance), which make test does not build.
-func TestE2ETools(t *testing.T) { buildTools(t, E2ETools) }
+func TestE2ETools(t *testing.T) { buildTools(t, tools.ForE2E) }
 
-func buildTools(t *testing.T, tools []Tool) {
-	for _, tl := range tools {
+func buildTools(t *testing.T, list []tools.Tool) {
+	for _, tl := range list {
 		start := time.Now()
 		bin := tl.Path(t)
 		t.Logf("%-24s %-8s ready in %5s: %s", tl.Name, tl.Version, time.Since(start).Round(time.Millisecond), bin)
@@ -66,7 +67,7 @@ func buildPoolcsi(t testing.TB, dir string) string {
 		return p
 	}
 	bin := filepath.Join(dir, "poolcsi")
-	cmd := niceCmd(goBin(), "build", "-o", bin, "./cmd/poolcsi")
+	cmd := tools.Nice(t.Context(), goBin(), "build", "-o", bin, "./cmd/poolcsi")
 	cmd.Dir = chart.RepoRoot()
 	cmd.Env = append(os.Environ(), "GOWORK=off", "CGO_ENABLED=0")
 	start := time.Now()
@@ -228,8 +229,8 @@ func TestKubernetes(t *testing.T) {
 	// The cluster's snapshot CRDs, as an admin installs them before any snapshotter.
 	installSnapshotCRDs(t, c)
 	poolcsi := buildPoolcsi(t, dir)
-	provisioner, attacher, resizer := provisionerTool.Path(t), attacherTool.Path(t), resizerTool.Path(t)
-	snapshotter, snapshotController := snapshotterTool.Path(t), snapshotControllerTool.Path(t)
+	provisioner, attacher, resizer := tools.Provisioner.Path(t), tools.Attacher.Path(t), tools.Resizer.Path(t)
+	snapshotter, snapshotController := tools.Snapshotter.Path(t), tools.SnapshotController.Path(t)
 	snapVariant := snapshotVariant(t)
 
 	renderedBytes, err := os.ReadFile(chart.RenderedFile())

@@ -25,6 +25,7 @@ import (
 	"k8s.io/client-go/tools/remotecommand"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
 // The chart's default pool paths: the node is prepared as an administrator would, with a
@@ -108,7 +109,7 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 	// Distributed snapshotting, for a chart with snapshots.local (the e2e run's): local volumes
 	// are snapshotted by their node's csi-snapshotter, which only sees contents labelled with
 	// its node.
-	c.Start(t, "snapshot-controller", snapshotControllerTool.Path(t), nil, "--kubeconfig="+c.AdminKube,
+	c.Start(t, "snapshot-controller", tools.SnapshotController.Path(t), nil, "--kubeconfig="+c.AdminKube,
 		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=2").mustRun(t)
 
 	bin := buildPoolcsi(t, dir)
@@ -124,7 +125,7 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 	}
 	overrides := map[string]any{"image": map[string]any{"repository": poolcsiImage, "tag": poolcsiTag}}
 	sidecars := map[string]any{}
-	for key, tl := range map[string]Tool{"provisioner": provisionerTool, "attacher": attacherTool, "resizer": resizerTool, "snapshotter": snapshotterTool} {
+	for key, tl := range map[string]tools.Tool{"provisioner": tools.Provisioner, "attacher": tools.Attacher, "resizer": tools.Resizer, "snapshotter": tools.Snapshotter} {
 		ref := localImagePrefix + tl.Name + ":" + tl.Version
 		images = append(images, BinaryImage(ref, tl.Path(t)))
 		sidecars[key] = map[string]any{"image": ref}
@@ -308,7 +309,7 @@ func sharedBindMount(t testing.TB, path string) {
 func buildPause(t testing.TB, dir string) string {
 	t.Helper()
 	bin := filepath.Join(dir, "pause")
-	cmd := niceCmd(goBin(), "build", "-o", bin, "./cmd/pause")
+	cmd := tools.Nice(t.Context(), goBin(), "build", "-o", bin, "./cmd/pause")
 	cmd.Dir = filepath.Join(chart.RepoRoot(), "test", "k8s")
 	cmd.Env = append(os.Environ(), "GOWORK=off", "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {

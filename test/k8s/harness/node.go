@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 	"net"
 	"os"
 	"os/exec"
@@ -186,7 +187,7 @@ func (n *Node) killContainers(t testing.TB) {
 
 func (n *Node) startProxy(t testing.TB) {
 	t.Helper()
-	bin := proxyTool.Path(t)
+	bin := tools.Proxy.Path(t)
 	// iptables mode: the kubernetes Service (10.96.0.1:443) becomes NodeIP:port, which is
 	// how the chart's pods, which use in-cluster config, reach the API server.
 	n.c.Start(t, "kube-proxy", bin, nil,
@@ -207,7 +208,7 @@ func (n *Node) startProxy(t testing.TB) {
 
 func (n *Node) startScheduler(t testing.TB) {
 	t.Helper()
-	p := n.c.Start(t, "kube-scheduler", schedulerTool.Path(t), nil,
+	p := n.c.Start(t, "kube-scheduler", tools.Scheduler.Path(t), nil,
 		"--kubeconfig="+n.c.AdminKube,
 		"--authentication-kubeconfig="+n.c.AdminKube, "--authorization-kubeconfig="+n.c.AdminKube,
 		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(freePort(t)),
@@ -218,7 +219,7 @@ func (n *Node) startScheduler(t testing.TB) {
 
 func (n *Node) startKubelet(t testing.TB) {
 	t.Helper()
-	n.kubeletBin = kubeletTool.Path(t)
+	n.kubeletBin = tools.Kubelet.Path(t)
 	n.KubeletPort = freePort(t)
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration

@@ -20,6 +20,7 @@ import (
 	"k8s.io/client-go/dynamic"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
 var (
@@ -40,7 +41,7 @@ var (
 func installSnapshotCRDs(t testing.TB, c *Cluster) {
 	t.Helper()
 	ctx := context.Background()
-	info, err := modDownload(snapshotClientModule, SnapshotterVersion)
+	info, err := tools.ModDownload(tools.SnapshotClientModule, tools.SnapshotterVersion)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +84,7 @@ func installSnapshotCRDs(t testing.TB, c *Cluster) {
 			return fmt.Errorf("conditions %v", conds)
 		})
 	}
-	t.Logf("installed the snapshot CRDs of %s@%s: %s", snapshotClientModule, SnapshotterVersion, strings.Join(names, ", "))
+	t.Logf("installed the snapshot CRDs of %s@%s: %s", tools.SnapshotClientModule, tools.SnapshotterVersion, strings.Join(names, ", "))
 }
 
 // snapshotVariant renders the chart as the plain YAML is, plus local snapshots and the

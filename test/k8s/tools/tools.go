@@ -1,6 +1,10 @@
-package harness
+// Package tools builds the real Kubernetes components the harness runs (kube-apiserver,
+// kubelet, the CSI sidecars, the e2e suite) from the Go module proxy, once per version,
+// into a cache shared by the tests and by cmd/prebuild.
+package tools
 
 import (
+	"context"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -13,6 +17,7 @@ import (
 	"time"
 
 	"golang.org/x/mod/modfile"
+	"golang.org/x/sys/unix"
 )
 
 // Versions of the real components the harness runs. Changing one rebuilds only that tool:
@@ -69,10 +74,10 @@ func stagingReplaces(f *modfile.File) [][2]string {
 // external-snapshotter builds from its own ./client directory (a path replace, dropped in a
 // dependency): the published client/v8 of the same tag stands in for it.
 func snapshotterReplaces(f *modfile.File) [][2]string {
-	return append(ownReplaces(f), [2]string{snapshotClientModule, SnapshotterVersion})
+	return append(ownReplaces(f), [2]string{SnapshotClientModule, SnapshotterVersion})
 }
 
-const snapshotClientModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
+const SnapshotClientModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
 
 // ownReplaces copies a module's own replace lines (ignored when it is a dependency).
 func ownReplaces(f *modfile.File) [][2]string {
@@ -86,46 +91,46 @@ func ownReplaces(f *modfile.File) [][2]string {
 }
 
 var (
-	etcdTool = Tool{Name: "etcd", Module: "go.etcd.io/etcd/server/v3", Version: EtcdVersion, Package: ".",
+	Etcd = Tool{Name: "etcd", Module: "go.etcd.io/etcd/server/v3", Version: EtcdVersion, Package: ".",
 		Main:    "package main\n\nimport (\n\t\"os\"\n\n\t\"go.etcd.io/etcd/server/v3/etcdmain\"\n)\n\nfunc main() { etcdmain.Main(os.Args) }\n",
 		LDFlags: "-s -w"}
-	apiserverTool = Tool{Name: "kube-apiserver", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	APIServer = Tool{Name: "kube-apiserver", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-apiserver", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
-	kcmTool = Tool{Name: "kube-controller-manager", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	ControllerManager = Tool{Name: "kube-controller-manager", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-controller-manager", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
-	schedulerTool = Tool{Name: "kube-scheduler", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	Scheduler = Tool{Name: "kube-scheduler", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-scheduler", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
-	kubeletTool = Tool{Name: "kubelet", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	Kubelet = Tool{Name: "kubelet", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kubelet", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
-	proxyTool = Tool{Name: "kube-proxy", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	Proxy = Tool{Name: "kube-proxy", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/cmd/kube-proxy", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags()}
 	// The Kubernetes e2e suite and its all-purpose test image, for the storage specs of
 	// external drivers (test/k8s/e2e).
-	e2eTool = Tool{Name: "e2e.test", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	E2E = Tool{Name: "e2e.test", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/test/e2e", ReplaceFrom: stagingReplaces, LDFlags: kubeLDFlags(), TestBinary: true}
-	agnhostTool = Tool{Name: "agnhost", Module: "k8s.io/kubernetes", Version: KubeVersion,
+	Agnhost = Tool{Name: "agnhost", Module: "k8s.io/kubernetes", Version: KubeVersion,
 		Package: "k8s.io/kubernetes/test/images/agnhost", ReplaceFrom: stagingReplaces, LDFlags: "-s -w"}
 	// The ginkgo CLI, which runs e2e.test's specs on several processes (make conformance);
 	// the version k8s.io/kubernetes v1.36.3 builds e2e.test with, as the CLI requires.
-	ginkgoTool = Tool{Name: "ginkgo", Module: "github.com/onsi/ginkgo/v2", Version: "v2.28.1",
+	Ginkgo = Tool{Name: "ginkgo", Module: "github.com/onsi/ginkgo/v2", Version: "v2.28.1",
 		Package: "github.com/onsi/ginkgo/v2/ginkgo", LDFlags: "-s -w"}
-	provisionerTool = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
+	Provisioner = Tool{Name: "csi-provisioner", Module: "github.com/kubernetes-csi/external-provisioner/v6", Version: ProvisionerVersion,
 		Package: "github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
-	attacherTool = Tool{Name: "csi-attacher", Module: "github.com/kubernetes-csi/external-attacher/v4", Version: AttacherVersion,
+	Attacher = Tool{Name: "csi-attacher", Module: "github.com/kubernetes-csi/external-attacher/v4", Version: AttacherVersion,
 		Package: "github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + AttacherVersion}
-	resizerTool = Tool{Name: "csi-resizer", Module: "github.com/kubernetes-csi/external-resizer/v2", Version: ResizerVersion,
+	Resizer = Tool{Name: "csi-resizer", Module: "github.com/kubernetes-csi/external-resizer/v2", Version: ResizerVersion,
 		Package: "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer", ReplaceFrom: ownReplaces,
 		LDFlags: "-s -w -X main.version=" + ResizerVersion}
-	snapshotterTool = Tool{Name: "csi-snapshotter", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
+	Snapshotter = Tool{Name: "csi-snapshotter", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter", ReplaceFrom: snapshotterReplaces,
 		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
-	snapshotControllerTool = Tool{Name: "snapshot-controller", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
+	SnapshotController = Tool{Name: "snapshot-controller", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller", ReplaceFrom: snapshotterReplaces,
 		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
-	// AllTools in build order.
-	AllTools = []Tool{etcdTool, apiserverTool, kcmTool, schedulerTool, kubeletTool, proxyTool, provisionerTool, attacherTool, resizerTool, snapshotterTool, snapshotControllerTool}
+	// All in build order.
+	All = []Tool{Etcd, APIServer, ControllerManager, Scheduler, Kubelet, Proxy, Provisioner, Attacher, Resizer, Snapshotter, SnapshotController}
 )
 
 // CacheDir is $POOLCSI_K8S_CACHE, or $HOME/.cache/poolcsi-k8s.
@@ -151,35 +156,71 @@ func goEnv() []string {
 	return append(os.Environ(), "GOFLAGS=-mod=mod", "GOWORK=off", "GOTOOLCHAIN=local", "CGO_ENABLED=0")
 }
 
-func niceCmd(name string, args ...string) *exec.Cmd {
+// Nice runs a build below the tests' priority, so that a build beside a running test (the
+// prebuild of hack/test.sh) slows the test as little as it can.
+func Nice(ctx context.Context, name string, args ...string) *exec.Cmd {
 	if p, err := exec.LookPath("nice"); err == nil {
-		return exec.Command(p, append([]string{"-n", "10", name}, args...)...)
+		return exec.CommandContext(ctx, p, append([]string{"-n", "10", name}, args...)...)
 	}
-	return exec.Command(name, args...)
+	return exec.CommandContext(ctx, name, args...)
 }
 
-// Path returns the cached binary, building it first if needed. It is safe to call from
-// several tests; builds are serialized.
+// Path returns the cached binary, building it first if needed (see Build).
 func (tl Tool) Path(t testing.TB) string {
 	t.Helper()
-	buildMu.Lock()
-	defer buildMu.Unlock()
-	dir := filepath.Join(CacheDir(), fmt.Sprintf("%s-%s-%s", tl.Name, tl.Version, runtime.Version()))
-	bin := filepath.Join(dir, tl.Name)
-	if fileExists(bin) {
-		return bin
+	bin, took, err := tl.Build(t.Context())
+	if err != nil {
+		t.Fatal(err)
 	}
-	start := time.Now()
-	if err := tl.build(dir, bin); err != nil {
-		t.Fatalf("building %s %s %s from the Go module proxy: %v", tl.Name, tl.Module, tl.Version, err)
+	if took > 0 {
+		t.Logf("built %s %s in %s (cached in %s)", tl.Name, tl.Version, took.Round(time.Second), filepath.Dir(bin))
 	}
-	t.Logf("built %s %s in %s (cached in %s)", tl.Name, tl.Version, time.Since(start).Round(time.Second), dir)
 	return bin
 }
 
+// Build returns the cached binary, building it first if needed, and how long a build took
+// (zero when the binary was cached). A build holds an flock on the cache entry, so that the
+// tests, cmd/prebuild and a second test run never build the same tool at once: the second
+// waits and finds the first one's binary.
+func (tl Tool) Build(ctx context.Context) (string, time.Duration, error) {
+	buildMu.Lock()
+	defer buildMu.Unlock()
+	dir := tl.cacheEntry()
+	bin := filepath.Join(dir, tl.Name)
+	if fileExists(bin) {
+		return bin, 0, nil
+	}
+	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
+		return "", 0, err
+	}
+	lock, err := os.OpenFile(dir+".lock", os.O_CREATE|os.O_RDWR, 0o644)
+	if err != nil {
+		return "", 0, err
+	}
+	defer lock.Close()
+	if err := unix.Flock(int(lock.Fd()), unix.LOCK_EX); err != nil {
+		return "", 0, fmt.Errorf("locking %s: %w", lock.Name(), err)
+	}
+	// Released by Close.
+	if fileExists(bin) {
+		return bin, 0, nil
+	}
+	start := time.Now()
+	if err := tl.build(ctx, dir, bin); err != nil {
+		return "", 0, fmt.Errorf("building %s %s %s from the Go module proxy: %w", tl.Name, tl.Module, tl.Version, err)
+	}
+	return bin, time.Since(start), nil
+}
+
+// cacheEntry is the tool's directory in the cache: a new version or Go release is a new entry.
+func (tl Tool) cacheEntry() string {
+	return filepath.Join(CacheDir(), fmt.Sprintf("%s-%s-%s", tl.Name, tl.Version, runtime.Version()))
+}
+
+// buildMu serializes one process's builds: two at once on two cores only slow each other.
 var buildMu sync.Mutex
 
-func (tl Tool) build(dir, bin string) error {
+func (tl Tool) build(ctx context.Context, dir, bin string) error {
 	work, err := os.MkdirTemp("", "poolcsi-k8s-wrap-")
 	if err != nil {
 		return err
@@ -240,11 +281,11 @@ func (tl Tool) build(dir, bin string) error {
 	if tl.TestBinary {
 		args = []string{"test", "-c", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package}
 	}
-	cmd := niceCmd(goBin(), args...)
+	cmd := Nice(ctx, goBin(), args...)
 	cmd.Dir = work
 	cmd.Env = goEnv()
 	if b, err := cmd.CombinedOutput(); err != nil {
-		return fmt.Errorf("%w\n%s", err, tail(string(b), 40))
+		return fmt.Errorf("%w\n%s", err, LastLines(string(b), 40))
 	}
 	return os.Rename(tmp, bin)
 }
@@ -252,7 +293,7 @@ func (tl Tool) build(dir, bin string) error {
 // download fetches a module into the module cache and returns its go.mod and, when the
 // module's source has one, its go.sum.
 func download(mod, ver string) (string, string, error) {
-	info, err := modDownload(mod, ver)
+	info, err := ModDownload(mod, ver)
 	if err != nil {
 		return "", "", err
 	}
@@ -265,8 +306,8 @@ func download(mod, ver string) (string, string, error) {
 
 type modInfo struct{ GoMod, Dir, Error string }
 
-// modDownload runs `go mod download -json` for one module version.
-func modDownload(mod, ver string) (modInfo, error) {
+// ModDownload runs `go mod download -json` for one module version.
+func ModDownload(mod, ver string) (modInfo, error) {
 	var info modInfo
 	cmd := exec.Command(goBin(), "mod", "download", "-json", mod+"@"+ver)
 	cmd.Env = goEnv()
@@ -284,7 +325,7 @@ func modDownload(mod, ver string) (modInfo, error) {
 	return info, nil
 }
 
-func tail(s string, n int) string {
+func LastLines(s string, n int) string {
 	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
 	if len(lines) > n {
 		lines = lines[len(lines)-n:]
@@ -292,5 +333,5 @@ func tail(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// E2ETools are built only for the e2e storage suite (make e2e), not by TestTools.
-var E2ETools = []Tool{e2eTool, agnhostTool, ginkgoTool}
+// ForE2E are built only for the e2e storage suite (make e2e), not by TestTools.
+var ForE2E = []Tool{E2E, Agnhost, Ginkgo}
