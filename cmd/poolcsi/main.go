@@ -126,7 +126,8 @@ func serve(ctx context.Context, args []string) error {
 	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
 	statsHealthTTL := fs.Duration("stats-health-ttl", 5*time.Second, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
 	pvcEvents := fs.Duration("pvc-events-interval", 0, "how often to put volume health on the claims as events (VolumeConditionAbnormal), as the health monitor sidecar does; 0: off")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for --pvc-events-interval (default: the pod's service account)")
+	claimSnapshots := fs.Bool("claim-local-snapshots", false, "label the pre-provisioned VolumeSnapshotContents of this driver whose snapshot this node's pools hold snapshot.storage.kubernetes.io/managed-by=<node-id>, so that this node's csi-snapshotter (--node-deployment) serves them")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for --pvc-events-interval and --claim-local-snapshots (default: the pod's service account)")
 	leaseNamespace := fs.String("leader-election-namespace", "", "with --pvc-events-interval: only the holder of a Lease in this namespace reports, so controller replicas do not repeat each other; empty: no leader election")
 	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
 	shareDir := fs.String("share-dir", poolmount.DefaultShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
@@ -227,6 +228,11 @@ func serve(ctx context.Context, args []string) error {
 	}
 	if *pvcEvents > 0 {
 		if err := startPVCEvents(ctx, d, *driverName, *kubeconfig, *leaseNamespace, *pvcEvents); err != nil {
+			return err
+		}
+	}
+	if *claimSnapshots {
+		if err := startSnapshotClaims(ctx, d, *driverName, *nodeID, *kubeconfig); err != nil {
 			return err
 		}
 	}

@@ -14,9 +14,11 @@ import (
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/pvcevents"
+	"github.com/poolcsi/poolcsi/internal/snapclaim"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
@@ -68,15 +70,9 @@ func probeEndpoint(endpoint string) func(context.Context) error {
 // startPVCEvents reports volume health on the claims every interval, in the
 // background, through the API server kubeconfig (or the service account) names.
 func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, leaseNamespace string, interval time.Duration) error {
-	var cfg *rest.Config
-	var err error
-	if kubeconfig != "" {
-		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
-	} else {
-		cfg, err = rest.InClusterConfig()
-	}
+	cfg, err := apiServerConfig(kubeconfig)
 	if err != nil {
-		return fmt.Errorf("--pvc-events-interval: API server config: %w", err)
+		return fmt.Errorf("--pvc-events-interval: %w", err)
 	}
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
@@ -112,5 +108,41 @@ func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, lea
 			OnStoppedLeading: func() { klog.InfoS("No longer reporting volume health on claims", "identity", id) },
 		},
 	})
+	return nil
+}
+
+// apiServerConfig is the kubeconfig's API server, or the pod's service account's.
+func apiServerConfig(kubeconfig string) (*rest.Config, error) {
+	var cfg *rest.Config
+	var err error
+	if kubeconfig != "" {
+		cfg, err = clientcmd.BuildConfigFromFlags("", kubeconfig)
+	} else {
+		cfg, err = rest.InClusterConfig()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("API server config: %w", err)
+	}
+	return cfg, nil
+}
+
+// startSnapshotClaims labels, for this node's csi-snapshotter, the pre-provisioned
+// VolumeSnapshotContents whose snapshot this node's pools hold (package snapclaim).
+func startSnapshotClaims(ctx context.Context, d *driver.Driver, name, node, kubeconfig string) error {
+	cfg, err := apiServerConfig(kubeconfig)
+	if err != nil {
+		return fmt.Errorf("--claim-local-snapshots: %w", err)
+	}
+	client, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return fmt.Errorf("--claim-local-snapshots: %w", err)
+	}
+	c := &snapclaim.Claimer{Client: client, Driver: name, Node: node, Holds: func(ctx context.Context, handle string) (bool, error) {
+		// The same lookup csi-snapshotter makes of a pre-provisioned content, in process.
+		resp, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: handle})
+		return len(resp.GetEntries()) > 0, err
+	}}
+	go c.Run(ctx, 10*time.Minute)
+	klog.InfoS("Claiming pre-provisioned snapshots held here for this node's snapshotter", "node", node)
 	return nil
 }

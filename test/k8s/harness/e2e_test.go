@@ -435,12 +435,6 @@ var knownCauses = []struct {
 			"dir quota is btrfs quota groups (its kernel has no XFS or ext4 project quotas), whose limit statfs never shows: " +
 			"btrfs reports the whole filesystem. XFS and ext4 project quotas report the quota to statfs, so on such a pool " +
 			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)", ""},
-	{regexp.MustCompile(`\[Driver: local\.poolcsi\.io\] \[Testpattern: Pre-provisioned Snapshot`), regexp.MustCompile(`is not ready within`),
-		"local snapshots are taken by each node's csi-snapshotter (distributed snapshotting), which only sees the " +
-			"VolumeSnapshotContents labelled snapshot.storage.kubernetes.io/managed-by=<its node>. snapshot-controller " +
-			"labels the contents it creates, from the source volume's node; a pre-provisioned content, which the spec " +
-			"writes without that label, is seen by no node (docs/deploy.md, Snapshots, says how to label one)",
-		"Kubernetes' distributed snapshotting"},
 }
 
 // outsideCauses are the known causes outside the driver (knownCauses: this machine's or

@@ -117,6 +117,11 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 			args = rewriteArgs(args, []string{"--pvc-events-interval"}, "--pvc-events-interval=1s", "--kubeconfig="+kubeconfig)
 			break
 		}
+		if a == "--claim-local-snapshots" {
+			// Through the node's service account, as in the chart.
+			args = append(args, "--kubeconfig="+kubeconfig)
+			break
+		}
 	}
 	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
 		"--registration-dir", "--kubelet-registration-path", "--healthz-address"},
@@ -356,7 +361,9 @@ func TestKubernetes(t *testing.T) {
 	if out, err := exec.Command(poolcsi, "pool", "init", "--path", sharedPool["/mnt/poolcsi-shared"], "--name", "shared").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	local := startDriver(t, c, poolcsi, rendered, "poolcsi-local-node-1", "DaemonSet", "poolcsi-node", "poolcsi-local", "local.yaml", "node-1", nodeKube,
+	// The local driver as the chart runs it with snapshots.local (--claim-local-snapshots),
+	// beside that variant's csi-snapshotter-local below.
+	local := startDriver(t, c, poolcsi, snapVariant, "poolcsi-local-node-1", "DaemonSet", "poolcsi-node", "poolcsi-local", "local.yaml", "node-1", nodeKube,
 		map[string]string{"/var/lib/poolcsi/pools/local": filepath.Join(dir, "pools", "node-1-local")})
 	shared := startDriver(t, c, poolcsi, rendered, "poolcsi-controller", "Deployment", "poolcsi-controller", "poolcsi", "shared.yaml", "controller", ctrlKube, sharedPool)
 	// The shared driver's node plugins on both nodes: they register the nodes with the

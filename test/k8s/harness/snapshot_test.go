@@ -233,6 +233,10 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 	}
 	t.Logf("claim %s restored from %s: PV %s, handle %s, content source %s", restored.Name, vsName, rPV.Name, rHandle, handle)
 
+	if sc.node != "" {
+		testPreProvisionedLocalSnapshot(t, c, sc, handle, vsName+"-pre")
+	}
+
 	// Deleting the VolumeSnapshot deletes the content (deletionPolicy Delete), which
 	// csi-snapshotter deletes from the pool.
 	if err := dyn.Resource(vsGVR).Namespace("default").Delete(ctx, vsName, metav1.DeleteOptions{}); err != nil {
@@ -268,6 +272,77 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 	}
 	checkNoForbidden(t, sc.snapshotter)
 	checkNoForbidden(t, sc.provisioner)
+}
+
+// testPreProvisionedLocalSnapshot: a VolumeSnapshotContent written by hand for an existing
+// local snapshot (no source volume, so snapshot-controller gives it no managed-by label) is
+// labelled for its node by that node's poolcsi (--claim-local-snapshots), whose
+// csi-snapshotter then makes its VolumeSnapshot ready. Retain: deleting both leaves the
+// snapshot in the pool.
+func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, handle, name string) {
+	ctx := context.Background()
+	dyn := dynamic.NewForConfigOrDie(c.Config)
+	content := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotContent",
+		"metadata": map[string]any{"name": name},
+		"spec": map[string]any{
+			"driver": sc.driverName, "deletionPolicy": "Retain",
+			"source":            map[string]any{"snapshotHandle": handle},
+			"volumeSnapshotRef": map[string]any{"name": name, "namespace": "default"},
+		},
+	}}
+	vs := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+		"metadata": map[string]any{"name": name, "namespace": "default"},
+		"spec":     map[string]any{"source": map[string]any{"volumeSnapshotContentName": name}},
+	}}
+	if _, err := dyn.Resource(vscGVR).Create(ctx, content, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("creating VolumeSnapshotContent %s: %v", name, err)
+	}
+	if _, err := dyn.Resource(vsGVR).Namespace("default").Create(ctx, vs, metav1.CreateOptions{}); err != nil {
+		t.Fatalf("creating VolumeSnapshot %s: %v", name, err)
+	}
+	deleted := func() error {
+		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
+		}
+		if _, err := dyn.Resource(vscGVR).Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("content still there (%w)", err)
+		}
+		return nil
+	}
+	cleanup := func() {
+		_ = dyn.Resource(vsGVR).Namespace("default").Delete(context.Background(), name, metav1.DeleteOptions{})
+		_ = dyn.Resource(vscGVR).Delete(context.Background(), name, metav1.DeleteOptions{})
+	}
+	t.Cleanup(cleanup)
+	waitFor(t, 120*time.Second, "pre-provisioned VolumeSnapshot "+name+" ReadyToUse", func() error {
+		got, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
+			st, _, _ := unstructured.NestedMap(got.Object, "status")
+			return fmt.Errorf("status %v; %s", st, lastEvent(c, name))
+		}
+		return nil
+	})
+	got, err := dyn.Resource(vscGVR).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l := got.GetLabels()[managedBy]; l != sc.node {
+		t.Errorf("pre-provisioned VolumeSnapshotContent %s label %s=%q, want %q", name, managedBy, l, sc.node)
+	}
+	if lines := logLines(t, sc.driver.proc, "Claimed a pre-provisioned snapshot"); len(lines) == 0 {
+		t.Errorf("no claim of the pre-provisioned content in poolcsi's log")
+	}
+	cleanup()
+	waitFor(t, 90*time.Second, "pre-provisioned VolumeSnapshot "+name+" and its content gone", deleted)
+	if listSnapshot(t, sc.driver, handle) == nil {
+		t.Errorf("deleting a Retain pre-provisioned content took snapshot %s with it", handle)
+	}
+	t.Logf("pre-provisioned VolumeSnapshot %s of %s: labelled %s=%s by poolcsi, ReadyToUse, deleted (snapshot kept)", name, handle, managedBy, sc.node)
 }
 
 func listSnapshot(t *testing.T, d *driver, id string) *csi.Snapshot {
