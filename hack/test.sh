@@ -15,10 +15,11 @@ hack/install-deps.sh
 phase() { printf '== %s  [%dm%02ds]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
 SECONDS=0
 
-# The Kubernetes harness's components (kube-apiserver, kubelet, the CSI sidecars: about 25
-# minutes of a cold build on 2 cores) build in the background, niced, while the driver's own
-# suites run, most of which wait on mounts and processes more than they compute. The harness
-# finds them built, or waits for the one being built (the cache entries are locked).
+# The Kubernetes harness's components (kube-apiserver, kubelet, the CSI sidecars: 58 min of a
+# cold run on 2 cores, beside the rest) build in the background, niced, from the start, using
+# whatever the suites before the harness leave idle; warm, they are found in the cache at
+# once. The harness phase below waits for them (a test for a tool being built waits on its
+# cache entry's lock). docs/deploy.md has a cold run's figures.
 prebuild_pid=
 prebuild_log=$(mktemp)
 stop_prebuild() {
