@@ -415,39 +415,33 @@ func readJUnit(path string) (*e2eResults, error) {
 
 var skipReason = regexp.MustCompile(`(?s)skipped - (.*)`)
 
-// knownCauses explains failures that come from this machine, or from Kubernetes itself, not
-// from the driver: the report names the cause beside the spec (and whose it is: "this machine"
-// unless the entry says otherwise).
+// knownCauses explains failures that come from this machine, not from the driver: the report
+// names the cause beside the spec.
 var knownCauses = []struct {
 	spec, reason *regexp.Regexp // either may be nil: then it matches every spec or reason
 	cause        string
-	whose        string
 }{
 	{nil, regexp.MustCompile(`on node \S+: command terminated with exit code`), "the spec checks the node through " +
 		"the suite's host-exec pod, which runs nsenter into PID 1's mount namespace; on this machine " +
 		"even root on the host may not open /proc/1/ns/mnt (`nsenter: can't open '/rootfs/proc/1/ns/mnt': " +
-		"Permission denied`), so every host-exec command fails", ""},
+		"Permission denied`), so every host-exec command fails"},
 	{regexp.MustCompile(`any volume data source`), nil, "needs the hello-populator and volume-data-source-validator images; " +
 		"their modules (github.com/kubernetes-csi/lib-volume-populator, github.com/kubernetes-csi/volume-data-source-validator) " +
-		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff", ""},
+		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff"},
 	{regexp.MustCompile(`\[Layout: dir\]`), regexp.MustCompile(`fs size: \d+ bytes is not larger than origin fs size`),
 		"the spec reads a dir volume's size with df in the pod. A dir volume's size is its quota, and this machine's only " +
 			"dir quota is btrfs quota groups (its kernel has no XFS or ext4 project quotas), whose limit statfs never shows: " +
 			"btrfs reports the whole filesystem. XFS and ext4 project quotas report the quota to statfs, so on such a pool " +
-			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)", ""},
+			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)"},
 }
 
-// outsideCauses are the known causes outside the driver (knownCauses: this machine's or
-// Kubernetes') that explain a failed spec's reason, each as the report prints it.
+// outsideCauses are the known causes outside the driver (knownCauses) that explain a failed
+// spec's reason, each as the report prints it.
 func outsideCauses(name, reason string) []string {
 	var out []string
 	for _, k := range knownCauses {
 		if (k.spec == nil || k.spec.MatchString(name)) && (k.reason == nil || k.reason.MatchString(reason)) {
-			whose := k.whose
-			if whose == "" {
-				whose = "this machine"
-			}
-			out = append(out, "**Cause ("+whose+"):** "+k.cause+".")
+			out = append(out, "**Cause (this machine):** "+k.cause+".")
 		}
 	}
 	return out

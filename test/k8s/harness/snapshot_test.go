@@ -155,20 +155,7 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 			_ = dyn.Resource(vsGVR).Namespace("default").Delete(context.Background(), vsName, metav1.DeleteOptions{})
 		}
 	})
-	var contentName string
-	waitFor(t, 120*time.Second, "VolumeSnapshot "+vsName+" ReadyToUse", func() error {
-		got, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, vsName, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse")
-		contentName, _, _ = unstructured.NestedString(got.Object, "status", "boundVolumeSnapshotContentName")
-		if !ready || contentName == "" {
-			st, _, _ := unstructured.NestedMap(got.Object, "status")
-			return fmt.Errorf("status %v; %s", st, lastEvent(c, vsName))
-		}
-		return nil
-	})
+	contentName := waitSnapshotReady(t, c, vsName)
 	content, err := dyn.Resource(vscGVR).Get(ctx, contentName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -243,19 +230,7 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 		t.Fatal(err)
 	}
 	vsDeleted = true
-	waitFor(t, 90*time.Second, "VolumeSnapshot "+vsName+" and content "+contentName+" gone", func() error {
-		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, vsName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
-		}
-		if got, err := dyn.Resource(vscGVR).Get(ctx, contentName, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			var fin []string
-			if got != nil {
-				fin = got.GetFinalizers()
-			}
-			return fmt.Errorf("content still there (%w), finalizers %v", err, fin)
-		}
-		return nil
-	})
+	waitSnapshotGone(t, c, vsName, contentName)
 	if listSnapshot(t, sc.driver, handle) != nil {
 		t.Errorf("VolumeSnapshot deleted, but ListSnapshots still has %s", handle)
 	}
@@ -302,31 +277,12 @@ func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, 
 	if _, err := dyn.Resource(vsGVR).Namespace("default").Create(ctx, vs, metav1.CreateOptions{}); err != nil {
 		t.Fatalf("creating VolumeSnapshot %s: %v", name, err)
 	}
-	deleted := func() error {
-		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
-		}
-		if _, err := dyn.Resource(vscGVR).Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
-			return fmt.Errorf("content still there (%w)", err)
-		}
-		return nil
-	}
 	cleanup := func() {
 		_ = dyn.Resource(vsGVR).Namespace("default").Delete(context.Background(), name, metav1.DeleteOptions{})
 		_ = dyn.Resource(vscGVR).Delete(context.Background(), name, metav1.DeleteOptions{})
 	}
 	t.Cleanup(cleanup)
-	waitFor(t, 120*time.Second, "pre-provisioned VolumeSnapshot "+name+" ReadyToUse", func() error {
-		got, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
-			st, _, _ := unstructured.NestedMap(got.Object, "status")
-			return fmt.Errorf("status %v; %s", st, lastEvent(c, name))
-		}
-		return nil
-	})
+	waitSnapshotReady(t, c, name)
 	got, err := dyn.Resource(vscGVR).Get(ctx, name, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -338,11 +294,53 @@ func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, 
 		t.Errorf("no claim of the pre-provisioned content in poolcsi's log")
 	}
 	cleanup()
-	waitFor(t, 90*time.Second, "pre-provisioned VolumeSnapshot "+name+" and its content gone", deleted)
+	waitSnapshotGone(t, c, name, name)
 	if listSnapshot(t, sc.driver, handle) == nil {
 		t.Errorf("deleting a Retain pre-provisioned content took snapshot %s with it", handle)
 	}
 	t.Logf("pre-provisioned VolumeSnapshot %s of %s: labelled %s=%s by poolcsi, ReadyToUse, deleted (snapshot kept)", name, handle, managedBy, sc.node)
+}
+
+// waitSnapshotReady waits for a VolumeSnapshot in default to be ReadyToUse and returns the
+// name of the content it is bound to.
+func waitSnapshotReady(t *testing.T, c *Cluster, name string) string {
+	t.Helper()
+	dyn := dynamic.NewForConfigOrDie(c.Config)
+	var content string
+	waitFor(t, 120*time.Second, "VolumeSnapshot "+name+" ReadyToUse", func() error {
+		got, err := dyn.Resource(vsGVR).Namespace("default").Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse")
+		content, _, _ = unstructured.NestedString(got.Object, "status", "boundVolumeSnapshotContentName")
+		if !ready || content == "" {
+			st, _, _ := unstructured.NestedMap(got.Object, "status")
+			return fmt.Errorf("status %v; %s", st, lastEvent(c, name))
+		}
+		return nil
+	})
+	return content
+}
+
+// waitSnapshotGone waits for a deleted VolumeSnapshot in default and its content to be gone.
+func waitSnapshotGone(t *testing.T, c *Cluster, name, content string) {
+	t.Helper()
+	dyn := dynamic.NewForConfigOrDie(c.Config)
+	ctx := context.Background()
+	waitFor(t, 90*time.Second, "VolumeSnapshot "+name+" and content "+content+" gone", func() error {
+		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
+		}
+		if got, err := dyn.Resource(vscGVR).Get(ctx, content, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
+			var fin []string
+			if got != nil {
+				fin = got.GetFinalizers()
+			}
+			return fmt.Errorf("content still there (%w), finalizers %v", err, fin)
+		}
+		return nil
+	})
 }
 
 func listSnapshot(t *testing.T, d *driver, id string) *csi.Snapshot {
