@@ -39,8 +39,11 @@ type Cluster struct {
 	AdminKube string // kubeconfig path
 	Config    *rest.Config
 	Client    *kubernetes.Clientset
-	mu        sync.Mutex
-	procs     []*Proc
+	// OnHostPath, if set, is told each directory on the host a node of the cluster is
+	// about to take, before it takes it (kind "node": the node's own directory).
+	OnHostPath func(kind, path string)
+	mu         sync.Mutex
+	procs      []*Proc
 }
 
 func freePort(t testing.TB) int {

@@ -53,58 +53,28 @@ func startKubeletEnv(t testing.TB) *kubeletEnv {
 	return startKubeletEnvWith(t, nil, nil)
 }
 
-// kubeletEnvLock is held while a kubelet environment exists on this machine.
-const kubeletEnvLock = "/run/lock/poolcsi-kubelet-env.lock"
-
-// lockKubeletEnv waits until no other kubelet environment exists on this machine and holds
-// it off until this one is gone: each takes /var/lib/kubelet, the chart's pool paths,
-// kubelet's ports and the KUBE-* iptables chains, so two at once (a second go test, or
-// make conformance beside make test) would break each other. The lock is released last,
-// after every cleanup of the environment.
-func lockKubeletEnv(t testing.TB) {
-	t.Helper()
-	if err := os.MkdirAll(filepath.Dir(kubeletEnvLock), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.OpenFile(kubeletEnvLock, os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { f.Close() })
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		holder, _ := os.ReadFile(kubeletEnvLock)
-		t.Logf("waiting for the kubelet environment of %s to finish (%s)", strings.TrimSpace(string(holder)), kubeletEnvLock)
-		start := time.Now()
-		for {
-			if err = unix.Flock(int(f.Fd()), unix.LOCK_EX); err != unix.EINTR {
-				break
-			}
-		}
-		if err != nil {
-			t.Fatalf("lock %s: %v", kubeletEnvLock, err)
-		}
-		t.Logf("waited %s for the other kubelet environment", time.Since(start).Round(time.Second))
-	}
-	_ = f.Truncate(0)
-	_, _ = f.WriteAt([]byte(fmt.Sprintf("pid %d (%s)\n", os.Getpid(), t.Name())), 0)
-}
-
 // startKubeletEnvWith is startKubeletEnv with more images to import and chart values set
 // beside the image overrides (top-level keys).
 func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values map[string]any) *kubeletEnv {
 	t.Helper()
-	requireNode(t)
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
-	lockKubeletEnv(t)
+	// The lock first: it reclaims what a killed environment left, which requireNode would
+	// otherwise refuse.
+	log := lockKubeletEnv(t)
+	requireNode(t)
 	for _, p := range []string{localPoolPath, sharedPoolPath} {
 		if entries, err := os.ReadDir(p); err == nil && len(entries) > 0 {
 			t.Fatalf("%s exists and is not empty: the kubelet test lays out the chart's default pools there", p)
 		}
 	}
+	log.note(t, recKubelet, KubeletDir)
 	total := time.Now()
 	dir := t.TempDir()
+	// The root of every t.TempDir of this test: pool images, PKI, etcd.
+	log.note(t, recTmp, filepath.Dir(dir))
 	ip := NodeIP(t)
 	c := StartClusterWith(t, dir, ClusterOptions{NodeIP: ip})
+	c.OnHostPath = func(kind, path string) { log.note(t, kind, path) }
 	installSnapshotCRDs(t, c)
 	// Distributed snapshotting, for a chart with snapshots.local (the e2e run's): local volumes
 	// are snapshotted by their node's csi-snapshotter, which only sees contents labelled with
@@ -146,7 +116,9 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 	// what it has promised, not what is written, and the storage e2e suite runs three specs at
 	// once, each growing 1 GiB claims to 2 GiB (a 4 GiB shared pool refused the third with
 	// RESOURCE_EXHAUSTED, rightly).
+	log.noteMount(t, localPoolPath)
 	mountPoolFS(t, localPoolPath, "xfs", 16<<30)
+	log.noteMount(t, sharedPoolPath)
 	mountPoolFS(t, sharedPoolPath, "btrfs", 16<<30)
 	// Dir volumes get a size limit only where the administrator turned quota on
 	// (docs/pools.md, "Quota is the admin's decision").
@@ -157,12 +129,13 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 
+	log.noteMount(t, sharesDir)
 	sharedBindMount(t, sharesDir)
 
 	// Last resort, after the node is gone and before the pools are unmounted: a loop device
 	// the test run left (a failure before the claims were deleted) keeps a pool busy.
 	t.Cleanup(func() {
-		for dev, line := range ourLoops() {
+		for dev, line := range ourLoops(KubeletDir, localPoolPath, sharedPoolPath) {
 			t.Errorf("detaching a loop device left behind: %s", line)
 			_ = exec.Command("losetup", "-d", dev).Run()
 		}
@@ -1096,7 +1069,7 @@ func kubeletMore(t *testing.T, env *kubeletEnv) {
 				t.Errorf("a CSI mount is left: %s", m)
 			}
 		}
-		for _, line := range ourLoops() {
+		for _, line := range ourLoops(KubeletDir, localPoolPath, sharedPoolPath) {
 			t.Errorf("a loop device is left: %s", line)
 		}
 		for _, p := range []string{localPoolPath, sharedPoolPath, shareSource} {
@@ -1108,33 +1081,40 @@ func kubeletMore(t *testing.T, env *kubeletEnv) {
 	})
 }
 
-// ourLoops maps each loop device this test's node may have attached to its losetup -a
-// line: those backed by a file on one of the pools, and kubelet's own for block volumes
-// (backed by a device file under its directory). Other tests on this machine have loop
-// devices of their own, which are not ours to judge or detach. poolcsi attaches images
-// through /proc/<pid>/fd paths inside its container, so the backing file's name does not
-// show the pool: its device number does.
-func ourLoops() map[string]string {
-	var pools []string
-	for _, p := range []string{localPoolPath, sharedPoolPath} {
-		var st syscall.Stat_t
-		if err := syscall.Stat(p, &st); err == nil {
-			pools = append(pools, losetupFile(st.Dev, 0))
+// ourLoops maps each loop device a node with kubelet's root at kubeletDir and the given
+// pools may have attached to its losetup -a line: those backed by a volume image of one of
+// the pools, and kubelet's own for block volumes (backed by a device file under its
+// directory). Other tests on this machine have loop devices of their own, which are not
+// ours to judge or detach. poolcsi attaches images through /proc/<pid>/fd paths inside its
+// container, and once the container is gone the name is relative to the pool's
+// filesystem, so the backing file's name does not show the pool: its device and inode
+// numbers do (on btrfs each volume is a subvolume, with a device number of its own).
+func ourLoops(kubeletDir string, pools ...string) map[string]string {
+	images := map[string]bool{}
+	for _, p := range pools {
+		hits, _ := filepath.Glob(filepath.Join(p, "volumes", "*", "*.img"))
+		for _, h := range hits {
+			var st syscall.Stat_t
+			if err := syscall.Stat(h, &st); err == nil {
+				images[losetupFile(st.Dev, st.Ino)] = true
+			}
 		}
 	}
 	out, _ := exec.Command("losetup", "-a").Output()
-	type loop struct{ dev, backing, line string }
+	type loop struct{ dev, file, backing, line string }
 	var loops []loop
 	for _, line := range strings.Split(strings.TrimSpace(string(out)), "\n") {
 		if dev, rest, ok := strings.Cut(line, ":"); ok {
-			loops = append(loops, loop{dev, strings.TrimSpace(rest), line})
+			rest = strings.TrimSpace(rest)
+			file, _, _ := strings.Cut(rest, " ")
+			loops = append(loops, loop{dev, file, rest, line})
 		}
 	}
 	m := map[string]string{}
 	for _, l := range loops {
-		mine := strings.Contains(l.backing, "("+KubeletDir+"/")
-		for _, p := range pools {
-			mine = mine || strings.HasPrefix(l.backing, p)
+		mine := images[l.file]
+		if kubeletDir != "" {
+			mine = mine || strings.Contains(l.backing, "("+kubeletDir+"/")
 		}
 		if mine {
 			m[l.dev] = l.line
@@ -1152,7 +1132,7 @@ func ourLoops() map[string]string {
 		}
 	}
 	for _, l := range loops {
-		if file, _, _ := strings.Cut(l.backing, " "); held[file] {
+		if held[l.file] {
 			m[l.dev] = l.line
 		}
 	}

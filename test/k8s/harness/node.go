@@ -91,6 +91,9 @@ func StartNode(t testing.TB, c *Cluster, ip string, images []Image) *Node {
 	if err != nil {
 		t.Fatal(err)
 	}
+	if c.OnHostPath != nil {
+		c.OnHostPath("node", dir)
+	}
 	host, _ := os.Hostname()
 	n := &Node{Name: strings.ToLower(strings.SplitN(host, ".", 2)[0]), IP: ip, Dir: dir, KubeletDir: KubeletDir, c: c, t: t}
 	// Runs last: whatever the graceful steps left behind.
@@ -315,11 +318,16 @@ func (n *Node) ready() error {
 
 // sweep releases what the graceful shutdown left: mounts under kubelet's root and the
 // node's directory (deepest first), the CNI bridge, and the directories kubelet creates
-// whatever --root-dir says.
+// whatever --root-dir says. A field left empty names nothing.
 func (n *Node) sweep(t testing.TB) {
-	// containerd-shims whose containerd is gone keep their mounts busy.
-	if out, err := exec.Command("pgrep", "-f", "containerd-shim.*"+n.Containerd).Output(); err == nil {
-		for _, f := range strings.Fields(string(out)) {
+	// containerd-shims whose containerd is gone keep their mounts busy. (A reclaim that
+	// does not know the node's directory knows no shim to be ours.)
+	var shims []byte
+	if n.Containerd != "" {
+		shims, _ = exec.Command("pgrep", "-f", "containerd-shim.*"+n.Containerd).Output()
+	}
+	if len(shims) > 0 {
+		for _, f := range strings.Fields(string(shims)) {
 			if pid, err := strconv.Atoi(f); err == nil {
 				_ = syscall.Kill(pid, syscall.SIGKILL)
 			}
@@ -338,6 +346,9 @@ func (n *Node) sweep(t testing.TB) {
 		}
 	}
 	for _, d := range []string{n.KubeletDir, "/var/log/pods", "/var/log/containers", n.Dir} {
+		if d == "" {
+			continue
+		}
 		if left := mountsUnder(d); len(left) > 0 {
 			// Removing files under a mount would delete a volume's data.
 			t.Errorf("not removing %s: still mounted under it: %v", d, left)
@@ -350,15 +361,18 @@ func (n *Node) sweep(t testing.TB) {
 	for _, m := range netnsLeft {
 		_ = os.Remove(m)
 	}
-	// kubelet's canary and firewall chains (kube-proxy --cleanup removed its own).
+	// kubelet's canary and firewall chains, and kube-proxy's if it never ran --cleanup (a
+	// killed environment).
 	for _, table := range []string{"filter", "nat", "mangle"} {
 		out, _ := exec.Command("iptables", "-t", table, "-S").Output()
 		var chains []string
 		for _, line := range strings.Split(string(out), "\n") {
-			f := strings.Fields(line)
+			f := iptablesFields(line)
 			switch {
 			case len(f) >= 4 && f[0] == "-A" && !strings.HasPrefix(f[1], "KUBE-") && strings.Contains(line, "-j KUBE-"):
-				_ = exec.Command("iptables", append([]string{"-t", table, "-D"}, f[1:]...)...).Run()
+				if out, err := exec.Command("iptables", append([]string{"-t", table, "-D"}, f[1:]...)...).CombinedOutput(); err != nil {
+					t.Logf("iptables -t %s -D %q: %v %s", table, f[1:], err, out)
+				}
 			case len(f) == 2 && f[0] == "-N" && strings.HasPrefix(f[1], "KUBE-"):
 				chains = append(chains, f[1])
 			}
@@ -377,6 +391,38 @@ func (n *Node) sweep(t testing.TB) {
 	}
 }
 
+// iptablesFields splits a rule as iptables -S prints it: an argument with spaces (a
+// comment) is in double quotes, with \" and \\ escaped.
+func iptablesFields(line string) []string {
+	var f []string
+	var cur strings.Builder
+	in, quoted := false, false
+	for i := 0; i < len(line); i++ {
+		c := line[i]
+		switch {
+		case quoted && c == '\\' && i+1 < len(line):
+			i++
+			cur.WriteByte(line[i])
+		case c == '"':
+			quoted = !quoted
+			in = true
+		case c == ' ' && !quoted:
+			if in {
+				f = append(f, cur.String())
+				cur.Reset()
+				in = false
+			}
+		default:
+			cur.WriteByte(c)
+			in = true
+		}
+	}
+	if in {
+		f = append(f, cur.String())
+	}
+	return f
+}
+
 // mountsUnder lists the mount points under any of dirs, deepest first.
 func mountsUnder(dirs ...string) []string {
 	f, err := os.Open("/proc/self/mountinfo")
@@ -393,6 +439,9 @@ func mountsUnder(dirs ...string) []string {
 		}
 		mp := unescapeMount(fields[4])
 		for _, d := range dirs {
+			if d == "" {
+				continue // not "/": an unset directory names nothing
+			}
 			if mp == d || strings.HasPrefix(mp, d+"/") {
 				out = append(out, mp)
 				break
