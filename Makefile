@@ -7,7 +7,8 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo deve
 build:
 	CGO_ENABLED=0 go build -ldflags "-X main.version=$(VERSION)" -o $(BIN) ./cmd/poolcsi
 
-# The whole suite (root): vet, unit, sanity, end-to-end, faults, Kubernetes harness.
+# The whole suite (root): gofmt, lint (with go vet's analyzers), unit, sanity,
+# end-to-end, faults, Kubernetes harness.
 test:
 	hack/test.sh
 
