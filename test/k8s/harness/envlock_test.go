@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strconv"
 	"strings"
@@ -59,9 +60,13 @@ func lockKubeletEnvAt(t testing.TB, path string) *envLog {
 	}
 	l := &envLog{f: f}
 	// Registered first, so it runs last: the record is emptied only once every other
-	// cleanup of the environment has run.
+	// cleanup of the environment has run, and only if it is this environment's: a reclaim
+	// that failed leaves the killed environment's record for the next attempt.
+	owned := false
 	t.Cleanup(func() {
-		_ = f.Truncate(0)
+		if owned {
+			_ = f.Truncate(0)
+		}
 		f.Close()
 	})
 	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
@@ -89,6 +94,7 @@ func lockKubeletEnvAt(t testing.TB, path string) *envLog {
 	if err := f.Truncate(0); err != nil {
 		t.Fatal(err)
 	}
+	owned = true
 	if _, err := f.WriteAt([]byte(fmt.Sprintf("env pid %d (%s)\n", os.Getpid(), t.Name())), 0); err != nil {
 		t.Fatal(err)
 	}
@@ -410,5 +416,66 @@ func TestIptablesFields(t *testing.T) {
 		if got := iptablesFields(tc.in); fmt.Sprintf("%q", got) != fmt.Sprintf("%q", tc.want) {
 			t.Errorf("iptablesFields(%q) = %q, want %q", tc.in, got, tc.want)
 		}
+	}
+}
+
+// fatalTB records a Fatal instead of failing the test, and runs its cleanups when asked.
+type fatalTB struct {
+	testing.TB
+	fatal    string
+	cleanups []func()
+}
+
+func (f *fatalTB) Helper()                           {}
+func (f *fatalTB) Cleanup(fn func())                 { f.cleanups = append(f.cleanups, fn) }
+func (f *fatalTB) Fatal(args ...any)                 { f.fatal = fmt.Sprint(args...); runtime.Goexit() }
+func (f *fatalTB) Fatalf(format string, args ...any) { f.Fatal(fmt.Sprintf(format, args...)) }
+
+func (f *fatalTB) run(fn func(testing.TB)) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn(f)
+	}()
+	<-done
+	for i := len(f.cleanups) - 1; i >= 0; i-- {
+		f.cleanups[i]()
+	}
+}
+
+// TestFailedReclaimKeepsRecord: a reclaim that cannot finish (here a mount under a temp
+// directory the record names, which it will not delete files under) fails, and leaves
+// the record for the next attempt rather than forgetting what is left.
+func TestFailedReclaimKeepsRecord(t *testing.T) {
+	requireRoot(t)
+	requireCommands(t, "mount", "iptables", "ip")
+	lockKubeletEnv(t) // the reclaim sweeps machine-wide state
+	root := t.TempDir()
+	tmp := filepath.Join(root, "tmp")
+	busy := filepath.Join(tmp, "busy")
+	if err := os.MkdirAll(busy, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command("mount", "-t", "tmpfs", "tmpfs", busy).CombinedOutput(); err != nil {
+		t.Fatalf("mount: %v %s", err, out)
+	}
+	t.Cleanup(func() { _ = syscall.Unmount(busy, syscall.MNT_DETACH) })
+	lock := filepath.Join(root, "env.lock")
+	record := "env pid 1 (TestKilled)\n" + recTmp + " " + tmp + "\n"
+	if err := os.WriteFile(lock, []byte(record), 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	f := &fatalTB{TB: t}
+	f.run(func(tb testing.TB) { lockKubeletEnvAt(tb, lock) })
+
+	if !strings.Contains(f.fatal, "still mounted under it") {
+		t.Errorf("reclaim did not fail as expected: %q", f.fatal)
+	}
+	if b, _ := os.ReadFile(lock); string(b) != record {
+		t.Errorf("record after a failed reclaim: %q, want it kept: %q", b, record)
+	}
+	if _, err := os.Stat(busy); err != nil {
+		t.Errorf("what was mounted is gone: %v", err)
 	}
 }
