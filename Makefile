@@ -21,7 +21,7 @@ unit:
 fuzz:
 	hack/fuzz.sh
 
-# golangci-lint (built once from the Go module proxy into bin/), zero findings.
+# golangci-lint (built once from the Go module proxy, cached in ~/.cache/poolcsi-tools), zero findings.
 lint:
 	hack/lint.sh
 
