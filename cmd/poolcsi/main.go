@@ -67,8 +67,16 @@ func main() {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
-	defer stop()
+	// serve and demo end on SIGTERM or SIGINT by cleaning up (the server
+	// stops, the demo unmounts what it made); the pool commands keep the
+	// default action, which ends the process at once whatever it is blocked
+	// in: every write of theirs is crash-safe, as a SIGKILL's would be.
+	ctx := context.Background()
+	if os.Args[1] != "pool" {
+		var stop context.CancelFunc
+		ctx, stop = signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+		defer stop()
+	}
 	var err error
 	switch os.Args[1] {
 	case "serve":

@@ -4,12 +4,12 @@ package config
 
 import (
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 
 	"sigs.k8s.io/yaml"
 
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
@@ -29,11 +29,14 @@ type PoolConfig struct {
 	Mount       *poolmount.Spec `json:"mount,omitempty"`
 }
 
+// maxConfig bounds the config file: a pools list is a few KiB.
+const maxConfig = 1 << 20
+
 // Load reads a config file. Unknown fields are errors: a misspelt key would
 // otherwise silently fall back to a default.
 func Load(path string) (File, error) {
 	var f File
-	raw, err := os.ReadFile(path)
+	raw, err := fsx.ReadFileFollow(path, maxConfig)
 	if err != nil {
 		return f, fmt.Errorf("read config: %w", err)
 	}

@@ -53,7 +53,7 @@ func (p *Pool) LockNode(ctx context.Context, node string) (unlock func(), err er
 	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
 		return nil, fmt.Errorf("pool %s: lock node %s: %w", p.Name, node, err)
 	}
-	return p.lockFileAt(ctx, filepath.Join(p.Path, nodesDir, node+nodeLockSuffix), true)
+	return p.lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
 }
 
 // MarkPublished adds volume id to node's index, durably: it must be on disk
@@ -70,7 +70,7 @@ func (p *Pool) markPublished(node string, id VolumeID, durable bool) error {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
 	}
-	if err := touch(filepath.Join(dir, id.Key)); err != nil {
+	if err := p.touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
 		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
 	}
 	if !durable {
@@ -130,7 +130,7 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 // (a publish holds it from before it makes the marker until its record is
 // saved). Anything unclear (a damaged volume.json) counts as published.
 func (p *Pool) staleMarker(node string, id VolumeID) bool {
-	if lockHeld(filepath.Join(p.Dir(id), lockFile)) {
+	if lockHeld(p.Path, volumeRel(id, lockFile)) {
 		return false
 	}
 	v, err := p.Load(id)

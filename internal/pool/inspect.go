@@ -4,17 +4,20 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // OpenExisting opens a pool directory that already exists for inspection by an
 // operator tool: the name comes from its pool.json, and nothing is created.
 func OpenExisting(path string) (*Pool, error) {
 	path = filepath.Clean(path)
-	raw, err := os.ReadFile(filepath.Join(path, poolMeta))
+	raw, err := fsx.ReadFile(path, poolMeta, maxPoolMeta)
 	if err != nil {
 		return nil, fmt.Errorf("%s is not a poolcsi pool (no readable %s): %w", path, poolMeta, err)
 	}
@@ -46,7 +49,7 @@ const StaleCreate = time.Hour
 // reads; removing anything is the operator's decision.
 func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 	dir := filepath.Join(p.Path, volumesDir)
-	des, err := os.ReadDir(dir)
+	des, err := p.readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("list pool %s: %w", p.Name, err)
 	}
@@ -62,7 +65,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
 			id := p.IDOf(de.Name())
-			if !lockHeld(filepath.Join(path, lockFile)) && !p.changing() { // else a write under way
+			if !lockHeld(p.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}
 			e, listed := p.loadListed(id)
@@ -76,8 +79,9 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			}
 		}
 	}
+	out = append(out, p.damagedFiles()...)
 	sdir := filepath.Join(p.Path, snapshotsDir)
-	if sdes, err := os.ReadDir(sdir); err == nil {
+	if sdes, err := p.readDir(snapshotsDir); err == nil {
 		for _, de := range sdes {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
 				out = append(out, tempLeftovers(filepath.Join(sdir, de.Name()))...)
@@ -89,16 +93,71 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 
 // tempLeftovers lists the temp files of metadata writes in dir (a volume's or
 // a snapshot's directory): a write in progress, or one a crash interrupted.
-// Those older than staleTemp are certainly the latter.
+// Those older than fsx.StaleTemp are certainly the latter.
 func tempLeftovers(dir string) []Leftover {
-	des, err := os.ReadDir(dir)
+	des, err := fsx.ReadDir(filepath.Dir(dir), filepath.Base(dir))
 	if err != nil {
 		return nil
 	}
 	var out []Leftover
 	for _, de := range des {
-		if isTemp(de.Name()) {
+		if fsx.IsTemp(de.Name()) {
 			out = append(out, Leftover{filepath.Join(dir, de.Name()), "a metadata write interrupted by a crash (or in progress right now); the metadata itself is intact: remove it"})
+		}
+	}
+	return out
+}
+
+// damagedFiles lists the pool's own small files (not volume.json, which the
+// volume scan reads) that are not what poolcsi writes there: a link, a FIFO, a
+// device, a directory or a file larger than its kind ever is. Anyone who can
+// write a shared pool can plant one; the driver refuses each (ErrCorrupt), and
+// this is where the operator hears which.
+func (p *Pool) damagedFiles() []Leftover {
+	var out []Leftover
+	check := func(rel string, max int64) {
+		if err := fsx.CheckFile(p.Path, rel, max); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			out = append(out, Leftover{filepath.Join(p.Path, rel), "damaged: " + err.Error()})
+		}
+	}
+	check(poolMeta, maxPoolMeta)
+	check(poolLock, maxLockFile)
+	if des, err := p.readDir(volumesDir); err == nil {
+		for _, de := range des {
+			if de.IsDir() && keyRE.MatchString(de.Name()) {
+				check(filepath.Join(volumesDir, de.Name(), lockFile), maxLockFile)
+				check(filepath.Join(volumesDir, de.Name(), freezeFile), maxFreezeRecord)
+			}
+		}
+	}
+	if des, err := p.readDir(snapshotsDir); err == nil {
+		for _, de := range des {
+			if de.IsDir() && keyRE.MatchString(de.Name()) {
+				check(filepath.Join(snapshotsDir, de.Name(), snapshotMetaFile), maxSnapshotMeta)
+			}
+		}
+	}
+	des, err := p.readDir(nodesDir)
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		out = append(out, Leftover{filepath.Join(p.Path, nodesDir), "damaged: " + err.Error()})
+	}
+	for _, de := range des {
+		name := de.Name()
+		switch {
+		case strings.HasSuffix(name, ".json"):
+			check(filepath.Join(nodesDir, name), maxNodeRecord)
+		case strings.HasSuffix(name, nodeLockSuffix):
+			check(filepath.Join(nodesDir, name), maxLockFile)
+		case name == publishIndexDone:
+			check(filepath.Join(nodesDir, name), maxMarker)
+		case strings.HasSuffix(name, publishedSuffix):
+			marks, err := p.readDir(filepath.Join(nodesDir, name))
+			if err != nil {
+				out = append(out, Leftover{filepath.Join(p.Path, nodesDir, name), "damaged: " + err.Error()})
+			}
+			for _, m := range marks {
+				check(filepath.Join(nodesDir, name, m.Name()), maxMarker)
+			}
 		}
 	}
 	return out

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // Spec is what a new volume is made of.
@@ -78,7 +80,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return nil, fmt.Errorf("create volume %s: %w", id, err)
 	}
-	if err := touch(filepath.Join(dir, lockFile)); err != nil {
+	if err := p.touch(volumeRel(id, lockFile)); err != nil {
 		return nil, err
 	}
 	// The creating record need not survive a crash by itself: MarkReady's
@@ -273,10 +275,12 @@ func removeRenamed(parent, key string, before func(dir string) error) error {
 	return syncDir(parent)
 }
 
-func touch(path string) error {
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o600)
+// touch creates the pool file rel if it is missing (a link planted there is
+// refused, never followed to create a file elsewhere).
+func (p *Pool) touch(rel string) error {
+	f, err := fsx.OpenRegular(p.Path, rel, unix.O_RDWR|unix.O_CREAT, 0o600)
 	if err != nil {
-		return fmt.Errorf("create %s: %w", path, err)
+		return fmt.Errorf("create %s: %w", filepath.Join(p.Path, rel), unsafe(err))
 	}
 	return f.Close()
 }

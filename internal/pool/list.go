@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // Listing in pages costs what the page returns, not the whole pool: the sorted
@@ -126,9 +128,10 @@ func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry
 	return entries, next, nil
 }
 
-// readNames lists a directory's entry names, unsorted.
+// readNames lists a directory's entry names, unsorted. The directory itself
+// must not be a link, nor anything but a directory (a FIFO would block the open).
 func readNames(dir string) ([]string, error) {
-	f, err := os.Open(dir)
+	f, err := fsx.OpenDir(filepath.Dir(dir), filepath.Base(dir))
 	if err != nil {
 		return nil, err
 	}

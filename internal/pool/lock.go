@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // lockPoll is how often a blocked lock is retried. flock has no timeout, and a
@@ -21,14 +23,14 @@ const lockPoll = 5 * time.Millisecond
 // expand, delete) across every process and node that shares the pool. It is a lock
 // file, not a mutex: on a shared filesystem the other holder is another machine.
 func (p *Pool) LockPool(ctx context.Context) (unlock func(), err error) {
-	return p.lockFileAt(ctx, filepath.Join(p.Path, poolLock), true)
+	return p.lockFileAt(ctx, poolLock, true)
 }
 
 // LockVolume takes the lock of one volume's metadata. It fails with an error
 // wrapping os.ErrNotExist when the volume does not exist (or is deleted while
 // waiting), so no caller ever acts on a volume that vanished under it.
 func (p *Pool) LockVolume(ctx context.Context, id VolumeID) (unlock func(), err error) {
-	return p.lockFileAt(ctx, filepath.Join(p.Dir(id), lockFile), false)
+	return p.lockFileAt(ctx, volumeRel(id, lockFile), false)
 }
 
 // lockPatience bounds the wait for a lock when the call has no deadline of its
@@ -36,7 +38,10 @@ func (p *Pool) LockVolume(ctx context.Context, id VolumeID) (unlock func(), err 
 // server evicts that client (minutes), and no call may hang that long.
 const lockPatience = 30 * time.Second
 
-func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func(), error) {
+// lockFileAt takes the lock file rel of the pool (opened below the pool's root,
+// never through a link, and only if it is a regular file).
+func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(), error) {
+	path := filepath.Join(p.Path, rel)
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, lockPatience, ErrBusy)
@@ -47,7 +52,7 @@ func (p *Pool) lockFileAt(ctx context.Context, path string, create bool) (func()
 		flags |= os.O_CREATE
 	}
 	for {
-		f, err := openLock(ctx, path, flags)
+		f, err := openLock(ctx, p.Path, rel, flags)
 		if err != nil {
 			if ctx.Err() != nil {
 				if errors.Is(context.Cause(ctx), ErrBusy) {
@@ -138,7 +143,8 @@ func (e errStuckOpen) Error() string {
 
 func (e errStuckOpen) Unwrap() error { return e.cause }
 
-func openLock(ctx context.Context, path string, flags int) (*os.File, error) {
+func openLock(ctx context.Context, root, rel string, flags int) (*os.File, error) {
+	path := filepath.Join(root, rel)
 	for {
 		po := &pendingOpen{done: make(chan struct{}), since: time.Now()}
 		if cur, loaded := pendingOpens.LoadOrStore(path, po); loaded {
@@ -151,7 +157,7 @@ func openLock(ctx context.Context, path string, flags int) (*os.File, error) {
 			}
 		}
 		go func() {
-			f, err := os.OpenFile(path, flags, 0o600)
+			f, err := fsx.OpenRegular(root, rel, flags, 0o600)
 			po.mu.Lock()
 			if po.abandoned && f != nil {
 				f.Close()
@@ -223,8 +229,8 @@ func readHolder(f *os.File) string {
 // lockHeld reports whether some process, on this node or another, holds the
 // lock file at path right now. It takes nothing: a lock it could take is
 // released at once. A missing file is a lock nobody holds.
-func lockHeld(path string) bool {
-	f, err := os.Open(path)
+func lockHeld(root, rel string) bool {
+	f, err := fsx.OpenRegular(root, rel, unix.O_RDONLY, 0)
 	if err != nil {
 		return false
 	}
@@ -242,7 +248,7 @@ func lockHeld(path string) bool {
 // no volume.json yet, a .deleting- directory) is then not damage. On a shared
 // filesystem another node's half-done step can be visible for seconds (on
 // CephFS a metadata change from another client waits for the MDS's journal).
-func (p *Pool) changing() bool { return lockHeld(filepath.Join(p.Path, poolLock)) }
+func (p *Pool) changing() bool { return lockHeld(p.Path, poolLock) }
 
 // SetNode names this process's node in the lock files it takes.
 func (p *Pool) SetNode(node string) { p.node = node }

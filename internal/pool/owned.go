@@ -51,7 +51,7 @@ func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 	if err := p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	return WriteFileAtomic(filepath.Join(p.Dir(id), freezeFile), []byte(node+"\n"+path), true)
+	return p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
 }
 
 // ClearFreeze removes a volume's freeze record, after the thaw.
@@ -66,8 +66,7 @@ func (p *Pool) ClearFreeze(id VolumeID) error {
 // Freezes lists the pool's freeze records. One that cannot be read or parsed is
 // skipped: it names nothing this node could safely thaw.
 func (p *Pool) Freezes() ([]Freeze, error) {
-	dir := filepath.Join(p.Path, volumesDir)
-	des, err := os.ReadDir(dir)
+	des, err := p.readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
 	}
@@ -76,7 +75,7 @@ func (p *Pool) Freezes() ([]Freeze, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		raw, err := os.ReadFile(filepath.Join(dir, de.Name(), freezeFile))
+		raw, err := p.readBeneath(volumeRel(p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
 		if err != nil {
 			continue
 		}

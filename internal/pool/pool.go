@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -100,6 +101,9 @@ func Open(cfg Config) (*Pool, error) {
 	// A missing or uninitialised shared pool is not fatal: Probe reports it until
 	// it appears.
 	if _, err := os.Stat(cfg.Path); err == nil && p.mountReady() == nil {
+		// A pool whose pool.json is damaged or names another pool is
+		// unavailable (Check says why), not fatal: on a shared pool anyone
+		// can write that file, and one pool must never stop a driver.
 		if err := p.init(p.mayInit()); err != nil && !errors.Is(err, ErrUnavailable) {
 			return nil, err
 		}
@@ -173,26 +177,44 @@ type poolInfo struct {
 	Share *ShareRef `json:"share,omitempty"`
 }
 
+// readMeta reads and checks pool.json. A pool.json that is damaged, or names
+// another pool, makes the pool unavailable (never the driver: Open does not fail
+// on it), with what to do; a missing one wraps fs.ErrNotExist.
+func (p *Pool) readMeta() error {
+	var info poolInfo
+	metaPath := filepath.Join(p.Path, poolMeta)
+	raw, err := p.readBeneath(poolMeta, maxPoolMeta)
+	switch {
+	case errors.Is(err, fs.ErrNotExist):
+		return err
+	case errors.Is(err, ErrUnavailable):
+		return err
+	case err != nil:
+		return fmt.Errorf("%w: pool %s: %s cannot be read: %w", ErrUnavailable, p.Name, metaPath, err)
+	}
+	if err := json.Unmarshal(raw, &info); err != nil {
+		return fmt.Errorf("%w: pool %s: %s is damaged (%w): restore it (it holds {\"schemaVersion\": %d, \"name\": %q})",
+			ErrUnavailable, p.Name, metaPath, err, SchemaVersion, p.Name)
+	}
+	if info.Name != p.Name {
+		return fmt.Errorf("%w: pool %s: %s belongs to pool %q; give it that name or use another directory", ErrUnavailable, p.Name, p.Path, info.Name)
+	}
+	return nil
+}
+
 // init writes pool.json once and refuses a directory that already belongs to a
 // pool of another name: two names over one directory would double-count capacity
 // and give one volume two IDs.
 func (p *Pool) init(may bool) error {
 	metaPath := filepath.Join(p.Path, poolMeta)
-	raw, err := os.ReadFile(metaPath)
+	err := p.readMeta()
 	switch {
 	case err == nil:
-		var info poolInfo
-		if err := json.Unmarshal(raw, &info); err != nil {
-			return fmt.Errorf("pool %s: %s is damaged: %w", p.Name, metaPath, err)
-		}
-		if info.Name != p.Name {
-			return fmt.Errorf("pool %s: %s belongs to pool %q; give it that name or use another directory", p.Name, p.Path, info.Name)
-		}
 		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		return nil
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, fs.ErrNotExist):
 		if !may {
 			if p.Share != nil {
 				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.Share, p.Path, poolMeta)
@@ -204,9 +226,12 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
-		return WriteFileAtomic(metaPath, append(raw, '\n'), true)
+		if err := p.writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
+			return fmt.Errorf("pool %s: write %s: %w", p.Name, metaPath, err)
+		}
+		return nil
 	default:
-		return fmt.Errorf("pool %s: %w", p.Name, err)
+		return err
 	}
 }
 
@@ -232,12 +257,14 @@ func (p *Pool) check() error {
 	if err := p.mountReady(); err != nil {
 		return err
 	}
-	if _, err := os.Stat(filepath.Join(p.Path, poolMeta)); errors.Is(err, os.ErrNotExist) {
+	if err := p.readMeta(); errors.Is(err, fs.ErrNotExist) {
 		// A pool that appeared after start-up (a share mounted late): lay it out
 		// now if the driver may, or say why not.
 		if err := p.init(p.mayInit()); err != nil {
 			return err
 		}
+	} else if err != nil {
+		return err
 	}
 	if err := unix.Access(vols, unix.W_OK); err != nil {
 		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %v", p.Name, vols, err) //nolint:errorlint // Check wraps ErrUnavailable only
@@ -286,7 +313,7 @@ func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
 
 // List returns the pool's volumes sorted by ID.
 func (p *Pool) List() ([]Entry, error) {
-	des, err := os.ReadDir(filepath.Join(p.Path, volumesDir))
+	des, err := p.readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
 	}

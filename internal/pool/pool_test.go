@@ -26,8 +26,18 @@ func TestOpenRefusesForeignPool(t *testing.T) {
 	if _, err := Open(Config{Name: "one", Path: dir}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Open(Config{Name: "two", Path: dir}); err == nil {
-		t.Fatal("a directory of pool one was opened as pool two")
+	// Another name over the directory: that pool is unavailable, with the
+	// reason (not fatal: one pool never stops a driver), and never laid out
+	// again under the new name.
+	two, err := Open(Config{Name: "two", Path: dir})
+	if err != nil {
+		t.Fatalf("Open of a foreign pool's directory failed instead of making the pool unavailable: %v", err)
+	}
+	if err := two.Check(); !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), `belongs to pool "one"`) {
+		t.Fatalf("Check of pool two over pool one's directory: %v", err)
+	}
+	if _, err := Initialise(Config{Name: "two", Path: dir, Shared: true}); err == nil {
+		t.Fatal("pool init laid out pool two over pool one")
 	}
 	for _, bad := range []Config{{Name: "x", Path: "relative"}, {Name: "x", Path: "/"}, {Name: "x", Path: "/a/../b"}, {Name: "../x", Path: "/tmp/x"}} {
 		if _, err := Open(bad); err == nil {

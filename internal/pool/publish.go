@@ -111,9 +111,9 @@ type NodeRecord struct {
 	RegisteredAt time.Time `json:"registeredAt"`
 }
 
-func (p *Pool) nodePath(node string) string {
-	return filepath.Join(p.Path, nodesDir, node+".json")
-}
+func (p *Pool) nodeRel(node string) string { return filepath.Join(nodesDir, node+".json") }
+
+func (p *Pool) nodePath(node string) string { return filepath.Join(p.Path, p.nodeRel(node)) }
 
 // RegisterNode records that node's node plugin serves this pool. Nodes are known
 // nowhere else (poolcsi talks to no API server), and a controller must be able to
@@ -127,7 +127,7 @@ func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes 
 		return fmt.Errorf("pool %s: register node %s: %w", p.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
-	return WriteFileAtomic(p.nodePath(node), append(raw, '\n'), true)
+	return p.writeBeneath(p.nodeRel(node), append(raw, '\n'), true)
 }
 
 // Node reads node's registration; ok is false when it never registered.
@@ -135,7 +135,7 @@ func (p *Pool) Node(node string) (rec NodeRecord, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return rec, false, err
 	}
-	raw, err := os.ReadFile(p.nodePath(node))
+	raw, err := p.readBeneath(p.nodeRel(node), maxNodeRecord)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return rec, false, nil
@@ -153,7 +153,7 @@ func (p *Pool) NodeRegistered(node string) (bool, error) {
 	if err := ValidateNodeID(node); err != nil {
 		return false, err
 	}
-	_, err := os.Stat(p.nodePath(node))
+	_, err := os.Lstat(p.nodePath(node))
 	switch {
 	case err == nil:
 		return true, nil

@@ -6,7 +6,7 @@ import (
 	"os"
 	"path/filepath"
 
-	"golang.org/x/sys/unix"
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // A pool's contents are untrusted input: on a shared pool anyone who can write
@@ -30,49 +30,50 @@ func (h *Handle) Path() string { return fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(
 // Close releases the handle; Path is invalid afterwards.
 func (h *Handle) Close() error { return h.f.Close() }
 
+// The largest each kind of the pool's small files ever is. A larger one is not
+// poolcsi's: it is damage (ErrCorrupt), and never read past its cap, so a
+// planted 100 MB file (or a link to /dev/zero, which is refused anyway) costs
+// a driver or the CLI nothing.
+const (
+	maxPoolMeta     = 64 << 10
+	maxVolumeMeta   = 1 << 20 // its stage and publish records grow with the nodes that share a volume
+	maxSnapshotMeta = 64 << 10
+	maxNodeRecord   = 64 << 10
+	maxFreezeRecord = 16 << 10
+	maxLockFile     = 4 << 10 // a holder record: "node <name>, pid <n>"
+	maxMarker       = 4 << 10 // the publish index's empty markers
+)
+
+// unsafe turns fsx's classification into the pool's: a file that is a link,
+// of the wrong kind or too large is damage.
+func unsafe(err error) error {
+	if errors.Is(err, fsx.ErrUnsafe) && !errors.Is(err, ErrCorrupt) {
+		return fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return err
+}
+
 // openBeneath opens rel (slash-separated, relative to the pool's root) without
 // following any link and without leaving the pool.
 func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
-	root, err := unix.Open(p.Path, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, err) //nolint:errorlint // unavailable, not missing
+	f, err := fsx.OpenBeneath(p.Path, rel, flags, 0)
+	var pe *os.PathError
+	if errors.As(err, &pe) && pe.Path == p.Path {
+		return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
 	}
-	defer unix.Close(root)
-	if flags&unix.O_PATH == 0 {
-		flags |= unix.O_NOCTTY // O_PATH takes no other flags
-	}
-	fd, err := unix.Openat2(root, rel, &unix.OpenHow{
-		Flags:   uint64(flags | unix.O_CLOEXEC),
-		Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS | unix.RESOLVE_NO_MAGICLINKS,
-	})
-	switch {
-	case errors.Is(err, unix.ELOOP), errors.Is(err, unix.EXDEV):
-		return nil, fmt.Errorf("%w: %s in pool %s is reached through a symbolic link (or leaves the pool); poolcsi never follows links inside a pool: remove the link", ErrCorrupt, filepath.Join(p.Path, rel), p.Name)
-	case err != nil:
-		return nil, &os.PathError{Op: "open", Path: filepath.Join(p.Path, rel), Err: err}
-	}
-	return os.NewFile(uintptr(fd), filepath.Join(p.Path, rel)), nil
+	return f, unsafe(err)
 }
 
 // openKind opens rel as a handle and requires it to be a regular file (dir
 // false) or a directory (dir true).
 func (p *Pool) openKind(rel string, dir bool) (*Handle, error) {
-	f, err := p.openBeneath(rel, unix.O_PATH)
+	f, err := fsx.OpenPath(p.Path, rel, dir)
 	if err != nil {
-		return nil, err
-	}
-	fi, err := f.Stat()
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("stat %s: %w", f.Name(), err)
-	}
-	if (dir && !fi.IsDir()) || (!dir && !fi.Mode().IsRegular()) {
-		f.Close()
-		want := "a regular file"
-		if dir {
-			want = "a directory"
+		var pe *os.PathError
+		if errors.As(err, &pe) && pe.Path == p.Path {
+			return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
 		}
-		return nil, fmt.Errorf("%w: %s is not %s (%s)", ErrCorrupt, f.Name(), want, fi.Mode().Type())
+		return nil, unsafe(err)
 	}
 	return &Handle{f: f}, nil
 }
@@ -105,39 +106,33 @@ func (p *Pool) OpenSnapshotData(id SnapshotID) (*Handle, error) {
 	return p.openKind(snapshotRel(id, dataDir), true)
 }
 
-// readBeneath reads a small file of the pool without following links.
-func (p *Pool) readBeneath(rel string) ([]byte, error) {
-	f, err := p.openBeneath(rel, unix.O_RDONLY)
-	if err != nil {
-		return nil, err
+// readBeneath reads one of the pool's small files (at most max bytes) through
+// the one reader of pool files (internal/fsx): no link followed, nothing but a
+// regular file opened, never blocking on a FIFO, never more than max read.
+func (p *Pool) readBeneath(rel string, max int64) ([]byte, error) {
+	b, err := fsx.ReadFile(p.Path, rel, max)
+	var pe *os.PathError
+	if errors.As(err, &pe) && pe.Path == p.Path {
+		return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
 	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err != nil {
-		return nil, err
-	}
-	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%w: %s is not a regular file", ErrCorrupt, f.Name())
-	}
-	const limit = 1 << 20 // metadata is a few hundred bytes; a huge file is damage
-	if fi.Size() > limit {
-		return nil, fmt.Errorf("%w: %s is %d bytes, more than metadata ever is", ErrCorrupt, f.Name(), fi.Size())
-	}
-	buf := make([]byte, fi.Size())
-	n, err := f.ReadAt(buf, 0)
-	if err != nil && n != len(buf) {
-		return nil, fmt.Errorf("read %s: %w", f.Name(), err)
-	}
-	return buf[:n], nil
+	return b, unsafe(err)
+}
+
+// writeBeneath replaces one of the pool's small files atomically, through a
+// descriptor of its directory opened below the pool's root without links.
+func (p *Pool) writeBeneath(rel string, data []byte, durable bool) error {
+	return unsafe(fsx.WriteFileAtomic(p.Path, rel, data, durable))
+}
+
+// readDir lists a directory of the pool, reached without links.
+func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
+	des, err := fsx.ReadDir(p.Path, rel)
+	return des, unsafe(err)
 }
 
 // checkDir fails unless rel is a directory reached without any link: called
 // before the pool creates, renames or removes anything inside rel, so that a
 // link planted in its place never redirects a write or a delete out of the pool.
 func (p *Pool) checkDir(rel string) error {
-	h, err := p.openKind(rel, true)
-	if err != nil {
-		return err
-	}
-	return h.Close()
+	return unsafe(fsx.CheckDir(p.Path, rel))
 }

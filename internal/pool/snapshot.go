@@ -152,7 +152,7 @@ func (p *Pool) SnapshotDataPath(id SnapshotID) string {
 // LoadSnapshot reads snapshot.json; a missing snapshot wraps os.ErrNotExist.
 func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	path := filepath.Join(p.SnapshotDir(id), snapshotMetaFile)
-	raw, err := p.readBeneath(snapshotRel(id, snapshotMetaFile))
+	raw, err := p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, err)
 	}
@@ -187,7 +187,7 @@ func (p *Pool) SaveSnapshot(s *Snapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
 	}
-	return WriteFileAtomic(filepath.Join(p.SnapshotDir(id), snapshotMetaFile), append(raw, '\n'), true)
+	return p.writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
 }
 
 // SnapshotEntry is one listed snapshot, or the error that kept it from loading.
@@ -211,7 +211,7 @@ func (p *Pool) loadListedSnapshot(id SnapshotID) (SnapshotEntry, bool) {
 
 // ListSnapshots returns the pool's snapshots sorted by ID.
 func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
-	des, err := os.ReadDir(filepath.Join(p.Path, snapshotsDir))
+	des, err := p.readDir(snapshotsDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil // no snapshot was ever taken
 	}

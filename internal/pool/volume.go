@@ -6,8 +6,9 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // SchemaVersion is the version of volume.json this code writes. Readers refuse a
@@ -101,7 +102,7 @@ func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), i
 
 // Load reads volume.json. A missing volume is an error wrapping os.ErrNotExist.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
-	raw, err := p.readBeneath(volumeRel(id, metadataFile))
+	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of volume %s: %w", id, err)
 	}
@@ -178,58 +179,15 @@ func (p *Pool) save(v *Volume, durable bool) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
 	}
-	return WriteFileAtomic(filepath.Join(p.Dir(id), metadataFile), append(raw, '\n'), durable)
-}
-
-// staleTemp is how old a metadata temp file must be before a writer removes it
-// as a crash's leftover: far longer than any write takes, so a concurrent
-// writer on another node never loses its temp file.
-const staleTemp = 10 * time.Minute
-
-func isTemp(name string) bool {
-	return strings.HasPrefix(name, ".") && strings.Contains(name, ".tmp-")
-}
-
-// sweepTemps removes the stale temp files of earlier writes of path, which a
-// crash between create and rename left behind.
-func sweepTemps(path string) {
-	matches, _ := filepath.Glob(filepath.Join(filepath.Dir(path), "."+filepath.Base(path)+".tmp-*"))
-	for _, m := range matches {
-		if fi, err := os.Lstat(m); err == nil && fi.Mode().IsRegular() && time.Since(fi.ModTime()) > staleTemp {
-			_ = os.Remove(m) // best effort; pool check reports what stays
-		}
-	}
+	return p.writeBeneath(volumeRel(id, metadataFile), append(raw, '\n'), durable)
 }
 
 // WriteFileAtomic replaces path with data: temp file, fsync, rename, and with
 // durable an fsync of the directory, which makes the rename survive a crash.
+// For files outside a pool (a node's own records); a pool's files are written
+// by writeBeneath, below the pool's root.
 func WriteFileAtomic(path string, data []byte, durable bool) error {
-	sweepTemps(path)
-	dir := filepath.Dir(path)
-	f, err := os.CreateTemp(dir, "."+filepath.Base(path)+".tmp-*")
-	if err != nil {
-		return fmt.Errorf("write %s: %w", path, err)
-	}
-	tmp := f.Name()
-	defer func() { _ = os.Remove(tmp) }() // a no-op after the rename; a leftover is swept by pool check
-	if _, err := f.Write(data); err != nil {
-		f.Close()
-		return fmt.Errorf("write %s: %w", tmp, err)
-	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("fsync %s: %w", tmp, err)
-	}
-	if err := f.Close(); err != nil {
-		return fmt.Errorf("close %s: %w", tmp, err)
-	}
-	if err := os.Rename(tmp, path); err != nil {
-		return fmt.Errorf("rename %s: %w", tmp, err)
-	}
-	if !durable {
-		return nil
-	}
-	return syncDir(dir)
+	return fsx.WriteFileAtomic(filepath.Dir(path), filepath.Base(path), data, durable)
 }
 
 func syncDir(dir string) error {

@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -255,14 +256,14 @@ func Verify(r pool.ShareRef, path string) error {
 	return nil
 }
 
+// maxRecord bounds a share record: a type, a source and a few options.
+const maxRecord = 64 << 10
+
 func readRecord(path string) (record, error) {
 	var rec record
-	raw, err := os.ReadFile(path)
+	raw, err := fsx.ReadFileAt(path, maxRecord)
 	if err != nil {
 		return rec, err
-	}
-	if len(raw) > 64<<10 {
-		return rec, fmt.Errorf("%s is too large", path)
 	}
 	if err := json.Unmarshal(raw, &rec); err != nil {
 		return rec, fmt.Errorf("%s: %w", path, err)
