@@ -3,6 +3,7 @@ package kubeletplugin
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -30,9 +31,12 @@ func TestRegistrationAsKubeletSeesIt(t *testing.T) {
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	r := &Registrar{DriverName: "poolcsi.io", Endpoint: "/var/lib/kubelet/plugins/poolcsi.io/csi.sock", Dir: dir}
 	// A stale socket of a killed process is replaced.
-	if err := os.WriteFile(r.SocketPath(), nil, 0o600); err != nil {
+	stale, err := net.Listen("unix", r.SocketPath())
+	if err != nil {
 		t.Fatal(err)
 	}
+	stale.(*net.UnixListener).SetUnlinkOnClose(false)
+	stale.Close()
 	var ready atomic.Bool
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
@@ -45,14 +49,16 @@ func TestRegistrationAsKubeletSeesIt(t *testing.T) {
 		})
 	}()
 	time.Sleep(200 * time.Millisecond)
-	if fi, err := os.Stat(r.SocketPath()); err == nil && fi.Mode()&os.ModeSocket != 0 {
-		t.Fatal("registration socket made before the CSI socket answered")
+	if c, err := net.Dial("unix", r.SocketPath()); err == nil {
+		c.Close()
+		t.Fatal("registration socket served before the CSI socket answered")
 	}
 	ready.Store(true)
 	var conn *grpc.ClientConn
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		if fi, err := os.Stat(r.SocketPath()); err == nil && fi.Mode()&os.ModeSocket != 0 {
+		if c, err := net.Dial("unix", r.SocketPath()); err == nil {
+			c.Close()
 			break
 		}
 		if time.Now().After(deadline) {

@@ -10,14 +10,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
-	"os"
 	"path/filepath"
 	"time"
 
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+
+	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
 
 // Registrar serves the registration socket for one CSI driver.
@@ -38,9 +38,11 @@ func (r *Registrar) SocketPath() string { return filepath.Join(r.Dir, r.DriverNa
 
 // Run waits until ready answers (the CSI socket serves: kubelet calls
 // NodeGetInfo right after it registers the plugin), then serves the
-// registration socket until ctx ends, and removes it on the way out, which
-// deregisters the driver. A stale socket from an earlier process is replaced:
-// kubelet's watcher sees the new one and registers the restarted driver.
+// registration socket until ctx ends, and removes it on the way out (if it is
+// still its own), which deregisters the driver. A stale socket from an earlier
+// process is replaced: kubelet's watcher sees the new one and registers the
+// restarted driver. A socket another process serves, or anything that is not
+// a socket, is never replaced nor removed: Run fails and says what is there.
 func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) error {
 	log := klog.FromContext(ctx).WithValues("driver", r.DriverName, "socket", r.SocketPath())
 	for {
@@ -58,10 +60,7 @@ func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) 
 		}
 	}
 	sock := r.SocketPath()
-	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("remove stale registration socket %s: %w", sock, err)
-	}
-	lis, err := net.Listen("unix", sock)
+	lis, err := unixsock.Listen(sock)
 	if err != nil {
 		return fmt.Errorf("registration socket %s (is kubelet's plugins_registry mounted?): %w", sock, err)
 	}
@@ -70,8 +69,12 @@ func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) 
 	go func() {
 		<-ctx.Done()
 		srv.Stop()
-		if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
-			log.Error(err, "Removing the registration socket")
+	}()
+	// Only the socket this process made goes: a newer instance's is its own
+	// registration.
+	defer func() {
+		if err := lis.Remove(); err != nil {
+			log.Error(err, "Not removing the registration socket")
 		}
 	}()
 	log.Info("Serving kubelet plugin registration", "endpoint", r.Endpoint)
