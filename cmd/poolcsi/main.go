@@ -21,6 +21,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/demo"
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/metrics"
@@ -129,7 +130,7 @@ func serve(ctx context.Context, args []string) error {
 	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
 	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
-	pathPrefix := fs.String("allowed-path-prefix", "", "the only directory staging and target paths may be under (kubelet's root directory); empty: any absolute path")
+	pathPrefix := fs.String("allowed-path-prefix", defaultPathPrefix, "the only directory staging and target paths may be below (kubelet's root directory, whose own path may go through links; below it no component may be one); / for any path")
 	registrationDir := fs.String("registration-dir", "", "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
 	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
 	statsHealthTTL := fs.Duration("stats-health-ttl", 5*time.Second, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
@@ -141,6 +142,7 @@ func serve(ctx context.Context, args []string) error {
 	shareDir := fs.String("share-dir", poolmount.DefaultShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
 	shareTypes := fs.String("share-types", strings.Join(driver.DefaultShareTypes, ","), "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
 	shareTimeout := fs.Duration("share-mount-timeout", poolmount.DefaultTimeout, "how long one mount of a share may take before it is killed")
+	shareKeyFile := fs.String("share-key-file", "", "the cluster's share key, one per line (the first tags new volume IDs, any verifies one; at least 32 bytes each): every controller and node of the cluster must have it. Without it StorageClasses cannot name shares")
 	memLimit := fs.Int64("memory-limit-mib", defaultMemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
@@ -192,20 +194,13 @@ func serve(ctx context.Context, args []string) error {
 		}
 		opened = append(opened, p)
 	}
-	var shares driver.ShareMounter
-	var types []string
-	if *shareDir != "" {
-		sh, err := poolmount.NewShares(*shareDir, *shareTimeout)
-		if err != nil {
-			return fmt.Errorf("--share-dir: %w", err)
-		}
-		shares = sh
-		types = []string{}
-		for _, t := range strings.Split(*shareTypes, ",") {
-			if t = strings.TrimSpace(t); t != "" {
-				types = append(types, t)
-			}
-		}
+	shares, types, err := shareMounter(*shareDir, *shareTypes, *shareTimeout)
+	if err != nil {
+		return err
+	}
+	shareKeys, err := readShareKeys(*shareKeyFile)
+	if err != nil {
+		return err
 	}
 	thresholds := health.Options{PoolFullThreshold: *poolFull / 100, VolumeFullThreshold: *volumeFull / 100}
 	d, err := driver.New(driver.Options{
@@ -222,6 +217,7 @@ func serve(ctx context.Context, args []string) error {
 		Readiness:         readiness,
 		Shares:            shares,
 		ShareTypes:        types,
+		ShareKeys:         shareKeys,
 	})
 	if err != nil {
 		return err
@@ -284,6 +280,10 @@ func runDemo(ctx context.Context, args []string) error {
 	return demo.Run(ctx, demo.Config{Out: os.Stdout, TempDir: *tempDir, Version: buildVersion()})
 }
 
+// defaultPathPrefix is kubelet's default root directory: a driver started
+// without --allowed-path-prefix mounts nowhere else.
+const defaultPathPrefix = "/var/lib/kubelet"
+
 // defaultMemoryLimitMiB is the soft memory limit of `serve`. The driver's live
 // heap is a few MiB; what grows it is a burst, an unpaged ListVolumes of a
 // large pool, during which GOGC=100 lets the heap reach twice what the burst
@@ -303,4 +303,46 @@ func setMemoryLimit(mib int64) {
 		return
 	}
 	debug.SetMemoryLimit(mib << 20)
+}
+
+// readShareKeys reads --share-key-file: one key per line (a Kubernetes
+// Secret's value, mounted through links), the first the one that tags. No
+// file, no keys.
+func readShareKeys(path string) ([][]byte, error) {
+	if path == "" {
+		return nil, nil
+	}
+	raw, err := fsx.ReadFileFollow(path, 16<<10)
+	if err != nil {
+		return nil, fmt.Errorf("--share-key-file: %w", err)
+	}
+	var keys [][]byte
+	for _, line := range strings.Split(string(raw), "\n") {
+		if line = strings.TrimSpace(line); line != "" {
+			keys = append(keys, []byte(line))
+		}
+	}
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("--share-key-file %s holds no key", path)
+	}
+	return keys, nil
+}
+
+// shareMounter is the share machinery --share-dir and --share-types ask for:
+// none when the directory is empty.
+func shareMounter(dir, typeList string, timeout time.Duration) (driver.ShareMounter, []string, error) {
+	if dir == "" {
+		return nil, nil, nil
+	}
+	sh, err := poolmount.NewShares(dir, timeout)
+	if err != nil {
+		return nil, nil, fmt.Errorf("--share-dir: %w", err)
+	}
+	types := []string{}
+	for _, t := range strings.Split(typeList, ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			types = append(types, t)
+		}
+	}
+	return sh, types, nil
 }

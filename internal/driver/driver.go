@@ -8,7 +8,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -23,6 +22,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
 
 // TopologyKey is the topology segment that pins local-pool volumes to their node.
@@ -89,6 +89,10 @@ type Options struct {
 	// ShareTypes are the share types StorageClasses and volume IDs may name
 	// (--share-types); with Shares set, nil means DefaultShareTypes.
 	ShareTypes []string
+	// ShareKeys are the cluster's share keys (--share-key-file): the first
+	// tags the IDs of volumes on shares, any verifies a tag. Without one,
+	// StorageClasses cannot name shares.
+	ShareKeys [][]byte
 }
 
 // Driver serves the CSI services over one pool set.
@@ -149,7 +153,7 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Health.Validate(); err != nil {
 		return nil, err
 	}
-	host, err := opts.Host.withDefaults()
+	host, err := opts.Host.withDefaults(opts.PathPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
@@ -204,6 +208,11 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		<-ctx.Done()
 		srv.GracefulStop()
 	}()
+	defer func() {
+		if err := lis.Remove(); err != nil {
+			klog.ErrorS(err, "Not removing the CSI socket")
+		}
+	}()
 	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
 		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.names(), "shareTypes", d.shares.typeList())
 	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
@@ -213,8 +222,9 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 }
 
 // Listen opens a unix socket endpoint, replacing a stale socket file left by a
-// previous run (kubelet restarts plugins; the old socket would block the bind).
-func Listen(endpoint string) (net.Listener, error) {
+// previous run (kubelet restarts plugins; the old socket would block the bind)
+// but never a socket another process serves or anything that is not a socket.
+func Listen(endpoint string) (*unixsock.Socket, error) {
 	u, err := url.Parse(endpoint)
 	if err != nil || u.Scheme != "unix" {
 		return nil, fmt.Errorf("endpoint %q: want unix:///path/to/csi.sock", endpoint)
@@ -229,15 +239,7 @@ func Listen(endpoint string) (net.Listener, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
 	}
-	if fi, err := os.Lstat(path); err == nil {
-		if fi.Mode()&os.ModeSocket == 0 {
-			return nil, fmt.Errorf("endpoint %q: %s exists and is not a socket", endpoint, path)
-		}
-		if err := os.Remove(path); err != nil {
-			return nil, fmt.Errorf("endpoint %q: remove stale socket: %w", endpoint, err)
-		}
-	}
-	lis, err := net.Listen("unix", path)
+	lis, err := unixsock.Listen(path)
 	if err != nil {
 		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
 	}

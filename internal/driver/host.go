@@ -64,9 +64,10 @@ type Host struct {
 	FS      Filesystems
 }
 
-// withDefaults fills the nil fields with the real implementations.
-func (h Host) withDefaults() (Host, error) {
-	m := mount.NewMounter()
+// withDefaults fills the nil fields with the real implementations, which
+// mount only below pathPrefix ("" for anywhere).
+func (h Host) withDefaults(pathPrefix string) (Host, error) {
+	m := mount.NewMounterBeneath(pathPrefix)
 	if h.Mounts == nil {
 		h.Mounts = m
 	}

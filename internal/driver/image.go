@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"fmt"
-	"os"
 	"slices"
 	"time"
 
@@ -224,9 +223,8 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 	if err != nil {
 		return err
 	}
-	if err := os.MkdirAll(staging, 0o750); err != nil {
-		return grpcError(fmt.Errorf("create staging path: %w", err))
-	}
+	// The staging path is made by the mount itself, below the allowed
+	// directory without links (internal/mount/beneath.go).
 	opts := slices.Clone(vc.GetMount().GetMountFlags())
 	if readOnly {
 		opts = append(opts, "ro")

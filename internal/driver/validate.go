@@ -144,9 +144,14 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 }
 
 // requestPath validates a staging or target path sent by the CO: absolute,
-// clean of "..", under the allowed prefix when one is set, and with no
-// symbolic link in any component below it. Kubelet never sends a link; a path
-// through one could make a mount or unmount act somewhere else.
+// clean of "..", strictly below the allowed prefix (never the prefix itself:
+// a volume mounted over kubelet's whole directory would hide every pod's
+// volumes), and with no symbolic link in any component below it. Kubelet
+// never sends a link; a path through one could make a mount or unmount act
+// somewhere else. This is the early, readable refusal: the mounter resolves
+// the path once more, without links, and acts on what it resolved
+// (internal/mount/beneath.go), so a link swapped in after this check moves
+// nothing.
 func (d *Driver) requestPath(field, p string) (string, error) {
 	switch {
 	case p == "":
@@ -165,11 +170,13 @@ func (d *Driver) requestPath(field, p string) (string, error) {
 	}
 	clean := filepath.Clean(p)
 	base := "/"
-	if prefix := d.opts.PathPrefix; prefix != "" {
-		if clean != prefix && !strings.HasPrefix(clean, prefix+"/") {
-			return "", status.Errorf(codes.InvalidArgument, "%s %q is not under %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
+	if prefix := d.opts.PathPrefix; prefix != "" && prefix != "/" {
+		if !strings.HasPrefix(clean, prefix+"/") {
+			return "", status.Errorf(codes.InvalidArgument, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
 		}
 		base = prefix
+	} else if clean == "/" {
+		return "", status.Errorf(codes.InvalidArgument, "%s is /", field)
 	}
 	if link := firstLink(base, clean); link != "" {
 		return "", status.Errorf(codes.InvalidArgument, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)

@@ -25,16 +25,31 @@ var ErrMountConflict = errors.New("target already mounted differently")
 // (a retried publish on an old kernel/mounter); more means something loops.
 const maxStackedUnmounts = 16
 
-// Mounter mounts, bind-mounts and grows filesystems. It holds no state, so
-// one value serves all volumes.
-type Mounter struct{}
+// Mounter mounts, bind-mounts and grows filesystems. It holds no state but
+// its root, so one value serves all volumes.
+type Mounter struct {
+	// root is the only directory below which it mounts, binds, unmounts or
+	// creates anything ("" for /), each path resolved once without links
+	// (beneath.go).
+	root string
+}
 
 // NewMounter mounts with mount(2) and umount2(2) (syscall.go says why not
 // mount(8)); a read-only bind is bind + bind remount, as mount(8) does it.
 // Nothing is wrapped in a systemd-run scope: the driver runs in a container
 // where systemd is not reachable, and its filesystems need no user-space
-// daemon to outlive it.
+// daemon to outlive it. Every path it acts on must be below / without a
+// symbolic link.
 func NewMounter() *Mounter { return &Mounter{} }
+
+// NewMounterBeneath is NewMounter acting only strictly below root (a clean
+// absolute path; "" or / for anywhere).
+func NewMounterBeneath(root string) *Mounter {
+	if root == "/" {
+		root = ""
+	}
+	return &Mounter{root: root}
+}
 
 // MountInfo describes one entry of /proc/self/mountinfo.
 type MountInfo struct {
@@ -217,12 +232,14 @@ func (m *Mounter) Mount(ctx context.Context, source, target, fsType string, opti
 	if done, err := m.alreadyMounted(target, readOnly, func(i MountInfo) bool { return sameDevice(i, source) }); done || err != nil {
 		return err
 	}
-	if err := os.MkdirAll(target, 0o750); err != nil {
-		return fmt.Errorf("mount: create target: %w", err)
+	h, err := m.hold(target, makeDir)
+	if err != nil {
+		return fmt.Errorf("mount: target: %w", err)
 	}
+	defer h.Close()
 	// mount(2) cannot be interrupted halfway, so the context is only checked
 	// before starting; abandoning a running mount would leave it behind.
-	if err := sysMount(source, target, fsType, options); err != nil {
+	if err := sysMount(source, h.selfPath(), fsType, options); err != nil {
 		return fmt.Errorf("mount %s on %s: %w", source, target, err)
 	}
 	klog.V(2).InfoS("Mounted", "source", source, "target", target, "fsType", fsType, "options", options)
@@ -253,32 +270,50 @@ func (m *Mounter) Bind(ctx context.Context, source, target string, readOnly bool
 	if done, err := m.alreadyMounted(target, readOnly, func(MountInfo) bool { return sameFile(source, target) }); done || err != nil {
 		return err
 	}
-	if err := os.MkdirAll(target, 0o750); err != nil {
-		return fmt.Errorf("bind: create target: %w", err)
-	}
-	return m.bind(source, target, readOnly, options)
+	return m.bind(source, target, makeDir, readOnly, options)
 }
 
-func (m *Mounter) bind(source, target string, readOnly bool, options []string) error {
-	if err := sysBind(source, target, readOnly, options); err != nil {
-		return fmt.Errorf("bind %s on %s: %w", source, target, err)
+// bind binds source on target, both resolved once below the root (a source
+// that is a device or a handle the driver holds is taken as it is).
+func (m *Mounter) bind(source, target string, make makeKind, readOnly bool, options []string) error {
+	src := source
+	if m.underRoot(source) {
+		hs, err := m.hold(source, makeNothing)
+		if err != nil {
+			return fmt.Errorf("bind: source: %w", err)
+		}
+		defer hs.Close()
+		if hs.self == nil {
+			return fmt.Errorf("bind %s: %w", source, os.ErrNotExist)
+		}
+		src = hs.selfPath()
+	}
+	h, err := m.hold(target, make)
+	if err != nil {
+		return fmt.Errorf("bind: target: %w", err)
+	}
+	defer h.Close()
+	// After the bind, the entry in the held parent is the mount point, which
+	// nothing can rename or replace while mounted: it names the new mount.
+	if err := sysBind(src, h.selfPath(), h.atPath(), readOnly, options); err != nil {
+		return fmt.Errorf("bind %s on %s: %w", source, h.self.Name(), err)
 	}
 	if readOnly {
 		// The ro remount is a second step that can fail on its own; a
 		// writable mount where read-only was asked for must not survive.
 		// statfs reports the flag of the mount just made: the kernel's
 		// answer, without reading the whole mount table.
-		ro, err := readOnlyMount(target)
+		ro, err := readOnlyMount(h.atPath())
 		if err != nil {
-			_ = sysUnmount(target)
-			return fmt.Errorf("bind %s on %s: verify read-only: %w", source, target, err)
+			_ = sysUnmount(h.atPath())
+			return fmt.Errorf("bind %s on %s: verify read-only: %w", source, h.self.Name(), err)
 		}
 		if !ro {
-			_ = sysUnmount(target)
-			return fmt.Errorf("bind %s on %s: mount is not read-only", source, target)
+			_ = sysUnmount(h.atPath())
+			return fmt.Errorf("bind %s on %s: mount is not read-only", source, h.self.Name())
 		}
 	}
-	klog.V(2).InfoS("Bind-mounted", "source", source, "target", target, "readOnly", readOnly)
+	klog.V(2).InfoS("Bind-mounted", "source", source, "target", h.self.Name(), "readOnly", readOnly)
 	return nil
 }
 
@@ -298,15 +333,7 @@ func (m *Mounter) BindBlock(ctx context.Context, device, target string, readOnly
 	if done, err := m.alreadyMounted(target, readOnly, same); done || err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Dir(target), 0o750); err != nil {
-		return fmt.Errorf("bind block: create parent: %w", err)
-	}
-	f, err := os.OpenFile(target, os.O_CREATE|os.O_RDONLY, 0o640)
-	if err != nil {
-		return fmt.Errorf("bind block: create target: %w", err)
-	}
-	f.Close()
-	return m.bind(device, target, readOnly, nil)
+	return m.bind(device, target, makeFile, readOnly, nil)
 }
 
 // Unmount unmounts target (every stacked mount on it) and removes it if it
@@ -325,13 +352,38 @@ func (m *Mounter) UnmountChecked(ctx context.Context, target string, check func(
 	if err := ctx.Err(); err != nil {
 		return err
 	}
+	h, err := m.hold(target, parentOnly)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil // a directory on the way is gone: nothing is there
+	}
+	if err != nil && !mountutils.IsCorruptedMnt(err) {
+		return fmt.Errorf("unmount %s: %w", target, err)
+	}
+	if h == nil {
+		// A stale mount (its server gone) fails the resolution of the
+		// path itself: unmounted by name, as before; a link cannot be
+		// swapped into a stale mount point's place.
+		h = &held{base: filepath.Base(target)}
+	}
+	defer func() {
+		if h.parent != nil {
+			h.Close()
+		}
+	}()
+	at := target
+	if h.parent != nil {
+		at = h.atPath()
+	}
 	for i := 0; ; i++ {
-		_, err := os.Lstat(target)
+		fi, err := os.Lstat(at)
 		if errors.Is(err, os.ErrNotExist) {
 			return nil
 		}
 		if err != nil && !mountutils.IsCorruptedMnt(err) {
 			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+		if err == nil && fi.Mode()&os.ModeSymlink != 0 {
+			return fmt.Errorf("unmount %s: %w", target, ErrLinkInPath)
 		}
 		info, ok, err := m.Info(target)
 		if err != nil {
@@ -348,12 +400,12 @@ func (m *Mounter) UnmountChecked(ctx context.Context, target string, check func(
 				return err
 			}
 		}
-		if err := sysUnmount(info.Target); err != nil {
+		if err := sysUnmountNoFollow(at); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 		klog.V(2).InfoS("Unmounted", "target", target, "source", info.Source)
 	}
-	return removeEmpty(target)
+	return removeEmpty(at)
 }
 
 // removeEmpty removes an empty directory or empty regular file. Unlike

@@ -106,8 +106,11 @@ var lockableFlags = []struct {
 
 // sysBind bind-mounts source (a directory, or a device node onto a file) at
 // target, not recursively (mount --bind), then applies options and ro with a
-// bind remount, the second step mount(8) takes too.
-func sysBind(source, target string, readOnly bool, options []string) error {
+// bind remount, the second step mount(8) takes too. The bind is made on
+// target; the remount and its checks act on after, the same place named so
+// that the lookup of its last component lands on the new mount (a
+// /proc/self/fd/N of the target directory names what is under the mount).
+func sysBind(source, target, after string, readOnly bool, options []string) error {
 	flags, cleared, _, err := mountFlags("", options)
 	if err != nil {
 		return err
@@ -122,18 +125,18 @@ func sysBind(source, target string, readOnly bool, options []string) error {
 		return nil
 	}
 	var st unix.Statfs_t
-	if err := unix.Statfs(target, &st); err != nil {
-		_ = unix.Unmount(target, 0)
-		return &os.PathError{Op: "statfs", Path: target, Err: err}
+	if err := unix.Statfs(after, &st); err != nil {
+		_ = unix.Unmount(after, unix.UMOUNT_NOFOLLOW)
+		return &os.PathError{Op: "statfs", Path: after, Err: err}
 	}
 	for _, f := range lockableFlags {
 		if st.Flags&f.st != 0 && cleared&f.ms == 0 {
 			flags |= f.ms
 		}
 	}
-	if err := unix.Mount("", target, "", unix.MS_BIND|unix.MS_REMOUNT|flags, ""); err != nil {
-		_ = unix.Unmount(target, 0)
-		return &os.PathError{Op: "bind remount", Path: target, Err: err}
+	if err := unix.Mount("", after, "", unix.MS_BIND|unix.MS_REMOUNT|flags, ""); err != nil {
+		_ = unix.Unmount(after, unix.UMOUNT_NOFOLLOW)
+		return &os.PathError{Op: "bind remount", Path: after, Err: err}
 	}
 	return nil
 }
@@ -141,6 +144,15 @@ func sysBind(source, target string, readOnly bool, options []string) error {
 // sysUnmount unmounts the topmost mount at target.
 func sysUnmount(target string) error {
 	if err := unix.Unmount(target, 0); err != nil {
+		return &os.PathError{Op: "umount", Path: target, Err: err}
+	}
+	return nil
+}
+
+// sysUnmountNoFollow unmounts the topmost mount at target, never through a
+// symbolic link in its last component (the others are resolved by the caller).
+func sysUnmountNoFollow(target string) error {
+	if err := unix.Unmount(target, unix.UMOUNT_NOFOLLOW); err != nil {
 		return &os.PathError{Op: "umount", Path: target, Err: err}
 	}
 	return nil

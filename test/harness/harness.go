@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -229,6 +230,10 @@ func (d *Driver) launch(t testing.TB) {
 		args = append(args, "--pool", p)
 	}
 	args = append(args, d.opts.Args...)
+	if !slices.ContainsFunc(d.opts.Args, func(a string) bool { return strings.HasPrefix(a, "--allowed-path-prefix") }) {
+		// The tests' staging and target paths are in the temp directory.
+		args = append(args, "--allowed-path-prefix", os.TempDir())
+	}
 	d.cmd = exec.Command(Binary(t), args...)
 	// If the test process dies without its cleanups (os.Exit, a panic, a
 	// killed go test), the driver goes with it instead of running on.
