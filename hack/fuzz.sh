@@ -12,7 +12,8 @@ for target in \
 	./internal/pool:FuzzLoad \
 	./internal/config:FuzzLoad \
 	./internal/mount:FuzzCheckOptions \
-	./internal/driver:FuzzListTokens; do
+	./internal/driver:FuzzListTokens \
+	./internal/driver:FuzzShareResolver; do
 	pkg=${target%%:*} name=${target##*:}
 	echo "fuzz $pkg $name ($t)"
 	out=$(mktemp)

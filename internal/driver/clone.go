@@ -29,14 +29,16 @@ type contentSource struct {
 
 func (c *contentSource) isSnapshot() bool { return c.record.Snapshot != "" }
 
-func csiContentSource(r *pool.ContentSource) *csi.VolumeContentSource {
+// csiContentSource is a volume's recorded source as the CO knows it: in the
+// volume's own pool, so with that pool's share tag.
+func (d *Driver) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.VolumeContentSource {
 	switch {
 	case r == nil:
 		return nil
 	case r.Snapshot != "":
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: r.Snapshot}}}
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: d.wireSnapshotID(p, r.Snapshot)}}}
 	default:
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: r.Volume}}}
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: d.wireVolumeID(p, r.Volume)}}}
 	}
 }
 

@@ -136,10 +136,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
+	acc := dataAccess(req.GetSecrets())
 	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), acc)
 	if err != nil {
 		return nil, err
@@ -319,7 +316,7 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	out := &csi.Volume{
-		VolumeId:      v.ID,
+		VolumeId:      d.wireVolumeID(p, v.ID),
 		CapacityBytes: v.CapacityBytes,
 		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
 	}
@@ -333,7 +330,7 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 		}
 	}
 	d.layoutOf(v.Layout).volumeContext(v, out.VolumeContext)
-	out.ContentSource = csiContentSource(v.Source)
+	out.ContentSource = d.csiContentSource(p, v.Source)
 	if len(v.Topology) > 0 {
 		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
 	}
@@ -345,11 +342,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	p, err := d.poolOf(ctx, vid, acc)
+	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
 	if status.Code(err) == codes.NotFound {
 		// Not a pool of this driver, or a share without one: nothing of the
 		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
@@ -406,11 +399,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), acc)
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -544,7 +533,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		if l.entry.Volume == nil {
 			// Capacity 0 means unknown; the condition says why.
 			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
-				VolumeId: l.entry.ID.String(), VolumeContext: map[string]string{ParamPool: l.pool.Name},
+				VolumeId: d.wireVolumeID(l.pool, l.entry.ID.String()), VolumeContext: map[string]string{ParamPool: l.pool.Name},
 			}, Status: st})
 			continue
 		}
@@ -650,18 +639,14 @@ func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*c
 	if params.share == nil {
 		return params.pool, nil
 	}
-	acc.layOut = true
+	acc.mount, acc.fromStorageClass = true, true
 	acc.options = append(acc.options, params.share.options...)
 	if params.layout == pool.LayoutDir && len(caps) > 0 {
 		// Every capability of a CreateVolume carries the StorageClass's
 		// mountOptions; the first one's are the share's.
-		share, err := shareFlags(caps[0].GetMount().GetMountFlags())
-		if err != nil {
-			return nil, err
-		}
-		acc.options = append(acc.options, share...)
+		acc.options = append(acc.options, shareFlags(caps[0].GetMount().GetMountFlags())...)
 	}
-	return d.sharePool(ctx, params.share.ref, acc)
+	return d.sharePool(ctx, params.share.ref, "", acc)
 }
 
 // namesShare tells whether StorageClass parameters name a share.

@@ -32,11 +32,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerExpandVolume", acc)
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerExpandVolume", dataAccess(req.GetSecrets()))
 	if err != nil {
 		return nil, err
 	}
@@ -100,11 +96,8 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", acc)
+	// The volume is staged here, so its share (if it has one) is served: no mount.
+	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", shareAccess{})
 	if err != nil {
 		return nil, err
 	}

@@ -120,7 +120,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 	}
 	resp := &csi.ControllerListVolumeHealthResponse{NextToken: next}
 	for _, l := range vols {
-		resp.Entries = append(resp.Entries, csiHealth(l.entry.ID.String(), found[l.entry.ID]))
+		resp.Entries = append(resp.Entries, csiHealth(d.wireVolumeID(l.pool, l.entry.ID.String()), found[l.entry.ID]))
 	}
 	return resp, nil
 }
@@ -129,7 +129,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{noMount: true})
+	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}

@@ -68,11 +68,15 @@ func (d *Driver) beginNodeCall(ctx context.Context, method, volumeID string, vc 
 	if vc == nil {
 		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_capability is required")
 	}
-	acc, err := contextAccess(volumeContext, secrets, vc.GetMount().GetMountFlags())
+	var acc shareAccess // NodePublishVolume: its stage mounted the share
+	if method == "NodeStageVolume" {
+		acc = contextAccess(volumeContext, secrets, vc.GetMount().GetMountFlags())
+	}
+	vid, err := parseVolumeID(volumeID)
 	if err != nil {
 		return nodeVolume{}, nil, err
 	}
-	release, err := d.locks.acquire(volumeID, method)
+	release, err := d.locks.acquire(vid.String(), method)
 	if err != nil {
 		return nodeVolume{}, nil, err
 	}

@@ -81,10 +81,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	if err != nil {
 		return nil, err
 	}
-	acc, err := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
-	if err != nil {
-		return nil, err
-	}
+	acc := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
 	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerPublishVolume", acc)
 	if err != nil {
 		return nil, err
@@ -146,11 +143,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	p, err := d.poolOf(ctx, vid, acc)
+	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
 	if status.Code(err) == codes.NotFound {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
 	} else if err != nil {

@@ -2,9 +2,11 @@ package driver
 
 import (
 	"context"
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/base64"
 	"fmt"
-	"path/filepath"
-	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -39,17 +41,23 @@ const (
 )
 
 // DefaultShareTypes are the share types allowed when --share-types is not
-// given: network filesystems whose source names a server. A bind mount of a
-// node directory, or a filesystem type that mounts a device or file, would let
-// a StorageClass (or a forged volume ID) reach into the node: an operator
-// allows them by name.
-var DefaultShareTypes = []string{"nfs", "nfs4", "ceph", "fuse.ceph"}
+// given: kernel network filesystems whose source names a server. A bind mount
+// of a node directory would let a StorageClass reach into the node; fuse.ceph
+// runs ceph-fuse, a root daemon whose every configuration option is a flag (a
+// log file, an admin socket, a keyring path, each a path it writes or
+// unlinks): the driver builds its argv from a checked source and a short
+// allow-list, but an operator who does not use it should not carry it. Both
+// are allowed by name (--share-types).
+var DefaultShareTypes = []string{"nfs", "nfs4", "ceph"}
 
 // ShareMounter mounts shares; internal/poolmount.Shares is the real one.
 type ShareMounter interface {
 	Ensure(ctx context.Context, sh poolmount.Share) (path string, mountedNow bool, err error)
 	Release(ctx context.Context, r pool.ShareRef) error
 	Known() (map[pool.ShareRef]string, error)
+	// Recorded tells whether this node has mounted the share before (its
+	// record, kept on the node's own disk, says so).
+	Recorded(r pool.ShareRef) bool
 	RequireMount() bool
 }
 
@@ -57,8 +65,14 @@ type ShareMounter interface {
 type shareState struct {
 	m     ShareMounter
 	types map[string]bool
+	// keys are the cluster's share keys: the first tags the IDs this driver
+	// makes, any of them verifies a tag (so a key can be rotated).
+	keys  [][]byte
 	locks sync.Map // pool name → chan struct{}: one mount of a share at a time
 }
+
+// MinShareKeyLength is the least a share key may hold.
+const MinShareKeyLength = 32
 
 func (s *shareState) init(opts Options) error {
 	s.m = opts.Shares
@@ -67,12 +81,22 @@ func (s *shareState) init(opts Options) error {
 	if types == nil {
 		types = DefaultShareTypes
 	}
+	known := poolmount.ShareTypes()
 	for _, t := range types {
 		if err := pool.ValidateShareType(t); err != nil {
 			return fmt.Errorf("%w (a mount type such as nfs, ceph, fuse.ceph or bind)", err)
 		}
+		if !slices.Contains(known, t) {
+			return fmt.Errorf("share type %q: the driver has no grammar for it, so it never passes anything to its mount helper (known: %s)", t, strings.Join(known, ", "))
+		}
 		s.types[t] = true
 	}
+	for i, k := range opts.ShareKeys {
+		if len(k) < MinShareKeyLength {
+			return fmt.Errorf("share key %d is %d bytes, want at least %d", i+1, len(k), MinShareKeyLength)
+		}
+	}
+	s.keys = opts.ShareKeys
 	return nil
 }
 
@@ -88,21 +112,47 @@ func (s *shareState) typeList() []string {
 	return out
 }
 
-// allowed checks a share against the allow-list and its type's own rules,
+// tag is the tag of share r under key: 8 bytes of HMAC-SHA256 over the share.
+func shareTag(key []byte, r pool.ShareRef) string {
+	mac := hmac.New(sha256.New, key)
+	mac.Write([]byte("poolcsi share tag v1\x00" + r.Type + "\x00" + r.Source))
+	return base64.RawURLEncoding.EncodeToString(mac.Sum(nil)[:8])
+}
+
+// tag is the tag this driver puts on the IDs of share r's volumes.
+func (s *shareState) tag(r pool.ShareRef) string {
+	if len(s.keys) == 0 {
+		return ""
+	}
+	return shareTag(s.keys[0], r)
+}
+
+// verified tells whether tag proves that a driver holding one of the
+// cluster's keys made an ID on share r (from a StorageClass that named it).
+func (s *shareState) verified(r pool.ShareRef, tag string) bool {
+	if tag == "" {
+		return false
+	}
+	for _, k := range s.keys {
+		if hmac.Equal([]byte(shareTag(k, r)), []byte(tag)) {
+			return true
+		}
+	}
+	return false
+}
+
+// allowed checks a share against the allow-list and its type's grammar,
 // before anything is mounted: a volume ID is request input and can name any
 // share.
 func (s *shareState) allowed(r pool.ShareRef) error {
 	if s.m == nil {
 		return status.Errorf(codes.InvalidArgument, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
 	}
-	if err := r.Validate(); err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
-	}
 	if !s.types[r.Type] {
 		return status.Errorf(codes.InvalidArgument, "share type %q is not allowed on this driver (serve --share-types: %s)", r.Type, strings.Join(s.typeList(), ","))
 	}
-	if r.Type == poolmount.BindType && (!filepath.IsAbs(r.Source) || filepath.Clean(r.Source) != r.Source || r.Source == "/") {
-		return status.Errorf(codes.InvalidArgument, "share %s: a bind share's source must be a clean absolute path other than /", r)
+	if err := poolmount.CheckShare(r); err != nil {
+		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	return nil
 }
@@ -119,71 +169,67 @@ func (s *shareState) lock(ctx context.Context, name string) (func(), error) {
 	}
 }
 
-// shareAccess is what a request brings to mount a share with.
+// shareAccess is what a call may do about a share that this driver does not
+// serve yet, and what it brings to mount it with. The zero value mounts
+// nothing: a call that only reads or tears down (ControllerGetVolume, the
+// health and stats calls, NodeUnpublish, NodeUnstage, NodeExpand, and the
+// snapshot reads) is answered from the pools this driver serves, whatever
+// its volume ID says.
 type shareAccess struct {
-	options   []string // from the StorageClass: parameters, mount flags, volume context
-	sensitive []string // from the request's secrets
-	layOut    bool     // a StorageClass's parameters named the share: lay out its pool if new
-	// noMount: only a pool this driver serves already will do. The calls
-	// kubelet repeats on staged volumes (stats, health) bring no options
-	// and must not start a mount; a staged volume's share was mounted by
-	// its stage, or found again at start (recoverShares).
-	noMount bool
+	// mount: the call needs the volume's data on this node (create, delete,
+	// publish, unpublish, stage, expand, snapshot, clone) and may mount its
+	// share, if mayMount allows: a StorageClass named it, this node mounted
+	// it before, or the ID carries a verified tag.
+	mount bool
+	// fromStorageClass: a StorageClass's parameters named the share (a
+	// CreateVolume or GetCapacity): lay out its pool if new, and record its
+	// options.
+	fromStorageClass bool
+	options          []string // from the StorageClass: parameters, mount flags, volume context
+	sensitive        []string // from the request's secrets
 }
 
-// shareOptionRE is the syntax of one share mount option: nothing a shell or
-// mount(8) reads specially, no comma (one option is one option).
-var shareOptionRE = regexp.MustCompile(`^[A-Za-z0-9._:/=@+-]{1,256}$`)
-
-// refusedShareOptions would make mount(8) do something other than mount the
-// share: move, remount or bind another path, or attach a file.
-var refusedShareOptions = map[string]bool{
-	"bind": true, "rbind": true, "move": true, "rmove": true, "remount": true,
-	"loop": true, "offset": true, "sizelimit": true, "encryption": true, "helper": true,
+// dataAccess is the access of a call that needs the volume's data and brings
+// only secrets (DeleteVolume, ControllerUnpublishVolume, the snapshot and
+// expansion calls).
+func dataAccess(secrets map[string]string) shareAccess {
+	return shareAccess{mount: true, sensitive: secretOptions(secrets)}
 }
 
-func checkShareOption(o string) error {
-	if !shareOptionRE.MatchString(o) {
-		return fmt.Errorf("share mount option %q may hold only letters, digits and . _ : / = @ + - (one option, no comma)", o)
+// secretOptions returns the mount options in a request's secrets, unchecked:
+// they are checked against the share type's allow-list when a share is
+// mounted (never shown in a message).
+func secretOptions(secrets map[string]string) []string {
+	raw := secrets[SecretMountOptions]
+	if raw == "" {
+		return nil
 	}
-	key, _, _ := strings.Cut(o, "=")
-	if refusedShareOptions[key] || strings.HasPrefix(key, "x-") {
-		return fmt.Errorf("share mount option %q is not passed: it would make mount(8) mount something other than the share", o)
+	return strings.Split(raw, ",")
+}
+
+// checkAccess checks what a call brings for a share of type typ against the
+// type's allow-list: InvalidArgument, the secret values never shown.
+func checkAccess(typ string, acc shareAccess) error {
+	for _, o := range acc.options {
+		if err := poolmount.CheckOption(typ, o, false); err != nil {
+			return status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	for _, o := range acc.sensitive {
+		if err := poolmount.CheckOption(typ, o, true); err != nil {
+			return status.Errorf(codes.InvalidArgument, "secret key %s: %v", SecretMountOptions, err)
+		}
 	}
 	return nil
 }
 
-// splitOptions parses a comma-separated option list (shareOptions, a volume
-// context's), each option checked.
-func splitOptions(s string) ([]string, error) {
+// splitOptions splits a comma-separated option list (shareOptions, a volume
+// context's); the share type's allow-list checks each later.
+func splitOptions(s string) []string {
 	if s == "" {
-		return nil, nil
+		return nil
 	}
-	var out []string
-	for _, o := range strings.Split(s, ",") {
-		if err := checkShareOption(o); err != nil {
-			return nil, err
-		}
-		out = append(out, o)
-	}
-	return out, nil
-}
-
-// secretOptions returns the sensitive mount options in a request's secrets.
-// Errors never show a secret's value.
-func secretOptions(secrets map[string]string) ([]string, error) {
-	raw, ok := secrets[SecretMountOptions]
-	if !ok || raw == "" {
-		return nil, nil
-	}
-	var out []string
-	for i, o := range strings.Split(raw, ",") {
-		if checkShareOption(o) != nil {
-			return nil, status.Errorf(codes.InvalidArgument, "secret key %s: option %d is not one option of letters, digits and . _ : / = @ + -, or would mount something other than the share (its value is not shown)", SecretMountOptions, i+1)
-		}
-		out = append(out, o)
-	}
-	return out, nil
+	return strings.Split(s, ",")
 }
 
 // shareFlags are the mount flags of a dir volume on a share (a StorageClass's
@@ -191,22 +237,18 @@ func secretOptions(secrets map[string]string) ([]string, error) {
 // ones (ro, noexec, nosuid, nodev, atime, …), which stay the volume's own bind
 // mount's as on every pool (volumeFlags). nfsvers, hard, rsize and the like
 // are the share's, which a bind mount could not honour anyway.
-func shareFlags(flags []string) ([]string, error) {
+func shareFlags(flags []string) []string {
 	generic := map[string]bool{}
 	for _, o := range mount.BindOptions(flags) {
 		generic[o] = true
 	}
 	var share []string
 	for _, o := range flags {
-		if generic[o] {
-			continue
+		if !generic[o] {
+			share = append(share, o)
 		}
-		if err := checkShareOption(o); err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
-		}
-		share = append(share, o)
 	}
-	return share, nil
+	return share
 }
 
 // shareParams are the share parameters of a StorageClass.
@@ -256,30 +298,58 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 	if err := d.shares.allowed(sp.ref); err != nil {
 		return nil, err
 	}
-	o, err := splitOptions(opts)
-	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter %s: %v", ParamShareOptions, err)
+	if len(d.shares.keys) == 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "share %s: StorageClasses can name shares only on a driver with the cluster's share key (serve --share-key-file; the chart makes one): the key tags each volume ID, so that no ID can name a share by itself", sp.ref)
 	}
-	sp.options = o
+	sp.options = splitOptions(opts)
+	if err := checkAccess(sp.ref.Type, shareAccess{options: sp.options}); err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter %s: %s", ParamShareOptions, status.Convert(err).Message())
+	}
 	return &sp, nil
 }
 
-// sharePool returns the pool on share r, mounting the share on this node if
-// it is not, and laying out a new pool when acc.layOut (the request's
-// StorageClass named the share). A share mounted only because an ID named it
-// must already hold this share's pool (its pool.json, written at the first
-// CreateVolume); otherwise it is unmounted again and the answer is NOT_FOUND.
-func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess) (*pool.Pool, error) {
+// mayMount tells whether a call may mount share r on this node: a call that
+// needs the data (acc.mount), and a share that a StorageClass names in this
+// very call, or that this node mounted before (its record), or whose ID
+// carries a tag that one of the cluster's keys verifies. An ID alone, forged
+// or from before the key, never starts a mount.
+func (d *Driver) mayMount(r pool.ShareRef, tag string, acc shareAccess) error {
+	switch {
+	case !acc.mount:
+		return status.Errorf(codes.Unavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, d.opts.NodeID)
+	case acc.fromStorageClass, d.shares.m.Recorded(r), d.shares.verified(r, tag):
+		return nil
+	case tag != "":
+		return status.Errorf(codes.InvalidArgument, "the tag of the ID naming share %s does not verify under this driver's share keys (serve --share-key-file): the ID was not made by this cluster's poolcsi; nothing is mounted", r)
+	}
+	return status.Errorf(codes.FailedPrecondition, "share %s is not known on node %s (never mounted here) and the volume ID carries no share tag to prove a StorageClass named it: nothing is mounted. IDs made before the share key was set are served where their share is mounted", r, d.opts.NodeID)
+}
+
+// sharePool returns the pool on share r, mounting the share on this node when
+// acc allows it and it is not mounted, and laying out a new pool when a
+// StorageClass names the share. A share mounted for an ID must already hold
+// the share's pool (its pool.json, written at the first CreateVolume);
+// otherwise it is unmounted again, nothing of it stays, and the answer is
+// NOT_FOUND.
+func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc shareAccess) (*pool.Pool, error) {
 	name := r.PoolName()
+	// What the call brings is checked whether or not it is needed: a bad
+	// option is refused the same way every time.
+	if err := checkAccess(r.Type, acc); err != nil {
+		return nil, err
+	}
 	// A served pool passed allowed when it joined, and the allow-list does
 	// not change while the driver runs.
-	if p := d.pool(name); p != nil && (acc.noMount || p.MountReady() == nil && (!acc.layOut || p.LaidOut())) {
+	if p := d.pool(name); p != nil && (!acc.mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
 		return p, nil
 	}
-	if acc.noMount {
-		return nil, status.Errorf(codes.Unavailable, "share %s is not mounted on node %s: the next stage of one of its volumes mounts it", r, d.opts.NodeID)
+	if d.shares.m == nil {
+		return nil, status.Errorf(codes.NotFound, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
 	}
 	if err := d.shares.allowed(r); err != nil {
+		return nil, err
+	}
+	if err := d.mayMount(r, tag, acc); err != nil {
 		return nil, err
 	}
 	unlock, err := d.shares.lock(ctx, name)
@@ -287,7 +357,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess
 		return nil, err
 	}
 	defer unlock()
-	path, mountedNow, err := d.shares.m.Ensure(ctx, poolmount.Share{Ref: r, Options: acc.options, Sensitive: acc.sensitive})
+	path, mountedNow, err := d.shares.m.Ensure(ctx, poolmount.Share{Ref: r, Options: acc.options, Sensitive: acc.sensitive, FromStorageClass: acc.fromStorageClass})
 	if err != nil {
 		return nil, status.Errorf(codes.Unavailable, "share %s cannot be mounted on node %s: %v", r, d.opts.NodeID, err)
 	}
@@ -298,7 +368,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, acc shareAccess
 		}
 	}
 	if !p.LaidOut() {
-		if !acc.layOut {
+		if !acc.fromStorageClass {
 			if mountedNow && d.pool(name) == nil {
 				if err := d.shares.m.Release(ctx, r); err != nil {
 					klog.FromContext(ctx).Error(err, "Unmounting a share that holds no pool", "share", r.String())
@@ -326,22 +396,22 @@ func (d *Driver) openSharePool(r pool.ShareRef, path string) (*pool.Pool, error)
 }
 
 // poolOf returns the pool of a volume ID: a configured pool, or a share's
-// (mounted if it must be, with what acc brings).
+// (mounted if acc allows and it must be).
 func (d *Driver) poolOf(ctx context.Context, vid pool.VolumeID, acc shareAccess) (*pool.Pool, error) {
 	r, isShare := vid.ShareRef()
-	return d.idPool(ctx, "volume "+vid.String(), vid.Pool, r, isShare, acc)
+	return d.idPool(ctx, "volume "+vid.String(), vid.Pool, r, vid.Tag, isShare, acc)
 }
 
 // snapshotPool is poolOf for a snapshot ID.
 func (d *Driver) snapshotPool(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, error) {
 	r, isShare := sid.ShareRef()
-	return d.idPool(ctx, "snapshot "+sid.String(), sid.Pool, r, isShare, acc)
+	return d.idPool(ctx, "snapshot "+sid.String(), sid.Pool, r, sid.Tag, isShare, acc)
 }
 
 // idPool is the pool named in an ID (what names the ID in messages).
-func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.ShareRef, isShare bool, acc shareAccess) (*pool.Pool, error) {
+func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.ShareRef, tag string, isShare bool, acc shareAccess) (*pool.Pool, error) {
 	if isShare {
-		return d.sharePool(ctx, r, acc)
+		return d.sharePool(ctx, r, tag, acc)
 	}
 	p := d.pool(poolName)
 	if p == nil {
@@ -350,33 +420,45 @@ func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.Share
 	return p, nil
 }
 
-// secretAccess is the share access of a call that brings only secrets.
-func secretAccess(secrets map[string]string) (shareAccess, error) {
-	s, err := secretOptions(secrets)
-	return shareAccess{sensitive: s}, err
+// contextAccess is the share access of a call that brings a volume context
+// and a capability and needs the data (ControllerPublishVolume,
+// NodeStageVolume): the StorageClass's shareOptions, kept in the volume
+// context, and for a dir volume the capability's non-generic mount flags.
+// They are used only where the share has no record on this node yet; a
+// recorded share is mounted again with its recorded options.
+func contextAccess(volumeContext, secrets map[string]string, flags []string) shareAccess {
+	acc := dataAccess(secrets)
+	acc.options = splitOptions(volumeContext[ParamShareOptions])
+	if l := volumeContext[ParamLayout]; l == "" || l == string(pool.LayoutDir) {
+		acc.options = append(acc.options, shareFlags(flags)...)
+	}
+	return acc
 }
 
-// contextAccess is the share access of a call that brings a volume context
-// and a capability (ControllerPublishVolume, NodeStageVolume): the
-// StorageClass's shareOptions, kept in the volume context, and for a dir
-// volume the capability's non-generic mount flags.
-func contextAccess(volumeContext, secrets map[string]string, flags []string) (shareAccess, error) {
-	acc, err := secretAccess(secrets)
-	if err != nil {
-		return acc, err
+// wireVolumeID is the ID of a volume as the CO gets it: on a share, tagged
+// (when the driver has a share key).
+func (d *Driver) wireVolumeID(p *pool.Pool, id string) string {
+	if p == nil || p.Share == nil {
+		return id
 	}
-	if acc.options, err = splitOptions(volumeContext[ParamShareOptions]); err != nil {
-		return acc, status.Errorf(codes.InvalidArgument, "volume context %s: %v", ParamShareOptions, err)
+	if tag := d.shares.tag(*p.Share); tag != "" {
+		return id + "." + tag
 	}
-	if l := volumeContext[ParamLayout]; l == "" || l == string(pool.LayoutDir) {
-		share, err := shareFlags(flags)
-		if err != nil {
-			return acc, err
-		}
-		acc.options = append(acc.options, share...)
-	}
-	return acc, nil
+	return id
 }
+
+// volumeIdentity is a volume ID from the wire without its tag: what
+// volume.json and snapshot.json record. An ID that does not parse is
+// returned as it is (it matches nothing).
+func volumeIdentity(wire string) string {
+	if vid, err := pool.ParseVolumeID(wire); err == nil {
+		return vid.String()
+	}
+	return wire
+}
+
+// wireSnapshotID is wireVolumeID for a snapshot.
+func (d *Driver) wireSnapshotID(p *pool.Pool, id string) string { return d.wireVolumeID(p, id) }
 
 // recoverShares serves, after a restart, the pools on the shares this node
 // has mounted (found through the records next to their mount points), so

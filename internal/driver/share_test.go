@@ -19,6 +19,9 @@ import (
 
 const rwx = csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER
 
+// testShareKey is the cluster's share key of the test drivers.
+var testShareKey = []byte("0123456789abcdef0123456789abcdef-test")
+
 // newShareDriver is a test driver whose StorageClasses may name shares, over
 // fake shares under shareRoot (shared by drivers standing for two nodes).
 func newShareDriver(t testing.TB, shareRoot, node string, types ...string) (*testDriver, *fake.Shares) {
@@ -27,11 +30,18 @@ func newShareDriver(t testing.TB, shareRoot, node string, types ...string) (*tes
 	td := newTestDriver(t, testOpts{modify: func(o *Options) {
 		o.NodeID = node
 		o.Shares = fs
+		o.ShareKeys = [][]byte{testShareKey}
 		if types != nil {
 			o.ShareTypes = types
 		}
 	}})
 	return td, fs
+}
+
+// taggedID is the ID, as a CO holds it, of volume name on share r: tagged
+// under key.
+func taggedID(key []byte, r pool.ShareRef, name string) string {
+	return pool.NewShareVolumeID(r, name).String() + "." + shareTag(key, r)
 }
 
 func nfsParams() map[string]string {
@@ -45,42 +55,59 @@ func TestShareParameters(t *testing.T) {
 		name   string
 		params map[string]string
 		ok     bool
+		types  []string
 	}{
-		{"nfs server and share", nfsParams(), true},
-		{"nfs4 server and share", map[string]string{"server": "10.0.0.1", "share": "/", "shareType": "nfs4"}, true},
-		{"type and source", map[string]string{"shareType": "ceph", "shareSource": "mon.example.com:/volumes/csi"}, true},
-		{"ceph-fuse", map[string]string{"shareType": "fuse.ceph", "shareSource": "id=csi,client_mountpoint=/csi"}, true},
-		{"share options", map[string]string{"server": "s", "share": "/e", "shareOptions": "nfsvers=4.1,hard"}, true},
-		{"image layout", map[string]string{"server": "s", "share": "/e", "layout": "image"}, true},
-		{"server without share", map[string]string{"server": "s"}, false},
-		{"share without server", map[string]string{"share": "/e"}, false},
-		{"relative share", map[string]string{"server": "s", "share": "e"}, false},
-		{"server with path", map[string]string{"server": "s:/x", "share": "/e"}, false},
-		{"server and source", map[string]string{"server": "s", "share": "/e", "shareSource": "s:/e", "shareType": "nfs"}, false},
-		{"server with ceph type", map[string]string{"server": "s", "share": "/e", "shareType": "ceph"}, false},
-		{"type without source", map[string]string{"shareType": "nfs"}, false},
-		{"source without type", map[string]string{"shareSource": "s:/e"}, false},
-		{"options alone", map[string]string{"shareOptions": "hard"}, false},
-		{"type not allowed", map[string]string{"shareType": "bind", "shareSource": "/etc"}, false},
-		{"type xfs not allowed", map[string]string{"shareType": "xfs", "shareSource": "/dev/sda"}, false},
-		{"pool and share", map[string]string{"server": "s", "share": "/e", "pool": "local"}, false},
-		{"source as option", map[string]string{"shareType": "nfs", "shareSource": "-oremount"}, false},
-		{"shell in source", map[string]string{"shareType": "fuse.ceph", "shareSource": "id=x;reboot"}, false},
-		{"newline in source", map[string]string{"shareType": "nfs", "shareSource": "s:/e\nx"}, false},
-		{"NUL in source", map[string]string{"shareType": "nfs", "shareSource": "s:/e\x00"}, false},
-		{"source too long", map[string]string{"server": "s", "share": "/" + strings.Repeat("e", 60)}, false},
-		{"empty option", map[string]string{"server": "s", "share": "/e", "shareOptions": "hard,,soft"}, false},
-		{"newline in option", map[string]string{"server": "s", "share": "/e", "shareOptions": "hard\nro"}, false},
-		{"space in option", map[string]string{"server": "s", "share": "/e", "shareOptions": "a b"}, false},
-		{"bind option", map[string]string{"server": "s", "share": "/e", "shareOptions": "bind"}, false},
-		{"remount option", map[string]string{"server": "s", "share": "/e", "shareOptions": "remount"}, false},
-		{"loop option", map[string]string{"server": "s", "share": "/e", "shareOptions": "loop=/dev/loop0"}, false},
-		{"x- option", map[string]string{"server": "s", "share": "/e", "shareOptions": "x-systemd.automount"}, false},
-		{"unknown key", map[string]string{"server": "s", "share": "/e", "subDir": "x"}, false},
+		{"nfs server and share", nfsParams(), true, nil},
+		{"nfs4 server and share", map[string]string{"server": "10.0.0.1", "share": "/", "shareType": "nfs4"}, true, nil},
+		{"type and source", map[string]string{"shareType": "ceph", "shareSource": "mon.example.com:/volumes/csi"}, true, nil},
+		{"ceph-fuse when allowed", map[string]string{"shareType": "fuse.ceph", "shareSource": "v2:10.0.0.1:3300:/csi", "shareOptions": "name=csi,fs=cephfs"}, true, []string{"fuse.ceph"}},
+		{"ceph-fuse not allowed by default", map[string]string{"shareType": "fuse.ceph", "shareSource": "10.0.0.1:/csi"}, false, nil},
+		{"ceph-fuse source with options", map[string]string{"shareType": "fuse.ceph", "shareSource": "id=csi,admin_socket=/etc/x"}, false, []string{"fuse.ceph"}},
+		{"ceph-fuse admin_socket", map[string]string{"shareType": "fuse.ceph", "shareSource": "10.0.0.1:/", "shareOptions": "admin_socket=/etc/passwd"}, false, []string{"fuse.ceph"}},
+		{"ceph-fuse ceph. option", map[string]string{"shareType": "fuse.ceph", "shareSource": "10.0.0.1:/", "shareOptions": "ceph.log_file=/etc/x"}, false, []string{"fuse.ceph"}},
+		{"ceph secretfile", map[string]string{"shareType": "ceph", "shareSource": "10.0.0.1:/", "shareOptions": "secretfile=/etc/shadow"}, false, nil},
+		{"ceph conf", map[string]string{"shareType": "ceph", "shareSource": "10.0.0.1:/", "shareOptions": "conf=/etc/x.conf"}, false, nil},
+		{"ceph secret outside the secrets", map[string]string{"shareType": "ceph", "shareSource": "10.0.0.1:/", "shareOptions": "secret=AQDkeykeykeykeykey=="}, false, nil},
+		{"ceph new-style source", map[string]string{"shareType": "ceph", "shareSource": "csi@.cephfs=/volumes"}, true, nil},
+		{"nfs bg", map[string]string{"server": "s", "share": "/e", "shareOptions": "bg"}, false, nil},
+		{"X-mount option", map[string]string{"server": "s", "share": "/e", "shareOptions": "X-mount.mkdir"}, false, nil},
+		{"helper option", map[string]string{"server": "s", "share": "/e", "shareOptions": "helper=ceph"}, false, nil},
+		{"upper-case key", map[string]string{"server": "s", "share": "/e", "shareOptions": "Hard"}, false, nil},
+		{"nfs source with a second colon path", map[string]string{"shareType": "nfs", "shareSource": "s:/e:/f"}, false, nil},
+		{"nfs path with ..", map[string]string{"server": "s", "share": "/e/../etc"}, false, nil},
+		{"nfs server starting with -", map[string]string{"shareType": "nfs", "shareSource": "-s:/e"}, false, nil},
+		{"ipv6 server", map[string]string{"shareType": "nfs", "shareSource": "[fd00::1]:/e"}, true, nil},
+		{"share options", map[string]string{"server": "s", "share": "/e", "shareOptions": "nfsvers=4.1,hard"}, true, nil},
+		{"image layout", map[string]string{"server": "s", "share": "/e", "layout": "image"}, true, nil},
+		{"server without share", map[string]string{"server": "s"}, false, nil},
+		{"share without server", map[string]string{"share": "/e"}, false, nil},
+		{"relative share", map[string]string{"server": "s", "share": "e"}, false, nil},
+		{"server with path", map[string]string{"server": "s:/x", "share": "/e"}, false, nil},
+		{"server and source", map[string]string{"server": "s", "share": "/e", "shareSource": "s:/e", "shareType": "nfs"}, false, nil},
+		{"server with ceph type", map[string]string{"server": "s", "share": "/e", "shareType": "ceph"}, false, nil},
+		{"type without source", map[string]string{"shareType": "nfs"}, false, nil},
+		{"source without type", map[string]string{"shareSource": "s:/e"}, false, nil},
+		{"options alone", map[string]string{"shareOptions": "hard"}, false, nil},
+		{"type not allowed", map[string]string{"shareType": "bind", "shareSource": "/etc"}, false, nil},
+		{"type xfs not allowed", map[string]string{"shareType": "xfs", "shareSource": "/dev/sda"}, false, nil},
+		{"pool and share", map[string]string{"server": "s", "share": "/e", "pool": "local"}, false, nil},
+		{"source as option", map[string]string{"shareType": "nfs", "shareSource": "-oremount"}, false, nil},
+		{"shell in source", map[string]string{"shareType": "fuse.ceph", "shareSource": "id=x;reboot"}, false, nil},
+		{"newline in source", map[string]string{"shareType": "nfs", "shareSource": "s:/e\nx"}, false, nil},
+		{"NUL in source", map[string]string{"shareType": "nfs", "shareSource": "s:/e\x00"}, false, nil},
+		{"source too long", map[string]string{"server": "s", "share": "/" + strings.Repeat("e", 60)}, false, nil},
+		{"empty option", map[string]string{"server": "s", "share": "/e", "shareOptions": "hard,,soft"}, false, nil},
+		{"newline in option", map[string]string{"server": "s", "share": "/e", "shareOptions": "hard\nro"}, false, nil},
+		{"space in option", map[string]string{"server": "s", "share": "/e", "shareOptions": "a b"}, false, nil},
+		{"bind option", map[string]string{"server": "s", "share": "/e", "shareOptions": "bind"}, false, nil},
+		{"remount option", map[string]string{"server": "s", "share": "/e", "shareOptions": "remount"}, false, nil},
+		{"loop option", map[string]string{"server": "s", "share": "/e", "shareOptions": "loop=/dev/loop0"}, false, nil},
+		{"x- option", map[string]string{"server": "s", "share": "/e", "shareOptions": "x-systemd.automount"}, false, nil},
+		{"unknown key", map[string]string{"server": "s", "share": "/e", "subDir": "x"}, false, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			td, fs := newShareDriver(t, filepath.Join(t.TempDir(), "shares"), "node-1")
+			td, fs := newShareDriver(t, filepath.Join(t.TempDir(), "shares"), "node-1", tt.types...)
 			_, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
 				Name: "pvc-1", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwx, "")}, Parameters: tt.params,
 			})
@@ -176,11 +203,17 @@ func TestShareVolumeLifecycle(t *testing.T) {
 	}
 
 	// A controller restarted on another machine: nothing mounted, nothing
-	// known; the ID alone finds the share.
+	// known. A call that only reads mounts nothing; a delete, whose ID
+	// carries the share's tag, mounts the share and finds the volume.
 	ctrl2, ctrl2Shares := newShareDriver(t, shares, "node-3")
 	ctrl2Shares.Unmount(ref)
-	if _, err := ctrl2.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
-		t.Fatal(err)
+	_, err = ctrl2.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: v.GetVolumeId()})
+	wantCode(t, err, codes.Unavailable)
+	if ctrl2Shares.MountCount() != 0 {
+		t.Fatal("ControllerGetVolume mounted a share")
+	}
+	if _, err := ctrl2.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: v.GetVolumeId(), NodeId: "node-2"}); err != nil {
+		t.Fatalf("ControllerUnpublishVolume on a controller that never saw the share: %v", err)
 	}
 	list, err := ctrl2.ListVolumes(ctx, &csi.ListVolumesRequest{})
 	if err != nil || len(list.GetEntries()) != 1 || list.GetEntries()[0].GetVolume().GetVolumeId() != v.GetVolumeId() {
@@ -200,7 +233,7 @@ func TestShareRecoveredAfterRestart(t *testing.T) {
 	shares := filepath.Join(t.TempDir(), "shares")
 	td, fs := newShareDriver(t, shares, "node-1")
 	id := td.create(t, "pvc-1", mountCap(rwx, ""), nfsParams())
-	again := newTestDriver(t, testOpts{modify: func(o *Options) { o.Shares = fs }})
+	again := newTestDriver(t, testOpts{modify: func(o *Options) { o.Shares = fs; o.ShareKeys = [][]byte{testShareKey} }})
 	again.recoverShares(context.Background())
 	list, err := again.ListVolumes(context.Background(), &csi.ListVolumesRequest{})
 	if err != nil || len(list.GetEntries()) != 1 || list.GetEntries()[0].GetVolume().GetVolumeId() != id {
@@ -231,29 +264,117 @@ func TestStatsNeverMountShares(t *testing.T) {
 	}
 }
 
-// TestForgedShareID: an ID naming a share that holds no pool mounts it (it
-// must, to know), finds no pool, unmounts it and lays nothing out; a type not
-// allowed is never mounted at all.
+// TestForgedShareID: an ID alone never starts a mount. An untagged ID of a
+// share this node never mounted, or one whose tag does not verify, mounts
+// nothing and leaves nothing behind, in every call; the calls that only read
+// or tear down mount nothing even for a good tag. An ID whose tag verifies but
+// whose share holds no pool is mounted (it must be, to know), found empty and
+// let go, and nothing is laid out.
 func TestForgedShareID(t *testing.T) {
 	ctx := context.Background()
 	td, fs := newShareDriver(t, filepath.Join(t.TempDir(), "shares"), "node-1")
 	ref := pool.ShareRef{Type: "nfs", Source: "evil.example.com:/"}
-	id := pool.NewShareVolumeID(ref, "pvc-x").String()
-	if _, err := td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+	untagged := pool.NewShareVolumeID(ref, "pvc-x").String()
+	badTag := untagged + ".AAAAAAAAAAA"
+	goodTag := taggedID(testShareKey, ref, "pvc-x")
+	otherKey := taggedID([]byte("another cluster's key, 32 bytes or more"), ref, "pvc-x")
+	staging, target := filepath.Join(td.root, "s"), filepath.Join(td.root, "t")
+	calls := map[string]func(id string) error{
+		"DeleteVolume": func(id string) error {
+			_, err := td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
+			return err
+		},
+		"ControllerPublishVolume": func(id string) error {
+			_, err := td.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1", VolumeCapability: mountCap(rwx, ""),
+				VolumeContext: map[string]string{"shareType": ref.Type, "shareSource": ref.Source}})
+			return err
+		},
+		"ControllerUnpublishVolume": func(id string) error {
+			_, err := td.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-1"})
+			return err
+		},
+		"NodeStageVolume": func(id string) error {
+			_, err := td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: mountCap(rwx, ""),
+				VolumeContext: map[string]string{"shareType": ref.Type, "shareSource": ref.Source}})
+			return err
+		},
+		"CreateSnapshot": func(id string) error {
+			_, err := td.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "snap", SourceVolumeId: id})
+			return err
+		},
+		"ControllerExpandVolume": func(id string) error {
+			_, err := td.ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}})
+			return err
+		},
+	}
+	readOnly := map[string]func(id string) error{
+		"ControllerGetVolume": func(id string) error {
+			_, err := td.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id})
+			return err
+		},
+		"ValidateVolumeCapabilities": func(id string) error {
+			_, err := td.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: id, VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwx, "")}})
+			return err
+		},
+		"NodeUnpublishVolume": func(id string) error {
+			_, err := td.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
+			return err
+		},
+		"NodeUnstageVolume": func(id string) error {
+			_, err := td.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
+			return err
+		},
+		"NodeGetVolumeStats": func(id string) error {
+			_, err := td.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target})
+			return err
+		},
+		"NodeExpandVolume": func(id string) error {
+			_, err := td.NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: target})
+			return err
+		},
+	}
+	nothingLeft := func(t *testing.T) {
+		t.Helper()
+		if fs.MountCount() != 0 {
+			t.Fatalf("mounted %+v", fs.Mounts)
+		}
+		if _, err := os.Stat(fs.Root); !os.IsNotExist(err) {
+			t.Fatalf("something was made under the share directory: %v", err)
+		}
+	}
+	for name, call := range calls {
+		t.Run(name, func(t *testing.T) {
+			wantCode(t, call(untagged), codes.FailedPrecondition)
+			wantCode(t, call(badTag), codes.InvalidArgument)
+			wantCode(t, call(otherKey), codes.InvalidArgument)
+			nothingLeft(t)
+		})
+	}
+	for name, call := range readOnly {
+		t.Run(name, func(t *testing.T) {
+			for _, id := range []string{untagged, badTag, goodTag} {
+				if err := call(id); err == nil && name != "NodeUnpublishVolume" && name != "NodeUnstageVolume" {
+					t.Errorf("%s answered OK for a share it does not serve", id)
+				}
+			}
+			nothingLeft(t)
+		})
+	}
+
+	// A good tag: mounted (to know), no pool there, let go; nothing laid out.
+	if _, err := td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: goodTag}); err != nil {
 		t.Fatalf("DeleteVolume of a volume that does not exist: %v", err)
 	}
-	_, err := td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(td.root, "s"), VolumeCapability: mountCap(rwx, "")})
-	wantCode(t, err, codes.NotFound)
-	_, err = td.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1", VolumeCapability: mountCap(rwx, "")})
+	_, err := td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: goodTag, StagingTargetPath: staging, VolumeCapability: mountCap(rwx, "")})
 	wantCode(t, err, codes.NotFound)
 	if _, err := os.Stat(filepath.Join(fs.Root, ref.PoolName(), "pool.json")); !os.IsNotExist(err) {
 		t.Fatalf("a pool was laid out on a share an ID named: %v", err)
 	}
-	if len(fs.Released) == 0 || td.Driver.pool(ref.PoolName()) != nil {
+	if len(fs.Released) == 0 || td.Driver.pool(ref.PoolName()) != nil || fs.Recorded(ref) {
 		t.Fatalf("the share was not let go: released %v", fs.Released)
 	}
 
-	bind := pool.NewShareVolumeID(pool.ShareRef{Type: "bind", Source: "/etc"}, "pvc-x").String()
+	bind := taggedID(testShareKey, pool.ShareRef{Type: "bind", Source: "/etc"}, "pvc-x")
 	before := fs.MountCount()
 	_, err = td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: bind})
 	wantCode(t, err, codes.InvalidArgument)
@@ -272,7 +393,7 @@ func TestShareMountFailure(t *testing.T) {
 	ctx := context.Background()
 	td, fs := newShareDriver(t, filepath.Join(t.TempDir(), "shares"), "node-1")
 	fs.Err = status.Error(codes.Internal, "server not responding")
-	id := pool.NewShareVolumeID(pool.ShareRef{Type: "nfs", Source: "s:/e"}, "pvc-1").String()
+	id := taggedID(testShareKey, pool.ShareRef{Type: "nfs", Source: "s:/e"}, "pvc-1")
 	_, err := td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
 	wantCode(t, err, codes.Unavailable)
 	_, err = td.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id, Secrets: map[string]string{"mountOptions": "secret=t0p-s3cr3t\nx"}})

@@ -42,10 +42,12 @@ func parseSnapshotRef(field, raw string) (id pool.SnapshotID, known bool, err er
 	return id, false, nil
 }
 
-func csiSnapshot(s *pool.Snapshot) *csi.Snapshot {
+// csiSnapshot is a snapshot as the CO knows it: its ID and its source's (in
+// the same pool) with the pool's share tag.
+func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
 	return &csi.Snapshot{
-		SnapshotId:     s.ID,
-		SourceVolumeId: s.SourceVolumeID,
+		SnapshotId:     d.wireSnapshotID(p, s.ID),
+		SourceVolumeId: d.wireVolumeID(p, s.SourceVolumeID),
 		SizeBytes:      s.SizeBytes,
 		CreationTime:   timestamppb.New(s.CreatedAt),
 		ReadyToUse:     s.ReadyToUse,
@@ -82,11 +84,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), acc)
+	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()))
 	if err != nil {
 		return nil, err
 	}
@@ -110,7 +108,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 			return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
 		}
 		if s.ReadyToUse {
-			return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+			return &csi.CreateSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
 		}
 	}
 
@@ -137,7 +135,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 			return nil, err
 		}
 	}
-	return &csi.CreateSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+	return &csi.CreateSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
 }
 
 // copySnapshot fills a reserved snapshot with the source's data and marks it
@@ -206,11 +204,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if !known {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
-	acc, err := secretAccess(req.GetSecrets())
-	if err != nil {
-		return nil, err
-	}
-	p, err := d.snapshotPool(ctx, sid, acc)
+	p, err := d.snapshotPool(ctx, sid, dataAccess(req.GetSecrets()))
 	if status.Code(err) == codes.NotFound {
 		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
 	} else if err != nil {
@@ -254,15 +248,11 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if !known {
 		return nil, status.Errorf(codes.NotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
 	}
-	acc, err := secretAccess(req.GetSecrets())
+	p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
 	if err != nil {
 		return nil, err
 	}
-	_, s, err := d.loadSnapshot(ctx, sid, acc)
-	if err != nil {
-		return nil, err
-	}
-	return &csi.GetSnapshotResponse{Snapshot: csiSnapshot(s)}, nil
+	return &csi.GetSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
 }
 
 // ListSnapshots pages by snapshot ID, like ListVolumes: the token is the ID of the
@@ -284,20 +274,17 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		if err != nil || !known {
 			return &csi.ListSnapshotsResponse{}, err
 		}
-		acc, err := secretAccess(req.GetSecrets())
-		if err != nil {
-			return nil, err
-		}
-		_, s, err := d.loadSnapshot(ctx, sid, acc)
-		if err != nil || (req.GetSourceVolumeId() != "" && s.SourceVolumeID != req.GetSourceVolumeId()) {
+		p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
+		if err != nil || (req.GetSourceVolumeId() != "" && s.SourceVolumeID != volumeIdentity(req.GetSourceVolumeId())) {
 			return &csi.ListSnapshotsResponse{}, nil
 		}
-		return &csi.ListSnapshotsResponse{Entries: []*csi.ListSnapshotsResponse_Entry{{Snapshot: csiSnapshot(s)}}}, nil
+		return &csi.ListSnapshotsResponse{Entries: []*csi.ListSnapshotsResponse_Entry{{Snapshot: d.csiSnapshot(p, s)}}}, nil
 	}
 	source := req.GetSourceVolumeId()
 	if source != "" && pool.HostileID(source) {
 		return nil, status.Errorf(codes.InvalidArgument, "source_volume_id %q is not a poolcsi volume ID", source)
 	}
+	source = volumeIdentity(source)
 	// Paged like ListVolumes, reading only the page's snapshot.json files.
 	all, next, err := walkPools(d, start.Pool, start.Key, int(req.GetMaxEntries()), func(p *pool.Pool, from string, limit int) ([]*pool.Snapshot, string, error) {
 		page, next, err := p.ListSnapshotsPage(from, limit, func(e pool.SnapshotEntry) bool {
@@ -321,7 +308,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	}
 	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, s := range all {
-		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: csiSnapshot(s)})
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: d.csiSnapshot(d.pool(s.Pool), s)})
 	}
 	return resp, nil
 }

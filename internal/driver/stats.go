@@ -27,7 +27,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
-	_, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{noMount: true})
+	_, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}

@@ -56,14 +56,23 @@ type VolumeID struct {
 	// Share is the base64url encoding of the share's ShareRef, "" for a
 	// volume of an operator-configured pool.
 	Share string
+	// Tag is the share tag the ID carried on the wire ("" for none): a
+	// credential checked at the driver's door, not part of the volume's
+	// identity. String leaves it out, Wire puts it in.
+	Tag string
 }
 
+// String is the volume's identity: what volume.json records, what locks and
+// logs name. It never carries the tag.
 func (id VolumeID) String() string {
 	if id.Share != "" {
 		return id.Pool + "." + id.Key + "." + id.Share
 	}
 	return id.Pool + "." + id.Key
 }
+
+// Wire is the ID as the CO holds it: String and, on a share, the tag.
+func (id VolumeID) Wire() string { return withTag(id.String(), id.Tag) }
 
 // NewVolumeID builds the ID of the volume named name in pool poolName.
 func NewVolumeID(poolName, name string) VolumeID {
@@ -73,7 +82,7 @@ func NewVolumeID(poolName, name string) VolumeID {
 // ParseVolumeID validates an ID received over the wire before any path is built
 // from it: only "<pool name>.<32 lowercase hex>" passes, which cannot contain "/",
 // "..", NUL or anything else that leaves the pool, or for a volume on a share
-// "s-<16 hex>.<32 hex>.<share>", whose share part decodes to a valid ShareRef
+// "s-<16 hex>.<32 hex>.<share>[.<tag>]", whose share part decodes to a valid ShareRef
 // whose pool name is exactly the ID's pool (so one share has one pool name, and
 // an ID cannot pair a share with another share's pool). A share pool's name
 // without its share part is refused: such a pool is only ever reached through
@@ -85,8 +94,8 @@ func ParseVolumeID(s string) (VolumeID, error) {
 	bad := func() (VolumeID, error) {
 		return VolumeID{}, fmt.Errorf("%w: %q is not a poolcsi volume ID (<pool>.<32 hex digits>, or s-<16 hex digits>.<32 hex digits>.<share> for a share)", ErrInvalidID, s)
 	}
-	parts := strings.Split(s, ".")
-	if len(parts) < 2 || len(parts) > 3 || ValidatePoolName(parts[0]) != nil || !keyRE.MatchString(parts[1]) {
+	parts := strings.SplitN(s, ".", 3)
+	if len(parts) < 2 || ValidatePoolName(parts[0]) != nil || !keyRE.MatchString(parts[1]) {
 		return bad()
 	}
 	id := VolumeID{Pool: parts[0], Key: parts[1]}
@@ -94,10 +103,14 @@ func ParseVolumeID(s string) (VolumeID, error) {
 		return bad()
 	}
 	if len(parts) == 3 {
-		if err := checkSharePart(s, id.Pool, parts[2]); err != nil {
+		share, tag, err := splitTag(parts[2])
+		if err != nil {
 			return VolumeID{}, err
 		}
-		id.Share = parts[2]
+		if err := checkSharePart(s, id.Pool, share); err != nil {
+			return VolumeID{}, err
+		}
+		id.Share, id.Tag = share, tag
 	}
 	return id, nil
 }

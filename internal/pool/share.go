@@ -22,15 +22,23 @@ import (
 const MaxVolumeIDLength = 128
 
 // MaxShareLength bounds a share's type and source together, so the ID of each
-// of its volumes, "s-<16 hex>.<32 hex>.<base64url(type + " " + source)>",
-// fits MaxVolumeIDLength: 76 base64 characters hold 57 bytes.
-const MaxShareLength = 57
+// of its volumes as the CO holds it, "s-<16 hex>.<32 hex>.<base64url(type +
+// " " + source)>.<tag>", fits MaxVolumeIDLength: 64 base64 characters hold 48
+// bytes.
+const MaxShareLength = 48
+
+// ShareTagLength is the length of a share ID's tag: 8 bytes of a MAC in
+// base64url. The tag proves the share was named by a StorageClass of a driver
+// that holds the cluster's share key (the driver computes and checks it; the
+// pool only parses it): a volume ID cannot introduce a share by itself.
+const ShareTagLength = 11
 
 var (
 	sharePoolRE   = regexp.MustCompile(`^s-[0-9a-f]{16}$`)
 	shareTypeRE   = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,23}$`)
-	shareSourceRE = regexp.MustCompile(`^[A-Za-z0-9._:/=@,+-]+$`)
-	payloadRE     = regexp.MustCompile(`^[A-Za-z0-9_-]{1,76}$`)
+	shareSourceRE = regexp.MustCompile(`^[A-Za-z0-9._:/=@,+\[\]-]+$`)
+	payloadRE     = regexp.MustCompile(`^[A-Za-z0-9_-]{1,64}$`)
+	tagRE         = regexp.MustCompile(`^[A-Za-z0-9_-]{11}$`)
 )
 
 // ShareRef names a share: the mount type and the source, nothing else. Mount
@@ -43,8 +51,8 @@ type ShareRef struct {
 
 // Validate checks the syntax every share must have, whatever its type: a type
 // in lowercase letters, digits and ".-_"; a source of letters, digits and
-// "._:/=@,+-" only (nothing a shell or mount(8) reads specially: mount
-// helpers such as mount.fuse.ceph hand their arguments to a shell), not
+// "._:/=@,+-[]" only (nothing a shell or mount(8) reads specially; brackets
+// for an IPv6 address), not
 // starting with "-" (mount(8) would read it as an option); both short enough
 // for a volume ID. Which types a driver mounts is its own allow-list.
 func (r ShareRef) Validate() error {
@@ -55,7 +63,7 @@ func (r ShareRef) Validate() error {
 	case r.Source == "":
 		return fmt.Errorf("%w: share source is empty", ErrInvalidID)
 	case !shareSourceRE.MatchString(r.Source):
-		return fmt.Errorf("%w: share source %q may hold only letters, digits and . _ : / = @ , + -", ErrInvalidID, r.Source)
+		return fmt.Errorf("%w: share source %q may hold only letters, digits and . _ : / = @ , + - [ ]", ErrInvalidID, r.Source)
 	case strings.HasPrefix(r.Source, "-"):
 		return fmt.Errorf("%w: share source %q must not start with '-'", ErrInvalidID, r.Source)
 	case len(r.Type)+1+len(r.Source) > MaxShareLength:
@@ -90,7 +98,7 @@ func (r ShareRef) payload() string {
 
 func parsePayload(s string) (ShareRef, error) {
 	if !payloadRE.MatchString(s) {
-		return ShareRef{}, fmt.Errorf("%w: share part %q of a volume ID is not 1-76 base64url characters", ErrInvalidID, s)
+		return ShareRef{}, fmt.Errorf("%w: share part %q of a volume ID is not 1-64 base64url characters", ErrInvalidID, s)
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(s)
 	if err != nil {
@@ -123,6 +131,27 @@ func NewShareVolumeID(r ShareRef, name string) VolumeID {
 
 // ShareRef returns the share an ID names, if it names one.
 func (id VolumeID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
+
+// splitTag splits the tag off the last part of a share ID: "" when the part
+// holds none.
+func splitTag(last string) (share, tag string, err error) {
+	share, tag, tagged := strings.Cut(last, ".")
+	if !tagged {
+		return last, "", nil
+	}
+	if !tagRE.MatchString(tag) {
+		return "", "", fmt.Errorf("%w: tag %q of a share ID is not %d base64url characters", ErrInvalidID, tag, ShareTagLength)
+	}
+	return share, tag, nil
+}
+
+// withTag is an ID string with its tag, as the CO holds it.
+func withTag(s, tag string) string {
+	if tag == "" {
+		return s
+	}
+	return s + "." + tag
+}
 
 // checkSharePart validates the share part of the volume or snapshot ID id,
 // whose pool is poolName: a valid share, and one whose pool that is (so one

@@ -45,14 +45,19 @@ type SnapshotID struct {
 	Pool  string
 	Key   string
 	Share string
+	Tag   string // as in VolumeID
 }
 
+// String is the snapshot's identity, never with the tag (see VolumeID).
 func (id SnapshotID) String() string {
 	if id.Share != "" {
 		return id.Pool + SnapshotSep + id.Key + "." + id.Share
 	}
 	return id.Pool + SnapshotSep + id.Key
 }
+
+// Wire is the ID as the CO holds it: String and, on a share, the tag.
+func (id SnapshotID) Wire() string { return withTag(id.String(), id.Tag) }
 
 // ShareRef returns the share an ID names, if it names one.
 func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
@@ -91,10 +96,14 @@ func ParseSnapshotID(s string) (SnapshotID, error) {
 	}
 	id := SnapshotID{Pool: poolName, Key: key}
 	if hasShare {
+		share, tag, err := splitTag(share)
+		if err != nil {
+			return SnapshotID{}, err
+		}
 		if err := checkSharePart(s, poolName, share); err != nil {
 			return SnapshotID{}, err
 		}
-		id.Share = share
+		id.Share, id.Tag = share, tag
 	}
 	return id, nil
 }

@@ -38,6 +38,10 @@ type Spec struct {
 	// after Options, masked in every log line (mount-utils'
 	// MakeMountArgsSensitive) and scrubbed from every error. Never in a file.
 	Sensitive []string `json:"-"`
+	// command, when set, is the program and argv that mount the stanza at
+	// target instead of mount(8), and the argv as logs show it: a share
+	// type whose helper cannot be trusted with request input (fuse.ceph).
+	command func(target string) (prog string, args []string, logged string)
 }
 
 // Validate checks the stanza before anything is run.
@@ -154,12 +158,16 @@ func (m *Mounter) ensure(ctx context.Context) error {
 		return fmt.Errorf("pool %s: create mount point: %w", m.Pool, err)
 	}
 	timeout, _ := m.Spec.timeout()
+	prog := m.Command
 	args, logArgs := m.Spec.args(m.Path)
-	cmd := exec.Command(m.Command, args...)
+	if m.Spec.command != nil {
+		prog, args, logArgs = m.Spec.command(m.Path)
+	}
+	cmd := exec.Command(prog, args...)
 	var out strings.Builder
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("pool %s: run %s: %w", m.Pool, m.Command, err)
+		return fmt.Errorf("pool %s: run %s: %w", m.Pool, prog, err)
 	}
 	m.inFlight = true
 	done := make(chan error, 1)
@@ -171,7 +179,7 @@ func (m *Mounter) ensure(ctx context.Context) error {
 		done <- err
 	}()
 	log := klog.FromContext(ctx)
-	log.Info("Mounting pool", "pool", m.Pool, "command", m.Command+" "+strings.TrimSpace(logArgs), "timeout", timeout)
+	log.Info("Mounting pool", "pool", m.Pool, "command", prog+" "+strings.TrimSpace(logArgs), "timeout", timeout)
 	t := time.NewTimer(timeout)
 	defer t.Stop()
 	// The waiting goroutine takes m.mu to clear inFlight, so release it while waiting.
@@ -222,6 +230,13 @@ func (m *Mounter) Keep(ctx context.Context, interval time.Duration) {
 			}
 		}
 	}
+}
+
+// busy tells whether a mount process of this mounter is still running.
+func (m *Mounter) busy() bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.inFlight
 }
 
 // setSpec replaces the stanza (a share's options come with each request).

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -33,18 +34,26 @@ const BindType = "bind"
 // request that needs it.
 type Share struct {
 	Ref pool.ShareRef
-	// Options come from the StorageClass (parameters, mountOptions); they
-	// are recorded next to the mount point, so a later call that brings only
-	// a volume ID mounts the share again the same way.
+	// Options come from the StorageClass (parameters, mountOptions) or from
+	// a volume context that a StorageClass filled. Each is checked against
+	// the share type's allow-list. They are recorded next to the mount
+	// point once the share is mounted, so a later call that brings only a
+	// volume ID mounts the share again the same way.
 	Options []string
-	// Sensitive come from the request's secrets: masked in logs, never
-	// recorded.
+	// Sensitive come from the request's secrets: checked against the
+	// type's allow-list too, masked in logs, never recorded.
 	Sensitive []string
+	// FromStorageClass says the options are a StorageClass's own (a
+	// CreateVolume): only then do they replace recorded ones. A later
+	// caller's options (a volume context, which a PersistentVolume carries)
+	// never do, so a forged PV cannot change how a share is mounted.
+	FromStorageClass bool
 }
 
 // record is <dir>/<pool>.json: which share the mount point <dir>/<pool> is
 // for, and its non-secret options. It is on the node's own disk, never on the
-// share, and lets a restarted driver find the shares it mounted.
+// share, and lets a restarted driver find the shares it mounted. It is written
+// only once the share is mounted and verified.
 type record struct {
 	Type    string   `json:"type"`
 	Source  string   `json:"source"`
@@ -57,8 +66,10 @@ type record struct {
 type Shares struct {
 	Dir     string
 	Timeout time.Duration
-	// Command is the mount program; tests replace it.
-	Command string
+	// Command is the mount program and CephFuse ceph-fuse's; tests replace
+	// them.
+	Command  string
+	CephFuse string
 
 	mu       sync.Mutex
 	mounters map[string]*Mounter
@@ -72,7 +83,7 @@ func NewShares(dir string, timeout time.Duration) (*Shares, error) {
 	if timeout <= 0 {
 		timeout = DefaultTimeout
 	}
-	return &Shares{Dir: dir, Timeout: timeout, Command: "mount", mounters: map[string]*Mounter{}}, nil
+	return &Shares{Dir: dir, Timeout: timeout, Command: "mount", CephFuse: "ceph-fuse", mounters: map[string]*Mounter{}}, nil
 }
 
 // Path is the mount point of a share.
@@ -81,23 +92,91 @@ func (s *Shares) Path(r pool.ShareRef) string { return filepath.Join(s.Dir, r.Po
 // RequireMount is true: a share's pool is used only where the share is mounted.
 func (s *Shares) RequireMount() bool { return true }
 
-// spec is the mount stanza of a share.
-func (s *Shares) spec(sh Share) Spec {
+// Check checks a share and its options against the share type's grammar,
+// before anything is mounted or written.
+func Check(sh Share) error {
+	if err := CheckShare(sh.Ref); err != nil {
+		return err
+	}
+	for _, o := range sh.Options {
+		if err := CheckOption(sh.Ref.Type, o, false); err != nil {
+			return err
+		}
+	}
+	for _, o := range sh.Sensitive {
+		if err := CheckOption(sh.Ref.Type, o, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// spec is the mount stanza of a share; keyfile is where a ceph-fuse mount
+// finds its secret key.
+func (s *Shares) spec(sh Share, keyfile string) Spec {
 	spec := Spec{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options, Sensitive: sh.Sensitive, Timeout: s.Timeout.String()}
-	if sh.Ref.Type == BindType {
+	switch sh.Ref.Type {
+	case BindType:
 		spec.Type = ""
 		spec.Options = append([]string{"bind"}, sh.Options...)
+	case "fuse.ceph":
+		spec.command = func(target string) (string, []string, string) {
+			args := cephFuseArgs(sh, keyfile, target)
+			return s.CephFuse, args, strings.Join(args, " ")
+		}
 	}
 	return spec
 }
 
+// cephFuseArgs is ceph-fuse's command line for a share of type fuse.ceph,
+// built from the checked source and options only: monitors (-m) and path
+// (-r) from the source, the client name (--id) and filesystem (--client_fs)
+// from the options, the key from a file the driver wrote, the FUSE options
+// with -o. No configuration file is read (-c /dev/null): nothing but this
+// argv decides what ceph-fuse does.
+func cephFuseArgs(sh Share, keyfile, target string) []string {
+	i := strings.LastIndex(sh.Ref.Source, ":/")
+	args := []string{"-c", "/dev/null", "-m", sh.Ref.Source[:i], "-r", sh.Ref.Source[i+1:]}
+	var fuse []string
+	for _, o := range sh.Options {
+		k, v, _ := strings.Cut(o, "=")
+		switch k {
+		case "name":
+			args = append(args, "--id", v)
+		case "fs":
+			args = append(args, "--client_fs", v)
+		case "defaults":
+		default:
+			fuse = append(fuse, o)
+		}
+	}
+	if keyfile != "" {
+		args = append(args, "--keyfile", keyfile)
+	}
+	if len(fuse) > 0 {
+		args = append(args, "-o", strings.Join(fuse, ","))
+	}
+	return append(args, target)
+}
+
+// secretOf returns the value of the sensitive option key, "" if none.
+func secretOf(sh Share, key string) string {
+	for _, o := range sh.Sensitive {
+		if k, v, ok := strings.Cut(o, "="); ok && k == key {
+			return v
+		}
+	}
+	return ""
+}
+
 // Ensure mounts the share at its mount point unless it is mounted there
 // already, and checks that what is mounted there is the share. mountedNow
-// tells whether this call mounted it. Concurrent calls for one share, in this
-// process or in another sharing Dir, make one mount: they hold the share's
-// lock file while they look and mount.
+// tells whether this call mounted it. Concurrent calls, in this process or in
+// another sharing Dir, make one mount: they hold Dir's lock file while they
+// look and mount. A mount that fails leaves nothing behind: no record, no
+// mount point.
 func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow bool, err error) {
-	if err := sh.Ref.Validate(); err != nil {
+	if err := Check(sh); err != nil {
 		return "", false, err
 	}
 	name := sh.Ref.PoolName()
@@ -105,40 +184,76 @@ func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow 
 	if err := os.MkdirAll(s.Dir, 0o750); err != nil {
 		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
 	}
-	unlock, err := lockFile(ctx, filepath.Join(s.Dir, name+".lock"))
+	unlock, err := lockFile(ctx, filepath.Join(s.Dir, dirLock))
 	if err != nil {
 		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
 	}
 	defer unlock()
+	recPath := filepath.Join(s.Dir, name+".json")
+	rec, recErr := readRecord(recPath)
+	recorded := recErr == nil && rec.Type == sh.Ref.Type && rec.Source == sh.Ref.Source
+	if recorded && !sh.FromStorageClass {
+		sh.Options = rec.Options // a later caller's options never replace the recorded ones
+	}
+	writeRecord := func() error {
+		if recorded && (!sh.FromStorageClass || slices.Equal(rec.Options, sh.Options)) {
+			return nil
+		}
+		raw, _ := json.Marshal(record{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options})
+		return pool.WriteFileAtomic(recPath, append(raw, '\n'), true)
+	}
 	if mounted, err := mountinfo.Mounted(path); err == nil && mounted {
-		return path, false, Verify(sh.Ref, path)
+		if err := Verify(sh.Ref, path); err != nil {
+			return "", false, err
+		}
+		return path, false, writeRecord()
 	} else if err != nil && !errors.Is(err, os.ErrNotExist) {
 		return "", false, fmt.Errorf("share %s: inspect %s: %w", sh.Ref, path, err)
 	}
-	recPath := filepath.Join(s.Dir, name+".json")
-	if len(sh.Options) == 0 {
-		// A call that brings no options (only an ID): mount as before.
-		if rec, err := readRecord(recPath); err == nil && rec.Type == sh.Ref.Type && rec.Source == sh.Ref.Source {
-			sh.Options = rec.Options
+	var keyfile string
+	if key := secretOf(sh, "secret"); key != "" && sh.Ref.Type == "fuse.ceph" {
+		keyfile = filepath.Join(s.Dir, "."+name+".key")
+		if err := pool.WriteFileAtomic(keyfile, []byte(key), false); err != nil {
+			return "", false, fmt.Errorf("share %s: write its key file: %w", sh.Ref, err)
 		}
+		// ceph-fuse reads the key once, at start.
+		defer func() { _ = os.Remove(keyfile) }()
 	}
-	spec := s.spec(sh)
+	spec := s.spec(sh, keyfile)
 	if err := spec.Validate(); err != nil {
-		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
-	}
-	raw, _ := json.Marshal(record{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options})
-	if err := pool.WriteFileAtomic(recPath, append(raw, '\n'), true); err != nil {
 		return "", false, fmt.Errorf("share %s: %w", sh.Ref, err)
 	}
 	m := s.mounter(name, path)
 	m.setSpec(spec)
 	if err := m.Ensure(ctx); err != nil {
+		s.forget(name, path)
 		return "", false, err
 	}
 	if err := Verify(sh.Ref, path); err != nil {
 		return "", true, err
 	}
+	if err := writeRecord(); err != nil {
+		return "", true, fmt.Errorf("share %s: %w", sh.Ref, err)
+	}
 	return path, true, nil
+}
+
+// dirLock is the lock file in Dir that every mount and release of a share
+// holds: one file for all shares, so a share that turns out not to be one of
+// ours (or whose mount fails) leaves no file of its own behind.
+const dirLock = ".lock"
+
+// forget removes what a share that is not mounted left under Dir: its mount
+// point (an empty directory; never anything else) and its mounter.
+func (s *Shares) forget(name, path string) {
+	if mounted, err := mountinfo.Mounted(path); err == nil && !mounted {
+		_ = os.Remove(path) // only an empty directory goes
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if m, ok := s.mounters[name]; ok && !m.busy() {
+		delete(s.mounters, name)
+	}
 }
 
 func (s *Shares) mounter(name, path string) *Mounter {
@@ -154,10 +269,11 @@ func (s *Shares) mounter(name, path string) *Mounter {
 
 // Release unmounts a share this driver mounted and found to hold no pool of
 // its name (a volume ID named a share that is not one of ours), and forgets
-// it. Nothing of a pool is ever there, so nothing is in use.
+// it: its record, its mount point. Nothing of a pool is ever there, so
+// nothing is in use.
 func (s *Shares) Release(ctx context.Context, r pool.ShareRef) error {
 	path := s.Path(r)
-	unlock, err := lockFile(ctx, filepath.Join(s.Dir, r.PoolName()+".lock"))
+	unlock, err := lockFile(ctx, filepath.Join(s.Dir, dirLock))
 	if err != nil {
 		return err
 	}
@@ -168,9 +284,16 @@ func (s *Shares) Release(ctx context.Context, r pool.ShareRef) error {
 		}
 	}
 	_ = os.Remove(filepath.Join(s.Dir, r.PoolName()+".json"))
-	_ = os.Remove(path)
+	s.forget(r.PoolName(), path)
 	klog.FromContext(ctx).Info("Unmounted a share that holds no pool of its name", "share", r.String(), "path", path)
 	return nil
+}
+
+// Recorded tells whether this node mounted share r before: its record is in
+// Dir (written only after a mount of it succeeded and was verified).
+func (s *Shares) Recorded(r pool.ShareRef) bool {
+	rec, err := readRecord(filepath.Join(s.Dir, r.PoolName()+".json"))
+	return err == nil && rec.Type == r.Type && rec.Source == r.Source
 }
 
 // Known returns the shares mounted under Dir (by this process before a

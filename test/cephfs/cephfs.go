@@ -53,6 +53,7 @@ const dirPrefix = "pcceph-"
 type Cluster struct {
 	Dir        string    // everything of the cluster lives here
 	Conf       string    // ceph.conf
+	Mon        string    // the monitor's address, as Ceph writes it (v2:127.0.0.1:<port>)
 	Mounts     [2]string // the ceph-fuse mount points: node A and node B
 	EarlyReply bool      // mds_early_reply as configured
 
@@ -197,6 +198,7 @@ func (c *Cluster) bootstrap(ctx context.Context) error {
 	}
 	fsid := uuid()
 	mon := fmt.Sprintf("v2:127.0.0.1:%d", port)
+	c.Mon = mon
 	if err := os.WriteFile(c.Conf, []byte(c.config(fsid, mon)), 0o644); err != nil {
 		return err
 	}

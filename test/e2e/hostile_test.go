@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"context"
 	"io/fs"
 	"os"
 	"os/exec"
@@ -240,10 +241,17 @@ func TestShareSecretsNeverLogged(t *testing.T) {
 			}
 		}
 	})
-	e := newEnvArgs(t, []string{"--share-dir", shares, "--share-types", "bind"})
+	keyFile := filepath.Join(root, "share-key")
+	if err := os.WriteFile(keyFile, []byte("a share key of at least thirty-two bytes\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := newEnvArgs(t, []string{"--share-dir", shares, "--share-types", "bind", "--share-key-file", keyFile})
 	ctx := ctx(t)
+	// A bind share takes no secret mount option (internal/poolmount's
+	// TestShareCommandLines shows ceph's secret= masked in the mount's log
+	// line): the secret here rides in the request, as a CO sends it.
 	const secret = "s3cr3t-share-do-not-log"
-	secrets := map[string]string{"mountOptions": "poolcsi_test_key=" + secret, "password": secret}
+	secrets := map[string]string{"password": secret}
 	vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 	resp, err := e.drv.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-share-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
@@ -255,6 +263,9 @@ func TestShareSecretsNeverLogged(t *testing.T) {
 	}
 	v := resp.GetVolume()
 	staging := filepath.Join(e.root, "staging")
+	t.Cleanup(func() { // a failed check below leaves the stage behind
+		_, _ = e.drv.Node().NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging})
+	})
 	if _, err := e.drv.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{
 		VolumeId: v.GetVolumeId(), NodeId: "node-1", VolumeCapability: vc, VolumeContext: v.GetVolumeContext(), Secrets: secrets,
 	}); err != nil {
@@ -265,9 +276,9 @@ func TestShareSecretsNeverLogged(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	// A secret option that is refused: the error and the log name it by
-	// position only.
-	bad := map[string]string{"mountOptions": "ok,bad " + secret}
+	// A secret option that is refused: the error and the log never show its
+	// value.
+	bad := map[string]string{"mountOptions": "nodev,ceph.key=" + secret}
 	_, err = e.drv.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId(), Secrets: bad})
 	if status.Code(err) != codes.InvalidArgument || strings.Contains(err.Error(), secret) {
 		t.Fatalf("a refused secret option: %v", err)
@@ -282,9 +293,6 @@ func TestShareSecretsNeverLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	log := e.drv.Log()
-	if !strings.Contains(log, "<masked>") {
-		t.Fatal("the share's mount was not logged with its secret option masked; the check below would prove less")
-	}
 	if strings.Contains(log, secret) {
 		t.Fatal("a secret reached the driver's log")
 	}

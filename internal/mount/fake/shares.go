@@ -16,8 +16,9 @@ import (
 type Shares struct {
 	Root string
 
-	mu      sync.Mutex
-	mounted map[pool.ShareRef]bool
+	mu       sync.Mutex
+	mounted  map[pool.ShareRef]bool
+	recorded map[pool.ShareRef]bool
 	// Mounts are the mounts made, in order, with what each was given.
 	Mounts []poolmount.Share
 	// Released are the shares Release unmounted.
@@ -28,7 +29,7 @@ type Shares struct {
 
 // NewShares returns fake shares under root.
 func NewShares(root string) *Shares {
-	return &Shares{Root: root, mounted: map[pool.ShareRef]bool{}}
+	return &Shares{Root: root, mounted: map[pool.ShareRef]bool{}, recorded: map[pool.ShareRef]bool{}}
 }
 
 func (s *Shares) path(r pool.ShareRef) string { return filepath.Join(s.Root, r.PoolName()) }
@@ -40,6 +41,9 @@ func (s *Shares) Ensure(_ context.Context, sh poolmount.Share) (string, bool, er
 	if s.mounted[sh.Ref] {
 		return s.path(sh.Ref), false, nil
 	}
+	if err := poolmount.Check(sh); err != nil {
+		return "", false, err
+	}
 	if s.Err != nil {
 		return "", false, s.Err
 	}
@@ -47,6 +51,7 @@ func (s *Shares) Ensure(_ context.Context, sh poolmount.Share) (string, bool, er
 		return "", false, err
 	}
 	s.mounted[sh.Ref] = true
+	s.recorded[sh.Ref] = true
 	s.Mounts = append(s.Mounts, sh)
 	return s.path(sh.Ref), true, nil
 }
@@ -56,8 +61,16 @@ func (s *Shares) Release(_ context.Context, r pool.ShareRef) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	delete(s.mounted, r)
+	delete(s.recorded, r)
 	s.Released = append(s.Released, r)
 	return nil
+}
+
+// Recorded tells whether the share was "mounted" before and not released.
+func (s *Shares) Recorded(r pool.ShareRef) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.recorded[r]
 }
 
 // Known returns the shares "mounted".

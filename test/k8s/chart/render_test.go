@@ -48,8 +48,12 @@ func TestChartVariants(t *testing.T) {
 		notWant   []string
 	}{
 		{"defaults", nil,
-			[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
+			[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node", "Secret/poolcsi-share-key"},
 			[]string{"Namespace/poolcsi", "StorageClass/"}},
+		{"share key from an existing Secret", map[string]any{"shares": map[string]any{"keySecret": "my-key"}},
+			[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
+		{"shares off", map[string]any{"shares": map[string]any{"enabled": false}},
+			[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
 		{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
 			[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
 			[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
@@ -99,6 +103,7 @@ func TestChartVariants(t *testing.T) {
 				}
 			}
 			checkSnapshotters(t, tc.overrides, have)
+			checkShareKey(t, tc.overrides, have)
 			if sc, ok := have["StorageClass/poolcsi-local"]; ok {
 				for _, s := range []string{"provisioner: local.poolcsi.io", "volumeBindingMode: WaitForFirstConsumer", `csi.storage.k8s.io/fstype: "xfs"`, `is-default-class: "true"`} {
 					if !strings.Contains(sc.YAML, s) {
@@ -166,5 +171,31 @@ func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]D
 	}
 	if strings.Contains(c, "--leader-election") {
 		t.Errorf("csi-snapshotter-local is leader-elected; with --node-deployment the sidecar exits:\n%s", c)
+	}
+}
+
+// checkShareKey: where shares are on, the controller and the node plugin of the shared
+// driver read the cluster's share key from the Secret the chart makes (or the one
+// shares.keySecret names); where they are off, neither is given one.
+func checkShareKey(t *testing.T, overrides map[string]any, have map[string]Doc) {
+	t.Helper()
+	shares, _ := overrides["shares"].(map[string]any)
+	secret := "poolcsi-share-key"
+	if s, ok := shares["keySecret"].(string); ok && s != "" {
+		secret = s
+	}
+	pools, _ := overrides["pools"].(map[string]any)
+	shared, set := pools["shared"].([]any)
+	on := shares["enabled"] != false && (!set || len(shared) > 0) // shares are the shared driver's
+	for _, w := range []string{"Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"} {
+		d, ok := have[w]
+		if !ok {
+			continue
+		}
+		hasFlag := strings.Contains(d.YAML, "--share-key-file=/etc/poolcsi-share-key/key")
+		hasSecret := strings.Contains(d.YAML, "secretName: "+secret)
+		if on != hasFlag || on != hasSecret {
+			t.Errorf("%s: shares on %t, --share-key-file %t, Secret %s mounted %t", w, on, hasFlag, secret, hasSecret)
+		}
 	}
 }

@@ -123,10 +123,15 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 			break
 		}
 	}
+	// The share key the chart mounts from its Secret, as a file of the cluster's directory.
+	keyFile := filepath.Join(c.Dir, "share-key")
+	if err := os.WriteFile(keyFile, []byte("the test cluster's share key, 32 bytes or more\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
-		"--registration-dir", "--kubelet-registration-path", "--healthz-address"},
+		"--registration-dir", "--kubelet-registration-path", "--healthz-address", "--share-key-file"},
 		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile, "--allowed-path-prefix="+filepath.Clean(c.Dir),
-		"--metrics-address=127.0.0.1:"+strconv.Itoa(freePort(t)))
+		"--metrics-address=127.0.0.1:"+strconv.Itoa(freePort(t)), "--share-key-file="+keyFile)
 	for i, a := range args {
 		if strings.HasPrefix(a, "-v=") {
 			args[i] = "-v=5"

@@ -57,3 +57,8 @@ list would only be logged).
   resources: [volumegroupsnapshotcontents/status]
   verbs: [update, patch]
 {{- end }}
+
+{{/* The Secret holding the cluster's share key (key "key"). */}}
+{{- define "poolcsi.shareKeySecret" -}}
+{{- .Values.shares.keySecret | default (printf "%s-share-key" (include "poolcsi.fullname" .)) -}}
+{{- end -}}
