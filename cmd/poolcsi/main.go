@@ -24,6 +24,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
+	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
@@ -143,6 +144,9 @@ func serve(ctx context.Context, args []string) error {
 	shareTypes := fs.String("share-types", strings.Join(driver.DefaultShareTypes, ","), "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
 	shareTimeout := fs.Duration("share-mount-timeout", poolmount.DefaultTimeout, "how long one mount of a share may take before it is killed")
 	shareKeyFile := fs.String("share-key-file", "", "the cluster's share key, one per line (the first tags new volume IDs, any verifies one; at least 32 bytes each): every controller and node of the cluster must have it. Without it StorageClasses cannot name shares")
+	leaseDuration := fs.Duration("lease-duration", lease.Default.Duration, "how long a node plugin may go without renewing its lease in a shared pool before it fences itself off (its loop devices there stop taking I/O); a controller force-detaches a volume from a node only after this plus --lease-margin without a renewal (docs/fencing.md)")
+	leaseInterval := fs.Duration("lease-renew-interval", lease.Default.Interval, "how often a node plugin renews its lease in each shared pool")
+	leaseMargin := fs.Duration("lease-margin", lease.Default.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
 	memLimit := fs.Int64("memory-limit-mib", defaultMemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
 	var pools poolFlags
 	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
@@ -218,6 +222,7 @@ func serve(ctx context.Context, args []string) error {
 		Shares:            shares,
 		ShareTypes:        types,
 		ShareKeys:         shareKeys,
+		Lease:             lease.Timing{Duration: *leaseDuration, Interval: *leaseInterval, Margin: *leaseMargin},
 	})
 	if err != nil {
 		return err
@@ -225,6 +230,9 @@ func serve(ctx context.Context, args []string) error {
 	var interceptors []grpc.UnaryServerInterceptor
 	if *metricsAddr != "" {
 		mx := metrics.New(*driverName, opened, thresholds)
+		if m == driver.ModeNode || m == driver.ModeAll {
+			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
+		}
 		if _, err := mx.Serve(ctx, *metricsAddr); err != nil {
 			return err
 		}
@@ -345,4 +353,13 @@ func shareMounter(dir, typeList string, timeout time.Duration) (driver.ShareMoun
 		}
 	}
 	return sh, types, nil
+}
+
+// leaseStates are the node's leases as the metrics report them.
+func leaseStates(d *driver.Driver) []metrics.LeaseState {
+	var out []metrics.LeaseState
+	for _, s := range d.LeaseStates() {
+		out = append(out, metrics.LeaseState{Pool: s.Pool, Age: s.Age, Fenced: s.Fenced})
+	}
+	return out
 }

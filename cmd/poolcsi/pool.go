@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -152,6 +153,7 @@ func poolUnfence(ctx context.Context, args []string) error {
 	path := fs.String("path", "", "the pool's directory")
 	volume := fs.String("volume", "", "the volume ID (<pool>.<32 hex>)")
 	node := fs.String("node", "", "the node whose record to drop (default: every node)")
+	wait := fs.Bool("wait", false, "watch the lease of each node that holds the volume read-write for the lease's duration plus its margin, and drop its records only if the lease does not move (docs/fencing.md)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -171,6 +173,9 @@ func poolUnfence(ctx context.Context, args []string) error {
 	}
 	p, err := pool.Open(cfg)
 	if err != nil {
+		return err
+	}
+	if err := leasesExpired(ctx, os.Stdout, p, id, *node, *wait); err != nil {
 		return err
 	}
 	gone, err := p.Unfence(ctx, id, *node)
@@ -213,5 +218,62 @@ func poolInit(out io.Writer, args []string) error {
 		return err
 	}
 	fmt.Fprintf(out, "pool %s is ready at %s\n", p.Name, p.Path)
+	return nil
+}
+
+// leasesExpired applies the controller's force-detach rule: the records of a
+// node that holds the volume read-write go only once that node's lease has
+// expired (or was released), so that a node that is still running has fenced
+// itself off first. With wait it watches the leases; without, it says what it
+// would wait for and refuses.
+func leasesExpired(ctx context.Context, out io.Writer, p *pool.Pool, id pool.VolumeID, node string, wait bool) error {
+	v, err := p.Load(id)
+	if err != nil {
+		return err
+	}
+	if v.Layout != pool.LayoutImage {
+		return nil // dir volumes have many writers by design: no fence to wait for
+	}
+	held := map[string]bool{}
+	for _, s := range v.Staged {
+		if !s.ReadOnly && (node == "" || s.Node == node) {
+			held[s.Node] = true
+		}
+	}
+	for _, r := range v.Published {
+		if !r.ReadOnly && (node == "" || r.Node == node) {
+			held[r.Node] = true
+		}
+	}
+	t := lease.Default
+	obs := lease.NewObserver()
+	for n := range held {
+		var first *pool.Lease
+		for {
+			rec, ok, err := p.ReadLease(n)
+			if err != nil {
+				return err
+			}
+			if first != nil && (rec.Counter != first.Counter || rec.Instance != first.Instance) && !rec.Released {
+				return fmt.Errorf("node %s renewed its lease in pool %s while it was watched: it is alive and may be writing; not unfencing", n, p.Name)
+			}
+			first = &rec
+			verdict := obs.Observe(p.Name, n, rec, ok, t)
+			if verdict.Expired {
+				fmt.Fprintf(out, "%s: its records may go\n", verdict.Why)
+				break
+			}
+			if !wait {
+				return fmt.Errorf("volume %s is held read-write by node %s: %s. poolcsi pool unfence --wait watches the lease for %s and unfences only if it does not move (a node that still renews is alive and may be writing)",
+					id, n, verdict.Why, t.Expiry(rec))
+			}
+			fmt.Fprintf(out, "waiting %s more: %s\n", verdict.Wait.Round(time.Second), verdict.Why)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-time.After(min(verdict.Wait, t.Interval)):
+			}
+		}
+	}
 	return nil
 }

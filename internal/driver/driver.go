@@ -21,6 +21,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
@@ -93,6 +94,9 @@ type Options struct {
 	// tags the IDs of volumes on shares, any verifies a tag. Without one,
 	// StorageClasses cannot name shares.
 	ShareKeys [][]byte
+	// Lease is the schedule of node leases in shared pools; the zero value
+	// takes lease.Default (docs/fencing.md).
+	Lease lease.Timing
 }
 
 // Driver serves the CSI services over one pool set.
@@ -128,6 +132,9 @@ type Driver struct {
 	// conditions caches the node-side health NodeGetVolumeStats reports,
 	// for Options.StatsHealthTTL (see statsCondition).
 	conditions sync.Map
+	// leases are this node's leases in shared pools and the controller's
+	// view of other nodes' (lease.go).
+	leases *leases
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -153,6 +160,12 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Health.Validate(); err != nil {
 		return nil, err
 	}
+	if opts.Lease == (lease.Timing{}) {
+		opts.Lease = lease.Default
+	}
+	if err := opts.Lease.Validate(); err != nil {
+		return nil, err
+	}
 	host, err := opts.Host.withDefaults(opts.PathPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
@@ -165,6 +178,7 @@ func New(opts Options) (*Driver, error) {
 		loops:  host.Loops,
 		devs:   host.Devices,
 		fs:     host.FS,
+		leases: newLeases(opts.Lease),
 	}
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
@@ -204,6 +218,14 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
+	if d.opts.Mode.node() {
+		leaseCtx, stopLeases := context.WithCancel(context.WithoutCancel(ctx))
+		leasesDone := make(chan struct{})
+		go func() { defer close(leasesDone); d.keepLeases(leaseCtx) }()
+		// The leases stop after the server: a call under way at the stop
+		// may still stage a volume.
+		defer func() { stopLeases(); <-leasesDone }()
+	}
 	go func() {
 		<-ctx.Done()
 		srv.GracefulStop()

@@ -153,6 +153,11 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 // may be empty), for NodeGetVolumeHealth and the legacy volume_condition of
 // NodeGetVolumeStats alike.
 func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish string) ([]health.Issue, error) {
+	if is := d.fencedIssue(p); is != nil {
+		// Said without touching the pool: a node fences itself when the
+		// pool stops answering.
+		return []health.Issue{*is}, nil
+	}
 	e, err := loadEntry(p, vid)
 	if err != nil {
 		return nil, err

@@ -34,6 +34,16 @@ type LoopDevices interface {
 	Detach(ctx context.Context, backingFile string) error
 	Refresh(device string) error
 	Status(device string) (mount.LoopStatus, error)
+	// BackedUnder lists the devices whose backing file is below dir,
+	// without touching dir (its filesystem may hang).
+	BackedUnder(dir string) ([]string, error)
+	// Fence stops all I/O through a device until it is detached; Fenced
+	// tells whether it was.
+	Fence(device string) error
+	Fenced(device string) (bool, error)
+	// Backs tells whether device is a loop device, fenced or not, of
+	// backingFile.
+	Backs(device, backingFile string) bool
 }
 
 // BlockDevices formats, sizes and grows devices and image files.

@@ -32,9 +32,9 @@ func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, v
 	defer h.Close()
 	image := h.Path()
 	if nv.caps.access == pool.AccessBlock {
-		dev, err := d.loops.Attach(ctx, image)
+		dev, err := d.attach(ctx, nv, image)
 		if err != nil {
-			return grpcError(fmt.Errorf("attach %s: %w", image, err))
+			return err
 		}
 		if _, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol); err != nil {
 			return err
@@ -200,9 +200,9 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 		}
 		return nil
 	}
-	dev, err := d.loops.Attach(ctx, image)
+	dev, err := d.attach(ctx, nv, image)
 	if err != nil {
-		return grpcError(fmt.Errorf("attach %s: %w", image, err))
+		return err
 	}
 	found, err := d.devs.DiskFormat(ctx, dev)
 	if err != nil {
@@ -284,4 +284,18 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 		return false, status.Errorf(codes.AlreadyExists, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
 	}
 	return true, nil
+}
+
+// attach attaches the volume's image (or finds it attached) and refuses a
+// device this node fenced: it maps nothing any more, and the volume may be
+// another node's now. Only an unstage (a detach) clears it.
+func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (string, error) {
+	dev, err := d.loops.Attach(ctx, image)
+	if err != nil {
+		return "", grpcError(fmt.Errorf("attach %s: %w", image, err))
+	}
+	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
+		return "", status.Errorf(codes.FailedPrecondition, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.opts.NodeID, nv.pool.Name)
+	}
+	return dev, nil
 }

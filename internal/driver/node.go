@@ -126,6 +126,13 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	}
 	defer release()
 	readOnly := readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	if !readOnly && nv.vol.Layout == pool.LayoutImage {
+		// A node that cannot renew its lease would not fence itself if cut
+		// off: it takes no image read-write meanwhile.
+		if err := d.ensureLease(ctx, nv.pool); err != nil {
+			return nil, err
+		}
+	}
 	claimed, err := d.claimStage(ctx, nv, staging, readOnly)
 	if err != nil {
 		return nil, err
@@ -168,8 +175,14 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 	if p == nil {
 		return false
 	}
-	if dev, ok, err := d.loops.Find(p.ImagePath(vid)); err == nil && ok &&
+	image := p.ImagePath(vid)
+	if dev, ok, err := d.loops.Find(image); err == nil && ok &&
 		(info.Source == dev || d.mounts.OnDevice(path, dev) || d.mounts.IsDevice(path, dev)) {
+		return true
+	}
+	// A device this node fenced is no attachment of the image any more, but
+	// what is mounted from it is still this volume's.
+	if d.loops.Backs(info.Source, image) {
 		return true
 	}
 	return d.mounts.SameDir(path, p.DataPath(vid))
@@ -258,7 +271,14 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		return len(v.Staged) != before, nil
 	})
 	if err != nil && status.Code(err) != codes.NotFound {
-		return nil, err
+		if cerr := p.Check(); cerr == nil || !p.Shared {
+			return nil, err
+		}
+		// Nothing of the volume is left on this node, but the pool does not
+		// answer (a node cut off from it, rejoining). Its stage record is
+		// left: it keeps fencing the volume, which is safe, until a
+		// controller force-detaches it once this node's lease has expired.
+		klog.FromContext(ctx).Error(err, "Unstaged volume on this node; its stage record stays in the pool, which does not answer", "volume", vid, "path", staging)
 	}
 	klog.FromContext(ctx).Info("Unstaged volume", "volume", vid, "path", staging)
 	return &csi.NodeUnstageVolumeResponse{}, nil

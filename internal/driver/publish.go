@@ -154,12 +154,25 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		return nil, err
 	}
 	defer release()
-	var cleared []string
+	var cleared, forced []string
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
+		// A node that still has an image staged read-write never unstaged
+		// it: the CO is force-detaching (a node out of service). Its records
+		// go only once its lease has expired, by this controller's clock.
+		if p.Shared && v.Layout == pool.LayoutImage {
+			if forced = writers(v, node); len(forced) > 0 {
+				if err := d.forceDetachable(p, v, forced); err != nil {
+					return false, err
+				}
+				for _, n := range forced {
+					v.ClearStaged(n)
+				}
+			}
+		}
 		before := v.PublishedNodes()
 		v.ClearPublished(node)
 		if len(v.Published) == len(before) {
-			return false, nil
+			return len(forced) > 0, nil
 		}
 		for _, n := range before {
 			if _, still := v.PublishedTo(n); !still {
@@ -182,6 +195,9 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	}
 	if len(cleared) > 0 && err == nil {
 		klog.FromContext(ctx).Info("Unpublished volume from node", "volume", vid, "nodes", strings.Join(cleared, ","))
+	}
+	if len(forced) > 0 && err == nil {
+		klog.FromContext(ctx).Info("Force-detached volume: the nodes that still had it staged read-write let their lease expire, so they have fenced themselves off", "volume", vid, "nodes", strings.Join(forced, ","))
 	}
 	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }

@@ -69,6 +69,9 @@ const (
 	ReasonFilesystemIOError   = "FilesystemIOError"
 	ReasonVolumeNearlyFull    = "VolumeNearlyFull"
 	ReasonInodesNearlyFull    = "VolumeInodesNearlyFull"
+	// ReasonNodeFenced: the node could not renew its lease in the volume's
+	// shared pool and fenced itself off (docs/fencing.md).
+	ReasonNodeFenced = "NodeFenced"
 )
 
 // Options are the thresholds of the checks, as fractions (0.9 = 90%).

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -54,6 +55,10 @@ type Loops struct {
 	mu    sync.Mutex
 	byID  map[fileID]string
 	paths map[string]string // device -> backing path as given, for deleted files
+	// fenced are the devices Fence emptied, by backing file: no attachment
+	// of the file any more (a new one may be made beside them), detached
+	// with the file's next Detach once nothing mounts them.
+	fenced map[fileID][]string
 }
 
 // LoopStatus is what sysfs says about one loop device.
@@ -83,6 +88,7 @@ func (l *Loops) rescan() error {
 	}
 	byID := make(map[fileID]string, len(names))
 	paths := make(map[string]string, len(names))
+	fenced := map[fileID][]string{}
 	for _, sys := range names {
 		name := filepath.Base(sys)
 		backing, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
@@ -97,10 +103,15 @@ func (l *Loops) rescan() error {
 			klog.V(4).InfoS("Skipping loop device during scan", "device", dev, "err", err)
 			continue
 		}
-		byID[fileID{info.Device, info.Inode}] = dev
+		id := fileID{info.Device, info.Inode}
+		if info.Sizelimit == fenceSizeLimit {
+			fenced[id] = append(fenced[id], dev)
+			continue
+		}
+		byID[id] = dev
 		paths[dev] = strings.TrimSuffix(strings.TrimSpace(string(backing)), deletedSuffix)
 	}
-	l.byID, l.paths = byID, paths
+	l.byID, l.paths, l.fenced = byID, paths, fenced
 	return nil
 }
 
@@ -131,7 +142,7 @@ func statID(path string) (fileID, error) {
 // Caller holds l.mu. The LoopInfo64 is returned so callers can see flags.
 func (l *Loops) lookup(id fileID) (string, *unix.LoopInfo64, error) {
 	if dev, ok := l.byID[id]; ok {
-		if info, err := loopStatus(dev); err == nil && info.Device == id.dev && info.Inode == id.ino {
+		if info, err := loopStatus(dev); err == nil && info.Device == id.dev && info.Inode == id.ino && info.Sizelimit != fenceSizeLimit {
 			return dev, info, nil
 		}
 	}
@@ -140,7 +151,7 @@ func (l *Loops) lookup(id fileID) (string, *unix.LoopInfo64, error) {
 	}
 	if dev, ok := l.byID[id]; ok {
 		info, err := loopStatus(dev)
-		if err == nil && info.Device == id.dev && info.Inode == id.ino {
+		if err == nil && info.Device == id.dev && info.Inode == id.ino && info.Sizelimit != fenceSizeLimit {
 			return dev, info, nil
 		}
 	}
@@ -179,7 +190,10 @@ func (l *Loops) find(backingFile string) (string, error) {
 		return l.lookupPath(backingFile)
 	}
 	if err != nil {
-		return "", err
+		// The file's filesystem does not answer (a share whose client was
+		// evicted): the kernel still names the file by its path, and that
+		// is all that can be known of it.
+		return l.lookupPath(backingFile)
 	}
 	dev, _, err := l.lookup(id)
 	return dev, err
@@ -405,6 +419,7 @@ func (l *Loops) Detach(ctx context.Context, backingFile string) error {
 func (l *Loops) detach(backingFile string) (dev, backing string, pending bool, err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.detachFenced(backingFile)
 	dev, err = l.find(backingFile)
 	if err != nil {
 		return "", "", false, fmt.Errorf("detach %s: %w", backingFile, err)
@@ -415,6 +430,68 @@ func (l *Loops) detach(backingFile string) (dev, backing string, pending bool, e
 	raw, _ := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
 	pending, err = l.detachDevice(dev)
 	return dev, string(raw), pending, err
+}
+
+// detachFenced detaches the fenced devices of backingFile that nothing mounts
+// any more. Caller holds l.mu.
+func (l *Loops) detachFenced(backingFile string) {
+	var devs []string
+	if id, err := statID(backingFile); err == nil {
+		if len(l.fenced[id]) == 0 {
+			if err := l.rescan(); err != nil {
+				return
+			}
+		}
+		devs = l.fenced[id]
+	} else {
+		devs = fencedByPath(backingFile) // its filesystem does not answer
+	}
+	for _, dev := range devs {
+		if _, err := l.detachDevice(dev); err != nil {
+			klog.V(2).InfoS("Fenced loop device not detached yet", "device", dev, "err", err)
+		}
+	}
+}
+
+// Backs tells whether device is a loop device (fenced or not) whose backing
+// file is backingFile, by the kernel's own record of the file; by the path the
+// kernel shows for it when the file's filesystem does not answer.
+func (l *Loops) Backs(device, backingFile string) bool {
+	if !strings.HasPrefix(filepath.Base(device), "loop") {
+		return false
+	}
+	id, err := statID(backingFile)
+	if err != nil {
+		return backingPath(device) == filepath.Clean(backingFile)
+	}
+	info, err := loopStatus(device)
+	return err == nil && info.Device == id.dev && info.Inode == id.ino
+}
+
+// backingPath is the path sysfs shows for a loop device's backing file.
+func backingPath(device string) string {
+	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(device), "loop", "backing_file"))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSuffix(strings.TrimSpace(string(b)), deletedSuffix)
+}
+
+// fencedByPath lists the fenced loop devices whose backing file sysfs names
+// path.
+func fencedByPath(path string) []string {
+	names, _ := filepath.Glob(filepath.Join(sysBlock, "loop*"))
+	var out []string
+	for _, sys := range names {
+		dev := "/dev/" + filepath.Base(sys)
+		if backingPath(dev) != filepath.Clean(path) {
+			continue
+		}
+		if info, err := loopStatus(dev); err == nil && info.Sizelimit == fenceSizeLimit {
+			out = append(out, dev)
+		}
+	}
+	return out
 }
 
 // detachWait bounds how long Detach waits for a deferred detach: other openers
@@ -572,4 +649,97 @@ func SetReadOnly(device string, readOnly bool) error {
 		return fmt.Errorf("set read-only: %w", &os.PathError{Op: "BLKROSET", Path: device, Err: err})
 	}
 	return nil
+}
+
+// BackedUnder lists the loop devices whose backing file's path, as the kernel
+// reports it in sysfs, is below dir. It never touches dir itself: a pool whose
+// filesystem hangs is exactly when its devices must be found.
+func (l *Loops) BackedUnder(dir string) ([]string, error) {
+	names, err := filepath.Glob(filepath.Join(sysBlock, "loop*"))
+	if err != nil {
+		return nil, fmt.Errorf("list loop devices: %w", err)
+	}
+	prefix := strings.TrimSuffix(dir, "/") + "/"
+	var out []string
+	for _, sys := range names {
+		b, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
+		if err != nil {
+			continue // not bound
+		}
+		if strings.HasPrefix(strings.TrimSuffix(strings.TrimSpace(string(b)), deletedSuffix), prefix) {
+			out = append(out, "/dev/"+filepath.Base(sys))
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// fenceSizeLimit is the size limit a fenced loop device maps its backing file
+// with: one byte, less than a sector, so the device has no sectors at all. Its
+// offset is left alone: a write the kernel took before the change lands where
+// it always would have, inside the image, and nothing ever lands beyond it (a
+// new offset past the end of the file, tried first, let writes the kernel was
+// finishing grow the image to an exabyte).
+const fenceSizeLimit = 1
+
+// Fence stops every read and write through a loop device for good: it limits
+// the device to less than one sector of its backing file, so the block layer
+// refuses every I/O with EIO (Linux 6.5 and later check the end of a device
+// of size zero; earlier ones let such I/O through) and its filesystem, if
+// mounted, aborts; it also sets the read-only flag for what looks at it. Only
+// a detach undoes it. BLKROSET alone is no fence: the kernel only warns about
+// a mounted filesystem's writes to a read-only device and lets them through.
+// The ioctl first flushes what the device has queued (the kernel does that for
+// any change of its size limit), so on a filesystem that hangs it returns only
+// when the filesystem does.
+func (l *Loops) Fence(device string) error {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("fence: %w", &os.PathError{Op: "open", Path: device, Err: err})
+	}
+	defer unix.Close(fd)
+	_ = unix.IoctlSetPointerInt(fd, unix.BLKROSET, 1)
+	info, err := unix.IoctlLoopGetStatus64(fd)
+	if err != nil {
+		return fmt.Errorf("fence: %w", &os.PathError{Op: "LOOP_GET_STATUS64", Path: device, Err: err})
+	}
+	info.Sizelimit = fenceSizeLimit
+	if err := unix.IoctlLoopSetStatus64(fd, info); err != nil {
+		return fmt.Errorf("fence: %w", &os.PathError{Op: "LOOP_SET_STATUS64", Path: device, Err: err})
+	}
+	l.mu.Lock()
+	l.forget(device)
+	l.mu.Unlock()
+	return nil
+}
+
+// Fenced tells whether a loop device was fenced (Fence): it maps nothing of
+// its backing file.
+func (l *Loops) Fenced(device string) (bool, error) {
+	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return false, &os.PathError{Op: "open", Path: device, Err: err}
+	}
+	defer unix.Close(fd)
+	info, err := unix.IoctlLoopGetStatus64(fd)
+	if err != nil {
+		return false, &os.PathError{Op: "LOOP_GET_STATUS64", Path: device, Err: err}
+	}
+	return info.Sizelimit == fenceSizeLimit, nil
+}
+
+// FenceHolds tells whether this kernel refuses I/O to a block device of size
+// zero (Linux 6.5 and later: "block: make bio_check_eod work for zero sized
+// devices"), which Fence relies on, and names the kernel.
+func FenceHolds() (bool, string) {
+	var u unix.Utsname
+	if err := unix.Uname(&u); err != nil {
+		return false, "unknown"
+	}
+	release := unix.ByteSliceToString(u.Release[:])
+	var major, minor int
+	if _, err := fmt.Sscanf(release, "%d.%d", &major, &minor); err != nil {
+		return false, release
+	}
+	return major > 6 || major == 6 && minor >= 5, release
 }

@@ -137,6 +137,11 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 		}
 	}
+	if leases, err := p.readDir(leasesDir); err == nil {
+		for _, de := range leases {
+			check(filepath.Join(leasesDir, de.Name()), maxLease)
+		}
+	}
 	des, err := p.readDir(nodesDir)
 	if err != nil && !errors.Is(err, fs.ErrNotExist) {
 		out = append(out, Leftover{filepath.Join(p.Path, nodesDir), "damaged: " + err.Error()})

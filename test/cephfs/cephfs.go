@@ -363,6 +363,24 @@ func (c *Cluster) KillClient(i int) {
 	<-p.done
 }
 
+// PauseClient stops node i's ceph-fuse (SIGSTOP), as a node cut off from the
+// cluster looks to it and to its own users: every operation on the mount
+// hangs, and the MDS hears nothing until ResumeClient.
+func (c *Cluster) PauseClient(i int) error { return c.signalClient(i, syscall.SIGSTOP) }
+
+// ResumeClient lets a paused ceph-fuse run again (SIGCONT).
+func (c *Cluster) ResumeClient(i int) error { return c.signalClient(i, syscall.SIGCONT) }
+
+func (c *Cluster) signalClient(i int, sig syscall.Signal) error {
+	c.mu.Lock()
+	p := c.clients[i]
+	c.mu.Unlock()
+	if p == nil {
+		return fmt.Errorf("node %c has no ceph-fuse", 'A'+i)
+	}
+	return p.cmd.Process.Signal(sig)
+}
+
 // EvictClient evicts node i's client sessions from the MDS, as an operator
 // does for a dead node instead of waiting out mds_session_autoclose (300 s):
 // its caps and locks are released at once. It returns how many it evicted.

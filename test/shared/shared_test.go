@@ -226,12 +226,23 @@ func testImageFence(t *testing.T, e *env) {
 	if err := publish(t, e.d2, id, "node-2", vc, false); err != nil {
 		t.Fatalf("publish to node-2 after node-1 unpublished: %v", err)
 	}
-	// Node 2 "dies" holding the volume: the operator clears its fence by hand.
+	// The operator cannot clear the fence of node 2 while its driver renews
+	// its lease: it is alive and may be writing.
 	wantCode(t, publish(t, e.d1, id, "node-1", vc, false), codes.FailedPrecondition, "node-2")
-	out, err := exec.Command(harness.Binary(t), "pool", "unfence", "--path", e.poolDir, "--volume", id, "--node", "node-2").CombinedOutput()
+	unfence := func() ([]byte, error) {
+		return exec.Command(harness.Binary(t), "pool", "unfence", "--path", e.poolDir, "--volume", id, "--node", "node-2").CombinedOutput()
+	}
+	if out, err := unfence(); err == nil || !strings.Contains(string(out), "--wait") {
+		t.Fatalf("poolcsi pool unfence of a live node: %v\n%s", err, out)
+	}
+	// Node 2's driver stops cleanly, holding nothing staged there: it releases
+	// its lease, and the operator clears its fence at once.
+	e.d2.Stop()
+	out, err := unfence()
 	if err != nil || !strings.Contains(string(out), "node-2") {
 		t.Fatalf("poolcsi pool unfence: %v\n%s", err, out)
 	}
+	e.d2.Launch(t)
 	if err := publish(t, e.d1, id, "node-1", vc, false); err != nil {
 		t.Fatalf("publish to node-1 after unfencing node-2: %v", err)
 	}

@@ -14,6 +14,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -42,6 +43,7 @@ type device struct {
 	backing  string
 	size     int64
 	readOnly bool
+	fenced   bool
 }
 
 // filesystem is what a mkfs left on a file (an image, or a loop device's
@@ -173,6 +175,11 @@ func (h *Host) Detach(ctx context.Context, backingFile string) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	file := resolveProc(backingFile)
+	for fdev, d := range h.devices { // the fenced devices of the file nothing mounts
+		if d.fenced && d.backing == file && !slices.ContainsFunc(slices.Collect(maps.Values(h.mounts)), func(m *Mount) bool { return m.Device == fdev }) {
+			delete(h.devices, fdev)
+		}
+	}
 	dev, ok := h.loops[file]
 	if !ok {
 		return nil
@@ -201,7 +208,9 @@ func (h *Host) Refresh(dev string) error {
 	if err != nil {
 		return fmt.Errorf("refresh %s: %w", dev, err)
 	}
-	d.size = fi.Size()
+	if !d.fenced {
+		d.size = fi.Size()
+	}
 	return nil
 }
 
@@ -217,6 +226,61 @@ func (h *Host) Status(dev string) (mount.LoopStatus, error) {
 	}
 	_, err := os.Stat(d.backing)
 	return mount.LoopStatus{Device: dev, BackingFile: d.backing, BackingDeleted: err != nil, DirectIO: true, SizeBytes: d.size}, nil
+}
+
+// BackedUnder lists the fake loop devices whose backing file is below dir.
+func (h *Host) BackedUnder(dir string) ([]string, error) {
+	if err := h.Faults.hit("BackedUnder"); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	prefix := strings.TrimSuffix(dir, "/") + "/"
+	var out []string
+	for dev, d := range h.devices {
+		if strings.HasPrefix(d.backing, prefix) {
+			out = append(out, dev)
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// Fence makes a fake loop device map nothing, as the real one does.
+func (h *Host) Fence(dev string) error {
+	if err := h.Faults.hit("Fence"); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return fmt.Errorf("fence %s: no such device", dev)
+	}
+	d.fenced, d.readOnly, d.size = true, true, 0
+	if h.loops[d.backing] == dev {
+		delete(h.loops, d.backing) // no attachment of the file any more
+	}
+	return nil
+}
+
+// Backs tells whether dev is a fake loop device (fenced or not) of backingFile.
+func (h *Host) Backs(dev, backingFile string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	return ok && d.backing == resolveProc(backingFile)
+}
+
+// Fenced tells whether a fake loop device was fenced.
+func (h *Host) Fenced(dev string) (bool, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok {
+		return false, fmt.Errorf("fenced %s: no such device", dev)
+	}
+	return d.fenced, nil
 }
 
 // ---- block devices and filesystems on them

@@ -1,0 +1,369 @@
+package driver
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// Node leases in shared pools (docs/fencing.md). A node plugin renews its lease
+// in every shared pool it serves; one that cannot renew for the lease's
+// duration fences itself: every loop device backed by an image of that pool
+// stops taking I/O, for good. A controller asked to take an image volume away
+// from a node that still has it staged read-write (Kubernetes' force-detach,
+// after the out-of-service taint) waits until that node's lease has expired by
+// its own clock, so the volume reaches another node only after the first one
+// has fenced itself, whether it died or is cut off and still running.
+
+// leases is the driver's lease state.
+type leases struct {
+	timing   lease.Timing
+	instance string
+	observer *lease.Observer // controller side
+
+	mu    sync.Mutex
+	pools map[string]*poolLease // node side, by pool name
+	// now is the clock of the node side; tests replace it. Only differences
+	// of its readings matter (monotonic).
+	now func() time.Time
+	// write renews a lease; tests replace it to make a pool hang or fail.
+	write func(p *pool.Pool, l pool.Lease) error
+}
+
+// poolLease is this node's lease in one pool.
+type poolLease struct {
+	first    time.Time // when this process first tried to renew it
+	last     time.Time // the start of the last renewal that succeeded (zero: none)
+	counter  uint64
+	inFlight bool
+	lastErr  error
+	fenced   time.Time // when it fenced itself (zero: not)
+	devices  []string  // what it fenced
+	// root is the pool's path as the kernel names the backing files of its
+	// loop devices, resolved while the pool answered.
+	root string
+}
+
+func newLeases(t lease.Timing) *leases {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	ls := &leases{
+		timing: t, instance: hex.EncodeToString(b[:]),
+		pools: map[string]*poolLease{}, now: time.Now,
+		write: func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) },
+	}
+	ls.observer = lease.NewObserverClock(func() time.Time { return ls.now() })
+	return ls
+}
+
+func (ls *leases) state(name string) *poolLease {
+	pl, ok := ls.pools[name]
+	if !ok {
+		pl = &poolLease{first: ls.now()}
+		ls.pools[name] = pl
+	}
+	return pl
+}
+
+// keepLeases renews this node's lease in every shared pool every interval and
+// fences the pools it could not renew in time, until ctx ends; then it
+// releases the leases of pools where this node holds no loop device.
+func (d *Driver) keepLeases(ctx context.Context) {
+	if ok, kernel := mount.FenceHolds(); !ok && len(d.sharedPools()) > 0 {
+		klog.FromContext(ctx).Error(nil, "This kernel lets I/O through to a loop device of size zero, which the self-fence relies on (Linux 6.5 and later refuse it): a node cut off from a shared pool cannot stop its pods' writes; do not force-detach volumes of a running node", "kernel", kernel)
+	}
+	t := d.leases.timing
+	renew := time.NewTicker(t.Interval)
+	defer renew.Stop()
+	watch := time.NewTicker(min(time.Second, t.Interval/2))
+	defer watch.Stop()
+	d.renewAll(ctx)
+	for {
+		select {
+		case <-ctx.Done():
+			d.releaseLeases()
+			return
+		case <-renew.C:
+			d.renewAll(ctx)
+		case <-watch.C:
+			d.fenceExpired(ctx)
+		}
+	}
+}
+
+// sharedPools are the pools this node keeps a lease in.
+func (d *Driver) sharedPools() []*pool.Pool {
+	var out []*pool.Pool
+	for _, name := range d.names() {
+		if p := d.pool(name); p != nil && p.Shared {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// renewAll starts a renewal in every shared pool that has none under way: a
+// renewal that hangs (a pool whose filesystem stopped answering) holds up
+// nothing but itself.
+func (d *Driver) renewAll(ctx context.Context) {
+	for _, p := range d.sharedPools() {
+		d.renewAsync(ctx, p, nil)
+	}
+}
+
+// renewAsync starts one renewal of p unless one is under way; done, if not
+// nil, gets its outcome (or the one under way's, ErrBusy).
+func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error) {
+	ls := d.leases
+	ls.mu.Lock()
+	pl := ls.state(p.Name)
+	if pl.inFlight {
+		ls.mu.Unlock()
+		if done != nil {
+			done <- fmt.Errorf("%w: a renewal of the lease in pool %s is still under way", pool.ErrBusy, p.Name)
+		}
+		return
+	}
+	pl.inFlight = true
+	rec := pool.Lease{Node: d.opts.NodeID, Instance: ls.instance, Counter: pl.counter + 1, DurationSeconds: int64(ls.timing.Duration / time.Second)}
+	ls.mu.Unlock()
+	start := ls.now()
+	go func() {
+		err := ls.write(p, rec)
+		var root string
+		if err == nil {
+			root, _ = filepath.EvalSymlinks(p.Path)
+		}
+		ls.mu.Lock()
+		pl.inFlight = false
+		pl.lastErr = err
+		if err == nil {
+			pl.last, pl.counter = start, rec.Counter
+			if root != "" {
+				pl.root = root
+			}
+		}
+		ls.mu.Unlock()
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name)
+		}
+		if done != nil {
+			done <- err
+		}
+	}()
+}
+
+// fenceExpired fences every pool whose lease this node has not renewed for the
+// lease's duration.
+func (d *Driver) fenceExpired(ctx context.Context) {
+	ls := d.leases
+	for _, p := range d.sharedPools() {
+		ls.mu.Lock()
+		pl := ls.state(p.Name)
+		since := pl.last
+		if since.IsZero() {
+			// Never renewed by this process. Its devices may be a previous
+			// process's, whose last renewal this one cannot know: it gives
+			// itself half the margin to renew, so that a restart within the
+			// lease's duration still fences before any reader's expiry.
+			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
+		}
+		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
+		root, lastErr := pl.root, pl.lastErr
+		if must {
+			pl.fenced = ls.now()
+		}
+		ls.mu.Unlock()
+		if must {
+			d.fence(ctx, p, pl, root, since, lastErr)
+		}
+	}
+}
+
+// fence stops I/O through every loop device backed by an image of p.
+func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root string, since time.Time, cause error) {
+	log := klog.FromContext(ctx).WithValues("pool", p.Name)
+	if root == "" {
+		root = p.Path
+	}
+	devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes"))
+	if err != nil {
+		log.Error(err, "Listing the loop devices to fence")
+	}
+	d.leases.mu.Lock()
+	pl.devices = devs
+	d.leases.mu.Unlock()
+	log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
+		"node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration, "devices", devs)
+	for _, dev := range devs {
+		// Each on its own: the kernel flushes what a device has queued
+		// before it changes it, which on a hung filesystem waits for it.
+		go func() {
+			if err := d.loops.Fence(dev); err != nil {
+				log.Error(err, "Fencing a loop device failed", "device", dev)
+				return
+			}
+			log.Info("Fenced a loop device", "device", dev)
+		}()
+	}
+}
+
+// releaseLeases marks released the leases of the pools where this node holds
+// no loop device: a controller may then take their volumes at once. A node
+// that still holds one leaves its lease to expire.
+func (d *Driver) releaseLeases() {
+	ls := d.leases
+	for _, p := range d.sharedPools() {
+		ls.mu.Lock()
+		pl := ls.state(p.Name)
+		root, renewed := pl.root, !pl.last.IsZero() && pl.fenced.IsZero()
+		ls.mu.Unlock()
+		if !renewed || root == "" {
+			continue
+		}
+		if devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes")); err != nil || len(devs) > 0 {
+			continue
+		}
+		rec := pool.Lease{Node: d.opts.NodeID, Instance: ls.instance, Counter: pl.counter + 1, DurationSeconds: int64(ls.timing.Duration / time.Second), Released: true}
+		done := make(chan error, 1)
+		go func() { done <- ls.write(p, rec) }()
+		select {
+		case err := <-done:
+			if err != nil {
+				klog.ErrorS(err, "Releasing this node's lease", "pool", p.Name)
+			}
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+// ensureLease makes sure this node's lease in p is fresh enough to take a
+// volume read-write: renewed within half its duration and not fenced; if it
+// is not, it renews it now, within ctx.
+func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
+	if d.leases == nil || !p.Shared {
+		return nil
+	}
+	ls := d.leases
+	ls.mu.Lock()
+	pl := ls.state(p.Name)
+	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2
+	ls.mu.Unlock()
+	if fresh {
+		return nil
+	}
+	done := make(chan error, 1)
+	d.renewAsync(ctx, p, done)
+	select {
+	case err := <-done:
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %v", d.opts.NodeID, p.Name, err)
+		}
+		return nil
+	case <-ctx.Done():
+		return status.Errorf(codes.Unavailable, "node %s: renewing its lease in pool %s did not finish in time: %v", d.opts.NodeID, p.Name, ctx.Err())
+	}
+}
+
+// fencedIssue is the node-side health of a volume of a pool this node has
+// fenced itself off, nil if it has not.
+func (d *Driver) fencedIssue(p *pool.Pool) *health.Issue {
+	if d.leases == nil || !p.Shared {
+		return nil
+	}
+	d.leases.mu.Lock()
+	defer d.leases.mu.Unlock()
+	pl, ok := d.leases.pools[p.Name]
+	if !ok || pl.fenced.IsZero() {
+		return nil
+	}
+	return &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
+		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s: the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
+		d.opts.NodeID, p.Name, d.leases.timing.Duration, pl.fenced.Format(time.RFC3339))}
+}
+
+// LeaseState is this node's lease in one pool, for metrics.
+type LeaseState struct {
+	Pool string
+	// Age is how long ago the last successful renewal started (-1: never).
+	Age    time.Duration
+	Fenced bool
+}
+
+// LeaseStates reports this node's leases, by pool name.
+func (d *Driver) LeaseStates() []LeaseState {
+	if d.leases == nil {
+		return nil
+	}
+	ls := d.leases
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	out := make([]LeaseState, 0, len(ls.pools))
+	for name, pl := range ls.pools {
+		age := time.Duration(-1)
+		if !pl.last.IsZero() {
+			age = ls.now().Sub(pl.last)
+		}
+		out = append(out, LeaseState{Pool: name, Age: age, Fenced: !pl.fenced.IsZero()})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Pool < out[j].Pool })
+	return out
+}
+
+// leaseVerdict is the controller's verdict on node's lease in p, from what
+// it reads now and what it saw before.
+func (d *Driver) leaseVerdict(p *pool.Pool, node string) (lease.Verdict, error) {
+	rec, ok, err := p.ReadLease(node)
+	if err != nil {
+		return lease.Verdict{}, err
+	}
+	return d.leases.observer.Observe(p.Name, node, rec, ok, d.leases.timing), nil
+}
+
+// writers are the nodes holding an image volume staged read-write.
+func writers(v *pool.Volume, node string) []string {
+	var out []string
+	for _, s := range v.Staged {
+		if !s.ReadOnly && (node == "" || s.Node == node) {
+			out = append(out, s.Node)
+		}
+	}
+	return out
+}
+
+// forceDetachable decides whether the records of nodes that still have image
+// volume v staged read-write may go (a force-detach: the node never unstaged):
+// only once each one's lease has expired. It returns the retryable error to
+// answer meanwhile.
+func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) error {
+	var waits []string
+	for _, n := range nodes {
+		verdict, err := d.leaseVerdict(p, n)
+		if err != nil {
+			return grpcError(fmt.Errorf("volume %s is staged read-write on node %s, whose lease cannot be read: %w", v.ID, n, err))
+		}
+		if !verdict.Expired {
+			waits = append(waits, fmt.Sprintf("%s (%s more: %s)", n, verdict.Wait.Round(time.Second), verdict.Why))
+		}
+	}
+	if len(waits) > 0 {
+		return status.Errorf(codes.Unavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
+			v.ID, strings.Join(waits, "; "), p.Name)
+	}
+	return nil
+}

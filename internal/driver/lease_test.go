@@ -1,0 +1,237 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/mount/fake"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// clock is a settable clock for the lease code.
+type clock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func (c *clock) now() time.Time { c.mu.Lock(); defer c.mu.Unlock(); return c.t }
+func (c *clock) add(d time.Duration) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.t = c.t.Add(d)
+}
+
+// leaseNode is a driver of one node over a shared pool directory that other
+// leaseNodes open too, each with its own fake kernel and clock.
+type leaseNode struct {
+	*Driver
+	host  *fake.Host
+	clock *clock
+	root  string
+}
+
+func newLeaseNode(t *testing.T, dir, node string) *leaseNode {
+	t.Helper()
+	p, err := pool.Open(pool.Config{Name: "shared", Path: dir, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := fake.New()
+	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: node, Mode: ModeAll, Pools: []*pool.Pool{p},
+		Host: Host{Mounts: h, Loops: h, Devices: h, FS: h}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &clock{t: time.Unix(100000, 0)}
+	d.leases.now = c.now
+	d.registerNode(context.Background())
+	return &leaseNode{Driver: d, host: h, clock: c, root: t.TempDir()}
+}
+
+// renew renews the node's lease in every shared pool and waits for it.
+func (n *leaseNode) renew(t *testing.T) error {
+	t.Helper()
+	var errs []error
+	for _, p := range n.sharedPools() {
+		done := make(chan error, 1)
+		n.renewAsync(context.Background(), p, done)
+		errs = append(errs, <-done)
+	}
+	return errors.Join(errs...)
+}
+
+// cut makes every renewal of the node fail, as a pool cut off does.
+func (n *leaseNode) cut() {
+	n.leases.mu.Lock()
+	defer n.leases.mu.Unlock()
+	n.leases.write = func(*pool.Pool, pool.Lease) error { return errors.New("the pool does not answer") }
+}
+
+func newLeasePool(t *testing.T) string {
+	dir := filepath.Join(t.TempDir(), "shared")
+	if _, err := pool.Initialise(pool.Config{Name: "shared", Path: dir, Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	return dir
+}
+
+// TestFenceAndForceDetach: node A stages an image read-write; A's pool is cut,
+// A cannot renew its lease, and at the lease's duration it fences its loop
+// device and reports NodeFenced. A controller asked to take the volume from A
+// (a force-detach: A never unstaged) answers UNAVAILABLE until A's record has
+// been unchanged for the lease's duration plus the margin by its own clock,
+// then drops A's publish and stage records; node B then publishes and stages.
+func TestFenceAndForceDetach(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(a.root, "staging")
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	devs, _ := a.host.BackedUnder(dir)
+	if len(devs) != 1 {
+		t.Fatalf("loop devices of the pool on node A: %v", devs)
+	}
+
+	// The controller (on B) sees A's lease; A's pool is then cut.
+	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	wantCode(t, err, codes.Unavailable)
+	a.cut()
+	if err := a.renew(t); err == nil {
+		t.Fatal("a renewal through a cut pool succeeded")
+	}
+	a.clock.add(lease.Default.Duration - time.Second)
+	a.fenceExpired(ctx)
+	if f, _ := a.host.Fenced(devs[0]); f {
+		t.Fatal("fenced before the lease's duration")
+	}
+	a.clock.add(time.Second)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, devs[0])
+	vid, _ := pool.ParseVolumeID(id)
+	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+	if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonNodeFenced {
+		t.Fatalf("node health after the fence: %+v %v", issues, err)
+	}
+
+	// The controller waits the lease's duration plus the margin since it
+	// first saw A's record unchanged.
+	b.clock.add(lease.Default.Duration + lease.Default.Margin - time.Second)
+	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	wantCode(t, err, codes.Unavailable)
+	b.clock.add(time.Second)
+	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
+		t.Fatalf("force-detach after the lease expired: %v", err)
+	}
+	v, err := b.pool("shared").Load(vid)
+	if err != nil || len(v.Staged) != 0 || len(v.Published) != 0 {
+		t.Fatalf("A's records after the force-detach: %+v %v", v, err)
+	}
+	if _, err := b.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-b", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(b.root, "staging"), VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	// A's pool comes back: it renews again, its device stays fenced, and
+	// staging the volume there again is refused.
+	a.leases.mu.Lock()
+	a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) }
+	a.leases.mu.Unlock()
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	if f, _ := a.host.Fenced(devs[0]); !f {
+		t.Fatal("the fence was lifted when the pool came back")
+	}
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc})
+	if err == nil {
+		t.Fatal("node A staged the volume again")
+	}
+}
+
+func waitFenced(t *testing.T, h *fake.Host, dev string) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if f, _ := h.Fenced(dev); f {
+			return
+		}
+	}
+	t.Fatalf("%s was not fenced", dev)
+}
+
+// TestForceDetachWaitsForALiveNode: a node that keeps renewing is never
+// force-detached, however long the controller waits; one that releases its
+// lease cleanly is at once.
+func TestForceDetachWaitsForALiveNode(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	for range 5 {
+		_, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+		wantCode(t, err, codes.Unavailable)
+		b.clock.add(lease.Default.Duration)
+		if err := a.renew(t); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A clean release (no device left in the pool) ends the wait at once.
+	if err := b.pool("shared").WriteLease(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
+		t.Fatalf("after a release: %v", err)
+	}
+}
+
+// TestStageNeedsALease: a node that cannot renew its lease does not take an
+// image read-write (it could not fence itself); read-only and dir volumes are
+// not held up.
+func TestStageNeedsALease(t *testing.T) {
+	ctx := context.Background()
+	a := newLeaseNode(t, newLeasePool(t), "node-a")
+	a.cut()
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: resp.GetVolume().GetVolumeId(), StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc})
+	wantCode(t, err, codes.Unavailable)
+	if st := status.Convert(err); st.Message() == "" {
+		t.Fatal("no reason given")
+	}
+	ro := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY, "ext4")
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: resp.GetVolume().GetVolumeId(), StagingTargetPath: filepath.Join(a.root, "r"), VolumeCapability: ro}); err != nil {
+		t.Fatalf("a read-only stage: %v", err)
+	}
+}

@@ -1,0 +1,57 @@
+package metrics
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// LeaseState is this node's lease in one shared pool (docs/fencing.md).
+type LeaseState struct {
+	Pool string
+	// Age is how long ago its last successful renewal started; negative:
+	// never renewed by this process.
+	Age    time.Duration
+	Fenced bool
+}
+
+// leaseCollector reports the node's leases on each scrape.
+type leaseCollector struct {
+	states func() []LeaseState
+	age    *prometheus.Desc
+	fenced *prometheus.Desc
+}
+
+// WatchLeases adds poolcsi_lease_age_seconds and poolcsi_lease_fenced, per
+// pool, from states (the node plugin's leases).
+func (m *Metrics) WatchLeases(states func() []LeaseState) {
+	m.Registry.MustRegister(&leaseCollector{
+		states: states,
+		age: prometheus.NewDesc("poolcsi_lease_age_seconds",
+			"Seconds since the start of this node's last successful renewal of its lease in a shared pool (-1: never renewed by this process). At the lease duration the node fences itself off the pool.",
+			[]string{"pool"}, nil),
+		fenced: prometheus.NewDesc("poolcsi_lease_fenced",
+			"1 when this node could not renew its lease in a shared pool for the lease duration and fenced itself off: its loop devices there take no I/O any more.",
+			[]string{"pool"}, nil),
+	})
+}
+
+func (c *leaseCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.age
+	ch <- c.fenced
+}
+
+func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, s := range c.states() {
+		age := s.Age.Seconds()
+		if s.Age < 0 {
+			age = -1
+		}
+		fenced := 0.0
+		if s.Fenced {
+			fenced = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, age, s.Pool)
+		ch <- prometheus.MustNewConstMetric(c.fenced, prometheus.GaugeValue, fenced, s.Pool)
+	}
+}
