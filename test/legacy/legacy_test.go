@@ -54,7 +54,8 @@ func serve(t *testing.T) (*grpc.ClientConn, string) {
 	sock := filepath.Join(sockDir, "csi.sock")
 	poolDir := filepath.Join(dir, "pool")
 	var log bytes.Buffer
-	cmd := exec.Command(bin, "serve", "--endpoint", "unix://"+sock, "--node-id", "node-1", "--pool", "local="+poolDir, "-v", "2", "--stats-health-ttl=0")
+	cmd := exec.Command(bin, "serve", "--endpoint", "unix://"+sock, "--node-id", "node-1", "--pool", "local="+poolDir, "-v", "2", "--stats-health-ttl=0",
+		"--allowed-path-prefix", os.TempDir()) // the staging and target paths are in the temp directory
 	cmd.Stdout, cmd.Stderr = &log, &log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	if err := cmd.Start(); err != nil {
