@@ -5,18 +5,22 @@ package tools
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"sort"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/mod/modfile"
+	"golang.org/x/mod/semver"
 	"golang.org/x/sys/unix"
 )
 
@@ -43,6 +47,10 @@ type Tool struct {
 	LDFlags     string
 	// TestBinary builds the package's tests (go test -c), as e2e.test is.
 	TestBinary bool
+	// Group, if set, names the tools that are built together from one wrapper module
+	// (see Sidecars): each member's dependencies are then the highest that any member
+	// asks for, so the packages they share compile once.
+	Group string
 }
 
 func kubeLDFlags() string {
@@ -78,6 +86,17 @@ func snapshotterReplaces(f *modfile.File) [][2]string {
 }
 
 const SnapshotClientModule = "github.com/kubernetes-csi/external-snapshotter/client/v8"
+
+// SidecarGroup builds the released CSI sidecars of client-go v0.37 (attacher, resizer,
+// snapshotter and snapshot-controller), each from its tagged and unmodified source, from one
+// wrapper module: built apart, each with the dependency versions its release pins, they
+// shared almost no compiled package (client-go v0.37.0 and v0.37.1, grpc v1.83.2 and
+// v1.84.0, three otelgrpc versions). Built together, each dependency is at the highest
+// version any of them pins or requires (patch-level steps), so a sidecar may run with a
+// newer dependency than its release did; docs/deploy.md lists what resolves.
+// csi-provisioner v6.3.0 stays apart: it is built on client-go v0.36.1 and k8s.io/kubernetes
+// v1.36.1, and does not compile against client-go v0.37 (CSIStorageCapacityInformer).
+const SidecarGroup = "csi-sidecars"
 
 // ownReplaces copies a module's own replace lines (ignored when it is a dependency).
 func ownReplaces(f *modfile.File) [][2]string {
@@ -119,16 +138,16 @@ var (
 		LDFlags: "-s -w -X main.version=" + ProvisionerVersion}
 	Attacher = Tool{Name: "csi-attacher", Module: "github.com/kubernetes-csi/external-attacher/v4", Version: AttacherVersion,
 		Package: "github.com/kubernetes-csi/external-attacher/v4/cmd/csi-attacher", ReplaceFrom: ownReplaces,
-		LDFlags: "-s -w -X main.version=" + AttacherVersion}
+		LDFlags: "-s -w -X main.version=" + AttacherVersion, Group: SidecarGroup}
 	Resizer = Tool{Name: "csi-resizer", Module: "github.com/kubernetes-csi/external-resizer/v2", Version: ResizerVersion,
 		Package: "github.com/kubernetes-csi/external-resizer/v2/cmd/csi-resizer", ReplaceFrom: ownReplaces,
-		LDFlags: "-s -w -X main.version=" + ResizerVersion}
+		LDFlags: "-s -w -X main.version=" + ResizerVersion, Group: SidecarGroup}
 	Snapshotter = Tool{Name: "csi-snapshotter", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/csi-snapshotter", ReplaceFrom: snapshotterReplaces,
-		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
+		LDFlags: "-s -w -X main.version=" + SnapshotterVersion, Group: SidecarGroup}
 	SnapshotController = Tool{Name: "snapshot-controller", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller", ReplaceFrom: snapshotterReplaces,
-		LDFlags: "-s -w -X main.version=" + SnapshotterVersion}
+		LDFlags: "-s -w -X main.version=" + SnapshotterVersion, Group: SidecarGroup}
 	// All in build order.
 	All = []Tool{Etcd, APIServer, ControllerManager, Scheduler, Kubelet, Proxy, Provisioner, Attacher, Resizer, Snapshotter, SnapshotController}
 )
@@ -179,21 +198,20 @@ func (tl Tool) Path(t testing.TB) string {
 }
 
 // Build returns the cached binary, building it first if needed, and how long a build took
-// (zero when the binary was cached). A build holds an flock on the cache entry, so that the
-// tests, cmd/prebuild and a second test run never build the same tool at once: the second
-// waits and finds the first one's binary.
+// (zero when the binary was cached). A build holds an flock on the cache entry (on the
+// group's, for a tool of a group), so that the tests, cmd/prebuild and a second test run
+// never build the same tool at once: the second waits and finds the first one's binary.
 func (tl Tool) Build(ctx context.Context) (string, time.Duration, error) {
 	buildMu.Lock()
 	defer buildMu.Unlock()
-	dir := tl.cacheEntry()
-	bin := filepath.Join(dir, tl.Name)
+	bin := filepath.Join(tl.cacheEntry(), tl.Name)
 	if fileExists(bin) {
 		return bin, 0, nil
 	}
 	if err := os.MkdirAll(CacheDir(), 0o755); err != nil {
 		return "", 0, err
 	}
-	lock, err := os.OpenFile(dir+".lock", os.O_CREATE|os.O_RDWR, 0o644)
+	lock, err := os.OpenFile(tl.lockPath(), os.O_CREATE|os.O_RDWR, 0o644)
 	if err != nil {
 		return "", 0, err
 	}
@@ -206,27 +224,69 @@ func (tl Tool) Build(ctx context.Context) (string, time.Duration, error) {
 		return bin, 0, nil
 	}
 	start := time.Now()
-	if err := tl.build(ctx, dir, bin); err != nil {
+	if err := tl.build(ctx); err != nil {
 		return "", 0, fmt.Errorf("building %s %s %s from the Go module proxy: %w", tl.Name, tl.Module, tl.Version, err)
 	}
 	return bin, time.Since(start), nil
 }
 
-// cacheEntry is the tool's directory in the cache: a new version or Go release is a new entry.
+// cacheEntry is the tool's directory in the cache: a new version or Go release is a new
+// entry, and so is a new member of the tool's group (its dependencies may then change).
 func (tl Tool) cacheEntry() string {
+	if tl.Group != "" {
+		return filepath.Join(CacheDir(), fmt.Sprintf("%s-%s-%s-%s", tl.Name, tl.Version, tl.groupKey(), runtime.Version()))
+	}
 	return filepath.Join(CacheDir(), fmt.Sprintf("%s-%s-%s", tl.Name, tl.Version, runtime.Version()))
+}
+
+// lockPath is the flock a build holds: one per group, whose members one go build makes.
+func (tl Tool) lockPath() string {
+	if tl.Group != "" {
+		return filepath.Join(CacheDir(), fmt.Sprintf("%s-%s.lock", tl.groupKey(), runtime.Version()))
+	}
+	return tl.cacheEntry() + ".lock"
+}
+
+// members are the tools built with tl: those of All in its group, or tl alone.
+func (tl Tool) members() []Tool {
+	if tl.Group == "" {
+		return []Tool{tl}
+	}
+	var out []Tool
+	for _, m := range All {
+		if m.Group == tl.Group {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// groupKey names the group and what it is built from (every member's module and version).
+func (tl Tool) groupKey() string {
+	var mods []string
+	for _, m := range tl.members() {
+		mods = append(mods, m.Module+"@"+m.Version)
+	}
+	sort.Strings(mods)
+	sum := sha256.Sum256([]byte(strings.Join(slices.Compact(mods), "\n")))
+	return fmt.Sprintf("%s-%x", tl.Group, sum[:4])
 }
 
 // buildMu serializes one process's builds: two at once on two cores only slow each other.
 var buildMu sync.Mutex
 
-func (tl Tool) build(ctx context.Context, dir, bin string) error {
+// build makes tl and the rest of its group in one go build, in a wrapper module that
+// requires each member's module and carries the replace lines they carry (ignored in a
+// dependency): where members pin one module at different versions, the highest that any of
+// them pins or requires wins, as minimal version selection would choose without the pins.
+func (tl Tool) build(ctx context.Context) error {
 	work, err := os.MkdirTemp("", "poolcsi-k8s-wrap-")
 	if err != nil {
 		return err
 	}
 	defer os.RemoveAll(work)
 
+	members := tl.members()
 	gomod := &modfile.File{}
 	if err := gomod.AddModuleStmt("poolcsi.test/wrap/" + tl.Name); err != nil {
 		return err
@@ -234,31 +294,38 @@ func (tl Tool) build(ctx context.Context, dir, bin string) error {
 	if err := gomod.AddGoStmt("1.26.0"); err != nil {
 		return err
 	}
-	if err := gomod.AddRequire(tl.Module, tl.Version); err != nil {
-		return err
+	var sums []string
+	var modFiles []*modfile.File
+	var replaceFrom []func(*modfile.File) [][2]string
+	required := map[string]bool{}
+	for _, m := range members {
+		if required[m.Module+"@"+m.Version] {
+			continue
+		}
+		required[m.Module+"@"+m.Version] = true
+		if err := gomod.AddRequire(m.Module, m.Version); err != nil {
+			return err
+		}
+		if m.ReplaceFrom == nil {
+			continue
+		}
+		f, sum, err := moduleFiles(m.Module, m.Version)
+		if err != nil {
+			return err
+		}
+		sums = append(sums, sum)
+		modFiles = append(modFiles, f)
+		replaceFrom = append(replaceFrom, m.ReplaceFrom)
 	}
-	if tl.ReplaceFrom != nil {
-		modPath, sumPath, err := download(tl.Module, tl.Version)
-		if err != nil {
+	pins := mergePins(modFiles, replaceFrom)
+	paths := make([]string, 0, len(pins))
+	for p := range pins {
+		paths = append(paths, p)
+	}
+	sort.Strings(paths)
+	for _, p := range paths {
+		if err := gomod.AddReplace(p, "", p, pins[p]); err != nil {
 			return err
-		}
-		data, err := os.ReadFile(modPath)
-		if err != nil {
-			return err
-		}
-		f, err := modfile.Parse(modPath, data, nil)
-		if err != nil {
-			return err
-		}
-		for _, r := range tl.ReplaceFrom(f) {
-			if err := gomod.AddReplace(r[0], "", r[0], r[1]); err != nil {
-				return err
-			}
-		}
-		if sumPath != "" {
-			if sum, err := os.ReadFile(sumPath); err == nil {
-				_ = os.WriteFile(filepath.Join(work, "go.sum"), sum, 0o644)
-			}
 		}
 	}
 	out, err := gomod.Format()
@@ -268,18 +335,38 @@ func (tl Tool) build(ctx context.Context, dir, bin string) error {
 	if err := os.WriteFile(filepath.Join(work, "go.mod"), out, 0o644); err != nil {
 		return err
 	}
+	if len(sums) > 0 {
+		if err := os.WriteFile(filepath.Join(work, "go.sum"), []byte(mergeSums(sums)), 0o644); err != nil {
+			return err
+		}
+	}
 	if tl.Main != "" {
 		if err := os.WriteFile(filepath.Join(work, "main.go"), []byte(tl.Main), 0o644); err != nil {
 			return err
 		}
 	}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+
+	// Each binary goes to work/out/<name>, then into its cache entry.
+	outDir := filepath.Join(work, "out")
+	if err := os.MkdirAll(outDir, 0o755); err != nil {
 		return err
 	}
-	tmp := bin + ".tmp"
-	args := []string{"build", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package}
-	if tl.TestBinary {
-		args = []string{"test", "-c", "-ldflags", tl.LDFlags, "-o", tmp, tl.Package}
+	var args []string
+	switch {
+	case tl.TestBinary:
+		args = []string{"test", "-c", "-ldflags", tl.LDFlags, "-o", filepath.Join(outDir, tl.Name), tl.Package}
+	case len(members) == 1:
+		args = []string{"build", "-ldflags", tl.LDFlags, "-o", filepath.Join(outDir, tl.Name), tl.Package}
+	default:
+		// go build names a binary after its package's last element: the members' names.
+		args = []string{"build"}
+		for _, m := range members {
+			args = append(args, "-ldflags", m.Package+"="+m.LDFlags)
+		}
+		args = append(args, "-o", outDir+"/")
+		for _, m := range members {
+			args = append(args, m.Package)
+		}
 	}
 	cmd := Nice(ctx, goBin(), args...)
 	cmd.Dir = work
@@ -287,7 +374,78 @@ func (tl Tool) build(ctx context.Context, dir, bin string) error {
 	if b, err := cmd.CombinedOutput(); err != nil {
 		return fmt.Errorf("%w\n%s", err, LastLines(string(b), 40))
 	}
-	return os.Rename(tmp, bin)
+	for _, m := range members {
+		dir := m.cacheEntry()
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
+		if err := os.Rename(filepath.Join(outDir, m.Name), filepath.Join(dir, m.Name)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// mergePins merges the replace lines that replaceFrom[i] makes of the module files[i]:
+// where two pin one module at different versions, the higher wins, and a pin is never below
+// what any of the modules requires.
+func mergePins(files []*modfile.File, replaceFrom []func(*modfile.File) [][2]string) map[string]string {
+	pins := map[string]string{}
+	for i, f := range files {
+		for _, r := range replaceFrom[i](f) {
+			if cur, ok := pins[r[0]]; !ok || semver.Compare(r[1], cur) > 0 {
+				pins[r[0]] = r[1]
+			}
+		}
+	}
+	for _, f := range files {
+		for _, r := range f.Require {
+			if cur, ok := pins[r.Mod.Path]; ok && semver.Compare(r.Mod.Version, cur) > 0 {
+				pins[r.Mod.Path] = r.Mod.Version
+			}
+		}
+	}
+	return pins
+}
+
+// moduleFiles fetches a module into the module cache and returns its parsed go.mod and,
+// when the module's source has one, its go.sum ("" otherwise).
+func moduleFiles(mod, ver string) (*modfile.File, string, error) {
+	modPath, sumPath, err := download(mod, ver)
+	if err != nil {
+		return nil, "", err
+	}
+	data, err := os.ReadFile(modPath)
+	if err != nil {
+		return nil, "", err
+	}
+	f, err := modfile.Parse(modPath, data, nil)
+	if err != nil {
+		return nil, "", err
+	}
+	if sumPath == "" {
+		return f, "", nil
+	}
+	sum, err := os.ReadFile(sumPath)
+	if err != nil {
+		return nil, "", err
+	}
+	return f, string(sum), nil
+}
+
+// mergeSums joins go.sum files, each line once.
+func mergeSums(sums []string) string {
+	seen := map[string]bool{}
+	var b strings.Builder
+	for _, s := range sums {
+		for _, line := range strings.Split(s, "\n") {
+			if line != "" && !seen[line] {
+				seen[line] = true
+				b.WriteString(line + "\n")
+			}
+		}
+	}
+	return b.String()
 }
 
 // download fetches a module into the module cache and returns its go.mod and, when the
