@@ -15,18 +15,12 @@ import (
 	"time"
 
 	"github.com/go-logr/logr"
-	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
-	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/demo"
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/fsx"
-	"github.com/poolcsi/poolcsi/internal/health"
-	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
-	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/metrics"
-	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
 
@@ -102,170 +96,6 @@ func main() {
 		}
 		os.Exit(1)
 	}
-}
-
-// poolFlags collects repeated --pool flags.
-type poolFlags []pool.Config
-
-func (p *poolFlags) String() string { return fmt.Sprint(*p) }
-func (p *poolFlags) Set(s string) error {
-	c, err := config.ParsePoolFlag(s)
-	if err != nil {
-		return err
-	}
-	*p = append(*p, c)
-	return nil
-}
-
-func serve(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	klog.InitFlags(fs)
-	endpoint := fs.String("endpoint", "unix:///csi/csi.sock", "CSI endpoint (unix socket)")
-	nodeID := fs.String("node-id", "", "this node's ID (the Kubernetes node name); defaults to the host name")
-	driverName := fs.String("driver-name", "poolcsi.io", "CSI driver name")
-	mode := fs.String("mode", "all", "services to serve: controller, node or all")
-	configFile := fs.String("config", "", "YAML config file with a pools: list")
-	maxVolumes := fs.Int64("max-volumes-per-node", 0, "volumes a node may hold, reported to the scheduler (0: no limit)")
-	expandOnNode := fs.Bool("expand-on-node", false, "grow local-pool images in NodeExpandVolume and do not advertise controller expansion (for a cluster-wide resizer serving node-local pools)")
-	metricsAddr := fs.String("metrics-address", "", "host:port to serve Prometheus /metrics on (empty: no metrics)")
-	poolFull := fs.Float64("pool-full-threshold", health.DefaultOptions.PoolFullThreshold*100, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
-	volumeFull := fs.Float64("volume-full-threshold", health.DefaultOptions.VolumeFullThreshold*100, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
-	mountRetry := fs.Duration("mount-retry", 30*time.Second, "how often a pool whose mount stanza failed is mounted again")
-	pathPrefix := fs.String("allowed-path-prefix", defaultPathPrefix, "the only directory staging and target paths may be below (kubelet's root directory, whose own path may go through links; below it no component may be one); / for any path")
-	registrationDir := fs.String("registration-dir", "", "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
-	kubeletEndpoint := fs.String("kubelet-registration-path", "", "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
-	statsHealthTTL := fs.Duration("stats-health-ttl", 5*time.Second, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
-	pvcEvents := fs.Duration("pvc-events-interval", 0, "how often to put volume health on the claims as events (VolumeConditionAbnormal), as the health monitor sidecar does; 0: off")
-	claimSnapshots := fs.Bool("claim-local-snapshots", false, "label the pre-provisioned VolumeSnapshotContents of this driver whose snapshot this node's pools hold snapshot.storage.kubernetes.io/managed-by=<node-id>, so that this node's csi-snapshotter (--node-deployment) serves them")
-	kubeconfig := fs.String("kubeconfig", "", "kubeconfig for --pvc-events-interval and --claim-local-snapshots (default: the pod's service account)")
-	leaseNamespace := fs.String("leader-election-namespace", "", "with --pvc-events-interval: only the holder of a Lease in this namespace reports, so controller replicas do not repeat each other; empty: no leader election")
-	healthzAddr := fs.String("healthz-address", "", "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
-	shareDir := fs.String("share-dir", poolmount.DefaultShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
-	shareTypes := fs.String("share-types", strings.Join(driver.DefaultShareTypes, ","), "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
-	shareTimeout := fs.Duration("share-mount-timeout", poolmount.DefaultTimeout, "how long one mount of a share may take before it is killed")
-	shareKeyFile := fs.String("share-key-file", "", "the cluster's share key, one per line (the first tags new volume IDs, any verifies one; at least 32 bytes each): every controller and node of the cluster must have it. Without it StorageClasses cannot name shares")
-	leaseDuration := fs.Duration("lease-duration", lease.Default.Duration, "how long a node plugin may go without renewing its lease in a shared pool before it fences itself off (its loop devices there stop taking I/O); a controller force-detaches a volume from a node only after this plus --lease-margin without a renewal (docs/fencing.md)")
-	leaseInterval := fs.Duration("lease-renew-interval", lease.Default.Interval, "how often a node plugin renews its lease in each shared pool")
-	leaseMargin := fs.Duration("lease-margin", lease.Default.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
-	memLimit := fs.Int64("memory-limit-mib", defaultMemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
-	var pools poolFlags
-	fs.Var(&pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
-		return err
-	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("serve: unexpected arguments %s", strings.Join(fs.Args(), " "))
-	}
-	setMemoryLimit(*memLimit)
-	m, err := driver.ParseMode(*mode)
-	if err != nil {
-		return err
-	}
-	if *nodeID == "" {
-		if *nodeID, err = os.Hostname(); err != nil {
-			return fmt.Errorf("--node-id not given and no host name: %w", err)
-		}
-	}
-	var file config.File
-	if *configFile != "" {
-		if file, err = config.Load(*configFile); err != nil {
-			return err
-		}
-	}
-	mounts := config.Mounts(file, pools)
-	var readiness []func() error
-	var opened []*pool.Pool
-	for _, c := range config.Pools(file, pools) {
-		if spec, ok := mounts[c.Name]; ok {
-			m, err := poolmount.New(c.Name, c.Path, spec)
-			if err != nil {
-				return err
-			}
-			// A pool that cannot be mounted is reported by Probe, not fatal: the
-			// other pools keep serving and the mount is retried.
-			if err := m.Ensure(ctx); err != nil {
-				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
-			}
-			go m.Keep(ctx, *mountRetry)
-			readiness = append(readiness, m.Ready)
-		}
-		p, err := pool.Open(c)
-		if err != nil {
-			return err
-		}
-		opened = append(opened, p)
-	}
-	shares, types, err := shareMounter(*shareDir, *shareTypes, *shareTimeout)
-	if err != nil {
-		return err
-	}
-	shareKeys, err := readShareKeys(*shareKeyFile)
-	if err != nil {
-		return err
-	}
-	thresholds := health.Options{PoolFullThreshold: *poolFull / 100, VolumeFullThreshold: *volumeFull / 100}
-	d, err := driver.New(driver.Options{
-		Name:              *driverName,
-		Version:           buildVersion(),
-		PathPrefix:        *pathPrefix,
-		StatsHealthTTL:    *statsHealthTTL,
-		NodeID:            *nodeID,
-		Mode:              m,
-		Pools:             opened,
-		MaxVolumesPerNode: *maxVolumes,
-		ExpandOnNode:      *expandOnNode,
-		Health:            thresholds,
-		Readiness:         readiness,
-		Shares:            shares,
-		ShareTypes:        types,
-		ShareKeys:         shareKeys,
-		Lease:             lease.Timing{Duration: *leaseDuration, Interval: *leaseInterval, Margin: *leaseMargin},
-	})
-	if err != nil {
-		return err
-	}
-	var interceptors []grpc.UnaryServerInterceptor
-	if *metricsAddr != "" {
-		mx := metrics.New(*driverName, opened, thresholds)
-		if m == driver.ModeNode || m == driver.ModeAll {
-			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
-		}
-		if _, err := mx.Serve(ctx, *metricsAddr); err != nil {
-			return err
-		}
-		interceptors = append(interceptors, mx.Interceptor)
-	}
-	if *pvcEvents > 0 {
-		if err := startPVCEvents(ctx, d, *driverName, *kubeconfig, *leaseNamespace, *pvcEvents); err != nil {
-			return err
-		}
-	}
-	if *claimSnapshots {
-		if err := startSnapshotClaims(ctx, d, *driverName, *nodeID, *kubeconfig); err != nil {
-			return err
-		}
-	}
-	if *healthzAddr != "" {
-		if err := serveHealthz(ctx, *healthzAddr, d); err != nil {
-			return err
-		}
-	}
-	if *registrationDir != "" {
-		csiPath := *kubeletEndpoint
-		if csiPath == "" {
-			csiPath = strings.TrimPrefix(*endpoint, "unix://")
-		}
-		r := &kubeletplugin.Registrar{DriverName: *driverName, Endpoint: csiPath, Dir: *registrationDir}
-		go func() {
-			if err := r.Run(ctx, probeEndpoint(*endpoint)); err != nil {
-				klog.ErrorS(err, "Kubelet plugin registration stopped; kubelet will not use this node plugin until it restarts")
-			}
-		}()
-	}
-	return d.Serve(ctx, *endpoint, interceptors...)
 }
 
 func runDemo(ctx context.Context, args []string) error {

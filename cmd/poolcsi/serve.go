@@ -1,0 +1,327 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/config"
+	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
+	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/metrics"
+	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolmount"
+)
+
+// serveOptions are the flags of `poolcsi serve`. newServeOptions holds the
+// defaults; AddFlags binds the fields to a flag set, taking the defaults from
+// the fields, so the flag set, the README's table and the tests read one source.
+type serveOptions struct {
+	Endpoint        string
+	NodeID          string
+	DriverName      string
+	Mode            string
+	ConfigFile      string
+	Pools           poolFlags
+	MaxVolumes      int64
+	ExpandOnNode    bool
+	PathPrefix      string
+	StatsHealthTTL  time.Duration
+	MemoryLimitMiB  int64
+	MountRetry      time.Duration
+	MetricsAddr     string
+	HealthzAddr     string
+	RegistrationDir string
+	KubeletEndpoint string
+
+	// Percent, as on the command line; health.Options wants fractions.
+	PoolFullPercent   float64
+	VolumeFullPercent float64
+
+	PVCEventsInterval time.Duration
+	ClaimSnapshots    bool
+	Kubeconfig        string
+	LeaseNamespace    string
+
+	ShareDir          string
+	ShareTypes        string
+	ShareMountTimeout time.Duration
+	ShareKeyFile      string
+
+	Lease lease.Timing
+}
+
+func newServeOptions() *serveOptions {
+	return &serveOptions{
+		Endpoint:          "unix:///csi/csi.sock",
+		DriverName:        "poolcsi.io",
+		Mode:              string(driver.ModeAll),
+		PathPrefix:        defaultPathPrefix,
+		StatsHealthTTL:    5 * time.Second,
+		MemoryLimitMiB:    defaultMemoryLimitMiB,
+		MountRetry:        30 * time.Second,
+		PoolFullPercent:   health.DefaultOptions.PoolFullThreshold * 100,
+		VolumeFullPercent: health.DefaultOptions.VolumeFullThreshold * 100,
+		ShareDir:          poolmount.DefaultShareDir,
+		ShareTypes:        strings.Join(driver.DefaultShareTypes, ","),
+		ShareMountTimeout: poolmount.DefaultTimeout,
+		Lease:             lease.Default,
+	}
+}
+
+// AddFlags registers serve's own flags (not klog's) on fs.
+func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
+	fs.StringVar(&o.Endpoint, "endpoint", o.Endpoint, "CSI endpoint (unix socket)")
+	fs.StringVar(&o.NodeID, "node-id", o.NodeID, "this node's ID (the Kubernetes node name); defaults to the host name")
+	fs.StringVar(&o.DriverName, "driver-name", o.DriverName, "CSI driver name")
+	fs.StringVar(&o.Mode, "mode", o.Mode, "services to serve: controller, node or all")
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "YAML config file with a pools: list")
+	fs.Int64Var(&o.MaxVolumes, "max-volumes-per-node", o.MaxVolumes, "volumes a node may hold, reported to the scheduler (0: no limit)")
+	fs.BoolVar(&o.ExpandOnNode, "expand-on-node", o.ExpandOnNode, "grow local-pool images in NodeExpandVolume and do not advertise controller expansion (for a cluster-wide resizer serving node-local pools)")
+	fs.StringVar(&o.MetricsAddr, "metrics-address", o.MetricsAddr, "host:port to serve Prometheus /metrics on (empty: no metrics)")
+	fs.Float64Var(&o.PoolFullPercent, "pool-full-threshold", o.PoolFullPercent, "percent of a pool's filesystem in use above which its sparse volumes report PoolNearlyFull")
+	fs.Float64Var(&o.VolumeFullPercent, "volume-full-threshold", o.VolumeFullPercent, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
+	fs.DurationVar(&o.MountRetry, "mount-retry", o.MountRetry, "how often a pool whose mount stanza failed is mounted again")
+	fs.StringVar(&o.PathPrefix, "allowed-path-prefix", o.PathPrefix, "the only directory staging and target paths may be below (kubelet's root directory, whose own path may go through links; below it no component may be one); / for any path")
+	fs.StringVar(&o.RegistrationDir, "registration-dir", o.RegistrationDir, "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
+	fs.StringVar(&o.KubeletEndpoint, "kubelet-registration-path", o.KubeletEndpoint, "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
+	fs.DurationVar(&o.StatsHealthTTL, "stats-health-ttl", o.StatsHealthTTL, "how long NodeGetVolumeStats reuses a volume's node-side health condition (0: recompute every call)")
+	fs.DurationVar(&o.PVCEventsInterval, "pvc-events-interval", o.PVCEventsInterval, "how often to put volume health on the claims as events (VolumeConditionAbnormal), as the health monitor sidecar does; 0: off")
+	fs.BoolVar(&o.ClaimSnapshots, "claim-local-snapshots", o.ClaimSnapshots, "label the pre-provisioned VolumeSnapshotContents of this driver whose snapshot this node's pools hold snapshot.storage.kubernetes.io/managed-by=<node-id>, so that this node's csi-snapshotter (--node-deployment) serves them")
+	fs.StringVar(&o.Kubeconfig, "kubeconfig", o.Kubeconfig, "kubeconfig for --pvc-events-interval and --claim-local-snapshots (default: the pod's service account)")
+	fs.StringVar(&o.LeaseNamespace, "leader-election-namespace", o.LeaseNamespace, "with --pvc-events-interval: only the holder of a Lease in this namespace reports, so controller replicas do not repeat each other; empty: no leader election")
+	fs.StringVar(&o.HealthzAddr, "healthz-address", o.HealthzAddr, "host:port to serve /healthz on, answering Probe in-process as the livenessprobe sidecar does; empty: off")
+	fs.StringVar(&o.ShareDir, "share-dir", o.ShareDir, "where the shares StorageClasses name are mounted, one directory each; empty: StorageClasses cannot name shares")
+	fs.StringVar(&o.ShareTypes, "share-types", o.ShareTypes, "the share types (mount types) StorageClasses and volume IDs may name, comma-separated; bind mounts a node directory")
+	fs.DurationVar(&o.ShareMountTimeout, "share-mount-timeout", o.ShareMountTimeout, "how long one mount of a share may take before it is killed")
+	fs.StringVar(&o.ShareKeyFile, "share-key-file", o.ShareKeyFile, "the cluster's share key, one per line (the first tags new volume IDs, any verifies one; at least 32 bytes each): every controller and node of the cluster must have it. Without it StorageClasses cannot name shares")
+	fs.DurationVar(&o.Lease.Duration, "lease-duration", o.Lease.Duration, "how long a node plugin may go without renewing its lease in a shared pool before it fences itself off (its loop devices there stop taking I/O); a controller force-detaches a volume from a node only after this plus --lease-margin without a renewal (docs/fencing.md)")
+	fs.DurationVar(&o.Lease.Interval, "lease-renew-interval", o.Lease.Interval, "how often a node plugin renews its lease in each shared pool")
+	fs.DurationVar(&o.Lease.Margin, "lease-margin", o.Lease.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
+	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
+	fs.Var(&o.Pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
+}
+
+// Validate refuses what serve could only fail on later, or would silently
+// misread. It checks the values alone, without touching the host; what needs
+// the host (pool paths, the share key file) is checked where it is opened.
+func (o *serveOptions) Validate() error {
+	var errs []error
+	if o.Endpoint == "" {
+		errs = append(errs, errors.New("--endpoint is empty"))
+	}
+	if o.DriverName == "" {
+		errs = append(errs, errors.New("--driver-name is empty"))
+	}
+	if _, err := driver.ParseMode(o.Mode); err != nil {
+		errs = append(errs, fmt.Errorf("--mode: %w", err))
+	}
+	if o.MaxVolumes < 0 {
+		errs = append(errs, fmt.Errorf("--max-volumes-per-node %d: want 0 (no limit) or more", o.MaxVolumes))
+	}
+	if o.MemoryLimitMiB < 0 {
+		errs = append(errs, fmt.Errorf("--memory-limit-mib %d: want 0 (no limit) or more", o.MemoryLimitMiB))
+	}
+	if err := o.healthOptions().Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("--pool-full-threshold / --volume-full-threshold: %w", err))
+	}
+	// A ticker runs every --mount-retry: it must be positive.
+	if o.MountRetry <= 0 {
+		errs = append(errs, fmt.Errorf("--mount-retry %s: want a positive duration", o.MountRetry))
+	}
+	for _, d := range []struct {
+		flag string
+		v    time.Duration
+	}{
+		{"stats-health-ttl", o.StatsHealthTTL},
+		{"pvc-events-interval", o.PVCEventsInterval},
+		{"share-mount-timeout", o.ShareMountTimeout},
+	} {
+		if d.v < 0 {
+			errs = append(errs, fmt.Errorf("--%s %s: negative", d.flag, d.v))
+		}
+	}
+	if err := o.Lease.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("--lease-duration / --lease-renew-interval / --lease-margin: %w", err))
+	}
+	return errors.Join(errs...)
+}
+
+func (o *serveOptions) healthOptions() health.Options {
+	return health.Options{PoolFullThreshold: o.PoolFullPercent / 100, VolumeFullThreshold: o.VolumeFullPercent / 100}
+}
+
+// poolFlags collects repeated --pool flags.
+type poolFlags []pool.Config
+
+func (p *poolFlags) String() string { return fmt.Sprint(*p) }
+func (p *poolFlags) Set(s string) error {
+	c, err := config.ParsePoolFlag(s)
+	if err != nil {
+		return err
+	}
+	*p = append(*p, c)
+	return nil
+}
+
+func serve(ctx context.Context, args []string) error {
+	o := newServeOptions()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	o.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return nil
+		}
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("serve: unexpected arguments %s", strings.Join(fs.Args(), " "))
+	}
+	if err := o.Validate(); err != nil {
+		return err
+	}
+	setMemoryLimit(o.MemoryLimitMiB)
+	return o.run(ctx)
+}
+
+// run starts the driver o describes and serves until ctx ends.
+func (o *serveOptions) run(ctx context.Context) error {
+	mode, err := driver.ParseMode(o.Mode)
+	if err != nil {
+		return err
+	}
+	nodeID := o.NodeID
+	if nodeID == "" {
+		if nodeID, err = os.Hostname(); err != nil {
+			return fmt.Errorf("--node-id not given and no host name: %w", err)
+		}
+	}
+	opened, readiness, err := o.openPools(ctx)
+	if err != nil {
+		return err
+	}
+	shares, types, err := shareMounter(o.ShareDir, o.ShareTypes, o.ShareMountTimeout)
+	if err != nil {
+		return err
+	}
+	shareKeys, err := readShareKeys(o.ShareKeyFile)
+	if err != nil {
+		return err
+	}
+	d, err := driver.New(driver.Options{
+		Name:              o.DriverName,
+		Version:           buildVersion(),
+		PathPrefix:        o.PathPrefix,
+		StatsHealthTTL:    o.StatsHealthTTL,
+		NodeID:            nodeID,
+		Mode:              mode,
+		Pools:             opened,
+		MaxVolumesPerNode: o.MaxVolumes,
+		ExpandOnNode:      o.ExpandOnNode,
+		Health:            o.healthOptions(),
+		Readiness:         readiness,
+		Shares:            shares,
+		ShareTypes:        types,
+		ShareKeys:         shareKeys,
+		Lease:             o.Lease,
+	})
+	if err != nil {
+		return err
+	}
+	interceptors, err := o.startSidecars(ctx, d, mode, nodeID, opened)
+	if err != nil {
+		return err
+	}
+	return d.Serve(ctx, o.Endpoint, interceptors...)
+}
+
+// openPools opens the configured pools, mounting those with a mount stanza
+// first; the readiness checks are those of the mounts.
+func (o *serveOptions) openPools(ctx context.Context) ([]*pool.Pool, []func() error, error) {
+	var file config.File
+	if o.ConfigFile != "" {
+		var err error
+		if file, err = config.Load(o.ConfigFile); err != nil {
+			return nil, nil, err
+		}
+	}
+	mounts := config.Mounts(file, o.Pools)
+	var readiness []func() error
+	var opened []*pool.Pool
+	for _, c := range config.Pools(file, o.Pools) {
+		if spec, ok := mounts[c.Name]; ok {
+			m, err := poolmount.New(c.Name, c.Path, spec)
+			if err != nil {
+				return nil, nil, err
+			}
+			// A pool that cannot be mounted is reported by Probe, not fatal: the
+			// other pools keep serving and the mount is retried.
+			if err := m.Ensure(ctx); err != nil {
+				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
+			}
+			go m.Keep(ctx, o.MountRetry)
+			readiness = append(readiness, m.Ready)
+		}
+		p, err := pool.Open(c)
+		if err != nil {
+			return nil, nil, err
+		}
+		opened = append(opened, p)
+	}
+	return opened, readiness, nil
+}
+
+// startSidecars starts what serve runs beside the CSI server, each only when
+// its flag asks: metrics (whose interceptor it returns), claim events,
+// snapshot claims, /healthz and the kubelet registration.
+func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode driver.Mode, nodeID string, opened []*pool.Pool) ([]grpc.UnaryServerInterceptor, error) {
+	var interceptors []grpc.UnaryServerInterceptor
+	if o.MetricsAddr != "" {
+		mx := metrics.New(o.DriverName, opened, o.healthOptions())
+		if mode == driver.ModeNode || mode == driver.ModeAll {
+			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
+		}
+		if _, err := mx.Serve(ctx, o.MetricsAddr); err != nil {
+			return nil, err
+		}
+		interceptors = append(interceptors, mx.Interceptor)
+	}
+	if o.PVCEventsInterval > 0 {
+		if err := startPVCEvents(ctx, d, o.DriverName, o.Kubeconfig, o.LeaseNamespace, o.PVCEventsInterval); err != nil {
+			return nil, err
+		}
+	}
+	if o.ClaimSnapshots {
+		if err := startSnapshotClaims(ctx, d, o.DriverName, nodeID, o.Kubeconfig); err != nil {
+			return nil, err
+		}
+	}
+	if o.HealthzAddr != "" {
+		if err := serveHealthz(ctx, o.HealthzAddr, d); err != nil {
+			return nil, err
+		}
+	}
+	if o.RegistrationDir != "" {
+		csiPath := o.KubeletEndpoint
+		if csiPath == "" {
+			csiPath = strings.TrimPrefix(o.Endpoint, "unix://")
+		}
+		r := &kubeletplugin.Registrar{DriverName: o.DriverName, Endpoint: csiPath, Dir: o.RegistrationDir}
+		go func() {
+			if err := r.Run(ctx, probeEndpoint(o.Endpoint)); err != nil {
+				klog.ErrorS(err, "Kubelet plugin registration stopped; kubelet will not use this node plugin until it restarts")
+			}
+		}()
+	}
+	return interceptors, nil
+}

@@ -1,0 +1,87 @@
+package main
+
+import (
+	"flag"
+	"io"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestServeOptionsValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+		want string // a part of the error; empty: valid
+	}{
+		{name: "defaults"},
+		{name: "every mode", args: []string{"--mode=controller"}},
+		{name: "node mode", args: []string{"--mode=node"}},
+		{name: "zero TTL and events off are valid", args: []string{"--stats-health-ttl=0", "--pvc-events-interval=0", "--memory-limit-mib=0"}},
+		{name: "threshold 100 %", args: []string{"--pool-full-threshold=100", "--volume-full-threshold=100"}},
+		{name: "lease renewed three times per duration", args: []string{"--lease-duration=15s", "--lease-renew-interval=5s", "--lease-margin=5s"}},
+
+		{name: "bad mode", args: []string{"--mode=both"}, want: "--mode"},
+		{name: "empty endpoint", args: []string{"--endpoint="}, want: "--endpoint"},
+		{name: "empty driver name", args: []string{"--driver-name="}, want: "--driver-name"},
+		{name: "pool threshold zero", args: []string{"--pool-full-threshold=0"}, want: "pool full threshold"},
+		{name: "pool threshold over 100", args: []string{"--pool-full-threshold=101"}, want: "pool full threshold"},
+		{name: "volume threshold negative", args: []string{"--volume-full-threshold=-5"}, want: "volume full threshold"},
+		{name: "mount retry zero", args: []string{"--mount-retry=0"}, want: "--mount-retry"},
+		{name: "mount retry negative", args: []string{"--mount-retry=-1s"}, want: "--mount-retry"},
+		{name: "negative stats TTL", args: []string{"--stats-health-ttl=-1s"}, want: "--stats-health-ttl"},
+		{name: "negative events interval", args: []string{"--pvc-events-interval=-1m"}, want: "--pvc-events-interval"},
+		{name: "negative share mount timeout", args: []string{"--share-mount-timeout=-1s"}, want: "--share-mount-timeout"},
+		{name: "negative max volumes", args: []string{"--max-volumes-per-node=-1"}, want: "--max-volumes-per-node"},
+		{name: "negative memory limit", args: []string{"--memory-limit-mib=-1"}, want: "--memory-limit-mib"},
+		{name: "renew interval equal to the lease", args: []string{"--lease-duration=5s", "--lease-renew-interval=5s"}, want: "three renewal intervals"},
+		{name: "renew interval above the lease", args: []string{"--lease-duration=5s", "--lease-renew-interval=10s"}, want: "three renewal intervals"},
+		{name: "zero renew interval", args: []string{"--lease-renew-interval=0"}, want: "must be positive"},
+		{name: "negative lease duration", args: []string{"--lease-duration=-60s"}, want: "must be positive"},
+		{name: "margin below an interval", args: []string{"--lease-margin=1s"}, want: "lease margin"},
+		{name: "every error at once", args: []string{"--mode=x", "--mount-retry=0"}, want: "--mount-retry"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := parseServeFlags(t, tt.args...)
+			err := o.Validate()
+			switch {
+			case tt.want == "" && err != nil:
+				t.Fatalf("Validate: %v, want no error", err)
+			case tt.want != "" && err == nil:
+				t.Fatalf("Validate: no error, want one with %q", tt.want)
+			case tt.want != "" && !strings.Contains(err.Error(), tt.want):
+				t.Fatalf("Validate: %v, want an error with %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// parseServeFlags is newServeOptions with args parsed over it.
+func parseServeFlags(t *testing.T, args ...string) *serveOptions {
+	t.Helper()
+	o := newServeOptions()
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	o.AddFlags(fs)
+	if err := fs.Parse(args); err != nil {
+		t.Fatalf("parse %q: %v", args, err)
+	}
+	return o
+}
+
+// The defaults are those the flags had before serveOptions: a change to one
+// is a change of behaviour, to be made on purpose.
+func TestServeOptionsDefaults(t *testing.T) {
+	o := parseServeFlags(t)
+	if o.Endpoint != "unix:///csi/csi.sock" || o.DriverName != "poolcsi.io" || o.Mode != "all" ||
+		o.PathPrefix != "/var/lib/kubelet" || o.MountRetry != 30*time.Second || o.StatsHealthTTL != 5*time.Second ||
+		o.PoolFullPercent != 90 || o.VolumeFullPercent != 90 || o.MemoryLimitMiB != 20 ||
+		o.Lease.Duration != time.Minute || o.Lease.Interval != 5*time.Second || o.Lease.Margin != 30*time.Second {
+		t.Fatalf("defaults changed: %+v", o)
+	}
+	o = parseServeFlags(t, "--pool", "a=/srv/a,shared", "--pool", "b=/srv/b")
+	if len(o.Pools) != 2 || !o.Pools[0].Shared || o.Pools[1].Shared || o.Pools[1].Path != "/srv/b" {
+		t.Fatalf("--pool twice: %+v", o.Pools)
+	}
+}
