@@ -1,5 +1,5 @@
-// Command poolcsi is the poolcsi CSI driver: `poolcsi serve` runs it, `poolcsi
-// version` prints its version. Flags and wiring only; the logic lives in internal/.
+// Command poolcsi is the poolcsi CSI driver: `poolcsi serve` runs it; `demo`,
+// `pool` and `version` are for operators. Flags and wiring only; the logic lives in internal/.
 package main
 
 import (
@@ -7,8 +7,10 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/debug"
 	"strings"
 	"syscall"
@@ -24,10 +26,16 @@ import (
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
 
-// version is set with -ldflags "-X main.version=..." by release builds; otherwise
-// the module version from the build info is used.
-var version = ""
+// Set with -ldflags "-X main.version=... -X main.commit=... -X main.buildDate=..."
+// (the Makefile's build does); what is not set comes from the build info.
+var (
+	version   = ""
+	commit    = ""
+	buildDate = ""
+)
 
+// buildVersion is the version the driver reports (GetPluginInfo, logs): the
+// -ldflags version, else the module version plus the VCS revision.
 func buildVersion() string {
 	if version != "" {
 		return version
@@ -46,76 +54,173 @@ func buildVersion() string {
 	return "devel"
 }
 
+// versionInfo is what `poolcsi version` prints.
+type versionInfo struct {
+	Version, Commit, GoVersion, Platform, BuildDate string
+}
+
+// readVersionInfo takes -ldflags first and fills the gaps from bi (nil: no
+// build info): go build stamps the revision and the commit time, not the
+// build time, so without -X main.buildDate the date shown is the commit's.
+func readVersionInfo(bi *debug.BuildInfo) versionInfo {
+	vi := versionInfo{Version: buildVersion(), Commit: commit, GoVersion: runtime.Version(),
+		Platform: runtime.GOOS + "/" + runtime.GOARCH, BuildDate: buildDate}
+	if bi == nil {
+		return vi
+	}
+	var rev, when string
+	dirty := false
+	for _, s := range bi.Settings {
+		switch s.Key {
+		case "vcs.revision":
+			rev = s.Value
+		case "vcs.time":
+			when = s.Value
+		case "vcs.modified":
+			dirty = s.Value == "true"
+		}
+	}
+	if vi.Commit == "" && rev != "" {
+		vi.Commit = rev
+		if dirty {
+			vi.Commit += " (modified)"
+		}
+	}
+	if vi.BuildDate == "" && when != "" {
+		vi.BuildDate = when + " (commit time)"
+	}
+	return vi
+}
+
+func (vi versionInfo) write(w io.Writer) {
+	fmt.Fprintf(w, "poolcsi %s\n", vi.Version)
+	fmt.Fprintf(w, "  commit:  %s\n", orUnknown(vi.Commit))
+	fmt.Fprintf(w, "  go:      %s %s\n", vi.GoVersion, vi.Platform)
+	fmt.Fprintf(w, "  built:   %s\n", orUnknown(vi.BuildDate))
+}
+
+func orUnknown(s string) string {
+	if s == "" {
+		return "unknown"
+	}
+	return s
+}
+
 const usage = `poolcsi — a CSI driver that carves volumes out of local or shared directory pools.
 
 Usage:
   poolcsi serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
   poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
-  poolcsi pool list|check --path POOL_DIR
+  poolcsi pool init|list|check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
-  poolcsi version
+  poolcsi version                   (also: poolcsi --version)
 
-Run "poolcsi serve -h" for the flags of serve.
+Every command takes -h for its flags, e.g. "poolcsi serve -h".
 `
 
 func main() {
-	if len(os.Args) < 2 {
-		fmt.Fprint(os.Stderr, usage)
-		os.Exit(2)
+	os.Exit(run(os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// run is main without the exit, for the tests: the exit code of args.
+func run(args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
 	}
 	// serve and demo end on SIGTERM or SIGINT by cleaning up (the server
 	// stops, the demo unmounts what it made); the pool commands keep the
 	// default action, which ends the process at once whatever it is blocked
 	// in: every write of theirs is crash-safe, as a SIGKILL's would be.
 	ctx := context.Background()
-	if os.Args[1] != "pool" {
+	if args[0] != "pool" {
 		var stop context.CancelFunc
-		ctx, stop = signal.NotifyContext(ctx, syscall.SIGINT, syscall.SIGTERM)
+		ctx, stop = signalContext()
 		defer stop()
 	}
 	var err error
-	switch os.Args[1] {
+	switch args[0] {
 	case "serve":
-		err = serve(ctx, os.Args[2:])
+		err = serve(ctx, args[1:], stderr)
 	case "demo":
-		err = runDemo(ctx, os.Args[2:])
+		err = runDemo(ctx, args[1:], stdout, stderr)
 	case "pool":
-		err = poolCmd(ctx, os.Args[2:])
-	case "version":
-		fmt.Println(buildVersion())
+		err = poolCmd(ctx, args[1:], stdout, stderr)
+	case "version", "--version", "-version":
+		err = versionCmd(args[1:], stdout, stderr)
 	case "-h", "--help", "help":
-		fmt.Print(usage)
+		fmt.Fprint(stdout, usage)
 	default:
-		fmt.Fprintf(os.Stderr, "poolcsi: unknown command %q\n\n%s", os.Args[1], usage)
-		os.Exit(2)
+		fmt.Fprintf(stderr, "poolcsi: unknown command %q\n\n%s", args[0], usage)
+		return 2
 	}
 	klog.Flush()
-	if err != nil {
-		if !errors.Is(err, errProblems) {
-			fmt.Fprintf(os.Stderr, "poolcsi: %v\n", err)
-		}
-		os.Exit(1)
+	switch {
+	case err == nil, errors.Is(err, flag.ErrHelp):
+		return 0 // -h asked for the usage, which the flag set printed
+	case errors.Is(err, errProblems):
+		return 1 // pool check printed them
 	}
+	fmt.Fprintf(stderr, "poolcsi: %v\n", err)
+	return 1
 }
 
-func runDemo(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	tempDir := fs.String("temp-dir", "", "where to make the throw-away pool (default: the system temp directory)")
-	verbose := fs.Bool("driver-log", false, "also print the driver's own log")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
+// signalContext ends on SIGINT or SIGTERM, with the signal as its cause.
+func signalContext() (context.Context, context.CancelFunc) {
+	return signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+}
+
+// newFlagSet is a flag set whose usage says what the command does before its
+// flags. Parse errors and -h print to stderr, as the flag package does.
+func newFlagSet(name, synopsis string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintf(fs.Output(), "Usage: poolcsi %s\n", synopsis)
+		n := 0
+		fs.VisitAll(func(*flag.Flag) { n++ })
+		if n > 0 {
+			fmt.Fprintln(fs.Output(), "\nFlags:")
+			fs.PrintDefaults()
 		}
+	}
+	return fs
+}
+
+// parseFlags parses args, which must hold flags only. It returns
+// flag.ErrHelp for -h, which run turns into exit code 0.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 {
-		return fmt.Errorf("demo: unexpected arguments %s", strings.Join(fs.Args(), " "))
+		return fmt.Errorf("%s: unexpected arguments %s", fs.Name(), strings.Join(fs.Args(), " "))
+	}
+	return nil
+}
+
+func versionCmd(args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("version", "version\n\nPrints the version, the commit, the Go version and the build date.", stderr)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	bi, _ := debug.ReadBuildInfo()
+	readVersionInfo(bi).write(stdout)
+	return nil
+}
+
+func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	fs := newFlagSet("demo", "demo [flags]\n\nAs root: starts the driver in this process on a throw-away local pool and walks one\nvolume through the calls kubelet and the sidecars make, printing each.", stderr)
+	tempDir := fs.String("temp-dir", "", "where to make the throw-away pool (default: the system temp directory)")
+	verbose := fs.Bool("driver-log", false, "also print the driver's own log")
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if !*verbose {
 		// The demo prints the calls itself; the driver's log would interleave.
 		klog.SetLogger(logr.Discard())
 	}
-	return demo.Run(ctx, demo.Config{Out: os.Stdout, TempDir: *tempDir, Version: buildVersion()})
+	return demo.Run(ctx, demo.Config{Out: stdout, TempDir: *tempDir, Version: buildVersion()})
 }
 
 // defaultPathPrefix is kubelet's default root directory: a driver started

@@ -3,10 +3,8 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
 	"strings"
 	"text/tabwriter"
@@ -37,33 +35,33 @@ docs/fencing.md.
 
 // poolCmd runs the operator commands that work on a pool directory directly,
 // without a driver: they read what the pool says about itself.
-func poolCmd(ctx context.Context, args []string) error {
+func poolCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
-		fmt.Print(poolUsage)
+		fmt.Fprint(stderr, poolUsage)
 		return errors.New("pool: want a subcommand (init, list, check, unfence)")
 	}
 	switch args[0] {
 	case "init":
-		return poolInit(os.Stdout, args[1:])
+		return poolInit(stdout, stderr, args[1:])
 	case "list":
-		return poolList(os.Stdout, args[1:])
+		return poolList(stdout, stderr, args[1:])
 	case "check":
-		return poolCheck(os.Stdout, args[1:])
+		return poolCheck(stdout, stderr, args[1:])
 	case "unfence":
-		return poolUnfence(ctx, args[1:])
+		return poolUnfence(ctx, stdout, stderr, args[1:])
 	case "-h", "--help", "help":
-		fmt.Print(poolUsage)
+		fmt.Fprint(stdout, poolUsage)
 		return nil
 	}
-	fmt.Print(poolUsage)
+	fmt.Fprint(stderr, poolUsage)
 	return fmt.Errorf("pool: unknown subcommand %q", args[0])
 }
 
 // openPoolFlag parses --path and opens the pool it names, read-only in spirit.
-func openPoolFlag(name string, args []string) (*pool.Pool, error) {
-	fs := flag.NewFlagSet("pool "+name, flag.ContinueOnError)
+func openPoolFlag(name, synopsis string, stderr io.Writer, args []string) (*pool.Pool, error) {
+	fs := newFlagSet("pool "+name, "pool "+name+" --path POOL_DIR\n\n"+synopsis, stderr)
 	path := fs.String("path", "", "the pool's directory")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return nil, err
 	}
 	if *path == "" {
@@ -72,8 +70,8 @@ func openPoolFlag(name string, args []string) (*pool.Pool, error) {
 	return pool.OpenExisting(*path)
 }
 
-func poolList(out io.Writer, args []string) error {
-	p, err := openPoolFlag("list", args)
+func poolList(out, stderr io.Writer, args []string) error {
+	p, err := openPoolFlag("list", "Shows every volume with its size, the bytes its image holds, whether its size is\nenforced, where it is staged and published, and its controller-side health.", stderr, args)
 	if err != nil {
 		return err
 	}
@@ -82,11 +80,11 @@ func poolList(out io.Writer, args []string) error {
 		return err
 	}
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "VOLUME\tNAME\tLAYOUT\tTYPE\tCAPACITY\tHELD\tSTAGED\tPUBLISHED\tHEALTH")
+	fmt.Fprintln(w, "VOLUME\tNAME\tLAYOUT\tTYPE\tCAPACITY\tSIZE ENFORCED\tHELD\tSTAGED\tPUBLISHED\tHEALTH")
 	for _, r := range scan.Volumes {
 		v := r.Volume
 		if v == nil {
-			fmt.Fprintf(w, "%s\t?\t?\t?\t?\t?\t?\t?\t%s\n", r.ID, health.Summary(r.Issues))
+			fmt.Fprintf(w, "%s\t?\t?\t?\t?\t?\t?\t?\t?\t%s\n", r.ID, health.Summary(r.Issues))
 			continue
 		}
 		kind := v.FSType
@@ -97,23 +95,23 @@ func poolList(out io.Writer, args []string) error {
 		for _, s := range v.Staged {
 			staged = append(staged, s.Node)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
-			mib(v.CapacityBytes), mib(r.AllocatedBytes), orDash(strings.Join(staged, ",")),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
+			humanBytes(v.CapacityBytes), sizeEnforced(v), humanBytes(r.AllocatedBytes), orDash(strings.Join(staged, ",")),
 			orDash(strings.Join(v.PublishedNodes(), ",")), health.Summary(r.Issues))
 	}
 	if err := w.Flush(); err != nil {
 		return err
 	}
 	s := scan.Space
-	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes\n", p.Name, p.Path, mib(s.Free), mib(s.Total), len(scan.Volumes))
+	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes\n", p.Name, p.Path, humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes))
 	return nil
 }
 
 // errProblems makes `pool check` exit 1 without a second message.
 var errProblems = errors.New("problems found")
 
-func poolCheck(out io.Writer, args []string) error {
-	p, err := openPoolFlag("check", args)
+func poolCheck(out, stderr io.Writer, args []string) error {
+	p, err := openPoolFlag("check", "Reports damaged or unhealthy volumes and leftovers of interrupted calls, and exits 1\nwhen it finds any. It changes nothing.", stderr, args)
 	if err != nil {
 		return err
 	}
@@ -148,16 +146,13 @@ func poolCheck(out io.Writer, args []string) error {
 	return nil
 }
 
-func poolUnfence(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("pool unfence", flag.ContinueOnError)
+func poolUnfence(ctx context.Context, out, stderr io.Writer, args []string) error {
+	fs := newFlagSet("pool unfence", "pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE] [--wait]\n\nForgets that NODE (every node, without --node) holds the volume, so another node may\npublish it. Only for a node that is dead or fenced off: see docs/fencing.md.", stderr)
 	path := fs.String("path", "", "the pool's directory")
 	volume := fs.String("volume", "", "the volume ID (<pool>.<32 hex>)")
 	node := fs.String("node", "", "the node whose record to drop (default: every node)")
 	wait := fs.Bool("wait", false, "watch the lease of each node that holds the volume read-write for the lease's duration plus its margin, and drop its records only if the lease does not move (docs/fencing.md)")
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	id, err := pool.ParseVolumeID(*volume)
@@ -175,7 +170,7 @@ func poolUnfence(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	if err := leasesExpired(ctx, os.Stdout, p, id, *node, *wait); err != nil {
+	if err := leasesExpired(ctx, out, p, id, *node, *wait); err != nil {
 		return err
 	}
 	gone, err := p.Unfence(ctx, id, *node)
@@ -183,14 +178,43 @@ func poolUnfence(ctx context.Context, args []string) error {
 		return err
 	}
 	if len(gone) == 0 {
-		fmt.Printf("volume %s had no publish record to drop\n", id)
+		fmt.Fprintf(out, "volume %s had no publish record to drop\n", id)
 		return nil
 	}
-	fmt.Printf("volume %s: dropped the publish record of %s\n", id, strings.Join(gone, ", "))
+	fmt.Fprintf(out, "volume %s: dropped the publish record of %s\n", id, strings.Join(gone, ", "))
 	return nil
 }
 
-func mib(n int64) string { return fmt.Sprintf("%dMi", n>>20) }
+// humanBytes is n in binary units, as `df -h` and kubectl's Mi/Gi count:
+// whole numbers stay whole (a 10 GiB volume is "10 GiB"), others get one decimal.
+func humanBytes(n int64) string {
+	const unit = 1024
+	if n < unit && n > -unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit || m <= -unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	if n%div == 0 {
+		return fmt.Sprintf("%d %ciB", n/div, "KMGTPE"[exp])
+	}
+	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
+}
+
+// sizeEnforced says whether the volume's capacity is a limit: always for an
+// image (its file is the size), for a dir volume only where the pool's
+// filesystem has a quota for it; otherwise the size is a promise.
+func sizeEnforced(v *pool.Volume) string {
+	if v.Layout != pool.LayoutDir {
+		return "yes"
+	}
+	if v.Quota == nil || !v.Quota.Enforced {
+		return "NO"
+	}
+	return "yes (" + v.Quota.Kind + ")"
+}
 
 func orDash(s string) string {
 	if s == "" {
@@ -199,11 +223,11 @@ func orDash(s string) string {
 	return s
 }
 
-func poolInit(out io.Writer, args []string) error {
-	fs := flag.NewFlagSet("pool init", flag.ContinueOnError)
+func poolInit(out, stderr io.Writer, args []string) error {
+	fs := newFlagSet("pool init", "pool init --path POOL_DIR --name NAME\n\nLays out a new shared pool in an existing directory, once.", stderr)
 	path := fs.String("path", "", "the pool's directory (must exist: the mounted share)")
 	name := fs.String("name", "", "the pool's name, as in the driver's config")
-	if err := fs.Parse(args); err != nil {
+	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
 	if *path == "" || *name == "" {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"time"
@@ -84,7 +85,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.NodeID, "node-id", o.NodeID, "this node's ID (the Kubernetes node name); defaults to the host name")
 	fs.StringVar(&o.DriverName, "driver-name", o.DriverName, "CSI driver name")
 	fs.StringVar(&o.Mode, "mode", o.Mode, "services to serve: controller, node or all")
-	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "YAML config file with a pools: list")
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "YAML config `FILE` with a pools: list")
 	fs.Int64Var(&o.MaxVolumes, "max-volumes-per-node", o.MaxVolumes, "volumes a node may hold, reported to the scheduler (0: no limit)")
 	fs.BoolVar(&o.ExpandOnNode, "expand-on-node", o.ExpandOnNode, "grow local-pool images in NodeExpandVolume and do not advertise controller expansion (for a cluster-wide resizer serving node-local pools)")
 	fs.StringVar(&o.MetricsAddr, "metrics-address", o.MetricsAddr, "host:port to serve Prometheus /metrics on (empty: no metrics)")
@@ -108,7 +109,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.Lease.Interval, "lease-renew-interval", o.Lease.Interval, "how often a node plugin renews its lease in each shared pool")
 	fs.DurationVar(&o.Lease.Margin, "lease-margin", o.Lease.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins")
-	fs.Var(&o.Pools, "pool", "a pool, NAME=PATH[,shared]; repeatable")
+	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared]`; repeatable")
 }
 
 // Validate refuses what serve could only fail on later, or would silently
@@ -173,25 +174,60 @@ func (p *poolFlags) Set(s string) error {
 	return nil
 }
 
-func serve(ctx context.Context, args []string) error {
-	o := newServeOptions()
+const serveSynopsis = `serve --endpoint unix:///path/csi.sock --node-id NODE --pool NAME=PATH[,shared] [flags]
+
+Serves the CSI Identity, Controller and/or Node services on a unix socket.`
+
+// serveFlags is the flag set serve parses: serve's own flags and, apart
+// under their own heading in the usage, klog's. klog.InitFlags fills a
+// separate set whose flags are then copied, so the usage can tell them apart.
+func serveFlags(o *serveOptions, stderr io.Writer) *flag.FlagSet {
+	own := flag.NewFlagSet("serve", flag.ContinueOnError)
+	o.AddFlags(own)
+	logging := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(logging)
+
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
-	klog.InitFlags(fs)
-	o.AddFlags(fs)
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return nil
-		}
-		return err
+	fs.SetOutput(stderr)
+	own.VisitAll(func(f *flag.Flag) { fs.Var(f.Value, f.Name, f.Usage) })
+	logging.VisitAll(func(f *flag.Flag) { fs.Var(f.Value, f.Name, f.Usage) })
+	fs.Usage = func() {
+		w := fs.Output()
+		own.SetOutput(w)
+		logging.SetOutput(w)
+		fmt.Fprintf(w, "Usage: poolcsi %s\n\nFlags:\n", serveSynopsis)
+		own.PrintDefaults()
+		fmt.Fprintln(w, "\nLogging flags (klog):")
+		logging.PrintDefaults()
 	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("serve: unexpected arguments %s", strings.Join(fs.Args(), " "))
+	return fs
+}
+
+func serve(ctx context.Context, args []string, stderr io.Writer) error {
+	o := newServeOptions()
+	if err := parseFlags(serveFlags(o, stderr), args); err != nil {
+		return err
 	}
 	if err := o.Validate(); err != nil {
 		return err
 	}
 	setMemoryLimit(o.MemoryLimitMiB)
-	return o.run(ctx)
+	err := o.run(ctx)
+	logStop(ctx, klog.Background(), err)
+	return err
+}
+
+// logStop says in one line why serve stopped: the error it stopped on, or
+// what ended ctx (signal.NotifyContext's cause names the signal).
+func logStop(ctx context.Context, logger klog.Logger, err error) {
+	switch {
+	case err != nil:
+		logger.Error(err, "poolcsi serve stopped")
+	case context.Cause(ctx) != nil:
+		logger.Info("poolcsi serve stopped", "cause", context.Cause(ctx).Error())
+	default:
+		logger.Info("poolcsi serve stopped", "cause", "the CSI server ended")
+	}
 }
 
 // run starts the driver o describes and serves until ctx ends.
