@@ -176,7 +176,7 @@ func (r *run) walk() error {
 		}); err != nil {
 		return err
 	}
-	if _, err := r.call("livenessprobe sidecar", "Probe", "every few seconds: are the pools present, writable, not full?",
+	if _, err := r.call("livenessprobe sidecar", "Probe", "every few seconds: is the driver serving? (always ready: a broken pool fails its own calls, it does not fail Probe)",
 		&csi.ProbeRequest{}, func(ctx context.Context) (proto.Message, error) {
 			return r.id.Probe(ctx, &csi.ProbeRequest{})
 		}); err != nil {

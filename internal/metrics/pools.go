@@ -22,7 +22,7 @@ func newPoolCollector(pools []*pool.Pool, o health.Options) *poolCollector {
 	return &poolCollector{
 		pools:       pools,
 		opts:        o,
-		up:          prometheus.NewDesc("poolcsi_pool_up", "1 when the pool is present, writable and not out of space (what Probe checks), else 0.", l, nil),
+		up:          prometheus.NewDesc("poolcsi_pool_up", "1 when the pool is present, writable and not out of space, else 0 (Probe runs this check but answers ready either way).", l, nil),
 		size:        prometheus.NewDesc("poolcsi_pool_size_bytes", "Size of the pool's filesystem.", l, nil),
 		free:        prometheus.NewDesc("poolcsi_pool_free_bytes", "Bytes of the pool's filesystem still free for the driver.", l, nil),
 		allocated:   prometheus.NewDesc("poolcsi_pool_allocated_bytes", "Bytes the pool's volume images hold on its filesystem (sparse images hold less than their capacity).", l, nil),
