@@ -5,10 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"path/filepath"
 	"strings"
 	"text/tabwriter"
 	"time"
+
+	"github.com/moby/sys/mountinfo"
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
@@ -16,14 +19,16 @@ import (
 )
 
 const poolUsage = `Usage:
-  poolcsi pool init --path POOL_DIR --name NAME
+  poolcsi pool init --path POOL_DIR --name NAME [--not-a-mount-point-ok]
   poolcsi pool list --path POOL_DIR
   poolcsi pool check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
 
-init lays out a new pool in an existing directory, once: the driver never lays
-out a shared pool by itself, because an empty directory where a share should be
-mounted looks exactly like a new pool.
+init lays out a new shared pool, once, at the root of the mounted share: the
+driver never lays out a shared pool by itself, because an empty directory where
+a share should be mounted looks exactly like a new pool; for the same reason
+init refuses a directory that is not a mount point (--not-a-mount-point-ok
+overrides it).
 list shows every volume with its size, the bytes its image holds, where it is
 staged and published, and its controller-side health.
 check reports damaged or unhealthy volumes and leftovers of interrupted calls;
@@ -224,9 +229,13 @@ func orDash(s string) string {
 }
 
 func poolInit(out, stderr io.Writer, args []string) error {
-	fs := newFlagSet("pool init", "pool init --path POOL_DIR --name NAME\n\nLays out a new shared pool in an existing directory, once.", stderr)
-	path := fs.String("path", "", "the pool's directory (must exist: the mounted share)")
+	fs := newFlagSet("pool init", "pool init --path POOL_DIR --name NAME [--not-a-mount-point-ok]\n\n"+
+		"Lays out a new shared pool, once, at the root of the mounted share. It refuses a\n"+
+		"directory that is not a mount point: an empty directory where a share should be\n"+
+		"mounted looks exactly like a new pool.", stderr)
+	path := fs.String("path", "", "the pool's directory: the mount point of the share, mounted")
 	name := fs.String("name", "", "the pool's name, as in the driver's config")
+	notMount := fs.Bool("not-a-mount-point-ok", false, "lay out the pool although the path is not the root of a mount (a subdirectory of the share, or a test); a missing directory is then made, if its parent exists")
 	if err := parseFlags(fs, args); err != nil {
 		return err
 	}
@@ -237,12 +246,72 @@ func poolInit(out, stderr io.Writer, args []string) error {
 	if err != nil {
 		return err
 	}
+	found, err := checkMountPoint(abs)
+	switch {
+	case *notMount && errors.Is(err, os.ErrNotExist):
+		fmt.Fprintf(out, "found: %s does not exist; pool init makes it, as --not-a-mount-point-ok says\n", abs)
+	case err != nil:
+		return fmt.Errorf("pool init: %w", err)
+	case found.isRoot:
+		fmt.Fprintf(out, "found: %s\n", found)
+	case !*notMount:
+		return fmt.Errorf("pool init: %s is not a mount point: %s. Mount the share there first; if the pool is meant to be there (a subdirectory of the share, or a test), say so with --not-a-mount-point-ok", abs, found)
+	default:
+		fmt.Fprintf(out, "found: %s is not a mount point (%s); going on, as --not-a-mount-point-ok says\n", abs, found)
+	}
 	p, err := pool.Initialise(pool.Config{Name: *name, Path: abs, Shared: true})
 	if err != nil {
 		return err
 	}
 	fmt.Fprintf(out, "pool %s is ready at %s\n", p.Name, p.Path)
 	return nil
+}
+
+// mountFound is what checkMountPoint found at a path.
+type mountFound struct {
+	path   string
+	isRoot bool            // path is the root of a mount
+	mount  *mountinfo.Info // the mount path is in (the topmost, if mounts are stacked)
+}
+
+func (f mountFound) String() string {
+	m := f.mount
+	if f.isRoot {
+		return fmt.Sprintf("%s is the root of a %s mount of %s", f.path, m.FSType, m.Source)
+	}
+	return fmt.Sprintf("it is a directory in the %s filesystem of %s mounted at %s", m.FSType, m.Source, m.Mountpoint)
+}
+
+// checkMountPoint tells whether the existing directory path is the root of a
+// mount, from /proc/self/mountinfo (a bind mount of a directory has the same
+// device as its parent, so comparing devices would miss it). Links in path
+// are resolved first, as mountinfo lists real paths.
+func checkMountPoint(path string) (mountFound, error) {
+	real, err := filepath.EvalSymlinks(path)
+	if err != nil {
+		return mountFound{}, fmt.Errorf("%s: %w (mount the share there first)", path, err)
+	}
+	if st, err := os.Stat(real); err != nil {
+		return mountFound{}, err
+	} else if !st.IsDir() {
+		return mountFound{}, fmt.Errorf("%s is not a directory", path)
+	}
+	mounts, err := mountinfo.GetMounts(mountinfo.ParentsFilter(real))
+	if err != nil {
+		return mountFound{}, fmt.Errorf("read the mount table: %w", err)
+	}
+	var best *mountinfo.Info
+	for _, m := range mounts {
+		// The longest mount point holding real wins; of equal ones, the
+		// later in the table, which is mounted over the earlier.
+		if best == nil || len(m.Mountpoint) >= len(best.Mountpoint) {
+			best = m
+		}
+	}
+	if best == nil {
+		return mountFound{}, fmt.Errorf("no mount holds %s", real)
+	}
+	return mountFound{path: path, isRoot: best.Mountpoint == real, mount: best}, nil
 }
 
 // leasesExpired applies the controller's force-detach rule: the records of a

@@ -112,7 +112,7 @@ func setup(t *testing.T, backend string) *env {
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
 	e := &env{root: root, poolDir: poolDir, rng: rand.New(rand.NewPCG(seed(t), 7))}

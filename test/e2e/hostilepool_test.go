@@ -60,7 +60,7 @@ func TestHostilePoolFiles(t *testing.T) {
 	cli := func(ctx context.Context, args ...string) ([]byte, error) {
 		return exec.CommandContext(ctx, bin, args...).CombinedOutput()
 	}
-	if out, err := cli(context.Background(), "pool", "init", "--path", pristine, "--name", "shared"); err != nil {
+	if out, err := cli(context.Background(), "pool", "init", "--path", pristine, "--name", "shared", "--not-a-mount-point-ok"); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
 	// A volume, a snapshot of it, a publish record and the node registry: every
@@ -211,7 +211,7 @@ func TestPoolCommandAnswersSIGTERM(t *testing.T) {
 	testutil.RequireCommands(t, "flock")
 	bin := harness.Binary(t)
 	dir := filepath.Join(t.TempDir(), "pool")
-	if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
 	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + dir + ",shared"}})

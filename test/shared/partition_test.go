@@ -139,7 +139,7 @@ func testPartition(t *testing.T, backend string) {
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", bPool, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", bPool, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 	dA := harness.Start(t, harness.Options{NodeID: "node-a", Pools: []string{"shared=" + aPool + ",shared"}, Args: leaseArgs})

@@ -93,7 +93,7 @@ func setup(t *testing.T, backend string) *env {
 	}
 	// The operator's one explicit step for a shared pool: the driver never lays
 	// out a share by itself (it could be an empty, unmounted directory).
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", e.poolDir, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", e.poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", SidecarDeadlines: true,
@@ -583,7 +583,7 @@ func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 	if entries, _ := os.ReadDir(share); len(entries) != 0 {
 		t.Fatalf("the driver wrote into what may be an unmounted share: %v", entries)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", share, "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", share, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 	if sh, err := d.Node().NodeGetStorageHealth(context.Background(), &csi.NodeGetStorageHealthRequest{}); err != nil || len(sh.GetBackendHealth()) != 0 {

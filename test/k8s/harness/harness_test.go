@@ -363,7 +363,7 @@ func TestKubernetes(t *testing.T) {
 	if err := os.MkdirAll(sharedPool["/mnt/poolcsi-shared"], 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := exec.Command(poolcsi, "pool", "init", "--path", sharedPool["/mnt/poolcsi-shared"], "--name", "shared").CombinedOutput(); err != nil {
+	if out, err := exec.Command(poolcsi, "pool", "init", "--path", sharedPool["/mnt/poolcsi-shared"], "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 	// The local driver as the chart runs it with snapshots.local (--claim-local-snapshots),
