@@ -61,6 +61,12 @@ func TestChartVariants(t *testing.T) {
 			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}}},
 			[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
 			[]string{"CSIDriver/local.poolcsi.io", "ClusterRole/poolcsi-node"}},
+		{"shared pools, one mounted by the admin and one by poolcsi", map[string]any{"pools": map[string]any{
+			"shared": []any{
+				map[string]any{"name": "admin", "path": "/mnt/admin"},
+				map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export"}},
+			}}},
+			[]string{"DaemonSet/poolcsi-node", "Deployment/poolcsi-controller"}, nil},
 		{"storage classes", map[string]any{"createNamespace": true, "storageClasses": []any{
 			map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
 			map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
@@ -104,6 +110,7 @@ func TestChartVariants(t *testing.T) {
 			}
 			checkSnapshotters(t, tc.overrides, have)
 			checkShareKey(t, tc.overrides, have)
+			checkPoolHostPaths(t, tc.overrides, have)
 			if sc, ok := have["StorageClass/poolcsi-local"]; ok {
 				for _, s := range []string{"provisioner: local.poolcsi.io", "volumeBindingMode: WaitForFirstConsumer", `csi.storage.k8s.io/fstype: "xfs"`, `is-default-class: "true"`} {
 					if !strings.Contains(sc.YAML, s) {
@@ -197,5 +204,62 @@ func checkShareKey(t *testing.T, overrides map[string]any, have map[string]Doc) 
 		if on != hasFlag || on != hasSecret {
 			t.Errorf("%s: shares on %t, --share-key-file %t, Secret %s mounted %t", w, on, hasFlag, secret, hasSecret)
 		}
+	}
+}
+
+// checkPoolHostPaths: the node plugin's hostPath of a shared pool the admin mounts is of
+// type Directory, so that kubelet never makes a missing share path on the node's own disk
+// (an empty directory there looks like a new pool); a pool poolcsi mounts itself, and a
+// local pool, may have its directory made (DirectoryOrCreate).
+func checkPoolHostPaths(t *testing.T, overrides map[string]any, have map[string]Doc) {
+	t.Helper()
+	d, ok := have["DaemonSet/poolcsi-node"]
+	if !ok {
+		return
+	}
+	var ds struct {
+		Spec struct {
+			Template struct {
+				Spec struct {
+					Volumes []struct {
+						Name     string
+						HostPath *struct{ Path, Type string }
+					}
+				}
+			}
+		}
+	}
+	if err := yaml.Unmarshal([]byte(d.YAML), &ds); err != nil {
+		t.Fatalf("DaemonSet/poolcsi-node: %v", err)
+	}
+	mountedByPoolcsi := map[string]bool{}
+	pools, _ := overrides["pools"].(map[string]any)
+	shared, _ := pools["shared"].([]any)
+	for _, p := range shared {
+		if p, ok := p.(map[string]any); ok && p["mount"] != nil {
+			mountedByPoolcsi[p["name"].(string)] = true
+		}
+	}
+	seen := 0
+	for _, v := range ds.Spec.Template.Spec.Volumes {
+		var want string
+		switch {
+		case strings.HasPrefix(v.Name, "pool-shared-"):
+			want = "Directory"
+			if mountedByPoolcsi[strings.TrimPrefix(v.Name, "pool-shared-")] {
+				want = "DirectoryOrCreate"
+			}
+		case strings.HasPrefix(v.Name, "pool-local-"):
+			want = "DirectoryOrCreate"
+		default:
+			continue
+		}
+		seen++
+		if v.HostPath == nil || v.HostPath.Type != want {
+			t.Errorf("DaemonSet/poolcsi-node volume %s: hostPath %+v, want type %s", v.Name, v.HostPath, want)
+		}
+	}
+	if seen == 0 {
+		t.Errorf("DaemonSet/poolcsi-node has no pool volumes")
 	}
 }
