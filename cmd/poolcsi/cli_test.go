@@ -40,6 +40,7 @@ func TestHelpExitsZero(t *testing.T) {
 		{[]string{"pool", "unfence", "-h"}, "Usage: poolcsi pool unfence"},
 		{[]string{"pool", "init", "-h"}, "Usage: poolcsi pool init"},
 		{[]string{"version", "-h"}, "Usage: poolcsi version"},
+		{[]string{"call", "-h"}, "Usage: poolcsi call"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {

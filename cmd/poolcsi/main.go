@@ -113,6 +113,7 @@ Usage:
   poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
   poolcsi pool init|list|check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
+  poolcsi call [--endpoint unix:///path/csi.sock] METHOD ['{json}']   (any CSI call, JSON in and out)
   poolcsi version                   (also: poolcsi --version)
 
 Every command takes -h for its flags, e.g. "poolcsi serve -h".
@@ -146,6 +147,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = runDemo(ctx, args[1:], stdout, stderr)
 	case "pool":
 		err = poolCmd(ctx, args[1:], stdout, stderr)
+	case "call":
+		err = callCmd(ctx, args[1:], stdout, stderr)
 	case "version", "--version", "-version":
 		err = versionCmd(args[1:], stdout, stderr)
 	case "-h", "--help", "help":
