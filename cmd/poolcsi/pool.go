@@ -21,7 +21,7 @@ import (
 const poolUsage = `Usage:
   poolcsi pool init --path POOL_DIR --name NAME [--not-a-mount-point-ok]
   poolcsi pool list --path POOL_DIR
-  poolcsi pool check --path POOL_DIR
+  poolcsi pool check --path POOL_DIR [--repair]
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
 
 init lays out a new shared pool, once, at the root of the mounted share: the
@@ -31,8 +31,10 @@ init refuses a directory that is not a mount point (--not-a-mount-point-ok
 overrides it).
 list shows every volume with its size, the bytes its image holds, where it is
 staged and published, and its controller-side health.
-check reports damaged or unhealthy volumes and leftovers of interrupted calls;
-it exits 1 when it finds any. Neither changes anything.
+check reports damaged or unhealthy volumes, leftovers of interrupted calls and
+a capacity ledger that does not match the volumes (docs/format.md); it exits 1
+when it finds any. Neither list nor check changes anything, except that
+check --repair rewrites a ledger that does not match from the volumes.
 unfence forgets that NODE (every node, without --node) holds the volume, so
 another node may publish it. Only for a node that is dead or fenced off: see
 docs/fencing.md.
@@ -116,11 +118,34 @@ func poolList(out, stderr io.Writer, args []string) error {
 var errProblems = errors.New("problems found")
 
 func poolCheck(out, stderr io.Writer, args []string) error {
-	p, err := openPoolFlag("check", "Reports damaged or unhealthy volumes and leftovers of interrupted calls, and exits 1\nwhen it finds any. It changes nothing.", stderr, args)
+	// --repair is check's own flag; openPoolFlag parses the rest.
+	var rest []string
+	repair := false
+	for _, a := range args {
+		if a == "--repair" || a == "-repair" {
+			repair = true
+			continue
+		}
+		rest = append(rest, a)
+	}
+	p, err := openPoolFlag("check", "Reports damaged or unhealthy volumes, leftovers of interrupted calls and a capacity\nledger that does not match the volumes, and exits 1 when it finds any. It changes\nnothing, except that --repair rewrites such a ledger from the volumes.", stderr, rest)
 	if err != nil {
 		return err
 	}
 	problems := 0
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if lr, err := p.CheckLedger(ctx, repair); err != nil {
+		fmt.Fprintf(out, "LEDGER  cannot be checked: %v\n", err)
+		problems++
+	} else if lr.Problem != "" {
+		if repair {
+			fmt.Fprintf(out, "LEDGER  %s: repaired from the volumes\n", lr.Problem)
+		} else {
+			fmt.Fprintf(out, "LEDGER  %s (the next create rebuilds or settles it; --repair rewrites it now)\n", lr.Problem)
+			problems++
+		}
+	}
 	if err := p.Check(); err != nil {
 		fmt.Fprintf(out, "POOL  %v\n", err)
 		problems++

@@ -102,8 +102,8 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 			klog.FromContext(ctx).Info("Not removing the half-made data's quota", "volume", vid, "err", err)
 		}
 	}
-	id, err := p.MakeData(ctx, v, b.Kind(), func(data string, taken map[uint64]bool) (uint64, error) {
-		return b.Create(ctx, data, v.CapacityBytes, taken)
+	id, err := p.MakeData(ctx, v, b.Kind(), func(data string, claim func(uint64) (bool, error)) (uint64, error) {
+		return b.Create(ctx, data, v.CapacityBytes, claim)
 	})
 	if err != nil {
 		return grpcError(fmt.Errorf("create data directory of volume %s (%s): %w", vid, b.Kind(), err))

@@ -70,6 +70,9 @@ type Usage struct {
 	// the source unshares them, and that allocation must fit too.
 	Snapshots     int
 	SnapshotBytes int64
+	// ReflinkedBytes is the part of SnapshotBytes that reflinked snapshots
+	// share with their sources (counted in UnbackedBytes too).
+	ReflinkedBytes int64
 }
 
 // AvailableBytes is how large a new volume (or a growth) may be under the pool's
@@ -83,8 +86,9 @@ func (p *Pool) AvailableBytes(u Usage) int64 {
 	return int64(math.Min(avail, float64(math.MaxInt64)))
 }
 
-// Usage measures the pool. It stats every image, so callers that decide on capacity
-// hold LockPool around Usage and the change it allows.
+// Usage measures the pool: it stats every image and reads every snapshot.json
+// (volume.json only when it changed). Capacity decisions use the ledger
+// (ledger.go), and measure only a pool the ledger's bound would refuse.
 func (p *Pool) Usage() (Usage, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(p.Path, &st); err != nil {
@@ -119,9 +123,8 @@ func (p *Pool) Usage() (Usage, error) {
 		}
 		u.Snapshots++
 		u.SnapshotBytes += e.Snapshot.AllocatedBytes
-		if e.Snapshot.CopyMethod == CopyReflink {
-			u.UnbackedBytes += e.Snapshot.AllocatedBytes
-		}
+		u.UnbackedBytes += reflinked(e.Snapshot)
+		u.ReflinkedBytes += reflinked(e.Snapshot)
 	}
 	return u, nil
 }
@@ -136,22 +139,6 @@ func (p *Pool) allocatedBytes(id VolumeID, layout Layout) int64 {
 		return 0 // a missing image backs nothing; health checks report it
 	}
 	return st.Blocks * 512
-}
-
-// admit is the one capacity decision, for every create, snapshot and growth of
-// either layout: whether the pool can back need more bytes under its overcommit
-// policy. what names the request in the refusal. Callers hold LockPool, so the
-// decision and the change it allows are one step for every node.
-func (p *Pool) admit(need int64, what string) error {
-	u, err := p.Usage()
-	if err != nil {
-		return err
-	}
-	if avail := p.AvailableBytes(u); need > avail {
-		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",
-			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
-	}
-	return nil
 }
 
 // metaStamp identifies one version of a volume.json: every write renames a new

@@ -47,12 +47,15 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volum
 		return nil, fmt.Errorf("%w: an interrupted expansion already grew volume %s's image to %d bytes, above limit_bytes %d; ask for at least that size", ErrOutOfRange, id, target, limit)
 	}
 
-	unlockPool, err := p.LockPool(ctx)
+	tx, end, err := p.beginLedger(ctx)
 	if err != nil {
 		return nil, err
 	}
-	defer unlockPool()
-	if err := p.admit(target-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, target)); err != nil {
+	defer end()
+	if err := tx.admit(target-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, target)); err != nil {
+		return nil, err
+	}
+	if err := tx.countGrowth(id, v.CapacityBytes, target); err != nil {
 		return nil, err
 	}
 	if fi.Size() < target {
@@ -98,12 +101,15 @@ func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit fu
 	if size <= v.CapacityBytes {
 		return v, nil
 	}
-	unlockPool, err := p.LockPool(ctx)
+	tx, end, err := p.beginLedger(ctx)
 	if err != nil {
 		return nil, err
 	}
-	defer unlockPool()
-	if err := p.admit(size-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, size)); err != nil {
+	defer end()
+	if err := tx.admit(size-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, size)); err != nil {
+		return nil, err
+	}
+	if err := tx.countGrowth(id, v.CapacityBytes, size); err != nil {
 		return nil, err
 	}
 	if setLimit != nil {
@@ -138,4 +144,14 @@ func (p *Pool) lockForGrowth(ctx context.Context, id VolumeID, layout Layout) (*
 		return nil, nil, err
 	}
 	return v, unlock, nil
+}
+
+// countGrowth counts a volume's growth from size from to size to in the ledger
+// before the volume's record says so (its pending entry): a crash between the
+// two is settled back to what the record holds.
+func (tx *ledgerTx) countGrowth(id VolumeID, from, to int64) error {
+	return tx.apply(func(l *ledger) {
+		l.ProvisionedBytes += to - from
+		l.Pending = pending{Kind: pendingVolume, Key: id.Key, Bytes: to}
+	})
 }

@@ -10,6 +10,8 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
@@ -79,6 +81,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			}
 		}
 	}
+	out = append(out, p.trashLeftovers(now)...)
 	out = append(out, p.damagedFiles()...)
 	sdir := filepath.Join(p.Path, snapshotsDir)
 	if sdes, err := p.readDir(snapshotsDir); err == nil {
@@ -122,6 +125,22 @@ func (p *Pool) damagedFiles() []Leftover {
 	}
 	check(poolMeta, maxPoolMeta)
 	check(poolLock, maxLockFile)
+	check(ledgerFile, maxLedger)
+	check(filepath.Join(quotaIDsDir, quotaIndexDone), maxMarker)
+	if kinds, err := p.readDir(quotaIDsDir); err == nil {
+		for _, k := range kinds {
+			if !k.IsDir() {
+				continue
+			}
+			claims, err := p.readDir(filepath.Join(quotaIDsDir, k.Name()))
+			if err != nil {
+				out = append(out, Leftover{filepath.Join(p.Path, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
+			}
+			for _, c := range claims {
+				check(filepath.Join(quotaIDsDir, k.Name(), c.Name()), maxQuotaClaim)
+			}
+		}
+	}
 	if des, err := p.readDir(volumesDir); err == nil {
 		for _, de := range des {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
@@ -164,6 +183,33 @@ func (p *Pool) damagedFiles() []Leftover {
 				check(filepath.Join(nodesDir, name, m.Name()), maxMarker)
 			}
 		}
+	}
+	return out
+}
+
+// trashGrace is how long a trash entry may stay before Leftovers reports it
+// even though nobody holds its lock: a delete removes its entry right after
+// renaming it there, outside the pool lock (snapshots have no lock file).
+const trashGrace = 10 * time.Minute
+
+// trashLeftovers lists what interrupted deletes left in the pool's trash.
+func (p *Pool) trashLeftovers(now time.Time) []Leftover {
+	des, err := p.readDir(trashDir)
+	if err != nil {
+		return nil
+	}
+	var out []Leftover
+	for _, de := range des {
+		path := filepath.Join(p.Path, trashDir, de.Name())
+		if lockHeld(p.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+			continue // a delete under way, here or on another node
+		}
+		// The change time: a rename sets it, and keeps the mtime.
+		var st unix.Stat_t
+		if err := unix.Lstat(path, &st); err == nil && now.Sub(time.Unix(st.Ctim.Unix())) < trashGrace {
+			continue
+		}
+		out = append(out, Leftover{path, "an interrupted delete; the volume or snapshot is gone, its data remains: retry the delete or remove it"})
 	}
 	return out
 }

@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -40,11 +42,13 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := p.Check(); err != nil {
 		return nil, err
 	}
-	unlock, err := p.LockPool(ctx)
+	// The pool lock covers the decision and the few system calls that
+	// record it (a mkdir, the ledger, a volume.json): no scan, no mkfs.
+	tx, end, err := p.beginLedger(ctx)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer end()
 
 	if v, err := p.Load(id); err == nil {
 		if v.Name != spec.Name {
@@ -55,7 +59,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, err
 	}
 
-	if err := p.admit(spec.CapacityBytes, "a new volume"); err != nil {
+	if err := tx.admit(spec.CapacityBytes, "a new volume"); err != nil {
 		return nil, err
 	}
 
@@ -81,6 +85,18 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, fmt.Errorf("create volume %s: %w", id, err)
 	}
 	if err := p.touch(volumeRel(id, lockFile)); err != nil {
+		return nil, err
+	}
+	// Counted before its record is written, as the pending entry: a crash
+	// before the record is settled by the next transaction (which finds no
+	// record and takes the count back); a crash before this write leaves the
+	// volumes directory changed after the ledger's stamp, and the ledger is
+	// rebuilt. Either way it never counts less than the records hold.
+	if err := tx.apply(func(l *ledger) {
+		l.Volumes++
+		l.ProvisionedBytes += v.CapacityBytes
+		l.Pending = pending{Kind: pendingVolume, Key: id.Key, Bytes: v.CapacityBytes}
+	}); err != nil {
 		return nil, err
 	}
 	// The creating record need not survive a crash by itself: MarkReady's
@@ -221,11 +237,12 @@ func (p *Pool) MarkReady(v *Volume) error {
 	return p.Save(v)
 }
 
-// Delete removes a volume's directory and everything in it. The directory is first
-// renamed out of the volumes namespace, so a crash mid-delete never leaves a
-// half-deleted volume that lists as present; leftovers are swept by Sweep.
-// It returns nil if the volume does not exist. The caller checks that nothing holds
-// the volume (staged, published) before calling.
+// Delete removes a volume's directory and everything in it. The directory is
+// first renamed out of the volumes namespace (into the pool's trash), so a
+// crash mid-delete never leaves a half-deleted volume that lists as present;
+// a retry finishes the removal. It returns nil if the volume does not exist.
+// The caller checks that nothing holds the volume (staged, published) before
+// calling, and holds the volume's lock if it exists.
 func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
 	return p.DeleteWith(ctx, id, nil)
 }
@@ -233,46 +250,107 @@ func (p *Pool) Delete(ctx context.Context, id VolumeID) error {
 // DeleteWith is Delete with a step that runs before the renamed-away volume is
 // removed: a dir volume whose data is a btrfs subvolume deletes it there. The
 // step gets the path the volume's data directory now has.
+//
+// Only the rename and the ledger's count are under the pool lock; the removal
+// of the data, however large, is not.
 func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data string) error) error {
-	unlock, err := p.LockPool(ctx)
-	if err != nil {
-		return err
-	}
-	defer unlock()
 	var inTrash func(string) error
 	if before != nil {
 		inTrash = func(trash string) error { return before(filepath.Join(trash, dataDir)) }
 	}
-	if err := removeRenamed(filepath.Join(p.Path, volumesDir), id.Key, inTrash); err != nil {
+	tx, end, err := p.beginLedger(ctx)
+	if err != nil {
+		return err
+	}
+	v, lerr := p.Load(id)
+	moved, ours, err := p.toTrash(volumesDir, id.Key, "v-")
+	if err == nil && moved && lerr == nil {
+		// The volumes directory changed, so a crash before this write
+		// leaves an outdated ledger, which is rebuilt.
+		err = tx.apply(func(l *ledger) {
+			l.Volumes--
+			l.ProvisionedBytes -= v.CapacityBytes
+		})
+	}
+	end()
+	if err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	if err := p.emptyTrash("v-"+id.Key, ours, inTrash); err != nil {
+		return fmt.Errorf("delete volume %s: %w", id, err)
+	}
+	if lerr == nil && v.Quota != nil {
+		p.releaseQuotaID(v.Quota.Kind, v.Quota.ID, id.Key)
 	}
 	return nil
 }
 
-// removeRenamed deletes parent/key by renaming it to parent/.deleting-key and
-// then removing that, so a crash never leaves something half-deleted under its
-// own name; a retry (parent/key gone, the renamed one still there) finishes the
-// removal. before runs on the renamed directory first. key is a validated key
-// and RemoveAll does not follow symlinks, so nothing outside parent/key is reached.
-func removeRenamed(parent, key string, before func(dir string) error) error {
-	trash := filepath.Join(parent, ".deleting-"+key)
-	if err := os.Rename(filepath.Join(parent, key), trash); err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		if _, err := os.Lstat(trash); err != nil {
-			return nil // nothing is left
+// toTrash renames parentRel/key, and what an older version's interrupted
+// delete left of it (parentRel/.deleting-key), into the pool's trash, under a
+// name of its own (prefix, key, a time), and returns those names. moved tells
+// whether parentRel/key existed. The caller holds the pool lock: the rename
+// changes parentRel, which the ledger stamps.
+func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
+	if err := p.checkDir(parentRel); err != nil {
+		return false, nil, err
+	}
+	if err := os.MkdirAll(filepath.Join(p.Path, trashDir), 0o750); err != nil {
+		return false, nil, err
+	}
+	if err := p.checkDir(trashDir); err != nil {
+		return false, nil, err
+	}
+	parent := filepath.Join(p.Path, parentRel)
+	for _, name := range []string{key, ".deleting-" + key} {
+		dst := fmt.Sprintf("%s%s-%d", prefix, key, time.Now().UnixNano())
+		err := os.Rename(filepath.Join(parent, name), filepath.Join(p.Path, trashDir, dst))
+		switch {
+		case err == nil:
+			moved = moved || name == key
+			ours = append(ours, dst)
+		case !errors.Is(err, os.ErrNotExist):
+			return moved, ours, err
 		}
 	}
-	if before != nil {
-		if err := before(trash); err != nil {
-			return err
-		}
+	return moved, ours, nil
+}
+
+// emptyTrash removes the trash entries ours, just renamed there, and every
+// other entry of name (prefix and key) an interrupted delete left, unless a
+// call (here or on another node) holds the lock file that moved with it: that
+// call is removing it. before runs on each first.
+func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) error) error {
+	des, err := p.readDir(trashDir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
 	}
-	if err := os.RemoveAll(trash); err != nil {
+	if err != nil {
 		return err
 	}
-	return syncDir(parent)
+	dir := filepath.Join(p.Path, trashDir)
+	removed := false
+	for _, de := range des {
+		if !de.IsDir() || !strings.HasPrefix(de.Name(), name+"-") {
+			continue
+		}
+		if !slices.Contains(ours, de.Name()) && lockHeld(p.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+			continue
+		}
+		if before != nil {
+			if err := before(filepath.Join(dir, de.Name())); err != nil {
+				return err
+			}
+		}
+		// RemoveAll does not follow links: nothing outside the entry goes.
+		if err := os.RemoveAll(filepath.Join(dir, de.Name())); err != nil {
+			return err
+		}
+		removed = true
+	}
+	if removed {
+		return syncDir(dir)
+	}
+	return nil
 }
 
 // touch creates the pool file rel if it is missing (a link planted there is

@@ -149,16 +149,18 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 		return fmt.Errorf("snapshot %s: %w", sid, err)
 	}
 	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
-	return p.SaveSnapshot(s)
+	return p.saveFilled(ctx, sid, s)
 }
 
-// MakeData makes the data directory of a dir volume still in state creating,
-// under the pool lock so that two creates never choose one quota ID. A
-// half-made data directory from an interrupted attempt holds no user data and
-// is removed first. create makes the directory (a plain directory, a btrfs
-// subvolume, a project-quota directory) with its limit, given the quota IDs the
-// pool's other dir volumes of that kind already use, and returns the ID it took.
-func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func(data string, taken map[uint64]bool) (uint64, error)) (uint64, error) {
+// MakeData makes the data directory of a dir volume still in state creating.
+// A half-made data directory from an interrupted attempt holds no user data
+// and is removed first. create makes the directory (a plain directory, a btrfs
+// subvolume, a project-quota directory) with its limit and returns the quota
+// ID it took; claim takes a quota ID of kind for this volume through the
+// pool's quota ID index (quotaids.go), or tells that another volume holds it.
+// The caller holds the volume's lock (Finish); no pool-wide lock is taken and
+// no other volume is read.
+func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func(data string, claim func(qid uint64) (bool, error)) (uint64, error)) (uint64, error) {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return 0, err
@@ -166,29 +168,14 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 	if v.State != StateCreating {
 		return 0, fmt.Errorf("volume %s is %s, not creating: refusing to remake its data", id, v.State)
 	}
-	unlock, err := p.LockPool(ctx)
-	if err != nil {
-		return 0, err
-	}
-	defer unlock()
 	if err := p.checkDir(volumeRel(id)); err != nil {
 		return 0, err
-	}
-	entries, err := p.List()
-	if err != nil {
-		return 0, err
-	}
-	taken := map[uint64]bool{}
-	for _, e := range entries {
-		if e.Err == nil && e.ID != id && e.Volume.Quota != nil && e.Volume.Quota.Kind == kind {
-			taken[e.Volume.Quota.ID] = true
-		}
 	}
 	data := p.DataPath(id)
 	if err := os.RemoveAll(data); err != nil {
 		return 0, fmt.Errorf("remove half-made data of volume %s: %w", id, err)
 	}
-	return create(data, taken)
+	return create(data, func(qid uint64) (bool, error) { return p.ClaimQuotaID(ctx, kind, id, qid) })
 }
 
 // DataExists tells whether a dir volume's data directory is there.

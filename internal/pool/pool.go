@@ -62,6 +62,9 @@ type Pool struct {
 	// indexed is set once the per-node publish index is known to exist
 	// (EnsurePublishIndex).
 	indexed atomic.Bool
+	// quotaIndexed is set once the quota ID index is known to exist
+	// (ensureQuotaIndex).
+	quotaIndexed atomic.Bool
 }
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is

@@ -253,11 +253,11 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 	if err := p.Check(); err != nil {
 		return nil, err
 	}
-	unlock, err := p.LockPool(ctx)
+	tx, end, err := p.beginLedger(ctx)
 	if err != nil {
 		return nil, err
 	}
-	defer unlock()
+	defer end()
 	if s, err := p.LoadSnapshot(id); err == nil {
 		switch {
 		case s.Name != name:
@@ -269,11 +269,18 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 	} else if !errors.Is(err, os.ErrNotExist) {
 		return nil, err
 	}
-	if err := p.admit(needBytes, "a snapshot of volume "+src.ID); err != nil {
+	if err := tx.admit(needBytes, "a snapshot of volume "+src.ID); err != nil {
 		return nil, err
 	}
 	if err := os.MkdirAll(p.SnapshotDir(id), 0o750); err != nil {
 		return nil, fmt.Errorf("create snapshot %s: %w", id, err)
+	}
+	// Counted before its record, as Reserve counts a volume.
+	if err := tx.apply(func(l *ledger) {
+		l.Snapshots++
+		l.Pending = pending{Kind: pendingSnapshot, Key: id.Key}
+	}); err != nil {
+		return nil, err
 	}
 	s := &Snapshot{
 		ID:             id.String(),
@@ -293,18 +300,56 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 }
 
 // DeleteSnapshot removes a snapshot; nil when it does not exist. Like a volume,
-// it is renamed out of the namespace first, so a crash never leaves a half-deleted
-// snapshot that lists as present; a retry finishes the removal.
+// it is renamed into the pool's trash first, under the pool lock, so a crash
+// never leaves a half-deleted snapshot that lists as present; the copy is
+// removed after the lock is released, and a retry finishes the removal.
 func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
-	unlock, err := p.LockPool(ctx)
+	tx, end, err := p.beginLedger(ctx)
 	if err != nil {
 		return err
 	}
-	defer unlock()
-	if err := removeRenamed(filepath.Join(p.Path, snapshotsDir), id.Key, nil); err != nil {
+	s, lerr := p.LoadSnapshot(id)
+	moved, ours, err := p.toTrash(snapshotsDir, id.Key, "s-")
+	if err == nil && moved && lerr == nil {
+		err = tx.apply(func(l *ledger) {
+			l.Snapshots--
+			l.ReflinkedBytes -= reflinked(s)
+		})
+	}
+	end()
+	if err != nil {
+		return fmt.Errorf("delete snapshot %s: %w", id, err)
+	}
+	if err := p.emptyTrash("s-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
 	return nil
+}
+
+// saveFilled records a filled snapshot, counting what a reflinked copy shares
+// with its source in the ledger first (as its pending entry), so that the
+// record never holds more than the ledger counts.
+func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) error {
+	if reflinked(s) > 0 {
+		tx, end, err := p.beginLedger(ctx)
+		if err != nil {
+			return err
+		}
+		var before int64
+		if old, err := p.LoadSnapshot(sid); err == nil {
+			before = reflinked(old)
+		}
+		err = tx.apply(func(l *ledger) {
+			l.ReflinkedBytes += reflinked(s) - before
+			l.Pending = pending{Kind: pendingSnapshot, Key: sid.Key, Bytes: reflinked(s)}
+		})
+		if err == nil {
+			err = p.SaveSnapshot(s)
+		}
+		end()
+		return err
+	}
+	return p.SaveSnapshot(s)
 }
 
 // SnapshotAllocated measures what a snapshot's data holds on the pool's filesystem.

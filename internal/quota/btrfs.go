@@ -111,7 +111,7 @@ func runBtrfs(ctx context.Context, args []string) error {
 	return nil
 }
 
-func (b Btrfs) Create(ctx context.Context, dir string, limit int64, _ map[uint64]bool) (uint64, error) {
+func (b Btrfs) Create(ctx context.Context, dir string, limit int64, _ func(uint64) (bool, error)) (uint64, error) {
 	if err := runBtrfs(ctx, btrfsCreateArgs(dir)); err != nil {
 		return 0, err
 	}

@@ -132,7 +132,12 @@ func GetProject(dir string) (uint32, bool, error) {
 	return fa.ProjID, fa.XFlags&fsXflagProjInherit != 0, nil
 }
 
-func (p Project) Create(ctx context.Context, dir string, limit int64, taken map[uint64]bool) (uint64, error) {
+// maxProbes bounds the search for a free project ID: with IDs hashed into
+// 2^31 - 2^16 values, 64 taken in a row means something is wrong (claims that
+// cannot be read), not a full ID space.
+const maxProbes = 64
+
+func (p Project) Create(ctx context.Context, dir string, limit int64, claim func(id uint64) (bool, error)) (uint64, error) {
 	if err := os.Mkdir(dir, 0o777); err != nil {
 		return 0, fmt.Errorf("create %s: %w", dir, err)
 	}
@@ -140,9 +145,19 @@ func (p Project) Create(ctx context.Context, dir string, limit int64, taken map[
 		return 0, err
 	}
 	// The key (volumes/<key>/data) names the volume; hashing it keeps IDs stable,
-	// and probing past taken ones keeps two volumes from sharing one limit.
+	// and probing past claimed ones keeps two volumes from sharing one limit.
 	id := ProjectID(filepath.Base(filepath.Dir(dir)))
-	for taken[uint64(id)] {
+	for probe := 0; claim != nil; probe++ {
+		if probe == maxProbes {
+			return 0, fmt.Errorf("no free project ID after %d probes from %d", maxProbes, ProjectID(filepath.Base(filepath.Dir(dir))))
+		}
+		ok, err := claim(uint64(id))
+		if err != nil {
+			return 0, err
+		}
+		if ok {
+			break
+		}
 		id = ProjectID(strconv.FormatUint(uint64(id), 10))
 	}
 	if err := SetProject(dir, id); err != nil {

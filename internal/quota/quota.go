@@ -36,9 +36,11 @@ type Backend interface {
 	Enforced() bool
 	Reason() string
 	// Create makes dir (it must not exist) with the given limit and returns the
-	// quota ID to record (subvolume or project ID; 0 when there is none). taken
-	// holds the IDs other volumes of the filesystem already use.
-	Create(ctx context.Context, dir string, limit int64, taken map[uint64]bool) (uint64, error)
+	// quota ID to record (subvolume or project ID; 0 when there is none). A
+	// backend that picks IDs itself takes each through claim, which tells
+	// whether the ID is now this volume's (false: another volume holds it).
+	// claim may be nil where no other volume can hold one (tests).
+	Create(ctx context.Context, dir string, limit int64, claim func(id uint64) (bool, error)) (uint64, error)
 	// SetLimit changes the limit of a directory made by Create.
 	SetLimit(ctx context.Context, dir string, id uint64, limit int64) error
 	// Usage measures a directory made by Create.
@@ -72,7 +74,7 @@ type None struct{ Why string }
 func (None) Kind() string     { return KindNone }
 func (None) Enforced() bool   { return false }
 func (n None) Reason() string { return n.Why }
-func (None) Create(_ context.Context, dir string, _ int64, _ map[uint64]bool) (uint64, error) {
+func (None) Create(_ context.Context, dir string, _ int64, _ func(uint64) (bool, error)) (uint64, error) {
 	if err := os.Mkdir(dir, 0o777); err != nil {
 		return 0, fmt.Errorf("create %s: %w", dir, err)
 	}

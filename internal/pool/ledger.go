@@ -1,0 +1,462 @@
+package pool
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"math"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
+)
+
+// The capacity ledger lets a create, growth or snapshot be admitted without
+// reading every volume of the pool: <pool>/ledger.json holds the sums that
+// admission needs (volumes and their capacities, snapshots and the bytes
+// reflinked ones share), kept under the pool lock with every change. It is
+// derived data: the records (volume.json, snapshot.json) stay the truth, and
+// the ledger is rebuilt from them whenever it cannot be trusted:
+//
+//   - missing, not a regular file, too large, unparsable, a checksum or a
+//     sanity check that fails: damage, rebuilt;
+//   - older than the pool's records: it holds a stamp (inode, times, link
+//     count, size) of the volumes and snapshots directories as they were when
+//     it was written; every create or delete changes them, so a create or
+//     delete the ledger does not know of (a crash between the directory change
+//     and the ledger write, an older driver) shows as a stamp that does not
+//     match, and the ledger is rebuilt;
+//   - a change that does not touch those directories (a growth, a reserved
+//     volume whose volume.json is not written yet, a snapshot filled) is
+//     written to the ledger first, as its pending entry, then to the record.
+//     The next transaction settles the pending entry by reading that one
+//     record: a crash between the two is undone, with no scan.
+//
+// Admission from the ledger is conservative: it counts every volume's whole
+// capacity as unbacked (as if no image had a block allocated), which is never
+// less than the truth. When that bound would refuse, the pool is measured
+// exactly, as before the ledger existed, and the ledger is checked against that
+// measurement (and repaired) before anything is refused: a ledger can make a
+// create cost a scan, never admit one the pool cannot back.
+
+const (
+	ledgerFile    = "ledger.json"
+	trashDir      = "trash"
+	maxLedger     = 16 << 10
+	ledgerVersion = 1
+)
+
+// errLedgerStale marks a ledger older than the pool's directories.
+var errLedgerStale = errors.New("ledger is older than the pool's records")
+
+// dirStamp identifies one state of a directory's entries.
+type dirStamp struct {
+	Ino   uint64 `json:"ino,omitempty"`
+	Mtime int64  `json:"mtime,omitempty"`
+	Ctime int64  `json:"ctime,omitempty"`
+	Nlink uint64 `json:"nlink,omitempty"`
+	Size  int64  `json:"size,omitempty"`
+}
+
+// pending is the one change the ledger counts ahead of its record: the record
+// of Kind ("volume" or "snapshot") Key is meant to exist, counting Bytes
+// (a volume's capacity, a snapshot's reflinked bytes).
+type pending struct {
+	Kind  string `json:"kind,omitempty"`
+	Key   string `json:"key,omitempty"`
+	Bytes int64  `json:"bytes,omitempty"`
+}
+
+const (
+	pendingVolume   = "volume"
+	pendingSnapshot = "snapshot"
+)
+
+// ledger is the content of ledger.json.
+type ledger struct {
+	Version          int      `json:"version"`
+	Volumes          int64    `json:"volumes"`
+	ProvisionedBytes int64    `json:"provisionedBytes"`
+	Snapshots        int64    `json:"snapshots"`
+	ReflinkedBytes   int64    `json:"reflinkedBytes"`
+	Pending          pending  `json:"pending"`
+	VolumesDir       dirStamp `json:"volumesDir"`
+	SnapshotsDir     dirStamp `json:"snapshotsDir"`
+	// Sum is a checksum of the rest: a hand edit or a stray write that does
+	// not recompute it is damage.
+	Sum string `json:"sum"`
+}
+
+// Tally is what the ledger counts, or what a scan of the records found.
+type Tally struct {
+	Volumes, ProvisionedBytes, Snapshots, ReflinkedBytes int64
+}
+
+func (l *ledger) tally() Tally {
+	return Tally{l.Volumes, l.ProvisionedBytes, l.Snapshots, l.ReflinkedBytes}
+}
+
+func (l *ledger) setTally(t Tally) {
+	l.Volumes, l.ProvisionedBytes, l.Snapshots, l.ReflinkedBytes = t.Volumes, t.ProvisionedBytes, t.Snapshots, t.ReflinkedBytes
+}
+
+func tallyOf(u Usage) Tally {
+	return Tally{int64(u.Volumes), u.ProvisionedBytes, int64(u.Snapshots), u.ReflinkedBytes}
+}
+
+func (l ledger) checksum() string {
+	l.Sum = ""
+	raw, _ := json.Marshal(l)
+	s := sha256.Sum256(raw)
+	return hex.EncodeToString(s[:12])
+}
+
+// validate checks what admission relies on: a value no driver writes is damage.
+func (l *ledger) validate() error {
+	switch {
+	case l.Version != ledgerVersion:
+		return fmt.Errorf("version %d, want %d", l.Version, ledgerVersion)
+	case l.Sum != l.checksum():
+		return errors.New("checksum does not match")
+	case l.Volumes < 0 || l.Snapshots < 0 || l.ProvisionedBytes < 0 || l.ReflinkedBytes < 0:
+		return errors.New("a negative count")
+	case float64(l.ProvisionedBytes) > float64(l.Volumes)*MaxCapacity:
+		return errors.New("more capacity than its volumes can have")
+	}
+	switch l.Pending.Kind {
+	case "":
+		if l.Pending != (pending{}) {
+			return errors.New("a pending entry without a kind")
+		}
+	case pendingVolume, pendingSnapshot:
+		if !keyRE.MatchString(l.Pending.Key) || l.Pending.Bytes < 0 || l.Pending.Bytes > MaxCapacity {
+			return errors.New("a pending entry no driver writes")
+		}
+	default:
+		return fmt.Errorf("pending kind %q", l.Pending.Kind)
+	}
+	return nil
+}
+
+// stampOf stamps the pool directory rel (zero when it does not exist), from a
+// descriptor opened below the pool's root without links. Opening it also makes
+// an NFS client revalidate its attributes (close-to-open).
+func (p *Pool) stampOf(rel string) (dirStamp, error) {
+	f, err := fsx.OpenDir(p.Path, rel)
+	if errors.Is(err, fs.ErrNotExist) {
+		return dirStamp{}, nil
+	}
+	if err != nil {
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.Name, rel, unsafe(err))
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.Name, rel, err)
+	}
+	return dirStamp{Ino: st.Ino, Mtime: st.Mtim.Nano(), Ctime: st.Ctim.Nano(), Nlink: uint64(st.Nlink), Size: st.Size}, nil
+}
+
+func (p *Pool) stamps() (vols, snaps dirStamp, err error) {
+	if vols, err = p.stampOf(volumesDir); err != nil {
+		return
+	}
+	snaps, err = p.stampOf(snapshotsDir)
+	return
+}
+
+// readLedger reads and verifies ledger.json against the pool's directories.
+// Every error means: rebuild it. A missing one wraps fs.ErrNotExist, a damaged
+// one ErrCorrupt, an outdated one errLedgerStale.
+func (p *Pool) readLedger() (ledger, error) {
+	var l ledger
+	raw, err := p.readBeneath(ledgerFile, maxLedger)
+	if err != nil {
+		return l, fmt.Errorf("read %s: %w", ledgerFile, err)
+	}
+	if err := json.Unmarshal(raw, &l); err != nil {
+		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
+	}
+	if err := l.validate(); err != nil {
+		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
+	}
+	vols, snaps, err := p.stamps()
+	if err != nil {
+		return l, err
+	}
+	if vols != l.VolumesDir || snaps != l.SnapshotsDir {
+		return l, fmt.Errorf("%s: %w (a create or delete it does not count: a crash, or an older driver)", ledgerFile, errLedgerStale)
+	}
+	return l, nil
+}
+
+// writeLedger stamps l with the pool's directories as they are now and writes
+// it durably: a growth it counts must not be lost while the record survives.
+func (p *Pool) writeLedger(l *ledger) error {
+	vols, snaps, err := p.stamps()
+	if err != nil {
+		return err
+	}
+	l.Version, l.VolumesDir, l.SnapshotsDir = ledgerVersion, vols, snaps
+	l.Sum = l.checksum()
+	raw, err := json.Marshal(l)
+	if err != nil {
+		return err
+	}
+	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), true); err != nil {
+		return fmt.Errorf("pool %s: write %s: %w", p.Name, ledgerFile, err)
+	}
+	return nil
+}
+
+// ledgerTx is the ledger of a pool whose lock is held.
+type ledgerTx struct {
+	p *Pool
+	l ledger
+	// dirty: l differs from the file (settled, rebuilt or repaired) and is
+	// written when the transaction ends, if no change wrote it before.
+	dirty bool
+	// degraded: ledger.json cannot be written (a directory in its place);
+	// every admission then measures the pool, as before the ledger.
+	degraded bool
+}
+
+// beginLedger takes the pool lock and the pool's ledger, verified: rebuilt if
+// it is missing, damaged or outdated, and the previous change's pending entry
+// settled. end writes what the transaction repaired and releases the lock.
+func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err error) {
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return nil, nil, err
+	}
+	tx = &ledgerTx{p: p}
+	if err := tx.load(); err != nil {
+		unlock()
+		return nil, nil, err
+	}
+	return tx, func() {
+		if tx.dirty && !tx.degraded {
+			_ = tx.write(tx.l) // best effort: an unwritten repair is redone next time
+		}
+		unlock()
+	}, nil
+}
+
+func (tx *ledgerTx) load() error {
+	l, err := tx.p.readLedger()
+	if err != nil {
+		return tx.rebuild()
+	}
+	tx.l = l
+	return tx.settle()
+}
+
+// rebuild counts the pool's records: a scan, once, under the pool lock.
+func (tx *ledgerTx) rebuild() error {
+	u, err := tx.p.Usage()
+	if err != nil {
+		return fmt.Errorf("pool %s: rebuild the capacity ledger: %w", tx.p.Name, err)
+	}
+	tx.l = ledger{}
+	tx.l.setTally(tallyOf(u))
+	tx.dirty = true
+	return nil
+}
+
+// recorded is what the record of a pending entry contributes to the ledger
+// now: whether it counts, and its bytes. A missing or damaged record counts
+// nothing, as in a rebuild; a record that cannot be read for another reason
+// (an I/O error) fails the transaction rather than being guessed.
+func (p *Pool) recorded(pd pending) (int64, int64, error) {
+	var n, b int64
+	var err error
+	switch pd.Kind {
+	case pendingVolume:
+		var v *Volume
+		if v, err = p.Load(p.IDOf(pd.Key)); err == nil {
+			n, b = 1, v.CapacityBytes
+		}
+	case pendingSnapshot:
+		var s *Snapshot
+		if s, err = p.LoadSnapshot(p.SnapshotIDOf(pd.Key)); err == nil {
+			n, b = 1, reflinked(s)
+		}
+	}
+	if err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, ErrCorrupt) {
+		return 0, 0, err
+	}
+	return n, b, nil
+}
+
+// reflinked is what a snapshot adds to the pool's unbacked promises.
+func reflinked(s *Snapshot) int64 {
+	if s.CopyMethod == CopyReflink {
+		return s.AllocatedBytes
+	}
+	return 0
+}
+
+// settle replaces the pending entry's count by what its record holds: the
+// change finished (no difference) or was cut short by a crash (undone).
+func (tx *ledgerTx) settle() error {
+	pd := tx.l.Pending
+	if pd.Kind == "" {
+		return nil
+	}
+	n, b, err := tx.p.recorded(pd)
+	if err != nil {
+		return fmt.Errorf("pool %s: settle the capacity ledger: %w", tx.p.Name, err)
+	}
+	if pd.Kind == pendingVolume {
+		tx.l.Volumes += n - 1
+		tx.l.ProvisionedBytes += b - pd.Bytes
+	} else {
+		tx.l.Snapshots += n - 1
+		tx.l.ReflinkedBytes += b - pd.Bytes
+	}
+	tx.l.Pending = pending{}
+	if tx.l.Volumes < 0 || tx.l.ProvisionedBytes < 0 || tx.l.Snapshots < 0 || tx.l.ReflinkedBytes < 0 {
+		return tx.rebuild() // it under-counted: never trust it further
+	}
+	tx.dirty = true
+	return nil
+}
+
+func (tx *ledgerTx) write(l ledger) error {
+	if tx.degraded {
+		return nil
+	}
+	err := tx.p.writeLedger(&l)
+	if err != nil {
+		if fi, lerr := os.Lstat(filepath.Join(tx.p.Path, ledgerFile)); lerr == nil && fi.IsDir() {
+			// Not ours to remove; admission measures the pool instead,
+			// and pool check names the directory.
+			tx.degraded = true
+			return nil
+		}
+		return err
+	}
+	return nil
+}
+
+// apply makes change to a copy of the ledger and writes it; only once it is
+// written does the transaction hold it, so a failed write leaves nothing
+// counted that the caller then does not make.
+func (tx *ledgerTx) apply(change func(l *ledger)) error {
+	l := tx.l
+	change(&l)
+	if err := tx.write(l); err != nil {
+		return err
+	}
+	tx.l, tx.dirty = l, false
+	return nil
+}
+
+// admit is the one capacity decision, for every create, snapshot and growth of
+// either layout: whether the pool can back need more bytes under its overcommit
+// policy. what names the request in the refusal. The ledger's bound decides at
+// the cost of one statfs; only a request that bound would refuse measures the
+// pool (and checks the ledger against it) before the answer.
+func (tx *ledgerTx) admit(need int64, what string) error {
+	p := tx.p
+	if !tx.degraded {
+		var st unix.Statfs_t
+		if err := unix.Statfs(p.Path, &st); err != nil {
+			return fmt.Errorf("%w: statfs pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
+		}
+		bound := float64(int64(st.Bavail)*st.Bsize)*p.Overcommit - float64(tx.l.ProvisionedBytes) - float64(tx.l.ReflinkedBytes)
+		if float64(need) <= bound && bound < math.MaxInt64 {
+			return nil
+		}
+	}
+	u, err := p.Usage()
+	if err != nil {
+		return err
+	}
+	if t := tallyOf(u); t != tx.l.tally() {
+		// Drift (a crash that left a count behind, an older driver, a
+		// record changed by hand): the measurement is the truth.
+		tx.l.setTally(t)
+		tx.dirty = true
+	}
+	if avail := p.AvailableBytes(u); need > avail {
+		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",
+			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
+	}
+	return nil
+}
+
+// LedgerReport is what pool check says of a pool's ledger.
+type LedgerReport struct {
+	// Problem is empty when the ledger matches the records.
+	Problem string
+	Ledger  Tally // what the file counts (zero if unreadable)
+	Records Tally // what the records hold
+}
+
+// CheckLedger compares the ledger with a count of the records, under the pool
+// lock so that no change is half done. With repair, a ledger that does not
+// match is rewritten from the records.
+func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, error) {
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		if repair {
+			return LedgerReport{}, err
+		}
+		// A pool this tool cannot lock (read-only to it) is still checked:
+		// a change under way may then show as a difference.
+		unlock = func() {}
+	}
+	defer unlock()
+	var r LedgerReport
+	l, lerr := p.readLedger()
+	u, err := p.Usage()
+	if err != nil {
+		return r, err
+	}
+	r.Records = tallyOf(u)
+	switch {
+	case errors.Is(lerr, fs.ErrNotExist):
+		// No ledger yet (a pool an older version made): the first create
+		// builds it. Not a problem.
+		return r, nil
+	case errors.Is(lerr, errLedgerStale):
+		r.Ledger = l.tally()
+		r.Problem = "outdated: " + lerr.Error()
+	case lerr != nil:
+		r.Problem = "damaged: " + lerr.Error()
+	default:
+		r.Ledger = l.tally()
+		if l.Pending.Kind != "" {
+			n, b, err := p.recorded(l.Pending)
+			if err != nil {
+				return r, err
+			}
+			// The pending entry, settled, as the next change would.
+			if l.Pending.Kind == pendingVolume {
+				r.Ledger.Volumes += n - 1
+				r.Ledger.ProvisionedBytes += b - l.Pending.Bytes
+			} else {
+				r.Ledger.Snapshots += n - 1
+				r.Ledger.ReflinkedBytes += b - l.Pending.Bytes
+			}
+		}
+		if r.Ledger != r.Records {
+			r.Problem = fmt.Sprintf("drift: the ledger counts %+v, the records hold %+v", r.Ledger, r.Records)
+		}
+	}
+	if r.Problem != "" && repair {
+		nl := ledger{}
+		nl.setTally(r.Records)
+		if err := p.writeLedger(&nl); err != nil {
+			return r, err
+		}
+	}
+	return r, nil
+}
