@@ -404,14 +404,15 @@ type LedgerReport struct {
 // lock so that no change is half done. With repair, a ledger that does not
 // match is rewritten from the records.
 func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, error) {
-	unlock, err := p.LockPool(ctx)
+	var unlock func()
+	var err error
+	if repair {
+		unlock, err = p.LockPool(ctx)
+	} else {
+		unlock, err = p.lockQuietly(ctx)
+	}
 	if err != nil {
-		if repair {
-			return LedgerReport{}, err
-		}
-		// A pool this tool cannot lock (read-only to it) is still checked:
-		// a change under way may then show as a difference.
-		unlock = func() {}
+		return LedgerReport{}, err
 	}
 	defer unlock()
 	var r LedgerReport
@@ -426,10 +427,7 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 		// No ledger yet (a pool an older version made): the first create
 		// builds it. Not a problem.
 		return r, nil
-	case errors.Is(lerr, errLedgerStale):
-		r.Ledger = l.tally()
-		r.Problem = "outdated: " + lerr.Error()
-	case lerr != nil:
+	case lerr != nil && !errors.Is(lerr, errLedgerStale):
 		r.Problem = "damaged: " + lerr.Error()
 	default:
 		r.Ledger = l.tally()
@@ -447,8 +445,14 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 				r.Ledger.ReflinkedBytes += b - l.Pending.Bytes
 			}
 		}
+		// An outdated stamp alone (something that is no volume came and
+		// went in volumes/) is not a problem: the next change rebuilds.
 		if r.Ledger != r.Records {
-			r.Problem = fmt.Sprintf("drift: the ledger counts %+v, the records hold %+v", r.Ledger, r.Records)
+			what := "drift"
+			if lerr != nil {
+				what = "outdated, with drift"
+			}
+			r.Problem = fmt.Sprintf("%s: the ledger counts %+v, the records hold %+v", what, r.Ledger, r.Records)
 		}
 	}
 	if r.Problem != "" && repair {
@@ -459,4 +463,25 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 		}
 	}
 	return r, nil
+}
+
+// lockQuietly takes the pool lock for a check that must change nothing: the
+// lock file is opened read-only (flock needs no more) and no holder record is
+// written into it; a pool without a lock file has no change under way, and a
+// lock file that is not a regular file (pool check names it) is not waited on.
+func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
+	f, err := fsx.OpenRegular(p.Path, poolLock, unix.O_RDONLY, 0)
+	if err != nil {
+		return func() {}, nil //nolint:nilerr // nothing to wait for; damage is reported elsewhere
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, lockPatience)
+		defer cancel()
+	}
+	if err := FlockContext(ctx, f); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", p.Name, err)
+	}
+	return func() { f.Close() }, nil
 }
