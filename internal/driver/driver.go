@@ -131,7 +131,7 @@ type Driver struct {
 	probing chan struct{}
 	// conditions caches the node-side health NodeGetVolumeStats reports,
 	// for Options.StatsHealthTTL (see statsCondition).
-	conditions sync.Map
+	conditions conditionCache
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *leases

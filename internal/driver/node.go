@@ -280,6 +280,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		// controller force-detaches it once this node's lease has expired.
 		klog.FromContext(ctx).Error(err, "Unstaged volume on this node; its stage record stays in the pool, which does not answer", "volume", vid, "path", staging)
 	}
+	d.conditions.forget(vid.String())
 	klog.FromContext(ctx).Info("Unstaged volume", "volume", vid, "path", staging)
 	return &csi.NodeUnstageVolumeResponse{}, nil
 }
@@ -351,6 +352,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", target, err))
 	}
+	d.conditions.forget(vid.String())
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -54,21 +55,88 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	return resp, nil
 }
 
+// conditionCache holds the node-side health NodeGetVolumeStats reuses for
+// Options.StatsHealthTTL. Every pod brings a new publish path, so a key that
+// outlived its mount would stay forever: a volume's entries go with its
+// unpublish and unstage, and a size cap bounds what those miss (kubelet
+// asking about paths it never unpublishes through this process).
+type conditionCache struct {
+	mu sync.Mutex
+	m  map[conditionKey]cachedCondition
+}
+
+type conditionKey struct{ volume, staging, path string }
+
 type cachedCondition struct {
 	at     time.Time
 	issues []health.Issue
 }
 
+// maxCachedConditions is far above the paths a node serves at once (a loop
+// device per volume, a few pods each), so the cap only catches leaks.
+const maxCachedConditions = 4096
+
+func (c *conditionCache) get(k conditionKey, ttl time.Duration) ([]health.Issue, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[k]
+	if !ok || time.Since(e.at) >= ttl {
+		return nil, false
+	}
+	return e.issues, true
+}
+
+func (c *conditionCache) put(k conditionKey, issues []health.Issue, ttl time.Duration) {
+	if ttl <= 0 {
+		return // never reused, so never kept
+	}
+	now := time.Now()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil {
+		c.m = map[conditionKey]cachedCondition{}
+	}
+	if _, ok := c.m[k]; !ok && len(c.m) >= maxCachedConditions {
+		for old, e := range c.m {
+			if now.Sub(e.at) >= ttl {
+				delete(c.m, old)
+			}
+		}
+		if len(c.m) >= maxCachedConditions {
+			clear(c.m) // all fresh: recomputing them costs a check each, once
+		}
+	}
+	c.m[k] = cachedCondition{at: now, issues: issues}
+}
+
+// forget drops every entry of a volume: its paths after an unpublish or
+// unstage are gone or belong to the next pod, which must not see old health.
+func (c *conditionCache) forget(volume string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for k := range c.m {
+		if k.volume == volume {
+			delete(c.m, k)
+		}
+	}
+}
+
+func (c *conditionCache) len() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return len(c.m)
+}
+
 func (d *Driver) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path string) ([]health.Issue, error) {
-	key := vid.String() + "\x00" + staging + "\x00" + path
-	if c, ok := d.conditions.Load(key); ok && time.Since(c.(cachedCondition).at) < d.opts.StatsHealthTTL {
-		return c.(cachedCondition).issues, nil
+	key := conditionKey{volume: vid.String(), staging: staging, path: path}
+	if issues, ok := d.conditions.get(key, d.opts.StatsHealthTTL); ok {
+		return issues, nil
 	}
 	issues, err := d.nodeIssues(p, vid, staging, path)
 	if err != nil {
 		return nil, err
 	}
-	d.conditions.Store(key, cachedCondition{at: time.Now(), issues: issues})
+	d.conditions.put(key, issues, d.opts.StatsHealthTTL)
 	return issues, nil
 }
 
