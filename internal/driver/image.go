@@ -134,7 +134,13 @@ func (imageLayout) mountFS(v *pool.Volume) string { return v.FSType }
 
 // delete removes an image volume that is not attached on this node.
 func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume) error {
-	if dev, ok, _ := d.loops.Find(p.ImagePath(vid)); ok {
+	dev, ok, err := d.loops.Find(p.ImagePath(vid))
+	if err != nil {
+		// Not knowing whether a loop device holds the image is not knowing
+		// whether a pod still writes to it: nothing is deleted on a guess.
+		return status.Errorf(codes.Unavailable, "volume %s: cannot tell whether it is attached on this node, so it is not deleted; retry later: %v", vid, err)
+	}
+	if ok {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
 	}
 	return grpcError(p.Delete(ctx, vid))

@@ -411,3 +411,44 @@ func TestReadOnlyExpansionIsHonest(t *testing.T) {
 		})
 	}
 }
+
+// TestDeleteRefusesWhenAttachmentUnknown: an image volume is deleted only when
+// this node can tell that no loop device holds it; a failed loop lookup is
+// UNAVAILABLE with the pool untouched, and the retry deletes.
+func TestDeleteRefusesWhenAttachmentUnknown(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		prepare func(t *testing.T, td *testDriver, vid pool.VolumeID)
+	}{
+		{"ready volume", func(*testing.T, *testDriver, pool.VolumeID) {}},
+		{"create interrupted before its metadata", func(t *testing.T, td *testDriver, vid pool.VolumeID) {
+			if err := os.Remove(td.pool.MetadataPath(vid)); err != nil {
+				t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			id := td.create(t, "v", mountCap(rwo, "ext4"), nil)
+			vid, err := pool.ParseVolumeID(id)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tc.prepare(t, td, vid)
+			before := tree(t, td.pool.Path)
+			td.host.Faults.FailFrom("Find", 1, errInjected)
+			_, err = td.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id})
+			wantCode(t, err, codes.Unavailable)
+			if after := tree(t, td.pool.Path); after != before {
+				t.Errorf("a delete that could not check the loop devices changed the pool:\n%s\n---\n%s", before, after)
+			}
+			td.host.Faults.Reset()
+			if _, err := td.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+			if td.pool.VolumeExists(vid) {
+				t.Error("the retried delete left the volume")
+			}
+		})
+	}
+}
