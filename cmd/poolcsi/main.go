@@ -239,7 +239,7 @@ const defaultPathPrefix = "/var/lib/kubelet"
 // soft: a heap that needs more gets it (the runtime never fails an allocation
 // for it, and caps GC work at about half the CPU), so it cannot cause an
 // out-of-memory kill; the container's own limit (deploy/) is far above it.
-// Issue 14 measures it: docs/performance.md.
+// docs/performance.md ("Start with 10,000 volumes") measures it.
 const defaultMemoryLimitMiB = 20
 
 // setMemoryLimit applies --memory-limit-mib unless GOMEMLIMIT is set, which

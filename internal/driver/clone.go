@@ -98,7 +98,7 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 	return out
 }
 
-// checkSource refuses a copy the source cannot give: another pool, another
+// check refuses a copy the source cannot give: another pool, another
 // layout, access type or filesystem (INVALID_ARGUMENT).
 func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps capsSpec) error {
 	what := "volume " + c.record.Volume

@@ -15,10 +15,12 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// Volume health uses the CSI 1.13 VolumeHealth RPCs (the older VolumeCondition
-// fields were removed from the spec). Every answer is computed from the pool
-// and the node as they are now; nothing is cached, so a repaired volume reports
-// healthy on the next call.
+// Volume health is served twice from one computation: the CSI 1.13
+// VolumeHealth RPCs here, and the v1.12 volume_condition fields that kubelet
+// and the health monitor still read (legacy.go). Every answer is computed from
+// the pool and the node as they are now, so a repaired volume reports healthy
+// on the next call; only NodeGetVolumeStats reuses a node-side answer, for
+// Options.StatsHealthTTL (stats.go).
 
 func csiHealth(id string, issues []health.Issue) *csi.VolumeHealth {
 	out := &csi.VolumeHealth{VolumeId: id}

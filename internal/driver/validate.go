@@ -79,7 +79,7 @@ type capsSpec struct {
 }
 
 // parseCaps checks a capability list and folds it into one spec; which access
-// modes a volume allows depends on its layout (capsSpec.allowedFor). defaultFS
+// modes a volume allows depends on its layout (layout.allowed). defaultFS
 // applies when no capability names a filesystem.
 func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error) {
 	var s capsSpec

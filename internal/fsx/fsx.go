@@ -294,7 +294,7 @@ func tooLarge(name string, size, max int64) error {
 // directory, which makes the rename survive a crash. The directory is opened
 // once, below root without links, and everything happens relative to it, so
 // a link swapped in meanwhile redirects nothing. Temp files an earlier crash
-// left there (older than staleTemp) are removed first.
+// left there (older than StaleTemp) are removed first.
 func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
 	dir, base := filepath.Split(rel)
 	d, err := OpenDir(root, filepath.Clean("./"+dir))

@@ -15,16 +15,17 @@ import (
 	"github.com/poolcsi/poolcsi/test/harness"
 )
 
-// TestMountHelpersNeverSeeRequestFlags: the outside attack of issue 22, against
-// a serving driver whose mount helpers (mount, mount.fuse.ceph, ceph-fuse,
-// mount.ceph, mount.nfs) are recorders in PATH. A forged volume ID of type
-// fuse.ceph whose source is "no_mon_config,admin_socket=<file>" (which
-// mount.fuse.ceph would turn into ceph-fuse flags that unlink the file), sent
-// through DeleteVolume, ControllerGetVolume and NodeUnpublishVolume, and the
-// same through StorageClass parameters and a secret's mountOptions, runs no
-// helper at all; a good fuse.ceph share runs ceph-fuse with the driver's own
-// argv, never mount.fuse.ceph; the file is untouched and nothing is left in the
-// share directory.
+// TestMountHelpersNeverSeeRequestFlags: the attack docs/pools.md ("Which shares
+// are tested") describes, against a serving driver whose mount helpers (mount,
+// mount.fuse.ceph, ceph-fuse, mount.ceph, mount.nfs) are recorders in PATH. A
+// forged volume ID of type fuse.ceph whose source is
+// "no_mon_config,admin_socket=<file>" (which mount.fuse.ceph would turn into
+// ceph-fuse flags that unlink the file), sent through DeleteVolume,
+// ControllerGetVolume and NodeUnpublishVolume, and the same through
+// StorageClass parameters and a secret's mountOptions, runs no helper at all; a
+// good fuse.ceph share runs ceph-fuse with the driver's own argv, never
+// mount.fuse.ceph; the file is untouched and nothing is left in the share
+// directory.
 func TestMountHelpersNeverSeeRequestFlags(t *testing.T) {
 	testutil.RequireRoot(t)
 	root := harness.ShortRoot(t, "pcsi-h-")

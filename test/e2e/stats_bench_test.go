@@ -81,7 +81,7 @@ func percentile(ds []time.Duration, p int) float64 {
 }
 
 // BenchmarkNodeGetVolumeStatsConcurrent is the same call from 50 callers at
-// once (issue 14's load), beside the no-op RPC from 50 callers in the same
+// once (the load docs/performance.md budgets for), beside the no-op RPC from 50 callers in the same
 // run: the difference is what the driver adds under load.
 //
 //	go test ./test/e2e -run '^$' -bench NodeGetVolumeStatsConcurrent -benchtime 20000x
