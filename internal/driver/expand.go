@@ -119,7 +119,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 // refreshLoop makes the loop device as large as the image file and returns that
 // size. The file is the truth (ControllerExpandVolume grows it before it records
 // the size); a file smaller than its record was damaged, and is not hidden.
-func (d *Driver) refreshLoop(p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
+func (d *Driver) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
 	imageSize, err := p.ImageSize(vid)
 	if err != nil {
 		return 0, grpcError(err)
@@ -140,7 +140,7 @@ func (d *Driver) refreshLoop(p *pool.Pool, vid pool.VolumeID, dev string, v *poo
 	if size, err = d.devs.Size(dev); err != nil {
 		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
 	}
-	klog.V(2).InfoS("Refreshed loop device size", "volume", v.ID, "device", dev, "size", size)
+	klog.FromContext(ctx).V(2).Info("Refreshed loop device size", "volume", v.ID, "device", dev, "size", size)
 	return size, nil
 }
 
@@ -154,7 +154,7 @@ type stageGrowth struct{ afterMount bool }
 // needs no CAP_SYS_RESOURCE) or notes that xfs/btrfs must grow once mounted.
 // A read-only stage grows nothing: it must not write the volume.
 func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string, readOnly bool) (stageGrowth, error) {
-	size, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol)
+	size, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, nv.vol)
 	if err != nil || readOnly {
 		return stageGrowth{}, err
 	}
@@ -220,7 +220,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", nv.id, path)
 	}
 
-	size, err := d.refreshLoop(nv.pool, nv.id, dev, v)
+	size, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, v)
 	if err != nil {
 		return nil, err
 	}

@@ -36,7 +36,7 @@ func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, v
 		if err != nil {
 			return err
 		}
-		if _, err := d.refreshLoop(nv.pool, nv.id, dev, nv.vol); err != nil {
+		if _, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, nv.vol); err != nil {
 			return err
 		}
 	} else if err := d.stageFilesystem(ctx, nv, image, staging, vc); err != nil {

@@ -88,7 +88,7 @@ func Format(ctx context.Context, target, fsType string) error {
 	if err != nil {
 		return fmt.Errorf("format %s: %s %s: %w: %s", target, cmd, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}
-	klog.V(2).InfoS("Formatted", "target", target, "fsType", fsType, "duration", time.Since(start))
+	klog.FromContext(ctx).V(2).Info("Formatted", "target", target, "fsType", fsType, "duration", time.Since(start))
 	return nil
 }
 
@@ -101,7 +101,7 @@ func DiskFormat(ctx context.Context, target string) (string, error) {
 	if t, sure, err := probeFormat(target); err == nil && sure {
 		return t, nil
 	} else if err != nil {
-		klog.V(4).InfoS("In-process format probe failed; asking blkid", "target", target, "err", err)
+		klog.FromContext(ctx).V(4).Info("In-process format probe failed; asking blkid", "target", target, "err", err)
 	}
 	sfm := &mountutils.SafeFormatAndMount{Exec: ctxExec{ctx: ctx, Interface: utilexec.New()}}
 	t, err := sfm.GetDiskFormat(target)

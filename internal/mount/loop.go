@@ -215,7 +215,7 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 	defer unix.Close(lockFD)
 	if err := flockContext(ctx, lockFD); errors.Is(err, unix.ENOLCK) || errors.Is(err, unix.EOPNOTSUPP) {
 		// NFS mounted with nolock: the in-process mutex still protects us.
-		klog.InfoS("Backing file cannot be locked; relying on in-process locking", "file", backingFile, "err", err)
+		klog.FromContext(ctx).Info("Backing file cannot be locked; relying on in-process locking", "file", backingFile, "err", err)
 	} else if err != nil {
 		return "", fmt.Errorf("lock backing file %s: %w", backingFile, err)
 	}
@@ -263,7 +263,7 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 			break
 		}
 		if errors.Is(err, unix.EBUSY) && attempt < attachRetries {
-			klog.V(4).InfoS("Loop device taken by another process, retrying", "file", backingFile, "attempt", attempt)
+			klog.FromContext(ctx).V(4).Info("Loop device taken by another process, retrying", "file", backingFile, "attempt", attempt)
 			continue
 		}
 		return "", fmt.Errorf("attach %s: %w", backingFile, err)
@@ -271,9 +271,9 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 	l.byID[id] = dev
 	l.paths[dev] = name
 	if dio, err := readSysBool(dev, "loop/dio"); err == nil && !dio {
-		klog.InfoS("Loop device runs without direct I/O", "device", dev, "file", backingFile)
+		klog.FromContext(ctx).Info("Loop device runs without direct I/O", "device", dev, "file", backingFile)
 	}
-	klog.V(2).InfoS("Attached loop device", "device", dev, "file", backingFile, "blockSize", blockSize)
+	klog.FromContext(ctx).V(2).Info("Attached loop device", "device", dev, "file", backingFile, "blockSize", blockSize)
 	return dev, nil
 }
 
@@ -508,11 +508,11 @@ func waitDetached(ctx context.Context, dev, backing string) {
 	for {
 		now, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
 		if err != nil || string(now) != backing {
-			klog.V(2).InfoS("Detached loop device", "device", dev)
+			klog.FromContext(ctx).V(2).Info("Detached loop device", "device", dev)
 			return
 		}
 		if sleepContext(ctx) != nil {
-			klog.InfoS("Loop device still open elsewhere; it will detach when closed", "device", dev)
+			klog.FromContext(ctx).Info("Loop device still open elsewhere; it will detach when closed", "device", dev)
 			return
 		}
 	}

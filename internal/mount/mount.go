@@ -242,7 +242,7 @@ func (m *Mounter) Mount(ctx context.Context, source, target, fsType string, opti
 	if err := sysMount(source, h.selfPath(), fsType, options); err != nil {
 		return fmt.Errorf("mount %s on %s: %w", source, target, err)
 	}
-	klog.V(2).InfoS("Mounted", "source", source, "target", target, "fsType", fsType, "options", options)
+	klog.FromContext(ctx).V(2).Info("Mounted", "source", source, "target", target, "fsType", fsType, "options", options)
 	return nil
 }
 
@@ -403,7 +403,7 @@ func (m *Mounter) UnmountChecked(ctx context.Context, target string, check func(
 		if err := sysUnmountNoFollow(at); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
-		klog.V(2).InfoS("Unmounted", "target", target, "source", info.Source)
+		klog.FromContext(ctx).V(2).Info("Unmounted", "target", target, "source", info.Source)
 	}
 	return removeEmpty(at)
 }
@@ -468,7 +468,7 @@ func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error 
 	if _, err := r.Resize(device, mountPath); err != nil {
 		return fmt.Errorf("resize %s: %w", device, err)
 	}
-	klog.V(2).InfoS("Resized filesystem", "device", device, "mountPath", mountPath, "fsType", fsType, "online", mounted)
+	klog.FromContext(ctx).V(2).Info("Resized filesystem", "device", device, "mountPath", mountPath, "fsType", fsType, "online", mounted)
 	return nil
 }
 
