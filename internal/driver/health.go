@@ -164,7 +164,7 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 	if err != nil {
 		return nil, err
 	}
-	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: staging, PublishPath: publish, Loops: d.loops}
+	nv := health.NodeVolume{ID: vid.String(), Image: p.ImagePath(vid), StagingPath: staging, PublishPath: publish}
 	// The volume's own checks (metadata, image present and as long as recorded), as the
 	// controller runs them: kubelet reads health only from NodeGetVolumeStats, so a
 	// truncated image must show here too. No pool space is passed: pool fullness is
@@ -177,13 +177,23 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 	if dev, ok, _ := d.loops.Find(nv.Image); ok {
 		nv.Device = dev
 	}
-	for _, is := range health.CheckNode(nv, d.opts.Health) {
+	for _, is := range health.CheckNode(nodeHost{d.mounts, d.loops, d.fs}, nv, d.opts.Health) {
 		if !slices.ContainsFunc(issues, func(o health.Issue) bool { return o.Reason == is.Reason }) {
 			issues = append(issues, is)
 		}
 	}
 	return issues, nil
 }
+
+// nodeHost is the driver's host as the node-side health checks read it: the
+// same kernel, or the same fake, as every other node call.
+type nodeHost struct {
+	MountTable
+	LoopDevices
+	Filesystems
+}
+
+var _ health.Node = nodeHost{}
 
 // NodeGetStorageHealth reports the pools as seen from this node: one entry per
 // (status, reason), naming every pool it concerns.

@@ -25,6 +25,8 @@ type MountTable interface {
 	SameDir(a, b string) bool
 	OnDevice(path, dev string) bool
 	IsDevice(path, dev string) bool
+	// Table lists every mount, for the node-side health checks.
+	Table() ([]mount.MountEntry, error)
 }
 
 // LoopDevices attaches image files as block devices.
@@ -61,6 +63,7 @@ type BlockDevices interface {
 // Filesystems answers statfs and freezes mounted filesystems.
 type Filesystems interface {
 	Statfs(path string, st *unix.Statfs_t) error
+	Ext4Errors(device string) (count int64, firstFunc string, err error)
 	Freeze(path string) (thaw func() error, err error)
 	Thaw(path string) error
 }

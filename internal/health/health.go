@@ -1,8 +1,9 @@
 // Package health computes volume health from real checks: the controller side
 // reads the pool (metadata, image files, the pool's free space), the node side
-// reads mountinfo, sysfs and statfs. Every check looks at the system as it is
-// now and keeps no state, so a volume whose cause is fixed is healthy on the
-// next call. It knows nothing of gRPC; the driver maps Issues to CSI messages.
+// the mount table, sysfs and statfs through the driver's host (Node). Every
+// check looks at the system as it is now and keeps no state, so a volume whose
+// cause is fixed is healthy on the next call. It knows nothing of gRPC; the
+// driver maps Issues to CSI messages.
 package health
 
 import (

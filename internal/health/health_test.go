@@ -26,31 +26,6 @@ func TestOptionsValidate(t *testing.T) {
 	}
 }
 
-// TestFSErrors reads a fake sysfs: ext4 errors cannot be caused on demand
-// without corrupting a filesystem, so this is the one check tested on a fake.
-func TestFSErrors(t *testing.T) {
-	old := SysFS
-	SysFS = t.TempDir()
-	t.Cleanup(func() { SysFS = old })
-	dir := filepath.Join(SysFS, "fs", "ext4", "loop7")
-	os.MkdirAll(dir, 0o755)
-	for _, tc := range []struct {
-		fs, count string
-		want      int64
-	}{
-		{"ext4", "0\n", 0},
-		{"ext4", "3\n", 3},
-		{"xfs", "3\n", 0},
-	} {
-		os.WriteFile(filepath.Join(dir, "errors_count"), []byte(tc.count), 0o644)
-		os.WriteFile(filepath.Join(dir, "first_error_func"), []byte("ext4_lookup\n"), 0o644)
-		n, first := fsErrors(tc.fs, "/dev/loop7")
-		if n != tc.want || (n > 0 && !strings.Contains(first, "ext4_lookup")) {
-			t.Errorf("%s %q: got %d %q, want %d", tc.fs, tc.count, n, first, tc.want)
-		}
-	}
-}
-
 func TestCheckVolume(t *testing.T) {
 	p, err := pool.Open(pool.Config{Name: "t", Path: filepath.Join(t.TempDir(), "pool")})
 	if err != nil {

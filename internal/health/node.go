@@ -6,18 +6,24 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"strings"
 
-	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
-// SysFS is where the kernel's filesystem attributes live; a variable so unit
-// tests can point it at a fake tree for faults they cannot cause for real.
-var SysFS = "/sys"
+// Node is what the node-side checks read of the node: its mount table,
+// statfs, loop device state and ext4's error counters. The driver's host
+// provides it, the kernel's through internal/mount or internal/mount/fake's,
+// so every check runs in unit tests without root. The image file and the
+// mounted directories are read directly: they are files either way.
+type Node interface {
+	Table() ([]mount.MountEntry, error)
+	Statfs(path string, st *unix.Statfs_t) error
+	Status(device string) (mount.LoopStatus, error)
+	Ext4Errors(device string) (count int64, firstFunc string, err error)
+}
 
 // NodeVolume is what the node side knows of a volume when it is asked about it.
 type NodeVolume struct {
@@ -31,23 +37,19 @@ type NodeVolume struct {
 	PublishPath string
 	// Device is the loop device the image is attached to on this node, "" if none.
 	Device string
-	// Loops reads loop device state.
-	Loops interface {
-		Status(device string) (mount.LoopStatus, error)
-	}
 }
 
 // CheckNode runs the node-side checks: mounts still there, loop device still
 // attached to a file that still exists, filesystem writable and error-free, and
-// usage under the threshold. It reads mountinfo, sysfs and statfs, nothing else,
-// so kubelet can call it for every volume every minute.
-func CheckNode(v NodeVolume, o Options) []Issue {
-	mounts, err := mountinfo.GetMounts(nil)
+// usage under the threshold. It reads the mount table, sysfs and statfs through
+// n, nothing else, so kubelet can call it for every volume every minute.
+func CheckNode(n Node, v NodeVolume, o Options) []Issue {
+	mounts, err := n.Table()
 	if err != nil {
 		return []Issue{{Status: Inaccessible, Reason: ReasonWrongMount, Message: fmt.Sprintf("cannot read this node's mount table to check volume %s: %v", v.ID, err)}}
 	}
 	var issues []Issue
-	var mine []*mountinfo.Info // mounts at the asked paths that show the volume
+	var mine []*mount.MountEntry // mounts at the asked paths that show the volume
 	check := func(path, reason, what string) {
 		if path == "" {
 			return
@@ -82,22 +84,22 @@ func CheckNode(v NodeVolume, o Options) []Issue {
 		}
 		return issues
 	}
-	issues = append(issues, checkLoop(v, device)...)
+	issues = append(issues, checkLoop(n, v, device)...)
 	if v.Block {
 		return issues
 	}
 	if len(mine) == 0 && v.StagingPath == "" && v.PublishPath == "" {
 		// Asked about the volume as a whole: look at wherever its device is mounted.
-		for _, m := range mounts {
-			if m.Source == device {
-				mine = append(mine, m)
+		for i := range mounts {
+			if mounts[i].Source == device {
+				mine = append(mine, &mounts[i])
 			}
 		}
 	}
 	if len(mine) == 0 {
 		return issues
 	}
-	issues = append(issues, checkFilesystem(v, device, mine[0], mounts, o.VolumeFullThreshold)...)
+	issues = append(issues, checkFilesystem(n, v, device, mine[0], mounts, o.VolumeFullThreshold)...)
 	return issues
 }
 
@@ -120,22 +122,22 @@ func missingMountMessage(v NodeVolume, path, what string) string {
 }
 
 // topMount is the mount a path shows (the last one stacked on it), or nil.
-func topMount(mounts []*mountinfo.Info, path string) *mountinfo.Info {
+func topMount(mounts []mount.MountEntry, path string) *mount.MountEntry {
 	p := filepath.Clean(path)
 	if r, err := filepath.EvalSymlinks(p); err == nil {
 		p = r
 	}
-	var top *mountinfo.Info
-	for _, m := range mounts {
-		if m.Mountpoint == p {
-			top = m
+	var top *mount.MountEntry
+	for i := range mounts {
+		if mounts[i].Mountpoint == p {
+			top = &mounts[i]
 		}
 	}
 	return top
 }
 
-func checkLoop(v NodeVolume, device string) []Issue {
-	st, err := v.Loops.Status(device)
+func checkLoop(n Node, v NodeVolume, device string) []Issue {
+	st, err := n.Status(device)
 	if err != nil {
 		return []Issue{{Status: Inaccessible, Reason: ReasonLoopDeviceDetached, Message: fmt.Sprintf(
 			"loop device %s of volume %s is no longer attached to its image (%v): pods get I/O errors. "+
@@ -150,14 +152,14 @@ func checkLoop(v NodeVolume, device string) []Issue {
 	return nil
 }
 
-func checkFilesystem(v NodeVolume, device string, m *mountinfo.Info, mounts []*mountinfo.Info, threshold float64) []Issue {
+func checkFilesystem(n Node, v NodeVolume, device string, m *mount.MountEntry, mounts []mount.MountEntry, threshold float64) []Issue {
 	var issues []Issue
 	var st unix.Statfs_t
-	if err := unix.Statfs(m.Mountpoint, &st); err != nil {
+	if err := n.Statfs(m.Mountpoint, &st); err != nil {
 		return append(issues, Issue{Status: Inaccessible, Reason: ReasonFilesystemIOError, Message: fmt.Sprintf(
 			"the filesystem of volume %s (%s on %s) fails: %v (an xfs shutdown or a dead device). "+
 				"Check dmesg for %s, stop the pods, unstage the volume and run the filesystem's repair tool on %s before staging it again",
-			v.ID, v.FSType, device, &os.PathError{Op: "statfs", Path: m.Mountpoint, Err: err}, device, v.Image)})
+			v.ID, v.FSType, device, err, device, v.Image)})
 	}
 	if _, err := os.ReadDir(m.Mountpoint); errors.Is(err, unix.EIO) {
 		issues = append(issues, Issue{Status: Inaccessible, Reason: ReasonFilesystemIOError, Message: fmt.Sprintf(
@@ -171,11 +173,11 @@ func checkFilesystem(v NodeVolume, device string, m *mountinfo.Info, mounts []*m
 				"Check dmesg for %s; if it was an error, stop the pods, unstage, run fsck on %s and stage again; if it was a manual remount, remount it read-write",
 			v.FSType, v.ID, device, device, v.Image)})
 	}
-	if n, first := fsErrors(v.FSType, device); n > 0 {
+	if count, first := fsErrors(n, v.FSType, device); count > 0 {
 		issues = append(issues, Issue{Status: Degraded, Reason: ReasonFilesystemErrors, Message: fmt.Sprintf(
 			"the %s filesystem of volume %s (%s) has recorded %d errors%s: data may be damaged. "+
 				"Stop the pods, unstage the volume and run fsck.%s on %s; the count clears when fsck repairs it",
-			v.FSType, v.ID, device, n, first, v.FSType, v.Image)})
+			v.FSType, v.ID, device, count, first, v.FSType, v.Image)})
 	}
 	issues = append(issues, usage(v, st, threshold)...)
 	return issues
@@ -183,14 +185,14 @@ func checkFilesystem(v NodeVolume, device string, m *mountinfo.Info, mounts []*m
 
 // superReadOnly tells whether the filesystem itself (not just this mount) is
 // read-only: the superblock options carry "ro".
-func superReadOnly(m *mountinfo.Info) bool {
+func superReadOnly(m *mount.MountEntry) bool {
 	return slices.Contains(strings.Split(m.VFSOptions, ","), "ro")
 }
 
 // anyWritable tells whether some mount of the same filesystem was made
 // read-write: the volume was meant to be writable. A volume staged and
 // published read-only has read-only mounts only, and is not flagged.
-func anyWritable(mounts []*mountinfo.Info, of *mountinfo.Info) bool {
+func anyWritable(mounts []mount.MountEntry, of *mount.MountEntry) bool {
 	for _, m := range mounts {
 		if m.Major == of.Major && m.Minor == of.Minor && slices.Contains(strings.Split(m.Options, ","), "rw") {
 			return true
@@ -202,25 +204,21 @@ func anyWritable(mounts []*mountinfo.Info, of *mountinfo.Info) bool {
 // fsErrors reads the error count the filesystem keeps. ext4 exposes it in
 // sysfs (it persists in the superblock until fsck clears it); xfs shuts down
 // instead of counting (caught as I/O errors above), and btrfs keeps per-device
-// counters that need an ioctl on the mount, not read here.
-func fsErrors(fsType, device string) (int64, string) {
+// counters that need an ioctl on the mount, not read here. A count that cannot
+// be read is no finding.
+func fsErrors(n Node, fsType, device string) (int64, string) {
 	if fsType != "ext4" {
 		return 0, ""
 	}
-	dir := filepath.Join(SysFS, "fs", "ext4", filepath.Base(device))
-	raw, err := os.ReadFile(filepath.Join(dir, "errors_count"))
-	if err != nil {
-		return 0, ""
-	}
-	n, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
-	if err != nil || n == 0 {
+	count, fn, err := n.Ext4Errors(device)
+	if err != nil || count == 0 {
 		return 0, ""
 	}
 	first := ""
-	if fn, err := os.ReadFile(filepath.Join(dir, "first_error_func")); err == nil && len(strings.TrimSpace(string(fn))) > 0 {
-		first = " (first in " + strings.TrimSpace(string(fn)) + ")"
+	if fn != "" {
+		first = " (first in " + fn + ")"
 	}
-	return n, first
+	return count, first
 }
 
 func usage(v NodeVolume, st unix.Statfs_t, threshold float64) []Issue {

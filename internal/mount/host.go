@@ -3,6 +3,10 @@ package mount
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -65,6 +69,33 @@ func (m *Mounter) MountedElsewhere(data string, except ...string) (string, error
 	return "", nil
 }
 
+// MountEntry is one line of the node's mount table, as the node-side health
+// checks read it.
+type MountEntry struct {
+	Mountpoint, Source string
+	// Major and Minor are the filesystem's device numbers: every mount of one
+	// filesystem (its binds included) shows the same.
+	Major, Minor int
+	// Options are this mount's own options ("rw" or "ro" among them);
+	// VFSOptions the filesystem's, which say "ro" once the kernel made the
+	// filesystem itself read-only (after an error with errors=remount-ro).
+	Options, VFSOptions string
+}
+
+// Table lists every mount of the node, in mount order (a path shows the last
+// mount on it).
+func (m *Mounter) Table() ([]MountEntry, error) {
+	infos, err := mountinfo.GetMounts(nil)
+	if err != nil {
+		return nil, fmt.Errorf("read mountinfo: %w", err)
+	}
+	out := make([]MountEntry, 0, len(infos))
+	for _, i := range infos {
+		out = append(out, MountEntry{Mountpoint: i.Mountpoint, Source: i.Source, Major: i.Major, Minor: i.Minor, Options: i.Options, VFSOptions: i.VFSOptions})
+	}
+	return out, nil
+}
+
 // SameDir tells whether two paths are the same directory inode: a bind mount's
 // target shows its source's inode.
 func (m *Mounter) SameDir(a, b string) bool { return sameFile(a, b) }
@@ -125,3 +156,26 @@ func (Filesystems) Statfs(path string, st *unix.Statfs_t) error {
 }
 func (Filesystems) Freeze(path string) (func() error, error) { return Freeze(path) }
 func (Filesystems) Thaw(path string) error                   { return Thaw(path) }
+
+// sysFSExt4 is where ext4 publishes its per-filesystem attributes; a variable
+// so a test can point it at a tree holding errors it cannot cause for real.
+var sysFSExt4 = "/sys/fs/ext4"
+
+// Ext4Errors reads the error count the ext4 filesystem on device keeps in its
+// superblock until fsck clears it, and the function that hit the first error
+// ("" if unknown). A device with no ext4 attributes has none to report.
+func (Filesystems) Ext4Errors(device string) (count int64, firstFunc string, err error) {
+	dir := filepath.Join(sysFSExt4, filepath.Base(device))
+	raw, err := os.ReadFile(filepath.Join(dir, "errors_count"))
+	if err != nil {
+		return 0, "", fmt.Errorf("ext4 errors of %s: %w", device, err)
+	}
+	n, err := strconv.ParseInt(strings.TrimSpace(string(raw)), 10, 64)
+	if err != nil {
+		return 0, "", fmt.Errorf("ext4 errors of %s: %w", device, err)
+	}
+	if fn, err := os.ReadFile(filepath.Join(dir, "first_error_func")); err == nil {
+		firstFunc = strings.TrimSpace(string(fn))
+	}
+	return n, firstFunc, nil
+}

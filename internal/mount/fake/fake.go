@@ -51,7 +51,16 @@ type device struct {
 type filesystem struct {
 	fsType string
 	size   int64
+	// What the health checks read, set by the test through the Set*
+	// methods: a superblock made read-only, ext4's error count, usage.
+	readOnly   bool
+	errors     int64
+	firstError string
+	usage      *Usage
 }
+
+// Usage is the fraction of a fake filesystem's blocks and inodes in use.
+type Usage struct{ Blocks, Inodes float64 }
 
 // Mount is one fake mount: a filesystem on a device, a directory, or a block
 // device node, shown at a target.
@@ -108,13 +117,46 @@ func (h *Host) Frozen(path string) bool {
 	return h.frozen[filepath.Clean(path)]
 }
 
-// SetFilesystemReadOnly turns a mount read-only behind the driver's back, as
-// the kernel does after an I/O error.
+// mountedFS is the filesystem shown at target, or nil. Callers hold h.mu.
+func (h *Host) mountedFS(target string) *filesystem {
+	m := h.mounts[filepath.Clean(target)]
+	if m == nil || m.Device == "" || m.Block {
+		return nil
+	}
+	return h.fs[h.backingOf(m.Device)]
+}
+
+// SetFilesystemReadOnly makes the filesystem shown at target read-only behind
+// the driver's back, as the kernel does after an error with
+// errors=remount-ro: the superblock turns read-only, every mount keeps its
+// own flag.
 func (h *Host) SetFilesystemReadOnly(target string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if m := h.mounts[filepath.Clean(target)]; m != nil {
-		m.ReadOnly = true
+	if f := h.mountedFS(target); f != nil {
+		f.readOnly = true
+	}
+}
+
+// SetFilesystemErrors records errors in the filesystem shown at target, as
+// ext4 counts them in its superblock; first is the function that hit the
+// first one.
+func (h *Host) SetFilesystemErrors(target string, count int64, first string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if f := h.mountedFS(target); f != nil {
+		f.errors, f.firstError = count, first
+	}
+}
+
+// SetFilesystemUsage fills the filesystem shown at target: Statfs reports
+// those fractions of its blocks and inodes used (a tenth of the blocks and a
+// few inodes until set).
+func (h *Host) SetFilesystemUsage(target string, u Usage) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if f := h.mountedFS(target); f != nil {
+		f.usage = &u
 	}
 }
 
@@ -584,6 +626,56 @@ func (h *Host) UnmountChecked(ctx context.Context, target string, check func(mou
 	return nil
 }
 
+// Table lists the fake mounts as the kernel's mount table shows them, sorted
+// by target (one mount per target, so the order shows nothing else). A
+// device's filesystem has the loop major (7) and the device's number; a bound
+// directory, the numbers of the filesystem it really is on.
+func (h *Host) Table() ([]mount.MountEntry, error) {
+	if err := h.Faults.hit("Table"); err != nil {
+		return nil, err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]mount.MountEntry, 0, len(h.mounts))
+	for _, m := range h.mounts {
+		e := mount.MountEntry{Mountpoint: m.Target, Source: m.Device, Options: "rw", VFSOptions: "rw"}
+		if m.ReadOnly {
+			e.Options = "ro"
+		}
+		if len(m.Options) > 0 {
+			e.Options += "," + strings.Join(m.Options, ",")
+		}
+		switch {
+		case m.Device != "":
+			e.Major = 7
+			_, _ = fmt.Sscanf(strings.TrimPrefix(m.Device, "/dev/fakeloop"), "%d", &e.Minor)
+			if f := h.fs[h.backingOf(m.Device)]; !m.Block && f != nil && (f.readOnly || h.onlyReadOnly(m.Device)) {
+				e.VFSOptions = "ro"
+			}
+		default:
+			e.Source = m.Dir
+			var st unix.Stat_t
+			if unix.Stat(m.Dir, &st) == nil {
+				e.Major, e.Minor = int(unix.Major(st.Dev)), int(unix.Minor(st.Dev))
+			}
+		}
+		out = append(out, e)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Mountpoint < out[j].Mountpoint })
+	return out, nil
+}
+
+// onlyReadOnly tells whether every mount of dev's filesystem is read-only:
+// the kernel then mounted the superblock read-only. Callers hold h.mu.
+func (h *Host) onlyReadOnly(dev string) bool {
+	for _, m := range h.mounts {
+		if m.Device == dev && !m.Block && !m.ReadOnly {
+			return false
+		}
+	}
+	return true
+}
+
 func (h *Host) MountPoints(dev string) ([]string, error) {
 	if err := h.Faults.hit("MountPoints"); err != nil {
 		return nil, err
@@ -698,9 +790,28 @@ func (h *Host) Statfs(path string, st *unix.Statfs_t) error {
 	const bs = 4096
 	*st = unix.Statfs_t{Bsize: bs, Blocks: uint64(f.size / bs), Files: 1 << 16}
 	st.Bfree = st.Blocks * 9 / 10
-	st.Bavail = st.Bfree
 	st.Ffree = st.Files - 11
+	if u := f.usage; u != nil {
+		st.Bfree = st.Blocks - uint64(float64(st.Blocks)*u.Blocks)
+		st.Ffree = st.Files - uint64(float64(st.Files)*u.Inodes)
+	}
+	st.Bavail = st.Bfree
 	return nil
+}
+
+// Ext4Errors reports the error count SetFilesystemErrors recorded on the
+// ext4 filesystem of dev; like sysfs, it knows no other filesystem.
+func (h *Host) Ext4Errors(dev string) (int64, string, error) {
+	if err := h.Faults.hit("Ext4Errors"); err != nil {
+		return 0, "", err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	f, ok := h.fs[h.backingOf(dev)]
+	if _, isDev := h.devices[dev]; !isDev || !ok || f.fsType != "ext4" {
+		return 0, "", fmt.Errorf("ext4 errors of %s: %w", dev, os.ErrNotExist)
+	}
+	return f.errors, f.firstError, nil
 }
 
 func (h *Host) Freeze(path string) (func() error, error) {
