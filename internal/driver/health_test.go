@@ -58,7 +58,6 @@ func readLegacyCondition(t *testing.T, m proto.Message) (abnormal bool, message 
 // fake node, with the paths a health call names.
 type healthVolume struct {
 	id, image, staging, target string
-	device                     string
 }
 
 // TestNodeHealthReasons: every condition the node-side checks report, and the
