@@ -98,4 +98,9 @@ func TestFence(t *testing.T) {
 	if fenced, err := l.Fenced(dev); err == nil && fenced {
 		t.Fatalf("the fenced device %s is still attached after the file's detach", dev)
 	}
+	// The fence's read-only flag went with the device: its next user (here,
+	// anybody's mount -o loop) gets a writable device.
+	if ro, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "ro")); err != nil || string(bytes.TrimSpace(ro)) != "0" {
+		t.Fatalf("%s after its detach: ro=%q %v; the fence's BLKROSET outlived it", dev, ro, err)
+	}
 }

@@ -487,11 +487,25 @@ func fencedByPath(path string) []string {
 		if backingPath(dev) != filepath.Clean(path) {
 			continue
 		}
-		if info, err := loopStatus(dev); err == nil && info.Sizelimit == fenceSizeLimit {
+		if sysFenced(dev) {
 			out = append(out, dev)
 		}
 	}
 	return out
+}
+
+// sysFenced tells from sysfs whether dev was fenced. LOOP_GET_STATUS64 is no
+// way to tell when the backing file's filesystem is gone: the kernel stats the
+// file to answer it, and an evicted CephFS client (the very case of a node
+// rejoining after a cut) fails that stat, so the fenced device would never be
+// recognised, and never detached.
+func sysFenced(dev string) bool {
+	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "sizelimit"))
+	if err != nil {
+		return false
+	}
+	n, err := strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+	return err == nil && n == fenceSizeLimit
 }
 
 // detachWait bounds how long Detach waits for a deferred detach: other openers
@@ -534,6 +548,10 @@ func (l *Loops) detachDevice(dev string) (pending bool, err error) {
 	if err != nil {
 		return false, fmt.Errorf("detach: %w", &os.PathError{Op: "open", Path: dev, Err: err})
 	}
+	// A fence set the device read-only (BLKROSET), a flag that outlives the
+	// detach: the next user of the device (a mount -o loop, anybody's losetup)
+	// would get it read-only. Dropped before the device is given back.
+	clearReadOnly(fd, dev)
 	err = unix.IoctlSetInt(fd, unix.LOOP_CLR_FD, 0)
 	unix.Close(fd)
 	if err != nil && !errors.Is(err, unix.ENXIO) {
@@ -723,6 +741,9 @@ func (l *Loops) Fenced(device string) (bool, error) {
 	defer unix.Close(fd)
 	info, err := unix.IoctlLoopGetStatus64(fd)
 	if err != nil {
+		if sysFenced(device) {
+			return true, nil // its backing file's filesystem does not answer (sysFenced)
+		}
 		return false, &os.PathError{Op: "LOOP_GET_STATUS64", Path: device, Err: err}
 	}
 	return info.Sizelimit == fenceSizeLimit, nil

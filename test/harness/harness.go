@@ -159,7 +159,9 @@ func Start(t testing.TB, o Options) *Driver {
 				}
 			}
 		}
-		if t.Failed() {
+		// POOLCSI_DEBUG_LOG=1 shows the log of a passing test too: a leak or a
+		// wrong turn that fails no assertion is found there.
+		if t.Failed() || os.Getenv("POOLCSI_DEBUG_LOG") != "" {
 			t.Logf("poolcsi log (%s):\n%s", o.NodeID, d.Log())
 		}
 	})

@@ -234,6 +234,12 @@ func testPartition(t *testing.T, backend string) {
 	if strings.Contains(dA.Log(), "Fencing this node off the pool") == false {
 		t.Error("node A never fenced itself")
 	}
+	// Its fenced device went with the unstage, even where the pool's client
+	// was evicted (the kernel then cannot stat the backing file, so only
+	// sysfs tells a fenced device), and left no read-only flag behind.
+	if devs := fencedDevices(id); len(devs) > 0 {
+		t.Errorf("node A rejoining: unstage left the fenced loop device(s) %v of the volume attached", devs)
+	}
 
 	// What the volume holds, read on B once more from a fresh stage.
 	must(dB.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: targetB}))(t)
@@ -363,6 +369,23 @@ func readBlocks(t *testing.T, path string) map[int]time.Time {
 	return out
 }
 
+// fencedDevices lists the loop devices that sysfs shows fenced (a size limit of
+// one byte) and backed by the image of volume id.
+func fencedDevices(id string) []string {
+	_, key, _ := strings.Cut(id, ".")
+	suffix := "/volumes/" + key + "/disk.img"
+	names, _ := filepath.Glob("/sys/block/loop*")
+	var out []string
+	for _, sys := range names {
+		backing, _ := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
+		limit, _ := os.ReadFile(filepath.Join(sys, "loop", "sizelimit"))
+		if key != "" && strings.HasSuffix(strings.TrimSpace(string(backing)), suffix) && strings.TrimSpace(string(limit)) == "1" {
+			out = append(out, "/dev/"+filepath.Base(sys))
+		}
+	}
+	return out
+}
+
 // releaseUnder unmounts everything mounted below root, deepest first, and
 // detaches the loop devices backed by files below it.
 func releaseUnder(root string) {
@@ -379,6 +402,8 @@ func releaseUnder(root string) {
 	out, _ := exec.Command("losetup", "-a").Output()
 	for _, line := range strings.Split(string(out), "\n") {
 		if dev, rest, ok := strings.Cut(line, ":"); ok && strings.Contains(rest, root+"/") {
+			// A fenced device is read-only (BLKROSET), which outlives losetup -d.
+			_ = exec.Command("blockdev", "--setrw", dev).Run()
 			_ = exec.Command("losetup", "-d", dev).Run()
 		}
 	}
