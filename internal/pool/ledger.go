@@ -219,9 +219,6 @@ func (p *Pool) writeLedger(l *ledger) error {
 type ledgerTx struct {
 	p *Pool
 	l ledger
-	// dirty: l differs from the file (settled, rebuilt or repaired) and is
-	// written when the transaction ends, if no change wrote it before.
-	dirty bool
 	// degraded: ledger.json cannot be written (a directory in its place);
 	// every admission then measures the pool, as before the ledger.
 	degraded bool
@@ -229,7 +226,10 @@ type ledgerTx struct {
 
 // beginLedger takes the pool lock and the pool's ledger, verified: rebuilt if
 // it is missing, damaged or outdated, and the previous change's pending entry
-// settled. end writes what the transaction repaired and releases the lock.
+// settled. end releases the lock. What the transaction settled or repaired is
+// written with its change (apply) and only then: a call that changes nothing
+// (refused, or a no-op) leaves the pool's files as they were, and the next
+// change redoes the repair.
 func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err error) {
 	unlock, err := p.LockPool(ctx)
 	if err != nil {
@@ -240,12 +240,7 @@ func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err e
 		unlock()
 		return nil, nil, err
 	}
-	return tx, func() {
-		if tx.dirty && !tx.degraded {
-			_ = tx.write(tx.l) // best effort: an unwritten repair is redone next time
-		}
-		unlock()
-	}, nil
+	return tx, unlock, nil
 }
 
 func (tx *ledgerTx) load() error {
@@ -265,7 +260,6 @@ func (tx *ledgerTx) rebuild() error {
 	}
 	tx.l = ledger{}
 	tx.l.setTally(tallyOf(u))
-	tx.dirty = true
 	return nil
 }
 
@@ -324,7 +318,6 @@ func (tx *ledgerTx) settle() error {
 	if tx.l.Volumes < 0 || tx.l.ProvisionedBytes < 0 || tx.l.Snapshots < 0 || tx.l.ReflinkedBytes < 0 {
 		return tx.rebuild() // it under-counted: never trust it further
 	}
-	tx.dirty = true
 	return nil
 }
 
@@ -354,7 +347,7 @@ func (tx *ledgerTx) apply(change func(l *ledger)) error {
 	if err := tx.write(l); err != nil {
 		return err
 	}
-	tx.l, tx.dirty = l, false
+	tx.l = l
 	return nil
 }
 
@@ -383,7 +376,6 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 		// Drift (a crash that left a count behind, an older driver, a
 		// record changed by hand): the measurement is the truth.
 		tx.l.setTally(t)
-		tx.dirty = true
 	}
 	if avail := p.AvailableBytes(u); need > avail {
 		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",

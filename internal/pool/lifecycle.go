@@ -290,44 +290,85 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 // name of its own (prefix, key, a time), and returns those names. moved tells
 // whether parentRel/key existed. The caller holds the pool lock: the rename
 // changes parentRel, which the ledger stamps.
+//
+// Both directories are opened once, below the pool and through no link, and
+// the rename acts on those descriptors: a link swapped in for either after the
+// check (anyone may write a shared pool) cannot move a volume elsewhere.
 func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
-	if err := p.checkDir(parentRel); err != nil {
-		return false, nil, err
+	parent, err := fsx.OpenDir(p.Path, parentRel)
+	if err != nil {
+		return false, nil, unsafe(err)
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, trashDir), 0o750); err != nil {
-		return false, nil, err
-	}
-	if err := p.checkDir(trashDir); err != nil {
-		return false, nil, err
-	}
-	parent := filepath.Join(p.Path, parentRel)
+	defer parent.Close()
+	// Nothing to move, nothing made: a delete of what is not there (a retry, a
+	// hostile ID) leaves the pool as it was.
+	var names []string
 	for _, name := range []string{key, ".deleting-" + key} {
+		var st unix.Stat_t
+		if err := unix.Fstatat(int(parent.Fd()), name, &st, unix.AT_SYMLINK_NOFOLLOW); err == nil {
+			names = append(names, name)
+		}
+	}
+	if len(names) == 0 {
+		return false, nil, nil
+	}
+	trash, err := p.openTrash()
+	if err != nil {
+		return false, nil, err
+	}
+	defer trash.Close()
+	for _, name := range names {
 		dst := fmt.Sprintf("%s%s-%d", prefix, key, time.Now().UnixNano())
-		err := os.Rename(filepath.Join(parent, name), filepath.Join(p.Path, trashDir, dst))
+		err := unix.Renameat(int(parent.Fd()), name, int(trash.Fd()), dst)
 		switch {
 		case err == nil:
 			moved = moved || name == key
 			ours = append(ours, dst)
-		case !errors.Is(err, os.ErrNotExist):
-			return moved, ours, err
+		case !errors.Is(err, unix.ENOENT):
+			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(p.Path, parentRel, name), filepath.Join(p.Path, trashDir), err)
 		}
 	}
 	return moved, ours, nil
 }
 
+// openTrash opens the pool's trash directory, making it first if need be.
+func (p *Pool) openTrash() (*os.File, error) {
+	root, err := fsx.OpenDir(p.Path, ".")
+	if err != nil {
+		return nil, unsafe(err)
+	}
+	defer root.Close()
+	if err := unix.Mkdirat(int(root.Fd()), trashDir, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
+		return nil, fmt.Errorf("make %s: %w", filepath.Join(p.Path, trashDir), err)
+	}
+	trash, err := fsx.OpenDir(p.Path, trashDir)
+	if err != nil {
+		return nil, unsafe(err)
+	}
+	return trash, nil
+}
+
 // emptyTrash removes the trash entries ours, just renamed there, and every
 // other entry of name (prefix and key) an interrupted delete left, unless a
 // call (here or on another node) holds the lock file that moved with it: that
-// call is removing it. before runs on each first.
+// call is removing it. before runs on each first. The entries are reached
+// through the trash directory's descriptor (/proc/<pid>/fd/N/entry, a path a
+// helper the step runs can use too), so a link swapped in for the trash
+// directory cannot aim the removal elsewhere.
 func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) error) error {
-	des, err := p.readDir(trashDir)
+	trash, err := fsx.OpenDir(p.Path, trashDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
-		return err
+		return unsafe(err)
 	}
-	dir := filepath.Join(p.Path, trashDir)
+	defer trash.Close()
+	des, err := trash.ReadDir(-1)
+	if err != nil {
+		return fmt.Errorf("read directory %s: %w", filepath.Join(p.Path, trashDir), err)
+	}
+	dir := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), trash.Fd())
 	removed := false
 	for _, de := range des {
 		if !de.IsDir() || !strings.HasPrefix(de.Name(), name+"-") {
@@ -348,7 +389,7 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 		removed = true
 	}
 	if removed {
-		return syncDir(dir)
+		return trash.Sync()
 	}
 	return nil
 }

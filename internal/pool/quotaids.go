@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 
 	"golang.org/x/sys/unix"
 )
@@ -48,12 +49,7 @@ func validQuotaKind(kind string) bool {
 	if kind == "" || len(kind) > 32 {
 		return false
 	}
-	for _, r := range kind {
-		if !(r >= 'a' && r <= 'z' || r >= '0' && r <= '9' || r == '-') {
-			return false
-		}
-	}
-	return true
+	return strings.Trim(kind, "abcdefghijklmnopqrstuvwxyz0123456789-") == ""
 }
 
 // ClaimQuotaID takes quota ID qid of kind for volume vol, if no other volume

@@ -36,7 +36,7 @@ func TestPoolCommands(t *testing.T) {
 	if code != 0 {
 		t.Fatalf("pool list exited %d:\n%s", code, out)
 	}
-	for _, want := range []string{staged, idle, "pvc-staged", "32Mi", "node-1", "healthy"} {
+	for _, want := range []string{staged, idle, "pvc-staged", "32 MiB", "node-1", "healthy"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("pool list lacks %q:\n%s", want, out)
 		}
