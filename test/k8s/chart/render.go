@@ -60,7 +60,10 @@ type Doc struct {
 }
 
 // Render renders chartDir with the values file (may be "") plus overrides and returns the
-// objects in install order.
+// objects in install order. Values the chart's values.schema.json refuses are an error, as
+// with `helm install`: chartutil.ToRenderValues is ToRenderValuesWithSchemaValidation
+// without skipping, the call `helm install` and `helm upgrade` make unless
+// --skip-schema-validation.
 func Render(chartDir, valuesFile string, overrides map[string]any) ([]Doc, error) {
 	ch, err := loader.Load(chartDir)
 	if err != nil {

@@ -38,49 +38,56 @@ func TestRenderedYAMLMatchesChart(t *testing.T) {
 	}
 }
 
+// chartVariant is a set of values an operator is likely to change, and what the chart
+// renders with them.
+type chartVariant struct {
+	name      string
+	overrides map[string]any
+	want      []string // kind/name that must be present
+	notWant   []string
+}
+
+// chartVariants are rendered by TestChartVariants; TestValuesSchema checks the schema
+// accepts each of them.
+var chartVariants = []chartVariant{
+	{"defaults", nil,
+		[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node", "Secret/poolcsi-share-key"},
+		[]string{"Namespace/poolcsi", "StorageClass/"}},
+	{"share key from an existing Secret", map[string]any{"shares": map[string]any{"keySecret": "my-key"}},
+		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
+	{"shares off", map[string]any{"shares": map[string]any{"enabled": false}},
+		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
+	{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
+		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
+		[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
+	{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
+		"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}}},
+		[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
+		[]string{"CSIDriver/local.poolcsi.io", "ClusterRole/poolcsi-node"}},
+	{"shared pools, one mounted by the admin and one by poolcsi", map[string]any{"pools": map[string]any{
+		"shared": []any{
+			map[string]any{"name": "admin", "path": "/mnt/admin"},
+			map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export"}},
+		}}},
+		[]string{"DaemonSet/poolcsi-node", "Deployment/poolcsi-controller"}, nil},
+	{"storage classes", map[string]any{"createNamespace": true, "storageClasses": []any{
+		map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
+		map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
+	}}, []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
+	{"snapshots: local node deployment and classes", map[string]any{
+		"snapshots":     map[string]any{"local": true},
+		"snapshotClass": map[string]any{"create": true, "default": true}},
+		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
+	{"snapshots disabled", map[string]any{
+		"snapshots":     map[string]any{"enabled": false},
+		"snapshotClass": map[string]any{"create": true}},
+		nil, []string{"VolumeSnapshotClass/"}},
+}
+
 // TestChartVariants renders the chart with the values an operator is likely to change and
 // checks the result is well-formed and consistent.
 func TestChartVariants(t *testing.T) {
-	cases := []struct {
-		name      string
-		overrides map[string]any
-		want      []string // kind/name that must be present
-		notWant   []string
-	}{
-		{"defaults", nil,
-			[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node", "Secret/poolcsi-share-key"},
-			[]string{"Namespace/poolcsi", "StorageClass/"}},
-		{"share key from an existing Secret", map[string]any{"shares": map[string]any{"keySecret": "my-key"}},
-			[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
-		{"shares off", map[string]any{"shares": map[string]any{"enabled": false}},
-			[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
-		{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
-			[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
-			[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
-		{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
-			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}}},
-			[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
-			[]string{"CSIDriver/local.poolcsi.io", "ClusterRole/poolcsi-node"}},
-		{"shared pools, one mounted by the admin and one by poolcsi", map[string]any{"pools": map[string]any{
-			"shared": []any{
-				map[string]any{"name": "admin", "path": "/mnt/admin"},
-				map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export"}},
-			}}},
-			[]string{"DaemonSet/poolcsi-node", "Deployment/poolcsi-controller"}, nil},
-		{"storage classes", map[string]any{"createNamespace": true, "storageClasses": []any{
-			map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
-			map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
-		}}, []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
-		{"snapshots: local node deployment and classes", map[string]any{
-			"snapshots":     map[string]any{"local": true},
-			"snapshotClass": map[string]any{"create": true, "default": true}},
-			[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
-		{"snapshots disabled", map[string]any{
-			"snapshots":     map[string]any{"enabled": false},
-			"snapshotClass": map[string]any{"create": true}},
-			nil, []string{"VolumeSnapshotClass/"}},
-	}
-	for _, tc := range cases {
+	for _, tc := range chartVariants {
 		t.Run(tc.name, func(t *testing.T) {
 			docs, err := Render(ChartDir(), "", tc.overrides)
 			if err != nil {
