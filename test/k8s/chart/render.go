@@ -12,6 +12,7 @@ import (
 	"sort"
 	"strings"
 
+	"helm.sh/helm/v3/pkg/chart"
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	"helm.sh/helm/v3/pkg/engine"
@@ -59,21 +60,21 @@ type Doc struct {
 	YAML   string
 }
 
-// Render renders chartDir with the values file (may be "") plus overrides and returns the
-// objects in install order. Values the chart's values.schema.json refuses are an error, as
-// with `helm install`: chartutil.ToRenderValues is ToRenderValuesWithSchemaValidation
-// without skipping, the call `helm install` and `helm upgrade` make unless
-// --skip-schema-validation.
-func Render(chartDir, valuesFile string, overrides map[string]any) ([]Doc, error) {
+// renderFiles renders every template of chartDir with the values file (may be "") plus
+// overrides, as `helm install` does: the user's values coalesced with the chart's, then
+// validated against the chart's values.schema.json (chartutil.ToRenderValues is
+// ToRenderValuesWithSchemaValidation without skipping, the call `helm install` and
+// `helm upgrade` make unless --skip-schema-validation), then rendered.
+func renderFiles(chartDir, valuesFile string, overrides map[string]any) (*chart.Chart, map[string]string, error) {
 	ch, err := loader.Load(chartDir)
 	if err != nil {
-		return nil, fmt.Errorf("load chart: %w", err)
+		return nil, nil, fmt.Errorf("load chart: %w", err)
 	}
 	vals := map[string]any{}
 	if valuesFile != "" {
 		v, err := chartutil.ReadValuesFile(valuesFile)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		vals = v.AsMap()
 	}
@@ -84,11 +85,35 @@ func Render(chartDir, valuesFile string, overrides map[string]any) ([]Doc, error
 		Name: ReleaseName, Namespace: Namespace, Revision: 1, IsInstall: true,
 	}, caps)
 	if err != nil {
-		return nil, fmt.Errorf("values: %w", err)
+		return nil, nil, fmt.Errorf("values: %w", err)
 	}
 	out, err := engine.Render(ch, top)
 	if err != nil {
-		return nil, fmt.Errorf("render: %w", err)
+		return nil, nil, fmt.Errorf("render: %w", err)
+	}
+	return ch, out, nil
+}
+
+// RenderNotes renders the chart's NOTES.txt, what `helm install` prints.
+func RenderNotes(chartDir, valuesFile string, overrides map[string]any) (string, error) {
+	ch, out, err := renderFiles(chartDir, valuesFile, overrides)
+	if err != nil {
+		return "", err
+	}
+	notes, ok := out[ch.Name()+"/templates/NOTES.txt"]
+	if !ok {
+		return "", fmt.Errorf("chart %s has no templates/NOTES.txt", chartDir)
+	}
+	return notes, nil
+}
+
+// Render renders chartDir with the values file (may be "") plus overrides and returns the
+// objects in install order. Values the chart's schema refuses are an error, as with
+// `helm install`.
+func Render(chartDir, valuesFile string, overrides map[string]any) ([]Doc, error) {
+	ch, out, err := renderFiles(chartDir, valuesFile, overrides)
+	if err != nil {
+		return nil, err
 	}
 	var docs []Doc
 	for src, text := range out {

@@ -3,6 +3,7 @@ package chart
 import (
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -209,6 +210,9 @@ storageClasses:
 				if err != nil {
 					t.Fatalf("refused: %v", err)
 				}
+				if _, err := RenderNotes(ChartDir(), c.file, vals); err != nil {
+					t.Fatalf("NOTES.txt: %v", err)
+				}
 				return
 			}
 			if err == nil {
@@ -221,6 +225,68 @@ storageClasses:
 			for _, w := range c.wantErr {
 				if !strings.Contains(msg, w) {
 					t.Errorf("error lacks %q:\n%s", w, msg)
+				}
+			}
+		})
+	}
+}
+
+// TestNotes: NOTES.txt, what `helm install` prints, names this release's objects in the
+// commands to check first, and only commands the README documents.
+func TestNotes(t *testing.T) {
+	readme, err := os.ReadFile(filepath.Join(RepoRoot(), "README.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name      string
+		overrides map[string]any
+		want      []string
+		notWant   []string
+	}{
+		{"defaults", nil, []string{
+			"kubectl -n poolcsi get daemonset poolcsi-node",
+			"kubectl -n poolcsi get pods -l app.kubernetes.io/instance=poolcsi -o wide",
+			"kubectl -n poolcsi rollout status deployment/poolcsi-controller",
+			"kubectl get csidriver poolcsi.io local.poolcsi.io",
+			"kubectl get csinodes",
+			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi pool init --path /mnt/poolcsi-shared --name shared",
+			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi call GetPluginInfo",
+			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi pool check --path /mnt/poolcsi-shared",
+			"-c poolcsi-local -- poolcsi call NodeGetInfo",
+			"-c poolcsi-local -- poolcsi pool list --path /var/lib/poolcsi/pools/local",
+			"kubectl get storageclass",
+			"This release made none",
+		}, nil},
+		{"local pools only, a StorageClass", map[string]any{"pools": map[string]any{"shared": []any{}},
+			"storageClasses": []any{map[string]any{"name": "fast", "pool": "local"}}},
+			[]string{"kubectl get csidriver local.poolcsi.io\n", "This release made: fast"},
+			[]string{"poolcsi-controller", "poolcsi.io local", "pool init"}},
+		{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
+			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "s:/e"}}}}},
+			[]string{"kubectl get csidriver poolcsi.io\n", "poolcsi pool check --path /mnt/nfs"},
+			[]string{"poolcsi-local", "pool init"}},
+	}
+	cmd := regexp.MustCompile(`-- (poolcsi [a-z]+(?: [a-z]+)?)`)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			notes, err := RenderNotes(ChartDir(), "", tc.overrides)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, w := range tc.want {
+				if !strings.Contains(notes, w) {
+					t.Errorf("NOTES.txt lacks %q:\n%s", w, notes)
+				}
+			}
+			for _, nw := range tc.notWant {
+				if strings.Contains(notes, nw) {
+					t.Errorf("NOTES.txt has %q:\n%s", nw, notes)
+				}
+			}
+			for _, m := range cmd.FindAllStringSubmatch(notes, -1) {
+				if !strings.Contains(string(readme), "\n"+m[1]+" ") {
+					t.Errorf("NOTES.txt runs %q, which README.md's commands do not list", m[1])
 				}
 			}
 		})
