@@ -145,6 +145,14 @@ func poolCheck(out, stderr io.Writer, args []string) error {
 			fmt.Fprintf(out, "LEDGER  %s (the next create rebuilds or settles it; --repair rewrites it now)\n", lr.Problem)
 			problems++
 		}
+	} else if lr.Stale {
+		// What a crash between a change and its ledger write leaves: the
+		// driver does not trust it and rebuilds it at the next change.
+		if repair {
+			fmt.Fprintln(out, "LEDGER  outdated: rewritten from the volumes")
+		} else {
+			fmt.Fprintln(out, "LEDGER  outdated (a create or delete it did not count: a crash, or an older driver); not trusted, the next change rebuilds it: no problem")
+		}
 	}
 	if err := p.Check(); err != nil {
 		fmt.Fprintf(out, "POOL  %v\n", err)

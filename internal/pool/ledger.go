@@ -386,8 +386,14 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 
 // LedgerReport is what pool check says of a pool's ledger.
 type LedgerReport struct {
-	// Problem is empty when the ledger matches the records.
+	// Problem is empty when the ledger matches the records, or is only
+	// Stale.
 	Problem string
+	// Stale: a create or delete changed volumes/ or snapshots/ since the
+	// ledger was written (a crash between the two, or an older driver). The
+	// driver never trusts such a ledger: the next change rebuilds it from the
+	// records. So it is no problem, whatever it counts.
+	Stale   bool
 	Ledger  Tally // what the file counts (zero if unreadable)
 	Records Tally // what the records hold
 }
@@ -437,17 +443,12 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 				r.Ledger.ReflinkedBytes += b - l.Pending.Bytes
 			}
 		}
-		// An outdated stamp alone (something that is no volume came and
-		// went in volumes/) is not a problem: the next change rebuilds.
-		if r.Ledger != r.Records {
-			what := "drift"
-			if lerr != nil {
-				what = "outdated, with drift"
-			}
-			r.Problem = fmt.Sprintf("%s: the ledger counts %+v, the records hold %+v", what, r.Ledger, r.Records)
+		r.Stale = lerr != nil
+		if r.Ledger != r.Records && !r.Stale {
+			r.Problem = fmt.Sprintf("drift: the ledger counts %+v, the records hold %+v", r.Ledger, r.Records)
 		}
 	}
-	if r.Problem != "" && repair {
+	if (r.Problem != "" || r.Stale) && repair {
 		nl := ledger{}
 		nl.setTally(r.Records)
 		if err := p.writeLedger(&nl); err != nil {
