@@ -316,9 +316,10 @@ func (f mountFound) String() string {
 }
 
 // checkMountPoint tells whether the existing directory path is the root of a
-// mount, from /proc/self/mountinfo (a bind mount of a directory has the same
-// device as its parent, so comparing devices would miss it). Links in path
-// are resolved first, as mountinfo lists real paths.
+// mount, by the same test the driver makes of a pool that must be mounted
+// (mountinfo.Mounted, which sees bind mounts too), and names the mount path is
+// in, for the message. Links in path are resolved first, as mountinfo lists
+// real paths.
 func checkMountPoint(path string) (mountFound, error) {
 	real, err := filepath.EvalSymlinks(path)
 	if err != nil {
@@ -329,22 +330,26 @@ func checkMountPoint(path string) (mountFound, error) {
 	} else if !st.IsDir() {
 		return mountFound{}, fmt.Errorf("%s is not a directory", path)
 	}
+	isRoot, err := mountinfo.Mounted(real)
+	if err != nil {
+		return mountFound{}, fmt.Errorf("cannot tell whether %s is a mount point: %w", real, err)
+	}
 	mounts, err := mountinfo.GetMounts(mountinfo.ParentsFilter(real))
 	if err != nil {
 		return mountFound{}, fmt.Errorf("read the mount table: %w", err)
 	}
-	var best *mountinfo.Info
+	var in *mountinfo.Info
 	for _, m := range mounts {
-		// The longest mount point holding real wins; of equal ones, the
-		// later in the table, which is mounted over the earlier.
-		if best == nil || len(m.Mountpoint) >= len(best.Mountpoint) {
-			best = m
+		// The longest mount point holding real; of equal ones, the later in
+		// the table, which is mounted over the earlier.
+		if in == nil || len(m.Mountpoint) >= len(in.Mountpoint) {
+			in = m
 		}
 	}
-	if best == nil {
+	if in == nil {
 		return mountFound{}, fmt.Errorf("no mount holds %s", real)
 	}
-	return mountFound{path: path, isRoot: best.Mountpoint == real, mount: best}, nil
+	return mountFound{path: path, isRoot: isRoot, mount: in}, nil
 }
 
 // leasesExpired applies the controller's force-detach rule: the records of a
