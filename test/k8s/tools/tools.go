@@ -7,6 +7,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -411,22 +412,22 @@ func mergePins(files []*modfile.File, replaceFrom []func(*modfile.File) [][2]str
 // moduleFiles fetches a module into the module cache and returns its parsed go.mod and,
 // when the module's source has one, its go.sum ("" otherwise).
 func moduleFiles(mod, ver string) (*modfile.File, string, error) {
-	modPath, sumPath, err := download(mod, ver)
+	info, err := ModDownload(mod, ver)
 	if err != nil {
 		return nil, "", err
 	}
-	data, err := os.ReadFile(modPath)
+	data, err := os.ReadFile(info.GoMod)
 	if err != nil {
 		return nil, "", err
 	}
-	f, err := modfile.Parse(modPath, data, nil)
+	f, err := modfile.Parse(info.GoMod, data, nil)
 	if err != nil {
 		return nil, "", err
 	}
-	if sumPath == "" {
+	sum, err := os.ReadFile(filepath.Join(info.Dir, "go.sum"))
+	if errors.Is(err, os.ErrNotExist) {
 		return f, "", nil
 	}
-	sum, err := os.ReadFile(sumPath)
 	if err != nil {
 		return nil, "", err
 	}
@@ -446,20 +447,6 @@ func mergeSums(sums []string) string {
 		}
 	}
 	return b.String()
-}
-
-// download fetches a module into the module cache and returns its go.mod and, when the
-// module's source has one, its go.sum.
-func download(mod, ver string) (string, string, error) {
-	info, err := ModDownload(mod, ver)
-	if err != nil {
-		return "", "", err
-	}
-	sum := filepath.Join(info.Dir, "go.sum")
-	if !fileExists(sum) {
-		sum = ""
-	}
-	return info.GoMod, sum, nil
 }
 
 type modInfo struct{ GoMod, Dir, Error string }
