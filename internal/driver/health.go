@@ -174,7 +174,11 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 		nv.Block = e.Volume.AccessType == pool.AccessBlock
 		nv.FSType = e.Volume.FSType
 	}
-	if dev, ok, _ := d.loops.Find(nv.Image); ok {
+	dev, ok, err := d.attachedDevice(nv.Image)
+	if err != nil {
+		return nil, err // not "detached": unknown
+	}
+	if ok {
 		nv.Device = dev
 	}
 	for _, is := range health.CheckNode(nodeHost{d.mounts, d.loops, d.fs}, nv, d.opts.Health) {

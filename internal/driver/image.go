@@ -52,8 +52,11 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 
 	var source string
 	if nv.caps.access == pool.AccessBlock {
-		dev, ok, err := d.loops.Find(image)
-		if err != nil || !ok {
+		dev, ok, err := d.attachedDevice(image)
+		if err != nil {
+			return err
+		}
+		if !ok {
 			return status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
 		}
 		source = dev
@@ -62,7 +65,13 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 		if err != nil {
 			return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
 		}
-		if !mounted || !d.isVolumeMount(info, image) {
+		ours := false
+		if mounted {
+			if ours, err = d.isVolumeMount(info, image); err != nil {
+				return err
+			}
+		}
+		if !ours {
 			return status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 		}
 		source = staging
@@ -132,13 +141,25 @@ func (imageLayout) volumeContext(*pool.Volume, map[string]string) {}
 
 func (imageLayout) mountFS(v *pool.Volume) string { return v.FSType }
 
+// attachedDevice is loops.Find with its failure (a scan of the loop devices
+// that failed) as UNAVAILABLE: not knowing which device holds an image is no
+// answer that none does, so it must never read as "not attached" (NOT_FOUND,
+// a publish refused as a foreign mount, a detached-device condition).
+func (d *Driver) attachedDevice(image string) (string, bool, error) {
+	dev, ok, err := d.loops.Find(image)
+	if err != nil {
+		return "", false, status.Errorf(codes.Unavailable, "cannot tell which loop device holds %s (retry): %v", image, err)
+	}
+	return dev, ok, nil
+}
+
 // delete removes an image volume that is not attached on this node.
 func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume) error {
-	dev, ok, err := d.loops.Find(p.ImagePath(vid))
+	dev, ok, err := d.attachedDevice(p.ImagePath(vid))
 	if err != nil {
 		// Not knowing whether a loop device holds the image is not knowing
 		// whether a pod still writes to it: nothing is deleted on a guess.
-		return status.Errorf(codes.Unavailable, "volume %s: cannot tell whether it is attached on this node, so it is not deleted; retry later: %v", vid, err)
+		return fmt.Errorf("volume %s is not deleted: %w", vid, err)
 	}
 	if ok {
 		return status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
@@ -198,7 +219,11 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
 	}
 	if mounted {
-		if !d.isVolumeMount(info, image) {
+		ours, err := d.isVolumeMount(info, image)
+		if err != nil {
+			return err
+		}
+		if !ours {
 			return status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount (%s)", staging, info.Source)
 		}
 		if info.ReadOnly != readOnly {
@@ -281,7 +306,10 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 	if !mounted {
 		return false, nil
 	}
-	dev, ok, _ := d.loops.Find(image)
+	dev, ok, err := d.attachedDevice(image)
+	if err != nil {
+		return false, err
+	}
 	same := ok && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !same {
 		return false, status.Errorf(codes.AlreadyExists, "target path %s already holds another mount (%s)", target, info.Source)

@@ -188,10 +188,11 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 	return d.mounts.SameDir(path, p.DataPath(vid))
 }
 
-// isVolumeMount tells whether a mount comes from the loop device backed by image.
-func (d *Driver) isVolumeMount(info mount.MountInfo, image string) bool {
-	dev, ok, err := d.loops.Find(image)
-	return err == nil && ok && dev == info.Source
+// isVolumeMount tells whether a mount comes from the loop device backed by
+// image; UNAVAILABLE when the loop devices cannot be looked up.
+func (d *Driver) isVolumeMount(info mount.MountInfo, image string) (bool, error) {
+	dev, ok, err := d.attachedDevice(image)
+	return ok && dev == info.Source, err
 }
 
 // claimStage records in volume.json, before anything is attached or mounted,

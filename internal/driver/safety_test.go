@@ -452,3 +452,39 @@ func TestDeleteRefusesWhenAttachmentUnknown(t *testing.T) {
 		})
 	}
 }
+
+// A failed scan of the loop devices is no answer that the image is not
+// attached: the node calls that ask say UNAVAILABLE (retry), never NOT_FOUND,
+// ALREADY_EXISTS or a detached-device condition.
+func TestLoopLookupFailureIsUnavailable(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	if err := td.publish(id, vc, false); err != nil {
+		t.Fatal(err)
+	}
+	staging, target := filepath.Join(td.root, "staging", id), filepath.Join(td.root, "target", id)
+	td.opts.StatsHealthTTL = 0 // no cached condition hides the lookup
+	td.host.Faults.FailFrom("Find", 1, errInjected)
+	defer td.host.Faults.Reset()
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		call func() error
+	}{
+		{"NodeGetVolumeStats", func() error {
+			_, err := td.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: target, StagingTargetPath: staging})
+			return err
+		}},
+		{"NodeGetVolumeStats of the staging path", func() error {
+			_, err := td.NodeGetVolumeStats(ctx, &csi.NodeGetVolumeStatsRequest{VolumeId: id, VolumePath: staging})
+			return err
+		}},
+		{"NodePublishVolume again", func() error { return td.publish(id, vc, false) }},
+	} {
+		t.Run(tc.name, func(t *testing.T) { wantCode(t, tc.call(), codes.Unavailable) })
+	}
+}

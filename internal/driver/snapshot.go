@@ -165,8 +165,13 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 		if st.Node != d.opts.NodeID {
 			continue
 		}
+		// Not known to be the volume's mount: not frozen (the snapshot is
+		// then crash-consistent), never a wrong filesystem frozen.
 		info, mounted, err := d.mounts.Info(st.Path)
-		if err != nil || !mounted || !d.isVolumeMount(info, image) {
+		if err != nil || !mounted {
+			continue
+		}
+		if ours, err := d.isVolumeMount(info, image); err != nil || !ours {
 			continue
 		}
 		// The record outlives a crash of this process while the filesystem is

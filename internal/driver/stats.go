@@ -172,7 +172,10 @@ func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, 
 // stats of an image volume: its filesystem's, or its block device's size.
 func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	image := p.ImagePath(vid)
-	dev, attached, _ := d.loops.Find(image)
+	dev, attached, err := d.attachedDevice(image)
+	if err != nil {
+		return nil, err
+	}
 	if !attached {
 		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node, so not mounted at %s", vid, path)
 	}
