@@ -151,6 +151,11 @@ storageClasses:
 			wantErr: []string{"at '/image/repository'"}},
 		{name: "unknown share type", values: userValues{set: []string{"shares.types={nfs,cifs}"}},
 			wantErr: []string{"at '/shares/types/1': value must be one of"}},
+		{name: "lease timing an operator tunes", values: userValues{set: []string{"fencing.leaseDuration=2m", "fencing.renewInterval=2500ms", "fencing.margin=1m30s"}}},
+		{name: "a lease duration without its unit", values: userValues{set: []string{"fencing.leaseDuration=60"}},
+			wantErr: []string{"at '/fencing/leaseDuration': got number, want string"}},
+		{name: "a lease margin that is not a duration", values: userValues{set: []string{"fencing.margin=half a minute"}},
+			wantErr: []string{"at '/fencing/margin'"}},
 		{name: "image needed", values: userValues{set: []string{"image=null"}},
 			wantErr: []string{"at '': missing property 'image'"}},
 
