@@ -223,6 +223,45 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root st
 	}
 }
 
+// fenceIfTaken fences this node's loop device of an image volume of a shared
+// pool whose records no longer name this node: a controller force-detached
+// the volume while this node was cut off or down (its lease expired), and
+// another node may have it now. A node that comes back with the volume still
+// staged (a kernel that kept its mounts, a node plugin that was down) must
+// not let anything of its own reach the image again; unmounting the
+// filesystem on it would write its journal and superblock into an image that
+// another node has mounted. An unreadable record fences nothing here: the
+// lease's own fence covers a pool that does not answer.
+func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
+	if !p.Shared {
+		return nil
+	}
+	v, err := p.Load(vid)
+	if err != nil || v.Layout != pool.LayoutImage {
+		return nil
+	}
+	for _, s := range v.Staged {
+		if s.Node == d.opts.NodeID {
+			return nil
+		}
+	}
+	dev, found, err := d.loops.Find(image)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
+	}
+	if !found {
+		return nil
+	}
+	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
+		return nil
+	}
+	klog.FromContext(ctx).Info("Fencing the loop device of a volume this node no longer holds before unmounting it: a controller force-detached it from this node, and another node may have it", "volume", vid, "device", dev)
+	if err := d.loops.Fence(dev); err != nil {
+		return status.Errorf(codes.Unavailable, "fencing %s, the loop device of volume %s that another node may hold, before unmounting it: %v", dev, vid, err)
+	}
+	return nil
+}
+
 // releaseLeases marks released the leases of the pools where this node holds
 // no loop device: a controller may then take their volumes at once. A node
 // that still holds one leaves its lease to expire.

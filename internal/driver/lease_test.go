@@ -235,3 +235,86 @@ func TestStageNeedsALease(t *testing.T) {
 		t.Fatalf("a read-only stage: %v", err)
 	}
 }
+
+// TestRejoiningNodeFencesATakenVolume: node A stages an image read-write and
+// goes silent without fencing (its node plugin was down, or the node was
+// powered off with its kernel's mounts kept, as on one test machine); the
+// controller force-detaches the volume once A's lease has expired, and node B
+// stages it. When A comes back and kubelet unstages the stale stage, A fences
+// its loop device before it unmounts: the filesystem's unmount must not write
+// its journal and superblock into the image B has mounted.
+func TestRejoiningNodeFencesATakenVolume(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(a.root, "staging")
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	devs, _ := a.host.BackedUnder(dir)
+	if len(devs) != 1 {
+		t.Fatalf("loop devices of the pool on node A: %v", devs)
+	}
+	// A is silent: no renewal, no fence. The controller takes the volume.
+	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	wantCode(t, err, codes.Unavailable)
+	b.clock.add(lease.Default.Duration + lease.Default.Margin)
+	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
+		t.Fatalf("force-detach after the lease expired: %v", err)
+	}
+	if _, err := b.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-b", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(b.root, "staging"), VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A is back, renews, and kubelet unstages what A left.
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	fencedAtUnmount := false
+	a.host.Faults.OnCall("Unmount", func() { fencedAtUnmount, _ = a.host.Fenced(devs[0]) })
+	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatalf("node A unstaging the volume B took: %v", err)
+	}
+	if !fencedAtUnmount {
+		t.Fatal("node A unmounted the filesystem of a volume node B holds before fencing its loop device")
+	}
+	if left, _ := a.host.BackedUnder(dir); len(left) != 0 {
+		t.Fatalf("node A kept loop devices of the pool: %v", left)
+	}
+	vid, _ := pool.ParseVolumeID(id)
+	v, err := b.pool("shared").Load(vid)
+	if err != nil || len(v.Staged) != 1 || v.Staged[0].Node != "node-b" {
+		t.Fatalf("stage records after A rejoined: %+v %v", v.Staged, err)
+	}
+
+	// A node that still holds its record unmounts without a fence (B, here).
+	b.host.Faults.OnCall("Unmount", func() {
+		if f, _ := b.host.Fenced(mustFind(t, b.host, dir)); f {
+			t.Error("node B fenced the volume it holds before unmounting it")
+		}
+	})
+	if _, err := b.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(b.root, "staging")}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func mustFind(t *testing.T, h *fake.Host, dir string) string {
+	t.Helper()
+	devs, _ := h.BackedUnder(dir)
+	if len(devs) != 1 {
+		t.Fatalf("loop devices under %s: %v", dir, devs)
+	}
+	return devs[0]
+}

@@ -260,6 +260,9 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	defer release()
 	image := p.ImagePath(vid)
+	if err := d.fenceIfTaken(ctx, p, vid, image); err != nil {
+		return nil, err
+	}
 	if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
 		return nil, grpcError(fmt.Errorf("unmount %s: %w", staging, err))
 	}
