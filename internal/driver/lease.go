@@ -262,6 +262,47 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 	return nil
 }
 
+// dropStaleStage clears, before a stage that has just claimed a shared pool's
+// image volume for this node, whatever this node still has of an earlier stage
+// of it: a loop device attached before this node held a stage record can only
+// be left by a stage whose record a controller dropped (a force-detach while
+// this node was silent), or by a stage that failed half way. Its filesystem's
+// view of the image is stale (another node may have written since), so the
+// device is fenced, the staging path unmounted if it shows that device, and
+// the device detached if nothing else mounts it; the stage then starts anew.
+// Reusing it would serve a stale page cache and write it back over the other
+// node's data.
+func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging string) error {
+	if !nv.pool.Shared || nv.vol.Layout != pool.LayoutImage {
+		return nil
+	}
+	image := nv.pool.ImagePath(nv.id)
+	dev, found, err := d.loops.Find(image)
+	if err != nil {
+		return status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
+	}
+	if !found {
+		return nil
+	}
+	log := klog.FromContext(ctx).WithValues("volume", nv.id, "device", dev, "path", staging)
+	log.Info("A loop device of the volume was attached on this node before this stage claimed it (a stage a controller force-detached, or one that failed half way): fencing it and staging anew")
+	if err := d.loops.Fence(dev); err != nil {
+		return status.Errorf(codes.Unavailable, "fencing %s, a stale loop device of volume %s: %v", dev, nv.id, err)
+	}
+	if info, mounted, err := d.mounts.Info(staging); err == nil && mounted && d.loops.Backs(info.Source, image) {
+		if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(nv.pool, nv.id, "staging path", staging)); err != nil {
+			return grpcError(fmt.Errorf("unmount the stale stage at %s: %w", staging, err))
+		}
+	}
+	// Detaches the fenced device once nothing mounts it (the publish targets
+	// of the stale stage's pods may still: kubelet unmounts those, and a
+	// later unstage detaches it).
+	if err := d.loops.Detach(ctx, image); err != nil {
+		log.Error(err, "Detaching the stale loop device")
+	}
+	return nil
+}
+
 // releaseLeases marks released the leases of the pools where this node holds
 // no loop device: a controller may then take their volumes at once. A node
 // that still holds one leaves its lease to expire.

@@ -318,3 +318,65 @@ func mustFind(t *testing.T, h *fake.Host, dir string) string {
 	}
 	return devs[0]
 }
+
+// TestStageAfterForceDetachStartsAnew: node A stages an image read-write and
+// goes silent; the controller force-detaches it; the volume later comes back
+// to A while A still has its old stage (kubelet stages again at the same
+// path before it has unstaged the old one). A must not take the old mount as
+// the stage: its view of the image is from before the force-detach. The old
+// device is fenced, the staging path remounted from a new one.
+func TestStageAfterForceDetachStartsAnew(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	stage := func() {
+		t.Helper()
+		if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "staging"), VolumeCapability: vc}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	stage()
+	old := mustFind(t, a.host, dir)
+	// A retried stage keeps its device.
+	stage()
+	if again := mustFind(t, a.host, dir); again != old {
+		t.Fatalf("a retried stage replaced device %s with %s", old, again)
+	}
+	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	wantCode(t, err, codes.Unavailable)
+	b.clock.add(lease.Default.Duration + lease.Default.Margin)
+	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
+		t.Fatalf("force-detach after the lease expired: %v", err)
+	}
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	fences, mounts := a.host.Faults.Calls("Fence"), a.host.Faults.Calls("Mount")
+	stage()
+	if a.host.Faults.Calls("Fence") != fences+1 || a.host.Faults.Calls("Mount") != mounts+1 {
+		t.Fatalf("the stage after the force-detach fenced %d devices and mounted %d times; want the stale device %s fenced and the staging path mounted anew",
+			a.host.Faults.Calls("Fence")-fences, a.host.Faults.Calls("Mount")-mounts, old)
+	}
+	fresh := mustFind(t, a.host, dir)
+	if f, err := a.host.Fenced(fresh); f || err != nil {
+		t.Fatalf("the new stage's device %s: fenced %t, %v", fresh, f, err)
+	}
+	shown := ""
+	for _, m := range a.host.Mounts() {
+		if m.Target == filepath.Join(a.root, "staging") {
+			shown = m.Device
+		}
+	}
+	if shown != fresh {
+		t.Fatalf("the staging path shows %q, the volume's device is %s", shown, fresh)
+	}
+}

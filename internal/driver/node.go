@@ -137,6 +137,12 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
+	if claimed {
+		if err := d.dropStaleStage(ctx, nv, staging); err != nil {
+			d.unclaimStage(ctx, nv)
+			return nil, err
+		}
+	}
 	if err := d.layoutOf(nv.vol.Layout).stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
 		if claimed {
 			d.unclaimStage(ctx, nv)
