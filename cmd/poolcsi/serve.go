@@ -274,11 +274,23 @@ func (o *serveOptions) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	interceptors, err := o.startSidecars(ctx, d, mode, nodeID, opened)
+	// What runs beside the CSI server stops with it, and is waited for: the
+	// registration removes its socket on the way out, which a process that
+	// exited first would leave behind.
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	interceptors, stopped, err := o.startSidecars(ctx, d, mode, nodeID, opened)
 	if err != nil {
 		return err
 	}
-	return d.Serve(ctx, o.Endpoint, interceptors...)
+	err = d.Serve(ctx, o.Endpoint, interceptors...)
+	stop()
+	select {
+	case <-stopped:
+	case <-time.After(5 * time.Second):
+		klog.Background().Info("The kubelet registration did not stop within 5 s; exiting without it")
+	}
+	return err
 }
 
 // openPools opens the configured pools, mounting those with a mount stanza
@@ -320,31 +332,32 @@ func (o *serveOptions) openPools(ctx context.Context) ([]*pool.Pool, []func() er
 // startSidecars starts what serve runs beside the CSI server, each only when
 // its flag asks: metrics (whose interceptor it returns), claim events,
 // snapshot claims, /healthz and the kubelet registration.
-func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode driver.Mode, nodeID string, opened []*pool.Pool) ([]grpc.UnaryServerInterceptor, error) {
-	var interceptors []grpc.UnaryServerInterceptor
+func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode driver.Mode, nodeID string, opened []*pool.Pool) (interceptors []grpc.UnaryServerInterceptor, registered <-chan struct{}, err error) {
+	done := make(chan struct{})
+	registered = done
 	if o.MetricsAddr != "" {
 		mx := metrics.New(o.DriverName, opened, o.healthOptions())
 		if mode == driver.ModeNode || mode == driver.ModeAll {
 			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
 		}
 		if _, err := mx.Serve(ctx, o.MetricsAddr); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 		interceptors = append(interceptors, mx.Interceptor)
 	}
 	if o.PVCEventsInterval > 0 {
 		if err := startPVCEvents(ctx, d, o.DriverName, o.Kubeconfig, o.LeaseNamespace, o.PVCEventsInterval); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	if o.ClaimSnapshots {
 		if err := startSnapshotClaims(ctx, d, o.DriverName, nodeID, o.Kubeconfig); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	if o.HealthzAddr != "" {
 		if err := serveHealthz(ctx, o.HealthzAddr, d); err != nil {
-			return nil, err
+			return nil, nil, err
 		}
 	}
 	if o.RegistrationDir != "" {
@@ -354,10 +367,13 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 		}
 		r := &kubeletplugin.Registrar{DriverName: o.DriverName, Endpoint: csiPath, Dir: o.RegistrationDir}
 		go func() {
+			defer close(done)
 			if err := r.Run(ctx, probeEndpoint(o.Endpoint)); err != nil {
 				klog.ErrorS(err, "Kubelet plugin registration stopped; kubelet will not use this node plugin until it restarts")
 			}
 		}()
+	} else {
+		close(done)
 	}
-	return interceptors, nil
+	return interceptors, registered, nil
 }
