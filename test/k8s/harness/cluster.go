@@ -60,6 +60,22 @@ func freePort(t testing.TB) int {
 // test ends, and its log tail is printed if the test failed.
 func (c *Cluster) Start(t testing.TB, name, bin string, env []string, args ...string) *Proc {
 	t.Helper()
+	p := c.launch(t, name, bin, env, args...)
+	t.Cleanup(func() {
+		p.Stop()
+		if t.Failed() {
+			b, _ := os.ReadFile(p.Log)
+			t.Logf("---- last lines of %s (%s) ----\n%s", name, p.Log, tail(string(b), 25))
+		}
+	})
+	return p
+}
+
+// launch is Start without the cleanup: for a process that replaces one Start started,
+// which its owner stops in that one's place (a cleanup registered now would run before
+// the graceful teardown registered earlier).
+func (c *Cluster) launch(t testing.TB, name, bin string, env []string, args ...string) *Proc {
+	t.Helper()
 	logDir := filepath.Join(c.Dir, "logs")
 	_ = os.MkdirAll(logDir, 0o755)
 	p := &Proc{Name: name, Log: filepath.Join(logDir, name+".log"), done: make(chan struct{})}
@@ -79,13 +95,6 @@ func (c *Cluster) Start(t testing.TB, name, bin string, env []string, args ...st
 	c.mu.Lock()
 	c.procs = append(c.procs, p)
 	c.mu.Unlock()
-	t.Cleanup(func() {
-		p.Stop()
-		if t.Failed() {
-			b, _ := os.ReadFile(p.Log)
-			t.Logf("---- last lines of %s (%s) ----\n%s", name, p.Log, tail(string(b), 25))
-		}
-	})
 	return p
 }
 

@@ -119,6 +119,14 @@ func (l *envLog) note(t testing.TB, kind, path string) {
 // not exist yet as made by the environment.
 func (l *envLog) noteMount(t testing.TB, path string) {
 	t.Helper()
+	l.noteMade(t, path)
+	l.note(t, recMount, path)
+}
+
+// noteMade notes path and each of its parents that does not exist yet, before they are
+// made, and returns them, deepest first.
+func (l *envLog) noteMade(t testing.TB, path string) []string {
+	t.Helper()
 	var made []string
 	for p := path; p != "/" && p != "."; p = filepath.Dir(p) {
 		if _, err := os.Lstat(p); err == nil {
@@ -129,19 +137,20 @@ func (l *envLog) noteMount(t testing.TB, path string) {
 	for i := len(made) - 1; i >= 0; i-- {
 		l.note(t, recMade, made[i])
 	}
-	l.note(t, recMount, path)
+	return made
 }
 
 // killedEnv is what the record of an environment that did not clean up names.
 type killedEnv struct {
 	owner             string
-	kubelet, node     string
+	kubelet           string
+	nodes             []string // a cluster of several nodes notes each node's directory
 	tmp, mounts, made []string
 	ignored           []string
 }
 
 func (k killedEnv) empty() bool {
-	return k.kubelet == "" && k.node == "" && len(k.tmp)+len(k.mounts)+len(k.made) == 0
+	return k.kubelet == "" && len(k.nodes)+len(k.tmp)+len(k.mounts)+len(k.made) == 0
 }
 
 // parseEnvRecord reads a record. Only absolute, clean paths other than / are taken: the
@@ -165,7 +174,7 @@ func parseEnvRecord(b []byte) killedEnv {
 		case recKubelet:
 			k.kubelet = path
 		case recNode:
-			k.node = path
+			k.nodes = append(k.nodes, path)
 		case recTmp:
 			k.tmp = append(k.tmp, path)
 		case recMount:
@@ -188,21 +197,40 @@ func (k killedEnv) reclaim(t testing.TB) {
 		t.Fatalf("the kubelet environment of %s was killed before it cleaned up, and a kubelet still runs (pids %s): stop it first",
 			k.owner, strings.Fields(string(pids)))
 	}
-	t.Logf("the kubelet environment of %s was killed before it cleaned up: reclaiming kubelet %q, node %q, mounts %q, temp %q, made %q",
-		k.owner, k.kubelet, k.node, k.mounts, k.tmp, k.made)
+	t.Logf("the kubelet environment of %s was killed before it cleaned up: reclaiming kubelet %q, nodes %q, mounts %q, temp %q, made %q",
+		k.owner, k.kubelet, k.nodes, k.mounts, k.tmp, k.made)
 	for _, line := range k.ignored {
 		t.Logf("reclaim: ignoring record line %q", line)
 	}
 	killKubepods(t)
-	n := &Node{Dir: k.node, KubeletDir: k.kubelet}
-	if k.node != "" {
-		n.Containerd = filepath.Join(k.node, "c.sock")
+	// A node of its own mount namespace lost its mounts with the namespace, once its
+	// processes were gone; kubelet's root and the pod logs are swept once, here.
+	nodes := append([]string(nil), k.nodes...)
+	if len(nodes) == 0 {
+		nodes = []string{""}
 	}
-	n.sweep(t)
+	for _, d := range nodes {
+		n := &Node{Dir: d, KubeletDir: k.kubelet}
+		if d != "" {
+			n.Containerd = filepath.Join(d, "c.sock")
+		}
+		n.sweep(t)
+	}
+	// The cgroup roots of the nodes given one.
+	roots, _ := filepath.Glob("/sys/fs/cgroup/*" + nodeCgroupPrefix + "*")
+	for _, r := range roots {
+		removeCgroup(t, r)
+	}
 	// The pools must still be mounted: that is how their volumes' loop devices are known.
 	for dev, line := range ourLoops(k.kubelet, k.mounts...) {
 		t.Logf("reclaim: detaching %s", line)
-		if out, err := exec.Command("losetup", "-d", dev).CombinedOutput(); err != nil {
+		if out, err := detachLoop(dev); err != nil {
+			t.Logf("losetup -d %s: %v %s", dev, err, out)
+		}
+	}
+	for _, dev := range nestedLoops(k.tmp...) {
+		t.Logf("reclaim: detaching %s, a volume of a pool image under %q", dev, k.tmp)
+		if out, err := detachLoop(dev); err != nil {
 			t.Logf("losetup -d %s: %v %s", dev, err, out)
 		}
 	}
@@ -244,7 +272,8 @@ func killKubepods(t testing.TB) {
 		}
 		for _, line := range strings.Split(string(b), "\n") {
 			f := strings.SplitN(line, ":", 3)
-			if len(f) == 3 && (f[2] == "/kubepods" || strings.HasPrefix(f[2], "/kubepods/") || strings.HasPrefix(f[2], "/kubepods.slice")) {
+			if len(f) == 3 && (f[2] == "/kubepods" || strings.HasPrefix(f[2], "/kubepods/") || strings.HasPrefix(f[2], "/kubepods.slice") ||
+				strings.HasPrefix(f[2], nodeCgroupPrefix)) {
 				pid, _ := strconv.Atoi(filepath.Base(filepath.Dir(p)))
 				if pid > 0 && syscall.Kill(pid, syscall.SIGKILL) == nil {
 					killed++
@@ -271,7 +300,7 @@ func TestParseEnvRecord(t *testing.T) {
 		{
 			name: "a killed run",
 			in:   "env pid 7 (TestKubelet)\nkubelet /var/lib/kubelet\ntmp /tmp/TestKubelet1\nmade /var/lib/poolcsi\nmount /var/lib/poolcsi/pools/local\nnode /tmp/pk1\n",
-			want: killedEnv{owner: "pid 7 (TestKubelet)", kubelet: "/var/lib/kubelet", node: "/tmp/pk1",
+			want: killedEnv{owner: "pid 7 (TestKubelet)", kubelet: "/var/lib/kubelet", nodes: []string{"/tmp/pk1"},
 				tmp: []string{"/tmp/TestKubelet1"}, made: []string{"/var/lib/poolcsi"}, mounts: []string{"/var/lib/poolcsi/pools/local"}},
 		},
 		{
@@ -285,7 +314,7 @@ func TestParseEnvRecord(t *testing.T) {
 			if fmt.Sprintf("%+v", got) != fmt.Sprintf("%+v", tc.want) {
 				t.Errorf("got  %+v\nwant %+v", got, tc.want)
 			}
-			if wantEmpty := tc.want.kubelet == "" && tc.want.node == "" && tc.want.tmp == nil && tc.want.mounts == nil && tc.want.made == nil; got.empty() != wantEmpty {
+			if wantEmpty := tc.want.kubelet == "" && tc.want.nodes == nil && tc.want.tmp == nil && tc.want.mounts == nil && tc.want.made == nil; got.empty() != wantEmpty {
 				t.Errorf("empty() = %v", got.empty())
 			}
 		})
@@ -478,4 +507,37 @@ func TestFailedReclaimKeepsRecord(t *testing.T) {
 	if _, err := os.Stat(busy); err != nil {
 		t.Errorf("what was mounted is gone: %v", err)
 	}
+}
+
+// nestedLoops lists the loop devices whose backing file is on a filesystem that is itself
+// on a loop device backed by a file under one of dirs: the volumes of a pool image of a
+// killed environment, which losetup names only relative to the pool (a node's own mount
+// namespace, where the pool was mounted, is gone) and which keep that pool's filesystem,
+// and so its image's device, alive.
+func nestedLoops(dirs ...string) []string {
+	out, _ := exec.Command("losetup", "-l", "-n", "-O", "NAME,MAJ:MIN,BACK-MAJ:MIN,BACK-FILE").Output()
+	type loop struct{ name, majmin, back, file string }
+	var loops []loop
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 4 {
+			continue
+		}
+		loops = append(loops, loop{f[0], f[1], f[2], strings.Join(f[3:], " ")})
+	}
+	pools := map[string]bool{}
+	for _, l := range loops {
+		for _, d := range dirs {
+			if d != "" && strings.HasPrefix(l.file, d+"/") {
+				pools[l.majmin] = true
+			}
+		}
+	}
+	var nested []string
+	for _, l := range loops {
+		if pools[l.back] {
+			nested = append(nested, l.name)
+		}
+	}
+	return nested
 }

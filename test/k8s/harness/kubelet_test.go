@@ -38,11 +38,24 @@ const (
 	poolcsiTag     = "test"
 )
 
-// kubeletEnv is a one-node cluster running the chart as pods.
+// kubeletEnv is a cluster of real nodes on this machine running the chart as pods.
 type kubeletEnv struct {
 	c       *Cluster
-	node    *Node
-	poolcsi string // host binary (pool init, inspection)
+	node    *Node   // the first node
+	nodes   []*Node // every node
+	poolcsi string  // host binary (pool init, inspection)
+}
+
+// envOptions change the environment startEnv brings up.
+type envOptions struct {
+	// extra images to import on every node
+	extra func(testing.TB) []Image
+	// values are chart values set beside the image overrides (top-level keys)
+	values map[string]any
+	// nodes: two nodes, node-a and node-b, each with its own mount namespace (kubelet's
+	// root, its local pool and its shares), cgroup root and pod network; the shared pool
+	// is one filesystem both mount. Zero: this machine is the one node.
+	nodes int
 }
 
 // startKubeletEnv brings up the control plane, a real node and the chart, rendered with
@@ -57,7 +70,17 @@ func startKubeletEnv(t testing.TB) *kubeletEnv {
 // beside the image overrides (top-level keys).
 func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values map[string]any) *kubeletEnv {
 	t.Helper()
+	return startEnv(t, envOptions{extra: extra, values: values})
+}
+
+// startEnv is startKubeletEnv with options.
+func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
+	t.Helper()
+	extra, values := opts.extra, opts.values
 	requireCommands(t, "mkfs.xfs", "mkfs.ext4", "mkfs.btrfs")
+	if opts.nodes > 1 {
+		requireCommands(t, "unshare", "nsenter")
+	}
 	// The lock first: it reclaims what a killed environment left, which requireNode would
 	// otherwise refuse.
 	log := lockKubeletEnv(t)
@@ -116,10 +139,12 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 	// what it has promised, not what is written, and the storage e2e suite runs three specs at
 	// once, each growing 1 GiB claims to 2 GiB (a 4 GiB shared pool refused the third with
 	// RESOURCE_EXHAUSTED, rightly).
-	log.noteMount(t, localPoolPath)
-	mountPoolFS(t, localPoolPath, "xfs", 16<<30)
+	if opts.nodes <= 1 {
+		log.noteMount(t, localPoolPath)
+		mountPoolFS(t, nil, localPoolPath, "xfs", 16<<30)
+	}
 	log.noteMount(t, sharedPoolPath)
-	mountPoolFS(t, sharedPoolPath, "btrfs", 16<<30)
+	mountPoolFS(t, nil, sharedPoolPath, "btrfs", 16<<30)
 	// Dir volumes get a size limit only where the administrator turned quota on
 	// (docs/pools.md, "Quota is the admin's decision").
 	if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
@@ -129,20 +154,29 @@ func startKubeletEnvWith(t testing.TB, extra func(testing.TB) []Image, values ma
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 
-	log.noteMount(t, sharesDir)
-	sharedBindMount(t, sharesDir)
+	if opts.nodes <= 1 {
+		log.noteMount(t, sharesDir)
+		sharedBindMount(t, nil, sharesDir, "")
+	}
 
 	// Last resort, after the node is gone and before the pools are unmounted: a loop device
 	// the test run left (a failure before the claims were deleted) keeps a pool busy.
 	t.Cleanup(func() {
 		for dev, line := range ourLoops(KubeletDir, localPoolPath, sharedPoolPath) {
 			t.Errorf("detaching a loop device left behind: %s", line)
-			_ = exec.Command("losetup", "-d", dev).Run()
+			_, _ = detachLoop(dev)
 		}
 	})
-	node := StartNode(t, c, ip, images)
-	t.Logf("node %s Ready after %s", node.Name, time.Since(total).Round(time.Second))
-	env := &kubeletEnv{c: c, node: node, poolcsi: bin}
+	var nodes []*Node
+	if opts.nodes <= 1 {
+		nodes = []*Node{StartNode(t, c, ip, images)}
+	} else {
+		nodes = startNodes(t, c, log, ip, images)
+	}
+	for _, n := range nodes {
+		t.Logf("node %s Ready after %s", n.Name, time.Since(total).Round(time.Second))
+	}
+	env := &kubeletEnv{c: c, node: nodes[0], nodes: nodes, poolcsi: bin}
 
 	docs, err := chart.Render(chart.ChartDir(), "", overrides)
 	if err != nil {
@@ -184,9 +218,9 @@ func isNamespaced(o *unstructured.Unstructured) bool {
 	return true
 }
 
-// mountPoolFS formats a sparse image and mounts it at path (loop, autoclear), undone when
-// the test ends.
-func mountPoolFS(t testing.TB, path, fsType string, size int64) {
+// mountPoolFS formats a sparse image and mounts it at path (loop, autoclear) on node n (nil:
+// this machine), undone when the test ends.
+func mountPoolFS(t testing.TB, n *Node, path, fsType string, size int64) {
 	t.Helper()
 	img := filepath.Join(t.TempDir(), "pool-"+fsType+".img")
 	f, err := os.Create(img)
@@ -211,22 +245,23 @@ func mountPoolFS(t testing.TB, path, fsType string, size int64) {
 	if err := os.MkdirAll(path, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if out, err := exec.Command("mount", "-o", "loop", img, path).CombinedOutput(); err != nil {
+	if out, err := n.command("mount", "-o", "loop", img, path).CombinedOutput(); err != nil {
 		t.Fatalf("mount %s: %v\n%s", path, err, out)
 	}
 	// The chart mounts pools into its containers with HostToContainer or Bidirectional
 	// propagation, which containerd refuses on a private mount ("is mounted on ... but it
 	// is not a shared or slave mount"). systemd makes every mount shared; this machine's
 	// init does not.
-	if out, err := exec.Command("mount", "--make-shared", path).CombinedOutput(); err != nil {
+	if out, err := n.command("mount", "--make-shared", path).CombinedOutput(); err != nil {
 		t.Fatalf("mount --make-shared %s: %v\n%s", path, err, out)
 	}
 	t.Cleanup(func() {
-		if out, err := exec.Command("umount", path).CombinedOutput(); err != nil {
+		if out, err := n.command("umount", path).CombinedOutput(); err != nil {
 			t.Errorf("umount %s: %v %s (still in use: a volume of the test was left behind)", path, err, out)
-			_ = exec.Command("umount", "-l", path).Run()
+			_ = n.command("umount", "-l", path).Run()
 		}
-		if created {
+		// On a node, the mount point is every node's: startNodes removes it.
+		if created && n == nil {
 			_ = os.Remove(path)
 			_ = os.Remove(filepath.Dir(path)) // /var/lib/poolcsi/pools, if empty
 			_ = os.Remove(filepath.Dir(filepath.Dir(path)))
@@ -241,10 +276,12 @@ const shareSource = sharedPoolPath + "/share-src"
 // shares StorageClasses name.
 const sharesDir = "/var/lib/poolcsi/shares"
 
-// sharedBindMount makes path a mount point of its own with shared propagation: the chart
-// mounts it into the node plugin with Bidirectional propagation, which containerd refuses
-// below a private mount, and this machine's / is private (systemd makes it shared).
-func sharedBindMount(t testing.TB, path string) {
+// sharedBindMount makes path a mount point of its own with shared propagation on node n
+// (nil: this machine): the chart mounts it into the node plugin with Bidirectional
+// propagation, which containerd refuses below a private mount, and this machine's / is
+// private (systemd makes it shared). src, if set, is the directory mounted there instead
+// of path itself (a node's own, on a node with OwnMounts).
+func sharedBindMount(t testing.TB, n *Node, path, src string) {
 	t.Helper()
 	created := false
 	if _, err := os.Stat(path); os.IsNotExist(err) {
@@ -253,15 +290,21 @@ func sharedBindMount(t testing.TB, path string) {
 	if err := os.MkdirAll(path, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	for _, args := range [][]string{{"--bind", path, path}, {"--make-shared", path}} {
-		if out, err := exec.Command("mount", args...).CombinedOutput(); err != nil {
+	if src == "" {
+		src = path
+	}
+	for _, args := range [][]string{{"--bind", src, path}, {"--make-shared", path}} {
+		if out, err := n.command("mount", args...).CombinedOutput(); err != nil {
 			t.Fatalf("mount %v: %v\n%s", args, err, out)
 		}
 	}
 	t.Cleanup(func() {
-		if out, err := exec.Command("umount", "-R", path).CombinedOutput(); err != nil {
+		if out, err := n.command("umount", "-R", path).CombinedOutput(); err != nil {
 			t.Errorf("umount -R %s: %v %s", path, err, out)
-			_ = exec.Command("umount", "-R", "-l", path).Run()
+			_ = n.command("umount", "-R", "-l", path).Run()
+		}
+		if src != path {
+			return // the node's own directory goes with the node's
 		}
 		// The bind mount is the directory itself, so what the driver wrote there (a
 		// mount point and a record per share) stays on the host's disk: remove it, once
@@ -301,7 +344,7 @@ func (e *kubeletEnv) waitChartReady(t testing.TB) {
 		if err != nil {
 			return err
 		}
-		if len(pods.Items) < 3 { // the node DaemonSet's pod and two controller replicas
+		if len(pods.Items) < 2+len(e.nodes) { // the node DaemonSet's pods and two controller replicas
 			return fmt.Errorf("%d pods", len(pods.Items))
 		}
 		for _, p := range pods.Items {
@@ -311,23 +354,25 @@ func (e *kubeletEnv) waitChartReady(t testing.TB) {
 		}
 		return nil
 	})
-	waitFor(t, 60*time.Second, "CSINode with both drivers", func() error {
-		cn, err := e.c.Client.StorageV1().CSINodes().Get(ctx, e.node.Name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		found := map[string]bool{}
-		for _, d := range cn.Spec.Drivers {
-			if len(d.TopologyKeys) != 1 || d.TopologyKeys[0] != topoKey || d.NodeID != e.node.Name {
-				return fmt.Errorf("driver %s registered as node %q with topology keys %v", d.Name, d.NodeID, d.TopologyKeys)
+	for _, n := range e.nodes {
+		waitFor(t, 60*time.Second, "CSINode of "+n.Name+" with both drivers", func() error {
+			cn, err := e.c.Client.StorageV1().CSINodes().Get(ctx, n.Name, metav1.GetOptions{})
+			if err != nil {
+				return err
 			}
-			found[d.Name] = true
-		}
-		if !found[localDriver] || !found[sharedDrv] {
-			return fmt.Errorf("CSINode lists %v", cn.Spec.Drivers)
-		}
-		return nil
-	})
+			found := map[string]bool{}
+			for _, d := range cn.Spec.Drivers {
+				if len(d.TopologyKeys) != 1 || d.TopologyKeys[0] != topoKey || d.NodeID != n.Name {
+					return fmt.Errorf("driver %s registered as node %q with topology keys %v", d.Name, d.NodeID, d.TopologyKeys)
+				}
+				found[d.Name] = true
+			}
+			if !found[localDriver] || !found[sharedDrv] {
+				return fmt.Errorf("CSINode lists %v", cn.Spec.Drivers)
+			}
+			return nil
+		})
+	}
 }
 
 func podReady(p *corev1.Pod) bool {
@@ -501,6 +546,7 @@ type podSpec struct {
 	block    bool
 	readOnly bool
 	hostPath string // a hostPath volume at /data instead
+	node     string // the node it must run on (its kubernetes.io/hostname)
 }
 
 // pod runs busybox sleeping, with the claims, and waits until it is Running.
@@ -520,6 +566,9 @@ func podObject(ns string, p podSpec) *corev1.Pod {
 			Containers: []corev1.Container{{Name: "c", Image: busyboxImage, ImagePullPolicy: corev1.PullNever,
 				Command: []string{"sleep", "100000"}}},
 		}}
+	if p.node != "" {
+		pod.Spec.NodeSelector = map[string]string{"kubernetes.io/hostname": p.node}
+	}
 	c := &pod.Spec.Containers[0]
 	if p.hostPath != "" {
 		dirOrCreate := corev1.HostPathDirectoryOrCreate

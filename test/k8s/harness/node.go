@@ -32,22 +32,55 @@ type Node struct {
 	KubeletDir string
 	// KubeletPort serves kubelet's API and /metrics (client certificates of the cluster CA).
 	KubeletPort int
+	// Config is what sets this node apart from the others of its cluster.
+	Config NodeConfig
 
 	c *Cluster
-	// t is the test that started the node: processes restarted by a subtest must outlive it.
-	t           testing.TB
+	// ns holds the node's own mount namespace (NodeConfig.OwnMounts) while the node lives.
+	ns          *Proc
 	restarts    int
 	kubeletBin  string
 	kubeletArgs []string
 	kubelet     *Proc
+	containerd  *Proc
 }
+
+// NodeConfig is what sets a node apart when a cluster has more than one on this machine.
+// The zero value is the one-node cluster: this machine's host name and address, its mount
+// table, kubelet's default cgroup root, and the node runs the cluster's kube-proxy and
+// kube-scheduler.
+type NodeConfig struct {
+	// Name is the node's name; "" is this machine's host name.
+	Name string
+	// Index numbers the node: its CNI bridge is pkcni<Index>, its pods' range
+	// 10.244.<Index>.0/24. The nodes share this machine's network namespace (so one
+	// kube-proxy's rules serve them all) and route to each other's pods through it.
+	Index int
+	// OwnMounts runs containerd, kubelet and so every pod of the node in a mount namespace
+	// of its own, a slave of this machine's: /var/lib/kubelet, /var/log/pods and
+	// /var/log/containers are the node's own directories there, so two nodes use the
+	// chart's one kubeletDir as two machines would. Prepare mounts the node's own pools.
+	OwnMounts bool
+	// Prepare, with OwnMounts, runs once the namespace exists and before containerd starts.
+	Prepare func(t testing.TB, n *Node)
+	// CgroupRoot is kubelet's cgroupRoot ("" is kubelet's default, /): two kubelets under
+	// one root would each remove the other's pod cgroups as orphans.
+	CgroupRoot string
+	// Secondary: the cluster's kube-proxy and kube-scheduler run on another node.
+	Secondary bool
+}
+
+// nodeCgroupPrefix starts the cgroup root of every node given one: the reclaim of a killed
+// environment finds their processes by it.
+const nodeCgroupPrefix = "/poolcsi-test-"
 
 const (
 	// KubeletDir is kubelet's real default root: the chart's kubeletDir value and the
 	// driver's --allowed-path-prefix assume it, so the node uses it rather than a temp dir.
 	KubeletDir = "/var/lib/kubelet"
-	podCIDR    = "10.244.0.0/24"
-	cniBridge  = "pkcni0"
+	// clusterCIDR holds every node's pod range (NodeConfig.Index).
+	clusterCIDR     = "10.244.0.0/16"
+	cniBridgePrefix = "pkcni"
 	// localImagePrefix names every image the tests build; nothing is ever pulled.
 	localImagePrefix = "poolcsi.test/"
 	pauseImage       = localImagePrefix + "pause:1"
@@ -87,6 +120,12 @@ func requireNode(t testing.TB) {
 func StartNode(t testing.TB, c *Cluster, ip string, images []Image) *Node {
 	t.Helper()
 	requireNode(t)
+	return StartNodeWith(t, c, ip, NodeConfig{}, images)
+}
+
+// StartNodeWith is StartNode for one of several nodes (requireNode is the caller's, once).
+func StartNodeWith(t testing.TB, c *Cluster, ip string, cfg NodeConfig, images []Image) *Node {
+	t.Helper()
 	dir, err := os.MkdirTemp("/tmp", "pk")
 	if err != nil {
 		t.Fatal(err)
@@ -94,15 +133,27 @@ func StartNode(t testing.TB, c *Cluster, ip string, images []Image) *Node {
 	if c.OnHostPath != nil {
 		c.OnHostPath("node", dir)
 	}
-	host, _ := os.Hostname()
-	n := &Node{Name: strings.ToLower(strings.SplitN(host, ".", 2)[0]), IP: ip, Dir: dir, KubeletDir: KubeletDir, c: c, t: t}
+	name := cfg.Name
+	if name == "" {
+		host, _ := os.Hostname()
+		name = strings.ToLower(strings.SplitN(host, ".", 2)[0])
+	}
+	n := &Node{Name: name, IP: ip, Dir: dir, KubeletDir: KubeletDir, Config: cfg, c: c}
 	// Runs last: whatever the graceful steps left behind.
 	t.Cleanup(func() { n.sweep(t) })
+	if cfg.CgroupRoot != "" {
+		n.makeCgroupRoot(t)
+	}
+	if cfg.OwnMounts {
+		n.enterOwnMounts(t)
+	}
 
 	n.startContainerd(t)
 	n.Import(t, images)
-	n.startProxy(t)
-	n.startScheduler(t)
+	if !cfg.Secondary {
+		n.startProxy(t)
+		n.startScheduler(t)
+	}
 	n.startKubelet(t)
 	waitFor(t, 120*time.Second, "node "+n.Name+" Ready", func() error {
 		n.kubelet.mustRun(t)
@@ -122,7 +173,7 @@ func (n *Node) startContainerd(t testing.TB) {
 	bridge := fmt.Sprintf(`{"cniVersion":"0.4.0","name":"poolcsi-test","plugins":[
  {"type":"bridge","bridge":%q,"isGateway":true,"ipMasq":false,"hairpinMode":true,
   "ipam":{"type":"host-local","ranges":[[{"subnet":%q}]],"routes":[{"dst":"0.0.0.0/0"}],"dataDir":%q}}]}`,
-		cniBridge, podCIDR, filepath.Join(n.Dir, "ipam"))
+		n.bridge(), n.podCIDR(), filepath.Join(n.Dir, "ipam"))
 	if err := os.WriteFile(filepath.Join(cniConf, "10-poolcsi-test.conflist"), []byte(bridge), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -149,7 +200,11 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	p := n.c.Start(t, "containerd", "containerd", nil, "--config", cfgPath)
+	p := n.start(t, "containerd", "containerd", "--config", cfgPath)
+	n.containerd = p
+	// The containerd of the moment (a node powered on again has another), after the
+	// containers are gone.
+	t.Cleanup(func() { n.containerd.Stop() })
 	// Runs before containerd stops: kill every container, or the shims outlive it.
 	t.Cleanup(func() { n.killContainers(t) })
 	waitFor(t, 30*time.Second, "containerd socket", func() error {
@@ -195,7 +250,7 @@ func (n *Node) startProxy(t testing.TB) {
 	// how the chart's pods, which use in-cluster config, reach the API server.
 	n.c.Start(t, "kube-proxy", bin, nil,
 		"--kubeconfig="+n.c.AdminKube, "--hostname-override="+n.Name,
-		"--proxy-mode=iptables", "--cluster-cidr="+podCIDR,
+		"--proxy-mode=iptables", "--cluster-cidr="+clusterCIDR,
 		// conntrack sysctls are not writable here and not needed on one node.
 		"--conntrack-max-per-core=0",
 		"--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
@@ -230,7 +285,7 @@ kind: KubeletConfiguration
 # systemd cgroup driver needs systemd as PID 1, which is not here.
 failCgroupV1: false
 cgroupDriver: cgroupfs
-failSwapOn: false
+%sfailSwapOn: false
 containerRuntimeEndpoint: unix://%s
 address: %s
 port: %d
@@ -256,23 +311,25 @@ featureGates:
   # Volume health from NodeGetVolumeStats: kubelet_volume_stats_health_status_abnormal
   # and Warning events on the pod (alpha in v1.36).
   CSIVolumeHealth: true
-`, n.Containerd, n.IP, n.KubeletPort, freePort(t), n.c.PKI.CACert)
+`, n.cgroupRootLine(), n.Containerd, n.IP, n.KubeletPort, freePort(t), n.c.PKI.CACert)
 	cfgPath := filepath.Join(n.Dir, "kubelet.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.MkdirAll(n.KubeletDir, 0o750); err != nil {
-		t.Fatal(err)
-	}
-	// The node plugin mounts kubelet's directory with Bidirectional propagation (its
-	// NodeStage/NodePublish mounts must reach kubelet and the pods), which needs a shared
-	// mount. systemd makes / shared; this machine's init leaves it private, so kubelet's
-	// directory becomes a shared mount of its own (as kind does for its nodes).
-	if out, err := exec.Command("mount", "--bind", n.KubeletDir, n.KubeletDir).CombinedOutput(); err != nil {
-		t.Fatalf("bind-mount %s: %v %s", n.KubeletDir, err, out)
-	}
-	if out, err := exec.Command("mount", "--make-rshared", n.KubeletDir).CombinedOutput(); err != nil {
-		t.Fatalf("mount --make-rshared %s: %v %s", n.KubeletDir, err, out)
+	if !n.Config.OwnMounts { // enterOwnMounts did the same in the node's namespace
+		if err := os.MkdirAll(n.KubeletDir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		// The node plugin mounts kubelet's directory with Bidirectional propagation (its
+		// NodeStage/NodePublish mounts must reach kubelet and the pods), which needs a shared
+		// mount. systemd makes / shared; this machine's init leaves it private, so kubelet's
+		// directory becomes a shared mount of its own (as kind does for its nodes).
+		if out, err := exec.Command("mount", "--bind", n.KubeletDir, n.KubeletDir).CombinedOutput(); err != nil {
+			t.Fatalf("bind-mount %s: %v %s", n.KubeletDir, err, out)
+		}
+		if out, err := exec.Command("mount", "--make-rshared", n.KubeletDir).CombinedOutput(); err != nil {
+			t.Fatalf("mount --make-rshared %s: %v %s", n.KubeletDir, err, out)
+		}
 	}
 	n.kubeletArgs = []string{
 		"--config=" + cfgPath,
@@ -283,7 +340,10 @@ featureGates:
 		"--cert-dir=" + filepath.Join(n.Dir, "kubelet-pki"),
 		"--v=2",
 	}
-	n.kubelet = n.c.Start(t, "kubelet", n.kubeletBin, nil, n.kubeletArgs...)
+	n.kubelet = n.start(t, "kubelet", n.kubeletBin, n.kubeletArgs...)
+	// The kubelet of the moment (RestartKubelet and PowerOn start others), stopped where
+	// the first one would be: after the graceful teardown registered later.
+	t.Cleanup(func() { n.kubelet.Stop() })
 }
 
 // RestartKubelet stops kubelet (SIGTERM, as systemd would) and starts it again; the new
@@ -292,7 +352,7 @@ func (n *Node) RestartKubelet(t testing.TB) {
 	t.Helper()
 	n.kubelet.Stop()
 	n.restarts++
-	n.kubelet = n.c.Start(n.t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, nil, n.kubeletArgs...)
+	n.kubelet = n.restart(t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, n.kubeletArgs...)
 	waitFor(t, 60*time.Second, "node "+n.Name+" Ready after the kubelet restart", func() error {
 		n.kubelet.mustRun(t)
 		return n.ready()
@@ -322,20 +382,15 @@ func (n *Node) ready() error {
 func (n *Node) sweep(t testing.TB) {
 	// containerd-shims whose containerd is gone keep their mounts busy. (A reclaim that
 	// does not know the node's directory knows no shim to be ours.)
-	var shims []byte
-	if n.Containerd != "" {
-		shims, _ = exec.Command("pgrep", "-f", "containerd-shim.*"+n.Containerd).Output()
-	}
-	if len(shims) > 0 {
-		for _, f := range strings.Fields(string(shims)) {
-			if pid, err := strconv.Atoi(f); err == nil {
-				_ = syscall.Kill(pid, syscall.SIGKILL)
-			}
-		}
-		time.Sleep(300 * time.Millisecond)
+	n.killShims()
+	// A node of its own mounts has had them swept in its namespace (sweepOwnMounts);
+	// here, kubelet's root and the pod logs are the mount points of every such node.
+	own := []string{n.KubeletDir, "/var/log/pods", "/var/log/containers"}
+	if n.Config.OwnMounts {
+		own = nil
 	}
 	var netnsLeft []string
-	for _, m := range mountsUnder(n.KubeletDir, n.Dir, "/run/netns", "/var/run/netns") {
+	for _, m := range mountsUnder(append([]string{n.Dir, "/run/netns", "/var/run/netns"}, own...)...) {
 		if strings.Contains(m, "/netns/cni-") {
 			netnsLeft = append(netnsLeft, m)
 		}
@@ -345,7 +400,7 @@ func (n *Node) sweep(t testing.TB) {
 			t.Logf("swept a leftover mount: %s", m)
 		}
 	}
-	for _, d := range []string{n.KubeletDir, "/var/log/pods", "/var/log/containers", n.Dir} {
+	for _, d := range append(own, n.Dir) {
 		if d == "" {
 			continue
 		}
@@ -384,9 +439,15 @@ func (n *Node) sweep(t testing.TB) {
 			_ = exec.Command("iptables", "-t", table, "-X", c).Run()
 		}
 	}
-	if _, err := net.InterfaceByName(cniBridge); err == nil {
-		if out, err := exec.Command("ip", "link", "del", cniBridge).CombinedOutput(); err != nil {
-			t.Logf("ip link del %s: %v %s", cniBridge, err, out)
+	// The node's CNI bridge; a reclaim, which does not know the node's index, every one
+	// of the harness's.
+	ifs, _ := net.Interfaces()
+	for _, i := range ifs {
+		if !strings.HasPrefix(i.Name, cniBridgePrefix) || (n.Name != "" && i.Name != n.bridge()) {
+			continue
+		}
+		if out, err := exec.Command("ip", "link", "del", i.Name).CombinedOutput(); err != nil {
+			t.Logf("ip link del %s: %v %s", i.Name, err, out)
 		}
 	}
 }
@@ -424,8 +485,11 @@ func iptablesFields(line string) []string {
 }
 
 // mountsUnder lists the mount points under any of dirs, deepest first.
-func mountsUnder(dirs ...string) []string {
-	f, err := os.Open("/proc/self/mountinfo")
+func mountsUnder(dirs ...string) []string { return mountsUnderIn("/proc/self/mountinfo", dirs...) }
+
+// mountsUnderIn is mountsUnder in the mount table of a mountinfo file.
+func mountsUnderIn(mountinfo string, dirs ...string) []string {
+	f, err := os.Open(mountinfo)
 	if err != nil {
 		return nil
 	}

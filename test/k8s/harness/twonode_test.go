@@ -1,0 +1,583 @@
+package harness
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	appsv1 "k8s.io/api/apps/v1"
+	corev1 "k8s.io/api/core/v1"
+	policyv1 "k8s.io/api/policy/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"github.com/poolcsi/poolcsi/test/k8s/chart"
+)
+
+// The second node's address: kubelet refuses a loopback one, and the nodes share this
+// machine's network namespace, so it is one more address of lo (not a loopback address
+// to kubelet: it is outside 127.0.0.0/8).
+const nodeBIP = "10.250.0.2"
+
+// startNodes starts node-a and node-b, each with its own mount namespace (kubelet's root,
+// pod logs, a local pool and a shares directory of its own), cgroup root, bridge and pod
+// range; both mount the shared pool, which this machine mounted before. The mount points
+// they need are made here and removed once both nodes are gone.
+func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image) []*Node {
+	t.Helper()
+	var made []string
+	for _, d := range append([]string{localPoolPath, sharesDir}, ownDirs...) {
+		made = append(made, log.noteMade(t, d)...)
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Runs after both nodes are gone: their mount points are empty here.
+	t.Cleanup(func() {
+		for _, d := range append(append([]string(nil), ownDirs...), localPoolPath, sharesDir) {
+			if err := os.Remove(d); err != nil && !os.IsNotExist(err) {
+				t.Errorf("removing the nodes' mount point %s: %v", d, err)
+			}
+		}
+		for _, d := range made {
+			_ = os.Remove(d)
+		}
+	})
+	if out, err := exec.Command("ip", "addr", "replace", nodeBIP+"/32", "dev", "lo").CombinedOutput(); err != nil {
+		t.Fatalf("ip addr replace %s dev lo: %v %s", nodeBIP, err, out)
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("ip", "addr", "del", nodeBIP+"/32", "dev", "lo").CombinedOutput(); err != nil {
+			t.Errorf("ip addr del %s dev lo: %v %s", nodeBIP, err, out)
+		}
+	})
+	prepare := func(t testing.TB, n *Node) {
+		mountPoolFS(t, n, localPoolPath, "xfs", 16<<30)
+		// A slave of this machine's mount here; shared as well, there, for the node
+		// plugin's Bidirectional propagation.
+		n.Run(t, "mount", "--make-shared", sharedPoolPath)
+		own := filepath.Join(n.Dir, "shares")
+		if err := os.Mkdir(own, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		sharedBindMount(t, n, sharesDir, own)
+	}
+	var nodes []*Node
+	for i, addr := range []string{ip, nodeBIP} {
+		name := fmt.Sprintf("node-%c", 'a'+i)
+		nodes = append(nodes, StartNodeWith(t, c, addr, NodeConfig{
+			Name: name, Index: i, OwnMounts: true, Prepare: prepare,
+			CgroupRoot: nodeCgroupPrefix + name, Secondary: i > 0,
+		}, images))
+	}
+	return nodes
+}
+
+// twoNodeLease is the lease timing of the two-node cluster: the production timeline
+// (docs/fencing.md) scaled down, so that a partition test does not wait 90 s for it.
+var twoNodeLease = map[string]any{"leaseDuration": "6s", "renewInterval": "1s", "margin": "3s"}
+
+// TestTwoNodes drives the flows where a shared-storage driver loses data, through two
+// real kubelets, the attach/detach controller and the chart as it is: a ReadWriteOnce
+// image claim moved from node to node (cordon and delete; drain while it is written), an
+// RWX dir claim written from both nodes and expanded while in use, a local claim that
+// keeps its pod on its node, and a node partitioned while its pod writes, taken over
+// through the out-of-service taint.
+func TestTwoNodes(t *testing.T) {
+	env := startEnv(t, envOptions{nodes: 2, values: map[string]any{
+		"fencing": twoNodeLease,
+		// The controller stays on node-a: the partition test cuts node-b off the pool
+		// and the API server, and a controller cut off both would hold its leader lease
+		// until it ran out, as on a real cluster, only slower.
+		"controller": map[string]any{"nodeSelector": map[string]any{"kubernetes.io/hostname": "node-a"}},
+	}})
+	env.storageClasses(t)
+	nodeA, nodeB := env.nodes[0], env.nodes[1]
+
+	t.Run("RWO image claim moves to the other node", func(t *testing.T) {
+		ns := env.namespace(t, "move")
+		env.statefulSet(t, ns, "db", "shared-ext4", "")
+		from := env.waitPodOn(t, ns, "db-0", "", "")
+		blob := strings.TrimSpace(env.mustExec(t, ns, "db-0", writeBlob))
+
+		// Cordon and delete: the StatefulSet brings the pod back on the other node.
+		env.cordon(t, from.Spec.NodeName, true)
+		if err := env.c.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		to := env.waitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
+		env.cordon(t, from.Spec.NodeName, false)
+		if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
+			t.Fatalf("after the move from %s to %s: wrote %s, read %s", from.Spec.NodeName, to.Spec.NodeName, blob, got)
+		}
+
+		// kubectl drain while the pod writes: cordon, then evict through the Eviction API.
+		env.mustExec(t, ns, "db-0", "echo "+to.Spec.NodeName+" > /data/writer")
+		var before int
+		waitFor(t, 60*time.Second, "the writer's first 2000 lines", func() error {
+			before = lineCount(t, env, ns, "db-0", "/data/seq")
+			if before < 2000 {
+				return fmt.Errorf("%d lines", before)
+			}
+			return nil
+		})
+		env.cordon(t, to.Spec.NodeName, true)
+		env.evict(t, ns, "db-0")
+		back := env.waitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
+		env.cordon(t, to.Spec.NodeName, false)
+		n := checkSequence(t, env, ns, "db-0", "/data/seq")
+		if n < before {
+			t.Fatalf("the writer had written %d lines before the drain; %d on the volume after it", before, n)
+		}
+		if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
+			t.Fatalf("after the drain: wrote %s, read %s", blob, got)
+		}
+		t.Logf("moved %s -> %s (cordon, delete) -> %s (drain while writing: %d lines, none lost or torn)",
+			from.Spec.NodeName, to.Spec.NodeName, back.Spec.NodeName, n)
+	})
+
+	t.Run("RWX dir claim on both nodes, expanded while in use", func(t *testing.T) {
+		ns := env.namespace(t, "rwx2")
+		env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "64Mi", rwx: true})
+		env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}, node: nodeA.Name})
+		env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}, node: nodeB.Name})
+		sumA := strings.TrimSpace(env.mustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
+		sumB := strings.TrimSpace(env.mustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
+		if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
+			t.Fatalf("node-a wrote %s, node-b reads %s", sumA, got)
+		}
+		if got := sum(t, env, ns, "a", "/data/b"); got != sumB {
+			t.Fatalf("node-b wrote %s, node-a reads %s", sumB, got)
+		}
+		// 64 MiB is the limit (btrfs quota): 80 MiB more does not fit before the
+		// expansion, and does after it.
+		if out, err := env.exec(t, ns, "b", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>&1"); err == nil {
+			t.Fatalf("80 MiB written into a 64 MiB dir volume: %s", out)
+		}
+		env.mustExec(t, ns, "b", "rm -f /data/big && sync")
+		env.resize(t, ns, "c", "256Mi")
+		env.waitCapacity(t, ns, "c", "256Mi", 120*time.Second)
+		env.mustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
+		if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
+			t.Fatalf("after the expansion node-b reads %s of node-a's file, wrote %s", got, sumA)
+		}
+		if got := strings.TrimSpace(env.mustExec(t, ns, "b", "ls -l /data/big | awk '{print $5}'")); got != strconv.Itoa(80<<20) {
+			t.Fatalf("node-b sees node-a's 80 MiB file as %s bytes", got)
+		}
+	})
+
+	t.Run("local claim keeps its pod on its node", func(t *testing.T) {
+		ns := env.namespace(t, "local2")
+		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi"})
+		first := env.pod(t, ns, podSpec{name: "p1", claims: []string{"c"}})
+		home := first.Spec.NodeName
+		pv, err := env.c.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.pvc(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := pvNodes(pv); len(got) != 1 || got[0] != home {
+			t.Fatalf("PV %s node affinity %v, want the node of its first pod, %s", pv.Name, got, home)
+		}
+		blob := strings.TrimSpace(env.mustExec(t, ns, "p1", writeBlob))
+		env.deletePod(t, ns, "p1")
+		// Its node cordoned, the claim's next pod has nowhere to go, and says why.
+		env.cordon(t, home, true)
+		if _, err := env.c.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, podSpec{name: "p2", claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		msg := env.waitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
+		if !strings.Contains(msg, "didn't match PersistentVolume's node affinity") {
+			t.Errorf("p2's FailedScheduling event does not name the volume's node affinity: %s", msg)
+		}
+		if p := env.getPod(t, ns, "p2"); p.Spec.NodeName != "" {
+			t.Fatalf("p2 scheduled to %s while its volume's node %s is cordoned", p.Spec.NodeName, home)
+		}
+		env.cordon(t, home, false)
+		second := env.waitRunning(t, ns, "p2")
+		if second.Spec.NodeName != home {
+			t.Fatalf("p2 on %s, its volume on %s", second.Spec.NodeName, home)
+		}
+		if got := sum(t, env, ns, "p2", "/data/blob"); got != blob {
+			t.Fatalf("wrote %s, read %s", blob, got)
+		}
+		t.Logf("local volume on %s: Pending with %q while it was cordoned", home, msg)
+	})
+
+	t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
+		env.partitionTakeover(t, nodeB, nodeA)
+	})
+	t.Run("powered-off node taken over, then back", func(t *testing.T) {
+		env.powerOffTakeover(t, nodeB, nodeA)
+	})
+}
+
+// other is the name of the other node of the two.
+func other(node string) string {
+	if node == "node-a" {
+		return "node-b"
+	}
+	return "node-a"
+}
+
+func lineCount(t testing.TB, env *kubeletEnv, ns, pod, path string) int {
+	t.Helper()
+	out, err := env.exec(t, ns, pod, "wc -l < "+path)
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(strings.TrimSpace(out))
+	return n
+}
+
+// checkSequence checks that the file holds the lines 0, 1, 2, ... and nothing else, and
+// returns how many.
+func checkSequence(t testing.TB, env *kubeletEnv, ns, pod, path string) int {
+	t.Helper()
+	out := env.mustExec(t, ns, pod, "cat "+path)
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	for i, l := range lines {
+		if l != strconv.Itoa(i) {
+			t.Fatalf("%s line %d is %q, want %d (of %d lines)", path, i+1, l, i, len(lines))
+		}
+	}
+	return len(lines)
+}
+
+func pvNodes(pv *corev1.PersistentVolume) []string {
+	var out []string
+	if pv.Spec.NodeAffinity == nil || pv.Spec.NodeAffinity.Required == nil {
+		return nil
+	}
+	for _, term := range pv.Spec.NodeAffinity.Required.NodeSelectorTerms {
+		for _, e := range term.MatchExpressions {
+			out = append(out, e.Values...)
+		}
+	}
+	return out
+}
+
+// statefulSet creates a StatefulSet of one busybox pod running seqWriter, with one claim
+// from class mounted at /data; node, if set, is where the pod must run.
+func (e *kubeletEnv) statefulSet(t testing.TB, ns, name, class, node string) {
+	t.Helper()
+	one, grace := int32(1), int64(1)
+	labels := map[string]string{"app": name}
+	mode := corev1.PersistentVolumeFilesystem
+	spec := podObject(ns, podSpec{name: name, node: node}).Spec
+	spec.TerminationGracePeriodSeconds = &grace
+	spec.Containers[0].Command = []string{"sh", "-c", seqWriter}
+	spec.Containers[0].Env = []corev1.EnvVar{{Name: "NODE_NAME", ValueFrom: &corev1.EnvVarSource{
+		FieldRef: &corev1.ObjectFieldSelector{FieldPath: "spec.nodeName"}}}}
+	spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "data", MountPath: "/data"}}
+	sts := &appsv1.StatefulSet{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns},
+		Spec: appsv1.StatefulSetSpec{
+			Replicas: &one, ServiceName: name,
+			Selector: &metav1.LabelSelector{MatchLabels: labels},
+			Template: corev1.PodTemplateSpec{ObjectMeta: metav1.ObjectMeta{Labels: labels}, Spec: spec},
+			VolumeClaimTemplates: []corev1.PersistentVolumeClaim{{ObjectMeta: metav1.ObjectMeta{Name: "data"},
+				Spec: corev1.PersistentVolumeClaimSpec{
+					StorageClassName: &class, VolumeMode: &mode,
+					AccessModes: []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+					Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("200Mi")}},
+				}}},
+		}}
+	if _, err := e.c.Client.AppsV1().StatefulSets(ns).Create(context.Background(), sts, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// scale sets a StatefulSet's replicas.
+func (e *kubeletEnv) scale(t testing.TB, ns, name string, replicas int) {
+	t.Helper()
+	patch := fmt.Sprintf(`{"spec":{"replicas":%d}}`, replicas)
+	if _, err := e.c.Client.AppsV1().StatefulSets(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (e *kubeletEnv) getPod(t testing.TB, ns, name string) *corev1.Pod {
+	t.Helper()
+	p, err := e.c.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// waitPodOn waits until the pod is Running and Ready, is not the pod of UID notUID (the
+// one it replaces), and, if node is set, runs there.
+func (e *kubeletEnv) waitPodOn(t testing.TB, ns, name, notUID, node string) *corev1.Pod {
+	t.Helper()
+	var got *corev1.Pod
+	waitFor(t, 240*time.Second, fmt.Sprintf("pod %s/%s Running (on %q)", ns, name, node), func() error {
+		var err error
+		got, err = e.c.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		switch {
+		case string(got.UID) == notUID:
+			return fmt.Errorf("still the pod it replaces (on %s, %s)", got.Spec.NodeName, podSummary(got))
+		case got.Status.Phase != corev1.PodRunning || !podReady(got):
+			return fmt.Errorf("on %q: %s%s", got.Spec.NodeName, podSummary(got), e.events(ns, name))
+		case node != "" && got.Spec.NodeName != node:
+			return fmt.Errorf("on %s", got.Spec.NodeName)
+		}
+		return nil
+	})
+	return got
+}
+
+// cordon marks a node (un)schedulable, as kubectl cordon and uncordon do; a node cordoned
+// is uncordoned when the test ends, whatever happened, for the tests after it.
+func (e *kubeletEnv) cordon(t testing.TB, node string, on bool) {
+	t.Helper()
+	set := func(on bool) error {
+		patch := fmt.Sprintf(`{"spec":{"unschedulable":%t}}`, on)
+		_, err := e.c.Client.CoreV1().Nodes().Patch(context.Background(), node, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{})
+		return err
+	}
+	if err := set(on); err != nil {
+		t.Fatal(err)
+	}
+	if on {
+		t.Cleanup(func() {
+			if err := set(false); err != nil {
+				t.Errorf("uncordon %s: %v", node, err)
+			}
+		})
+	}
+}
+
+// evict asks the Eviction API to move a pod off its node, as kubectl drain does.
+func (e *kubeletEnv) evict(t testing.TB, ns, name string) {
+	t.Helper()
+	ev := &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}}
+	if err := e.c.Client.PolicyV1().Evictions(ns).Evict(context.Background(), ev); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// taint adds (on) or removes a NoExecute taint of a node.
+func (e *kubeletEnv) taint(t testing.TB, node, key, value string, on bool) {
+	t.Helper()
+	ctx := context.Background()
+	waitFor(t, 30*time.Second, "taint "+key+" on "+node, func() error {
+		n, err := e.c.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		var taints []corev1.Taint
+		for _, tt := range n.Spec.Taints {
+			if tt.Key != key {
+				taints = append(taints, tt)
+			}
+		}
+		if on {
+			taints = append(taints, corev1.Taint{Key: key, Value: value, Effect: corev1.TaintEffectNoExecute})
+		}
+		n.Spec.Taints = taints
+		_, err = e.c.Client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
+		return err
+	})
+}
+
+// waitNodeReady waits until the node's Ready condition is ready (true) or not.
+func (e *kubeletEnv) waitNodeReady(t testing.TB, node string, ready bool, timeout time.Duration) {
+	t.Helper()
+	waitFor(t, timeout, fmt.Sprintf("node %s Ready=%t", node, ready), func() error {
+		n, err := e.c.Client.CoreV1().Nodes().Get(context.Background(), node, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		for _, c := range n.Status.Conditions {
+			if c.Type == corev1.NodeReady {
+				if (c.Status == corev1.ConditionTrue) == ready {
+					return nil
+				}
+				return fmt.Errorf("%s %s", c.Status, c.Reason)
+			}
+		}
+		return fmt.Errorf("no Ready condition")
+	})
+}
+
+// driverLog is the log of the shared driver's node plugin on node.
+func (e *kubeletEnv) driverLog(t testing.TB, node string) string {
+	t.Helper()
+	pods, err := e.c.Client.CoreV1().Pods(chart.Namespace).List(context.Background(), metav1.ListOptions{
+		LabelSelector: "app.kubernetes.io/component=node", FieldSelector: "spec.nodeName=" + node})
+	if err != nil || len(pods.Items) == 0 {
+		t.Fatalf("the node plugin on %s: %v (%d pods)", node, err, len(pods.Items))
+	}
+	b, err := e.c.Client.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{Container: "poolcsi"}).DoRaw(context.Background())
+	if err != nil {
+		t.Fatalf("log of %s: %v", pods.Items[0].Name, err)
+	}
+	return string(b)
+}
+
+// seqWriter is the StatefulSets' pods' command: once /data/writer names the pod's node,
+// it appends the next numbers of /data/seq (0, 1, 2, ...), each line fsynced before the
+// next, so that what is on the volume is a prefix of what the writer was told was written.
+// A process an exec starts in the background does not outlive the exec (containerd kills
+// what is left of it): the writer is the pod's own.
+const seqWriter = `while [ "$(cat /data/writer 2>/dev/null)" != "$NODE_NAME" ]; do sleep 0.2; done
+i=$(cat /data/seq 2>/dev/null | wc -l)
+while :; do echo $i >> /data/seq && sync /data/seq; i=$((i+1)); done`
+
+// outOfService is the non-graceful node shutdown taint (kubectl taint nodes NODE
+// node.kubernetes.io/out-of-service=nodeshutdown:NoExecute).
+const outOfService = "node.kubernetes.io/out-of-service"
+
+// takeover is a pod of a StatefulSet, writing with seqWriter on one node, taken over by
+// the other through the out-of-service taint after the first node failed.
+type takeover struct {
+	ns, pvName, handle string
+	seen               string // /data/seq as the survivor found it
+	sum                string // md5 of what the survivor wrote
+	survivor           *corev1.Pod
+}
+
+// failAndTakeOver starts the writer on victim, fails victim with fail, waits until the node
+// is NotReady, taints it out of service, and waits for the pod on survivor; there it
+// reads what the victim left and writes its own data.
+func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor *Node, fail func()) *takeover {
+	t.Helper()
+	ns := e.namespace(t, name)
+	e.cordon(t, survivor.Name, true)
+	e.statefulSet(t, ns, "w", "shared-ext4", "")
+	first := e.waitPodOn(t, ns, "w-0", "", victim.Name)
+	e.cordon(t, survivor.Name, false)
+	tk := &takeover{ns: ns, pvName: e.pvc(t, ns, "data-w-0").Spec.VolumeName, handle: e.volumeHandle(t, ns, "data-w-0")}
+	e.mustExec(t, ns, "w-0", "echo "+victim.Name+" > /data/writer")
+	waitFor(t, 60*time.Second, "the writer's first 100 lines", func() error {
+		if n := lineCount(t, e, ns, "w-0", "/data/seq"); n < 100 {
+			return fmt.Errorf("%d lines", n)
+		}
+		return nil
+	})
+	start := time.Now()
+	fail()
+	e.waitNodeReady(t, victim.Name, false, 120*time.Second)
+	notReady := time.Since(start)
+	e.taint(t, victim.Name, outOfService, "nodeshutdown", true)
+	tk.survivor = e.waitPodOn(t, ns, "w-0", string(first.UID), survivor.Name)
+	t.Logf("%s: %s NotReady %s after it failed; the pod Running on %s %s after that (taint, pod deleted, force-detach after the lease, attach, stage)",
+		name, victim.Name, notReady.Round(time.Second), survivor.Name, (time.Since(start) - notReady).Round(time.Second))
+	tk.seen = e.mustExec(t, ns, "w-0", "cat /data/seq")
+	n := checkSequence(t, e, ns, "w-0", "/data/seq")
+	t.Logf("%s: %d lines of the writer on %s found by %s", name, n, victim.Name, survivor.Name)
+	// No pod of the test writes the sequence any more: what changes it from here on came
+	// from the victim.
+	tk.sum = strings.TrimSpace(e.mustExec(t, ns, "w-0", "echo nobody > /data/writer && dd if=/dev/urandom of=/data/survivor bs=1M count=4 2>/dev/null && sync && md5sum /data/survivor | cut -d' ' -f1"))
+	return tk
+}
+
+// rejoined waits until victim, back, has nothing of the volume left (kubelet unpublished
+// and unstaged what it held), then checks, from a fresh stage of the volume, that it holds
+// exactly what the survivor found and wrote: nothing of the victim's came late.
+func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *Node) {
+	t.Helper()
+	e.taint(t, victim.Name, outOfService, "", false)
+	e.waitNodeReady(t, victim.Name, true, 120*time.Second)
+	// kubelet's global mount of a CSI volume is named by the SHA-256 of its handle.
+	global := fmt.Sprintf("%x", sha256.Sum256([]byte(tk.handle)))
+	waitFor(t, 180*time.Second, "node "+victim.Name+" letting go of "+tk.pvName, func() error {
+		var left []string
+		for _, m := range victim.MountsUnder(KubeletDir) {
+			if strings.Contains(m, tk.pvName) || strings.Contains(m, global) {
+				left = append(left, m)
+			}
+		}
+		if len(left) > 0 {
+			return fmt.Errorf("still mounted: %v", left)
+		}
+		// The image's only loop device is the survivor's: the victim's, fenced or
+		// not, went with its unstage.
+		if devs := imageLoops(tk.handle); len(devs) != 1 {
+			return fmt.Errorf("loop devices of the image: %v", devs)
+		}
+		return nil
+	})
+	// A fresh stage reads the volume from the pool, not from the survivor's page cache.
+	e.scale(t, tk.ns, "w", 0)
+	waitFor(t, 120*time.Second, "the StatefulSet scaled to 0", func() error {
+		pods, err := e.c.Client.CoreV1().Pods(tk.ns).List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		if len(pods.Items) > 0 {
+			return fmt.Errorf("%d pods", len(pods.Items))
+		}
+		return nil
+	})
+	e.scale(t, tk.ns, "w", 1)
+	p := e.waitPodOn(t, tk.ns, "w-0", string(tk.survivor.UID), "")
+	if got := e.mustExec(t, tk.ns, "w-0", "cat /data/seq"); got != tk.seen {
+		t.Errorf("/data/seq changed after %s took the volume over: %d bytes then, %d now (a late write of %s's)",
+			tk.survivor.Spec.NodeName, len(tk.seen), len(got), victim.Name)
+	}
+	if got := sum(t, e, tk.ns, "w-0", "/data/survivor"); got != tk.sum {
+		t.Errorf("the survivor's data: wrote %s, read %s", tk.sum, got)
+	}
+	t.Logf("%s back; the volume, staged again on %s, holds what %s found and wrote", victim.Name, p.Spec.NodeName, tk.survivor.Spec.NodeName)
+}
+
+// partitionTakeover: a pod writes on victim; victim is partitioned (kubelet frozen, its
+// pods off the network, its pool gone) while its pod and driver keep running; it is
+// tainted out of service; the pod comes up on survivor with the volume. The victim's
+// driver fenced its loop device when its lease ran out, before the controller let the
+// volume go; back, it lets go of its stale stage without writing anything.
+func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *Node) {
+	var heal func()
+	tk := e.failAndTakeOver(t, "partition", victim, survivor, func() { heal = victim.Partition(t, sharedPoolPath) })
+	heal()
+	e.rejoined(t, tk, victim)
+	if log := e.driverLog(t, victim.Name); !strings.Contains(log, "Fencing this node off the pool") {
+		t.Errorf("the node plugin on %s never fenced itself; its log ends:\n%s", victim.Name, tail(log, 20))
+	}
+}
+
+// powerOffTakeover: as partitionTakeover, but victim is powered off (kubelet, containerd,
+// its pods and its driver killed at once, its mounts left as they were) and later powered
+// on: its kubelet and a new driver find the stale stage and let go of it, and the volume
+// that survivor took over gets nothing of the victim's.
+func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
+	tk := e.failAndTakeOver(t, "poweroff", victim, survivor, func() { victim.PowerOff(t) })
+	victim.PowerOn(t)
+	e.rejoined(t, tk, victim)
+	// The node plugin that came back fenced the old stage's device before its unmount
+	// could write anything (or before a new stage could reuse it).
+	log := e.driverLog(t, victim.Name)
+	if !strings.Contains(log, "Fencing the loop device of a volume this node no longer holds") &&
+		!strings.Contains(log, "was attached on this node before this stage claimed it") {
+		t.Errorf("the node plugin on %s let go of the old stage without fencing it first; its log ends:\n%s", victim.Name, tail(log, 20))
+	}
+}
+
+// imageLoops lists the loop devices, fenced or not, whose backing file is the image of
+// the volume with this handle (losetup -l: "NAME SIZELIMIT BACK-FILE").
+func imageLoops(handle string) []string {
+	m := handleRE.FindStringSubmatch(handle)
+	if m == nil {
+		return nil
+	}
+	out, _ := exec.Command("losetup", "-l", "-n", "-O", "NAME,SIZELIMIT,BACK-FILE").Output()
+	var devs []string
+	for _, line := range strings.Split(string(out), "\n") {
+		if strings.Contains(line, m[2]) {
+			f := strings.Fields(line)
+			devs = append(devs, f[0]+" (sizelimit "+f[1]+")")
+		}
+	}
+	return devs
+}
