@@ -56,6 +56,9 @@ type envOptions struct {
 	// root, its local pool and its shares), cgroup root and pod network; the shared pool
 	// is one filesystem both mount. Zero: this machine is the one node.
 	nodes int
+	// cephFS, with nodes: the shared pool is a directory of test/cephfs's CephFS, each
+	// node mounting it through a ceph-fuse client of its own; else a btrfs filesystem.
+	cephFS bool
 }
 
 // startKubeletEnv brings up the control plane, a real node and the chart, rendered with
@@ -143,15 +146,31 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 		log.noteMount(t, localPoolPath)
 		mountPoolFS(t, nil, localPoolPath, "xfs", 16<<30)
 	}
-	log.noteMount(t, sharedPoolPath)
-	mountPoolFS(t, nil, sharedPoolPath, "btrfs", 16<<30)
-	// Dir volumes get a size limit only where the administrator turned quota on
-	// (docs/pools.md, "Quota is the admin's decision").
-	if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
-		t.Fatalf("btrfs quota enable: %v\n%s", err, out)
-	}
-	if out, err := exec.Command(bin, "pool", "init", "--path", sharedPoolPath, "--name", "shared").CombinedOutput(); err != nil {
-		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+	var sharedSrc []string // each node's mount of the shared pool, when it is not sharedPoolPath
+	if opts.cephFS {
+		mounts := startCephFS(t)
+		for _, m := range mounts {
+			sharedSrc = append(sharedSrc, filepath.Join(m, "pool"))
+		}
+		if err := os.Mkdir(sharedSrc[0], 0o755); err != nil {
+			t.Fatal(err)
+		}
+		// The pool is a directory of the filesystem, each node's bind mount of it its
+		// mount point.
+		if out, err := exec.Command(bin, "pool", "init", "--path", sharedSrc[0], "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+			t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+		}
+	} else {
+		log.noteMount(t, sharedPoolPath)
+		mountPoolFS(t, nil, sharedPoolPath, "btrfs", 16<<30)
+		// Dir volumes get a size limit only where the administrator turned quota on
+		// (docs/pools.md, "Quota is the admin's decision").
+		if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
+			t.Fatalf("btrfs quota enable: %v\n%s", err, out)
+		}
+		if out, err := exec.Command(bin, "pool", "init", "--path", sharedPoolPath, "--name", "shared").CombinedOutput(); err != nil {
+			t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+		}
 	}
 
 	if opts.nodes <= 1 {
@@ -171,7 +190,7 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	if opts.nodes <= 1 {
 		nodes = []*Node{StartNode(t, c, ip, images)}
 	} else {
-		nodes = startNodes(t, c, log, ip, images)
+		nodes = startNodes(t, c, log, ip, images, sharedSrc)
 	}
 	for _, n := range nodes {
 		t.Logf("node %s Ready after %s", n.Name, time.Since(total).Round(time.Second))

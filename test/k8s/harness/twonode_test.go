@@ -3,6 +3,7 @@ package harness
 import (
 	"context"
 	"crypto/sha256"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -29,12 +30,14 @@ const nodeBIP = "10.250.0.2"
 
 // startNodes starts node-a and node-b, each with its own mount namespace (kubelet's root,
 // pod logs, a local pool and a shares directory of its own), cgroup root, bridge and pod
-// range; both mount the shared pool, which this machine mounted before. The mount points
-// they need are made here and removed once both nodes are gone.
-func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image) []*Node {
+// range; both mount the shared pool: the one this machine mounted at sharedPoolPath
+// before, or, if sharedSrc is set, each node its own (sharedSrc[i], bound at
+// sharedPoolPath in the node's namespace). The mount points they need are made here and
+// removed once both nodes are gone.
+func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image, sharedSrc []string) []*Node {
 	t.Helper()
 	var made []string
-	for _, d := range append([]string{localPoolPath, sharesDir}, ownDirs...) {
+	for _, d := range append([]string{localPoolPath, sharesDir, sharedPoolPath}, ownDirs...) {
 		made = append(made, log.noteMade(t, d)...)
 		if err := os.MkdirAll(d, 0o755); err != nil {
 			t.Fatal(err)
@@ -61,8 +64,16 @@ func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image
 	})
 	prepare := func(t testing.TB, n *Node) {
 		mountPoolFS(t, n, localPoolPath, "xfs", 16<<30)
-		// A slave of this machine's mount here; shared as well, there, for the node
-		// plugin's Bidirectional propagation.
+		if sharedSrc != nil {
+			n.Run(t, "mount", "--bind", sharedSrc[n.Config.Index], sharedPoolPath)
+			t.Cleanup(func() {
+				if out, err := n.command("umount", "-l", sharedPoolPath).CombinedOutput(); err != nil {
+					t.Errorf("node %s: umount %s: %v %s", n.Name, sharedPoolPath, err, out)
+				}
+			})
+		}
+		// A slave of this machine's mount here (or the node's own); shared as well, for
+		// the node plugin's Bidirectional propagation.
 		n.Run(t, "mount", "--make-shared", sharedPoolPath)
 		own := filepath.Join(n.Dir, "shares")
 		if err := os.Mkdir(own, 0o755); err != nil {
@@ -86,13 +97,21 @@ func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image
 var twoNodeLease = map[string]any{"leaseDuration": "6s", "renewInterval": "1s", "margin": "3s"}
 
 // TestTwoNodes drives the flows where a shared-storage driver loses data, through two
-// real kubelets, the attach/detach controller and the chart as it is: a ReadWriteOnce
-// image claim moved from node to node (cordon and delete; drain while it is written), an
-// RWX dir claim written from both nodes and expanded while in use, a local claim that
-// keeps its pod on its node, and a node partitioned while its pod writes, taken over
-// through the out-of-service taint.
+// real kubelets, the attach/detach controller and the chart as it is, on both kinds of
+// shared pool: a ReadWriteOnce image claim moved from node to node (cordon and delete;
+// drain while it is written), an RWX dir claim written from both nodes and expanded while
+// in use, and a node partitioned while its pod writes, taken over through the
+// out-of-service taint. On btrfs also: a local claim that keeps its pod on its node (the
+// shared pool plays no part) and a node powered off and back (on this machine a
+// powered-off node's ceph-fuse client would live on, holding its capabilities, which no
+// real power cut does).
 func TestTwoNodes(t *testing.T) {
-	env := startEnv(t, envOptions{nodes: 2, values: map[string]any{
+	t.Run("btrfs", func(t *testing.T) { testTwoNodes(t, false) })
+	t.Run("cephfs", func(t *testing.T) { testTwoNodes(t, true) })
+}
+
+func testTwoNodes(t *testing.T, cephFS bool) {
+	env := startEnv(t, envOptions{nodes: 2, cephFS: cephFS, values: map[string]any{
 		"fencing": twoNodeLease,
 		// The controller stays on node-a: the partition test cuts node-b off the pool
 		// and the API server, and a controller cut off both would hold its leader lease
@@ -102,121 +121,138 @@ func TestTwoNodes(t *testing.T) {
 	env.storageClasses(t)
 	nodeA, nodeB := env.nodes[0], env.nodes[1]
 
-	t.Run("RWO image claim moves to the other node", func(t *testing.T) {
-		ns := env.namespace(t, "move")
-		env.statefulSet(t, ns, "db", "shared-ext4", "")
-		from := env.waitPodOn(t, ns, "db-0", "", "")
-		blob := strings.TrimSpace(env.mustExec(t, ns, "db-0", writeBlob))
-
-		// Cordon and delete: the StatefulSet brings the pod back on the other node.
-		env.cordon(t, from.Spec.NodeName, true)
-		if err := env.c.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		to := env.waitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
-		env.cordon(t, from.Spec.NodeName, false)
-		if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
-			t.Fatalf("after the move from %s to %s: wrote %s, read %s", from.Spec.NodeName, to.Spec.NodeName, blob, got)
-		}
-
-		// kubectl drain while the pod writes: cordon, then evict through the Eviction API.
-		env.mustExec(t, ns, "db-0", "echo "+to.Spec.NodeName+" > /data/writer")
-		var before int
-		waitFor(t, 60*time.Second, "the writer's first 2000 lines", func() error {
-			before = lineCount(t, env, ns, "db-0", "/data/seq")
-			if before < 2000 {
-				return fmt.Errorf("%d lines", before)
-			}
-			return nil
-		})
-		env.cordon(t, to.Spec.NodeName, true)
-		env.evict(t, ns, "db-0")
-		back := env.waitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
-		env.cordon(t, to.Spec.NodeName, false)
-		n := checkSequence(t, env, ns, "db-0", "/data/seq")
-		if n < before {
-			t.Fatalf("the writer had written %d lines before the drain; %d on the volume after it", before, n)
-		}
-		if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
-			t.Fatalf("after the drain: wrote %s, read %s", blob, got)
-		}
-		t.Logf("moved %s -> %s (cordon, delete) -> %s (drain while writing: %d lines, none lost or torn)",
-			from.Spec.NodeName, to.Spec.NodeName, back.Spec.NodeName, n)
+	t.Run("RWO image claim moves to the other node", func(t *testing.T) { env.moveRWO(t) })
+	t.Run("RWX dir claim on both nodes, expanded while in use", func(t *testing.T) { env.rwxTwoNodes(t, !cephFS) })
+	if !cephFS {
+		t.Run("local claim keeps its pod on its node", func(t *testing.T) { env.localStays(t) })
+	}
+	t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
+		env.partitionTakeover(t, nodeB, nodeA)
 	})
+	if !cephFS {
+		t.Run("powered-off node taken over, then back", func(t *testing.T) {
+			env.powerOffTakeover(t, nodeB, nodeA)
+		})
+	}
+}
 
-	t.Run("RWX dir claim on both nodes, expanded while in use", func(t *testing.T) {
-		ns := env.namespace(t, "rwx2")
-		env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "64Mi", rwx: true})
-		env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}, node: nodeA.Name})
-		env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}, node: nodeB.Name})
-		sumA := strings.TrimSpace(env.mustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
-		sumB := strings.TrimSpace(env.mustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
-		if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
-			t.Fatalf("node-a wrote %s, node-b reads %s", sumA, got)
+// moveRWO: a StatefulSet pod with a ReadWriteOnce image claim of the shared pool moves to
+// the other node when its node is cordoned and the pod deleted, and back when that node is
+// drained while the pod writes: not a line lost or torn.
+func (env *kubeletEnv) moveRWO(t *testing.T) {
+	ns := env.namespace(t, "move")
+	env.statefulSet(t, ns, "db", "shared-ext4", "")
+	from := env.waitPodOn(t, ns, "db-0", "", "")
+	blob := strings.TrimSpace(env.mustExec(t, ns, "db-0", writeBlob))
+
+	// Cordon and delete: the StatefulSet brings the pod back on the other node.
+	env.cordon(t, from.Spec.NodeName, true)
+	if err := env.c.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	to := env.waitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
+	env.cordon(t, from.Spec.NodeName, false)
+	if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
+		t.Fatalf("after the move from %s to %s: wrote %s, read %s", from.Spec.NodeName, to.Spec.NodeName, blob, got)
+	}
+
+	// kubectl drain while the pod writes: cordon, then evict through the Eviction API.
+	env.mustExec(t, ns, "db-0", "echo "+to.Spec.NodeName+" > /data/writer")
+	var before int
+	waitFor(t, 60*time.Second, "the writer's first 2000 lines", func() error {
+		before = lineCount(t, env, ns, "db-0", "/data/seq")
+		if before < 2000 {
+			return fmt.Errorf("%d lines", before)
 		}
-		if got := sum(t, env, ns, "a", "/data/b"); got != sumB {
-			t.Fatalf("node-b wrote %s, node-a reads %s", sumB, got)
-		}
-		// 64 MiB is the limit (btrfs quota): 80 MiB more does not fit before the
-		// expansion, and does after it.
+		return nil
+	})
+	env.cordon(t, to.Spec.NodeName, true)
+	env.evict(t, ns, "db-0")
+	back := env.waitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
+	env.cordon(t, to.Spec.NodeName, false)
+	n := checkSequence(t, env, ns, "db-0", "/data/seq")
+	if n < before {
+		t.Fatalf("the writer had written %d lines before the drain; %d on the volume after it", before, n)
+	}
+	if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
+		t.Fatalf("after the drain: wrote %s, read %s", blob, got)
+	}
+	t.Logf("moved %s -> %s (cordon, delete) -> %s (drain while writing: %d lines, none lost or torn)",
+		from.Spec.NodeName, to.Spec.NodeName, back.Spec.NodeName, n)
+}
+
+// rwxTwoNodes: an RWX dir claim mounted on both nodes, written from both, expanded while
+// both use it; quota: the pool enforces dir volume sizes (btrfs quota groups).
+func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
+	nodeA, nodeB := env.nodes[0], env.nodes[1]
+	ns := env.namespace(t, "rwx2")
+	env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "64Mi", rwx: true})
+	env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}, node: nodeA.Name})
+	env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}, node: nodeB.Name})
+	sumA := strings.TrimSpace(env.mustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
+	sumB := strings.TrimSpace(env.mustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
+	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
+		t.Fatalf("node-a wrote %s, node-b reads %s", sumA, got)
+	}
+	if got := sum(t, env, ns, "a", "/data/b"); got != sumB {
+		t.Fatalf("node-b wrote %s, node-a reads %s", sumB, got)
+	}
+	// 64 MiB is the limit (btrfs quota): 80 MiB more does not fit before the
+	// expansion, and does after it.
+	if quota {
 		if out, err := env.exec(t, ns, "b", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>&1"); err == nil {
 			t.Fatalf("80 MiB written into a 64 MiB dir volume: %s", out)
 		}
 		env.mustExec(t, ns, "b", "rm -f /data/big && sync")
-		env.resize(t, ns, "c", "256Mi")
-		env.waitCapacity(t, ns, "c", "256Mi", 120*time.Second)
-		env.mustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
-		if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
-			t.Fatalf("after the expansion node-b reads %s of node-a's file, wrote %s", got, sumA)
-		}
-		if got := strings.TrimSpace(env.mustExec(t, ns, "b", "ls -l /data/big | awk '{print $5}'")); got != strconv.Itoa(80<<20) {
-			t.Fatalf("node-b sees node-a's 80 MiB file as %s bytes", got)
-		}
-	})
+	}
+	env.resize(t, ns, "c", "256Mi")
+	env.waitCapacity(t, ns, "c", "256Mi", 120*time.Second)
+	env.mustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
+	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
+		t.Fatalf("after the expansion node-b reads %s of node-a's file, wrote %s", got, sumA)
+	}
+	if got := strings.TrimSpace(env.mustExec(t, ns, "b", "ls -l /data/big | awk '{print $5}'")); got != strconv.Itoa(80<<20) {
+		t.Fatalf("node-b sees node-a's 80 MiB file as %s bytes", got)
+	}
+}
 
-	t.Run("local claim keeps its pod on its node", func(t *testing.T) {
-		ns := env.namespace(t, "local2")
-		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi"})
-		first := env.pod(t, ns, podSpec{name: "p1", claims: []string{"c"}})
-		home := first.Spec.NodeName
-		pv, err := env.c.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.pvc(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if got := pvNodes(pv); len(got) != 1 || got[0] != home {
-			t.Fatalf("PV %s node affinity %v, want the node of its first pod, %s", pv.Name, got, home)
-		}
-		blob := strings.TrimSpace(env.mustExec(t, ns, "p1", writeBlob))
-		env.deletePod(t, ns, "p1")
-		// Its node cordoned, the claim's next pod has nowhere to go, and says why.
-		env.cordon(t, home, true)
-		if _, err := env.c.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, podSpec{name: "p2", claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		msg := env.waitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
-		if !strings.Contains(msg, "didn't match PersistentVolume's node affinity") {
-			t.Errorf("p2's FailedScheduling event does not name the volume's node affinity: %s", msg)
-		}
-		if p := env.getPod(t, ns, "p2"); p.Spec.NodeName != "" {
-			t.Fatalf("p2 scheduled to %s while its volume's node %s is cordoned", p.Spec.NodeName, home)
-		}
-		env.cordon(t, home, false)
-		second := env.waitRunning(t, ns, "p2")
-		if second.Spec.NodeName != home {
-			t.Fatalf("p2 on %s, its volume on %s", second.Spec.NodeName, home)
-		}
-		if got := sum(t, env, ns, "p2", "/data/blob"); got != blob {
-			t.Fatalf("wrote %s, read %s", blob, got)
-		}
-		t.Logf("local volume on %s: Pending with %q while it was cordoned", home, msg)
-	})
-
-	t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
-		env.partitionTakeover(t, nodeB, nodeA)
-	})
-	t.Run("powered-off node taken over, then back", func(t *testing.T) {
-		env.powerOffTakeover(t, nodeB, nodeA)
-	})
+// localStays: a local claim's volume is on the node of its first pod, and the claim's next
+// pod goes nowhere else (Pending, saying why, while that node is cordoned).
+func (env *kubeletEnv) localStays(t *testing.T) {
+	ns := env.namespace(t, "local2")
+	env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi"})
+	first := env.pod(t, ns, podSpec{name: "p1", claims: []string{"c"}})
+	home := first.Spec.NodeName
+	pv, err := env.c.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.pvc(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pvNodes(pv); len(got) != 1 || got[0] != home {
+		t.Fatalf("PV %s node affinity %v, want the node of its first pod, %s", pv.Name, got, home)
+	}
+	blob := strings.TrimSpace(env.mustExec(t, ns, "p1", writeBlob))
+	env.deletePod(t, ns, "p1")
+	// Its node cordoned, the claim's next pod has nowhere to go, and says why.
+	env.cordon(t, home, true)
+	if _, err := env.c.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, podSpec{name: "p2", claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	msg := env.waitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
+	if !strings.Contains(msg, "didn't match PersistentVolume's node affinity") {
+		t.Errorf("p2's FailedScheduling event does not name the volume's node affinity: %s", msg)
+	}
+	if p := env.getPod(t, ns, "p2"); p.Spec.NodeName != "" {
+		t.Fatalf("p2 scheduled to %s while its volume's node %s is cordoned", p.Spec.NodeName, home)
+	}
+	env.cordon(t, home, false)
+	second := env.waitRunning(t, ns, "p2")
+	if second.Spec.NodeName != home {
+		t.Fatalf("p2 on %s, its volume on %s", second.Spec.NodeName, home)
+	}
+	if got := sum(t, env, ns, "p2", "/data/blob"); got != blob {
+		t.Fatalf("wrote %s, read %s", blob, got)
+	}
+	t.Logf("local volume on %s: Pending with %q while it was cordoned", home, msg)
 }
 
 // other is the name of the other node of the two.
@@ -580,4 +616,64 @@ func imageLoops(handle string) []string {
 		}
 	}
 	return devs
+}
+
+// startCephFS runs test/cephfs's one-node Ceph cluster (its command cephfs-up, of the main
+// module: this module does not import it) until the test ends, and returns its two
+// ceph-fuse mounts, one client per node.
+func startCephFS(t testing.TB) [2]string {
+	t.Helper()
+	requireCommands(t, "ceph", "monmaptool", "ceph-mon", "ceph-mgr", "ceph-osd", "ceph-mds", "ceph-fuse")
+	if fi, err := os.Stat("/dev/fuse"); err != nil || fi.Mode()&os.ModeCharDevice == 0 {
+		missing(t, fmt.Sprintf("needs /dev/fuse for the ceph-fuse mounts (%v)", err))
+	}
+	began := time.Now()
+	cmd := exec.Command(goBin(), "run", "./test/cephfs/cmd/cephfs-up")
+	cmd.Dir = chart.RepoRoot()
+	cmd.Env = append(os.Environ(), "GOWORK=off")
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	// Closing its input tears the cluster down.
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		select {
+		case err := <-done:
+			if err != nil {
+				t.Errorf("cephfs-up: %v\n%s", err, tail(stderr.String(), 20))
+			}
+		case <-time.After(2 * time.Minute):
+			_ = cmd.Process.Kill()
+			t.Errorf("cephfs-up did not stop within 2 min\n%s", tail(stderr.String(), 20))
+		}
+	})
+	ready := make(chan error, 1)
+	var up struct {
+		Mounts    [2]string `json:"mounts"`
+		Bootstrap string    `json:"bootstrap"`
+	}
+	go func() { ready <- json.NewDecoder(stdout).Decode(&up) }()
+	select {
+	case err := <-ready:
+		if err != nil {
+			t.Fatalf("cephfs-up: %v\n%s", err, tail(stderr.String(), 30))
+		}
+	case <-time.After(10 * time.Minute):
+		t.Fatalf("cephfs-up: no cluster after 10 min\n%s", tail(stderr.String(), 30))
+	}
+	t.Logf("CephFS up after %s (bootstrap %s): node-a's client at %s, node-b's at %s",
+		time.Since(began).Round(time.Second), up.Bootstrap, up.Mounts[0], up.Mounts[1])
+	return up.Mounts
 }
