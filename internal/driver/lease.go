@@ -232,7 +232,7 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root st
 // filesystem on it would write its journal and superblock into an image that
 // another node has mounted. An unreadable record fences nothing here: the
 // lease's own fence covers a pool that does not answer.
-func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
+func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image, staging string) error {
 	if !p.Shared {
 		return nil
 	}
@@ -245,12 +245,9 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 			return nil
 		}
 	}
-	dev, found, err := d.loops.Find(image)
-	if err != nil {
-		return status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
-	}
-	if !found {
-		return nil
+	dev, err := d.stageDevice(staging, image)
+	if err != nil || dev == "" {
+		return err
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
 		return nil
@@ -277,12 +274,9 @@ func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging stri
 		return nil
 	}
 	image := nv.pool.ImagePath(nv.id)
-	dev, found, err := d.loops.Find(image)
-	if err != nil {
-		return status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
-	}
-	if !found {
-		return nil
+	dev, err := d.stageDevice(staging, image)
+	if err != nil || dev == "" {
+		return err
 	}
 	log := klog.FromContext(ctx).WithValues("volume", nv.id, "device", dev, "path", staging)
 	log.Info("A loop device of the volume was attached on this node before this stage claimed it (a stage a controller force-detached, or one that failed half way): fencing it and staging anew")
@@ -301,6 +295,32 @@ func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging stri
 		log.Error(err, "Detaching the stale loop device")
 	}
 	return nil
+}
+
+// stageDevice is the loop device of this node's stage of image at staging: the
+// one whose filesystem the staging path shows, or, where nothing is mounted
+// there (a block stage, or an unstage retried after its unmount), the image's
+// device if nothing mounts it. A device of the image mounted elsewhere is not
+// this stage's: on one machine running two node plugins (the tests), it is the
+// other node's, which must not be fenced for this one.
+func (d *Driver) stageDevice(staging, image string) (string, error) {
+	if info, mounted, err := d.mounts.Info(staging); err == nil && mounted {
+		if d.loops.Backs(info.Source, image) {
+			return info.Source, nil
+		}
+		return "", nil
+	}
+	dev, found, err := d.loops.Find(image)
+	if err != nil {
+		return "", status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
+	}
+	if !found {
+		return "", nil
+	}
+	if mps, err := d.mounts.MountPoints(dev); err != nil || len(mps) > 0 {
+		return "", nil
+	}
+	return dev, nil
 }
 
 // releaseLeases marks released the leases of the pools where this node holds

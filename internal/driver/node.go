@@ -266,7 +266,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	}
 	defer release()
 	image := p.ImagePath(vid)
-	if err := d.fenceIfTaken(ctx, p, vid, image); err != nil {
+	if err := d.fenceIfTaken(ctx, p, vid, image, staging); err != nil {
 		return nil, err
 	}
 	if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
