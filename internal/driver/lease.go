@@ -269,8 +269,10 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 // the device detached if nothing else mounts it; the stage then starts anew.
 // Reusing it would serve a stale page cache and write it back over the other
 // node's data.
-func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging string) error {
-	if !nv.pool.Shared || nv.vol.Layout != pool.LayoutImage {
+func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
+	// A read-only stage writes nothing back; on one machine running two node
+	// plugins (the tests) the device it finds is the other node's read-only one.
+	if readOnly || !nv.pool.Shared || nv.vol.Layout != pool.LayoutImage {
 		return nil
 	}
 	image := nv.pool.ImagePath(nv.id)

@@ -138,7 +138,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	if claimed {
-		if err := d.dropStaleStage(ctx, nv, staging); err != nil {
+		if err := d.dropStaleStage(ctx, nv, staging, readOnly); err != nil {
 			d.unclaimStage(ctx, nv)
 			return nil, err
 		}

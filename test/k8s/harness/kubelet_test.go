@@ -532,6 +532,8 @@ type claimSpec struct {
 	name, class, size string
 	block, rwx        bool
 	dataSource        string // a VolumeSnapshot to restore
+	clone             string // a claim to clone
+	rox               bool   // ReadOnlyMany
 }
 
 func (e *kubeletEnv) claim(t testing.TB, ns string, c claimSpec) {
@@ -544,12 +546,18 @@ func (e *kubeletEnv) claim(t testing.TB, ns string, c claimSpec) {
 	if c.rwx {
 		access = corev1.ReadWriteMany
 	}
+	if c.rox {
+		access = corev1.ReadOnlyMany
+	}
 	pvc := &corev1.PersistentVolumeClaim{ObjectMeta: metav1.ObjectMeta{Name: c.name, Namespace: ns},
 		Spec: corev1.PersistentVolumeClaimSpec{
 			StorageClassName: &c.class, VolumeMode: &mode,
 			AccessModes: []corev1.PersistentVolumeAccessMode{access},
 			Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse(c.size)}},
 		}}
+	if c.clone != "" {
+		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{Kind: "PersistentVolumeClaim", Name: c.clone}
+	}
 	if c.dataSource != "" {
 		group := "snapshot.storage.k8s.io"
 		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: "VolumeSnapshot", Name: c.dataSource}
