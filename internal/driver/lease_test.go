@@ -93,28 +93,11 @@ func newLeasePool(t *testing.T) string {
 // then drops A's publish and stage records; node B then publishes and stages.
 func TestFenceAndForceDetach(t *testing.T) {
 	ctx := context.Background()
-	dir := newLeasePool(t)
-	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
-	vc := mountCap(rwo, "ext4")
-	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := resp.GetVolume().GetVolumeId()
-	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
-	staging := filepath.Join(a.root, "staging")
-	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
-	devs, _ := a.host.BackedUnder(dir)
-	if len(devs) != 1 {
-		t.Fatalf("loop devices of the pool on node A: %v", devs)
-	}
+	dir, a, b, vc, id, staging := stagedOnA(t)
+	devs := []string{mustFind(t, a.host, dir)}
 
 	// The controller (on B) sees A's lease; A's pool is then cut.
-	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	_, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
 	wantCode(t, err, codes.Unavailable)
 	a.cut()
 	if err := a.renew(t); err == nil {
@@ -168,6 +151,30 @@ func TestFenceAndForceDetach(t *testing.T) {
 	if err == nil {
 		t.Fatal("node A staged the volume again")
 	}
+}
+
+// stagedOnA is where the lease tests start: nodes A and B over one shared pool
+// (dir), and an ext4 image volume (id) that A has published and staged
+// read-write at staging.
+func stagedOnA(t *testing.T) (dir string, a, b *leaseNode, vc *csi.VolumeCapability, id, staging string) {
+	t.Helper()
+	ctx := context.Background()
+	dir = newLeasePool(t)
+	a, b = newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
+	vc = mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id = resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	staging = filepath.Join(a.root, "staging")
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	return dir, a, b, vc, id, staging
 }
 
 func waitFenced(t *testing.T, h *fake.Host, dev string) {
@@ -245,27 +252,10 @@ func TestStageNeedsALease(t *testing.T) {
 // its journal and superblock into the image B has mounted.
 func TestRejoiningNodeFencesATakenVolume(t *testing.T) {
 	ctx := context.Background()
-	dir := newLeasePool(t)
-	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
-	vc := mountCap(rwo, "ext4")
-	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := resp.GetVolume().GetVolumeId()
-	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
-	staging := filepath.Join(a.root, "staging")
-	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
-	devs, _ := a.host.BackedUnder(dir)
-	if len(devs) != 1 {
-		t.Fatalf("loop devices of the pool on node A: %v", devs)
-	}
+	dir, a, b, vc, id, staging := stagedOnA(t)
+	devs := []string{mustFind(t, a.host, dir)}
 	// A is silent: no renewal, no fence. The controller takes the volume.
-	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	_, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
 	wantCode(t, err, codes.Unavailable)
 	b.clock.add(lease.Default.Duration + lease.Default.Margin)
 	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
@@ -327,31 +317,23 @@ func mustFind(t *testing.T, h *fake.Host, dir string) string {
 // device is fenced, the staging path remounted from a new one.
 func TestStageAfterForceDetachStartsAnew(t *testing.T) {
 	ctx := context.Background()
-	dir := newLeasePool(t)
-	a, b := newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
-	vc := mountCap(rwo, "ext4")
-	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := resp.GetVolume().GetVolumeId()
+	dir, a, b, vc, id, staging := stagedOnA(t)
 	stage := func() {
 		t.Helper()
 		if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "staging"), VolumeCapability: vc}); err != nil {
+		if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	stage()
 	old := mustFind(t, a.host, dir)
 	// A retried stage keeps its device.
 	stage()
 	if again := mustFind(t, a.host, dir); again != old {
 		t.Fatalf("a retried stage replaced device %s with %s", old, again)
 	}
-	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	_, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
 	wantCode(t, err, codes.Unavailable)
 	b.clock.add(lease.Default.Duration + lease.Default.Margin)
 	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
@@ -372,7 +354,7 @@ func TestStageAfterForceDetachStartsAnew(t *testing.T) {
 	}
 	shown := ""
 	for _, m := range a.host.Mounts() {
-		if m.Target == filepath.Join(a.root, "staging") {
+		if m.Target == staging {
 			shown = m.Device
 		}
 	}
