@@ -16,7 +16,7 @@ hack/install-deps.sh
 phase() { printf '== %s  [%dm%02ds]\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
 SECONDS=0
 
-# The Kubernetes harness's components (kube-apiserver, kubelet, the CSI sidecars: 58 min of a
+# The Kubernetes harness's components (kube-apiserver, kubelet, the CSI sidecars: 20 min of a
 # cold run on 2 cores, beside the rest) build in the background, niced, from the start, using
 # whatever the suites before the harness leave idle; warm, they are found in the cache at
 # once. The harness phase below waits for them (a test for a tool being built waits on its
