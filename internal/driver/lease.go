@@ -312,9 +312,9 @@ func (d *Driver) stageDevice(staging, image string) (string, error) {
 		}
 		return "", nil
 	}
-	dev, found, err := d.loops.Find(image)
+	dev, found, err := d.attachedDevice(image)
 	if err != nil {
-		return "", status.Errorf(codes.Unavailable, "looking up the loop device of %s: %v", image, err)
+		return "", err
 	}
 	if !found {
 		return "", nil
