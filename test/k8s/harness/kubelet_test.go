@@ -622,19 +622,7 @@ func podObject(ns string, p podSpec) *corev1.Pod {
 
 func (e *kubeletEnv) waitRunning(t testing.TB, ns, name string) *corev1.Pod {
 	t.Helper()
-	var got *corev1.Pod
-	waitFor(t, 120*time.Second, "pod "+ns+"/"+name+" Running", func() error {
-		var err error
-		got, err = e.c.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		if got.Status.Phase != corev1.PodRunning || !podReady(got) {
-			return fmt.Errorf("%s%s", podSummary(got), e.events(ns, name))
-		}
-		return nil
-	})
-	return got
+	return e.waitPodOn(t, ns, name, "", "")
 }
 
 // events lists the events of one object, one per line.

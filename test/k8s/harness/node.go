@@ -207,8 +207,14 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
 	t.Cleanup(func() { n.containerd.Stop() })
 	// Runs before containerd stops: kill every container, or the shims outlive it.
 	t.Cleanup(func() { n.killContainers(t) })
+	n.waitContainerd(t)
+}
+
+// waitContainerd waits until the node's current containerd answers on its socket.
+func (n *Node) waitContainerd(t testing.TB) {
+	t.Helper()
 	waitFor(t, 30*time.Second, "containerd socket", func() error {
-		p.mustRun(t)
+		n.containerd.mustRun(t)
 		out, err := n.ctr("version")
 		if err != nil {
 			return fmt.Errorf("%w: %s", err, out)

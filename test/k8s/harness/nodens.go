@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -153,7 +154,7 @@ func (n *Node) sweepOwnMounts(t testing.TB) {
 	n.killShims()
 	n.killCgroup(t)
 	for _, m := range n.MountsUnder(append([]string{n.Dir, "/run/netns", "/var/run/netns"}, ownDirs...)...) {
-		if own := indexOf(ownDirs, m) >= 0; own {
+		if slices.Contains(ownDirs, m) {
 			continue // the node's own bind mounts go with the namespace
 		}
 		if out, err := n.command("umount", "-l", m).CombinedOutput(); err != nil {
@@ -162,15 +163,6 @@ func (n *Node) sweepOwnMounts(t testing.TB) {
 			t.Logf("node %s: swept a leftover mount: %s", n.Name, m)
 		}
 	}
-}
-
-func indexOf(list []string, s string) int {
-	for i, v := range list {
-		if v == s {
-			return i
-		}
-	}
-	return -1
 }
 
 // killShims kills the node's containerd-shims: whose containerd is gone keep their
@@ -310,14 +302,7 @@ func (n *Node) PowerOn(t testing.TB) {
 	t.Helper()
 	n.restarts++
 	n.containerd = n.restart(t, fmt.Sprintf("containerd-%d", n.restarts+1), "containerd", "--config", filepath.Join(n.Dir, "containerd.toml"))
-	waitFor(t, 30*time.Second, "containerd socket", func() error {
-		n.containerd.mustRun(t)
-		out, err := n.ctr("version")
-		if err != nil {
-			return fmt.Errorf("%w: %s", err, out)
-		}
-		return nil
-	})
+	n.waitContainerd(t)
 	n.kubelet = n.restart(t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, n.kubeletArgs...)
 	waitFor(t, 120*time.Second, "node "+n.Name+" Ready after power-on", func() error {
 		n.kubelet.mustRun(t)
