@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/harness"
@@ -46,12 +47,28 @@ func TestPathSwapRace(t *testing.T) {
 	}
 
 	pods := filepath.Join(prefix, "pods")
-	real := filepath.Join(prefix, "pods.real")
+	link := filepath.Join(prefix, "pods.link")
 	if err := os.Mkdir(pods, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, link); err != nil {
 		t.Fatal(err)
 	}
 	staging := filepath.Join(pods, "staging")
 	target := filepath.Join(pods, "target")
+	// The attacker exchanges pods and the link atomically (RENAME_EXCHANGE),
+	// so pods always exists: were it missing for a moment, the driver would
+	// rightly make it anew (it makes the missing directories of a path), and
+	// the next swap would leave the real directory, and a mount in it, under
+	// another name.
+	swapped := false
+	exchange := func() {
+		if err := unix.Renameat2(unix.AT_FDCWD, pods, unix.AT_FDCWD, link, unix.RENAME_EXCHANGE); err != nil {
+			t.Errorf("exchange %s and %s: %v", pods, link, err)
+			return
+		}
+		swapped = !swapped
+	}
 	var stop atomic.Bool
 	var wg sync.WaitGroup
 	attack := func() { // pods <-> a link to outside
@@ -60,12 +77,7 @@ func TestPathSwapRace(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			for !stop.Load() {
-				if os.Rename(pods, real) == nil {
-					_ = os.Symlink(outside, pods)
-					time.Sleep(50 * time.Microsecond)
-					_ = os.Remove(pods)
-					_ = os.Rename(real, pods)
-				}
+				exchange()
 				time.Sleep(50 * time.Microsecond)
 			}
 		}()
@@ -73,7 +85,9 @@ func TestPathSwapRace(t *testing.T) {
 	pause := func() {
 		stop.Store(true)
 		wg.Wait()
-		restore(pods, real)
+		if swapped {
+			exchange()
+		}
 	}
 	attack()
 	cleanupCtx := context.Background()
@@ -103,16 +117,6 @@ func TestPathSwapRace(t *testing.T) {
 		t.Fatalf("created outside the allowed prefix: %v", entries)
 	}
 	t.Logf("%d of 80 rounds staged and published while the links were swapped", ok)
-}
-
-// restore puts the real directory back if the attacker was stopped mid-swap.
-func restore(pods, real string) {
-	if fi, err := os.Lstat(pods); err == nil && fi.Mode()&os.ModeSymlink != 0 {
-		_ = os.Remove(pods)
-	}
-	if _, err := os.Lstat(real); err == nil {
-		_ = os.Rename(real, pods)
-	}
 }
 
 // mountsUnder lists the mount points below dir.
