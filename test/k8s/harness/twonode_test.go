@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -614,10 +615,52 @@ func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *Node) {
 // its pods and its driver killed at once, its mounts left as they were) and later powered
 // on: its kubelet and a new driver find the stale stage and let go of it, and the volume
 // that survivor took over gets nothing of the victim's.
+//
+// Beside it, a pod with a claim of victim's local pool: its volume cannot follow it, so
+// once the taint has deleted it, its replacement is Pending, and says why, until victim is
+// back, where it runs again on what it had written.
 func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
+	local := e.namespace(t, "poweroff-local")
+	e.cordon(t, survivor.Name, true)
+	e.statefulSet(t, local, "l", "local-xfs", "")
+	first := e.waitPodOn(t, local, "l-0", "", victim.Name)
+	e.cordon(t, survivor.Name, false)
+	e.mustExec(t, local, "l-0", "echo "+victim.Name+" > /data/writer")
+	waitFor(t, 60*time.Second, "the local writer's first 100 lines", func() error {
+		if n := lineCount(t, e, local, "l-0", "/data/seq"); n < 100 {
+			return fmt.Errorf("%d lines", n)
+		}
+		return nil
+	})
+
 	tk := e.failAndTakeOver(t, "poweroff", victim, survivor, func() { victim.PowerOff(t) })
+	// The taint deleted the local pod too; its replacement has no node to go to.
+	waitFor(t, 60*time.Second, "the local pod replaced", func() error {
+		p, err := e.c.Client.CoreV1().Pods(local).Get(context.Background(), "l-0", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		if p.UID == first.UID {
+			return errors.New("still the pod of before the power-off")
+		}
+		return nil
+	})
+	msg := e.waitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
+	for _, want := range []string{"didn't match PersistentVolume's node affinity", "untolerated taint"} {
+		if !strings.Contains(msg, want) {
+			t.Errorf("the local pod's FailedScheduling event does not say %q: %s", want, msg)
+		}
+	}
+	if p := e.getPod(t, local, "l-0"); p.Spec.NodeName != "" {
+		t.Errorf("the local pod was scheduled to %s while its volume's node %s was off", p.Spec.NodeName, victim.Name)
+	}
+	t.Logf("poweroff: the local pod Pending while %s was off: %q", victim.Name, msg)
+
 	victim.PowerOn(t)
 	e.rejoined(t, tk, victim)
+	e.waitPodOn(t, local, "l-0", string(first.UID), victim.Name)
+	n := checkSequence(t, e, local, "l-0", "/data/seq")
+	t.Logf("poweroff: the local pod back on %s with its %d lines", victim.Name, n)
 	// The old stage's device was fenced before anything of it could reach the image: by
 	// the node plugin that came back, before its unmount (two machines), or, here, where
 	// both nodes share one kernel, by the survivor's stage, which found the victim's
