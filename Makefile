@@ -44,12 +44,13 @@ e2e:
 # Every External Storage spec, one driver and test pattern at a time, each result kept in
 # test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
 # an earlier run stopped (RERUN=1 runs everything again, RERUN=failed the chunks with a
-# failure; CHUNKS=<regexp> only the chunks it matches); BUDGET stops starting new ones.
+# failure; CHUNKS=<regexp> only the chunks it matches, SPECS=<regexp> only the specs it
+# matches); BUDGET stops starting new ones. It runs on two nodes (TestTwoNodes's cluster).
 BUDGET ?= 4h
 PROCS ?= 3
 conformance:
 	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
-		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) POOLCSI_E2E_CHUNKS='$(CHUNKS)' \
+		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) POOLCSI_E2E_CHUNKS='$(CHUNKS)' POOLCSI_E2E_SPECS='$(SPECS)' \
 		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
 
 # Stops a running make conformance after the chunk it is running (its results kept); the

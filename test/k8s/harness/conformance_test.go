@@ -24,7 +24,7 @@ func TestConformanceResults(t *testing.T) {
 	r.merge(&e2eResults{
 		passed: []specResult{{name: a}},
 		failed: []specResult{{name: b, message: "timed out\nwaiting"}},
-	}, time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC))
+	}, time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC), 2)
 	if !r.hasAll([]string{a, b}) || r.hasAll([]string{a, c}) {
 		t.Fatalf("hasAll wrong: %v", r)
 	}
@@ -33,7 +33,8 @@ func TestConformanceResults(t *testing.T) {
 		"3 specs: 1 passed, 1 failed, 0 skipped, 1 not run yet.",
 		"- " + b + " — timed out waiting **Cause (this machine):**",
 		"## Not run yet (1)\n\n- " + c,
-		"(2026-11-23)",
+		"(2026-11-23, 2 nodes)",
+		"Ran on two nodes: 2 specs; on one node: 0.",
 	} {
 		if !strings.Contains(md, want) {
 			t.Errorf("report lacks %q:\n%s", want, md)
@@ -57,7 +58,7 @@ func TestConformanceResults(t *testing.T) {
 		}
 	}
 	hostExec := "External Storage [Driver: d] [Testpattern: p] volumeMode should not mount / map unused volumes in a pod [LinuxOnly]"
-	r.merge(&e2eResults{failed: []specResult{{name: hostExec, message: "error checking directory /var/lib/kubelet/pods/x/volumes on node vm: command terminated with exit code 1"}}}, time.Now())
+	r.merge(&e2eResults{failed: []specResult{{name: hostExec, message: "error checking directory /var/lib/kubelet/pods/x/volumes on node vm: command terminated with exit code 1"}}}, time.Now(), 2)
 	if md := r.markdown([]string{hostExec}); !strings.Contains(md, "**Cause (this machine):** the spec checks the node through the suite's host-exec pod") {
 		t.Errorf("a host-exec failure is not explained:\n%s", md)
 	}
@@ -74,8 +75,14 @@ func TestConformanceResults(t *testing.T) {
 	if c := outsideCauses(strings.Replace(dirRestore, " [Layout: dir]", "", 1), "Restored fs size: 1 bytes is not larger than origin fs size: 1 bytes."); len(c) != 0 {
 		t.Errorf("an image volume's restore failure is put down to this machine: %q", c)
 	}
+	// A result of before the nodes were counted ran on one.
+	r[c] = specRecord{Result: "passed", Date: "2026-11-20"}
+	if md := r.markdown([]string{a, c}); !strings.Contains(md, c+" (2026-11-20, 1 node)") || !strings.Contains(md, "Ran on two nodes: 1 specs; on one node: 1.") {
+		t.Errorf("an old result is not marked as one node's:\n%s", md)
+	}
+	delete(r, c)
 	delete(r, hostExec)
-	r.merge(&e2eResults{passed: []specResult{{name: b}}}, time.Now())
+	r.merge(&e2eResults{passed: []specResult{{name: b}}}, time.Now(), 2)
 	if r[b].Result != "passed" {
 		t.Errorf("a later result does not replace an earlier one: %v", r[b])
 	}
@@ -143,7 +150,7 @@ func TestReadJUnitChunk(t *testing.T) {
 		t.Fatalf("chunk results = %+v", got)
 	}
 	r := conformanceResults{}
-	r.merge(got, time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC))
+	r.merge(got, time.Date(2026, 11, 23, 0, 0, 0, 0, time.UTC), 2)
 	if reason := r[opts].Reason; reason != `Driver "d" does not define supported mount option` {
 		t.Errorf("skip reason = %q", reason)
 	}
@@ -172,7 +179,23 @@ func TestConformanceOpts(t *testing.T) {
 	t.Setenv("POOLCSI_E2E_BUDGET", "")
 	t.Setenv("POOLCSI_E2E_PROCS", "")
 	t.Setenv("POOLCSI_E2E_CHUNKS", "")
-	if o, _ := conformanceOptsFromEnv(); o.budget != 5*time.Hour || o.procs != 3 || o.chunks != nil {
+	if o, _ := conformanceOptsFromEnv(); o.budget != 5*time.Hour || o.procs != 3 || o.chunks != nil || o.specs != nil {
 		t.Errorf("defaults = %+v", o)
+	}
+	t.Setenv("POOLCSI_E2E_SPECS", "on different node(")
+	if _, err := conformanceOptsFromEnv(); err == nil {
+		t.Error("a bad POOLCSI_E2E_SPECS is accepted")
+	}
+	t.Setenv("POOLCSI_E2E_SPECS", "different node|topology")
+	o, err := conformanceOptsFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const (
+		moved = "External Storage [Driver: d] [Testpattern: p] multiVolume [Slow] should access to two volumes with the same volume mode and retain data across pod recreation on different node [Slow]"
+		same  = "External Storage [Driver: d] [Testpattern: p] multiVolume [Slow] should access to two volumes with the same volume mode and retain data across pod recreation on the same node [Slow]"
+	)
+	if got := o.pick([]string{moved, same}); len(got) != 1 || got[0] != moved {
+		t.Errorf("POOLCSI_E2E_SPECS picked %q", got)
 	}
 }

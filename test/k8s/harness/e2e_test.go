@@ -31,6 +31,9 @@ sigStorageRegistry: poolcsi.test/sig-storage
 // make e2e and make conformance run more of it).
 const ciFocus = `External.Storage.*\[Testpattern: Dynamic PV \(default fs\)\] (provisioning should provision storage with mount options|volumes should store data)`
 
+// e2eNodes is the number of nodes the storage e2e suite runs on.
+const e2eNodes = 2
+
 // TestE2EStorage runs the Kubernetes storage e2e suite for external drivers (e2e.test
 // v1.36.3) against the chart running as pods, with a definition file per driver in
 // test/k8s/e2e. POOLCSI_E2E_FOCUS chooses the specs (a ginkgo regexp; default ciFocus;
@@ -73,8 +76,11 @@ func TestE2EStorage(t *testing.T) {
 		}
 	}
 	// The chart's opt-in local snapshots (snapshots.local), so that the local driver's
-	// definition can claim snapshots: everything poolcsi does.
-	env := startKubeletEnvWith(t, images, map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}})
+	// definition can claim snapshots: everything poolcsi does. Two nodes (TestTwoNodes's,
+	// the shared pool on btrfs): the suite's multi-node specs (a volume's pod moved to
+	// another node, one volume used from two) and its topology specs need them.
+	env := startEnv(t, envOptions{nodes: e2eNodes, extra: images,
+		values: map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}}})
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
 	if err := os.WriteFile(repoList, []byte(e2eRepoList), 0o644); err != nil {
@@ -245,7 +251,8 @@ func (r e2eRun) conformance(t *testing.T, focus, report string, opts conformance
 		}
 	}
 	for i, c := range order {
-		if (opts.chunks != nil && !opts.chunks.MatchString(c)) || !results.due(chunks[c], opts.rerun) {
+		names := opts.pick(chunks[c])
+		if len(names) == 0 || (opts.chunks != nil && !opts.chunks.MatchString(c)) || !results.due(names, opts.rerun) {
 			continue
 		}
 		if time.Since(start) > opts.budget {
@@ -256,12 +263,12 @@ func (r e2eRun) conformance(t *testing.T, focus, report string, opts conformance
 			t.Logf("%s asked to stop: chunks from %q on are left for the next run", conformanceStop, c)
 			break
 		}
-		res := r.runChunk(t, c, chunks[c], fmt.Sprintf("chunk-%03d", i), opts.procs)
+		res := r.runChunk(t, c, names, fmt.Sprintf("chunk-%03d", i), opts)
 		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
 		for _, f := range res.failed {
 			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
 		}
-		results.merge(res, time.Now())
+		results.merge(res, time.Now(), e2eNodes)
 		save()
 	}
 	save()
@@ -278,13 +285,30 @@ var serialSpec = regexp.MustCompile(`\[(Serial|Disruptive)\]`)
 
 // conformanceOpts are make conformance's knobs: POOLCSI_E2E_BUDGET (stop starting chunks
 // after this long; default 5h), POOLCSI_E2E_PROCS (ginkgo processes; default 3),
-// POOLCSI_E2E_RERUN (see conformanceResults.due) and POOLCSI_E2E_CHUNKS (a regexp: only the
-// chunks it matches run, e.g. after a definition claims a capability it did not before).
+// POOLCSI_E2E_RERUN (see conformanceResults.due), POOLCSI_E2E_CHUNKS (a regexp: only the
+// chunks it matches run, e.g. after a definition claims a capability it did not before) and
+// POOLCSI_E2E_SPECS (a regexp: only the specs whose names it matches run, the others keep
+// their results, e.g. the multi-node specs after the cluster got its second node).
 type conformanceOpts struct {
 	budget time.Duration
 	procs  int
 	rerun  string
 	chunks *regexp.Regexp
+	specs  *regexp.Regexp
+}
+
+// pick is the specs of a chunk this run is for.
+func (o conformanceOpts) pick(names []string) []string {
+	if o.specs == nil {
+		return names
+	}
+	var out []string
+	for _, n := range names {
+		if o.specs.MatchString(n) {
+			out = append(out, n)
+		}
+	}
+	return out
 }
 
 func conformanceOptsFromEnv() (conformanceOpts, error) {
@@ -296,12 +320,14 @@ func conformanceOptsFromEnv() (conformanceOpts, error) {
 		}
 		o.budget = d
 	}
-	if c := os.Getenv("POOLCSI_E2E_CHUNKS"); c != "" {
-		re, err := regexp.Compile(c)
-		if err != nil {
-			return o, fmt.Errorf("POOLCSI_E2E_CHUNKS: %w", err)
+	for env, re := range map[string]**regexp.Regexp{"POOLCSI_E2E_CHUNKS": &o.chunks, "POOLCSI_E2E_SPECS": &o.specs} {
+		if v := os.Getenv(env); v != "" {
+			c, err := regexp.Compile(v)
+			if err != nil {
+				return o, fmt.Errorf("%s: %w", env, err)
+			}
+			*re = c
 		}
-		o.chunks = re
 	}
 	if p := os.Getenv("POOLCSI_E2E_PROCS"); p != "" {
 		n, err := strconv.Atoi(p)
@@ -316,7 +342,7 @@ func conformanceOptsFromEnv() (conformanceOpts, error) {
 // runChunk runs one chunk's specs: those that may share the cluster on procs ginkgo
 // processes, then the serial ones alone. A report lists every spec of the suite, the ones
 // its focus or skip left out as "skipped": only the specs each run was for are its results.
-func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string, procs int) *e2eResults {
+func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string, opts conformanceOpts) *e2eResults {
 	var parallel, serial []string
 	for _, n := range names {
 		if serialSpec.MatchString(n) {
@@ -326,9 +352,12 @@ func (r e2eRun) runChunk(t *testing.T, chunk string, names []string, name string
 		}
 	}
 	focus := regexp.QuoteMeta(chunk) + " "
+	if opts.specs != nil {
+		focus += ".*(?:" + opts.specs.String() + ")"
+	}
 	res := &e2eResults{}
 	if len(parallel) > 0 {
-		res.add(r.runParallel(t, focus, serialSpec.String(), name+"-parallel", procs).only(parallel))
+		res.add(r.runParallel(t, focus, serialSpec.String(), name+"-parallel", opts.procs).only(parallel))
 	}
 	if len(serial) > 0 {
 		res.add(r.run(t, focus+".*"+serialSpec.String(), name+"-serial").only(serial))
@@ -452,6 +481,19 @@ type specRecord struct {
 	Result string `json:"result"` // passed, failed or skipped
 	Reason string `json:"reason,omitempty"`
 	Date   string `json:"date"`
+	// Nodes is the number of nodes of the cluster it ran on; 0 is 1 (the results of before
+	// the cluster had two).
+	Nodes int `json:"nodes,omitempty"`
+}
+
+// nodes is the number of nodes the spec ran on.
+func (s specRecord) nodes() int { return max(s.Nodes, 1) }
+
+func nodeCount(n int) string {
+	if n == 1 {
+		return "1 node"
+	}
+	return strconv.Itoa(n) + " nodes"
 }
 
 type conformanceResults map[string]specRecord
@@ -511,11 +553,11 @@ func (r conformanceResults) hasAll(names []string) bool {
 	return true
 }
 
-func (r conformanceResults) merge(res *e2eResults, now time.Time) {
+func (r conformanceResults) merge(res *e2eResults, now time.Time, nodes int) {
 	date := now.UTC().Format("2006-01-02")
 	add := func(result string, specs []specResult) {
 		for _, s := range specs {
-			r[s.name] = specRecord{Result: result, Reason: oneLine(s.message), Date: date}
+			r[s.name] = specRecord{Result: result, Reason: oneLine(s.message), Date: date, Nodes: nodes}
 		}
 	}
 	add("passed", res.passed)
@@ -562,13 +604,21 @@ func (r conformanceResults) markdown(all []string) string {
 	fmt.Fprintf(&b, "e2e.test %s, every External Storage spec for the driver definitions in `test/k8s/e2e`\n", tools.KubeVersion)
 	fmt.Fprintf(&b, "(`local-image.yaml`: local.poolcsi.io, image volumes; `shared-image.yaml`: poolcsi.io, image\n")
 	fmt.Fprintf(&b, "volumes; `shared-dir.yaml`: poolcsi.io, dir volumes, named `[Layout: dir]`), against the chart\n")
-	fmt.Fprintf(&b, "running as pods on the one-node cluster of `TestKubelet` (docs/deploy.md). Generated by\n")
-	fmt.Fprintf(&b, "`make conformance` from `test/k8s/e2e/results.json`, which keeps each spec's latest result:\n")
-	fmt.Fprintf(&b, "the suite runs one driver and test pattern at a time (three specs at once, the [Serial] and\n")
-	fmt.Fprintf(&b, "[Disruptive] ones alone) and resumes where it stopped, since all of it takes hours on a\n")
-	fmt.Fprintf(&b, "2-core machine.\n\n")
+	fmt.Fprintf(&b, "running as pods on the two-node cluster of `TestTwoNodes` (docs/deploy.md, \"Two nodes on\n")
+	fmt.Fprintf(&b, "one machine\"; the shared pool on btrfs). Generated by `make conformance` from\n")
+	fmt.Fprintf(&b, "`test/k8s/e2e/results.json`, which keeps each spec's latest result and the number of nodes it\n")
+	fmt.Fprintf(&b, "ran on (results from before the cluster had two nodes say \"1 node\"): the suite runs one\n")
+	fmt.Fprintf(&b, "driver and test pattern at a time (three specs at once, the [Serial] and [Disruptive] ones\n")
+	fmt.Fprintf(&b, "alone) and resumes where it stopped, since all of it takes hours on a 2-core machine.\n\n")
 	fmt.Fprintf(&b, "%d specs: %d passed, %d failed, %d skipped, %d not run yet.\n\n",
 		len(all), len(by["passed"]), len(by["failed"]), len(by["skipped"]), len(notRun))
+	nodes := map[int]int{}
+	for _, n := range all {
+		if rec, ok := r[n]; ok {
+			nodes[rec.nodes()]++
+		}
+	}
+	fmt.Fprintf(&b, "Ran on two nodes: %d specs; on one node: %d.\n\n", nodes[2], nodes[1])
 	// Why specs were skipped, most common first: the suite skips what a definition does
 	// not claim, and each reason covers many specs.
 	reasons := map[string]int{}
@@ -607,7 +657,7 @@ func (r conformanceResults) markdown(all []string) string {
 				}
 			}
 			if rec.Date != "" {
-				line += " (" + rec.Date + ")"
+				line += " (" + rec.Date + ", " + nodeCount(rec.nodes()) + ")"
 			}
 			fmt.Fprintln(&b, line)
 		}
