@@ -308,6 +308,8 @@ func (g *gatherer) controller(cc csi.ControllerClient, advertised bool) bool {
 	}
 	if err != nil {
 		g.fail("ControllerGetCapabilities", err)
+		c.VolumesNote = "not asked: ControllerGetCapabilities failed (see the problems)"
+		c.PoolsNote = c.VolumesNote
 		return true
 	}
 	has := map[csi.ControllerServiceCapability_RPC_Type]bool{}
