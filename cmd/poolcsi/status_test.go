@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -11,7 +12,11 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -346,6 +351,83 @@ func TestStatusBrokenPool(t *testing.T) {
 	}
 	for _, w := range []string{"storage health:  ! STORAGE_UNREACHABLE PoolUnavailable", "  good  ", "! gone  ?",
 		"incomplete: ListVolumes failed", "! pool gone: GetCapacity: Unavailable", "available: good "} {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q", w)
+		}
+	}
+	if t.Failed() {
+		t.Log(out)
+	}
+}
+
+// fakeCSI is a driver that is not poolcsi and misbehaves: not ready, a
+// listing whose next_token never ends, no Node service; its one pool is
+// asked for without parameters.
+type fakeCSI struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	lists int
+}
+
+func (f *fakeCSI) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: "fake.csi", VendorVersion: "0"}, nil
+}
+
+func (f *fakeCSI) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: []*csi.PluginCapability{{Type: &csi.PluginCapability_Service_{
+		Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}}}}, nil
+}
+
+func (f *fakeCSI) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+}
+
+func (f *fakeCSI) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, t := range []csi.ControllerServiceCapability_RPC_Type{csi.ControllerServiceCapability_RPC_LIST_VOLUMES, csi.ControllerServiceCapability_RPC_GET_CAPACITY} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (f *fakeCSI) ListVolumes(_ context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	f.lists++
+	id := fmt.Sprintf("vol-%d", f.lists)
+	return &csi.ListVolumesResponse{NextToken: "again", Entries: []*csi.ListVolumesResponse_Entry{{
+		Volume: &csi.Volume{VolumeId: id, CapacityBytes: 3 << 20, AccessibleTopology: []*csi.Topology{{Segments: map[string]string{"zone": "a"}}}}}}}, nil
+}
+
+func (f *fakeCSI) GetCapacity(_ context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if len(req.GetParameters()) > 0 {
+		return nil, status.Error(codes.InvalidArgument, "no parameters here")
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: 7 << 30}, nil
+}
+
+func TestStatusAnotherDriver(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	f := &fakeCSI{}
+	csi.RegisterIdentityServer(srv, f)
+	csi.RegisterControllerServer(srv, f)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	code, out, errOut := runCLI("status", "--endpoint", "unix://"+sock)
+	if code != 2 {
+		t.Fatalf("exit %d, want 2: %s\n%s", code, out, errOut)
+	}
+	for _, w := range []string{
+		"Plugin fake.csi 0", "probe:         ! not ready", "services:      Identity, Controller",
+		"this socket serves no Node service (NodeGetInfo: Unimplemented)",
+		"  (the only pool)  7 GiB      -                   -\n",
+		"  vol-1   -     -       3 MiB  zone=a", "  vol-2 ",
+		"  ! ListVolumes: next_token \"again\" came twice: the listing stopped there\n  ! Probe: the plugin says it is not ready\n",
+		"2 volumes (6 MiB), 0 abnormal; available: 7 GiB; 2 problems\n",
+	} {
 		if !strings.Contains(out, w) {
 			t.Errorf("output lacks %q", w)
 		}
