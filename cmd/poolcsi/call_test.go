@@ -26,6 +26,13 @@ func startDriver(t *testing.T) string {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return serveInTest(t, d, dir)
+}
+
+// serveInTest serves d on a socket in dir until the test ends; it returns the
+// endpoint.
+func serveInTest(t *testing.T, d *driver.Driver, dir string) string {
+	t.Helper()
 	endpoint := "unix://" + filepath.Join(dir, "csi.sock")
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)

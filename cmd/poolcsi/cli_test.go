@@ -41,6 +41,8 @@ func TestHelpExitsZero(t *testing.T) {
 		{[]string{"pool", "init", "-h"}, "Usage: poolcsi pool init"},
 		{[]string{"version", "-h"}, "Usage: poolcsi version"},
 		{[]string{"call", "-h"}, "Usage: poolcsi call"},
+		{[]string{"status", "-h"}, "Usage: poolcsi status"},
+		{[]string{"status", "--help"}, "Exit status: 0 all is well"},
 	}
 	for _, tt := range tests {
 		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
@@ -67,6 +69,8 @@ func TestUsageErrorsExitNonZero(t *testing.T) {
 		{[]string{"serve", "extra"}, 1, "unexpected arguments extra"},
 		{[]string{"serve", "--mode=both"}, 1, "--mode"},
 		{[]string{"version", "extra"}, 1, "unexpected arguments"},
+		{[]string{"status", "extra"}, 1, "unexpected arguments extra"},
+		{[]string{"status", "-o", "yaml"}, 1, `-o "yaml": want text or json`},
 		{[]string{"pool"}, 1, "want a subcommand"},
 		{[]string{"pool", "list"}, 1, "--path is required"},
 		{[]string{"pool", "frob"}, 1, `unknown subcommand "frob"`},

@@ -113,6 +113,7 @@ Usage:
   poolcsi demo [--temp-dir DIR]     (as root: a guided tour of the CSI calls on a throw-away pool)
   poolcsi pool init|list|check --path POOL_DIR
   poolcsi pool unfence --path POOL_DIR --volume VOLUME_ID [--node NODE]
+  poolcsi status [--endpoint unix:///path/csi.sock] [-o text|json]   (what the driver answers: pools, volumes, health)
   poolcsi call [--endpoint unix:///path/csi.sock] METHOD ['{json}']   (any CSI call, JSON in and out)
   poolcsi version                   (also: poolcsi --version)
 
@@ -147,6 +148,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		err = runDemo(ctx, args[1:], stdout, stderr)
 	case "pool":
 		err = poolCmd(ctx, args[1:], stdout, stderr)
+	case "status":
+		err = statusCmd(ctx, args[1:], stdout, stderr)
 	case "call":
 		err = callCmd(ctx, args[1:], stdout, stderr)
 	case "version", "--version", "-version":
@@ -163,6 +166,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return 0 // -h asked for the usage, which the flag set printed
 	case errors.Is(err, errProblems):
 		return 1 // pool check printed them
+	case errors.Is(err, errAbnormal):
+		return 2 // status printed what
 	}
 	fmt.Fprintf(stderr, "poolcsi: %v\n", err)
 	return 1

@@ -1,0 +1,438 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/types/known/wrapperspb"
+
+	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// statusDriver serves a real driver in mode on a throw-away local pool "local",
+// with a 1 GiB image volume per name in volumes (made through the pool, no
+// mkfs, no loop device: the driver lists it all the same); a name that starts
+// with "broken" gets an image cut to half, which the driver reports as
+// ImageTruncated. It returns the endpoint.
+func statusDriver(t *testing.T, mode driver.Mode, volumes ...string) string {
+	t.Helper()
+	dir := t.TempDir()
+	p, err := pool.Open(pool.Config{Name: "local", Path: filepath.Join(dir, "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range volumes {
+		v, err := p.Reserve(context.Background(), pool.Spec{Name: name, Layout: pool.LayoutImage, AccessType: pool.AccessFilesystem,
+			FSType: "ext4", CapacityBytes: 1 << 30, Topology: map[string]string{driver.TopologyKey: "node-a"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.PrepareImage(v); err != nil {
+			t.Fatal(err)
+		}
+		if err := p.MarkReady(v); err != nil {
+			t.Fatal(err)
+		}
+		id, err := pool.ParseVolumeID(v.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(name, "broken") {
+			if err := os.Truncate(p.ImagePath(id), 1<<29); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	d, err := driver.New(driver.Options{Name: "status.test", Version: "v-test", NodeID: "node-a", Mode: mode, Pools: []*pool.Pool{p}, PathPrefix: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return serveInTest(t, d, dir)
+}
+
+func TestStatusAgainstTheDriver(t *testing.T) {
+	tests := []struct {
+		name    string
+		mode    driver.Mode
+		volumes []string
+		args    []string
+		code    int
+		want    []string // in stdout, in this order
+		notWant []string
+	}{
+		{"all in one, healthy", driver.ModeAll, []string{"web", "db"}, nil, 0, []string{
+			"Plugin status.test v-test at unix://", "probe:         ready", "services:      Identity, Node, Controller",
+			"node ID:         node-a", "topology:        topology.poolcsi.io/node=node-a", "storage health:  healthy",
+			"volume health:   not shown", "POOL", "local ", "1 MiB", "Volumes (ListVolumes): 2",
+			"  local.", "local  image   1 GiB  node-a", "2 volumes (2 GiB), 0 abnormal; available: local ", "; no problems",
+		}, []string{"Problems", "!"}},
+		{"all in one, one volume truncated", driver.ModeAll, []string{"broken-db", "web", "a"}, nil, 2, []string{
+			"Volumes (ListVolumes): 3", "  local.", "  local.", "! local.", "ABNORMAL: ImageTruncated",
+			"Problems (1)", "  ! volume local.", "DATA_LOSS ImageTruncated: image file",
+			"3 volumes (3 GiB), 1 abnormal; available: local ", "; 1 problem\n",
+		}, nil},
+		{"a controller's socket", driver.ModeController, []string{"web"}, nil, 0, []string{
+			"services:      Identity, Controller", "this socket serves no Node service (NodeGetInfo: Unimplemented)",
+			"Volumes (ListVolumes): 1", "1 volume (1 GiB), 0 abnormal",
+		}, []string{"node ID"}},
+		{"a controller's socket, no volumes: the only pool", driver.ModeController, nil, nil, 0, []string{
+			"(the only pool)", "Volumes (ListVolumes): 0", "0 volumes (0 B), 0 abnormal; available: ",
+		}, nil},
+		{"a node plugin's socket", driver.ModeNode, []string{"web"}, nil, 0, []string{
+			"services:      Identity, Node", "node ID:         node-a",
+			"this socket serves no Controller service (no CONTROLLER_SERVICE capability)",
+			"no volumes or capacity on this socket (no Controller service); no problems",
+		}, []string{"Volumes", "Pools"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			endpoint := statusDriver(t, tt.mode, tt.volumes...)
+			code, out, errOut := runCLI(append([]string{"status", "--endpoint", endpoint}, tt.args...)...)
+			if code != tt.code {
+				t.Fatalf("exit %d, want %d; stdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
+			}
+			rest := out
+			for _, w := range tt.want {
+				i := strings.Index(rest, w)
+				if i < 0 {
+					t.Fatalf("output lacks %q after what came before:\n%s", w, out)
+				}
+				rest = rest[i+len(w):]
+			}
+			for _, nw := range tt.notWant {
+				if strings.Contains(out, nw) {
+					t.Errorf("output has %q:\n%s", nw, out)
+				}
+			}
+		})
+	}
+}
+
+func TestStatusJSON(t *testing.T) {
+	endpoint := statusDriver(t, driver.ModeAll, "web", "broken")
+	code, out, errOut := runCLI("status", "--endpoint", endpoint, "-o", "json")
+	if code != 2 {
+		t.Fatalf("exit %d, want 2 (one volume abnormal): %s", code, errOut)
+	}
+	var r statusReport
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatalf("not JSON: %v\n%s", err, out)
+	}
+	vols := r.Controller.Volumes
+	if r.Plugin.Name != "status.test" || !r.Plugin.Ready || r.Node.NodeID != "node-a" || len(vols) != 2 {
+		t.Fatalf("report: %+v", r)
+	}
+	if vols[0].Abnormal || !vols[1].Abnormal || vols[1].Health[0].Reason != "ImageTruncated" || vols[1].Condition == "" || vols[1].CapacityBytes != 1<<30 {
+		t.Fatalf("volumes (the abnormal one last, with its v1.13 health and its legacy condition): %+v", vols)
+	}
+	if r.Summary != (statusSummary{Volumes: 2, Abnormal: 1, ProvisionedBytes: 2 << 30, Pools: 1, Problems: 1}) || len(r.Problems) != 1 {
+		t.Fatalf("summary %+v, problems %q", r.Summary, r.Problems)
+	}
+	if len(r.Controller.Pools) != 1 || r.Controller.Pools[0].Pool != "local" || r.Controller.Pools[0].AvailableBytes <= 0 {
+		t.Fatalf("pools: %+v", r.Controller.Pools)
+	}
+}
+
+// Every page of ListVolumes and ControllerListVolumeHealth is read.
+func TestStatusPages(t *testing.T) {
+	old := statusPageSize
+	statusPageSize = 1
+	t.Cleanup(func() { statusPageSize = old })
+	endpoint := statusDriver(t, driver.ModeController, "a", "broken-b", "c", "broken-d")
+	code, out, errOut := runCLI("status", "--endpoint", endpoint, "-o", "json")
+	if code != 2 {
+		t.Fatalf("exit %d: %s", code, errOut)
+	}
+	var r statusReport
+	if err := json.Unmarshal([]byte(out), &r); err != nil {
+		t.Fatal(err)
+	}
+	if r.Summary.Volumes != 4 || r.Summary.Abnormal != 2 {
+		t.Fatalf("summary %+v:\n%s", r.Summary, out)
+	}
+}
+
+func TestStatusUnreachable(t *testing.T) {
+	sock := "unix://" + filepath.Join(t.TempDir(), "none.sock")
+	code, out, errOut := runCLI("status", "--endpoint", sock, "--timeout", "2s")
+	if code != 1 || out != "" || !strings.Contains(errOut, "cannot reach the driver at "+sock) {
+		t.Fatalf("exit %d, want 1 with nothing on stdout; stdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// statusFixture is a report as gathered from an all-in-one poolcsi with two
+// pools, for the rendering's table tests to change.
+func statusFixture() *statusReport {
+	max := int64(20 << 30)
+	return &statusReport{
+		Endpoint: "unix:///csi/csi.sock",
+		Plugin: pluginStatus{Name: "local.poolcsi.io", Version: "v1.2.3", Services: []string{"Identity", "Node", "Controller"},
+			Capabilities: []string{"CONTROLLER_SERVICE"}, Ready: true},
+		Node: nodeStatus{NodeID: "node-a", Topology: map[string]string{driver.TopologyKey: "node-a"},
+			Capabilities: []string{"STAGE_UNSTAGE_VOLUME"}, StorageHealth: []healthEntry{}, VolumeHealthNote: nodeVolumeHealthNote},
+		Controller: controllerStatus{Capabilities: []string{"LIST_VOLUMES"},
+			Pools: []poolCapacity{{Pool: "fast", AvailableBytes: 20 << 30, MaximumVolumeBytes: &max}, {Pool: "slow", AvailableBytes: 3<<40 + 512<<30}},
+			Volumes: []volumeStatus{
+				{ID: "fast.b", CapacityBytes: 10<<30 + 100<<20, Context: map[string]string{"pool": "fast", "layout": "image"},
+					Topology: []map[string]string{{driver.TopologyKey: "node-a"}}},
+				{ID: "slow.a", CapacityBytes: 1 << 30, Context: map[string]string{"pool": "slow", "layout": "dir", "quota": "none", "sizeEnforced": "false"},
+					Published: []string{"node-b", "node-c"}},
+			}},
+	}
+}
+
+func TestWriteStatusText(t *testing.T) {
+	tests := []struct {
+		name    string
+		change  func(r *statusReport)
+		want    []string // in this order
+		notWant []string
+	}{
+		{"healthy, human units", func(*statusReport) {}, []string{
+			"Plugin local.poolcsi.io v1.2.3 at unix:///csi/csi.sock",
+			"max volumes:     no limit",
+			"  fast  20 GiB     20 GiB              -\n",
+			"  slow  3.5 TiB    -                   -\n",
+			"  fast.b  fast  image   10.1 GiB  node-a           -              -                              ok\n",
+			"  slow.a  slow  dir     1 GiB     any node         node-b,node-c  quota=none sizeEnforced=false  ok\n",
+			"2 volumes (11.1 GiB), 0 abnormal; available: fast 20 GiB, slow 3.5 TiB; no problems\n",
+		}, []string{"Problems", "!"}},
+		{"an abnormal volume, listed last", func(r *statusReport) {
+			r.Controller.Volumes = append([]volumeStatus{{ID: "fast.a", CapacityBytes: 1 << 20, Abnormal: true,
+				Health: []healthEntry{{"DATA_LOSS", "ImageMissing", "gone"}, {"DEGRADED", "PoolNearlyFull", "95%"}}}}, r.Controller.Volumes...)
+		}, []string{
+			"  fast.b ", "  slow.a ", "! fast.a  -     -       1 MiB     any node         -              -                              ABNORMAL: ImageMissing, PoolNearlyFull\n",
+			"Problems (2)\n  ! volume fast.a: DATA_LOSS ImageMissing: gone\n  ! volume fast.a: DEGRADED PoolNearlyFull: 95%\n",
+			"3 volumes (11.1 GiB), 1 abnormal; available: fast 20 GiB, slow 3.5 TiB; 2 problems\n",
+		}, nil},
+		{"abnormal by the v1.12 condition alone", func(r *statusReport) {
+			r.Controller.Volumes[1].Abnormal, r.Controller.Volumes[1].Condition = true, "ImageTruncated: cut"
+		}, []string{"! slow.a", "ABNORMAL\n", "  ! volume slow.a: ImageTruncated: cut\n", "1 abnormal"}, nil},
+		{"a node plugin's socket", func(r *statusReport) {
+			r.Plugin.Services = r.Plugin.Services[:2]
+			r.Controller = controllerStatus{NotServed: "this socket serves no Controller service (no CONTROLLER_SERVICE capability)"}
+		}, []string{"Node\n  node ID:", "Controller\n  this socket serves no Controller service (no CONTROLLER_SERVICE capability)\n",
+			"\nno volumes or capacity on this socket (no Controller service); no problems\n"}, []string{"Volumes", "Pools"}},
+		{"a controller's socket", func(r *statusReport) {
+			r.Node = nodeStatus{NotServed: "this socket serves no Node service (NodeGetInfo: Unimplemented)"}
+		}, []string{"Node\n  this socket serves no Node service (NodeGetInfo: Unimplemented)\n\nController\n"}, []string{"node ID", "storage health"}},
+		{"not ready, storage unreachable, a pool that fails, a call that failed", func(r *statusReport) {
+			r.Plugin.Ready = false
+			r.Node.StorageHealth = []healthEntry{{"STORAGE_UNREACHABLE", "PoolUnavailable", "pool slow: not mounted"}}
+			r.Controller.Pools[1] = poolCapacity{Pool: "slow", Error: "Unavailable: not mounted"}
+			r.Errors = []string{"ControllerListVolumeHealth: Internal: boom"}
+		}, []string{
+			"probe:         ! not ready", "storage health:  ! STORAGE_UNREACHABLE PoolUnavailable", "! slow  ?",
+			"Problems (4)\n  ! ControllerListVolumeHealth: Internal: boom\n  ! Probe: the plugin says it is not ready\n" +
+				"  ! storage STORAGE_UNREACHABLE PoolUnavailable: pool slow: not mounted\n  ! pool slow: GetCapacity: Unavailable: not mounted\n",
+			"available: fast 20 GiB; 4 problems\n",
+		}, nil},
+		{"the only pool, unnamed; no capacity capability", func(r *statusReport) {
+			r.Controller.Pools = []poolCapacity{{AvailableBytes: 1536}}
+		}, []string{"(the only pool)  1.5 KiB", "available: 1.5 KiB; no problems"}, nil},
+		{"capacity unknown", func(r *statusReport) {
+			r.Controller.Pools, r.Controller.PoolsNote = nil, "not known: the controller offers no GET_CAPACITY"
+		}, []string{"Pools (GetCapacity)\n  not known: the controller offers no GET_CAPACITY\n", "; capacity unknown; no problems"}, []string{"POOL  AVAILABLE"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			r := statusFixture()
+			tt.change(r)
+			r.finish()
+			var b strings.Builder
+			if err := writeStatusText(&b, r); err != nil {
+				t.Fatal(err)
+			}
+			out := b.String()
+			rest := out
+			for _, w := range tt.want {
+				i := strings.Index(rest, w)
+				if i < 0 {
+					t.Fatalf("output lacks %q after what came before:\n%s", w, out)
+				}
+				rest = rest[i+len(w):]
+			}
+			for _, nw := range tt.notWant {
+				if strings.Contains(out, nw) {
+					t.Errorf("output has %q:\n%s", nw, out)
+				}
+			}
+		})
+	}
+}
+
+func TestLegacyVolumeCondition(t *testing.T) {
+	cond := func(abnormal bool, msg string) []byte {
+		var b []byte
+		b = protowire.AppendTag(b, 1, protowire.VarintType)
+		b = protowire.AppendVarint(b, protowire.EncodeBool(abnormal))
+		b = protowire.AppendTag(b, 2, protowire.BytesType)
+		return protowire.AppendString(b, msg)
+	}
+	field := func(inner []byte) []byte {
+		b := protowire.AppendTag(nil, 2, protowire.BytesType)
+		return protowire.AppendBytes(b, inner)
+	}
+	other := protowire.AppendVarint(protowire.AppendTag(nil, 9, protowire.VarintType), 7)
+	tests := []struct {
+		name         string
+		unknown      []byte
+		abnormal, ok bool
+		message      string
+	}{
+		{"none", nil, false, false, ""},
+		{"healthy", field(cond(false, "volume is healthy")), false, true, "volume is healthy"},
+		{"abnormal, after another unknown field", append(other, field(cond(true, "ImageMissing: gone"))...), true, true, "ImageMissing: gone"},
+		{"cut short", field(cond(true, "x"))[:3], false, false, ""},
+	}
+	for _, tt := range tests {
+		st := &csi.ListVolumesResponse_VolumeStatus{}
+		st.ProtoReflect().SetUnknown(tt.unknown)
+		abnormal, msg, ok := legacyVolumeCondition(st)
+		if abnormal != tt.abnormal || msg != tt.message || ok != tt.ok {
+			t.Errorf("%s: %v %q %v, want %v %q %v", tt.name, abnormal, msg, ok, tt.abnormal, tt.message, tt.ok)
+		}
+	}
+}
+
+// The timeout is each call's: a driver that does not answer makes status
+// fail after it, not hang.
+func TestStatusTimeout(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "mute.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = l.Close() }() // accepts nothing, answers nothing
+	start := time.Now()
+	code, _, errOut := runCLI("status", "--endpoint", "unix://"+sock, "--timeout", "300ms")
+	if code != 1 || !strings.Contains(errOut, "DeadlineExceeded") || time.Since(start) > 10*time.Second {
+		t.Fatalf("exit %d after %s: %s", code, time.Since(start), errOut)
+	}
+}
+
+// A pool whose directory is gone: every service says so, and status lists it
+// among the problems, with the pool poolcsi names when asked without one.
+func TestStatusBrokenPool(t *testing.T) {
+	dir := t.TempDir()
+	var pools []*pool.Pool
+	for _, name := range []string{"good", "gone"} {
+		p, err := pool.Open(pool.Config{Name: name, Path: filepath.Join(dir, name)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		pools = append(pools, p)
+	}
+	d, err := driver.New(driver.Options{Name: "status.test", Version: "v-test", NodeID: "node-a", Mode: driver.ModeAll, Pools: pools, PathPrefix: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	endpoint := serveInTest(t, d, dir)
+	if err := os.Rename(filepath.Join(dir, "gone"), filepath.Join(dir, "moved")); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCLI("status", "--endpoint", endpoint)
+	if code != 2 {
+		t.Fatalf("exit %d, want 2: %s\n%s", code, out, errOut)
+	}
+	for _, w := range []string{"storage health:  ! STORAGE_UNREACHABLE PoolUnavailable", "  good  ", "! gone  ?",
+		"incomplete: ListVolumes failed", "! pool gone: GetCapacity: Unavailable", "available: good "} {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q", w)
+		}
+	}
+	if t.Failed() {
+		t.Log(out)
+	}
+}
+
+// fakeCSI is a driver that is not poolcsi and misbehaves: not ready, a
+// listing whose next_token never ends, no Node service; its one pool is
+// asked for without parameters.
+type fakeCSI struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+	lists int
+}
+
+func (f *fakeCSI) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: "fake.csi", VendorVersion: "0"}, nil
+}
+
+func (f *fakeCSI) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: []*csi.PluginCapability{{Type: &csi.PluginCapability_Service_{
+		Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}}}}}, nil
+}
+
+func (f *fakeCSI) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{Ready: wrapperspb.Bool(false)}, nil
+}
+
+func (f *fakeCSI) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	var caps []*csi.ControllerServiceCapability
+	for _, t := range []csi.ControllerServiceCapability_RPC_Type{csi.ControllerServiceCapability_RPC_LIST_VOLUMES, csi.ControllerServiceCapability_RPC_GET_CAPACITY} {
+		caps = append(caps, &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}})
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+func (f *fakeCSI) ListVolumes(_ context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+	f.lists++
+	id := fmt.Sprintf("vol-%d", f.lists)
+	return &csi.ListVolumesResponse{NextToken: "again", Entries: []*csi.ListVolumesResponse_Entry{{
+		Volume: &csi.Volume{VolumeId: id, CapacityBytes: 3 << 20, AccessibleTopology: []*csi.Topology{{Segments: map[string]string{"zone": "a"}}}}}}}, nil
+}
+
+func (f *fakeCSI) GetCapacity(_ context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+	if len(req.GetParameters()) > 0 {
+		return nil, status.Error(codes.InvalidArgument, "no parameters here")
+	}
+	return &csi.GetCapacityResponse{AvailableCapacity: 7 << 30}, nil
+}
+
+func TestStatusAnotherDriver(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "fake.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer()
+	f := &fakeCSI{}
+	csi.RegisterIdentityServer(srv, f)
+	csi.RegisterControllerServer(srv, f)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	code, out, errOut := runCLI("status", "--endpoint", "unix://"+sock)
+	if code != 2 {
+		t.Fatalf("exit %d, want 2: %s\n%s", code, out, errOut)
+	}
+	for _, w := range []string{
+		"Plugin fake.csi 0", "probe:         ! not ready", "services:      Identity, Controller",
+		"this socket serves no Node service (NodeGetInfo: Unimplemented)",
+		"  (the only pool)  7 GiB      -                   -\n",
+		"  vol-1   -     -       3 MiB  zone=a", "  vol-2 ",
+		"  ! ListVolumes: next_token \"again\" came twice: the listing stopped there\n  ! Probe: the plugin says it is not ready\n",
+		"2 volumes (6 MiB), 0 abnormal; available: 7 GiB; 2 problems\n",
+	} {
+		if !strings.Contains(out, w) {
+			t.Errorf("output lacks %q", w)
+		}
+	}
+	if t.Failed() {
+		t.Log(out)
+	}
+}
