@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 
@@ -219,7 +218,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			}
 			return lay.finishCreate(ctx, p, v)
 		})
-		if errors.Is(err, os.ErrNotExist) {
+		if errors.Is(err, pool.ErrNotFound) {
 			return nil, status.Errorf(codes.Aborted, "volume %q was deleted while it was being created; retry", name)
 		}
 		if err != nil {
@@ -357,7 +356,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	}
 	defer release()
 	unlock, err := p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
+	if errors.Is(err, pool.ErrNotFound) {
 		// Gone, or renamed away by a delete that crashed before removing it:
 		// finish that one (it passed every check below before the rename).
 		return &csi.DeleteVolumeResponse{}, grpcError(p.Delete(ctx, vid))
@@ -375,7 +374,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
 	case err == nil && len(v.Published) > 0:
 		return nil, publishedError(v)
-	case err != nil && !errors.Is(err, os.ErrNotExist):
+	case err != nil && !errors.Is(err, pool.ErrNotFound):
 		// Damaged, or written by a newer driver: it may record nodes that still
 		// hold the volume, so nothing is deleted on a guess.
 		return nil, status.Errorf(codes.FailedPrecondition,

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -184,7 +183,7 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 	// Bound through a descriptor opened without following links: a link put
 	// in place of the data directory never exposes anything outside the pool.
 	h, err := nv.pool.OpenData(nv.id)
-	if errors.Is(err, os.ErrNotExist) {
+	if errors.Is(err, pool.ErrNotFound) {
 		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
 	} else if err != nil {
 		return grpcError(err)

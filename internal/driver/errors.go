@@ -13,9 +13,10 @@ import (
 
 // errorCodes is the one table from an error's class to its gRPC code, in order:
 // the first class an error belongs to (errors.Is) decides. A pool that cannot
-// serve is UNAVAILABLE even when its cause is a missing directory, so
-// ErrUnavailable comes before os.ErrNotExist; the caller's own context ending
-// decides before anything it interrupted.
+// serve is UNAVAILABLE, and one that is busy ABORTED, whatever volume the call
+// was looking for, so ErrUnavailable and ErrBusy come before ErrNotFound; the
+// caller's own context ending decides before anything it interrupted. An ENOENT
+// alone has no class: only the pool says that a volume is not there.
 var errorCodes = []struct {
 	class error
 	code  codes.Code
@@ -31,7 +32,7 @@ var errorCodes = []struct {
 	{pool.ErrNoSpace, codes.ResourceExhausted},
 	{pool.ErrExists, codes.AlreadyExists},
 	{pool.ErrNotReady, codes.NotFound},
-	{os.ErrNotExist, codes.NotFound},
+	{pool.ErrNotFound, codes.NotFound},
 	{pool.ErrCorrupt, codes.Internal},
 	{errForeignMount, codes.FailedPrecondition},
 }

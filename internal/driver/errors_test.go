@@ -25,6 +25,7 @@ func TestGRPCErrorTable(t *testing.T) {
 		pool.ErrNotReady:    codes.NotFound,
 		pool.ErrCorrupt:     codes.Internal,
 		pool.ErrUnavailable: codes.Unavailable,
+		pool.ErrNotFound:    codes.NotFound,
 		pool.ErrBusy:        codes.Aborted,
 	}
 	for _, s := range pool.Sentinels {
@@ -40,8 +41,10 @@ func TestGRPCErrorTable(t *testing.T) {
 		{"cancelled", fmt.Errorf("mkfs: %w", context.Canceled), codes.Canceled},
 		{"deadline", fmt.Errorf("lock: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
 		{"os deadline", fmt.Errorf("read: %w", os.ErrDeadlineExceeded), codes.DeadlineExceeded},
-		{"not found", fmt.Errorf("read volume.json: %w", os.ErrNotExist), codes.NotFound},
-		{"unavailable beats not found", fmt.Errorf("%w: %w", pool.ErrUnavailable, os.ErrNotExist), codes.Unavailable},
+		{"not found", fmt.Errorf("read volume.json: %w: %w", pool.ErrNotFound, os.ErrNotExist), codes.NotFound},
+		{"ENOENT alone is no missing volume", fmt.Errorf("open /dev/loop-control: %w", os.ErrNotExist), codes.Internal},
+		{"unavailable beats not found", fmt.Errorf("%w: %w", pool.ErrUnavailable, pool.ErrNotFound), codes.Unavailable},
+		{"busy beats not found", fmt.Errorf("%w: %w", pool.ErrBusy, pool.ErrNotFound), codes.Aborted},
 		{"cancelled beats unavailable", fmt.Errorf("%w: %w", pool.ErrUnavailable, context.Canceled), codes.Canceled},
 		{"plain", errors.New("EIO"), codes.Internal},
 		{"status passes", status.Error(codes.FailedPrecondition, "x"), codes.FailedPrecondition},

@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"errors"
-	"os"
 	"slices"
 	"strings"
 
@@ -60,7 +59,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
 	case err == nil:
 		return pool.Entry{ID: vid, Volume: v}, nil
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, pool.ErrNotFound):
 		if p.VolumeExists(vid) {
 			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -235,7 +234,7 @@ func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shar
 	}
 	s, err := p.LoadSnapshot(sid)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, pool.ErrNotFound):
 		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", sid)
 	case err != nil:
 		return nil, nil, grpcError(fmt.Errorf("snapshot %s: %w", sid, err))

@@ -61,7 +61,7 @@ func (d *Driver) lockVolumeRef(ctx context.Context, id, method string, acc share
 func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, pool.ErrNotFound):
 		return nil, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
 	case err != nil:
 		return nil, grpcError(err)
@@ -236,7 +236,7 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 // does not exist. The caller defers unlock.
 func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
 	unlock, err = p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
+	if errors.Is(err, pool.ErrNotFound) {
 		return nil, nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
 	} else if err != nil {
 		return nil, nil, grpcError(err)
