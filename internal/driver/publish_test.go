@@ -33,7 +33,7 @@ func TestPublishFence(t *testing.T) {
 	d := &Driver{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
-		if got := status.Code(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly)); got != tt.want {
+		if got := status.Code(grpcError(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly))); got != tt.want {
 			t.Errorf("%s: %s, want %s", tt.name, got, tt.want)
 		}
 	}

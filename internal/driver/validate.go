@@ -62,11 +62,11 @@ func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
-		return nil, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
+		return nil, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name)
 	case err != nil:
-		return nil, grpcError(err)
+		return nil, err
 	case v.State != pool.StateReady:
-		return nil, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+		return nil, failf(pool.ErrNotReady, "volume %s is still being created", vid)
 	}
 	return v, nil
 }
@@ -211,7 +211,7 @@ func firstLink(base, path string) string {
 func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
 	path, err := d.requestPath("volume_path", raw)
 	if err != nil {
-		return "", status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
+		return "", failf(errNotAtPath, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
 	}
 	return path, nil
 }
@@ -237,9 +237,9 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
 	unlock, err = p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
-		return nil, nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
+		return nil, nil, failf(pool.ErrNotFound, "volume %s does not exist", vid)
 	} else if err != nil {
-		return nil, nil, grpcError(err)
+		return nil, nil, err
 	}
 	if v, err = loadVolume(p, vid); err != nil {
 		unlock()
