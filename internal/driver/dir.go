@@ -10,8 +10,6 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -74,7 +72,7 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 // but it is no block device.
 func (dirLayout) allowed(s capsSpec) error {
 	if s.access == pool.AccessBlock {
-		return status.Error(codes.InvalidArgument, "layout dir volumes are directories: block access needs layout image")
+		return failf(errInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
 }

@@ -18,6 +18,11 @@ import (
 // directly only for a request that is malformed (INVALID_ARGUMENT) and for the
 // few codes CSI mandates that mean nothing inside (an unknown starting_token).
 var (
+	// errInvalid: a request field that is malformed, or asks what this driver
+	// cannot do, found by a helper whose answer a caller may re-word (a
+	// path, an access mode, a share option). The handlers' own checks of a
+	// request make INVALID_ARGUMENT statuses directly.
+	errInvalid = errors.New("invalid argument")
 	// errNoPool: the pool an ID names is not one of this driver's (not
 	// configured, or a share that holds no pool), so nothing of it is here.
 	errNoPool = errors.New("no such pool")
@@ -69,6 +74,7 @@ var errorCodes = []struct {
 	{pool.ErrBusy, codes.Aborted},
 	{pool.ErrInvalidID, codes.InvalidArgument},
 	{pool.ErrBadRange, codes.InvalidArgument},
+	{errInvalid, codes.InvalidArgument},
 	{pool.ErrOutOfRange, codes.OutOfRange},
 	{pool.ErrNoSpace, codes.ResourceExhausted},
 	{errNodeFull, codes.ResourceExhausted},
@@ -90,7 +96,7 @@ var errorCodes = []struct {
 }
 
 // driverSentinels lists the driver's own classes, for the table test.
-var driverSentinels = []error{errForeignMount, errNoPool, errNoNode, errNotAtPath, errNotStaged, errInUse, errFenced, errPathTaken, errState, errShareUnknown, errNodeFull, errTopology}
+var driverSentinels = []error{errInvalid, errForeignMount, errNoPool, errNoNode, errNotAtPath, errNotStaged, errInUse, errFenced, errPathTaken, errState, errShareUnknown, errNodeFull, errTopology}
 
 // classed is an error the driver gave a class: its message is exactly the
 // format's (what the caller is told), and its class decides its code.

@@ -30,6 +30,7 @@ func TestGRPCErrorTable(t *testing.T) {
 	}
 	// The driver's own classes, with the codes the statuses they replace had.
 	for s, c := range map[error]codes.Code{
+		errInvalid:      codes.InvalidArgument,
 		errForeignMount: codes.FailedPrecondition,
 		errNoPool:       codes.NotFound,
 		errNoNode:       codes.NotFound,

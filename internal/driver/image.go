@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -113,7 +111,7 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 func (imageLayout) allowed(s capsSpec) error {
 	for _, m := range s.modes {
 		if !imageModes[m] {
-			return status.Errorf(codes.InvalidArgument, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
+			return failf(errInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
 		}
 	}
 	return nil

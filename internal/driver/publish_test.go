@@ -68,8 +68,8 @@ func TestAccessModesByLayout(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("%s: allowed = %v, want ok=%t", tt.name, err, tt.ok)
 		}
-		if err != nil && status.Code(err) != codes.InvalidArgument {
-			t.Errorf("%s: code %s", tt.name, status.Code(err))
+		if code := status.Code(grpcError(err)); err != nil && code != codes.InvalidArgument {
+			t.Errorf("%s: code %s", tt.name, code)
 		}
 	}
 }

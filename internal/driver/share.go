@@ -212,12 +212,12 @@ func secretOptions(secrets map[string]string) []string {
 func checkAccess(typ string, acc shareAccess) error {
 	for _, o := range acc.options {
 		if err := poolmount.CheckOption(typ, o, false); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
+			return failf(errInvalid, "%w", err)
 		}
 	}
 	for _, o := range acc.sensitive {
 		if err := poolmount.CheckOption(typ, o, true); err != nil {
-			return status.Errorf(codes.InvalidArgument, "secret key %s: %v", SecretMountOptions, err)
+			return failf(errInvalid, "secret key %s: %w", SecretMountOptions, err)
 		}
 	}
 	return nil
@@ -303,7 +303,7 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 	}
 	sp.options = splitOptions(opts)
 	if err := checkAccess(sp.ref.Type, shareAccess{options: sp.options}); err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter %s: %s", ParamShareOptions, status.Convert(err).Message())
+		return nil, failf(errInvalid, "parameter %s: %w", ParamShareOptions, err)
 	}
 	return &sp, nil
 }
