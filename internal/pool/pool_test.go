@@ -253,6 +253,12 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if _, err := p.ImageSize(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("ImageSize of a volume without its image: %v, want ErrNotFound", err)
 	}
+	if err := p.SyncImage(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("SyncImage of a volume without its image: %v, want ErrNotFound", err)
+	}
+	if err := p.Save(&Volume{ID: gone.String(), Name: "gone"}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Save of a volume whose directory is gone: %v, want ErrNotFound", err)
+	}
 
 	if err := os.Rename(p.Path, p.Path+".away"); err != nil {
 		t.Fatal(err)
@@ -262,6 +268,8 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 		"Load":       func() error { _, err := p.Load(id); return err }(),
 		"LockVolume": func() error { _, err := p.LockVolume(ctx, id); return err }(),
 		"ImageSize":  func() error { _, err := p.ImageSize(id); return err }(),
+		"SyncImage":  p.SyncImage(id),
+		"Save":       p.Save(&Volume{ID: id.String(), Name: "v", CapacityBytes: MiB}),
 		"List":       func() error { _, err := p.List(); return err }(),
 		"Check":      p.Check(),
 	} {

@@ -54,11 +54,12 @@ func unsafe(err error) error {
 }
 
 // openBeneath opens rel (slash-separated, relative to the pool's root) without
-// following any link and without leaving the pool.
+// following any link and without leaving the pool. A missing one is
+// ErrNotFound (a volume's image).
 func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
 	f, err := fsx.OpenBeneath(p.Path, rel, flags, 0)
 	if err != nil {
-		return nil, p.classify(err)
+		return nil, notFound(p.classify(err))
 	}
 	return f, nil
 }
@@ -138,6 +139,10 @@ func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
 // checkDir fails unless rel is a directory reached without any link: called
 // before the pool creates, renames or removes anything inside rel, so that a
 // link planted in its place never redirects a write or a delete out of the pool.
+// A missing one is ErrNotFound (a volume's or snapshot's directory).
 func (p *Pool) checkDir(rel string) error {
-	return unsafe(fsx.CheckDir(p.Path, rel))
+	if err := fsx.CheckDir(p.Path, rel); err != nil {
+		return notFound(p.classify(err))
+	}
+	return nil
 }
