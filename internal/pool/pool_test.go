@@ -253,6 +253,12 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if _, err := p.ImageSize(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("ImageSize of a volume without its image: %v, want ErrNotFound", err)
 	}
+	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("VolumeAllocated of a volume without its image: %v, want ErrNotFound", err)
+	}
+	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("VolumeAllocated of a volume without its data directory: %v, want ErrNotFound", err)
+	}
 	if err := p.SyncImage(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("SyncImage of a volume without its image: %v, want ErrNotFound", err)
 	}

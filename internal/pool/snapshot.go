@@ -351,27 +351,30 @@ func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) erro
 	return p.SaveSnapshot(s)
 }
 
-// SnapshotAllocated measures what a snapshot's data holds on the pool's filesystem.
+// SnapshotAllocated measures what a snapshot's data holds on the pool's
+// filesystem; data that is missing is ErrNotFound.
 func (p *Pool) SnapshotAllocated(id SnapshotID, s *Snapshot) (int64, error) {
 	if s.Layout == LayoutDir {
-		return TreeAllocated(p.SnapshotDataPath(id))
+		n, err := TreeAllocated(p.SnapshotDataPath(id))
+		return n, notFound(err)
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(p.SnapshotImagePath(id), &st); err != nil {
-		return 0, fmt.Errorf("snapshot %s: %w", id, err)
+		return 0, fmt.Errorf("snapshot %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
 }
 
 // VolumeAllocated is what a volume's data holds on the pool's filesystem: what a
-// full copy of it would allocate.
+// full copy of it would allocate; data that is missing is ErrNotFound.
 func (p *Pool) VolumeAllocated(id VolumeID, v *Volume) (int64, error) {
 	if v.Layout == LayoutDir {
-		return TreeAllocated(p.DataPath(id))
+		n, err := TreeAllocated(p.DataPath(id))
+		return n, notFound(err)
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
-		return 0, fmt.Errorf("volume %s: %w", id, err)
+		return 0, fmt.Errorf("volume %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
 }
