@@ -3,9 +3,6 @@ package driver
 import (
 	"fmt"
 	"slices"
-
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // setBlockReadOnly makes a block publish's read-only request real. A read-only
@@ -20,7 +17,7 @@ import (
 func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
 	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
-		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
+		return fmt.Errorf("list mounts of %s: %w", dev, err)
 	}
 	points = slices.DeleteFunc(points, func(p string) bool { return p == target })
 	// The device's flag, not the mounts' flags, tells what the other publishes are:
@@ -29,17 +26,17 @@ func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
 	// flag on a device node restricts nothing anyway.
 	ro, err := d.devs.ReadOnly(dev)
 	if err != nil {
-		return grpcError(err)
+		return err
 	}
 	if readOnly {
 		if ro {
 			return nil // every publish on this node is read-only already
 		}
 		if len(points) > 0 {
-			return status.Errorf(codes.FailedPrecondition, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, points[0])
+			return failf(errInUse, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, points[0])
 		}
 		if err := d.devs.SetReadOnly(dev, true); err != nil {
-			return grpcError(err)
+			return err
 		}
 		return nil
 	}
@@ -47,10 +44,10 @@ func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
 		return nil
 	}
 	if len(points) > 0 {
-		return status.Errorf(codes.FailedPrecondition, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
+		return failf(errInUse, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
 	}
 	if err := d.devs.SetReadOnly(dev, false); err != nil {
-		return grpcError(err)
+		return err
 	}
 	return nil
 }

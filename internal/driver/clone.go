@@ -56,7 +56,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 			return nil, err
 		}
 		if !known {
-			return nil, status.Errorf(codes.NotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
+			return nil, failf(pool.ErrNotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
 		}
 		p, s, err := d.loadSnapshot(ctx, sid, acc)
 		if err != nil {
@@ -126,11 +126,11 @@ func (c *contentSource) sourceSize(r *csi.CapacityRange, minimum int64) (int64, 
 		required = c.size
 	}
 	if required != 0 && required < c.size {
-		return 0, status.Errorf(codes.OutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
+		return 0, failf(pool.ErrOutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
 	}
 	size, err := pool.Capacity(required, r.GetLimitBytes(), max(minimum, c.size))
 	if err != nil {
-		return 0, grpcError(err)
+		return 0, err
 	}
 	return size, nil
 }
@@ -177,16 +177,16 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 	}
 	if err != nil {
 		thaw()
-		return grpcError(fmt.Errorf("source of volume %s: %w", v.ID, err))
+		return fmt.Errorf("source of volume %s: %w", v.ID, err)
 	}
 	defer from.Close()
 	method, err := p.PrepareImageFrom(ctx, v, from.Path())
 	thaw()
 	if err != nil {
-		return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
+		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 	}
 	if err := p.MarkReady(v); err != nil {
-		return grpcError(err)
+		return err
 	}
 	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
 	return nil
@@ -203,12 +203,12 @@ func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 		from, err = p.OpenData(src.volID)
 	}
 	if err != nil {
-		return grpcError(fmt.Errorf("source of volume %s: %w", v.ID, err))
+		return fmt.Errorf("source of volume %s: %w", v.ID, err)
 	}
 	defer from.Close()
 	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
 		if err := pool.CopyTree(ctx, from.Path(), data); err != nil {
-			return grpcError(fmt.Errorf("copy source of volume %s: %w", v.ID, err))
+			return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 		}
 		return nil
 	})

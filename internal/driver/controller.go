@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"strings"
 
@@ -128,7 +127,8 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 	return cp, nil
 }
 
-func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
+	defer toStatus(&err)
 	name := req.GetName()
 	if name == "" {
 		return nil, status.Error(codes.InvalidArgument, "name is required")
@@ -180,7 +180,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 		source = &src.record
 	} else if size, err = pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 
 	id := p.NewID(name)
@@ -204,26 +204,29 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Source:        source,
 	})
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	if err := d.createCompatible(v, caps, req.GetCapacityRange()); err != nil {
-		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with other attributes: %v", name, err)
+		return nil, failf(pool.ErrExists, "volume %q exists with other attributes: %w", name, err)
 	}
 	if !sameSource(v.Source, source) {
-		return nil, status.Errorf(codes.AlreadyExists, "volume %q exists with another content source", name)
+		return nil, failf(pool.ErrExists, "volume %q exists with another content source", name)
 	}
 	if v.State == pool.StateCreating {
+		var made error // make's own error: a source it cannot find is no deleted volume
 		v, err = p.Finish(ctx, id, func(v *pool.Volume) error {
 			if src != nil {
-				return d.finishClone(ctx, p, v, src)
+				made = d.finishClone(ctx, p, v, src)
+			} else {
+				made = lay.finishCreate(ctx, p, v)
 			}
-			return lay.finishCreate(ctx, p, v)
+			return made
 		})
-		if errors.Is(err, os.ErrNotExist) {
-			return nil, status.Errorf(codes.Aborted, "volume %q was deleted while it was being created; retry", name)
+		if made == nil && errors.Is(err, pool.ErrNotFound) {
+			return nil, failf(pool.ErrBusy, "volume %q was deleted while it was being created; retry", name)
 		}
 		if err != nil {
-			return nil, grpcError(err)
+			return nil, err
 		}
 	}
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil
@@ -235,21 +238,21 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	if err := p.PrepareImage(v); err != nil {
-		return grpcError(err)
+		return err
 	}
 	if v.AccessType == pool.AccessFilesystem {
 		if err := d.format(ctx, p, vid, v.FSType); err != nil {
 			if derr := p.DiscardImage(v); derr != nil {
 				klog.FromContext(ctx).Error(derr, "Discarding the image after a failed mkfs", "volume", v.ID)
 			}
-			return grpcError(fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err))
+			return fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err)
 		}
 	}
 	if err := p.SyncImage(vid); err != nil {
-		return grpcError(err)
+		return err
 	}
 	if err := p.MarkReady(v); err != nil {
-		return grpcError(err)
+		return err
 	}
 	klog.FromContext(ctx).Info("Created volume", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "fsType", v.FSType, "access", v.AccessType)
 	return nil
@@ -275,7 +278,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 			continue
 		}
 		if p.VolumeExists(p.NewID(name)) {
-			return status.Errorf(codes.AlreadyExists, "volume %q already exists in pool %s", name, pn)
+			return failf(pool.ErrExists, "volume %q already exists in pool %s", name, pn)
 		}
 	}
 	return nil
@@ -311,7 +314,7 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 			return mine, nil
 		}
 	}
-	return nil, status.Errorf(codes.ResourceExhausted, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name, d.opts.NodeID, requisite)
+	return nil, failf(errTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name, d.opts.NodeID, requisite)
 }
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
@@ -337,13 +340,14 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	return out
 }
 
-func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
+	defer toStatus(&err)
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
 	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if status.Code(err) == codes.NotFound {
+	if errors.Is(err, errNoPool) {
 		// Not a pool of this driver, or a share without one: nothing of the
 		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
 		// the provisioner retries, nothing is said deleted that was not.
@@ -357,12 +361,12 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	}
 	defer release()
 	unlock, err := p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
+	if errors.Is(err, pool.ErrNotFound) {
 		// Gone, or renamed away by a delete that crashed before removing it:
 		// finish that one (it passed every check below before the rename).
-		return &csi.DeleteVolumeResponse{}, grpcError(p.Delete(ctx, vid))
+		return &csi.DeleteVolumeResponse{}, p.Delete(ctx, vid)
 	} else if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	defer unlock()
 	v, err := p.Load(vid)
@@ -372,13 +376,13 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 		for _, s := range v.Staged {
 			where = append(where, s.Node+":"+s.Path)
 		}
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
+		return nil, failf(errInUse, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
 	case err == nil && len(v.Published) > 0:
 		return nil, publishedError(v)
-	case err != nil && !errors.Is(err, os.ErrNotExist):
+	case err != nil && !errors.Is(err, pool.ErrNotFound):
 		// Damaged, or written by a newer driver: it may record nodes that still
 		// hold the volume, so nothing is deleted on a guess.
-		return nil, status.Errorf(codes.FailedPrecondition,
+		return nil, failf(errState,
 			"volume %s: %v. poolcsi does not delete a volume whose metadata it cannot read: it may still be staged or published. "+
 				"Repair %s (poolcsi pool check names the fault) or, if the data is no longer wanted, remove the volume's directory by hand",
 			vid, err, p.MetadataPath(vid))
@@ -398,7 +402,8 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	return &csi.DeleteVolumeResponse{}, nil
 }
 
-func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (*csi.ValidateVolumeCapabilitiesResponse, error) {
+func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
+	defer toStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -481,7 +486,7 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 		}
 		page, next, err := list(d.pool(pn), from, limit)
 		if err != nil {
-			return nil, "", grpcError(err)
+			return nil, "", err
 		}
 		if most > 0 && len(out) == most {
 			if len(page) > 0 {
@@ -501,7 +506,8 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 // next page, so volumes created or deleted between pages neither repeat nor vanish
 // from the rest of the listing. Ready volumes are listed, and volumes whose
 // metadata is damaged (so the CO still sees they exist; the condition says why).
-func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (*csi.ListVolumesResponse, error) {
+func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (_ *csi.ListVolumesResponse, err error) {
+	defer toStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
@@ -582,7 +588,8 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 	return m
 }
 
-func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (*csi.ControllerGetVolumeResponse, error) {
+func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
+	defer toStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -600,7 +607,8 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: st}, nil
 }
 
-func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (*csi.GetCapacityResponse, error) {
+func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
+	defer toStatus(&err)
 	params, err := d.parseCreateParams(req.GetParameters())
 	if err != nil {
 		return nil, err
@@ -614,7 +622,7 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	}
 	u, err := p.Usage()
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	avail := p.AvailableBytes(u)
 	return &csi.GetCapacityResponse{

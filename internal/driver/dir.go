@@ -4,15 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -42,7 +39,7 @@ func (d *Driver) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, err
 		return b, nil
 	}
 	if err := p.Check(); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	b := quota.Detect(ctx, p.Path)
 	if d.quotas.m == nil {
@@ -75,7 +72,7 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 // but it is no block device.
 func (dirLayout) allowed(s capsSpec) error {
 	if s.access == pool.AccessBlock {
-		return status.Error(codes.InvalidArgument, "layout dir volumes are directories: block access needs layout image")
+		return failf(errInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
 }
@@ -106,7 +103,7 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 		return b.Create(ctx, data, v.CapacityBytes, claim)
 	})
 	if err != nil {
-		return grpcError(fmt.Errorf("create data directory of volume %s (%s): %w", vid, b.Kind(), err))
+		return fmt.Errorf("create data directory of volume %s (%s): %w", vid, b.Kind(), err)
 	}
 	if fill != nil {
 		if err := fill(p.DataPath(vid)); err != nil {
@@ -115,7 +112,7 @@ func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.
 	}
 	v.Quota = &pool.DirQuota{Kind: b.Kind(), Enforced: b.Enforced(), ID: id, Reason: b.Reason()}
 	if err := p.MarkReady(v); err != nil {
-		return grpcError(err)
+		return err
 	}
 	log := klog.FromContext(ctx)
 	if b.Enforced() {
@@ -140,17 +137,17 @@ func (dirLayout) volumeContext(v *pool.Volume, ctx map[string]string) {
 // directory, never anything above it (the pool, the volumes directory, siblings).
 func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
 	if points, err := d.mounts.MountsBelow(p.Dir(vid)); err != nil {
-		return grpcError(fmt.Errorf("inspect mounts of volume %s: %w", vid, err))
+		return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 	} else if len(points) > 0 {
-		return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
+		return failf(errInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
 	}
 	// A bind mount of the data elsewhere (a target left behind) shows the same
 	// files: removing them would empty a volume a pod still uses.
 	if p.DataExists(vid) {
 		if other, err := d.mounts.MountedElsewhere(p.DataPath(vid)); err != nil {
-			return grpcError(fmt.Errorf("inspect mounts of volume %s: %w", vid, err))
+			return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 		} else if other != "" {
-			return status.Errorf(codes.FailedPrecondition, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
+			return failf(errInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
 		}
 	}
 	// A link in place of the data directory is removed as a link; nothing is
@@ -164,7 +161,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	if v != nil && v.Quota != nil {
 		q = *v.Quota
 	}
-	return grpcError(p.DeleteWith(ctx, vid, func(data string) error {
+	return p.DeleteWith(ctx, vid, func(data string) error {
 		if q.Kind == "" || q.Kind == quota.KindNone {
 			return nil
 		}
@@ -176,7 +173,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 			klog.FromContext(ctx).Error(err, "Removing the quota of a deleted volume", "volume", vid)
 		}
 		return nil
-	}))
+	})
 }
 
 // stage bind-mounts the volume's data directory at the staging path.
@@ -184,18 +181,18 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 	// Bound through a descriptor opened without following links: a link put
 	// in place of the data directory never exposes anything outside the pool.
 	h, err := nv.pool.OpenData(nv.id)
-	if errors.Is(err, os.ErrNotExist) {
-		return status.Errorf(codes.NotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
+	if errors.Is(err, pool.ErrNotFound) {
+		return failf(pool.ErrNotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
 	} else if err != nil {
-		return grpcError(err)
+		return err
 	}
 	defer h.Close()
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
 	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
-			return status.Errorf(codes.AlreadyExists, "staging path %s: %v", staging, err)
+			return failf(errPathTaken, "staging path %s: %w", staging, err)
 		}
-		return grpcError(fmt.Errorf("stage volume %s at %s: %w", nv.id, staging, err))
+		return fmt.Errorf("stage volume %s at %s: %w", nv.id, staging, err)
 	}
 	klog.FromContext(ctx).Info("Staged dir volume", "volume", nv.id, "path", staging, "readOnly", readOnly)
 	return nil
@@ -205,22 +202,22 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
 	data := nv.pool.DataPath(nv.id)
 	if _, mounted, err := d.mounts.Info(staging); err != nil {
-		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
+		return fmt.Errorf("inspect %s: %w", staging, err)
 	} else if !mounted || !d.mounts.SameDir(staging, data) {
-		return status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
+		return failf(errNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 	}
 	if vc.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
 		if other, err := d.mounts.MountedElsewhere(data, staging, target); err != nil {
-			return grpcError(fmt.Errorf("list mounts of volume %s: %w", nv.id, err))
+			return fmt.Errorf("list mounts of volume %s: %w", nv.id, err)
 		} else if other != "" {
-			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
+			return failf(errInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
 		}
 	}
 	if err := d.mounts.Bind(ctx, staging, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
-			return status.Errorf(codes.AlreadyExists, "target path %s: %v", target, err)
+			return failf(errPathTaken, "target path %s: %w", target, err)
 		}
-		return grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
+		return fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err)
 	}
 	klog.FromContext(ctx).Info("Published dir volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return nil
@@ -231,13 +228,13 @@ func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target s
 // which is what a writer in the pod will really run into.
 func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	if _, mounted, err := d.mounts.Info(path); err != nil {
-		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
+		return nil, fmt.Errorf("inspect %s: %w", path, err)
 	} else if !mounted || !d.mounts.SameDir(path, p.DataPath(vid)) {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
+		return nil, failf(errNotAtPath, "volume %s is not mounted at %s", vid, path)
 	}
 	var st unix.Statfs_t
 	if err := d.fs.Statfs(path, &st); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	bs := st.Bsize
 	fsUsage := &csi.VolumeUsage{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs}
@@ -251,7 +248,7 @@ func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 	}
 	u, err := b.Usage(ctx, p.DataPath(vid), v.Quota.ID)
 	if err != nil {
-		return nil, grpcError(fmt.Errorf("quota usage of volume %s: %w", vid, err))
+		return nil, fmt.Errorf("quota usage of volume %s: %w", vid, err)
 	}
 	limit := u.LimitBytes
 	if limit <= 0 {

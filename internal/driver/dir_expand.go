@@ -5,8 +5,6 @@ import (
 	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -19,7 +17,7 @@ import (
 func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), pool.MiB)
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	old := int64(-1)
 	v, err := p.GrowDir(ctx, vid, size, func(v *pool.Volume, size int64) error {
@@ -32,7 +30,7 @@ func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 			return err
 		}
 		if b.Kind() != v.Quota.Kind {
-			return status.Errorf(codes.FailedPrecondition, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
+			return failf(errState, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
 		}
 		if err := b.SetLimit(ctx, p.DataPath(vid), v.Quota.ID, size); err != nil {
 			return fmt.Errorf("raise limit of volume %s: %w", vid, err)
@@ -40,7 +38,7 @@ func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		return nil
 	})
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	if old < 0 {
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil

@@ -25,9 +25,28 @@ func TestGRPCErrorTable(t *testing.T) {
 		pool.ErrNotReady:    codes.NotFound,
 		pool.ErrCorrupt:     codes.Internal,
 		pool.ErrUnavailable: codes.Unavailable,
+		pool.ErrNotFound:    codes.NotFound,
 		pool.ErrBusy:        codes.Aborted,
 	}
-	for _, s := range pool.Sentinels {
+	// The driver's own classes, with the codes the statuses they replace had.
+	for s, c := range map[error]codes.Code{
+		errInvalid:      codes.InvalidArgument,
+		errForeignMount: codes.FailedPrecondition,
+		errNoPool:       codes.NotFound,
+		errNoNode:       codes.NotFound,
+		errNotAtPath:    codes.NotFound,
+		errNotStaged:    codes.FailedPrecondition,
+		errInUse:        codes.FailedPrecondition,
+		errFenced:       codes.FailedPrecondition,
+		errPathTaken:    codes.AlreadyExists,
+		errState:        codes.FailedPrecondition,
+		errShareUnknown: codes.FailedPrecondition,
+		errNodeFull:     codes.ResourceExhausted,
+		errTopology:     codes.ResourceExhausted,
+	} {
+		want[s] = c
+	}
+	for _, s := range append(append([]error(nil), pool.Sentinels...), driverSentinels...) {
 		if _, ok := want[s]; !ok {
 			t.Errorf("sentinel %q has no expected code in this test: add it here and to errorCodes", s)
 		}
@@ -40,11 +59,21 @@ func TestGRPCErrorTable(t *testing.T) {
 		{"cancelled", fmt.Errorf("mkfs: %w", context.Canceled), codes.Canceled},
 		{"deadline", fmt.Errorf("lock: %w", context.DeadlineExceeded), codes.DeadlineExceeded},
 		{"os deadline", fmt.Errorf("read: %w", os.ErrDeadlineExceeded), codes.DeadlineExceeded},
-		{"not found", fmt.Errorf("read volume.json: %w", os.ErrNotExist), codes.NotFound},
-		{"unavailable beats not found", fmt.Errorf("%w: %w", pool.ErrUnavailable, os.ErrNotExist), codes.Unavailable},
+		{"not found", fmt.Errorf("read volume.json: %w: %w", pool.ErrNotFound, os.ErrNotExist), codes.NotFound},
+		{"ENOENT alone is no missing volume", fmt.Errorf("open /dev/loop-control: %w", os.ErrNotExist), codes.Internal},
+		{"unavailable beats not found", fmt.Errorf("%w: %w", pool.ErrUnavailable, pool.ErrNotFound), codes.Unavailable},
+		{"busy beats not found", fmt.Errorf("%w: %w", pool.ErrBusy, pool.ErrNotFound), codes.Aborted},
 		{"cancelled beats unavailable", fmt.Errorf("%w: %w", pool.ErrUnavailable, context.Canceled), codes.Canceled},
 		{"plain", errors.New("EIO"), codes.Internal},
 		{"status passes", status.Error(codes.FailedPrecondition, "x"), codes.FailedPrecondition},
+		{"wrapped status passes", fmt.Errorf("stage: %w", status.Error(codes.InvalidArgument, "x")), codes.InvalidArgument},
+		// The class the driver gave decides, whatever its causes are: a
+		// refusal that says why with an interrupted or unavailable cause is
+		// still that refusal, as the status it replaces was.
+		{"failf class decides", failf(errInUse, "in use: %w", context.Canceled), codes.FailedPrecondition},
+		{"failf over a pool class", failf(errState, "damaged: %w", fmt.Errorf("%w: x", pool.ErrUnavailable)), codes.FailedPrecondition},
+		{"outer failf decides", failf(errInUse, "refusing: %w", failf(pool.ErrNotFound, "gone")), codes.FailedPrecondition},
+		{"failf wrapped", fmt.Errorf("publish: %w", failf(errNotStaged, "stage first")), codes.FailedPrecondition},
 	}
 	for s, c := range want {
 		cases = append(cases, struct {
@@ -66,6 +95,36 @@ func TestGRPCErrorTable(t *testing.T) {
 	}
 	if grpcError(nil) != nil {
 		t.Error("grpcError(nil) is not nil")
+	}
+	// failf's message is the format's alone: what the caller reads.
+	err := fmt.Errorf("ctx: %w", failf(pool.ErrNotFound, "volume %s does not exist", "v"))
+	if msg := status.Convert(grpcError(err)).Message(); msg != "ctx: volume v does not exist" {
+		t.Errorf("message %q", msg)
+	}
+	if !errors.Is(err, pool.ErrNotFound) {
+		t.Error("failf lost its class for errors.Is")
+	}
+}
+
+// gone is what an idempotent delete or unpublish takes as done: it agrees
+// with the code the caller would see (NOT_FOUND), never with a cause hidden
+// under a busy or unavailable pool or under another class the driver gave.
+func TestGone(t *testing.T) {
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{fmt.Errorf("load: %w", pool.ErrNotFound), true},
+		{failf(pool.ErrNotReady, "still being created"), true},
+		{fmt.Errorf("lock: %w: %w", pool.ErrBusy, pool.ErrNotFound), false},
+		{fmt.Errorf("%w: %w", context.Canceled, pool.ErrNotFound), false},
+		{failf(errInUse, "refusing: %w", pool.ErrNotFound), false},
+		{fmt.Errorf("open /dev/loop-control: %w", os.ErrNotExist), false},
+		{errors.New("EIO"), false},
+	} {
+		if got := gone(tc.err); got != tc.want {
+			t.Errorf("gone(%v) = %v, want %v", tc.err, got, tc.want)
+		}
 	}
 }
 

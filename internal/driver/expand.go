@@ -24,7 +24,8 @@ const growSlack = 4 * pool.MiB
 // The node catches up later — NodeExpandVolume online, or the next
 // NodeStageVolume — because only the node can refresh its loop device and grow
 // the filesystem on it.
-func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (*csi.ControllerExpandVolumeResponse, error) {
+func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
+	defer toStatus(&err)
 	if _, err := parseVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
@@ -53,7 +54,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		// Never shrink: a smaller request is already satisfied — unless a
 		// limit says the volume is too large, which only shrinking could fix.
 		if limit > 0 && v.CapacityBytes > limit {
-			return nil, status.Errorf(codes.OutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
+			return nil, failf(pool.ErrOutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
 		}
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: lay.nodeExpansionRequired()}, nil
 	}
@@ -65,12 +66,12 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 func (d *Driver) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), minSizeOf(v))
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	before := v.CapacityBytes
 	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes())
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	if v.CapacityBytes != before {
 		klog.FromContext(ctx).Info("Expanded volume", "volume", vid, "from", before, "to", v.CapacityBytes)
@@ -89,7 +90,8 @@ func minSizeOf(v *pool.Volume) int64 {
 // NodeExpandVolume brings a staged volume to the size its image file has: the
 // loop device first, then the filesystem, online. It accepts the staging path
 // or any publish path of the volume, as kubelet may pass either.
-func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (*csi.NodeExpandVolumeResponse, error) {
+func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, err error) {
+	defer toStatus(&err)
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
@@ -122,23 +124,23 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 func (d *Driver) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
 	imageSize, err := p.ImageSize(vid)
 	if err != nil {
-		return 0, grpcError(err)
+		return 0, err
 	}
 	if imageSize < v.CapacityBytes {
-		return 0, status.Errorf(codes.FailedPrecondition, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, p.ImagePath(vid), imageSize, v.CapacityBytes)
+		return 0, failf(errState, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, p.ImagePath(vid), imageSize, v.CapacityBytes)
 	}
 	size, err := d.devs.Size(dev)
 	if err != nil {
-		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
+		return 0, fmt.Errorf("volume %s: %w", v.ID, err)
 	}
 	if size >= imageSize {
 		return size, nil
 	}
 	if err := d.loops.Refresh(dev); err != nil {
-		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
+		return 0, fmt.Errorf("volume %s: %w", v.ID, err)
 	}
 	if size, err = d.devs.Size(dev); err != nil {
-		return 0, grpcError(fmt.Errorf("volume %s: %w", v.ID, err))
+		return 0, fmt.Errorf("volume %s: %w", v.ID, err)
 	}
 	klog.FromContext(ctx).V(2).Info("Refreshed loop device size", "volume", v.ID, "device", dev, "size", size)
 	return size, nil
@@ -160,7 +162,7 @@ func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string,
 	}
 	fsType, fsSize, err := d.devs.FilesystemSize(dev)
 	if err != nil {
-		return stageGrowth{}, grpcError(fmt.Errorf("volume %s: %w", nv.id, err))
+		return stageGrowth{}, fmt.Errorf("volume %s: %w", nv.id, err)
 	}
 	if size-fsSize < growSlack {
 		return stageGrowth{}, nil
@@ -170,7 +172,7 @@ func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string,
 		return stageGrowth{afterMount: true}, nil
 	}
 	if err := d.devs.ResizeFS(ctx, dev, ""); err != nil {
-		return stageGrowth{}, grpcError(fmt.Errorf("grow filesystem of volume %s offline: %w", nv.id, err))
+		return stageGrowth{}, fmt.Errorf("grow filesystem of volume %s offline: %w", nv.id, err)
 	}
 	return stageGrowth{}, nil
 }
@@ -194,10 +196,10 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	image := nv.pool.ImagePath(nv.id)
 	dev, attached, err := d.loops.Find(image)
 	if err != nil {
-		return nil, grpcError(fmt.Errorf("find loop device of %s: %w", image, err))
+		return nil, fmt.Errorf("find loop device of %s: %w", image, err)
 	}
 	if !attached {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not staged on this node", nv.id)
+		return nil, failf(errNotAtPath, "volume %s is not staged on this node", nv.id)
 	}
 	if r := req.GetCapacityRange(); d.opts.ExpandOnNode && isLocal(nv.pool) && r.GetRequiredBytes() > v.CapacityBytes {
 		// Local pools deployed with one cluster-wide resizer: the resizer cannot
@@ -209,7 +211,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	}
 	info, mounted, err := d.mounts.Info(path)
 	if err != nil {
-		return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
+		return nil, fmt.Errorf("inspect %s: %w", path, err)
 	}
 	holds := mounted && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !holds && v.AccessType == pool.AccessBlock {
@@ -217,7 +219,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
 	}
 	if !holds {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", nv.id, path)
+		return nil, failf(errNotAtPath, "volume %s is not mounted at %s", nv.id, path)
 	}
 
 	size, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, v)
@@ -225,7 +227,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, err
 	}
 	if req := req.GetCapacityRange().GetRequiredBytes(); req > size {
-		return nil, status.Errorf(codes.FailedPrecondition, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
+		return nil, failf(errState, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
 	}
 	if v.AccessType == pool.AccessFilesystem {
 		if info.ReadOnly {
@@ -237,16 +239,16 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 			// resized while the filesystem keeps its old size: answer an error
 			// kubelet retries (and shows as an event) instead; the next
 			// read-write stage grows the filesystem.
-			return nil, status.Errorf(codes.FailedPrecondition,
+			return nil, failf(errState,
 				"volume %s is mounted read-only at %s: its filesystem cannot grow to %d bytes until the volume is staged read-write, which grows it", nv.id, path, size)
 		}
 		need, err := d.devs.NeedResize(dev, path)
 		if err != nil {
-			return nil, grpcError(fmt.Errorf("volume %s: %w", nv.id, err))
+			return nil, fmt.Errorf("volume %s: %w", nv.id, err)
 		}
 		if need {
 			if err := d.devs.ResizeFS(ctx, dev, path); err != nil {
-				return nil, grpcError(fmt.Errorf("grow filesystem of volume %s: %w", nv.id, err))
+				return nil, fmt.Errorf("grow filesystem of volume %s: %w", nv.id, err)
 			}
 		}
 	}

@@ -5,9 +5,11 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -100,7 +102,7 @@ func TestCreateFormatFailureLeavesNoImage(t *testing.T) {
 	})
 	wantCode(t, err, codes.Internal)
 	vid := pool.NewVolumeID("local", "v")
-	if _, err := td.pool.ImageSize(vid); !errors.Is(err, os.ErrNotExist) {
+	if _, err := td.pool.ImageSize(vid); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("a failed mkfs left an image: %v", err)
 	}
 	if _, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
@@ -134,6 +136,44 @@ func TestPublishFailureLeavesNothingMounted(t *testing.T) {
 			}
 			if err := td.publish(id, tc.vc, false); err != nil {
 				t.Fatalf("retry: %v", err)
+			}
+		})
+	}
+}
+
+// An ENOENT from the system while the volume is there (no /dev/loop-control,
+// a device node gone, a helper's missing file) is the node's fault, not a
+// missing volume: INTERNAL, never NOT_FOUND, which a CO takes as "gone".
+func TestSystemENOENTIsNoMissingVolume(t *testing.T) {
+	enoent := &os.PathError{Op: "open", Path: "/dev/loop-control", Err: unix.ENOENT}
+	for _, tc := range []struct {
+		name, method string
+		vc           *csi.VolumeCapability
+		call         func(td *testDriver, id string, vc *csi.VolumeCapability) error
+	}{
+		{"stage attach", "Attach", mountCap(rwo, "ext4"), func(td *testDriver, id string, vc *csi.VolumeCapability) error { return td.stage(id, vc) }},
+		{"stage mount", "Mount", mountCap(rwo, "ext4"), func(td *testDriver, id string, vc *csi.VolumeCapability) error { return td.stage(id, vc) }},
+		{"publish bind", "Bind", mountCap(rwo, "ext4"), func(td *testDriver, id string, vc *csi.VolumeCapability) error {
+			if err := td.stage(id, vc); err != nil {
+				return err
+			}
+			return td.publish(id, vc, false)
+		}},
+		{"publish block", "BindBlock", blockCap(rwo), func(td *testDriver, id string, vc *csi.VolumeCapability) error {
+			if err := td.stage(id, vc); err != nil {
+				return err
+			}
+			return td.publish(id, vc, false)
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			id := td.create(t, "v", tc.vc, nil)
+			td.host.Faults.FailNth(tc.method, 1, enoent)
+			err := tc.call(td, id, tc.vc)
+			wantCode(t, err, codes.Internal)
+			if !strings.Contains(status.Convert(err).Message(), "/dev/loop-control") {
+				t.Errorf("the cause is lost: %v", err)
 			}
 		})
 	}

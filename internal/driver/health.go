@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"errors"
-	"os"
 	"slices"
 	"strings"
 
@@ -57,20 +56,21 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 	v, err := p.Load(vid)
 	switch {
 	case err == nil && v.State != pool.StateReady:
-		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+		return pool.Entry{}, failf(pool.ErrNotReady, "volume %s is still being created", vid)
 	case err == nil:
 		return pool.Entry{ID: vid, Volume: v}, nil
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, pool.ErrNotFound):
 		if p.VolumeExists(vid) {
 			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
 		}
-		return pool.Entry{}, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
+		return pool.Entry{}, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name)
 	default:
 		return pool.Entry{ID: vid, Err: err}, nil
 	}
 }
 
-func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (*csi.ControllerGetVolumeHealthResponse, error) {
+func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
+	defer toStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -91,14 +91,15 @@ func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Iss
 	}
 	r := health.CheckVolume(p, e, health.StatPool(p), d.opts.Health)
 	if r.Gone {
-		return nil, status.Errorf(codes.NotFound, "volume %s was deleted", vid)
+		return nil, failf(pool.ErrNotFound, "volume %s was deleted", vid)
 	}
 	return r.Issues, nil
 }
 
 // ControllerListVolumeHealth lists the volumes with an adverse condition, damaged
 // metadata included, paged by volume ID like ListVolumes.
-func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (*csi.ControllerListVolumeHealthResponse, error) {
+func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (_ *csi.ControllerListVolumeHealthResponse, err error) {
+	defer toStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
@@ -130,7 +131,8 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // NodeGetVolumeHealth checks the volume on this node. Unlike NodeGetVolumeStats
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
-func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (*csi.NodeGetVolumeHealthResponse, error) {
+func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
+	defer toStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -201,7 +203,8 @@ var _ health.Node = nodeHost{}
 
 // NodeGetStorageHealth reports the pools as seen from this node: one entry per
 // (status, reason), naming every pool it concerns.
-func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (*csi.NodeGetStorageHealthResponse, error) {
+func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
+	defer toStatus(&err)
 	var unreachable, nearlyFull []string
 	for _, pn := range d.names() {
 		p := d.pool(pn)

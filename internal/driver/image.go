@@ -7,8 +7,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -27,7 +25,7 @@ func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, v
 	// attached or formatted, whatever was put in the volume's directory.
 	h, err := nv.pool.OpenImage(nv.id)
 	if err != nil {
-		return grpcError(err)
+		return err
 	}
 	defer h.Close()
 	image := h.Path()
@@ -57,13 +55,13 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 			return err
 		}
 		if !ok {
-			return status.Errorf(codes.FailedPrecondition, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
+			return failf(errNotStaged, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
 		}
 		source = dev
 	} else {
 		info, mounted, err := d.mounts.Info(staging)
 		if err != nil {
-			return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
+			return fmt.Errorf("inspect %s: %w", staging, err)
 		}
 		ours := false
 		if mounted {
@@ -72,7 +70,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 			}
 		}
 		if !ours {
-			return status.Errorf(codes.FailedPrecondition, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
+			return failf(errNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 		}
 		source = staging
 	}
@@ -94,7 +92,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 		err = d.mounts.Bind(ctx, source, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags()))
 	}
 	if err != nil {
-		return grpcError(fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err))
+		return fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err)
 	}
 	klog.FromContext(ctx).Info("Published volume", "volume", nv.id, "target", target, "readOnly", readOnly)
 	return nil
@@ -113,7 +111,7 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 func (imageLayout) allowed(s capsSpec) error {
 	for _, m := range s.modes {
 		if !imageModes[m] {
-			return status.Errorf(codes.InvalidArgument, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
+			return failf(errInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
 		}
 	}
 	return nil
@@ -148,7 +146,7 @@ func (imageLayout) mountFS(v *pool.Volume) string { return v.FSType }
 func (d *Driver) attachedDevice(image string) (string, bool, error) {
 	dev, ok, err := d.loops.Find(image)
 	if err != nil {
-		return "", false, status.Errorf(codes.Unavailable, "cannot tell which loop device holds %s (retry): %v", image, err)
+		return "", false, failf(pool.ErrUnavailable, "cannot tell which loop device holds %s (retry): %w", image, err)
 	}
 	return dev, ok, nil
 }
@@ -162,9 +160,9 @@ func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 		return fmt.Errorf("volume %s is not deleted: %w", vid, err)
 	}
 	if ok {
-		return status.Errorf(codes.FailedPrecondition, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
+		return failf(errInUse, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
 	}
-	return grpcError(p.Delete(ctx, vid))
+	return p.Delete(ctx, vid)
 }
 
 // fence: an image volume is one filesystem image, so any writer excludes every
@@ -178,7 +176,7 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 			continue
 		}
 		if !r.ReadOnly || !readOnly {
-			return status.Errorf(codes.FailedPrecondition,
+			return failf(errInUse,
 				"volume %s is published to node %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unpublish it there first (for a dead node see docs/fencing.md)",
 				v.ID, r.Node, r.ReadOnly, r.At.Format(time.RFC3339))
 		}
@@ -188,7 +186,7 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 			continue
 		}
 		if !s.ReadOnly || !readOnly {
-			return status.Errorf(codes.FailedPrecondition,
+			return failf(errInUse,
 				"volume %s is staged on node %s at %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unstage it there first (for a dead node see docs/fencing.md)",
 				v.ID, s.Node, s.Path, s.ReadOnly, s.At.Format(time.RFC3339))
 		}
@@ -216,7 +214,7 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
 	info, mounted, err := d.mounts.Info(staging)
 	if err != nil {
-		return grpcError(fmt.Errorf("inspect %s: %w", staging, err))
+		return fmt.Errorf("inspect %s: %w", staging, err)
 	}
 	if mounted {
 		ours, err := d.isVolumeMount(info, image)
@@ -224,10 +222,10 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 			return err
 		}
 		if !ours {
-			return status.Errorf(codes.AlreadyExists, "staging path %s already holds another mount (%s)", staging, info.Source)
+			return failf(errPathTaken, "staging path %s already holds another mount (%s)", staging, info.Source)
 		}
 		if info.ReadOnly != readOnly {
-			return status.Errorf(codes.AlreadyExists, "volume %s is staged at %s with read-only=%v, the request asks read-only=%v", nv.id, staging, info.ReadOnly, readOnly)
+			return failf(errPathTaken, "volume %s is staged at %s with read-only=%v, the request asks read-only=%v", nv.id, staging, info.ReadOnly, readOnly)
 		}
 		return nil
 	}
@@ -237,18 +235,18 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 	}
 	found, err := d.devs.DiskFormat(ctx, dev)
 	if err != nil {
-		return grpcError(fmt.Errorf("inspect %s: %w", dev, err))
+		return fmt.Errorf("inspect %s: %w", dev, err)
 	}
 	switch found {
 	case "":
 		// Volumes are formatted at CreateVolume; a blank one was made by an older
 		// version or lost its mkfs. Blank means no data, so formatting is safe.
 		if err := d.devs.Format(ctx, dev, nv.vol.FSType); err != nil {
-			return grpcError(fmt.Errorf("format %s: %w", dev, err))
+			return fmt.Errorf("format %s: %w", dev, err)
 		}
 	case nv.vol.FSType:
 	default:
-		return status.Errorf(codes.FailedPrecondition, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
+		return failf(errState, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
 	}
 	growth, err := d.growBeforeMount(ctx, nv, dev, readOnly)
 	if err != nil {
@@ -269,7 +267,7 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 		if derr := d.loops.Detach(ctx, image); derr != nil {
 			klog.FromContext(ctx).Error(derr, "Detach after failed mount", "device", dev)
 		}
-		return grpcError(fmt.Errorf("mount %s at %s: %w", dev, staging, err))
+		return fmt.Errorf("mount %s at %s: %w", dev, staging, err)
 	}
 	d.growAfterMount(ctx, growth, nv, dev, staging)
 	klog.FromContext(ctx).Info("Staged volume", "volume", nv.id, "device", dev, "path", staging, "fsType", nv.vol.FSType)
@@ -281,15 +279,15 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 func (d imageLayout) singleWriterFree(nv nodeVolume, image, staging, target string) error {
 	dev, ok, err := d.loops.Find(image)
 	if err != nil || !ok {
-		return status.Errorf(codes.FailedPrecondition, "volume %s is not attached on this node", nv.id)
+		return failf(errNotStaged, "volume %s is not attached on this node", nv.id)
 	}
 	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
-		return grpcError(fmt.Errorf("list mounts of %s: %w", dev, err))
+		return fmt.Errorf("list mounts of %s: %w", dev, err)
 	}
 	for _, p := range points {
 		if p != staging && p != target {
-			return status.Errorf(codes.FailedPrecondition, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, p)
+			return failf(errInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, p)
 		}
 	}
 	return nil
@@ -301,7 +299,7 @@ func (d imageLayout) singleWriterFree(nv nodeVolume, image, staging, target stri
 func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readOnly bool) (bool, error) {
 	info, mounted, err := d.mounts.Info(target)
 	if err != nil {
-		return false, grpcError(fmt.Errorf("inspect %s: %w", target, err))
+		return false, fmt.Errorf("inspect %s: %w", target, err)
 	}
 	if !mounted {
 		return false, nil
@@ -312,10 +310,10 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 	}
 	same := ok && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !same {
-		return false, status.Errorf(codes.AlreadyExists, "target path %s already holds another mount (%s)", target, info.Source)
+		return false, failf(errPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
 	}
 	if info.ReadOnly != readOnly {
-		return false, status.Errorf(codes.AlreadyExists, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
+		return false, failf(errPathTaken, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
 	}
 	return true, nil
 }
@@ -326,10 +324,10 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (string, error) {
 	dev, err := d.loops.Attach(ctx, image)
 	if err != nil {
-		return "", grpcError(fmt.Errorf("attach %s: %w", image, err))
+		return "", fmt.Errorf("attach %s: %w", image, err)
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
-		return "", status.Errorf(codes.FailedPrecondition, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.opts.NodeID, nv.pool.Name)
+		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.opts.NodeID, nv.pool.Name)
 	}
 	return dev, nil
 }

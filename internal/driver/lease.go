@@ -11,8 +11,6 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
@@ -254,7 +252,7 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 	}
 	klog.FromContext(ctx).Info("Fencing the loop device of a volume this node no longer holds before unmounting it: a controller force-detached it from this node, and another node may have it", "volume", vid, "device", dev)
 	if err := d.loops.Fence(dev); err != nil {
-		return status.Errorf(codes.Unavailable, "fencing %s, the loop device of volume %s that another node may hold, before unmounting it: %v", dev, vid, err)
+		return failf(pool.ErrUnavailable, "fencing %s, the loop device of volume %s that another node may hold, before unmounting it: %w", dev, vid, err)
 	}
 	return nil
 }
@@ -283,11 +281,11 @@ func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging stri
 	log := klog.FromContext(ctx).WithValues("volume", nv.id, "device", dev, "path", staging)
 	log.Info("A loop device of the volume was attached on this node before this stage claimed it (a stage a controller force-detached, or one that failed half way): fencing it and staging anew")
 	if err := d.loops.Fence(dev); err != nil {
-		return status.Errorf(codes.Unavailable, "fencing %s, a stale loop device of volume %s: %v", dev, nv.id, err)
+		return failf(pool.ErrUnavailable, "fencing %s, a stale loop device of volume %s: %w", dev, nv.id, err)
 	}
 	if info, mounted, err := d.mounts.Info(staging); err == nil && mounted && d.loops.Backs(info.Source, image) {
 		if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(nv.pool, nv.id, "staging path", staging)); err != nil {
-			return grpcError(fmt.Errorf("unmount the stale stage at %s: %w", staging, err))
+			return fmt.Errorf("unmount the stale stage at %s: %w", staging, err)
 		}
 	}
 	// Detaches the fenced device once nothing mounts it (the publish targets
@@ -374,11 +372,11 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	select {
 	case err := <-done:
 		if err != nil {
-			return status.Errorf(codes.Unavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %v", d.opts.NodeID, p.Name, err)
+			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name, err)
 		}
 		return nil
 	case <-ctx.Done():
-		return status.Errorf(codes.Unavailable, "node %s: renewing its lease in pool %s did not finish in time: %v", d.opts.NodeID, p.Name, ctx.Err())
+		return failf(pool.ErrUnavailable, "node %s: renewing its lease in pool %s did not finish in time: %w", d.opts.NodeID, p.Name, ctx.Err())
 	}
 }
 
@@ -457,14 +455,14 @@ func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) e
 	for _, n := range nodes {
 		verdict, err := d.leaseVerdict(p, n)
 		if err != nil {
-			return grpcError(fmt.Errorf("volume %s is staged read-write on node %s, whose lease cannot be read: %w", v.ID, n, err))
+			return fmt.Errorf("volume %s is staged read-write on node %s, whose lease cannot be read: %w", v.ID, n, err)
 		}
 		if !verdict.Expired {
 			waits = append(waits, fmt.Sprintf("%s (%s more: %s)", n, verdict.Wait.Round(time.Second), verdict.Why))
 		}
 	}
 	if len(waits) > 0 {
-		return status.Errorf(codes.Unavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
+		return failf(pool.ErrUnavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
 			v.ID, strings.Join(waits, "; "), p.Name)
 	}
 	return nil

@@ -3,8 +3,7 @@ package driver
 import (
 	"sync"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
+	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 // volumeLocks serialises calls on one volume inside this process. A call that finds
@@ -17,13 +16,13 @@ type volumeLocks struct {
 
 func newVolumeLocks() *volumeLocks { return &volumeLocks{busy: map[string]string{}} }
 
-// acquire takes the lock of id for method, or returns an ABORTED status naming the
+// acquire takes the lock of id for method, or returns pool.ErrBusy (ABORTED) naming the
 // call that holds it.
 func (l *volumeLocks) acquire(id, method string) (release func(), err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if holder, ok := l.busy[id]; ok {
-		return nil, status.Errorf(codes.Aborted, "volume %s is busy with %s; retry later", id, holder)
+		return nil, failf(pool.ErrBusy, "volume %s is busy with %s; retry later", id, holder)
 	}
 	l.busy[id] = method
 	return func() {

@@ -15,6 +15,7 @@ func TestVolumeLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = l.acquire("v1", "NodePublishVolume")
+	err = grpcError(err) // what the handler answers
 	if status.Code(err) != codes.Aborted {
 		t.Fatalf("second call on a busy volume = %v, want Aborted", err)
 	}

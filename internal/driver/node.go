@@ -105,7 +105,7 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 		return nv, err
 	}
 	if err := d.compatible(caps, nv.vol); err != nil {
-		return nv, status.Error(codes.FailedPrecondition, err.Error())
+		return nv, failf(errState, "%w", err)
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
@@ -115,7 +115,8 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 	return nv, nil
 }
 
-func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (*csi.NodeStageVolumeResponse, error) {
+func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
+	defer toStatus(&err)
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -210,7 +211,7 @@ func (d *Driver) isVolumeMount(info mount.MountInfo, image string) (bool, error)
 func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
 	err = d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
 		if err := d.layoutOf(v.Layout).fence(v, d.opts.NodeID, readOnly); err != nil {
-			return false, status.Errorf(codes.FailedPrecondition, "refusing to stage here (node %s): %s", d.opts.NodeID, status.Convert(err).Message())
+			return false, failf(errInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
 		}
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID {
@@ -252,10 +253,11 @@ func (d *Driver) unclaimStage(ctx context.Context, nv nodeVolume) {
 
 // updateVolume is pool.Update with its error mapped to a gRPC code.
 func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
-	return grpcError(p.Update(ctx, id, change))
+	return p.Update(ctx, id, change)
 }
 
-func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (*csi.NodeUnstageVolumeResponse, error) {
+func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, err error) {
+	defer toStatus(&err)
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -270,7 +272,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		return nil, err
 	}
 	if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
-		return nil, grpcError(fmt.Errorf("unmount %s: %w", staging, err))
+		return nil, fmt.Errorf("unmount %s: %w", staging, err)
 	}
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
 		return nil, err
@@ -280,7 +282,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		v.ClearStaged(d.opts.NodeID)
 		return len(v.Staged) != before, nil
 	})
-	if err != nil && status.Code(err) != codes.NotFound {
+	if err != nil && !gone(err) {
 		if cerr := p.Check(); cerr == nil || !p.Shared {
 			return nil, err
 		}
@@ -316,12 +318,13 @@ func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.Volume
 		}
 	}
 	if err != nil {
-		return grpcError(fmt.Errorf("detach loop device of %s: %w", image, err))
+		return fmt.Errorf("detach loop device of %s: %w", image, err)
 	}
 	return nil
 }
 
-func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (*csi.NodePublishVolumeResponse, error) {
+func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, err error) {
+	defer toStatus(&err)
 	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
@@ -342,7 +345,8 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (*csi.NodeUnpublishVolumeResponse, error) {
+func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, err error) {
+	defer toStatus(&err)
 	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
@@ -360,7 +364,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	// is unknown here (nil) has none.
 	p, _ := d.poolOf(ctx, vid, shareAccess{})
 	if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
-		return nil, grpcError(fmt.Errorf("unmount %s: %w", target, err))
+		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}
 	d.conditions.forget(vid.String())
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)

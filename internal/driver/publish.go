@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -47,7 +48,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if owner, ok := v.Topology[TopologyKey]; ok && owner != node {
-		return status.Errorf(codes.NotFound, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name, owner)
+		return failf(errNoNode, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name, owner)
 	}
 	if p.Share != nil {
 		// A node registers with a share's pool when it first mounts the share,
@@ -57,15 +58,16 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	}
 	known, err := p.NodeRegistered(node)
 	if err != nil {
-		return grpcError(err)
+		return err
 	}
 	if !known {
-		return status.Errorf(codes.NotFound, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name)
+		return failf(errNoNode, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name)
 	}
 	return nil
 }
 
-func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
+	defer toStatus(&err)
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
@@ -95,7 +97,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	err = d.updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
 		v = cur
 		if v.State != pool.StateReady {
-			return false, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+			return false, failf(pool.ErrNotReady, "volume %s is still being created", vid)
 		}
 		if err := d.checkNode(p, v, node); err != nil {
 			return false, err
@@ -105,7 +107,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		}
 		if r, ok := v.PublishedTo(node); ok {
 			if r.ReadOnly != readOnly {
-				return false, status.Errorf(codes.AlreadyExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
+				return false, failf(pool.ErrExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
 			}
 			return false, nil
 		}
@@ -132,7 +134,8 @@ func publishContext(v *pool.Volume) map[string]string {
 // ControllerUnpublishVolume forgets node's publish record (every node's when no
 // node is named, as the spec asks). A volume or record that is already gone is
 // success: the volume is then certainly not published there.
-func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
+	defer toStatus(&err)
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -144,7 +147,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		}
 	}
 	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if status.Code(err) == codes.NotFound {
+	if errors.Is(err, errNoPool) {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
 	} else if err != nil {
 		return nil, err
@@ -181,10 +184,10 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		}
 		return true, nil
 	})
-	if err != nil && status.Code(err) != codes.NotFound {
+	if err != nil && !gone(err) {
 		return nil, err
 	}
-	if status.Code(err) == codes.NotFound && node != "" {
+	if gone(err) && node != "" {
 		cleared = append(cleared, node) // a marker the volume's deletion left, if any
 	}
 	// The index entries go after the records they stand for (attach.go).
@@ -207,7 +210,7 @@ func publishedError(v *pool.Volume) error {
 	if len(v.Published) == 0 {
 		return nil
 	}
-	return status.Errorf(codes.FailedPrecondition, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
+	return failf(errInUse, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
 }
 
 // reserveAttachSlot enters volume vid in node's publish index of its pool
@@ -224,12 +227,12 @@ func publishedError(v *pool.Volume) error {
 func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, node string) error {
 	rec, ok, err := p.Node(node)
 	if err != nil {
-		return grpcError(err)
+		return err
 	}
 	if !ok || rec.MaxVolumes <= 0 {
 		// No limit to hold: the entry only keeps the index whole, for a limit
 		// set later.
-		return grpcError(p.MarkPublished(node, vid))
+		return p.MarkPublished(node, vid)
 	}
 	// One set of pools for the locks and the count: a share's pool joining
 	// meanwhile is not counted unlocked.
@@ -237,14 +240,14 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	for _, pn := range names {
 		q := d.pool(pn)
 		if err := q.Check(); err != nil {
-			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
+			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
 		if err := q.EnsurePublishIndex(); err != nil {
-			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
+			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
 		unlock, err := q.LockNode(ctx, node)
 		if err != nil {
-			return grpcError(fmt.Errorf("count volumes published to node %s: %w", node, err))
+			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
 		defer unlock()
 	}
@@ -266,10 +269,10 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 		held, err = count(true)
 	}
 	if err != nil {
-		return grpcError(err)
+		return err
 	}
 	if held >= rec.MaxVolumes {
-		return status.Errorf(codes.ResourceExhausted, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
+		return failf(errNodeFull, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
 	}
-	return grpcError(p.MarkPublished(node, vid))
+	return p.MarkPublished(node, vid)
 }

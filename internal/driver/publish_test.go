@@ -33,7 +33,7 @@ func TestPublishFence(t *testing.T) {
 	d := &Driver{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
-		if got := status.Code(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly)); got != tt.want {
+		if got := status.Code(grpcError(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly))); got != tt.want {
 			t.Errorf("%s: %s, want %s", tt.name, got, tt.want)
 		}
 	}
@@ -68,8 +68,8 @@ func TestAccessModesByLayout(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("%s: allowed = %v, want ok=%t", tt.name, err, tt.ok)
 		}
-		if err != nil && status.Code(err) != codes.InvalidArgument {
-			t.Errorf("%s: code %s", tt.name, status.Code(err))
+		if code := status.Code(grpcError(err)); err != nil && code != codes.InvalidArgument {
+			t.Errorf("%s: code %s", tt.name, code)
 		}
 	}
 }

@@ -165,7 +165,7 @@ func (s *shareState) lock(ctx context.Context, name string) (func(), error) {
 	case ch <- struct{}{}:
 		return func() { <-ch }, nil
 	case <-ctx.Done():
-		return nil, status.Errorf(codes.Aborted, "share pool %s: another call is mounting the share: %v", name, ctx.Err())
+		return nil, failf(pool.ErrBusy, "share pool %s: another call is mounting the share: %w", name, ctx.Err())
 	}
 }
 
@@ -212,12 +212,12 @@ func secretOptions(secrets map[string]string) []string {
 func checkAccess(typ string, acc shareAccess) error {
 	for _, o := range acc.options {
 		if err := poolmount.CheckOption(typ, o, false); err != nil {
-			return status.Error(codes.InvalidArgument, err.Error())
+			return failf(errInvalid, "%w", err)
 		}
 	}
 	for _, o := range acc.sensitive {
 		if err := poolmount.CheckOption(typ, o, true); err != nil {
-			return status.Errorf(codes.InvalidArgument, "secret key %s: %v", SecretMountOptions, err)
+			return failf(errInvalid, "secret key %s: %w", SecretMountOptions, err)
 		}
 	}
 	return nil
@@ -303,7 +303,7 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 	}
 	sp.options = splitOptions(opts)
 	if err := checkAccess(sp.ref.Type, shareAccess{options: sp.options}); err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter %s: %s", ParamShareOptions, status.Convert(err).Message())
+		return nil, failf(errInvalid, "parameter %s: %w", ParamShareOptions, err)
 	}
 	return &sp, nil
 }
@@ -316,13 +316,13 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 func (d *Driver) mayMount(r pool.ShareRef, tag string, acc shareAccess) error {
 	switch {
 	case !acc.mount:
-		return status.Errorf(codes.Unavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, d.opts.NodeID)
+		return failf(pool.ErrUnavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, d.opts.NodeID)
 	case acc.fromStorageClass, d.shares.m.Recorded(r), d.shares.verified(r, tag):
 		return nil
 	case tag != "":
 		return status.Errorf(codes.InvalidArgument, "the tag of the ID naming share %s does not verify under this driver's share keys (serve --share-key-file): the ID was not made by this cluster's poolcsi; nothing is mounted", r)
 	}
-	return status.Errorf(codes.FailedPrecondition, "share %s is not known on node %s (never mounted here) and the volume ID carries no share tag to prove a StorageClass named it: nothing is mounted. IDs made before the share key was set are served where their share is mounted", r, d.opts.NodeID)
+	return failf(errShareUnknown, "share %s is not known on node %s (never mounted here) and the volume ID carries no share tag to prove a StorageClass named it: nothing is mounted. IDs made before the share key was set are served where their share is mounted", r, d.opts.NodeID)
 }
 
 // sharePool returns the pool on share r, mounting the share on this node when
@@ -344,7 +344,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 		return p, nil
 	}
 	if d.shares.m == nil {
-		return nil, status.Errorf(codes.NotFound, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
+		return nil, failf(errNoPool, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
 	}
 	if err := d.shares.allowed(r); err != nil {
 		return nil, err
@@ -359,12 +359,12 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 	defer unlock()
 	path, mountedNow, err := d.shares.m.Ensure(ctx, poolmount.Share{Ref: r, Options: acc.options, Sensitive: acc.sensitive, FromStorageClass: acc.fromStorageClass})
 	if err != nil {
-		return nil, status.Errorf(codes.Unavailable, "share %s cannot be mounted on node %s: %v", r, d.opts.NodeID, err)
+		return nil, failf(pool.ErrUnavailable, "share %s cannot be mounted on node %s: %w", r, d.opts.NodeID, err)
 	}
 	p := d.pool(name)
 	if p == nil {
 		if p, err = d.openSharePool(r, path); err != nil {
-			return nil, grpcError(err)
+			return nil, err
 		}
 	}
 	if !p.LaidOut() {
@@ -374,10 +374,10 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 					klog.FromContext(ctx).Error(err, "Unmounting a share that holds no pool", "share", r.String())
 				}
 			}
-			return nil, status.Errorf(codes.NotFound, "share %s holds no poolcsi pool (%s): no volume was ever created on it", r, name)
+			return nil, failf(errNoPool, "share %s holds no poolcsi pool (%s): no volume was ever created on it", r, name)
 		}
 		if err := p.LayOut(); err != nil {
-			return nil, grpcError(err)
+			return nil, err
 		}
 		klog.FromContext(ctx).Info("Laid out a pool on a share", "pool", name, "share", r.String(), "path", path)
 	}
@@ -415,7 +415,7 @@ func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.Share
 	}
 	p := d.pool(poolName)
 	if p == nil {
-		return nil, status.Errorf(codes.NotFound, "%s: pool %q is not configured on this driver (pools: %s)", what, poolName, joinNames(d.configured))
+		return nil, failf(errNoPool, "%s: pool %q is not configured on this driver (pools: %s)", what, poolName, joinNames(d.configured))
 	}
 	return p, nil
 }

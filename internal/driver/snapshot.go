@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -70,7 +69,8 @@ func checkSnapshotParams(params map[string]string) error {
 // as consistent as a crash at that instant (crash-consistent); when the volume's
 // filesystem is staged on this very node it is frozen around the copy, which makes
 // it a clean filesystem image.
-func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
+	defer toStatus(&err)
 	name := req.GetName()
 	if name == "" {
 		return nil, status.Error(codes.InvalidArgument, "name is required")
@@ -92,7 +92,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
 			if other.SnapshotExists(other.NewSnapshotID(name)) {
-				return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists in pool %s", name, pn)
+				return nil, failf(pool.ErrExists, "snapshot %q already exists in pool %s", name, pn)
 			}
 		}
 	}
@@ -105,7 +105,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	// source may be busy, or deleted since.
 	if s, err := p.LoadSnapshot(sid); err == nil && s.Name == name {
 		if s.SourceVolumeID != vid.String() {
-			return nil, status.Errorf(codes.AlreadyExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
+			return nil, failf(pool.ErrExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
 		}
 		if s.ReadyToUse {
 			return &csi.CreateSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
@@ -124,11 +124,11 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	defer unlock()
 	need, err := p.VolumeAllocated(vid, v)
 	if err != nil {
-		return nil, status.Errorf(codes.NotFound, "volume %s: its data is missing: %v", vid, err)
+		return nil, failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
 	}
 	s, err := p.ReserveSnapshot(ctx, name, v, need)
 	if err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	if !s.ReadyToUse {
 		if err := d.copySnapshot(ctx, p, vid, v, sid, s); err != nil {
@@ -143,7 +143,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
 	quiesce := func() func() { return d.freezeIfStagedHere(ctx, p, vid, v) }
 	if err := p.FillSnapshot(ctx, s, v, quiesce); err != nil {
-		return grpcError(err)
+		return err
 	}
 	klog.FromContext(ctx).Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", s.AllocatedBytes, "copy", s.CopyMethod)
 	return nil
@@ -201,7 +201,8 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 
 // DeleteSnapshot is idempotent: an unknown or already deleted snapshot is success.
 // Volumes made from a snapshot are independent copies, so nothing refuses it.
-func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (_ *csi.DeleteSnapshotResponse, err error) {
+	defer toStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
 		return nil, err
@@ -210,7 +211,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
 	p, err := d.snapshotPool(ctx, sid, dataAccess(req.GetSecrets()))
-	if status.Code(err) == codes.NotFound {
+	if errors.Is(err, errNoPool) {
 		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
 	} else if err != nil {
 		return nil, err
@@ -221,7 +222,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	}
 	defer release()
 	if err := p.DeleteSnapshot(ctx, sid); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", sid)
 	return &csi.DeleteSnapshotResponse{}, nil
@@ -235,23 +236,24 @@ func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shar
 	}
 	s, err := p.LoadSnapshot(sid)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s does not exist", sid)
+	case errors.Is(err, pool.ErrNotFound):
+		return nil, nil, failf(pool.ErrNotFound, "snapshot %s does not exist", sid)
 	case err != nil:
-		return nil, nil, grpcError(fmt.Errorf("snapshot %s: %w", sid, err))
+		return nil, nil, fmt.Errorf("snapshot %s: %w", sid, err)
 	case !s.ReadyToUse:
-		return nil, nil, status.Errorf(codes.NotFound, "snapshot %s is still being cut", sid)
+		return nil, nil, failf(pool.ErrNotReady, "snapshot %s is still being cut", sid)
 	}
 	return p, s, nil
 }
 
-func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (*csi.GetSnapshotResponse, error) {
+func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (_ *csi.GetSnapshotResponse, err error) {
+	defer toStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
 		return nil, err
 	}
 	if !known {
-		return nil, status.Errorf(codes.NotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
+		return nil, failf(pool.ErrNotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
 	}
 	p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
 	if err != nil {
@@ -262,7 +264,8 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 
 // ListSnapshots pages by snapshot ID, like ListVolumes: the token is the ID of the
 // first snapshot of the next page.
-func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
+func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (_ *csi.ListSnapshotsResponse, err error) {
+	defer toStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}

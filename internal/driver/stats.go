@@ -20,7 +20,8 @@ import (
 // it into the kubelet_volume_stats_* metrics. It is on kubelet's hot path (every
 // volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
-func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (_ *csi.NodeGetVolumeStatsResponse, err error) {
+	defer toStatus(&err)
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -160,7 +161,7 @@ func (d *Driver) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeI
 func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	var st unix.Statfs_t
 	if err := d.fs.Statfs(path, &st); err != nil {
-		return nil, grpcError(err)
+		return nil, err
 	}
 	bs := st.Bsize
 	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
@@ -177,21 +178,21 @@ func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 		return nil, err
 	}
 	if !attached {
-		return nil, status.Errorf(codes.NotFound, "volume %s is not attached on this node, so not mounted at %s", vid, path)
+		return nil, failf(errNotAtPath, "volume %s is not attached on this node, so not mounted at %s", vid, path)
 	}
 	if !d.mounts.OnDevice(path, dev) {
 		info, mounted, err := d.mounts.Info(path)
 		if err != nil {
-			return nil, grpcError(fmt.Errorf("inspect %s: %w", path, err))
+			return nil, fmt.Errorf("inspect %s: %w", path, err)
 		}
 		if !mounted || (info.Source != dev && !d.mounts.IsDevice(info.Target, dev)) {
-			return nil, status.Errorf(codes.NotFound, "volume %s is not mounted at %s", vid, path)
+			return nil, failf(errNotAtPath, "volume %s is not mounted at %s", vid, path)
 		}
 	}
 	if v.AccessType == pool.AccessBlock {
 		size, err := d.devs.Size(dev)
 		if err != nil {
-			return nil, grpcError(fmt.Errorf("size of %s: %w", dev, err))
+			return nil, fmt.Errorf("size of %s: %w", dev, err)
 		}
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
 	}

@@ -61,12 +61,12 @@ func (d *Driver) lockVolumeRef(ctx context.Context, id, method string, acc share
 func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
-		return nil, status.Errorf(codes.NotFound, "volume %s does not exist in pool %s", vid, p.Name)
+	case errors.Is(err, pool.ErrNotFound):
+		return nil, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name)
 	case err != nil:
-		return nil, grpcError(err)
+		return nil, err
 	case v.State != pool.StateReady:
-		return nil, status.Errorf(codes.NotFound, "volume %s is still being created", vid)
+		return nil, failf(pool.ErrNotReady, "volume %s is still being created", vid)
 	}
 	return v, nil
 }
@@ -138,7 +138,7 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
 	}
 	if err := lay.allowed(s); err != nil {
-		return fmt.Errorf("volume %s: %s", v.ID, status.Convert(err).Message())
+		return fmt.Errorf("volume %s: %w", v.ID, err)
 	}
 	return nil
 }
@@ -155,31 +155,31 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 func (d *Driver) requestPath(field, p string) (string, error) {
 	switch {
 	case p == "":
-		return "", status.Errorf(codes.InvalidArgument, "%s is required", field)
+		return "", failf(errInvalid, "%s is required", field)
 	case !filepath.IsAbs(p):
-		return "", status.Errorf(codes.InvalidArgument, "%s %q must be absolute", field, p)
+		return "", failf(errInvalid, "%s %q must be absolute", field, p)
 	case strings.ContainsRune(p, 0):
-		return "", status.Errorf(codes.InvalidArgument, "%s contains a NUL byte", field)
+		return "", failf(errInvalid, "%s contains a NUL byte", field)
 	case len(p) > 4096:
-		return "", status.Errorf(codes.InvalidArgument, "%s is longer than PATH_MAX", field)
+		return "", failf(errInvalid, "%s is longer than PATH_MAX", field)
 	}
 	for _, part := range strings.Split(p, "/") {
 		if part == ".." {
-			return "", status.Errorf(codes.InvalidArgument, "%s %q contains '..'", field, p)
+			return "", failf(errInvalid, "%s %q contains '..'", field, p)
 		}
 	}
 	clean := filepath.Clean(p)
 	base := "/"
 	if prefix := d.opts.PathPrefix; prefix != "" && prefix != "/" {
 		if !strings.HasPrefix(clean, prefix+"/") {
-			return "", status.Errorf(codes.InvalidArgument, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
+			return "", failf(errInvalid, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
 		}
 		base = prefix
 	} else if clean == "/" {
-		return "", status.Errorf(codes.InvalidArgument, "%s is /", field)
+		return "", failf(errInvalid, "%s is /", field)
 	}
 	if link := firstLink(base, clean); link != "" {
-		return "", status.Errorf(codes.InvalidArgument, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
+		return "", failf(errInvalid, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
 	}
 	return clean, nil
 }
@@ -211,7 +211,7 @@ func firstLink(base, path string) string {
 func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
 	path, err := d.requestPath("volume_path", raw)
 	if err != nil {
-		return "", status.Errorf(codes.NotFound, "volume %s is not at %q: %v", vid, raw, status.Convert(err).Message())
+		return "", failf(errNotAtPath, "volume %s is not at %q: %w", vid, raw, err)
 	}
 	return path, nil
 }
@@ -236,10 +236,10 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 // does not exist. The caller defers unlock.
 func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
 	unlock, err = p.LockVolume(ctx, vid)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil, status.Errorf(codes.NotFound, "volume %s does not exist", vid)
+	if errors.Is(err, pool.ErrNotFound) {
+		return nil, nil, failf(pool.ErrNotFound, "volume %s does not exist", vid)
 	} else if err != nil {
-		return nil, nil, grpcError(err)
+		return nil, nil, err
 	}
 	if v, err = loadVolume(p, vid); err != nil {
 		unlock()

@@ -3,7 +3,6 @@ package health
 import (
 	"errors"
 	"fmt"
-	"os"
 
 	"golang.org/x/sys/unix"
 
@@ -118,7 +117,7 @@ func checkVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeR
 			r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonUnsafeEntry, Message: fmt.Sprintf(
 				"volume %s: %v. poolcsi will not stage, copy or grow it. Put the volume's own image back at %s (or delete the PVC); "+
 					"anyone who can write pool %s can do this, so check who did", e.ID, err, image, p.Name)})
-		case errors.Is(err, os.ErrNotExist):
+		case errors.Is(err, pool.ErrNotFound):
 			r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonImageMissing, Message: fmt.Sprintf(
 				"image file %s of volume %s is missing: the volume's data is gone from pool %s. "+
 					"Restore the image from a backup to that path, or delete the PVC and provision a new volume",
@@ -202,7 +201,7 @@ func checkData(p *pool.Pool, id pool.VolumeID, r VolumeReport) VolumeReport {
 	case errors.Is(err, pool.ErrCorrupt):
 		r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonUnsafeEntry, Message: fmt.Sprintf(
 			"volume %s: %v. poolcsi will not stage or copy it. Put the volume's own directory back at %s (or delete the PVC)", id, err, p.DataPath(id))})
-	case errors.Is(err, os.ErrNotExist):
+	case errors.Is(err, pool.ErrNotFound):
 		r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonDataMissing, Message: fmt.Sprintf(
 			"data directory %s of volume %s is missing: the volume's data is gone from pool %s. Restore it from a backup, or delete the PVC", p.DataPath(id), id, p.Name)})
 	default:

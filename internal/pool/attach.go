@@ -2,7 +2,6 @@ package pool
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -87,7 +86,7 @@ func (p *Pool) UnmarkPublished(node string, id VolumeID) error {
 		return err
 	}
 	err := os.Remove(filepath.Join(p.publishedDir(node), id.Key))
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err != nil && !missing(err) {
 		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", p.Name, id, node, err)
 	}
 	return nil
@@ -103,7 +102,7 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 	}
 	dir := p.publishedDir(node)
 	names, err := readNames(dir)
-	if errors.Is(err, os.ErrNotExist) {
+	if missing(err) {
 		return 0, nil
 	}
 	if err != nil {
@@ -115,7 +114,7 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 			continue
 		}
 		if verify && p.staleMarker(node, VolumeID{Pool: p.Name, Key: name}) {
-			if err := os.Remove(filepath.Join(dir, name)); err != nil && !errors.Is(err, os.ErrNotExist) {
+			if err := os.Remove(filepath.Join(dir, name)); err != nil && !missing(err) {
 				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", p.Name, name, node, err)
 			}
 			continue
@@ -135,7 +134,7 @@ func (p *Pool) staleMarker(node string, id VolumeID) bool {
 	}
 	v, err := p.Load(id)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
+	case missing(err):
 		return true
 	case err != nil:
 		return false

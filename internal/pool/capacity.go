@@ -92,7 +92,7 @@ func (p *Pool) AvailableBytes(u Usage) int64 {
 func (p *Pool) Usage() (Usage, error) {
 	var st unix.Statfs_t
 	if err := unix.Statfs(p.Path, &st); err != nil {
-		return Usage{}, fmt.Errorf("%w: statfs pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
+		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	u := Usage{
 		TotalBytes: int64(st.Blocks) * st.Bsize,

@@ -2,10 +2,7 @@ package pool
 
 import (
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io/fs"
-	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -74,7 +71,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			v, err := e.Volume, e.Err
 			switch {
 			case !listed: // deleted since, or a create under way
-			case errors.Is(err, os.ErrNotExist):
+			case missing(err):
 				out = append(out, Leftover{path, "volume directory without volume.json (a create interrupted before its metadata was written)"})
 			case err == nil && v.State == StateCreating && now.Sub(v.CreatedAt) > StaleCreate:
 				out = append(out, Leftover{path, fmt.Sprintf("volume %q has been creating since %s; if its PVC is gone, delete the volume", v.Name, v.CreatedAt.Format(time.RFC3339))})
@@ -119,7 +116,7 @@ func tempLeftovers(dir string) []Leftover {
 func (p *Pool) damagedFiles() []Leftover {
 	var out []Leftover
 	check := func(rel string, max int64) {
-		if err := fsx.CheckFile(p.Path, rel, max); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		if err := fsx.CheckFile(p.Path, rel, max); err != nil && !missing(err) {
 			out = append(out, Leftover{filepath.Join(p.Path, rel), "damaged: " + err.Error()})
 		}
 	}
@@ -162,7 +159,7 @@ func (p *Pool) damagedFiles() []Leftover {
 		}
 	}
 	des, err := p.readDir(nodesDir)
-	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+	if err != nil && !missing(err) {
 		out = append(out, Leftover{filepath.Join(p.Path, nodesDir), "damaged: " + err.Error()})
 	}
 	for _, de := range des {

@@ -86,7 +86,7 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	}
 	raw, err := p.readBeneath(leaseRel(node), maxLease)
 	switch {
-	case errors.Is(err, fs.ErrNotExist):
+	case missing(err):
 		return l, false, nil
 	case err != nil:
 		return l, false, err

@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -149,7 +148,7 @@ func (l *ledger) validate() error {
 // an NFS client revalidate its attributes (close-to-open).
 func (p *Pool) stampOf(rel string) (dirStamp, error) {
 	f, err := fsx.OpenDir(p.Path, rel)
-	if errors.Is(err, fs.ErrNotExist) {
+	if missing(err) {
 		return dirStamp{}, nil
 	}
 	if err != nil {
@@ -172,7 +171,7 @@ func (p *Pool) stamps() (vols, snaps dirStamp, err error) {
 }
 
 // readLedger reads and verifies ledger.json against the pool's directories.
-// Every error means: rebuild it. A missing one wraps fs.ErrNotExist, a damaged
+// Every error means: rebuild it. A missing one is missing (errors.go), a damaged
 // one ErrCorrupt, an outdated one errLedgerStale.
 func (p *Pool) readLedger() (ledger, error) {
 	var l ledger
@@ -282,7 +281,7 @@ func (p *Pool) recorded(pd pending) (int64, int64, error) {
 			n, b = 1, reflinked(s)
 		}
 	}
-	if err != nil && !errors.Is(err, os.ErrNotExist) && !errors.Is(err, ErrCorrupt) {
+	if err != nil && !missing(err) && !errors.Is(err, ErrCorrupt) {
 		return 0, 0, err
 	}
 	return n, b, nil
@@ -361,7 +360,7 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 	if !tx.degraded {
 		var st unix.Statfs_t
 		if err := unix.Statfs(p.Path, &st); err != nil {
-			return fmt.Errorf("%w: statfs pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
+			return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
 		}
 		bound := float64(int64(st.Bavail)*st.Bsize)*p.Overcommit - float64(tx.l.ProvisionedBytes) - float64(tx.l.ReflinkedBytes)
 		if float64(need) <= bound && bound < math.MaxInt64 {
@@ -421,7 +420,7 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 	}
 	r.Records = tallyOf(u)
 	switch {
-	case errors.Is(lerr, fs.ErrNotExist):
+	case missing(lerr):
 		// No ledger yet (a pool an older version made): the first create
 		// builds it. Not a problem.
 		return r, nil

@@ -55,7 +55,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 			return nil, fmt.Errorf("%w: key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, v.Name)
 		}
 		return v, nil
-	} else if !errors.Is(err, os.ErrNotExist) {
+	} else if !missing(err) {
 		return nil, err
 	}
 
@@ -129,7 +129,7 @@ func (p *Pool) PrepareImage(v *Volume) error {
 		return err
 	}
 	path := p.ImagePath(id)
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(path); err != nil && !missing(err) {
 		return fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
@@ -180,7 +180,7 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 		return "", err
 	}
 	path := p.ImagePath(id)
-	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(path); err != nil && !missing(err) {
 		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
 	return CopyImage(ctx, src, path, v.CapacityBytes)
@@ -200,7 +200,7 @@ func (p *Pool) DiscardImage(v *Volume) error {
 	if err := p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	if err := os.Remove(p.ImagePath(id)); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := os.Remove(p.ImagePath(id)); err != nil && !missing(err) {
 		return fmt.Errorf("discard half-made image of volume %s: %w", id, err)
 	}
 	return nil
@@ -211,8 +211,8 @@ func (p *Pool) DiscardImage(v *Volume) error {
 // then is. On a shared pool two controllers may both reserve one name (the
 // second finds the first's record): only one makes the volume, the other waits
 // for the lock, within ctx, and gets the finished volume. make formats, copies
-// or lays out data, and ends with MarkReady. A volume deleted meanwhile wraps
-// os.ErrNotExist.
+// or lays out data, and ends with MarkReady. A volume deleted meanwhile is
+// ErrNotFound.
 func (p *Pool) Finish(ctx context.Context, id VolumeID, make func(*Volume) error) (*Volume, error) {
 	unlock, err := p.LockVolume(ctx, id)
 	if err != nil {
@@ -357,7 +357,7 @@ func (p *Pool) openTrash() (*os.File, error) {
 // directory cannot aim the removal elsewhere.
 func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) error) error {
 	trash, err := fsx.OpenDir(p.Path, trashDir)
-	if errors.Is(err, os.ErrNotExist) {
+	if missing(err) {
 		return nil
 	}
 	if err != nil {

@@ -48,7 +48,7 @@ func (p *Pool) volumeKeys() ([]string, error) {
 // snapshotKeys is volumeKeys for snapshots; no snapshots directory is none.
 func (p *Pool) snapshotKeys() ([]string, error) {
 	dir := filepath.Join(p.Path, snapshotsDir)
-	if _, err := os.Lstat(dir); os.IsNotExist(err) {
+	if _, err := os.Lstat(dir); missing(err) {
 		return nil, nil
 	}
 	return p.cachedKeys(&p.snapKeys, dir)
@@ -57,7 +57,7 @@ func (p *Pool) snapshotKeys() ([]string, error) {
 func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -67,7 +67,7 @@ func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 	readAt := time.Now()
 	names, err := readNames(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // unavailable, not missing
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	keys := names[:0]
 	for _, n := range names {

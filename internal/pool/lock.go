@@ -26,9 +26,9 @@ func (p *Pool) LockPool(ctx context.Context) (unlock func(), err error) {
 	return p.lockFileAt(ctx, poolLock, true)
 }
 
-// LockVolume takes the lock of one volume's metadata. It fails with an error
-// wrapping os.ErrNotExist when the volume does not exist (or is deleted while
-// waiting), so no caller ever acts on a volume that vanished under it.
+// LockVolume takes the lock of one volume's metadata. It fails with
+// ErrNotFound when the volume does not exist (or is deleted while waiting), so
+// no caller ever acts on a volume that vanished under it.
 func (p *Pool) LockVolume(ctx context.Context, id VolumeID) (unlock func(), err error) {
 	return p.lockFileAt(ctx, volumeRel(id, lockFile), false)
 }
@@ -54,11 +54,15 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 	for {
 		f, err := openLock(ctx, p.Path, rel, flags)
 		if err != nil {
+			err = p.classify(err)
 			if ctx.Err() != nil {
 				if errors.Is(context.Cause(ctx), ErrBusy) {
 					err = fmt.Errorf("%w: waited %s: %w", ErrBusy, lockPatience, err)
 				}
 				return nil, fmt.Errorf("lock %s (last taken by %s): %w", path, lastHolder(path), err)
+			}
+			if !create {
+				err = notFound(err) // the volume's lock file: the volume is not there
 			}
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
@@ -80,7 +84,7 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 		if err := unix.Stat(path, &now); err != nil || now.Ino != held.Ino || now.Dev != held.Dev {
 			f.Close()
 			if err != nil && errors.Is(err, unix.ENOENT) && !create {
-				return nil, fmt.Errorf("lock %s: %w", path, os.ErrNotExist)
+				return nil, fmt.Errorf("lock %s: %w: %w", path, ErrNotFound, err)
 			}
 			continue
 		}

@@ -2,7 +2,6 @@ package pool
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -57,7 +56,7 @@ func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 // ClearFreeze removes a volume's freeze record, after the thaw.
 func (p *Pool) ClearFreeze(id VolumeID) error {
 	err := os.Remove(filepath.Join(p.Dir(id), freezeFile))
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err != nil && !missing(err) {
 		return fmt.Errorf("volume %s: clear freeze record: %w", id, err)
 	}
 	return nil
@@ -68,7 +67,7 @@ func (p *Pool) ClearFreeze(id VolumeID) error {
 func (p *Pool) Freezes() ([]Freeze, error) {
 	des, err := p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	var out []Freeze
 	for _, de := range des {
@@ -130,7 +129,7 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 		}
 		defer from.Close()
 		image := p.SnapshotImagePath(sid)
-		if err := os.Remove(image); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := os.Remove(image); err != nil && !missing(err) {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
 		}
 		method, err = func() (string, error) {
@@ -188,8 +187,8 @@ func (p *Pool) DataExists(id VolumeID) bool {
 	return true
 }
 
-// ImageSize is the size of a volume's image file. A missing image wraps
-// os.ErrNotExist; a link or anything but a regular file is ErrCorrupt and is
+// ImageSize is the size of a volume's image file. A missing image is
+// ErrNotFound; a link or anything but a regular file is ErrCorrupt and is
 // never followed.
 func (p *Pool) ImageSize(id VolumeID) (int64, error) {
 	h, err := p.OpenImage(id)

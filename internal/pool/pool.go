@@ -7,7 +7,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -120,7 +119,7 @@ func Open(cfg Config) (*Pool, error) {
 // is not mounted, and is refused with what to do. It is idempotent, and refuses
 // a directory that belongs to a pool of another name.
 func Initialise(cfg Config) (*Pool, error) {
-	if _, err := os.Stat(cfg.Path); errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(cfg.Path); missing(err) {
 		parent := filepath.Dir(cfg.Path)
 		if _, perr := os.Stat(parent); perr != nil {
 			return nil, fmt.Errorf("pool %s: neither %s nor its parent %s exists: mount the share (or create the parent directory) first, then run pool init again", cfg.Name, cfg.Path, parent)
@@ -182,13 +181,13 @@ type poolInfo struct {
 
 // readMeta reads and checks pool.json. A pool.json that is damaged, or names
 // another pool, makes the pool unavailable (never the driver: Open does not fail
-// on it), with what to do; a missing one wraps fs.ErrNotExist.
+// on it), with what to do; a missing one is missing (errors.go).
 func (p *Pool) readMeta() error {
 	var info poolInfo
 	metaPath := filepath.Join(p.Path, poolMeta)
 	raw, err := p.readBeneath(poolMeta, maxPoolMeta)
 	switch {
-	case errors.Is(err, fs.ErrNotExist):
+	case missing(err):
 		return err
 	case errors.Is(err, ErrUnavailable):
 		return err
@@ -217,7 +216,7 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.Name, err)
 		}
 		return nil
-	case errors.Is(err, fs.ErrNotExist):
+	case missing(err):
 		if !may {
 			if p.Share != nil {
 				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.Share, p.Path, poolMeta)
@@ -240,14 +239,14 @@ func (p *Pool) init(may bool) error {
 
 // Check tells whether the pool can serve requests now: present, initialised and
 // writable. It costs a few system calls, so Probe can call it every few seconds.
-// Every error it returns wraps ErrUnavailable, and none wraps os.ErrNotExist: a
-// missing pool directory is an unavailable pool, not a missing volume.
+// Every error it returns wraps ErrUnavailable (and never ErrNotFound: a missing
+// pool directory is an unavailable pool, not a missing volume).
 func (p *Pool) Check() error {
 	if err := p.check(); err != nil {
 		if errors.Is(err, ErrUnavailable) {
 			return err
 		}
-		return fmt.Errorf("%w: %s", ErrUnavailable, err.Error())
+		return fmt.Errorf("%w: %w", ErrUnavailable, err)
 	}
 	return nil
 }
@@ -255,12 +254,12 @@ func (p *Pool) Check() error {
 func (p *Pool) check() error {
 	vols := filepath.Join(p.Path, volumesDir)
 	if _, err := os.Stat(p.Path); err != nil {
-		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %v", p.Name, p.Path, err) //nolint:errorlint // Check wraps ErrUnavailable, never os.ErrNotExist
+		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.Name, p.Path, err)
 	}
 	if err := p.mountReady(); err != nil {
 		return err
 	}
-	if err := p.readMeta(); errors.Is(err, fs.ErrNotExist) {
+	if err := p.readMeta(); missing(err) {
 		// A pool that appeared after start-up (a share mounted late): lay it out
 		// now if the driver may, or say why not.
 		if err := p.init(p.mayInit()); err != nil {
@@ -270,7 +269,7 @@ func (p *Pool) check() error {
 		return err
 	}
 	if err := unix.Access(vols, unix.W_OK); err != nil {
-		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %v", p.Name, vols, err) //nolint:errorlint // Check wraps ErrUnavailable only
+		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %w", p.Name, vols, err)
 	}
 	return nil
 }
@@ -305,7 +304,7 @@ type Entry struct {
 // with the error: metadata that is gone is damage an operator must hear of.
 func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
 	v, err := p.Load(id)
-	if errors.Is(err, os.ErrNotExist) {
+	if missing(err) {
 		if !p.VolumeExists(id) || p.changing() {
 			return Entry{}, false
 		}
@@ -318,7 +317,7 @@ func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
 func (p *Pool) List() ([]Entry, error) {
 	des, err := p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing volume
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	var out []Entry
 	for _, de := range des {

@@ -225,8 +225,66 @@ func TestLockVolumeExcludesAndSeesDeletion(t *testing.T) {
 	}
 	unlock()
 	wg.Wait()
-	if !errors.Is(waitErr, os.ErrNotExist) {
-		t.Fatalf("a waiter on a deleted volume got %v, want ErrNotExist", waitErr)
+	if !errors.Is(waitErr, ErrNotFound) {
+		t.Fatalf("a waiter on a deleted volume got %v, want ErrNotFound", waitErr)
+	}
+}
+
+// Only a volume or snapshot that is not there is ErrNotFound. A pool whose
+// directory is gone is unavailable, although every cause in its chain is an
+// ENOENT (wrapped, so the message and errors.Is keep it): it must never read
+// as a missing volume, which DeleteVolume would answer with success.
+func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	if _, err := p.Reserve(ctx, Spec{Name: "v", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB}); err != nil {
+		t.Fatal(err)
+	}
+	gone := NewVolumeID("test", "gone")
+	if _, err := p.Load(gone); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Load of a missing volume: %v, want ErrNotFound", err)
+	}
+	if _, err := p.LockVolume(ctx, gone); !errors.Is(err, ErrNotFound) {
+		t.Errorf("LockVolume of a missing volume: %v, want ErrNotFound", err)
+	}
+	if _, err := p.LoadSnapshot(p.NewSnapshotID("s")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("LoadSnapshot of a missing snapshot: %v, want ErrNotFound", err)
+	}
+	if _, err := p.ImageSize(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("ImageSize of a volume without its image: %v, want ErrNotFound", err)
+	}
+	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("VolumeAllocated of a volume without its image: %v, want ErrNotFound", err)
+	}
+	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("VolumeAllocated of a volume without its data directory: %v, want ErrNotFound", err)
+	}
+	if err := p.SyncImage(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("SyncImage of a volume without its image: %v, want ErrNotFound", err)
+	}
+	if err := p.Save(&Volume{ID: gone.String(), Name: "gone"}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Save of a volume whose directory is gone: %v, want ErrNotFound", err)
+	}
+
+	if err := os.Rename(p.Path, p.Path+".away"); err != nil {
+		t.Fatal(err)
+	}
+	id := NewVolumeID("test", "v")
+	for name, err := range map[string]error{
+		"Load":       func() error { _, err := p.Load(id); return err }(),
+		"LockVolume": func() error { _, err := p.LockVolume(ctx, id); return err }(),
+		"ImageSize":  func() error { _, err := p.ImageSize(id); return err }(),
+		"SyncImage":  p.SyncImage(id),
+		"Save":       p.Save(&Volume{ID: id.String(), Name: "v", CapacityBytes: MiB}),
+		"List":       func() error { _, err := p.List(); return err }(),
+		"Check":      p.Check(),
+	} {
+		if !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrNotFound) {
+			t.Errorf("%s with the pool's directory gone: %v, want ErrUnavailable and not ErrNotFound", name, err)
+		}
+		if !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s with the pool's directory gone: the cause is no longer wrapped: %v", name, err)
+		}
 	}
 }
 

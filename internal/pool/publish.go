@@ -3,7 +3,6 @@ package pool
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -137,7 +136,7 @@ func (p *Pool) Node(node string) (rec NodeRecord, ok bool, err error) {
 	}
 	raw, err := p.readBeneath(p.nodeRel(node), maxNodeRecord)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
+	case missing(err):
 		return rec, false, nil
 	case err != nil:
 		return rec, false, fmt.Errorf("pool %s: read node %s: %w", p.Name, node, err)
@@ -157,7 +156,7 @@ func (p *Pool) NodeRegistered(node string) (bool, error) {
 	switch {
 	case err == nil:
 		return true, nil
-	case errors.Is(err, os.ErrNotExist):
+	case missing(err):
 		return false, nil
 	default:
 		return false, fmt.Errorf("pool %s: look up node %s: %w", p.Name, node, err)

@@ -137,7 +137,7 @@ func (p *Pool) staleClaim(kind string, owner VolumeID, qid uint64) bool {
 	}
 	v, err := p.Load(owner)
 	switch {
-	case errors.Is(err, os.ErrNotExist):
+	case missing(err):
 		return !p.VolumeExists(owner)
 	case err != nil, v.State != StateReady:
 		return false

@@ -54,26 +54,33 @@ func unsafe(err error) error {
 }
 
 // openBeneath opens rel (slash-separated, relative to the pool's root) without
-// following any link and without leaving the pool.
+// following any link and without leaving the pool. A missing one is
+// ErrNotFound (a volume's image).
 func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
 	f, err := fsx.OpenBeneath(p.Path, rel, flags, 0)
-	var pe *os.PathError
-	if errors.As(err, &pe) && pe.Path == p.Path {
-		return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
+	if err != nil {
+		return nil, notFound(p.classify(err))
 	}
-	return f, unsafe(err)
+	return f, nil
+}
+
+// classify gives an error of fsx a class: the pool's root that cannot be
+// opened is an unavailable pool (whatever the cause, ENOENT included), a file
+// that is a link, of the wrong kind or too large is damage.
+func (p *Pool) classify(err error) error {
+	var pe *os.PathError
+	if errors.As(err, &pe) && pe.Path == p.Path && !errors.Is(err, ErrUnavailable) {
+		return fmt.Errorf("%w: open pool %s at %s: %w", ErrUnavailable, p.Name, p.Path, pe.Err)
+	}
+	return unsafe(err)
 }
 
 // openKind opens rel as a handle and requires it to be a regular file (dir
-// false) or a directory (dir true).
+// false) or a directory (dir true). A missing one is ErrNotFound.
 func (p *Pool) openKind(rel string, dir bool) (*Handle, error) {
 	f, err := fsx.OpenPath(p.Path, rel, dir)
 	if err != nil {
-		var pe *os.PathError
-		if errors.As(err, &pe) && pe.Path == p.Path {
-			return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
-		}
-		return nil, unsafe(err)
+		return nil, notFound(p.classify(err))
 	}
 	return &Handle{f: f}, nil
 }
@@ -111,11 +118,10 @@ func (p *Pool) OpenSnapshotData(id SnapshotID) (*Handle, error) {
 // regular file opened, never blocking on a FIFO, never more than max read.
 func (p *Pool) readBeneath(rel string, max int64) ([]byte, error) {
 	b, err := fsx.ReadFile(p.Path, rel, max)
-	var pe *os.PathError
-	if errors.As(err, &pe) && pe.Path == p.Path {
-		return nil, fmt.Errorf("%w: open pool %s at %s: %v", ErrUnavailable, p.Name, p.Path, pe.Err) //nolint:errorlint // unavailable, not missing
+	if err != nil {
+		return nil, p.classify(err)
 	}
-	return b, unsafe(err)
+	return b, nil
 }
 
 // writeBeneath replaces one of the pool's small files atomically, through a
@@ -133,6 +139,10 @@ func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
 // checkDir fails unless rel is a directory reached without any link: called
 // before the pool creates, renames or removes anything inside rel, so that a
 // link planted in its place never redirects a write or a delete out of the pool.
+// A missing one is ErrNotFound (a volume's or snapshot's directory).
 func (p *Pool) checkDir(rel string) error {
-	return unsafe(fsx.CheckDir(p.Path, rel))
+	if err := fsx.CheckDir(p.Path, rel); err != nil {
+		return notFound(p.classify(err))
+	}
+	return nil
 }

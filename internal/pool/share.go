@@ -102,7 +102,7 @@ func parsePayload(s string) (ShareRef, error) {
 	}
 	raw, err := base64.RawURLEncoding.DecodeString(s)
 	if err != nil {
-		return ShareRef{}, fmt.Errorf("%w: share part %q of a volume ID: %v", ErrInvalidID, s, err) //nolint:errorlint // the class is ErrInvalidID
+		return ShareRef{}, fmt.Errorf("%w: share part %q of a volume ID: %w", ErrInvalidID, s, err)
 	}
 	typ, src, ok := strings.Cut(string(raw), " ")
 	if !ok {

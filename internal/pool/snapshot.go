@@ -3,7 +3,6 @@ package pool
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -158,12 +157,12 @@ func (p *Pool) SnapshotDataPath(id SnapshotID) string {
 	return filepath.Join(p.SnapshotDir(id), dataDir)
 }
 
-// LoadSnapshot reads snapshot.json; a missing snapshot wraps os.ErrNotExist.
+// LoadSnapshot reads snapshot.json; a missing snapshot is ErrNotFound.
 func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	path := filepath.Join(p.SnapshotDir(id), snapshotMetaFile)
 	raw, err := p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
 	if err != nil {
-		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, err)
+		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, notFound(err))
 	}
 	var s Snapshot
 	if err := json.Unmarshal(raw, &s); err != nil {
@@ -209,7 +208,7 @@ type SnapshotEntry struct {
 // loadListedSnapshot is loadListed for a snapshot directory.
 func (p *Pool) loadListedSnapshot(id SnapshotID) (SnapshotEntry, bool) {
 	s, err := p.LoadSnapshot(id)
-	if errors.Is(err, os.ErrNotExist) {
+	if missing(err) {
 		if !p.SnapshotExists(id) || p.changing() {
 			return SnapshotEntry{}, false
 		}
@@ -221,11 +220,11 @@ func (p *Pool) loadListedSnapshot(id SnapshotID) (SnapshotEntry, bool) {
 // ListSnapshots returns the pool's snapshots sorted by ID.
 func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 	des, err := p.readDir(snapshotsDir)
-	if errors.Is(err, os.ErrNotExist) {
+	if missing(err) {
 		return nil, nil // no snapshot was ever taken
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list snapshots of pool %s: %v", ErrUnavailable, p.Name, err) //nolint:errorlint // the cause is told, not wrapped: an unavailable pool must not read as a missing snapshot
+		return nil, fmt.Errorf("%w: list snapshots of pool %s: %w", ErrUnavailable, p.Name, err)
 	}
 	var out []SnapshotEntry
 	for _, de := range des {
@@ -266,7 +265,7 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 			return nil, fmt.Errorf("%w: snapshot %q already exists of volume %s", ErrExists, name, s.SourceVolumeID)
 		}
 		return s, nil
-	} else if !errors.Is(err, os.ErrNotExist) {
+	} else if !missing(err) {
 		return nil, err
 	}
 	if err := tx.admit(needBytes, "a snapshot of volume "+src.ID); err != nil {
@@ -352,27 +351,30 @@ func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) erro
 	return p.SaveSnapshot(s)
 }
 
-// SnapshotAllocated measures what a snapshot's data holds on the pool's filesystem.
+// SnapshotAllocated measures what a snapshot's data holds on the pool's
+// filesystem; data that is missing is ErrNotFound.
 func (p *Pool) SnapshotAllocated(id SnapshotID, s *Snapshot) (int64, error) {
 	if s.Layout == LayoutDir {
-		return TreeAllocated(p.SnapshotDataPath(id))
+		n, err := TreeAllocated(p.SnapshotDataPath(id))
+		return n, notFound(err)
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(p.SnapshotImagePath(id), &st); err != nil {
-		return 0, fmt.Errorf("snapshot %s: %w", id, err)
+		return 0, fmt.Errorf("snapshot %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
 }
 
 // VolumeAllocated is what a volume's data holds on the pool's filesystem: what a
-// full copy of it would allocate.
+// full copy of it would allocate; data that is missing is ErrNotFound.
 func (p *Pool) VolumeAllocated(id VolumeID, v *Volume) (int64, error) {
 	if v.Layout == LayoutDir {
-		return TreeAllocated(p.DataPath(id))
+		n, err := TreeAllocated(p.DataPath(id))
+		return n, notFound(err)
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
-		return 0, fmt.Errorf("volume %s: %w", id, err)
+		return 0, fmt.Errorf("volume %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
 }

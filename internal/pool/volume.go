@@ -100,11 +100,11 @@ func (p *Pool) Dir(id VolumeID) string { return filepath.Join(p.Path, volumesDir
 // ImagePath is the image file of an image-layout volume.
 func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), imageFile) }
 
-// Load reads volume.json. A missing volume is an error wrapping os.ErrNotExist.
+// Load reads volume.json. A missing volume is ErrNotFound.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
 	if err != nil {
-		return nil, fmt.Errorf("read metadata of volume %s: %w", id, err)
+		return nil, fmt.Errorf("read metadata of volume %s: %w", id, notFound(err))
 	}
 	var v Volume
 	if err := json.Unmarshal(raw, &v); err != nil {
