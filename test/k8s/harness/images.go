@@ -1,7 +1,6 @@
 package harness
 
 import (
-	"bufio"
 	"debug/elf"
 	"fmt"
 	"os"
@@ -18,6 +17,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/debian"
 	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
 )
 
@@ -114,30 +114,12 @@ func WithHostBinaries(t testing.TB, img Image, paths ...string) Image {
 
 // ImageTool is one line of deploy/image-tools.txt: a command poolcsi runs in its container
 // and the Debian package it comes from.
-type ImageTool struct{ Path, Package string }
+type ImageTool = debian.Tool
 
-// ImageTools reads deploy/image-tools.txt, the list both deploy/Dockerfile and the test
-// image builder follow.
+// ImageTools reads deploy/image-tools.txt, the list deploy/Dockerfile, make image and the
+// test image builder follow.
 func ImageTools() ([]ImageTool, error) {
-	f, err := os.Open(filepath.Join(chart.RepoRoot(), "deploy", "image-tools.txt"))
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	var out []ImageTool
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		fields := strings.Fields(line)
-		if len(fields) != 2 || !strings.HasPrefix(fields[0], "/") {
-			return nil, fmt.Errorf("deploy/image-tools.txt: want \"/path package\", got %q", line)
-		}
-		out = append(out, ImageTool{Path: fields[0], Package: fields[1]})
-	}
-	return out, sc.Err()
+	return debian.ReadTools(filepath.Join(chart.RepoRoot(), "deploy", "image-tools.txt"))
 }
 
 // PoolcsiImage is the poolcsi binary plus every tool of deploy/image-tools.txt with the
