@@ -3,6 +3,7 @@ package debian
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path"
@@ -71,6 +72,9 @@ func WriteLock(file string, pkgs []Package) error {
 	return os.Rename(tmp, file)
 }
 
+// ErrNotCached is an Offline cache's answer for a .deb it does not hold.
+var ErrNotCached = errors.New("not in the cache")
+
 // Cache keeps downloaded .deb files in a directory, named as in the archive; every read
 // checks the SHA256 the index or lock gives.
 type Cache struct {
@@ -87,7 +91,7 @@ func (c Cache) Deb(ctx context.Context, p Package) ([]byte, error) {
 		return b, nil
 	}
 	if c.Offline {
-		return nil, fmt.Errorf("%s (%s %s) is not in %s: make image-debs downloads the pinned packages from deb.debian.org", path.Base(p.URL), p.Name, p.Arch, c.Dir)
+		return nil, fmt.Errorf("%s (%s %s) is %w %s: make image-debs downloads the pinned packages from deb.debian.org", path.Base(p.URL), p.Name, p.Arch, ErrNotCached, c.Dir)
 	}
 	if c.Logf != nil {
 		c.Logf("downloading %s (%d kB)", p.URL, p.Size/1000)
