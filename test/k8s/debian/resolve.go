@@ -193,7 +193,7 @@ func (r *resolver) needs(p string) ([]string, error) {
 		if r.interps[w] {
 			continue
 		}
-		dst, err := r.find(w, e.Pkg)
+		dst, err := r.find(w)
 		if err != nil {
 			return nil, fmt.Errorf("%s (%s, from %s): %w", p, r.arch.Name, e.Pkg, err)
 		}
@@ -206,7 +206,7 @@ func (r *resolver) needs(p string) ([]string, error) {
 
 // find places the library or loader w and returns its image path, or "" when it was
 // placed already.
-func (r *resolver) find(w, from string) (string, error) {
+func (r *resolver) find(w string) (string, error) {
 	candidates := []string{ociimage.UsrPath(w)}
 	if !strings.HasPrefix(w, "/") {
 		candidates = []string{"/usr/lib/" + r.arch.Triplet + "/" + w, "/usr/lib/" + w}

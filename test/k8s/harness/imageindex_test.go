@@ -113,7 +113,7 @@ func layerFiles(t *testing.T, img v1.Image) map[string][]byte {
 	tr := tar.NewReader(rc)
 	for {
 		h, err := tr.Next()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			return out
 		}
 		if err != nil {
@@ -337,7 +337,8 @@ func TestImageToolsRunInImage(t *testing.T) {
 	} {
 		out, err := exec.Command("chroot", append([]string{root}, c...)...).CombinedOutput()
 		// resize2fs -h prints its usage and exits 1; what matters is that it ran.
-		if err != nil && !(c[0] == "resize2fs" && strings.Contains(string(out), "Usage:")) {
+		usage := c[0] == "resize2fs" && strings.Contains(string(out), "Usage:")
+		if err != nil && !usage {
 			t.Errorf("%s in the image: %v\n%s", strings.Join(c, " "), err, out)
 		}
 	}
