@@ -98,7 +98,8 @@ func main() {
 		},
 	})
 	if err != nil {
-		log.Fatal(err)
+		// The lock holds the packages the tools needed when it was written, nothing more.
+		log.Fatalf("%v\n(after a change to %s, make image-lock pins the packages the tools now need)", err, *toolsFile)
 	}
 	annotations := map[string]string{"org.opencontainers.image.source": "https://github.com/poolcsi/poolcsi"}
 	if *version != "" {
