@@ -94,6 +94,13 @@ func Index(platforms []Platform, annotations map[string]string) v1.ImageIndex {
 // (org.opencontainers.image.ref.name), so that `skopeo copy --all oci:<dir> ...` needs no
 // name and `oci:<dir>:<ref>` works too.
 func WriteLayout(dir string, idx v1.ImageIndex, ref string) error {
+	// The layout is replaced whole, so that no blob of an earlier build lingers; a
+	// directory that is not a layout (a mistyped -out) is never removed.
+	if entries, err := os.ReadDir(dir); err == nil && len(entries) > 0 {
+		if _, err := os.Stat(filepath.Join(dir, "oci-layout")); err != nil {
+			return fmt.Errorf("%s is not empty and not an OCI image layout: not replacing it", dir)
+		}
+	}
 	if err := os.RemoveAll(dir); err != nil {
 		return err
 	}
