@@ -5,7 +5,7 @@ COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
 LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT) -X main.buildDate=$(BUILD_DATE)
 
-.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop
+.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock
 
 build:
 	CGO_ENABLED=0 go build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/poolcsi
@@ -33,7 +33,34 @@ run: build
 	$(BIN) serve --endpoint unix:///run/poolcsi/csi.sock --node-id $$(hostname) --pool local=/var/lib/poolcsi/pools/local --metrics-address 127.0.0.1:9808 -v 3
 
 clean:
-	rm -rf bin
+	rm -rf bin _output
+
+# poolcsi's image for linux/amd64 and linux/arm64, without Docker: an OCI image layout
+# (one image index) in _output/image, each platform's static poolcsi plus the tools of
+# deploy/image-tools.txt from the Debian bookworm packages of that architecture pinned in
+# deploy/image-packages.lock (downloaded once into .cache/image-debs). Push it with
+# skopeo copy --all oci:_output/image docker://REGISTRY/poolcsi:TAG (docs/deploy.md).
+# deploy/Dockerfile is the same image for Docker users.
+IMAGE_ARCHES ?= amd64,arm64
+IMAGE_TAG ?= $(VERSION)
+IMAGE_LDFLAGS := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
+image:
+	@for arch in $$(echo '$(IMAGE_ARCHES)' | tr , ' '); do \
+		echo "image: building poolcsi for linux/$$arch"; \
+		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch go build -trimpath -ldflags "$(IMAGE_LDFLAGS)" \
+			-o _output/bin/linux-$$arch/poolcsi ./cmd/poolcsi || exit 1; \
+	done
+	cd test/k8s && go run ./cmd/image -arches '$(IMAGE_ARCHES)' -ref '$(IMAGE_TAG)' -version '$(VERSION)' -revision '$(COMMIT)'
+
+# Downloads the pinned Debian packages of make image into .cache/image-debs (the image
+# tests read them from there and never download).
+image-debs:
+	cd test/k8s && go run ./cmd/image -fetch-only
+
+# Pins the current versions of the image's Debian packages in deploy/image-packages.lock
+# (reads the bookworm indexes; review the diff).
+image-lock:
+	cd test/k8s && go run ./cmd/image -update-lock
 
 # The Kubernetes storage e2e suite (e2e.test v1.36.3) against the chart on a real
 # one-node cluster (root): a few specs of it, or those E2E_FOCUS names (a ginkgo regexp).

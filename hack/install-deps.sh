@@ -18,6 +18,8 @@ done
 # a static busybox for the test pods' image.
 [ -x /usr/lib/cni/bridge ] || need+=(containernetworking-plugins)
 { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)
+# make image's push route, which docs/deploy.md documents and TestImagePushPull takes.
+command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
 [ ${#need[@]} -eq 0 ] && exit 0
 # Once each, in the order found.
 mapfile -t need < <(printf '%s\n' "${need[@]}" | awk '!seen[$0]++')

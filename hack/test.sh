@@ -34,6 +34,11 @@ if [ -f test/k8s/go.mod ]; then
 	prebuild_pid=$!
 fi
 
+# The image tests (test/k8s/harness/imageindex_test.go) read the Debian packages pinned in
+# deploy/image-packages.lock from .cache/image-debs and never download: fetch them here,
+# from deb.debian.org, once (~22 MB; nothing to do when cached).
+phase "image packages (make image-debs)"
+make --no-print-directory image-debs
 phase "gofmt"
 unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
 if [ -n "$unformatted" ]; then

@@ -1,59 +1,38 @@
 package harness
 
 import (
-	"archive/tar"
-	"bufio"
-	"bytes"
 	"debug/elf"
 	"fmt"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"runtime"
-	"sort"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/empty"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/debian"
+	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
 )
 
 // Image is a single-layer image built here from files of this machine: no registry is
-// reachable and no Docker engine runs, so every image a test runs is built by the test.
-type Image struct {
-	Ref        string
-	Files      []ImageFile
-	Entrypoint []string
-	Cmd        []string
-}
+// reachable and no Docker engine runs, so every image a test runs is built by the test
+// (package ociimage, which `make image` packs the published images with too).
+type Image = ociimage.Image
 
 // ImageFile is one entry of an image's layer: a copy of Src, a symlink to Link, or a
 // directory.
-type ImageFile struct {
-	Path string // absolute path inside the image
-	Src  string // host file to copy (its content, symlinks followed)
-	Link string // symlink target
-	Dir  bool
-	Mode int64 // for directories; files keep the host file's mode
-}
+type ImageFile = ociimage.File
 
 // mergedUsr are the links of Debian's merged /usr, so that library paths ldd prints
 // (/lib/x86_64-linux-gnu/...) resolve inside the image as on the host.
-var mergedUsr = []ImageFile{
-	{Path: "/bin", Link: "usr/bin"}, {Path: "/sbin", Link: "usr/sbin"},
-	{Path: "/lib", Link: "usr/lib"}, {Path: "/lib64", Link: "usr/lib64"},
-	{Path: "/tmp", Dir: true, Mode: 0o1777}, {Path: "/run", Dir: true, Mode: 0o755},
-	{Path: "/etc", Dir: true, Mode: 0o755}, {Path: "/proc", Dir: true, Mode: 0o555},
-	{Path: "/sys", Dir: true, Mode: 0o555}, {Path: "/dev", Dir: true, Mode: 0o755},
-}
+var mergedUsr = ociimage.MergedUsr
 
 // BinaryImage is one static binary at /<base> and nothing else.
 func BinaryImage(ref, bin string, args ...string) Image {
@@ -135,30 +114,12 @@ func WithHostBinaries(t testing.TB, img Image, paths ...string) Image {
 
 // ImageTool is one line of deploy/image-tools.txt: a command poolcsi runs in its container
 // and the Debian package it comes from.
-type ImageTool struct{ Path, Package string }
+type ImageTool = debian.Tool
 
-// ImageTools reads deploy/image-tools.txt, the list both deploy/Dockerfile and the test
-// image builder follow.
+// ImageTools reads deploy/image-tools.txt, the list deploy/Dockerfile, make image and the
+// test image builder follow.
 func ImageTools() ([]ImageTool, error) {
-	f, err := os.Open(filepath.Join(chart.RepoRoot(), "deploy", "image-tools.txt"))
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	var out []ImageTool
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		line := strings.TrimSpace(sc.Text())
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		fields := strings.Fields(line)
-		if len(fields) != 2 || !strings.HasPrefix(fields[0], "/") {
-			return nil, fmt.Errorf("deploy/image-tools.txt: want \"/path package\", got %q", line)
-		}
-		out = append(out, ImageTool{Path: fields[0], Package: fields[1]})
-	}
-	return out, sc.Err()
+	return debian.ReadTools(filepath.Join(chart.RepoRoot(), "deploy", "image-tools.txt"))
 }
 
 // PoolcsiImage is the poolcsi binary plus every tool of deploy/image-tools.txt with the
@@ -182,14 +143,7 @@ func PoolcsiImage(t testing.TB, ref, bin string) Image {
 }
 
 // usrPath maps /lib/x/y to /usr/lib/x/y: in the image /lib is a link, as on the host.
-func usrPath(p string) string {
-	for _, top := range []string{"/bin/", "/sbin/", "/lib/", "/lib64/"} {
-		if strings.HasPrefix(p, top) {
-			return "/usr" + p
-		}
-	}
-	return p
-}
+func usrPath(p string) string { return ociimage.UsrPath(p) }
 
 var lddPath = regexp.MustCompile(`(/[^ \t]+) \(0x`)
 
@@ -216,85 +170,6 @@ func sharedLibraries(p string) ([]string, error) {
 	return libs, nil
 }
 
-// build makes the image: one layer, files sorted, fixed times, so the same inputs give
-// the same digest.
-func (img Image) build() (v1.Image, error) {
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	files := append([]ImageFile{}, img.Files...)
-	sort.SliceStable(files, func(i, j int) bool { return files[i].Path < files[j].Path })
-	epoch := time.Unix(0, 0)
-	dirs := map[string]bool{"/": true}
-	var mkdirs func(string) error
-	mkdirs = func(d string) error {
-		if dirs[d] {
-			return nil
-		}
-		if err := mkdirs(filepath.Dir(d)); err != nil {
-			return err
-		}
-		dirs[d] = true
-		return tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: strings.TrimPrefix(d, "/") + "/", Mode: 0o755, ModTime: epoch})
-	}
-	for _, f := range files {
-		if err := mkdirs(filepath.Dir(f.Path)); err != nil {
-			return nil, err
-		}
-		name := strings.TrimPrefix(f.Path, "/")
-		switch {
-		case f.Dir:
-			if dirs[f.Path] {
-				continue
-			}
-			dirs[f.Path] = true
-			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: name + "/", Mode: f.Mode, ModTime: epoch}); err != nil {
-				return nil, err
-			}
-		case f.Link != "":
-			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeSymlink, Name: name, Linkname: f.Link, Mode: 0o777, ModTime: epoch}); err != nil {
-				return nil, err
-			}
-		default:
-			data, err := os.ReadFile(f.Src)
-			if err != nil {
-				return nil, err
-			}
-			st, err := os.Stat(f.Src)
-			if err != nil {
-				return nil, err
-			}
-			if err := tw.WriteHeader(&tar.Header{Typeflag: tar.TypeReg, Name: name, Size: int64(len(data)), Mode: int64(st.Mode().Perm()), ModTime: epoch}); err != nil {
-				return nil, err
-			}
-			if _, err := tw.Write(data); err != nil {
-				return nil, err
-			}
-		}
-	}
-	if err := tw.Close(); err != nil {
-		return nil, err
-	}
-	layerBytes := buf.Bytes()
-	layer, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(layerBytes)), nil })
-	if err != nil {
-		return nil, err
-	}
-	v, err := mutate.AppendLayers(empty.Image, layer)
-	if err != nil {
-		return nil, err
-	}
-	cfg, err := v.ConfigFile()
-	if err != nil {
-		return nil, err
-	}
-	cfg = cfg.DeepCopy()
-	cfg.OS, cfg.Architecture = "linux", runtime.GOARCH
-	cfg.Created = v1.Time{Time: epoch}
-	cfg.Config.Entrypoint, cfg.Config.Cmd = img.Entrypoint, img.Cmd
-	cfg.Config.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	return mutate.ConfigFile(v, cfg)
-}
-
 // Import builds images into one docker archive and imports it into the node's containerd
 // (namespace k8s.io, where kubelet looks).
 func (n *Node) Import(t testing.TB, images []Image) {
@@ -309,7 +184,7 @@ func (n *Node) Import(t testing.TB, images []Image) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		v, err := img.build()
+		v, err := img.Build(runtime.GOARCH)
 		if err != nil {
 			t.Fatalf("image %s: %v", img.Ref, err)
 		}
