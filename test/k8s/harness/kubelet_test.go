@@ -44,6 +44,7 @@ type kubeletEnv struct {
 	node    *Node   // the first node
 	nodes   []*Node // every node
 	poolcsi string  // host binary (pool init, inspection)
+	log     *envLog // what the environment made, for the next run to reclaim if this one is killed
 }
 
 // envOptions change the environment startEnv brings up.
@@ -195,7 +196,7 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	for _, n := range nodes {
 		t.Logf("node %s Ready after %s", n.Name, time.Since(total).Round(time.Second))
 	}
-	env := &kubeletEnv{c: c, node: nodes[0], nodes: nodes, poolcsi: bin}
+	env := &kubeletEnv{c: c, node: nodes[0], nodes: nodes, poolcsi: bin, log: log}
 
 	docs, err := chart.Render(chart.ChartDir(), "", overrides)
 	if err != nil {
@@ -538,6 +539,12 @@ type claimSpec struct {
 
 func (e *kubeletEnv) claim(t testing.TB, ns string, c claimSpec) {
 	t.Helper()
+	if _, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), claimObject(ns, c), metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func claimObject(ns string, c claimSpec) *corev1.PersistentVolumeClaim {
 	mode := corev1.PersistentVolumeFilesystem
 	if c.block {
 		mode = corev1.PersistentVolumeBlock
@@ -562,9 +569,7 @@ func (e *kubeletEnv) claim(t testing.TB, ns string, c claimSpec) {
 		group := "snapshot.storage.k8s.io"
 		pvc.Spec.DataSource = &corev1.TypedLocalObjectReference{APIGroup: &group, Kind: "VolumeSnapshot", Name: c.dataSource}
 	}
-	if _, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
+	return pvc
 }
 
 type podSpec struct {

@@ -34,6 +34,7 @@ const (
 	AttacherVersion    = "v4.13.0" // github.com/kubernetes-csi/external-attacher/v4
 	ResizerVersion     = "v2.3.0"  // github.com/kubernetes-csi/external-resizer/v2
 	SnapshotterVersion = "v8.7.0"  // github.com/kubernetes-csi/external-snapshotter/v8 (and its client/v8)
+	LocalPathVersion   = "v0.0.30" // github.com/rancher/local-path-provisioner
 )
 
 // Tool is one binary the harness builds from the Go module proxy.
@@ -149,6 +150,10 @@ var (
 	SnapshotController = Tool{Name: "snapshot-controller", Module: "github.com/kubernetes-csi/external-snapshotter/v8", Version: SnapshotterVersion,
 		Package: "github.com/kubernetes-csi/external-snapshotter/v8/cmd/snapshot-controller", ReplaceFrom: snapshotterReplaces,
 		LDFlags: "-s -w -X main.version=" + SnapshotterVersion, Group: SidecarGroup}
+	// rancher/local-path-provisioner, what k3s provisions local volumes with: the
+	// side-by-side benchmark (BenchmarkSideBySide) runs it beside poolcsi.
+	LocalPath = Tool{Name: "local-path-provisioner", Module: "github.com/rancher/local-path-provisioner", Version: LocalPathVersion,
+		Package: "github.com/rancher/local-path-provisioner", LDFlags: "-s -w -X main.VERSION=" + LocalPathVersion}
 	// All in build order.
 	All = []Tool{Etcd, APIServer, ControllerManager, Scheduler, Kubelet, Proxy, Provisioner, Attacher, Resizer, Snapshotter, SnapshotController}
 )
