@@ -20,6 +20,9 @@ done
 { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)
 # make image's push route, which docs/deploy.md documents and TestImagePushPull takes.
 command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
+# mount.nfs, which the poolcsi image carries (deploy/image-tools.txt) and the test harness
+# copies from this machine into the image it builds.
+[ -x /sbin/mount.nfs ] || need+=(nfs-common)
 [ ${#need[@]} -eq 0 ] && exit 0
 # Once each, in the order found.
 mapfile -t need < <(printf '%s\n' "${need[@]}" | awk '!seen[$0]++')

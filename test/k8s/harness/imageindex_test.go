@@ -329,12 +329,32 @@ func TestImageToolsRunInImage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	for _, c := range [][]string{
-		{"mount", "--version"}, {"umount", "--version"}, {"blkid", "-V"}, {"blockdev", "--version"}, {"fsck", "--version"},
-		{"mkfs.ext4", "-V"}, {"mke2fs", "-V"}, {"e2fsck", "-V"}, {"fsck.ext4", "-V"}, {"resize2fs", "-h"}, {"dumpe2fs", "-V"},
-		{"mkfs.xfs", "-V"}, {"xfs_growfs", "-V"}, {"xfs_io", "-V"}, {"xfs_repair", "-V"},
-		{"mkfs.btrfs", "--version"}, {"btrfs", "--version"}, {"cp", "--version"},
-	} {
+	// How to run each command of deploy/image-tools.txt so that it only says its version.
+	versionArg := map[string]string{
+		"mount": "--version", "umount": "--version", "blkid": "-V", "blockdev": "--version", "fsck": "--version",
+		"mkfs.ext4": "-V", "mke2fs": "-V", "e2fsck": "-V", "fsck.ext4": "-V", "resize2fs": "-h", "dumpe2fs": "-V",
+		"mkfs.xfs": "-V", "xfs_growfs": "-V", "xfs_io": "-V", "xfs_repair": "-V",
+		"mkfs.btrfs": "--version", "btrfs": "--version", "cp": "--version",
+		"mount.nfs": "-V", "mount.nfs4": "-V",
+	}
+	tools, err := ImageTools()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var cmds [][]string
+	for _, tl := range tools {
+		if strings.HasPrefix(tl.Path, "/etc/") {
+			continue
+		}
+		name := filepath.Base(tl.Path)
+		arg, ok := versionArg[name]
+		if !ok {
+			t.Errorf("deploy/image-tools.txt lists %s, which this test does not know how to run: add it to versionArg", tl.Path)
+			continue
+		}
+		cmds = append(cmds, []string{name, arg})
+	}
+	for _, c := range cmds {
 		out, err := exec.Command("chroot", append([]string{root}, c...)...).CombinedOutput()
 		// resize2fs -h prints its usage and exits 1; what matters is that it ran.
 		usage := c[0] == "resize2fs" && strings.Contains(string(out), "Usage:")
