@@ -2,12 +2,10 @@ package driver
 
 import (
 	"context"
-	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -161,55 +159,4 @@ func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 		src.vol = sv
 	}
 	return d.layoutOf(v.Layout).cloneFrom(ctx, p, v, src)
-}
-
-// cloneFrom copies an image (a snapshot's, or a volume's, frozen if it is
-// staged here) into the new volume's image, grown to its size.
-func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
-	var from *pool.Handle
-	var err error
-	thaw := func() {}
-	if src.isSnapshot() {
-		from, err = p.OpenSnapshotImage(src.snapID)
-	} else {
-		from, err = p.OpenImage(src.volID)
-		thaw = d.freezeIfStagedHere(ctx, p, src.volID, src.vol)
-	}
-	if err != nil {
-		thaw()
-		return fmt.Errorf("source of volume %s: %w", v.ID, err)
-	}
-	defer from.Close()
-	method, err := p.PrepareImageFrom(ctx, v, from.Path())
-	thaw()
-	if err != nil {
-		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
-	}
-	if err := p.MarkReady(v); err != nil {
-		return err
-	}
-	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
-	return nil
-}
-
-// cloneFrom makes the new dir volume's data directory and copies the source's
-// tree into it.
-func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
-	var from *pool.Handle
-	var err error
-	if src.isSnapshot() {
-		from, err = p.OpenSnapshotData(src.snapID)
-	} else {
-		from, err = p.OpenData(src.volID)
-	}
-	if err != nil {
-		return fmt.Errorf("source of volume %s: %w", v.ID, err)
-	}
-	defer from.Close()
-	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
-		if err := pool.CopyTree(ctx, from.Path(), data); err != nil {
-			return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
-		}
-		return nil
-	})
 }

@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"strings"
 
@@ -230,43 +229,6 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		}
 	}
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil
-}
-
-// finishCreate makes the image and formats it. Formatting the file before any node
-// attaches it is faster (no loop device, ext4 skips zeroing inode tables) and
-// means NodeStageVolume never formats a volume that should already hold data.
-func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
-	vid, _ := pool.ParseVolumeID(v.ID)
-	if err := p.PrepareImage(v); err != nil {
-		return err
-	}
-	if v.AccessType == pool.AccessFilesystem {
-		if err := d.format(ctx, p, vid, v.FSType); err != nil {
-			if derr := p.DiscardImage(v); derr != nil {
-				klog.FromContext(ctx).Error(derr, "Discarding the image after a failed mkfs", "volume", v.ID)
-			}
-			return fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err)
-		}
-	}
-	if err := p.SyncImage(vid); err != nil {
-		return err
-	}
-	if err := p.MarkReady(v); err != nil {
-		return err
-	}
-	klog.FromContext(ctx).Info("Created volume", "volume", v.ID, "name", v.Name, "capacity", v.CapacityBytes, "fsType", v.FSType, "access", v.AccessType)
-	return nil
-}
-
-// format makes a filesystem on a volume's image, through a descriptor opened
-// without following links.
-func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID, fsType string) error {
-	h, err := p.OpenImage(vid)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	return d.devs.Format(ctx, h.Path(), fsType)
 }
 
 // nameInOtherPool refuses a name that already names a volume in another pool: the

@@ -2,7 +2,6 @@ package driver
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"time"
 
@@ -168,33 +167,4 @@ func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, 
 		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
 		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
 	}}, nil
-}
-
-// stats of an image volume: its filesystem's, or its block device's size.
-func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
-	image := p.ImagePath(vid)
-	dev, attached, err := d.attachedDevice(image)
-	if err != nil {
-		return nil, err
-	}
-	if !attached {
-		return nil, failf(errNotAtPath, "volume %s is not attached on this node, so not mounted at %s", vid, path)
-	}
-	if !d.mounts.OnDevice(path, dev) {
-		info, mounted, err := d.mounts.Info(path)
-		if err != nil {
-			return nil, fmt.Errorf("inspect %s: %w", path, err)
-		}
-		if !mounted || (info.Source != dev && !d.mounts.IsDevice(info.Target, dev)) {
-			return nil, failf(errNotAtPath, "volume %s is not mounted at %s", vid, path)
-		}
-	}
-	if v.AccessType == pool.AccessBlock {
-		size, err := d.devs.Size(dev)
-		if err != nil {
-			return nil, fmt.Errorf("size of %s: %w", dev, err)
-		}
-		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{{Unit: csi.VolumeUsage_BYTES, Total: size}}}, nil
-	}
-	return d.filesystemStats(path)
 }
