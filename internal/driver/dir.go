@@ -31,7 +31,7 @@ type quotaBackends struct {
 	m  map[string]quota.Backend
 }
 
-func (d *Driver) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, error) {
+func (d *layoutDeps) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, error) {
 	d.quotas.mu.Lock()
 	defer d.quotas.mu.Unlock()
 	if b, ok := d.quotas.m[p.Name]; ok {
@@ -85,7 +85,7 @@ func (d dirLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volum
 
 // finishCreateDirWith is finishCreateDir with a step that fills the new data
 // directory (a clone's copy) before the volume is marked ready.
-func (d *Driver) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.Volume, fill func(data string) error) error {
+func (d *layoutDeps) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.Volume, fill func(data string) error) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	b, err := d.quotaFor(ctx, p)
 	if err != nil {

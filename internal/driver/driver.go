@@ -115,11 +115,7 @@ type Driver struct {
 	configured []string
 	shares     shareState
 	locks      *volumeLocks
-	mounts     MountTable
-	loops      LoopDevices
-	devs       BlockDevices
-	fs         Filesystems
-	quotas     quotaBackends
+	layoutDeps
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
 	// poolState holds each pool's last seen fault ("" when usable), so Probe
@@ -171,15 +167,14 @@ func New(opts Options) (*Driver, error) {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
 	d := &Driver{
-		opts:   opts,
-		pools:  map[string]*pool.Pool{},
-		locks:  newVolumeLocks(),
-		mounts: host.Mounts,
-		loops:  host.Loops,
-		devs:   host.Devices,
-		fs:     host.FS,
+		opts:  opts,
+		pools: map[string]*pool.Pool{},
+		locks: newVolumeLocks(),
+		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
+			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix},
 		leases: newLeases(opts.Lease),
 	}
+	d.freeze = d.freezeIfStagedHere
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)

@@ -14,7 +14,7 @@ import (
 
 // imageLayout is a sparse image file attached through a loop device: exact
 // size, one writer node, Filesystem or Block access.
-type imageLayout struct{ *Driver }
+type imageLayout struct{ *layoutDeps }
 
 // imageModes are the access modes an image volume can honour: one writer node, or
 // read-only on many. Two nodes writing one filesystem image would corrupt it.
@@ -161,7 +161,7 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 		from, err = p.OpenSnapshotImage(src.snapID)
 	} else {
 		from, err = p.OpenImage(src.volID)
-		thaw = d.freezeIfStagedHere(ctx, p, src.volID, src.vol)
+		thaw = d.freeze(ctx, p, src.volID, src.vol)
 	}
 	if err != nil {
 		thaw()
@@ -182,7 +182,7 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 
 // growImage grows an image volume's file to the range asked (rounded as
 // CreateVolume rounds) and records the new size.
-func (d *Driver) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
+func (d *layoutDeps) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), minSizeOf(v))
 	if err != nil {
 		return nil, err

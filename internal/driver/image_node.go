@@ -212,7 +212,7 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 		return "", fmt.Errorf("attach %s: %w", image, err)
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
-		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.opts.NodeID, nv.pool.Name)
+		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name)
 	}
 	return dev, nil
 }
@@ -221,7 +221,7 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 // that failed) as UNAVAILABLE: not knowing which device holds an image is no
 // answer that none does, so it must never read as "not attached" (NOT_FOUND,
 // a publish refused as a foreign mount, a detached-device condition).
-func (d *Driver) attachedDevice(image string) (string, bool, error) {
+func (d *layoutDeps) attachedDevice(image string) (string, bool, error) {
 	dev, ok, err := d.loops.Find(image)
 	if err != nil {
 		return "", false, failf(pool.ErrUnavailable, "cannot tell which loop device holds %s (retry): %w", image, err)
@@ -241,7 +241,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	if !attached {
 		return nil, failf(errNotAtPath, "volume %s is not staged on this node", nv.id)
 	}
-	if r := req.GetCapacityRange(); d.opts.ExpandOnNode && isLocal(nv.pool) && r.GetRequiredBytes() > v.CapacityBytes {
+	if r := req.GetCapacityRange(); d.expandOnNode && isLocal(nv.pool) && r.GetRequiredBytes() > v.CapacityBytes {
 		// Local pools deployed with one cluster-wide resizer: the resizer cannot
 		// reach this node's pool, so it skips ControllerExpandVolume (not
 		// advertised) and the file grows here, where the pool is.
@@ -256,7 +256,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 	holds := mounted && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !holds && v.AccessType == pool.AccessBlock {
 		// A block volume's staging path has nothing mounted on it.
-		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID && s.Path == path })
+		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.nodeID && s.Path == path })
 	}
 	if !holds {
 		return nil, failf(errNotAtPath, "volume %s is not mounted at %s", nv.id, path)
@@ -304,7 +304,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 func (d imageLayout) writableMount(nv nodeVolume, staging, dev, path string, info mount.MountInfo) (string, mount.MountInfo) {
 	candidates := []string{staging}
 	for _, s := range nv.vol.Staged {
-		if s.Node == d.opts.NodeID {
+		if s.Node == d.nodeID {
 			candidates = append(candidates, s.Path)
 		}
 	}
@@ -326,7 +326,7 @@ func (d imageLayout) writableMount(nv nodeVolume, staging, dev, path string, inf
 // refreshLoop makes the loop device as large as the image file and returns that
 // size. The file is the truth (ControllerExpandVolume grows it before it records
 // the size); a file smaller than its record was damaged, and is not hidden.
-func (d *Driver) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
+func (d *layoutDeps) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
 	imageSize, err := p.ImageSize(vid)
 	if err != nil {
 		return 0, err
@@ -356,7 +356,7 @@ func (d *Driver) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeI
 // device, grows an ext4 filesystem offline at once (e2fsck + resize2fs, which
 // needs no CAP_SYS_RESOURCE) or notes that xfs/btrfs must grow once mounted.
 // A read-only stage grows nothing: it must not write the volume.
-func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string, readOnly bool) (stageGrowth, error) {
+func (d *layoutDeps) growBeforeMount(ctx context.Context, nv nodeVolume, dev string, readOnly bool) (stageGrowth, error) {
 	size, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, nv.vol)
 	if err != nil || readOnly {
 		return stageGrowth{}, err
@@ -381,7 +381,7 @@ func (d *Driver) growBeforeMount(ctx context.Context, nv nodeVolume, dev string,
 // growAfterMount finishes what growBeforeMount left for a mounted filesystem.
 // A failure does not fail the stage: the volume is usable at its old size, and
 // kubelet follows an offline expansion with NodeExpandVolume, which retries.
-func (d *Driver) growAfterMount(ctx context.Context, g stageGrowth, nv nodeVolume, dev, staging string) {
+func (d *layoutDeps) growAfterMount(ctx context.Context, g stageGrowth, nv nodeVolume, dev, staging string) {
 	if !g.afterMount {
 		return
 	}
@@ -428,7 +428,7 @@ func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 // (read-write made read-only, or read-only made writable). A flag left by an
 // earlier read-only publish is cleared by the next read-write publish once no
 // other publish remains, and by Attach on the next stage.
-func (d *Driver) setBlockReadOnly(dev, target string, readOnly bool) error {
+func (d *layoutDeps) setBlockReadOnly(dev, target string, readOnly bool) error {
 	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
 		return fmt.Errorf("list mounts of %s: %w", dev, err)

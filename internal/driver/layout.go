@@ -10,8 +10,16 @@ import (
 
 // layout is everything the image and dir layouts do differently. Handlers pick
 // it once per volume (layoutOf) and never branch on pool.Layout themselves, so
-// a third layout is one more implementation in a file of its own.
+// a third layout is one more implementation in files of its own (its
+// controller side in <layout>.go, its node side in <layout>_node.go).
 type layout interface {
+	layoutFacts
+	controllerLayout
+	nodeLayout
+}
+
+// layoutFacts are what a layout is: answers that act on nothing.
+type layoutFacts interface {
 	// allowed refuses capabilities the layout cannot honour (INVALID_ARGUMENT).
 	allowed(s capsSpec) error
 	// minSize is the smallest volume of the layout for s.
@@ -25,7 +33,11 @@ type layout interface {
 	mountFS(v *pool.Volume) string
 	// volumeContext adds the layout's keys to a volume's context.
 	volumeContext(v *pool.Volume, ctx map[string]string)
+	nodeExpansionRequired() bool
+}
 
+// controllerLayout is what a layout does for the controller's calls.
+type controllerLayout interface {
 	finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error
 	// cloneFrom fills a volume still creating from a snapshot or volume and
 	// marks it ready; finishClone holds the source.
@@ -34,8 +46,10 @@ type layout interface {
 	// fence decides whether node may have v published the way it asks.
 	fence(v *pool.Volume, node string, readOnly bool) error
 	expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error)
-	nodeExpansionRequired() bool
+}
 
+// nodeLayout is what a layout does for the node's calls.
+type nodeLayout interface {
 	stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error
 	publish(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error
 	expandNode(ctx context.Context, nv nodeVolume, req *csi.NodeExpandVolumeRequest, path string) (*csi.NodeExpandVolumeResponse, error)
@@ -50,11 +64,34 @@ var layouts = []pool.Layout{pool.LayoutImage, pool.LayoutDir}
 // anything they do not recognise.
 func (d *Driver) layoutOf(l pool.Layout) layout {
 	if l == pool.LayoutDir {
-		return dirLayout{d}
+		return dirLayout{&d.layoutDeps}
 	}
-	return imageLayout{d}
+	return imageLayout{&d.layoutDeps}
+}
+
+// layoutDeps is what a layout acts through: this node's kernel (its mounts,
+// loop and block devices and filesystems), the quota backends of dir volumes,
+// and the few settings that shape a stage. The Driver embeds it, so its
+// handlers reach the same parts; a layout holds only this, not the Driver, so
+// the pools, locks, leases and handlers are out of its reach: what it needs of
+// them comes in its arguments.
+type layoutDeps struct {
+	mounts MountTable
+	loops  LoopDevices
+	devs   BlockDevices
+	fs     Filesystems
+	quotas quotaBackends
+
+	nodeID       string
+	expandOnNode bool
+	// pathPrefix is --allowed-path-prefix: the only directory mounts go in.
+	pathPrefix string
+	// freeze freezes the filesystem of a volume staged on this node for a
+	// consistent copy and returns its thaw (the driver's snapshot code, which
+	// takes the volume's freeze record).
+	freeze func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func())
 }
 
 // dirLayout is a subdirectory of the pool, bind-mounted into pods: many
 // writers on many nodes, size enforced where the pool's filesystem can.
-type dirLayout struct{ *Driver }
+type dirLayout struct{ *layoutDeps }

@@ -197,7 +197,7 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 
 // isVolumeMount tells whether a mount comes from the loop device backed by
 // image; UNAVAILABLE when the loop devices cannot be looked up.
-func (d *Driver) isVolumeMount(info mount.MountInfo, image string) (bool, error) {
+func (d *layoutDeps) isVolumeMount(info mount.MountInfo, image string) (bool, error) {
 	dev, ok, err := d.attachedDevice(image)
 	return ok && dev == info.Source, err
 }

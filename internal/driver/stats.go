@@ -157,7 +157,7 @@ func (d *Driver) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeI
 }
 
 // filesystemStats is the usage of the filesystem mounted at path.
-func (d *Driver) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d *layoutDeps) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	var st unix.Statfs_t
 	if err := d.fs.Statfs(path, &st); err != nil {
 		return nil, err

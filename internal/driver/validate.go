@@ -152,7 +152,7 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 // the path once more, without links, and acts on what it resolved
 // (internal/mount/beneath.go), so a link swapped in after this check moves
 // nothing.
-func (d *Driver) requestPath(field, p string) (string, error) {
+func (d *layoutDeps) requestPath(field, p string) (string, error) {
 	switch {
 	case p == "":
 		return "", failf(errInvalid, "%s is required", field)
@@ -170,7 +170,7 @@ func (d *Driver) requestPath(field, p string) (string, error) {
 	}
 	clean := filepath.Clean(p)
 	base := "/"
-	if prefix := d.opts.PathPrefix; prefix != "" && prefix != "/" {
+	if prefix := d.pathPrefix; prefix != "" && prefix != "/" {
 		if !strings.HasPrefix(clean, prefix+"/") {
 			return "", failf(errInvalid, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
 		}
