@@ -104,19 +104,7 @@ func TestStatusAgainstTheDriver(t *testing.T) {
 			if code != tt.code {
 				t.Fatalf("exit %d, want %d; stdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
 			}
-			rest := out
-			for _, w := range tt.want {
-				i := strings.Index(rest, w)
-				if i < 0 {
-					t.Fatalf("output lacks %q after what came before:\n%s", w, out)
-				}
-				rest = rest[i+len(w):]
-			}
-			for _, nw := range tt.notWant {
-				if strings.Contains(out, nw) {
-					t.Errorf("output has %q:\n%s", nw, out)
-				}
-			}
+			checkOutput(t, out, tt.want, tt.notWant)
 		})
 	}
 }
@@ -257,19 +245,7 @@ func TestWriteStatusText(t *testing.T) {
 				t.Fatal(err)
 			}
 			out := b.String()
-			rest := out
-			for _, w := range tt.want {
-				i := strings.Index(rest, w)
-				if i < 0 {
-					t.Fatalf("output lacks %q after what came before:\n%s", w, out)
-				}
-				rest = rest[i+len(w):]
-			}
-			for _, nw := range tt.notWant {
-				if strings.Contains(out, nw) {
-					t.Errorf("output has %q:\n%s", nw, out)
-				}
-			}
+			checkOutput(t, out, tt.want, tt.notWant)
 		})
 	}
 }
@@ -434,5 +410,24 @@ func TestStatusAnotherDriver(t *testing.T) {
 	}
 	if t.Failed() {
 		t.Log(out)
+	}
+}
+
+// checkOutput fails unless out holds each of want, in that order, and none of
+// notWant.
+func checkOutput(t *testing.T, out string, want, notWant []string) {
+	t.Helper()
+	rest := out
+	for _, w := range want {
+		i := strings.Index(rest, w)
+		if i < 0 {
+			t.Fatalf("output lacks %q after what came before:\n%s", w, out)
+		}
+		rest = rest[i+len(w):]
+	}
+	for _, nw := range notWant {
+		if strings.Contains(out, nw) {
+			t.Errorf("output has %q:\n%s", nw, out)
+		}
 	}
 }
