@@ -298,3 +298,27 @@ func TestUnavailableSharedPool(t *testing.T) {
 	_, err = td.GetCapacity(context.Background(), &csi.GetCapacityRequest{Parameters: map[string]string{"pool": "share"}})
 	wantCode(t, err, codes.Unavailable)
 }
+
+// A source volume whose data cannot be measured for a reason other than its
+// absence (here its image is a link that loops) is not NOT_FOUND: the
+// snapshotter would take that for a volume gone and give up on the snapshot.
+func TestSnapshotOfUnreadableDataIsNotNotFound(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	vid, err := pool.ParseVolumeID(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	image := td.pool.ImagePath(vid)
+	if err := os.Remove(image); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Base(image), image); err != nil {
+		t.Fatal(err)
+	}
+	_, err = td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s", SourceVolumeId: id})
+	if status.Code(err) == codes.NotFound || err == nil {
+		t.Fatalf("CreateSnapshot of a volume whose image loops: %v, want an error other than NOT_FOUND", err)
+	}
+}

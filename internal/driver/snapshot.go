@@ -123,8 +123,12 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	}
 	defer unlock()
 	need, err := p.VolumeAllocated(vid, v)
-	if err != nil {
+	switch {
+	case errors.Is(err, pool.ErrNotFound):
 		return nil, failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
+	case err != nil:
+		// An I/O error or a pool gone is not a missing volume: its own code.
+		return nil, fmt.Errorf("volume %s: measure its data: %w", vid, err)
 	}
 	s, err := p.ReserveSnapshot(ctx, name, v, need)
 	if err != nil {
