@@ -19,8 +19,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/encoding/protowire"
-	"google.golang.org/protobuf/proto"
+
+	"github.com/poolcsi/poolcsi/internal/driver"
 )
 
 const statusSynopsis = `status [--endpoint unix:///path/csi.sock] [--timeout D] [-o text|json]
@@ -355,7 +355,7 @@ func (g *gatherer) listVolumes(cc csi.ControllerClient) {
 				vs.Topology = append(vs.Topology, t.GetSegments())
 			}
 			if st := e.GetStatus(); st != nil {
-				if abnormal, msg, ok := legacyVolumeCondition(st); ok {
+				if abnormal, msg, ok := driver.LegacyCondition(st); ok {
 					vs.Abnormal, vs.Condition = abnormal, msg
 				}
 			}
@@ -553,62 +553,6 @@ func (h healthEntry) String() string {
 		s += ": " + h.Message
 	}
 	return s
-}
-
-// legacyVolumeCondition reads the volume_condition of CSI ≤ v1.12 (field 2:
-// {bool abnormal = 1; string message = 2}) from a v1.13 status message, where
-// it is a field the generated code does not know (internal/driver/legacy.go
-// writes it). ok is false when the message has none.
-func legacyVolumeCondition(m proto.Message) (abnormal bool, message string, ok bool) {
-	raw := m.ProtoReflect().GetUnknown()
-	for len(raw) > 0 {
-		num, typ, n := protowire.ConsumeTag(raw)
-		if n < 0 {
-			return false, "", false
-		}
-		raw = raw[n:]
-		if num != 2 || typ != protowire.BytesType {
-			if n = protowire.ConsumeFieldValue(num, typ, raw); n < 0 {
-				return false, "", false
-			}
-			raw = raw[n:]
-			continue
-		}
-		cond, n := protowire.ConsumeBytes(raw)
-		if n < 0 {
-			return false, "", false
-		}
-		raw = raw[n:]
-		abnormal, message, ok = false, "", true
-		for len(cond) > 0 {
-			cnum, ctyp, cn := protowire.ConsumeTag(cond)
-			if cn < 0 {
-				return false, "", false
-			}
-			cond = cond[cn:]
-			switch {
-			case cnum == 1 && ctyp == protowire.VarintType:
-				v, vn := protowire.ConsumeVarint(cond)
-				if vn < 0 {
-					return false, "", false
-				}
-				abnormal, cond = protowire.DecodeBool(v), cond[vn:]
-			case cnum == 2 && ctyp == protowire.BytesType:
-				s, sn := protowire.ConsumeString(cond)
-				if sn < 0 {
-					return false, "", false
-				}
-				message, cond = s, cond[sn:]
-			default:
-				fn := protowire.ConsumeFieldValue(cnum, ctyp, cond)
-				if fn < 0 {
-					return false, "", false
-				}
-				cond = cond[fn:]
-			}
-		}
-	}
-	return abnormal, message, ok
 }
 
 func pluginCapName(c *csi.PluginCapability) string {

@@ -15,7 +15,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/types/known/wrapperspb"
 
 	"github.com/poolcsi/poolcsi/internal/driver"
@@ -247,40 +246,6 @@ func TestWriteStatusText(t *testing.T) {
 			out := b.String()
 			checkOutput(t, out, tt.want, tt.notWant)
 		})
-	}
-}
-
-func TestLegacyVolumeCondition(t *testing.T) {
-	cond := func(abnormal bool, msg string) []byte {
-		var b []byte
-		b = protowire.AppendTag(b, 1, protowire.VarintType)
-		b = protowire.AppendVarint(b, protowire.EncodeBool(abnormal))
-		b = protowire.AppendTag(b, 2, protowire.BytesType)
-		return protowire.AppendString(b, msg)
-	}
-	field := func(inner []byte) []byte {
-		b := protowire.AppendTag(nil, 2, protowire.BytesType)
-		return protowire.AppendBytes(b, inner)
-	}
-	other := protowire.AppendVarint(protowire.AppendTag(nil, 9, protowire.VarintType), 7)
-	tests := []struct {
-		name         string
-		unknown      []byte
-		abnormal, ok bool
-		message      string
-	}{
-		{"none", nil, false, false, ""},
-		{"healthy", field(cond(false, "volume is healthy")), false, true, "volume is healthy"},
-		{"abnormal, after another unknown field", append(other, field(cond(true, "ImageMissing: gone"))...), true, true, "ImageMissing: gone"},
-		{"cut short", field(cond(true, "x"))[:3], false, false, ""},
-	}
-	for _, tt := range tests {
-		st := &csi.ListVolumesResponse_VolumeStatus{}
-		st.ProtoReflect().SetUnknown(tt.unknown)
-		abnormal, msg, ok := legacyVolumeCondition(st)
-		if abnormal != tt.abnormal || msg != tt.message || ok != tt.ok {
-			t.Errorf("%s: %v %q %v, want %v %q %v", tt.name, abnormal, msg, ok, tt.abnormal, tt.message, tt.ok)
-		}
 	}
 }
 

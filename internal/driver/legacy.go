@@ -59,3 +59,49 @@ func setLegacyCondition(m proto.Message, issues []health.Issue) {
 	raw = protowire.AppendBytes(raw, cond)
 	r.SetUnknown(raw)
 }
+
+// LegacyCondition reads the volume_condition setLegacyCondition writes (or a
+// v1.12 driver sends) from a v1.13 status message, where it is a field the
+// generated code does not know. ok is false when m has none or it is
+// malformed.
+func LegacyCondition(m proto.Message) (abnormal bool, message string, ok bool) {
+	wellFormed := eachField(m.ProtoReflect().GetUnknown(), func(num protowire.Number, typ protowire.Type, v []byte) {
+		if num != legacyVolumeConditionField || typ != protowire.BytesType {
+			return
+		}
+		cond, _ := protowire.ConsumeBytes(v)
+		abnormal, message = false, ""
+		ok = eachField(cond, func(num protowire.Number, typ protowire.Type, v []byte) {
+			switch {
+			case num == 1 && typ == protowire.VarintType:
+				x, _ := protowire.ConsumeVarint(v)
+				abnormal = protowire.DecodeBool(x)
+			case num == 2 && typ == protowire.BytesType:
+				message, _ = protowire.ConsumeString(v)
+			}
+		})
+	})
+	if !wellFormed || !ok {
+		return false, "", false
+	}
+	return abnormal, message, true
+}
+
+// eachField calls f with each field of the encoded message b: its number, its
+// wire type and its whole encoded value. It reports false if b is malformed.
+func eachField(b []byte, f func(num protowire.Number, typ protowire.Type, v []byte)) bool {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return false
+		}
+		b = b[n:]
+		m := protowire.ConsumeFieldValue(num, typ, b)
+		if m < 0 {
+			return false
+		}
+		f(num, typ, b[:m])
+		b = b[m:]
+	}
+	return true
+}
