@@ -311,6 +311,19 @@ func (o conformanceOpts) pick(names []string) []string {
 	return out
 }
 
+// envRegexp is the regexp in the environment variable name; nil when it is unset.
+func envRegexp(name string) (*regexp.Regexp, error) {
+	v := os.Getenv(name)
+	if v == "" {
+		return nil, nil
+	}
+	re, err := regexp.Compile(v)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	return re, nil
+}
+
 func conformanceOptsFromEnv() (conformanceOpts, error) {
 	o := conformanceOpts{budget: 5 * time.Hour, procs: 3, rerun: os.Getenv("POOLCSI_E2E_RERUN")}
 	if b := os.Getenv("POOLCSI_E2E_BUDGET"); b != "" {
@@ -320,14 +333,12 @@ func conformanceOptsFromEnv() (conformanceOpts, error) {
 		}
 		o.budget = d
 	}
-	for env, re := range map[string]**regexp.Regexp{"POOLCSI_E2E_CHUNKS": &o.chunks, "POOLCSI_E2E_SPECS": &o.specs} {
-		if v := os.Getenv(env); v != "" {
-			c, err := regexp.Compile(v)
-			if err != nil {
-				return o, fmt.Errorf("%s: %w", env, err)
-			}
-			*re = c
-		}
+	var err error
+	if o.chunks, err = envRegexp("POOLCSI_E2E_CHUNKS"); err != nil {
+		return o, err
+	}
+	if o.specs, err = envRegexp("POOLCSI_E2E_SPECS"); err != nil {
+		return o, err
 	}
 	if p := os.Getenv("POOLCSI_E2E_PROCS"); p != "" {
 		n, err := strconv.Atoi(p)
