@@ -112,6 +112,10 @@ storageClasses:
     volumeBindingMode: WaitForFirstConsumer
     reclaimPolicy: Retain
     parameters: {csi.storage.k8s.io/provisioner-secret-name: x}
+volumeAttributesClasses:
+  - {name: fast, shared: true, parameters: {readBytesPerSecond: 100Mi, writeIOPS: "3000"}}
+  - {name: guaranteed, parameters: {preallocate: "true"}}
+groupSnapshotClass: {create: true, name: db-group, deletionPolicy: Retain, default: true}
 `,
 			set: []string{"image.tag=2", "controller.healthEvents=sidecar", "controller.builtinLivenessProbe=false",
 				"node.builtinRegistration=false", "logLevel=5", "controller.replicas=1", "controller.provisionerExtraArgs={--extra-create-metadata}",
@@ -119,6 +123,9 @@ storageClasses:
 			setString: []string{"image.tag=1.10"},
 		}},
 
+		{name: "a VolumeAttributesClass parameter the driver does not know", values: userValues{file: `
+volumeAttributesClasses: [{name: x, parameters: {readBPS: 1Mi}}]
+`}, wantErr: []string{"invalid propertyName 'readBPS'"}},
 		{name: "misspelt top-level key", values: userValues{set: []string{"imge.tag=v1"}},
 			wantErr: []string{"at '': additional properties 'imge' not allowed"}},
 		{name: "misspelt nested key", values: userValues{set: []string{"node.kubeletDirr=/var/lib/k8s/kubelet"}},

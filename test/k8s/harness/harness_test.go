@@ -278,7 +278,10 @@ func TestKubernetes(t *testing.T) {
 		docs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), map[string]any{"storageClasses": []any{
 			map[string]any{"name": "sc-local", "pool": "local", "fsType": "xfs", "default": true},
 			map[string]any{"name": "sc-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "mountOptions": []any{"noatime"}},
-		}})
+		}, "volumeAttributesClasses": []any{
+			map[string]any{"name": "vac-shared", "shared": true, "parameters": map[string]any{"writeBytesPerSecond": "20Mi", "readIOPS": "500"}},
+			map[string]any{"name": "vac-local", "parameters": map[string]any{"preallocate": "true"}},
+		}, "groupSnapshotClass": map[string]any{"create": true}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -293,7 +296,8 @@ func TestKubernetes(t *testing.T) {
 			}
 		}
 		for _, d := range docs {
-			if d.Kind == "StorageClass" {
+			switch d.Kind {
+			case "StorageClass", "VolumeAttributesClass", "VolumeGroupSnapshotClass":
 				objs, err := ParseObjects([]byte(d.YAML))
 				if err != nil {
 					t.Fatal(err)
