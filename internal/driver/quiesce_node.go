@@ -244,17 +244,22 @@ func (d *Driver) freezeForRequest(ctx context.Context, p *pool.Pool, id pool.Vol
 }
 
 // thawHeld thaws a hold. early, when not empty, says why it ends while the
-// request is still there: the answer says "thawed" before the thaw, so the
-// controller learns its copy may not be of one point in time. Otherwise the
-// request was withdrawn and the answer goes with the thaw.
+// request is still there (the controller then learns its copy may not be of
+// one point in time); empty, the request was withdrawn. Either way the answer
+// says "thawed" before the thaw, so "frozen" is only ever read while it is;
+// a withdrawn request's answer then goes.
 func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
 	log := klog.FromContext(ctx).WithValues("volume", h.id, "path", h.path)
 	node := d.opts.NodeID
+	why := early
+	if why == "" {
+		why = "the request was withdrawn"
+	}
+	if err := h.pool.WriteFreezeAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: why}); err != nil {
+		// Thawed all the same: a frozen filesystem hangs every writer.
+		log.Error(err, "Cannot write down the thaw; thawing all the same")
+	}
 	if early != "" {
-		if err := h.pool.WriteFreezeAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: early}); err != nil {
-			// Thawed all the same: a frozen filesystem hangs every writer.
-			log.Error(err, "Cannot write down an early thaw; thawing all the same")
-		}
 		log.Info("Thawing a filesystem before the snapshot's controller withdrew its request", "why", early)
 	}
 	d.thawNow(ctx, h)
