@@ -66,9 +66,9 @@ func checkSnapshotParams(params map[string]string) error {
 
 // CreateSnapshot copies a volume's data into <pool>/snapshots/<key>/: a reflink
 // where the pool's filesystem has them, a sparse copy otherwise. The snapshot is
-// as consistent as a crash at that instant (crash-consistent); when the volume's
-// filesystem is staged on this very node it is frozen around the copy, which makes
-// it a clean filesystem image.
+// as consistent as a crash at that instant (crash-consistent); an image volume's
+// filesystem is frozen around the copy on whichever node has it staged
+// (quiesce.go), which makes it a clean filesystem image.
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
