@@ -58,7 +58,8 @@ type serveOptions struct {
 	ShareMountTimeout time.Duration
 	ShareKeyFile      string
 
-	Lease lease.Timing
+	Lease  lease.Timing
+	Freeze driver.FreezeTiming
 }
 
 func newServeOptions() *serveOptions {
@@ -76,6 +77,7 @@ func newServeOptions() *serveOptions {
 		ShareTypes:        strings.Join(driver.DefaultShareTypes, ","),
 		ShareMountTimeout: poolmount.DefaultTimeout,
 		Lease:             lease.Default,
+		Freeze:            driver.DefaultFreezeTiming,
 	}
 }
 
@@ -108,6 +110,9 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.Lease.Duration, "lease-duration", o.Lease.Duration, "how long a node plugin may go without renewing its lease in a shared pool before it fences itself off (its loop devices there stop taking I/O); a controller force-detaches a volume from a node only after this plus --lease-margin without a renewal (docs/fencing.md)")
 	fs.DurationVar(&o.Lease.Interval, "lease-renew-interval", o.Lease.Interval, "how often a node plugin renews its lease in each shared pool")
 	fs.DurationVar(&o.Lease.Margin, "lease-margin", o.Lease.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
+	fs.DurationVar(&o.Freeze.Poll, "freeze-poll-interval", o.Freeze.Poll, "how often a node plugin reads its freeze inbox in each pool, where a controller on another node asks it to freeze a volume's filesystem for a snapshot (docs/snapshots.md#freezing-across-nodes)")
+	fs.DurationVar(&o.Freeze.MaxHold, "freeze-max-hold", o.Freeze.MaxHold, "the longest a node plugin keeps a filesystem frozen for another node's snapshot, by its own clock: a controller that dies mid-copy never leaves it frozen longer, and a copy that outlasts it fails and is retried")
+	fs.DurationVar(&o.Freeze.AckTimeout, "freeze-ack-timeout", o.Freeze.AckTimeout, "how long a controller waits for a node to confirm a freeze before the snapshot fails UNAVAILABLE (or goes on without it, if the node's lease has expired)")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins (docs/performance.md#start-with-10000-volumes)")
 	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared]`; repeatable")
 }
@@ -153,6 +158,9 @@ func (o *serveOptions) Validate() error {
 	}
 	if err := o.Lease.Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("--lease-duration / --lease-renew-interval / --lease-margin: %w", err))
+	}
+	if err := o.Freeze.Validate(); err != nil {
+		errs = append(errs, fmt.Errorf("--freeze-poll-interval / --freeze-max-hold / --freeze-ack-timeout: %w", err))
 	}
 	return errors.Join(errs...)
 }
@@ -270,6 +278,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 		ShareTypes:        types,
 		ShareKeys:         shareKeys,
 		Lease:             o.Lease,
+		Freeze:            o.Freeze,
 	})
 	if err != nil {
 		return err

@@ -39,6 +39,10 @@ func TestServeOptionsValidate(t *testing.T) {
 		{name: "zero renew interval", args: []string{"--lease-renew-interval=0"}, want: "must be positive"},
 		{name: "negative lease duration", args: []string{"--lease-duration=-60s"}, want: "must be positive"},
 		{name: "margin below an interval", args: []string{"--lease-margin=1s"}, want: "lease margin"},
+		{name: "freeze schedule", args: []string{"--freeze-poll-interval=100ms", "--freeze-max-hold=5s", "--freeze-ack-timeout=1s"}},
+		{name: "zero freeze poll interval", args: []string{"--freeze-poll-interval=0"}, want: "--freeze-poll-interval"},
+		{name: "freeze ack timeout below two polls", args: []string{"--freeze-poll-interval=1s", "--freeze-ack-timeout=1s"}, want: "two poll intervals"},
+		{name: "freeze max hold below two polls", args: []string{"--freeze-poll-interval=1s", "--freeze-max-hold=1s"}, want: "two poll intervals"},
 		{name: "every error at once", args: []string{"--mode=x", "--mount-retry=0"}, want: "--mount-retry"},
 	}
 	for _, tt := range tests {

@@ -97,6 +97,9 @@ type Options struct {
 	// Lease is the schedule of node leases in shared pools; the zero value
 	// takes lease.Default (docs/fencing.md).
 	Lease lease.Timing
+	// Freeze is the schedule of freezes across nodes for snapshots; the
+	// zero value takes DefaultFreezeTiming (docs/snapshots.md).
+	Freeze FreezeTiming
 }
 
 // Driver serves the CSI services over one pool set.
@@ -131,6 +134,12 @@ type Driver struct {
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *leases
+	// freezeTiming and freezer: freezes across nodes (quiesce.go,
+	// quiesce_node.go). quiesceCopy is the quiesce of a snapshot's copy;
+	// tests wrap it to look at the copy between freeze and thaw.
+	freezeTiming FreezeTiming
+	freezer      *freezer
+	quiesceCopy  func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -162,6 +171,12 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Lease.Validate(); err != nil {
 		return nil, err
 	}
+	if opts.Freeze == (FreezeTiming{}) {
+		opts.Freeze = DefaultFreezeTiming
+	}
+	if err := opts.Freeze.Validate(); err != nil {
+		return nil, err
+	}
 	host, err := opts.Host.withDefaults(opts.PathPrefix)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
@@ -172,9 +187,12 @@ func New(opts Options) (*Driver, error) {
 		locks: newVolumeLocks(),
 		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
 			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix},
-		leases: newLeases(opts.Lease),
+		leases:       newLeases(opts.Lease),
+		freezeTiming: opts.Freeze,
+		freezer:      newFreezer(),
 	}
 	d.freeze = d.freezeIfStagedHere
+	d.quiesceCopy = d.quiesce
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
@@ -220,6 +238,11 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		// The leases stop after the server: a call under way at the stop
 		// may still stage a volume.
 		defer func() { stopLeases(); <-leasesDone }()
+		// Stopped after the server too, and thawing what it holds.
+		agentCtx, stopAgent := context.WithCancel(context.WithoutCancel(ctx))
+		agentDone := make(chan struct{})
+		go func() { defer close(agentDone); d.runFreezeAgent(agentCtx) }()
+		defer func() { stopAgent(); <-agentDone }()
 	}
 	go func() {
 		<-ctx.Done()

@@ -66,9 +66,9 @@ func checkSnapshotParams(params map[string]string) error {
 
 // CreateSnapshot copies a volume's data into <pool>/snapshots/<key>/: a reflink
 // where the pool's filesystem has them, a sparse copy otherwise. The snapshot is
-// as consistent as a crash at that instant (crash-consistent); when the volume's
-// filesystem is staged on this very node it is frozen around the copy, which makes
-// it a clean filesystem image.
+// as consistent as a crash at that instant (crash-consistent); an image volume's
+// filesystem is frozen around the copy on whichever node has it staged
+// (quiesce.go), which makes it a clean filesystem image.
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
@@ -143,9 +143,10 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 }
 
 // copySnapshot fills a reserved snapshot with the source's data and marks it
-// ready; an image volume staged on this node is frozen around its copy.
+// ready; an image volume's filesystem is frozen around its copy on whichever
+// node has it staged (quiesce.go).
 func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
-	quiesce := func() func() { return d.freezeIfStagedHere(ctx, p, vid, v) }
+	quiesce := func() (func() error, error) { return d.quiesceCopy(ctx, p, vid, v) }
 	if err := p.FillSnapshot(ctx, s, v, quiesce); err != nil {
 		return err
 	}
@@ -344,6 +345,7 @@ func (d *Driver) thawAfterCrash(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	for _, pn := range d.names() {
 		p := d.pool(pn)
+		d.abandonFreezeAnswers(ctx, p)
 		freezes, err := p.Freezes()
 		if err != nil {
 			log.V(2).Info("Cannot look for filesystems left frozen; the pool is not available yet", "pool", pn, "err", err)

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -90,9 +91,10 @@ func (p *Pool) Freezes() ([]Freeze, error) {
 // FillSnapshot copies volume src's data into the reserved snapshot s, measures
 // what the copy holds and marks the snapshot ready. Whatever an interrupted
 // attempt copied is thrown away first. quiesce, if not nil, runs just before an
-// image is copied and the function it returns just after (the driver freezes a
-// filesystem staged on its node there).
-func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func())) error {
+// image is copied and the function it returns just after (the driver freezes
+// the filesystem staged on a node there); an error of either fails the fill,
+// and a copy that resume says was not quiesced throughout is removed.
+func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func() error, err error)) error {
 	sid, err := ParseSnapshotID(s.ID)
 	if err != nil {
 		return err
@@ -132,14 +134,27 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 		if err := os.Remove(image); err != nil && !missing(err) {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
 		}
-		method, err = func() (string, error) {
+		method, err = func() (_ string, err error) {
 			if quiesce != nil {
+				resume, qerr := quiesce()
+				if qerr != nil {
+					return "", qerr
+				}
 				// Deferred, so a panic in the copy cannot leave it quiesced.
-				defer quiesce()()
+				defer func() {
+					if rerr := resume(); rerr != nil && err == nil {
+						err = rerr
+					}
+				}()
 			}
 			return CopyImage(ctx, from.Path(), image, 0)
 		}()
 		if err != nil {
+			// Not kept for the retry to find: it may be a copy of a volume
+			// that was written to while it was made.
+			if rerr := os.Remove(image); rerr != nil && !missing(rerr) {
+				err = errors.Join(err, fmt.Errorf("remove the failed copy: %w", rerr))
+			}
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
 		}
 	}

@@ -1,0 +1,224 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// Freezing across nodes (docs/snapshots.md#freezing-across-nodes). The
+// controller that copies an image volume freezes its filesystem wherever it
+// is staged read-write: on its own node directly (freezeIfStagedHere), on
+// another through a request in that node's inbox in the pool, which the
+// node's agent (quiesce_node.go) answers. No clock is compared between
+// nodes: the node writes "thawed" before it thaws early, so a controller
+// that still reads "frozen" after its copy knows the whole copy happened
+// while the filesystem was frozen.
+
+// FreezeTiming is the schedule of freezes across nodes.
+type FreezeTiming struct {
+	// Poll is how often a node's agent reads its inbox.
+	Poll time.Duration
+	// MaxHold is the longest a node keeps a filesystem frozen for a
+	// request, by its own clock: a controller that dies mid-copy never
+	// leaves it frozen for longer.
+	MaxHold time.Duration
+	// AckTimeout is how long a controller waits for a node to confirm a
+	// freeze before it looks at the node's lease.
+	AckTimeout time.Duration
+}
+
+// DefaultFreezeTiming is the schedule when none is given.
+var DefaultFreezeTiming = FreezeTiming{Poll: 500 * time.Millisecond, MaxHold: 60 * time.Second, AckTimeout: 10 * time.Second}
+
+// Validate refuses a schedule in which a node could not answer in time.
+func (t FreezeTiming) Validate() error {
+	switch {
+	case t.Poll <= 0 || t.MaxHold <= 0 || t.AckTimeout <= 0:
+		return errors.New("freeze poll interval, maximum hold and acknowledgement timeout must be positive")
+	case t.AckTimeout < 2*t.Poll:
+		return fmt.Errorf("freeze acknowledgement timeout %s must be at least two poll intervals (%s)", t.AckTimeout, t.Poll)
+	case t.MaxHold < 2*t.Poll:
+		return fmt.Errorf("freeze maximum hold %s must be at least two poll intervals (%s)", t.MaxHold, t.Poll)
+	}
+	return nil
+}
+
+// quiesceMember is one volume to freeze.
+type quiesceMember struct {
+	pool *pool.Pool
+	id   pool.VolumeID
+	vol  *pool.Volume
+}
+
+// remoteFreeze is a request this controller put in another node's inbox.
+type remoteFreeze struct {
+	pool  *pool.Pool
+	id    pool.VolumeID
+	node  string
+	nonce string
+	// answered: the node's answer settled it (frozen, or nothing to freeze);
+	// frozen: the answer was "frozen", to be checked again after the copy.
+	answered, frozen bool
+}
+
+// quiesce freezes the filesystem of image volume v wherever it is staged
+// read-write, and returns thaw, to be called after the copy: it fails
+// (ABORTED, retryable) when a node thawed before the copy ended, and thaws
+// everything in any case. Callers hold the volume's locks.
+func (d *Driver) quiesce(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error) {
+	return d.quiesceAll(ctx, []quiesceMember{{pool: p, id: vid, vol: v}})
+}
+
+// quiesceAll is quiesce over several volumes: every one is frozen before it
+// returns, so copies made before thaw are of one point in time. On error
+// nothing is left frozen or requested.
+func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw func() error, err error) {
+	log := klog.FromContext(ctx)
+	var local []func()
+	var remote []*remoteFreeze
+	release := func() {
+		for _, r := range remote {
+			if err := r.pool.RemoveFreezeRequest(r.node, r.id); err != nil {
+				// The node thaws at its maximum hold anyway.
+				log.Error(err, "Withdrawing a freeze request failed", "volume", r.id, "node", r.node)
+			}
+		}
+		for i := len(local) - 1; i >= 0; i-- {
+			local[i]()
+		}
+	}
+	defer func() {
+		if err != nil {
+			release()
+		}
+	}()
+	for _, m := range members {
+		if m.vol.Layout != pool.LayoutImage || m.vol.AccessType != pool.AccessFilesystem {
+			continue // block: no filesystem poolcsi knows of; dir: many writers by design
+		}
+		local = append(local, d.freezeIfStagedHere(ctx, m.pool, m.id, m.vol))
+		for _, st := range m.vol.Staged {
+			if st.ReadOnly || st.Node == d.opts.NodeID {
+				continue
+			}
+			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce()}
+			if err := m.pool.WriteFreezeRequest(pool.FreezeRequest{Volume: m.id.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
+				return nil, fmt.Errorf("ask node %s to freeze volume %s: %w", st.Node, m.id, err)
+			}
+			remote = append(remote, r)
+		}
+	}
+	if err := d.awaitFreezes(ctx, remote); err != nil {
+		return nil, err
+	}
+	return func() error {
+		err := d.checkStillFrozen(remote)
+		release()
+		return err
+	}, nil
+}
+
+// awaitFreezes waits for every node's answer, or for the acknowledgement
+// timeout; a node that does not answer in time is passed over only if its
+// lease has expired by this controller's clock (it has fenced itself: its
+// devices take no I/O).
+func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error {
+	if len(remote) == 0 {
+		return nil
+	}
+	log := klog.FromContext(ctx)
+	t := d.freezeTiming
+	tick := time.NewTicker(min(t.Poll, 100*time.Millisecond))
+	defer tick.Stop()
+	timeout := time.NewTimer(t.AckTimeout)
+	defer timeout.Stop()
+	for {
+		pending := 0
+		for _, r := range remote {
+			if r.answered {
+				continue
+			}
+			a, ok, err := r.pool.ReadFreezeAck(r.node, r.id)
+			if err != nil || !ok || a.Nonce != r.nonce {
+				pending++ // not (yet) an answer to this request
+				continue
+			}
+			switch a.State {
+			case pool.FreezeFrozen:
+				r.answered, r.frozen = true, true
+				log.Info("Node froze the filesystem for a snapshot", "volume", r.id, "node", r.node)
+			case pool.FreezeNotStaged:
+				r.answered = true
+				log.Info("Node has nothing of the volume mounted read-write where it is recorded: nothing to freeze there", "volume", r.id, "node", r.node, "reason", a.Reason)
+			default:
+				return failf(pool.ErrUnavailable, "node %s could not freeze volume %s for a consistent copy (%s: %s): retry later", r.node, r.id, a.State, a.Reason)
+			}
+		}
+		if pending == 0 {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for nodes to freeze volumes for a snapshot: %w", ctx.Err())
+		case <-tick.C:
+			continue
+		case <-timeout.C:
+		}
+		var live []string
+		for _, r := range remote {
+			if r.answered {
+				continue
+			}
+			verdict, err := d.leaseVerdict(r.pool, r.node)
+			if err == nil && verdict.Expired {
+				log.Info("Node did not answer the freeze request, and its lease has expired: it has fenced itself off the pool, so nothing of it writes to the volume; copying without its freeze", "volume", r.id, "node", r.node, "lease", verdict.Why)
+				r.answered = true
+				continue
+			}
+			why := verdict.Why
+			if err != nil {
+				why = "its lease cannot be read: " + err.Error()
+			}
+			live = append(live, fmt.Sprintf("node %s for volume %s (%s)", r.node, r.id, why))
+		}
+		if len(live) > 0 {
+			return failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
+				t.AckTimeout, strings.Join(live, "; "))
+		}
+		return nil
+	}
+}
+
+// checkStillFrozen tells whether every node that froze a volume still said
+// "frozen" after the copy: a node writes "thawed" before it thaws early, so
+// that answer proves the copy ended before any thaw.
+func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
+	var thawed []string
+	for _, r := range remote {
+		if !r.frozen {
+			continue
+		}
+		a, ok, err := r.pool.ReadFreezeAck(r.node, r.id)
+		switch {
+		case err != nil:
+			thawed = append(thawed, fmt.Sprintf("volume %s on node %s (its answer cannot be read: %v)", r.id, r.node, err))
+		case !ok || a.Nonce != r.nonce || a.State != pool.FreezeFrozen:
+			why := "its answer is gone"
+			if ok {
+				why = fmt.Sprintf("%s: %s", a.State, a.Reason)
+			}
+			thawed = append(thawed, fmt.Sprintf("volume %s on node %s (%s)", r.id, r.node, why))
+		}
+	}
+	if len(thawed) > 0 {
+		return failf(pool.ErrBusy, "a filesystem was thawed before the copy ended, so the copy is not of one point in time: %s; the copy is discarded, retry (a copy that outlasts --freeze-max-hold never succeeds)", strings.Join(thawed, "; "))
+	}
+	return nil
+}

@@ -1,0 +1,299 @@
+package pool
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"strings"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
+)
+
+// Freeze requests between nodes (docs/snapshots.md#freezing-across-nodes).
+// A controller that snapshots an image volume staged read-write on another
+// node asks that node to freeze it through the pool, the only channel poolcsi
+// has between nodes. freeze/<node>/ is the node's inbox, found with one
+// readdir:
+//
+//	<key>.request  written by a controller (atomically), removed by it after its copy
+//	<key>.ack      written by the node (in place), removed by it after the thaw
+//
+// Each file has one writer. The ack is rewritten in place, as a lease is: a
+// reader on another NFS client that opens it anew gets the current content
+// of the same inode, where a name cached across a rename could still show the
+// "frozen" a later "thawed" replaced, and that is the one change the
+// controller must never miss.
+
+const (
+	freezeDir     = "freeze"
+	requestSuffix = ".request"
+	ackSuffix     = ".ack"
+	// maxFreezeRequest and freezeAckSize bound both files: a request holds
+	// two IDs, a path and a nonce; an ack is padded to its fixed size.
+	maxFreezeRequest = 8 << 10
+	freezeAckSize    = 2 << 10
+	maxFreezeReason  = 1 << 10
+)
+
+var nonceRE = regexp.MustCompile(`^[0-9a-f]{32}$`)
+
+// FreezeRequest asks Node to freeze the filesystem of Volume staged at Path.
+// Nonce tells one request from the next of the same volume.
+type FreezeRequest struct {
+	Volume string `json:"volume"`
+	Node   string `json:"node"`
+	Path   string `json:"path"`
+	Nonce  string `json:"nonce"`
+}
+
+// FreezeState is a node's answer to a freeze request.
+type FreezeState string
+
+const (
+	// FreezeFrozen: the filesystem is frozen, until the request goes.
+	FreezeFrozen FreezeState = "frozen"
+	// FreezeThawed: thawed while the request was still there (its maximum
+	// hold passed, the node plugin stopped or restarted). Written before
+	// the thaw, so a controller that still reads "frozen" after its copy
+	// knows the copy ended before the thaw began.
+	FreezeThawed FreezeState = "thawed"
+	// FreezeNotStaged: nothing of the volume is mounted read-write at that
+	// path on the node, so nothing there writes to it.
+	FreezeNotStaged FreezeState = "notStaged"
+	// FreezeFailed: the node could not freeze it (Reason says why).
+	FreezeFailed FreezeState = "failed"
+)
+
+// FreezeAck is a node's answer to the request with the same Nonce.
+type FreezeAck struct {
+	Volume string      `json:"volume"`
+	Node   string      `json:"node"`
+	Nonce  string      `json:"nonce"`
+	State  FreezeState `json:"state"`
+	Reason string      `json:"reason,omitempty"`
+}
+
+// NewFreezeNonce is a random nonce for a request.
+func NewFreezeNonce() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+func freezeRel(node string, id VolumeID, suffix string) string {
+	return filepath.Join(freezeDir, node, id.Key+suffix)
+}
+
+// validate checks what a request must be before it is written or acted on.
+func (p *Pool) validateRequest(r FreezeRequest) (VolumeID, error) {
+	id, err := ParseVolumeID(r.Volume)
+	if err != nil {
+		return id, err
+	}
+	if id.Pool != p.Name || id.String() != p.IDOf(id.Key).String() {
+		return id, fmt.Errorf("%w: freeze request names volume %s of another pool than %s", ErrInvalidID, r.Volume, p.Name)
+	}
+	if err := ValidateNodeID(r.Node); err != nil {
+		return id, err
+	}
+	if !filepath.IsAbs(r.Path) || filepath.Clean(r.Path) != r.Path || strings.ContainsRune(r.Path, 0) {
+		return id, fmt.Errorf("%w: freeze request path %q is not a clean absolute path", ErrInvalidID, r.Path)
+	}
+	if !nonceRE.MatchString(r.Nonce) {
+		return id, fmt.Errorf("%w: freeze request nonce %q is not 32 hex digits", ErrInvalidID, r.Nonce)
+	}
+	return id, nil
+}
+
+// inbox makes freeze/<node>/ if it is missing, each level through a
+// descriptor of its parent opened below the pool's root without links, so a
+// link planted in its place makes nothing outside the pool.
+func (p *Pool) inbox(node string) error {
+	for _, rel := range []string{freezeDir, filepath.Join(freezeDir, node)} {
+		parent, err := fsx.OpenDir(p.Path, filepath.Clean("./"+filepath.Dir(rel)))
+		if err != nil {
+			return p.classify(err)
+		}
+		err = unix.Mkdirat(int(parent.Fd()), filepath.Base(rel), 0o750)
+		parent.Close()
+		if err != nil && !errors.Is(err, unix.EEXIST) {
+			return fmt.Errorf("pool %s: make %s: %w", p.Name, rel, err)
+		}
+		if err := p.checkDir(rel); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// WriteFreezeRequest puts r into its node's inbox (the controller's side).
+func (p *Pool) WriteFreezeRequest(r FreezeRequest) error {
+	id, err := p.validateRequest(r)
+	if err != nil {
+		return err
+	}
+	if err := p.inbox(r.Node); err != nil {
+		return err
+	}
+	raw, _ := json.Marshal(r)
+	return p.writeBeneath(freezeRel(r.Node, id, requestSuffix), append(raw, '\n'), true)
+}
+
+// RemoveFreezeRequest withdraws the request for volume id from node's inbox;
+// nil when it is not there.
+func (p *Pool) RemoveFreezeRequest(node string, id VolumeID) error {
+	return p.removeInInbox(node, id, requestSuffix)
+}
+
+// RemoveFreezeAck removes the node's answer about volume id (the node's side).
+func (p *Pool) RemoveFreezeAck(node string, id VolumeID) error {
+	return p.removeInInbox(node, id, ackSuffix)
+}
+
+func (p *Pool) removeInInbox(node string, id VolumeID, suffix string) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	d, err := fsx.OpenDir(p.Path, filepath.Join(freezeDir, node))
+	if missing(err) {
+		return nil
+	}
+	if err != nil {
+		return p.classify(err)
+	}
+	defer d.Close()
+	if err := unix.Unlinkat(int(d.Fd()), id.Key+suffix, 0); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("pool %s: remove %s: %w", p.Name, freezeRel(node, id, suffix), err)
+	}
+	return nil
+}
+
+// InboxEntry is one request found in an inbox, or why it was not usable
+// (Err: a link, a FIFO, an oversized or malformed file, a bad name). Name is
+// the directory entry, for messages.
+type InboxEntry struct {
+	Name    string
+	Volume  VolumeID
+	Request FreezeRequest
+	Err     error
+}
+
+// Inbox lists node's inbox: its requests, and the volumes it has answered
+// about (acks). A missing inbox is empty.
+func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err error) {
+	if err := ValidateNodeID(node); err != nil {
+		return nil, nil, err
+	}
+	des, err := p.readDir(filepath.Join(freezeDir, node))
+	if missing(err) {
+		return nil, nil, nil
+	}
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: pool %s: freeze inbox of node %s: %w", ErrUnavailable, p.Name, node, err)
+	}
+	for _, de := range des {
+		name := de.Name()
+		if fsx.IsTemp(name) {
+			continue
+		}
+		if key, ok := strings.CutSuffix(name, ackSuffix); ok && keyRE.MatchString(key) {
+			acked = append(acked, p.IDOf(key))
+			continue
+		}
+		e := InboxEntry{Name: name}
+		key, ok := strings.CutSuffix(name, requestSuffix)
+		if !ok || !keyRE.MatchString(key) {
+			e.Err = fmt.Errorf("%w: %s is not a freeze request poolcsi writes", ErrCorrupt, filepath.Join(p.Path, freezeDir, node, name))
+			requests = append(requests, e)
+			continue
+		}
+		e.Volume = p.IDOf(key)
+		e.Request, e.Err = p.readRequest(node, e.Volume)
+		requests = append(requests, e)
+	}
+	return requests, acked, nil
+}
+
+// readRequest reads and checks one request: it must name the volume its
+// file is named after, in this pool, for this node.
+func (p *Pool) readRequest(node string, id VolumeID) (FreezeRequest, error) {
+	var r FreezeRequest
+	raw, err := p.readBeneath(freezeRel(node, id, requestSuffix), maxFreezeRequest)
+	if err != nil {
+		return r, err
+	}
+	if err := json.Unmarshal(raw, &r); err != nil {
+		return r, fmt.Errorf("%w: freeze request for volume %s: %w", ErrCorrupt, id, err)
+	}
+	rid, err := p.validateRequest(r)
+	if err != nil {
+		return r, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	if rid.String() != id.String() || r.Node != node {
+		return r, fmt.Errorf("%w: the freeze request in %s names volume %s of node %s", ErrCorrupt, freezeRel(node, id, requestSuffix), r.Volume, r.Node)
+	}
+	return r, nil
+}
+
+// WriteFreezeAck writes the node's answer about a volume, in place, padded
+// to a fixed size so that no tail of an earlier answer is left, and fsynced.
+func (p *Pool) WriteFreezeAck(a FreezeAck) error {
+	id, err := ParseVolumeID(a.Volume)
+	if err != nil {
+		return err
+	}
+	if err := ValidateNodeID(a.Node); err != nil {
+		return err
+	}
+	if len(a.Reason) > maxFreezeReason {
+		a.Reason = a.Reason[:maxFreezeReason]
+	}
+	raw, _ := json.Marshal(a)
+	if len(raw) >= freezeAckSize {
+		return fmt.Errorf("freeze ack of volume %s is %d bytes, over %d", a.Volume, len(raw), freezeAckSize-1)
+	}
+	if err := p.inbox(a.Node); err != nil {
+		return err
+	}
+	line := append(raw, []byte(strings.Repeat(" ", freezeAckSize-1-len(raw))+"\n")...)
+	f, err := fsx.OpenRegular(p.Path, freezeRel(a.Node, id, ackSuffix), unix.O_RDWR|unix.O_CREAT, 0o640)
+	if err != nil {
+		return fmt.Errorf("pool %s: freeze ack of volume %s: %w", p.Name, id, unsafe(err))
+	}
+	defer f.Close()
+	if _, err := f.WriteAt(line, 0); err != nil {
+		return fmt.Errorf("pool %s: write freeze ack of volume %s: %w", p.Name, id, err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("pool %s: fsync freeze ack of volume %s: %w", p.Name, id, err)
+	}
+	return nil
+}
+
+// ReadFreezeAck reads node's answer about volume id; ok is false when there
+// is none.
+func (p *Pool) ReadFreezeAck(node string, id VolumeID) (a FreezeAck, ok bool, err error) {
+	if err := ValidateNodeID(node); err != nil {
+		return a, false, err
+	}
+	raw, err := p.readBeneath(freezeRel(node, id, ackSuffix), freezeAckSize)
+	switch {
+	case missing(err):
+		return a, false, nil
+	case err != nil:
+		return a, false, err
+	}
+	if err := json.Unmarshal([]byte(strings.TrimSpace(string(raw))), &a); err != nil {
+		return a, false, fmt.Errorf("%w: freeze ack of volume %s by node %s: %w", ErrCorrupt, id, node, err)
+	}
+	if a.Volume != id.String() || a.Node != node {
+		return a, false, fmt.Errorf("%w: the freeze ack of volume %s by node %s names volume %s of node %s", ErrCorrupt, id, node, a.Volume, a.Node)
+	}
+	return a, true, nil
+}
