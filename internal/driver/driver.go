@@ -104,6 +104,7 @@ type Driver struct {
 	csi.UnimplementedIdentityServer
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
+	csi.UnimplementedGroupControllerServer
 
 	opts Options
 	// poolsMu guards pools and poolNames: the pools on shares StorageClasses
@@ -131,6 +132,9 @@ type Driver struct {
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *leases
+	// fill copies a group snapshot's member, its source already frozen
+	// (group.go); a field so the tests see each copy's moment.
+	fill func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -175,6 +179,9 @@ func New(opts Options) (*Driver, error) {
 		leases: newLeases(opts.Lease),
 	}
 	d.freeze = d.freezeIfStagedHere
+	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
+		return p.FillSnapshot(ctx, s, v, nil)
+	}
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
@@ -205,6 +212,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	csi.RegisterIdentityServer(srv, d)
 	if d.opts.Mode.controller() {
 		csi.RegisterControllerServer(srv, d)
+		csi.RegisterGroupControllerServer(srv, d)
 	}
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
