@@ -233,14 +233,14 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 	sorted := slices.Clone(vids)
 	sort.Slice(sorted, func(i, j int) bool { return sorted[i].String() < sorted[j].String() })
 	var releases []func()
-	unlock = func() {
+	releaseAll := func() {
 		for i := len(releases) - 1; i >= 0; i-- {
 			releases[i]()
 		}
 	}
 	defer func() {
 		if err != nil {
-			unlock()
+			releaseAll()
 		}
 	}()
 	srcs := make([]groupSource, 0, len(sorted))
@@ -264,16 +264,14 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 		}
 		srcs = append(srcs, groupSource{id: vid, vol: v, need: need})
 	}
-	return srcs, unlock, nil
+	return srcs, releaseAll, nil
 }
 
 // cutGroup reserves, freezes, copies and thaws. A record a crash left
 // unfinished may have members of another instant: they are removed first.
 func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot, srcs []groupSource) error {
-	for _, m := range g.Members {
-		if err := p.DeleteSnapshot(ctx, p.GroupMemberID(gid, m.SourceVolumeID)); err != nil {
-			return fmt.Errorf("group snapshot %s: remove a member an interrupted attempt left: %w", gid, err)
-		}
+	if err := removeMembers(ctx, p, gid, g); err != nil {
+		return fmt.Errorf("group snapshot %s: remove a member an interrupted attempt left: %w", gid, err)
 	}
 	snaps := make([]*pool.Snapshot, len(srcs))
 	for i, src := range srcs {
@@ -317,12 +315,24 @@ func (d *Driver) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSourc
 // removeGroup removes the members and then the record, so that a retry after
 // a crash still finds the record and finishes.
 func (d *Driver) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
+	if err := removeMembers(ctx, p, gid, g); err != nil {
+		return err
+	}
+	return p.DeleteGroupRecord(ctx, gid)
+}
+
+// removeMembers deletes the group's member snapshots that exist.
+func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
 	for _, m := range g.Members {
-		if err := p.DeleteSnapshot(ctx, p.GroupMemberID(gid, m.SourceVolumeID)); err != nil {
+		sid := p.GroupMemberID(gid, m.SourceVolumeID)
+		if !p.SnapshotExists(sid) {
+			continue
+		}
+		if err := p.DeleteSnapshot(ctx, sid); err != nil {
 			return err
 		}
 	}
-	return p.DeleteGroupRecord(ctx, gid)
+	return nil
 }
 
 // DeleteVolumeGroupSnapshot removes a group and its members; an unknown or
