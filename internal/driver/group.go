@@ -133,39 +133,12 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "group snapshot name", 1))
 	}
-	raws := req.GetSourceVolumeIds()
-	if len(raws) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "source_volume_ids is required")
-	}
-	if len(raws) > pool.MaxGroupMembers {
-		return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: %d volumes, a group snapshot takes at most %d", len(raws), pool.MaxGroupMembers)
-	}
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	// Every ID is checked before any pool is touched.
-	vids := make([]pool.VolumeID, len(raws))
-	for i, raw := range raws {
-		if vids[i], err = parseVolumeID(raw); err != nil {
-			return nil, err
-		}
-	}
-	seen := map[string]bool{}
-	for _, vid := range vids {
-		if seen[vid.String()] {
-			return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volume %s is named twice", vid)
-		}
-		seen[vid.String()] = true
-		if vid.Pool != vids[0].Pool || vid.Share != vids[0].Share {
-			return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volumes %s and %s are in different pools; a group snapshot takes volumes of one pool", vids[0], vid)
-		}
-	}
-	var p *pool.Pool
-	for _, vid := range vids {
-		// Each ID's own share tag is checked, not only the first's.
-		if p, err = d.poolOf(ctx, vid, dataAccess(req.GetSecrets())); err != nil {
-			return nil, err
-		}
+	vids, p, err := d.groupSources(ctx, req.GetSourceVolumeIds(), req.GetSecrets())
+	if err != nil {
+		return nil, err
 	}
 	gid := p.NewGroupSnapshotID(name)
 	for _, pn := range d.names() {
@@ -223,6 +196,41 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 		return nil, err
 	}
 	return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: d.csiGroup(p, g, members)}, nil
+}
+
+// groupSources checks a group's volume IDs, every one before any pool is
+// touched: well-formed, each named once, all in one pool, whose pool it
+// returns.
+func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[string]string) (vids []pool.VolumeID, p *pool.Pool, err error) {
+	if len(raws) == 0 {
+		return nil, nil, status.Error(codes.InvalidArgument, "source_volume_ids is required")
+	}
+	if len(raws) > pool.MaxGroupMembers {
+		return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: %d volumes, a group snapshot takes at most %d", len(raws), pool.MaxGroupMembers)
+	}
+	vids = make([]pool.VolumeID, len(raws))
+	for i, raw := range raws {
+		if vids[i], err = parseVolumeID(raw); err != nil {
+			return nil, nil, err
+		}
+	}
+	seen := map[string]bool{}
+	for _, vid := range vids {
+		if seen[vid.String()] {
+			return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volume %s is named twice", vid)
+		}
+		seen[vid.String()] = true
+		if vid.Pool != vids[0].Pool || vid.Share != vids[0].Share {
+			return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volumes %s and %s are in different pools; a group snapshot takes volumes of one pool", vids[0], vid)
+		}
+	}
+	for _, vid := range vids {
+		// Each ID's own share tag is checked, not only the first's.
+		if p, err = d.poolOf(ctx, vid, dataAccess(secrets)); err != nil {
+			return nil, nil, err
+		}
+	}
+	return vids, p, nil
 }
 
 // lockGroupSources takes the in-process lock and the pool lock of every

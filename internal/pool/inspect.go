@@ -198,25 +198,21 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 		}
 	}
-	if des, err := p.readDir(volumesDir); err == nil {
+	// The small files of each volume, snapshot and group snapshot directory.
+	for _, kind := range []struct {
+		dir   string
+		files map[string]int64
+	}{
+		{volumesDir, map[string]int64{lockFile: maxLockFile, freezeFile: maxFreezeRecord}},
+		{snapshotsDir, map[string]int64{snapshotMetaFile: maxSnapshotMeta}},
+		{groupsDir, map[string]int64{groupMetaFile: maxGroupMeta}},
+	} {
+		des, _ := p.readDir(kind.dir)
 		for _, de := range des {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
-				check(filepath.Join(volumesDir, de.Name(), lockFile), maxLockFile)
-				check(filepath.Join(volumesDir, de.Name(), freezeFile), maxFreezeRecord)
-			}
-		}
-	}
-	if des, err := p.readDir(snapshotsDir); err == nil {
-		for _, de := range des {
-			if de.IsDir() && keyRE.MatchString(de.Name()) {
-				check(filepath.Join(snapshotsDir, de.Name(), snapshotMetaFile), maxSnapshotMeta)
-			}
-		}
-	}
-	if des, err := p.readDir(groupsDir); err == nil {
-		for _, de := range des {
-			if de.IsDir() && keyRE.MatchString(de.Name()) {
-				check(filepath.Join(groupsDir, de.Name(), groupMetaFile), maxGroupMeta)
+				for name, max := range kind.files {
+					check(filepath.Join(kind.dir, de.Name(), name), max)
+				}
 			}
 		}
 	}
