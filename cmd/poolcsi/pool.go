@@ -30,7 +30,8 @@ a share should be mounted looks exactly like a new pool; for the same reason
 init refuses a directory that is not a mount point (--not-a-mount-point-ok
 overrides it).
 list shows every volume with its size, the bytes its image holds, where it is
-staged and published, and its controller-side health.
+staged and published, and its controller-side health, then the volume group
+snapshots.
 check reports damaged or unhealthy volumes, leftovers of interrupted calls and
 a capacity ledger that does not match the volumes (docs/format.md); it exits 1
 when it finds any. Neither list nor check changes anything, except that
@@ -109,8 +110,28 @@ func poolList(out, stderr io.Writer, args []string) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
+	groups, err := p.ListGroupSnapshots()
+	if err != nil {
+		return err
+	}
+	if len(groups) > 0 {
+		fmt.Fprintln(out)
+		w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(w, "GROUP SNAPSHOT\tNAME\tCREATED\tREADY\tVOLUMES")
+		for _, e := range groups {
+			if e.Err != nil {
+				fmt.Fprintf(w, "%s\t?\t?\t?\t%v\n", e.ID, e.Err)
+				continue
+			}
+			g := e.Group
+			fmt.Fprintf(w, "%s\t%s\t%s\t%t\t%s\n", e.ID, g.Name, g.CreatedAt.Format(time.RFC3339), g.ReadyToUse, strings.Join(g.Sources(), ","))
+		}
+		if err := w.Flush(); err != nil {
+			return err
+		}
+	}
 	s := scan.Space
-	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes\n", p.Name, p.Path, humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes))
+	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes, %d group snapshots\n", p.Name, p.Path, humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes), len(groups))
 	return nil
 }
 

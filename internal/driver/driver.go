@@ -107,6 +107,7 @@ type Driver struct {
 	csi.UnimplementedIdentityServer
 	csi.UnimplementedControllerServer
 	csi.UnimplementedNodeServer
+	csi.UnimplementedGroupControllerServer
 
 	opts Options
 	// poolsMu guards pools and poolNames: the pools on shares StorageClasses
@@ -140,6 +141,9 @@ type Driver struct {
 	freezeTiming FreezeTiming
 	freezer      *freezer
 	quiesceCopy  func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
+	// fill copies a group snapshot's member, its source already frozen
+	// (group.go); a field so the tests see each copy's moment.
+	fill func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -193,6 +197,9 @@ func New(opts Options) (*Driver, error) {
 	}
 	d.freeze = d.freezeIfStagedHere
 	d.quiesceCopy = d.quiesce
+	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
+		return p.FillSnapshot(ctx, s, v, nil)
+	}
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name]; dup {
 			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
@@ -223,6 +230,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	csi.RegisterIdentityServer(srv, d)
 	if d.opts.Mode.controller() {
 		csi.RegisterControllerServer(srv, d)
+		csi.RegisterGroupControllerServer(srv, d)
 	}
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)

@@ -33,6 +33,11 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 			Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{
 				Type: csi.PluginCapability_Service_CONTROLLER_SERVICE,
 			}},
+		}, &csi.PluginCapability{
+			// Volume group snapshots (group.go), served with the controller.
+			Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{
+				Type: csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE,
+			}},
 		})
 	}
 	return &csi.GetPluginCapabilitiesResponse{Capabilities: caps}, nil

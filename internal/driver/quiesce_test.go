@@ -369,3 +369,48 @@ func writeEntry(f func(key, id, staging string) (string, []byte)) func(t *testin
 		return name, os.WriteFile(filepath.Join(inbox, name), raw, 0o600)
 	}
 }
+
+// TestGroupSnapshotFreezesOtherNode: a group snapshot cut by the controller on
+// node B freezes its member staged on node A through A's inbox before the
+// copy, and fails UNAVAILABLE, leaving no group behind, while A is silent
+// and still holds its lease.
+func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
+	for _, agent := range []bool{true, false} {
+		t.Run(map[bool]string{true: "A answers", false: "A is silent"}[agent], func(t *testing.T) {
+			a, b, id, staging := freezePair(t, agent)
+			b.freezeTiming.AckTimeout = 200 * time.Millisecond
+			var frozenAtCopy []bool
+			fill := b.fill
+			b.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
+				frozenAtCopy = append(frozenAtCopy, a.host.Frozen(staging))
+				return fill(ctx, p, s, v)
+			}
+			resp, err := b.CreateVolumeGroupSnapshot(context.Background(), &csi.CreateVolumeGroupSnapshotRequest{Name: "group", SourceVolumeIds: []string{id}})
+			p := b.pool("shared")
+			if !agent {
+				wantCode(t, err, codes.Unavailable)
+				if len(frozenAtCopy) != 0 {
+					t.Fatalf("copied %d members without A's freeze", len(frozenAtCopy))
+				}
+				if snaps, err := b.ListSnapshots(context.Background(), &csi.ListSnapshotsRequest{}); err != nil || len(snaps.GetEntries()) != 0 {
+					t.Fatalf("snapshots left: %v %v", snaps.GetEntries(), err)
+				}
+				if !inboxEmpty(t, p, "node-a") {
+					t.Fatal("the request was left in A's inbox")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !resp.GetGroupSnapshot().GetReadyToUse() || len(resp.GetGroupSnapshot().GetSnapshots()) != 1 {
+				t.Fatalf("group %+v", resp.GetGroupSnapshot())
+			}
+			if len(frozenAtCopy) != 1 || !frozenAtCopy[0] {
+				t.Fatalf("A's filesystem frozen at each copy: %v", frozenAtCopy)
+			}
+			waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, p, "node-a") })
+			noFreezeRecord(t, p)
+		})
+	}
+}

@@ -42,15 +42,19 @@ func parseSnapshotRef(field, raw string) (id pool.SnapshotID, known bool, err er
 }
 
 // csiSnapshot is a snapshot as the CO knows it: its ID and its source's (in
-// the same pool) with the pool's share tag.
+// the same pool) with the pool's share tag, and a member's group's.
 func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
-	return &csi.Snapshot{
+	out := &csi.Snapshot{
 		SnapshotId:     d.wireSnapshotID(p, s.ID),
 		SourceVolumeId: d.wireVolumeID(p, s.SourceVolumeID),
 		SizeBytes:      s.SizeBytes,
 		CreationTime:   timestamppb.New(s.CreatedAt),
 		ReadyToUse:     s.ReadyToUse,
 	}
+	if s.GroupSnapshotID != "" {
+		out.GroupSnapshotId = d.wireGroupID(p, s.GroupSnapshotID)
+	}
+	return out
 }
 
 // checkSnapshotParams accepts only the csi.storage.k8s.io/* keys the snapshotter
@@ -106,6 +110,9 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if s, err := p.LoadSnapshot(sid); err == nil && s.Name == name {
 		if s.SourceVolumeID != vid.String() {
 			return nil, failf(pool.ErrExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
+		}
+		if s.GroupSnapshotID != "" {
+			return nil, failf(pool.ErrExists, "snapshot %q already exists, a member of group snapshot %s", name, s.GroupSnapshotID)
 		}
 		if s.ReadyToUse {
 			return &csi.CreateSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
@@ -205,7 +212,9 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 }
 
 // DeleteSnapshot is idempotent: an unknown or already deleted snapshot is success.
-// Volumes made from a snapshot are independent copies, so nothing refuses it.
+// Volumes made from a snapshot are independent copies, so nothing refuses it,
+// except that a member of a group snapshot that still exists is deleted only
+// with its group: INVALID_ARGUMENT, as CSI says (the snapshotter never asks).
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (_ *csi.DeleteSnapshotResponse, err error) {
 	defer toStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
@@ -226,6 +235,15 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return nil, err
 	}
 	defer release()
+	if s, err := p.LoadSnapshot(sid); err == nil {
+		group, err := liveGroupOf(p, s)
+		if err != nil {
+			return nil, fmt.Errorf("snapshot %s: its group snapshot: %w", sid, err)
+		}
+		if group != "" {
+			return nil, failf(errInvalid, "snapshot %s is a member of group snapshot %s; delete the group (DeleteVolumeGroupSnapshot), which deletes its members", sid, group)
+		}
+	}
 	if err := p.DeleteSnapshot(ctx, sid); err != nil {
 		return nil, err
 	}

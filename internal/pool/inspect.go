@@ -2,6 +2,7 @@ package pool
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
@@ -88,7 +89,66 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			}
 		}
 	}
+	out = append(out, p.groupLeftovers(now)...)
 	return out, nil
+}
+
+// groupLeftovers lists what interrupted group snapshot creates and deletes
+// left: a group directory without its record, a record never finished, a
+// finished one missing a member, a member whose group record is gone. A
+// group's record and its members are what they should be otherwise: known,
+// never orphans.
+func (p *Pool) groupLeftovers(now time.Time) []Leftover {
+	var out []Leftover
+	gdir := filepath.Join(p.Path, groupsDir)
+	des, err := p.readDir(groupsDir)
+	if err != nil && !missing(err) {
+		return []Leftover{{gdir, "damaged: " + err.Error()}}
+	}
+	for _, de := range des {
+		path := filepath.Join(gdir, de.Name())
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			out = append(out, Leftover{path, "not a poolcsi group snapshot directory"})
+			continue
+		}
+		out = append(out, tempLeftovers(path)...)
+		id := GroupSnapshotID{p.SnapshotIDOf(de.Name())}
+		g, err := p.LoadGroupSnapshot(id)
+		switch {
+		case missing(err):
+			out = append(out, Leftover{path, "group snapshot directory without group.json (a create interrupted before its record was written): remove it"})
+		case err != nil:
+			// damagedFiles names a link or an oversized file; this, the rest.
+			if !errors.Is(err, fsx.ErrUnsafe) {
+				out = append(out, Leftover{path, "damaged: " + err.Error()})
+			}
+		case !g.ReadyToUse && now.Sub(g.CreatedAt) > StaleCreate:
+			out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q has been creating since %s; its next create cuts it again, or DeleteVolumeGroupSnapshot removes it", g.Name, g.CreatedAt.Format(time.RFC3339))})
+		case g.ReadyToUse:
+			for _, m := range g.Members {
+				if !p.SnapshotExists(p.GroupMemberID(id, m.SourceVolumeID)) {
+					out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q lacks its member %s (of volume %s): delete the group", g.Name, m.SnapshotID, m.SourceVolumeID)})
+				}
+			}
+		}
+	}
+	snaps, err := p.ListSnapshots()
+	if err != nil {
+		return out
+	}
+	for _, e := range snaps {
+		if e.Err != nil || e.Snapshot.GroupSnapshotID == "" {
+			continue
+		}
+		gid, err := ParseGroupSnapshotID(e.Snapshot.GroupSnapshotID)
+		if err != nil {
+			continue // LoadSnapshot refuses such a record
+		}
+		if _, err := p.LoadGroupSnapshot(gid); missing(err) {
+			out = append(out, Leftover{p.SnapshotDir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
+		}
+	}
+	return out
 }
 
 // tempLeftovers lists the temp files of metadata writes in dir (a volume's or
@@ -138,18 +198,21 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 		}
 	}
-	if des, err := p.readDir(volumesDir); err == nil {
+	// The small files of each volume, snapshot and group snapshot directory.
+	for _, kind := range []struct {
+		dir   string
+		files map[string]int64
+	}{
+		{volumesDir, map[string]int64{lockFile: maxLockFile, freezeFile: maxFreezeRecord}},
+		{snapshotsDir, map[string]int64{snapshotMetaFile: maxSnapshotMeta}},
+		{groupsDir, map[string]int64{groupMetaFile: maxGroupMeta}},
+	} {
+		des, _ := p.readDir(kind.dir)
 		for _, de := range des {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
-				check(filepath.Join(volumesDir, de.Name(), lockFile), maxLockFile)
-				check(filepath.Join(volumesDir, de.Name(), freezeFile), maxFreezeRecord)
-			}
-		}
-	}
-	if des, err := p.readDir(snapshotsDir); err == nil {
-		for _, de := range des {
-			if de.IsDir() && keyRE.MatchString(de.Name()) {
-				check(filepath.Join(snapshotsDir, de.Name(), snapshotMetaFile), maxSnapshotMeta)
+				for name, max := range kind.files {
+					check(filepath.Join(kind.dir, de.Name(), name), max)
+				}
 			}
 		}
 	}

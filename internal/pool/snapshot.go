@@ -140,6 +140,9 @@ type Snapshot struct {
 	// AllocatedBytes is what the copy allocated (or shares, for a reflink), measured
 	// once when it was made: a snapshot never changes afterwards.
 	AllocatedBytes int64 `json:"allocatedBytes,omitempty"`
+	// GroupSnapshotID names the group snapshot this one is a member of
+	// (group.go); "" for an independent snapshot.
+	GroupSnapshotID string `json:"groupSnapshotId,omitempty"`
 }
 
 // SnapshotDir is the directory holding one snapshot.
@@ -177,6 +180,12 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	if _, err := ParseVolumeID(s.SourceVolumeID); err != nil || s.SizeBytes <= 0 || s.SizeBytes > MaxCapacity ||
 		(s.Layout != LayoutImage && s.Layout != LayoutDir) || (s.AccessType != AccessFilesystem && s.AccessType != AccessBlock) {
 		return nil, fmt.Errorf("%w: %s: source, size, layout or access type is not one a driver writes", ErrCorrupt, path)
+	}
+	if s.GroupSnapshotID != "" {
+		if gid, err := ParseGroupSnapshotID(s.GroupSnapshotID); err != nil || gid.Pool != id.Pool || gid.Share != id.Share ||
+			p.GroupMemberID(gid, s.SourceVolumeID) != p.SnapshotIDOf(id.Key) {
+			return nil, fmt.Errorf("%w: %s: group snapshot %q is not one a driver writes", ErrCorrupt, path, s.GroupSnapshotID)
+		}
 	}
 	return &s, nil
 }
@@ -245,6 +254,13 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 // pool must be able to hold it under its overcommit policy (ErrNoSpace). The
 // caller copies the data and then calls SaveSnapshot with ReadyToUse set.
 func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, needBytes int64) (*Snapshot, error) {
+	return p.reserveSnapshot(ctx, name, "", time.Now().UTC(), src, needBytes)
+}
+
+// reserveSnapshot is ReserveSnapshot of a snapshot that is a member of group
+// (or of none, ""); a snapshot of that name in another group, or in none, is
+// ErrExists.
+func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created time.Time, src *Volume, needBytes int64) (*Snapshot, error) {
 	if err := ValidateVolumeName(name); err != nil {
 		return nil, err
 	}
@@ -263,6 +279,8 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 			return nil, fmt.Errorf("%w: snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, s.Name)
 		case s.SourceVolumeID != src.ID:
 			return nil, fmt.Errorf("%w: snapshot %q already exists of volume %s", ErrExists, name, s.SourceVolumeID)
+		case s.GroupSnapshotID != group:
+			return nil, fmt.Errorf("%w: snapshot %q already exists, in group %q", ErrExists, name, s.GroupSnapshotID)
 		}
 		return s, nil
 	} else if !missing(err) {
@@ -282,15 +300,16 @@ func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, ne
 		return nil, err
 	}
 	s := &Snapshot{
-		ID:             id.String(),
-		Name:           name,
-		Pool:           p.Name,
-		SourceVolumeID: src.ID,
-		Layout:         src.Layout,
-		AccessType:     src.AccessType,
-		FSType:         src.FSType,
-		SizeBytes:      src.CapacityBytes,
-		CreatedAt:      time.Now().UTC(),
+		ID:              id.String(),
+		Name:            name,
+		Pool:            p.Name,
+		SourceVolumeID:  src.ID,
+		Layout:          src.Layout,
+		AccessType:      src.AccessType,
+		FSType:          src.FSType,
+		SizeBytes:       src.CapacityBytes,
+		CreatedAt:       created,
+		GroupSnapshotID: group,
 	}
 	if err := p.SaveSnapshot(s); err != nil {
 		return nil, err

@@ -1,0 +1,438 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// A volume group snapshot is several volumes of one pool frozen together,
+// copied, then thawed: one crash-consistent instant across, say, a database's
+// data and WAL volumes. Its record (group.json, internal/pool/group.go) names
+// its members, which are ordinary snapshots that carry the group's ID: each
+// restores with CreateVolume like any other, and only the group deletes them.
+
+func (d *Driver) GroupControllerGetCapabilities(context.Context, *csi.GroupControllerGetCapabilitiesRequest) (*csi.GroupControllerGetCapabilitiesResponse, error) {
+	return &csi.GroupControllerGetCapabilitiesResponse{Capabilities: []*csi.GroupControllerServiceCapability{{
+		Type: &csi.GroupControllerServiceCapability_Rpc{Rpc: &csi.GroupControllerServiceCapability_RPC{
+			Type: csi.GroupControllerServiceCapability_RPC_CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT,
+		}},
+	}}}, nil
+}
+
+// parseGroupRef is parseSnapshotRef for a group snapshot ID: one of another
+// form names no group here (known=false) unless it is hostile.
+func parseGroupRef(raw string) (id pool.GroupSnapshotID, known bool, err error) {
+	if raw == "" {
+		return id, false, status.Error(codes.InvalidArgument, "group_snapshot_id is required")
+	}
+	id, perr := pool.ParseGroupSnapshotID(raw)
+	if perr == nil {
+		return id, true, nil
+	}
+	if pool.HostileID(raw) {
+		return id, false, status.Errorf(codes.InvalidArgument, "group_snapshot_id: %v", perr)
+	}
+	return id, false, nil
+}
+
+// wireGroupID is wireSnapshotID for a group snapshot.
+func (d *Driver) wireGroupID(p *pool.Pool, id string) string { return d.wireVolumeID(p, id) }
+
+func (d *Driver) csiGroup(p *pool.Pool, g *pool.GroupSnapshot, members []*pool.Snapshot) *csi.VolumeGroupSnapshot {
+	out := &csi.VolumeGroupSnapshot{
+		GroupSnapshotId: d.wireGroupID(p, g.ID),
+		CreationTime:    timestamppb.New(g.CreatedAt),
+		ReadyToUse:      g.ReadyToUse,
+	}
+	for _, s := range members {
+		out.Snapshots = append(out.Snapshots, d.csiSnapshot(p, s))
+		out.ReadyToUse = out.ReadyToUse && s.ReadyToUse
+	}
+	return out
+}
+
+// groupMembers reads the member snapshots of a finished group; one missing is
+// damage (only DeleteVolumeGroupSnapshot removes members, and the record last).
+func groupMembers(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) ([]*pool.Snapshot, error) {
+	if !g.ReadyToUse {
+		return nil, failf(pool.ErrNotReady, "group snapshot %s is still being cut", gid)
+	}
+	out := make([]*pool.Snapshot, 0, len(g.Members))
+	for _, m := range g.Members {
+		sid := p.GroupMemberID(gid, m.SourceVolumeID)
+		s, err := p.LoadSnapshot(sid)
+		if errors.Is(err, pool.ErrNotFound) {
+			return nil, failf(errState, "group snapshot %s: its member %s (of volume %s) is missing; delete the group", gid, sid, m.SourceVolumeID)
+		} else if err != nil {
+			return nil, fmt.Errorf("group snapshot %s: %w", gid, err)
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// checkMemberIDs compares the snapshot IDs a call names with the group's
+// members, as a set; a mismatch is INVALID_ARGUMENT (CSI).
+func checkMemberIDs(gid pool.GroupSnapshotID, g *pool.GroupSnapshot, given []string) error {
+	if len(given) == 0 {
+		return status.Error(codes.InvalidArgument, "snapshot_ids is required")
+	}
+	want := make([]string, len(g.Members))
+	for i, m := range g.Members {
+		want[i] = m.SnapshotID
+	}
+	got := make([]string, 0, len(given))
+	for _, raw := range given {
+		sid, known, err := parseSnapshotRef("snapshot_ids", raw)
+		if err != nil {
+			return err
+		}
+		if !known {
+			return status.Errorf(codes.InvalidArgument, "snapshot_ids: %q is not a member of group snapshot %s", raw, gid)
+		}
+		got = append(got, sid.String())
+	}
+	sort.Strings(want)
+	sort.Strings(got)
+	if !slices.Equal(want, slices.Compact(got)) || len(got) != len(want) {
+		return status.Errorf(codes.InvalidArgument, "snapshot_ids %v do not match the members of group snapshot %s: %v", given, gid, want)
+	}
+	return nil
+}
+
+// groupSource is one volume of a group snapshot being cut, locked.
+type groupSource struct {
+	id   pool.VolumeID
+	vol  *pool.Volume
+	need int64
+}
+
+// CreateVolumeGroupSnapshot snapshots the volumes together. Every member is
+// reserved first (capacity, records), then every staged filesystem among them
+// is frozen, then each is copied, then all are thawed: the freeze window covers
+// all members before the first copy starts. A member that fails rolls the
+// whole group back: no member and no record is left.
+func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
+	defer toStatus(&err)
+	name := req.GetName()
+	if name == "" {
+		return nil, status.Error(codes.InvalidArgument, "name is required")
+	}
+	if err := pool.ValidateVolumeName(name); err != nil {
+		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "group snapshot name", 1))
+	}
+	if err := checkSnapshotParams(req.GetParameters()); err != nil {
+		return nil, err
+	}
+	vids, p, err := d.groupSources(ctx, req.GetSourceVolumeIds(), req.GetSecrets())
+	if err != nil {
+		return nil, err
+	}
+	gid := p.NewGroupSnapshotID(name)
+	for _, pn := range d.names() {
+		if other := d.pool(pn); other != p {
+			if g, err := other.LoadGroupSnapshot(other.NewGroupSnapshotID(name)); err == nil && g.Name == name {
+				return nil, failf(pool.ErrExists, "group snapshot %q already exists in pool %s", name, pn)
+			}
+		}
+	}
+	release, err := d.locks.acquire(gid.String(), "CreateVolumeGroupSnapshot")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	sources := make([]string, len(vids))
+	for i, vid := range vids {
+		sources[i] = vid.String()
+	}
+	sort.Strings(sources)
+	// A retry of a finished group answers from its records alone: its
+	// volumes may be busy, or deleted since.
+	if g, err := p.LoadGroupSnapshot(gid); err == nil && g.Name == name {
+		if !slices.Equal(g.Sources(), sources) {
+			return nil, failf(pool.ErrExists, "group snapshot %q already exists of volumes %s", name, strings.Join(g.Sources(), ", "))
+		}
+		if g.ReadyToUse {
+			members, err := groupMembers(p, gid, g)
+			if err != nil {
+				return nil, err
+			}
+			return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: d.csiGroup(p, g, members)}, nil
+		}
+	}
+
+	srcs, unlock, err := d.lockGroupSources(ctx, p, vids)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	g, err := p.ReserveGroupSnapshot(ctx, name, vids)
+	if err != nil {
+		return nil, err
+	}
+	if !g.ReadyToUse {
+		if err := d.cutGroup(ctx, p, gid, g, srcs); err != nil {
+			// Cleaned up even when the call's own context ended.
+			if rerr := d.removeGroup(context.WithoutCancel(ctx), p, gid, g); rerr != nil {
+				klog.FromContext(ctx).Error(rerr, "Rolling back a failed group snapshot failed; the next create or delete of it finishes the removal", "groupSnapshot", gid)
+			}
+			return nil, err
+		}
+	}
+	members, err := groupMembers(p, gid, g)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: d.csiGroup(p, g, members)}, nil
+}
+
+// groupSources checks a group's volume IDs, every one before any pool is
+// touched: well-formed, each named once, all in one pool, whose pool it
+// returns.
+func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[string]string) (vids []pool.VolumeID, p *pool.Pool, err error) {
+	if len(raws) == 0 {
+		return nil, nil, status.Error(codes.InvalidArgument, "source_volume_ids is required")
+	}
+	if len(raws) > pool.MaxGroupMembers {
+		return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: %d volumes, a group snapshot takes at most %d", len(raws), pool.MaxGroupMembers)
+	}
+	vids = make([]pool.VolumeID, len(raws))
+	for i, raw := range raws {
+		if vids[i], err = parseVolumeID(raw); err != nil {
+			return nil, nil, err
+		}
+	}
+	seen := map[string]bool{}
+	for _, vid := range vids {
+		if seen[vid.String()] {
+			return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volume %s is named twice", vid)
+		}
+		seen[vid.String()] = true
+		if vid.Pool != vids[0].Pool || vid.Share != vids[0].Share {
+			return nil, nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volumes %s and %s are in different pools; a group snapshot takes volumes of one pool", vids[0], vid)
+		}
+	}
+	for _, vid := range vids {
+		// Each ID's own share tag is checked, not only the first's.
+		if p, err = d.poolOf(ctx, vid, dataAccess(secrets)); err != nil {
+			return nil, nil, err
+		}
+	}
+	return vids, p, nil
+}
+
+// lockGroupSources takes the in-process lock and the pool lock of every
+// volume, in the order of their IDs: two groups that share volumes cannot
+// deadlock, and a single snapshot takes only one of them. It measures each
+// volume's data, which must be there.
+func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool.VolumeID) (_ []groupSource, unlock func(), err error) {
+	sorted := slices.Clone(vids)
+	sort.Slice(sorted, func(i, j int) bool { return sorted[i].String() < sorted[j].String() })
+	var releases []func()
+	releaseAll := func() {
+		for i := len(releases) - 1; i >= 0; i-- {
+			releases[i]()
+		}
+	}
+	defer func() {
+		if err != nil {
+			releaseAll()
+		}
+	}()
+	srcs := make([]groupSource, 0, len(sorted))
+	for _, vid := range sorted {
+		release, err := d.locks.acquire(vid.String(), "CreateVolumeGroupSnapshot")
+		if err != nil {
+			return nil, nil, err
+		}
+		releases = append(releases, release)
+		v, unlockVol, err := lockVolume(ctx, p, vid)
+		if err != nil {
+			return nil, nil, err
+		}
+		releases = append(releases, unlockVol)
+		need, err := p.VolumeAllocated(vid, v)
+		switch {
+		case errors.Is(err, pool.ErrNotFound):
+			return nil, nil, failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
+		case err != nil:
+			return nil, nil, fmt.Errorf("volume %s: measure its data: %w", vid, err)
+		}
+		srcs = append(srcs, groupSource{id: vid, vol: v, need: need})
+	}
+	return srcs, releaseAll, nil
+}
+
+// cutGroup reserves, freezes, copies and thaws. A record a crash left
+// unfinished may have members of another instant: they are removed first.
+func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot, srcs []groupSource) error {
+	if err := removeMembers(ctx, p, gid, g); err != nil {
+		return fmt.Errorf("group snapshot %s: remove a member an interrupted attempt left: %w", gid, err)
+	}
+	snaps := make([]*pool.Snapshot, len(srcs))
+	for i, src := range srcs {
+		s, err := p.ReserveGroupMember(ctx, gid, g, src.vol, src.need)
+		if err != nil {
+			return fmt.Errorf("group snapshot %s: volume %s: %w", gid, src.id, err)
+		}
+		snaps[i] = s
+	}
+	if err := d.copyFrozen(ctx, p, srcs, snaps); err != nil {
+		return fmt.Errorf("group snapshot %s: %w", gid, err)
+	}
+	if err := p.MarkGroupReady(gid, g); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).Info("Created group snapshot", "groupSnapshot", gid, "name", g.Name, "members", len(snaps))
+	return nil
+}
+
+// copyFrozen freezes every source on whichever node has it staged
+// (quiesceAll: the single snapshot's freeze, here or through the node's freeze
+// inbox), copies each, and thaws them all, also when a copy fails. A node
+// that thawed before the last copy ended fails the group (ABORTED, retried):
+// its member would not be of the same instant.
+func (d *Driver) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSource, snaps []*pool.Snapshot) (err error) {
+	members := make([]quiesceMember, len(srcs))
+	for i, src := range srcs {
+		members[i] = quiesceMember{pool: p, id: src.id, vol: src.vol}
+	}
+	thaw, err := d.quiesceAll(ctx, members)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		if terr := thaw(); terr != nil && err == nil {
+			err = terr
+		}
+	}()
+	for i, src := range srcs {
+		if err := d.fill(ctx, p, snaps[i], src.vol); err != nil {
+			return fmt.Errorf("volume %s: %w", src.id, err)
+		}
+	}
+	return nil
+}
+
+// removeGroup removes the members and then the record, so that a retry after
+// a crash still finds the record and finishes.
+func (d *Driver) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
+	if err := removeMembers(ctx, p, gid, g); err != nil {
+		return err
+	}
+	return p.DeleteGroupRecord(ctx, gid)
+}
+
+// removeMembers deletes the group's member snapshots that exist.
+func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
+	for _, m := range g.Members {
+		sid := p.GroupMemberID(gid, m.SourceVolumeID)
+		if !p.SnapshotExists(sid) {
+			continue
+		}
+		if err := p.DeleteSnapshot(ctx, sid); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// DeleteVolumeGroupSnapshot removes a group and its members; an unknown or
+// already deleted group is success. The snapshot IDs the call names must be
+// the group's members.
+func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteVolumeGroupSnapshotRequest) (_ *csi.DeleteVolumeGroupSnapshotResponse, err error) {
+	defer toStatus(&err)
+	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
+	if err != nil {
+		return nil, err
+	}
+	if !known {
+		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+	}
+	p, err := d.snapshotPool(ctx, gid.SnapshotID, dataAccess(req.GetSecrets()))
+	if errors.Is(err, errNoPool) {
+		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+	} else if err != nil {
+		return nil, err
+	}
+	release, err := d.locks.acquire(gid.String(), "DeleteVolumeGroupSnapshot")
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	g, err := p.LoadGroupSnapshot(gid)
+	if errors.Is(err, pool.ErrNotFound) {
+		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+	} else if err != nil {
+		return nil, err
+	}
+	if err := checkMemberIDs(gid, g, req.GetSnapshotIds()); err != nil {
+		return nil, err
+	}
+	if err := d.removeGroup(ctx, p, gid, g); err != nil {
+		return nil, err
+	}
+	klog.FromContext(ctx).Info("Deleted group snapshot", "groupSnapshot", gid, "members", len(g.Members))
+	return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+}
+
+func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeGroupSnapshotRequest) (_ *csi.GetVolumeGroupSnapshotResponse, err error) {
+	defer toStatus(&err)
+	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
+	if err != nil {
+		return nil, err
+	}
+	if !known {
+		return nil, failf(pool.ErrNotFound, "group snapshot %q does not exist (not a poolcsi group snapshot ID)", req.GetGroupSnapshotId())
+	}
+	p, err := d.snapshotPool(ctx, gid.SnapshotID, shareAccess{})
+	if err != nil {
+		return nil, err
+	}
+	g, err := p.LoadGroupSnapshot(gid)
+	if errors.Is(err, pool.ErrNotFound) {
+		return nil, failf(pool.ErrNotFound, "group snapshot %s does not exist", gid)
+	} else if err != nil {
+		return nil, err
+	}
+	if err := checkMemberIDs(gid, g, req.GetSnapshotIds()); err != nil {
+		return nil, err
+	}
+	members, err := groupMembers(p, gid, g)
+	if err != nil {
+		return nil, err
+	}
+	return &csi.GetVolumeGroupSnapshotResponse{GroupSnapshot: d.csiGroup(p, g, members)}, nil
+}
+
+// liveGroupOf tells the group snapshot that still holds s, if any: a member
+// is deleted only with its group (CSI: DeleteSnapshot of a snapshot that has
+// a group_snapshot_id). A member whose group record is gone is left over by
+// an interrupted group delete, and deletes like any snapshot.
+func liveGroupOf(p *pool.Pool, s *pool.Snapshot) (string, error) {
+	if s.GroupSnapshotID == "" {
+		return "", nil
+	}
+	gid, err := pool.ParseGroupSnapshotID(s.GroupSnapshotID)
+	if err != nil {
+		return "", err
+	}
+	if _, err := p.LoadGroupSnapshot(gid); errors.Is(err, pool.ErrNotFound) {
+		return "", nil
+	} else if err != nil {
+		return "", err
+	}
+	return gid.String(), nil
+}

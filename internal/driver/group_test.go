@@ -1,0 +1,340 @@
+package driver
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// groupFixture is a driver with two staged image volumes (ext4 and xfs) in
+// pool local, one in pool other, and a record of each member copy: which of
+// the local volumes' filesystems were frozen at its moment.
+type groupFixture struct {
+	*testDriver
+	ids      []string // local pool, staged
+	other    string   // other pool
+	staging  []string
+	copies   []string
+	failCopy int // the nth copy (1-based) fails, 0 for none
+}
+
+func newGroupFixture(t *testing.T) *groupFixture {
+	t.Helper()
+	td := newTestDriver(t, testOpts{extraPool: true})
+	f := &groupFixture{testDriver: td}
+	for i, fs := range []string{"ext4", "xfs"} {
+		vc := mountCap(rwo, fs)
+		id := td.create(t, fmt.Sprintf("v%d", i), vc, map[string]string{ParamPool: "local"})
+		if err := td.stage(id, vc); err != nil {
+			t.Fatal(err)
+		}
+		f.ids = append(f.ids, id)
+		f.staging = append(f.staging, filepath.Join(td.root, "staging", id))
+	}
+	f.other = td.create(t, "o", mountCap(rwo, "ext4"), map[string]string{ParamPool: "other"})
+	fill := td.fill
+	td.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
+		frozen := 0
+		for _, st := range f.staging {
+			if td.host.Frozen(st) {
+				frozen++
+			}
+		}
+		f.copies = append(f.copies, fmt.Sprintf("copy %s with %d frozen", v.ID, frozen))
+		if len(f.copies) == f.failCopy {
+			return errInjected
+		}
+		return fill(ctx, p, s, v)
+	}
+	return f
+}
+
+// writeImage puts marker into a volume's image, where no filesystem of the
+// fake kernel looks.
+func (f *groupFixture) writeImage(t *testing.T, id, marker string) {
+	t.Helper()
+	vid, err := pool.ParseVolumeID(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fh, err := os.OpenFile(f.pool.ImagePath(vid), os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fh.Close()
+	if _, err := fh.WriteAt([]byte(marker), 32<<20); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (f *groupFixture) readImage(t *testing.T, id string, n int) string {
+	t.Helper()
+	vid, err := pool.ParseVolumeID(id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fh, err := os.Open(f.pool.ImagePath(vid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fh.Close()
+	b := make([]byte, n)
+	if _, err := fh.ReadAt(b, 32<<20); err != nil {
+		t.Fatal(err)
+	}
+	return string(bytes.TrimRight(b, "\x00"))
+}
+
+// assertNothingLeft checks that a refused or rolled back create left no
+// snapshot, no group record, no freeze record and nothing frozen.
+func (f *groupFixture) assertNothingLeft(t *testing.T) {
+	t.Helper()
+	if s, err := f.pool.ListSnapshots(); err != nil || len(s) != 0 {
+		t.Errorf("snapshots left: %v %v", s, err)
+	}
+	if g, err := f.pool.ListGroupSnapshots(); err != nil || len(g) != 0 {
+		t.Errorf("group snapshots left: %v %v", g, err)
+	}
+	if fr, _ := f.pool.Freezes(); len(fr) != 0 {
+		t.Errorf("freeze records left: %v", fr)
+	}
+	for _, st := range f.staging {
+		if f.host.Frozen(st) {
+			t.Errorf("%s left frozen", st)
+		}
+	}
+}
+
+func TestCreateVolumeGroupSnapshotRefusals(t *testing.T) {
+	missing := "local." + pool.KeyForName("never-created")
+	for _, tc := range []struct {
+		name     string
+		sources  func(f *groupFixture) []string
+		params   map[string]string
+		failCopy int
+		want     codes.Code
+	}{
+		{name: "mixed pools", sources: func(f *groupFixture) []string { return []string{f.ids[0], f.other} }, want: codes.InvalidArgument},
+		{name: "unknown volume", sources: func(f *groupFixture) []string { return []string{f.ids[0], missing} }, want: codes.NotFound},
+		{name: "unknown pool", sources: func(*groupFixture) []string { return []string{"nopool." + pool.KeyForName("x")} }, want: codes.NotFound},
+		{name: "volume named twice", sources: func(f *groupFixture) []string { return []string{f.ids[0], f.ids[1], f.ids[0]} }, want: codes.InvalidArgument},
+		{name: "path in an ID", sources: func(f *groupFixture) []string { return []string{f.ids[0], "local/../../etc"} }, want: codes.InvalidArgument},
+		{name: "no volumes", sources: func(*groupFixture) []string { return nil }, want: codes.InvalidArgument},
+		{name: "unknown parameter", sources: func(f *groupFixture) []string { return f.ids }, params: map[string]string{"consistency": "app"}, want: codes.InvalidArgument},
+		{name: "first member copy fails", sources: func(f *groupFixture) []string { return f.ids }, failCopy: 1, want: codes.Internal},
+		{name: "second member copy fails", sources: func(f *groupFixture) []string { return f.ids }, failCopy: 2, want: codes.Internal},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newGroupFixture(t)
+			f.failCopy = tc.failCopy
+			_, err := f.CreateVolumeGroupSnapshot(context.Background(), &csi.CreateVolumeGroupSnapshotRequest{
+				Name: "g", SourceVolumeIds: tc.sources(f), Parameters: tc.params,
+			})
+			wantCode(t, err, tc.want)
+			f.assertNothingLeft(t)
+		})
+	}
+}
+
+func TestVolumeGroupSnapshotLifecycle(t *testing.T) {
+	f := newGroupFixture(t)
+	ctx := context.Background()
+	f.writeImage(t, f.ids[0], "data-before")
+	f.writeImage(t, f.ids[1], "wal-before")
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: []string{f.ids[1], f.ids[0]}}
+	resp, err := f.CreateVolumeGroupSnapshot(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := resp.GetGroupSnapshot()
+	if !g.GetReadyToUse() || len(g.GetSnapshots()) != 2 {
+		t.Fatalf("group snapshot: %v", g)
+	}
+	// Both filesystems were frozen before the first copy and thawed after.
+	for _, c := range f.copies {
+		if !bytes.HasSuffix([]byte(c), []byte("with 2 frozen")) {
+			t.Errorf("copies: %v; want every copy with both filesystems frozen", f.copies)
+		}
+	}
+	f.assertThawed(t)
+	f.writeImage(t, f.ids[0], "data-after!")
+	f.writeImage(t, f.ids[1], "wal-after!")
+
+	var memberIDs []string
+	for _, s := range g.GetSnapshots() {
+		memberIDs = append(memberIDs, s.GetSnapshotId())
+		if s.GetGroupSnapshotId() != g.GetGroupSnapshotId() || !s.GetReadyToUse() {
+			t.Errorf("member %v: want ready, in group %s", s, g.GetGroupSnapshotId())
+		}
+		got, err := f.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: s.GetSnapshotId()})
+		if err != nil || got.GetSnapshot().GetGroupSnapshotId() != g.GetGroupSnapshotId() {
+			t.Errorf("GetSnapshot of a member: %v, %v", got, err)
+		}
+	}
+	list, err := f.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
+	if err != nil || len(list.GetEntries()) != 2 || list.GetEntries()[0].GetSnapshot().GetGroupSnapshotId() == "" {
+		t.Errorf("ListSnapshots: %v, %v", list, err)
+	}
+
+	// Idempotent by name and volumes, in any order; other volumes are refused.
+	again, err := f.CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: f.ids})
+	if err != nil || again.GetGroupSnapshot().GetGroupSnapshotId() != g.GetGroupSnapshotId() || len(f.copies) != 2 {
+		t.Errorf("retry: %v, %v (copies %v)", again, err, f.copies)
+	}
+	_, err = f.CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: f.ids[:1]})
+	wantCode(t, err, codes.AlreadyExists)
+	_, err = f.CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: "db", SourceVolumeId: f.ids[0]})
+	if err != nil {
+		t.Errorf("a snapshot may have a group's name: %v", err)
+	}
+	if _, err := f.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "local@" + pool.KeyForName("db")}); err != nil {
+		t.Fatal(err)
+	}
+
+	// A member is deleted only with its group.
+	_, err = f.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: memberIDs[0]})
+	wantCode(t, err, codes.InvalidArgument)
+
+	// Each member restores to exactly what its volume held at the group's instant.
+	for i, want := range map[string]string{f.ids[0]: "data-before", f.ids[1]: "wal-before"} {
+		var sid string
+		var size int64
+		for _, s := range g.GetSnapshots() {
+			if s.GetSourceVolumeId() == i {
+				sid, size = s.GetSnapshotId(), s.GetSizeBytes()
+			}
+		}
+		r, err := f.CreateVolume(ctx, &csi.CreateVolumeRequest{
+			Name: "restore-" + sid, Parameters: map[string]string{ParamPool: "local"}, VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "")},
+			CapacityRange:       &csi.CapacityRange{RequiredBytes: size},
+			VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid}}},
+		})
+		if err != nil {
+			t.Fatalf("restore %s: %v", sid, err)
+		}
+		if got := f.readImage(t, r.GetVolume().GetVolumeId(), 16); got != want {
+			t.Errorf("restored %s holds %q, want %q", sid, got, want)
+		}
+	}
+
+	get := func(ids []string) error {
+		_, err := f.GetVolumeGroupSnapshot(ctx, &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: g.GetGroupSnapshotId(), SnapshotIds: ids})
+		return err
+	}
+	del := func(ids []string) error {
+		_, err := f.DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: g.GetGroupSnapshotId(), SnapshotIds: ids})
+		return err
+	}
+	wrong := []string{memberIDs[0], "local@" + pool.KeyForName("stranger")}
+	for _, tc := range []struct {
+		name string
+		ids  []string
+		want codes.Code
+	}{
+		{"all members", memberIDs, codes.OK},
+		{"reversed", []string{memberIDs[1], memberIDs[0]}, codes.OK},
+		{"one missing", memberIDs[:1], codes.InvalidArgument},
+		{"a stranger", wrong, codes.InvalidArgument},
+		{"none", nil, codes.InvalidArgument},
+		{"a path", []string{memberIDs[0], "../x"}, codes.InvalidArgument},
+	} {
+		t.Run("get "+tc.name, func(t *testing.T) { wantCode(t, get(tc.ids), tc.want) })
+		if tc.want != codes.OK {
+			t.Run("delete "+tc.name, func(t *testing.T) { wantCode(t, del(tc.ids), tc.want) })
+		}
+	}
+	if s, _ := f.pool.ListSnapshots(); len(s) != 2 {
+		t.Fatalf("a refused delete removed members: %v", s)
+	}
+	for range 2 {
+		if err := del(memberIDs); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantCode(t, get(memberIDs), codes.NotFound)
+	f.assertNothingLeft(t)
+	for _, sid := range memberIDs {
+		_, err := f.GetSnapshot(ctx, &csi.GetSnapshotRequest{SnapshotId: sid})
+		wantCode(t, err, codes.NotFound)
+	}
+}
+
+func (f *groupFixture) assertThawed(t *testing.T) {
+	t.Helper()
+	for _, st := range f.staging {
+		if f.host.Frozen(st) {
+			t.Errorf("%s left frozen", st)
+		}
+	}
+	if fr, _ := f.pool.Freezes(); len(fr) != 0 {
+		t.Errorf("freeze records left: %v", fr)
+	}
+	if n, m := f.host.Faults.Calls("Freeze"), f.host.Faults.Calls("Thaw"); n != 2 || m != 2 {
+		t.Errorf("freezes %d, thaws %d; want 2 each", n, m)
+	}
+}
+
+// A record a crash left before its group was ready is rolled back and cut
+// again: a member copied then is of another instant than the others.
+func TestInterruptedGroupIsCutAgain(t *testing.T) {
+	f := newGroupFixture(t)
+	ctx := context.Background()
+	vids := make([]pool.VolumeID, len(f.ids))
+	for i, id := range f.ids {
+		vids[i], _ = pool.ParseVolumeID(id)
+	}
+	g, err := f.pool.ReserveGroupSnapshot(ctx, "db", vids)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gid := f.pool.NewGroupSnapshotID("db")
+	v, err := f.pool.Load(vids[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	stale, err := f.pool.ReserveGroupMember(ctx, gid, g, v, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.writeImage(t, f.ids[0], "now")
+	resp, err := f.CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: f.ids})
+	if err != nil || !resp.GetGroupSnapshot().GetReadyToUse() || len(f.copies) != 2 {
+		t.Fatalf("%v, %v, copies %v", resp, err, f.copies)
+	}
+	if s, err := f.pool.LoadSnapshot(pool.SnapshotID{Pool: "local", Key: stale.ID[len("local@"):]}); err != nil || !s.ReadyToUse {
+		t.Errorf("member after the retry: %v, %v", s, err)
+	}
+	if !slices.Contains(f.copies, fmt.Sprintf("copy %s with 2 frozen", f.ids[0])) {
+		t.Errorf("copies %v", f.copies)
+	}
+}
+
+func TestGroupControllerIsAdvertised(t *testing.T) {
+	for _, tc := range []struct {
+		mode Mode
+		want bool
+	}{{ModeAll, true}, {ModeController, true}, {ModeNode, false}} {
+		t.Run(string(tc.mode), func(t *testing.T) {
+			td := newTestDriver(t, testOpts{modify: func(o *Options) { o.Mode = tc.mode }})
+			caps, err := td.GetPluginCapabilities(context.Background(), &csi.GetPluginCapabilitiesRequest{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			got := slices.ContainsFunc(caps.GetCapabilities(), func(c *csi.PluginCapability) bool {
+				return c.GetService().GetType() == csi.PluginCapability_Service_GROUP_CONTROLLER_SERVICE
+			})
+			if got != tc.want {
+				t.Errorf("GROUP_CONTROLLER_SERVICE advertised: %v, want %v", got, tc.want)
+			}
+		})
+	}
+}

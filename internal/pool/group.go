@@ -1,0 +1,272 @@
+package pool
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+)
+
+const (
+	groupsDir     = "groupsnapshots"
+	groupMetaFile = "group.json"
+	// groupKeyPrefix starts the key part of a group snapshot ID. A snapshot
+	// key is 32 hex digits and never starts with it, so a group snapshot ID
+	// never parses as a snapshot ID, nor the other way round.
+	groupKeyPrefix = "g-"
+	// MaxGroupMembers bounds the volumes of one group snapshot: every member
+	// is frozen at once, and group.json stays small.
+	MaxGroupMembers = 64
+	maxGroupMeta    = 64 << 10
+)
+
+// GroupSnapshotSchemaVersion is the version of group.json this code writes.
+const GroupSnapshotSchemaVersion = 1
+
+// GroupSnapshotID is the handle of a volume group snapshot: "<pool>@g-<key>",
+// or on a share "<pool>@g-<key>.<share>", the rest as in a SnapshotID.
+type GroupSnapshotID struct{ SnapshotID }
+
+// String is the group snapshot's identity, never with the tag.
+func (id GroupSnapshotID) String() string {
+	s := id.SnapshotID.String()
+	return id.Pool + SnapshotSep + groupKeyPrefix + s[len(id.Pool)+len(SnapshotSep):]
+}
+
+// Wire is the ID as the CO holds it: String and, on a share, the tag.
+func (id GroupSnapshotID) Wire() string { return withTag(id.String(), id.Tag) }
+
+// ParseGroupSnapshotID validates a group snapshot ID from the wire before any
+// path is built from it, under the rules of ParseSnapshotID.
+func ParseGroupSnapshotID(s string) (GroupSnapshotID, error) {
+	poolName, rest, ok := strings.Cut(s, SnapshotSep)
+	key, isGroup := strings.CutPrefix(rest, groupKeyPrefix)
+	if !ok || !isGroup {
+		return GroupSnapshotID{}, fmt.Errorf("%w: %q is not a poolcsi group snapshot ID (<pool>@g-<32 hex digits>)", ErrInvalidID, s)
+	}
+	sid, err := ParseSnapshotID(poolName + SnapshotSep + key)
+	if err != nil {
+		return GroupSnapshotID{}, fmt.Errorf("%w: %q is not a poolcsi group snapshot ID (<pool>@g-<32 hex digits>)", ErrInvalidID, s)
+	}
+	return GroupSnapshotID{sid}, nil
+}
+
+// NewGroupSnapshotID is the ID of the group snapshot named name in this pool.
+func (p *Pool) NewGroupSnapshotID(name string) GroupSnapshotID {
+	return GroupSnapshotID{p.SnapshotIDOf(KeyForName(name))}
+}
+
+// GroupMember is one volume of a group snapshot and the snapshot of it.
+type GroupMember struct {
+	SourceVolumeID string `json:"sourceVolumeId"`
+	SnapshotID     string `json:"snapshotId"`
+}
+
+// GroupSnapshot is the content of group.json: the volumes snapshotted
+// together and their member snapshots, ordinary snapshots that name the group.
+type GroupSnapshot struct {
+	SchemaVersion int           `json:"schemaVersion"`
+	ID            string        `json:"id"`
+	Name          string        `json:"name"`
+	Pool          string        `json:"pool"`
+	Members       []GroupMember `json:"members"`
+	CreatedAt     time.Time     `json:"createdAt"`
+	// ReadyToUse is set once every member is copied; a record without it is
+	// a create under way or one a crash interrupted, which the next create of
+	// the same name rolls back and starts again.
+	ReadyToUse bool `json:"readyToUse"`
+}
+
+// Sources are the IDs of the group's volumes, sorted.
+func (g *GroupSnapshot) Sources() []string {
+	out := make([]string, len(g.Members))
+	for i, m := range g.Members {
+		out[i] = m.SourceVolumeID
+	}
+	return out
+}
+
+// memberSnapshotName is the snapshot name of a group's member: derived from
+// the group's key and the volume, so a retried create finds its members, and
+// a record can name no other snapshot (LoadGroupSnapshot checks it).
+func memberSnapshotName(gid GroupSnapshotID, vid string) string {
+	return gid.Key + "/" + vid
+}
+
+// GroupMemberID is the ID of the snapshot of volume vid in group gid.
+func (p *Pool) GroupMemberID(gid GroupSnapshotID, vid string) SnapshotID {
+	return p.NewSnapshotID(memberSnapshotName(gid, vid))
+}
+
+func groupRel(id GroupSnapshotID, name ...string) string {
+	return filepath.Join(append([]string{groupsDir, id.Key}, name...)...)
+}
+
+// LoadGroupSnapshot reads group.json; a missing group is ErrNotFound. A record
+// is refused (ErrCorrupt) unless each member is a volume and the snapshot
+// derived from it: a record planted in a shared pool cannot make a delete of
+// the group remove any other snapshot.
+func (p *Pool) LoadGroupSnapshot(id GroupSnapshotID) (*GroupSnapshot, error) {
+	raw, err := p.readBeneath(groupRel(id, groupMetaFile), maxGroupMeta)
+	if err != nil {
+		return nil, fmt.Errorf("read metadata of group snapshot %s: %w", id, notFound(err))
+	}
+	var g GroupSnapshot
+	if err := json.Unmarshal(raw, &g); err != nil {
+		return nil, fmt.Errorf("%w: group snapshot %s: %w", ErrCorrupt, id, err)
+	}
+	if g.SchemaVersion > GroupSnapshotSchemaVersion {
+		return nil, fmt.Errorf("%w: group snapshot %s has schema version %d, this driver understands up to %d", ErrCorrupt, id, g.SchemaVersion, GroupSnapshotSchemaVersion)
+	}
+	if g.ID != id.String() || g.Pool != p.Name || len(g.Members) == 0 || len(g.Members) > MaxGroupMembers {
+		return nil, fmt.Errorf("%w: %s: ID, pool or members are not what a driver writes", ErrCorrupt, filepath.Join(p.Path, groupRel(id, groupMetaFile)))
+	}
+	for i, m := range g.Members {
+		if _, err := ParseVolumeID(m.SourceVolumeID); err != nil || m.SnapshotID != p.GroupMemberID(id, m.SourceVolumeID).String() ||
+			(i > 0 && g.Members[i-1].SourceVolumeID >= m.SourceVolumeID) {
+			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(p.Path, groupRel(id, groupMetaFile)), i)
+		}
+	}
+	return &g, nil
+}
+
+func (p *Pool) saveGroupSnapshot(id GroupSnapshotID, g *GroupSnapshot) error {
+	if err := p.checkDir(groupRel(id)); err != nil {
+		return err
+	}
+	g.SchemaVersion = GroupSnapshotSchemaVersion
+	raw, err := json.MarshalIndent(g, "", "  ")
+	if err != nil {
+		return fmt.Errorf("encode metadata of group snapshot %s: %w", id, err)
+	}
+	return p.writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
+}
+
+// ReserveGroupSnapshot finds or starts the group snapshot named name of the
+// volumes sources: its directory and a group.json with readyToUse false,
+// under the pool lock, so two controllers of a shared pool agree on one
+// record. A group of that name with other volumes is ErrExists.
+func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []VolumeID) (*GroupSnapshot, error) {
+	if err := ValidateVolumeName(name); err != nil {
+		return nil, err
+	}
+	if len(sources) == 0 || len(sources) > MaxGroupMembers {
+		return nil, fmt.Errorf("%w: a group snapshot takes 1 to %d volumes, not %d", ErrInvalidID, MaxGroupMembers, len(sources))
+	}
+	id := p.NewGroupSnapshotID(name)
+	members := make([]GroupMember, len(sources))
+	for i, vid := range sources {
+		if vid.Pool != p.Name {
+			return nil, fmt.Errorf("%w: volume %s is not in pool %s", ErrInvalidID, vid, p.Name)
+		}
+		members[i] = GroupMember{SourceVolumeID: vid.String(), SnapshotID: p.GroupMemberID(id, vid.String()).String()}
+	}
+	sort.Slice(members, func(i, j int) bool { return members[i].SourceVolumeID < members[j].SourceVolumeID })
+	for i := 1; i < len(members); i++ {
+		if members[i].SourceVolumeID == members[i-1].SourceVolumeID {
+			return nil, fmt.Errorf("%w: volume %s is named twice", ErrInvalidID, members[i].SourceVolumeID)
+		}
+	}
+	if err := p.Check(); err != nil {
+		return nil, err
+	}
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if g, err := p.LoadGroupSnapshot(id); err == nil {
+		switch {
+		case g.Name != name:
+			return nil, fmt.Errorf("%w: group snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, g.Name)
+		case !slices.Equal(g.Members, members):
+			return nil, fmt.Errorf("%w: group snapshot %q already exists of volumes %s", ErrExists, name, strings.Join(g.Sources(), ", "))
+		}
+		return g, nil
+	} else if !missing(err) {
+		return nil, err
+	}
+	if err := os.MkdirAll(filepath.Join(p.Path, groupRel(id)), 0o750); err != nil {
+		return nil, fmt.Errorf("create group snapshot %s: %w", id, err)
+	}
+	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: p.Name, Members: members, CreatedAt: time.Now().UTC()}
+	if err := p.saveGroupSnapshot(id, g); err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+// MarkGroupReady records that every member of the group is copied.
+func (p *Pool) MarkGroupReady(id GroupSnapshotID, g *GroupSnapshot) error {
+	g.ReadyToUse = true
+	return p.saveGroupSnapshot(id, g)
+}
+
+// ReserveGroupMember reserves the snapshot of src as a member of group g, as
+// ReserveSnapshot does for an independent one; its record names the group and
+// carries the group's creation time.
+func (p *Pool) ReserveGroupMember(ctx context.Context, gid GroupSnapshotID, g *GroupSnapshot, src *Volume, needBytes int64) (*Snapshot, error) {
+	return p.reserveSnapshot(ctx, memberSnapshotName(gid, src.ID), gid.String(), g.CreatedAt, src, needBytes)
+}
+
+// DeleteGroupRecord removes a group's record, after its members; nil when it
+// does not exist. Like a snapshot, it goes through the trash under the pool
+// lock.
+func (p *Pool) DeleteGroupRecord(ctx context.Context, id GroupSnapshotID) error {
+	unlock, err := p.LockPool(ctx)
+	if err != nil {
+		return err
+	}
+	var ours []string
+	if err = p.checkDir(groupsDir); err == nil {
+		_, ours, err = p.toTrash(groupsDir, id.Key, "g-")
+	} else if missing(err) {
+		err = nil
+	}
+	unlock()
+	if err != nil {
+		return fmt.Errorf("delete group snapshot %s: %w", id, err)
+	}
+	if err := p.emptyTrash("g-"+id.Key, ours, nil); err != nil {
+		return fmt.Errorf("delete group snapshot %s: %w", id, err)
+	}
+	return nil
+}
+
+// GroupSnapshotEntry is one listed group snapshot, or the error that kept it
+// from loading.
+type GroupSnapshotEntry struct {
+	ID    GroupSnapshotID
+	Group *GroupSnapshot
+	Err   error
+}
+
+// ListGroupSnapshots returns the pool's group snapshots sorted by ID.
+func (p *Pool) ListGroupSnapshots() ([]GroupSnapshotEntry, error) {
+	des, err := p.readDir(groupsDir)
+	if missing(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: list group snapshots of pool %s: %w", ErrUnavailable, p.Name, err)
+	}
+	var out []GroupSnapshotEntry
+	for _, de := range des {
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			continue
+		}
+		id := GroupSnapshotID{p.SnapshotIDOf(de.Name())}
+		g, err := p.LoadGroupSnapshot(id)
+		if missing(err) {
+			continue // a create or delete under way
+		}
+		out = append(out, GroupSnapshotEntry{ID: id, Group: g, Err: err})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
+	return out, nil
+}
