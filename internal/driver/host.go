@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"os"
 
 	"golang.org/x/sys/unix"
 
@@ -66,6 +67,9 @@ type Filesystems interface {
 	Ext4Errors(device string) (count int64, firstFunc string, err error)
 	Freeze(path string) (thaw func() error, err error)
 	Thaw(path string) error
+	// Allocate fills [off, off+length) of an image with allocated blocks
+	// (preallocate: true), durably.
+	Allocate(f *os.File, off, length int64) error
 }
 
 // Host is how a Driver reaches the node's kernel; a nil field takes the real

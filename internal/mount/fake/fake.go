@@ -840,3 +840,12 @@ func (h *Host) Thaw(path string) error {
 	delete(h.frozen, filepath.Clean(path))
 	return nil
 }
+
+// Allocate allocates for real: images are real files in the test's directory,
+// and the pool's accounting reads their blocks.
+func (h *Host) Allocate(f *os.File, off, length int64) error {
+	if err := h.Faults.hit("Allocate"); err != nil {
+		return err
+	}
+	return mount.Allocate(f, off, length)
+}
