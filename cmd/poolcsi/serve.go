@@ -59,6 +59,9 @@ type serveOptions struct {
 	ShareKeyFile      string
 
 	Lease lease.Timing
+
+	CgroupRoot       string
+	IOLimitsInterval time.Duration
 }
 
 func newServeOptions() *serveOptions {
@@ -76,6 +79,8 @@ func newServeOptions() *serveOptions {
 		ShareTypes:        strings.Join(driver.DefaultShareTypes, ","),
 		ShareMountTimeout: poolmount.DefaultTimeout,
 		Lease:             lease.Default,
+		CgroupRoot:        "/sys/fs/cgroup",
+		IOLimitsInterval:  driver.DefaultIOLimitsInterval,
 	}
 }
 
@@ -108,6 +113,8 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.Lease.Duration, "lease-duration", o.Lease.Duration, "how long a node plugin may go without renewing its lease in a shared pool before it fences itself off (its loop devices there stop taking I/O); a controller force-detaches a volume from a node only after this plus --lease-margin without a renewal (docs/fencing.md)")
 	fs.DurationVar(&o.Lease.Interval, "lease-renew-interval", o.Lease.Interval, "how often a node plugin renews its lease in each shared pool")
 	fs.DurationVar(&o.Lease.Margin, "lease-margin", o.Lease.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
+	fs.StringVar(&o.CgroupRoot, "cgroup-root", o.CgroupRoot, "where the node plugin finds pods' cgroups to hold them to their volumes' I/O limits (a VolumeAttributesClass's readBytesPerSecond, ...): cgroup v2 io.max, or v1 blkio/ below it; the node plugin needs the host's cgroup filesystem there, writable (docs/modify.md)")
+	fs.DurationVar(&o.IOLimitsInterval, "io-limits-interval", o.IOLimitsInterval, "how often the node plugin re-applies the I/O limits of the volumes published on this node, so a changed VolumeAttributesClass reaches running pods")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins (docs/performance.md#start-with-10000-volumes)")
 	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared]`; repeatable")
 }
@@ -270,6 +277,8 @@ func (o *serveOptions) run(ctx context.Context) error {
 		ShareTypes:        types,
 		ShareKeys:         shareKeys,
 		Lease:             o.Lease,
+		CgroupRoot:        o.CgroupRoot,
+		IOLimitsInterval:  o.IOLimitsInterval,
 	})
 	if err != nil {
 		return err

@@ -97,6 +97,12 @@ type Options struct {
 	// Lease is the schedule of node leases in shared pools; the zero value
 	// takes lease.Default (docs/fencing.md).
 	Lease lease.Timing
+	// CgroupRoot is where the node finds pods' cgroups for volumes' I/O
+	// limits ("": /sys/fs/cgroup).
+	CgroupRoot string
+	// IOLimitsInterval is how often the node re-applies the I/O limits of
+	// the volumes published here (0: DefaultIOLimitsInterval).
+	IOLimitsInterval time.Duration
 }
 
 // Driver serves the CSI services over one pool set.
@@ -131,6 +137,10 @@ type Driver struct {
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *leases
+	// cgroups and throttle hold pods to their volumes' I/O limits
+	// (iolimits.go).
+	cgroups  Cgroups
+	throttle ioLimits
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -162,7 +172,16 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Lease.Validate(); err != nil {
 		return nil, err
 	}
-	host, err := opts.Host.withDefaults(opts.PathPrefix)
+	if opts.CgroupRoot == "" {
+		opts.CgroupRoot = "/sys/fs/cgroup"
+	}
+	if opts.IOLimitsInterval == 0 {
+		opts.IOLimitsInterval = DefaultIOLimitsInterval
+	}
+	if opts.IOLimitsInterval < 0 {
+		return nil, fmt.Errorf("I/O limits interval %s must be positive", opts.IOLimitsInterval)
+	}
+	host, err := opts.Host.withDefaults(opts.PathPrefix, opts.CgroupRoot)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
@@ -172,7 +191,8 @@ func New(opts Options) (*Driver, error) {
 		locks: newVolumeLocks(),
 		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
 			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix},
-		leases: newLeases(opts.Lease),
+		leases:  newLeases(opts.Lease),
+		cgroups: host.Cgroups,
 	}
 	d.freeze = d.freezeIfStagedHere
 	for _, p := range opts.Pools {
@@ -220,6 +240,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		// The leases stop after the server: a call under way at the stop
 		// may still stage a volume.
 		defer func() { stopLeases(); <-leasesDone }()
+		limitsCtx, stopLimits := context.WithCancel(ctx)
+		limitsDone := make(chan struct{})
+		go func() { defer close(limitsDone); d.keepIOLimits(limitsCtx, d.opts.IOLimitsInterval) }()
+		defer func() { stopLimits(); <-limitsDone }()
 	}
 	go func() {
 		<-ctx.Done()

@@ -24,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/poolcsi/poolcsi/internal/cgroup"
 	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
@@ -36,7 +37,10 @@ type Host struct {
 	fs      map[string]*filesystem
 	mounts  map[string]*Mount // target -> what it shows
 	frozen  map[string]bool
-	Faults  *Faults
+	// pods are the pods with a cgroup, and the I/O limits written there
+	// by device (cgroups.go).
+	pods   map[string]map[string]cgroup.Limits
+	Faults *Faults
 }
 
 type device struct {
@@ -82,6 +86,7 @@ func New() *Host {
 		fs:      map[string]*filesystem{},
 		mounts:  map[string]*Mount{},
 		frozen:  map[string]bool{},
+		pods:    map[string]map[string]cgroup.Limits{},
 		Faults:  &Faults{},
 	}
 }
