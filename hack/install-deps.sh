@@ -23,6 +23,8 @@ command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
 # mount.nfs, which the poolcsi image carries (deploy/image-tools.txt) and the test harness
 # copies from this machine into the image it builds.
 [ -x /sbin/mount.nfs ] || need+=(nfs-common)
+# The direct-I/O writer of the fio benchmarks (test/e2e BenchmarkFio, BenchmarkIOLimitsV1).
+command -v fio >/dev/null 2>&1 || need+=(fio)
 [ ${#need[@]} -eq 0 ] && exit 0
 # Once each, in the order found.
 mapfile -t need < <(printf '%s\n' "${need[@]}" | awk '!seen[$0]++')

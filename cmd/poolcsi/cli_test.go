@@ -199,6 +199,25 @@ func TestSizeEnforced(t *testing.T) {
 	}
 }
 
+func TestAttributes(t *testing.T) {
+	tests := []struct {
+		name string
+		v    pool.Volume
+		want string
+	}{
+		{"none", pool.Volume{Layout: pool.LayoutImage}, ""},
+		{"every key", pool.Volume{Layout: pool.LayoutImage, Preallocate: true, IOLimits: pool.IOLimits{
+			ReadBytesPerSecond: 40 << 20, WriteBytesPerSecond: 20 << 20, ReadIOPS: 2000, WriteIOPS: 1000}},
+			"rbps=40Mi,wbps=20Mi,riops=2000,wiops=1000,preallocated"},
+		{"odd bytes", pool.Volume{Layout: pool.LayoutImage, IOLimits: pool.IOLimits{WriteBytesPerSecond: 1000}}, "wbps=1k"},
+	}
+	for _, tt := range tests {
+		if got := attributes(&tt.v); got != tt.want {
+			t.Errorf("%s: %q, want %q", tt.name, got, tt.want)
+		}
+	}
+}
+
 func TestPoolListEmptyPool(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "p")
 	if _, err := pool.Initialise(pool.Config{Name: "p", Path: dir}); err != nil {

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"strconv"
+
 	"context"
 	"errors"
 	"fmt"
@@ -12,6 +14,8 @@ import (
 	"time"
 
 	"github.com/moby/sys/mountinfo"
+
+	"k8s.io/apimachinery/pkg/api/resource"
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
@@ -88,11 +92,11 @@ func poolList(out, stderr io.Writer, args []string) error {
 		return err
 	}
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(w, "VOLUME\tNAME\tLAYOUT\tTYPE\tCAPACITY\tSIZE ENFORCED\tHELD\tSTAGED\tPUBLISHED\tHEALTH")
+	fmt.Fprintln(w, "VOLUME\tNAME\tLAYOUT\tTYPE\tCAPACITY\tSIZE ENFORCED\tHELD\tATTRIBUTES\tSTAGED\tPUBLISHED\tHEALTH")
 	for _, r := range scan.Volumes {
 		v := r.Volume
 		if v == nil {
-			fmt.Fprintf(w, "%s\t?\t?\t?\t?\t?\t?\t?\t?\t%s\n", r.ID, health.Summary(r.Issues))
+			fmt.Fprintf(w, "%s\t?\t?\t?\t?\t?\t?\t?\t?\t?\t%s\n", r.ID, health.Summary(r.Issues))
 			continue
 		}
 		kind := v.FSType
@@ -103,8 +107,8 @@ func poolList(out, stderr io.Writer, args []string) error {
 		for _, s := range v.Staged {
 			staged = append(staged, s.Node)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
-			humanBytes(v.CapacityBytes), sizeEnforced(v), humanBytes(r.AllocatedBytes), orDash(strings.Join(staged, ",")),
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
+			humanBytes(v.CapacityBytes), sizeEnforced(v), humanBytes(r.AllocatedBytes), orDash(attributes(v)), orDash(strings.Join(staged, ",")),
 			orDash(strings.Join(v.PublishedNodes(), ",")), health.Summary(r.Issues))
 	}
 	if err := w.Flush(); err != nil {
@@ -246,6 +250,31 @@ func poolUnfence(ctx context.Context, out, stderr io.Writer, args []string) erro
 
 // humanBytes is n in binary units, as `df -h` and kubectl's Mi/Gi count:
 // whole numbers stay whole (a 10 GiB volume is "10 GiB"), others get one decimal.
+// attributes is a volume's mutable parameters (its VolumeAttributesClass) in
+// one column: I/O limits (bytes per second, binary units) and preallocation.
+func attributes(v *pool.Volume) string {
+	var out []string
+	add := func(key string, n int64, bytes bool) {
+		if n == 0 {
+			return
+		}
+		val := strconv.FormatInt(n, 10)
+		if bytes {
+			val = resource.NewQuantity(n, resource.BinarySI).String()
+		}
+		out = append(out, key+"="+val)
+	}
+	l := v.IOLimits
+	add("rbps", l.ReadBytesPerSecond, true)
+	add("wbps", l.WriteBytesPerSecond, true)
+	add("riops", l.ReadIOPS, false)
+	add("wiops", l.WriteIOPS, false)
+	if v.Preallocate {
+		out = append(out, "preallocated")
+	}
+	return strings.Join(out, ",")
+}
+
 func humanBytes(n int64) string {
 	const unit = 1024
 	if n < unit && n > -unit {

@@ -60,6 +60,9 @@ type serveOptions struct {
 
 	Lease  lease.Timing
 	Freeze driver.FreezeTiming
+
+	CgroupRoot       string
+	IOLimitsInterval time.Duration
 }
 
 func newServeOptions() *serveOptions {
@@ -78,6 +81,8 @@ func newServeOptions() *serveOptions {
 		ShareMountTimeout: poolmount.DefaultTimeout,
 		Lease:             lease.Default,
 		Freeze:            driver.DefaultFreezeTiming,
+		CgroupRoot:        "/sys/fs/cgroup",
+		IOLimitsInterval:  driver.DefaultIOLimitsInterval,
 	}
 }
 
@@ -113,6 +118,8 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.Freeze.Poll, "freeze-poll-interval", o.Freeze.Poll, "how often a node plugin reads its freeze inbox in each pool, where a controller on another node asks it to freeze a volume's filesystem for a snapshot (docs/snapshots.md#freezing-across-nodes)")
 	fs.DurationVar(&o.Freeze.MaxHold, "freeze-max-hold", o.Freeze.MaxHold, "the longest a node plugin keeps a filesystem frozen for another node's snapshot, by its own clock: a controller that dies mid-copy never leaves it frozen longer, and a copy that outlasts it fails and is retried")
 	fs.DurationVar(&o.Freeze.AckTimeout, "freeze-ack-timeout", o.Freeze.AckTimeout, "how long a controller waits for a node to confirm a freeze before the snapshot fails UNAVAILABLE (or goes on without it, if the node's lease has expired)")
+	fs.StringVar(&o.CgroupRoot, "cgroup-root", o.CgroupRoot, "where the node plugin finds pods' cgroups to hold them to their volumes' I/O limits (a VolumeAttributesClass's readBytesPerSecond, ...): cgroup v2 io.max, or v1 blkio/ below it; the node plugin needs the host's cgroup filesystem there, writable (docs/modify.md)")
+	fs.DurationVar(&o.IOLimitsInterval, "io-limits-interval", o.IOLimitsInterval, "how often the node plugin re-applies the I/O limits of the volumes published on this node, so a changed VolumeAttributesClass reaches running pods")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins (docs/performance.md#start-with-10000-volumes)")
 	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared]`; repeatable")
 }
@@ -279,6 +286,8 @@ func (o *serveOptions) run(ctx context.Context) error {
 		ShareKeys:         shareKeys,
 		Lease:             o.Lease,
 		Freeze:            o.Freeze,
+		CgroupRoot:        o.CgroupRoot,
+		IOLimitsInterval:  o.IOLimitsInterval,
 	})
 	if err != nil {
 		return err

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
 
@@ -38,6 +39,7 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME,
 	csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 	csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
+	csi.ControllerServiceCapability_RPC_MODIFY_VOLUME,
 	legacyControllerVolumeCondition,
 }
 
@@ -144,6 +146,10 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
+	fresh, err := createMutable(req.GetMutableParameters(), params.layout)
+	if err != nil {
+		return nil, err
+	}
 	var srcFS string
 	if src != nil {
 		srcFS = src.fsType
@@ -201,11 +207,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		Parameters:    params.keep,
 		Topology:      topology,
 		Source:        source,
+		IOLimits:      fresh.IOLimits,
+		Preallocate:   fresh.Preallocate,
 	})
 	if err != nil {
 		return nil, err
 	}
-	if err := d.createCompatible(v, caps, req.GetCapacityRange()); err != nil {
+	if err := d.createCompatible(v, caps, req.GetCapacityRange(), fresh); err != nil {
 		return nil, failf(pool.ErrExists, "volume %q exists with other attributes: %w", name, err)
 	}
 	if !sameSource(v.Source, source) {
@@ -246,9 +254,12 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 	return nil
 }
 
-func (d *Driver) createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange) error {
+func (d *Driver) createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange, mutable pool.Volume) error {
 	if err := d.compatible(caps, v); err != nil {
 		return err
+	}
+	if v.IOLimits != mutable.IOLimits || v.Preallocate != mutable.Preallocate {
+		return fmt.Errorf("its mutable parameters differ (I/O limits %+v, preallocate %t)", v.IOLimits, v.Preallocate)
 	}
 	if req := r.GetRequiredBytes(); v.CapacityBytes < req {
 		return errors.New("its capacity is below required_bytes")

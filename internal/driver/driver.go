@@ -100,6 +100,12 @@ type Options struct {
 	// Freeze is the schedule of freezes across nodes for snapshots; the
 	// zero value takes DefaultFreezeTiming (docs/snapshots.md).
 	Freeze FreezeTiming
+	// CgroupRoot is where the node finds pods' cgroups for volumes' I/O
+	// limits ("": /sys/fs/cgroup).
+	CgroupRoot string
+	// IOLimitsInterval is how often the node re-applies the I/O limits of
+	// the volumes published here (0: DefaultIOLimitsInterval).
+	IOLimitsInterval time.Duration
 }
 
 // Driver serves the CSI services over one pool set.
@@ -144,6 +150,10 @@ type Driver struct {
 	// fill copies a group snapshot's member, its source already frozen
 	// (group.go); a field so the tests see each copy's moment.
 	fill func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error
+	// cgroups and throttle hold pods to their volumes' I/O limits
+	// (iolimits.go).
+	cgroups  Cgroups
+	throttle ioLimits
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -181,7 +191,16 @@ func New(opts Options) (*Driver, error) {
 	if err := opts.Freeze.Validate(); err != nil {
 		return nil, err
 	}
-	host, err := opts.Host.withDefaults(opts.PathPrefix)
+	if opts.CgroupRoot == "" {
+		opts.CgroupRoot = "/sys/fs/cgroup"
+	}
+	if opts.IOLimitsInterval == 0 {
+		opts.IOLimitsInterval = DefaultIOLimitsInterval
+	}
+	if opts.IOLimitsInterval < 0 {
+		return nil, fmt.Errorf("I/O limits interval %s must be positive", opts.IOLimitsInterval)
+	}
+	host, err := opts.Host.withDefaults(opts.PathPrefix, opts.CgroupRoot)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
@@ -194,6 +213,7 @@ func New(opts Options) (*Driver, error) {
 		leases:       newLeases(opts.Lease),
 		freezeTiming: opts.Freeze,
 		freezer:      newFreezer(),
+		cgroups:      host.Cgroups,
 	}
 	d.freeze = d.freezeIfStagedHere
 	d.quiesceCopy = d.quiesce
@@ -251,6 +271,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		agentDone := make(chan struct{})
 		go func() { defer close(agentDone); d.runFreezeAgent(agentCtx) }()
 		defer func() { stopAgent(); <-agentDone }()
+		limitsCtx, stopLimits := context.WithCancel(ctx)
+		limitsDone := make(chan struct{})
+		go func() { defer close(limitsDone); d.keepIOLimits(limitsCtx, d.opts.IOLimitsInterval) }()
+		defer func() { stopLimits(); <-limitsDone }()
 	}
 	go func() {
 		<-ctx.Done()

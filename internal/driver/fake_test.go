@@ -50,7 +50,7 @@ func newTestDriver(t testing.TB, o testOpts) *testDriver {
 	opts := Options{
 		Name: "poolcsi.test", Version: "test", NodeID: "node-1", Mode: ModeAll, Pools: pools,
 		MaxVolumesPerNode: o.maxVols,
-		Host:              Host{Mounts: h, Loops: h, Devices: h, FS: h},
+		Host:              Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h},
 	}
 	if o.modify != nil {
 		o.modify(&opts)

@@ -2,9 +2,11 @@ package driver
 
 import (
 	"context"
+	"os"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/poolcsi/poolcsi/internal/cgroup"
 	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
@@ -66,6 +68,16 @@ type Filesystems interface {
 	Ext4Errors(device string) (count int64, firstFunc string, err error)
 	Freeze(path string) (thaw func() error, err error)
 	Thaw(path string) error
+	// Allocate fills [off, off+length) of an image with allocated blocks
+	// (preallocate: true), durably.
+	Allocate(f *os.File, off, length int64) error
+}
+
+// Cgroups holds a pod's I/O on a block device to limits (the pod's cgroup,
+// found from its UID; cgroup.ErrNoPodCgroup when there is none) and returns
+// the cgroup it wrote.
+type Cgroups interface {
+	Apply(podUID, device string, l cgroup.Limits) (string, error)
 }
 
 // Host is how a Driver reaches the node's kernel; a nil field takes the real
@@ -75,11 +87,13 @@ type Host struct {
 	Loops   LoopDevices
 	Devices BlockDevices
 	FS      Filesystems
+	Cgroups Cgroups
 }
 
 // withDefaults fills the nil fields with the real implementations, which
-// mount only below pathPrefix ("" for anywhere).
-func (h Host) withDefaults(pathPrefix string) (Host, error) {
+// mount only below pathPrefix ("" for anywhere) and find pods' cgroups below
+// cgroupRoot.
+func (h Host) withDefaults(pathPrefix, cgroupRoot string) (Host, error) {
 	m := mount.NewMounterBeneath(pathPrefix)
 	if h.Mounts == nil {
 		h.Mounts = m
@@ -96,6 +110,9 @@ func (h Host) withDefaults(pathPrefix string) (Host, error) {
 	}
 	if h.FS == nil {
 		h.FS = mount.Filesystems{}
+	}
+	if h.Cgroups == nil {
+		h.Cgroups = cgroup.FS{Root: cgroupRoot}
 	}
 	return h, nil
 }

@@ -130,6 +130,11 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 			return fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err)
 		}
 	}
+	if v.Preallocate {
+		if err := p.AllocateImage(ctx, v, d.fs.Allocate); err != nil {
+			return err
+		}
+	}
 	if err := p.SyncImage(vid); err != nil {
 		return err
 	}
@@ -173,6 +178,11 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 	if err != nil {
 		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 	}
+	if v.Preallocate {
+		if err := p.AllocateImage(ctx, v, d.fs.Allocate); err != nil {
+			return err
+		}
+	}
 	if err := p.MarkReady(v); err != nil {
 		return err
 	}
@@ -188,7 +198,7 @@ func (d *layoutDeps) growImage(ctx context.Context, p *pool.Pool, vid pool.Volum
 		return nil, err
 	}
 	before := v.CapacityBytes
-	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes())
+	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes(), d.fs.Allocate)
 	if err != nil {
 		return nil, err
 	}

@@ -333,6 +333,10 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
+	podUID, err := podUIDOf(req.GetVolumeContext())
+	if err != nil {
+		return nil, err
+	}
 	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
@@ -342,6 +346,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err := d.layoutOf(nv.vol.Layout).publish(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
+	d.trackPublish(ctx, nv, target, podUID)
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
@@ -367,6 +372,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}
 	d.conditions.forget(vid.String())
+	d.untrackPublish(target)
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

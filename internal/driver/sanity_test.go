@@ -59,11 +59,15 @@ func runFakeSanity(t *testing.T, mode string) {
 	cfg.IdempotentCount = 2
 	cfg.TestNodeVolumeAttachLimit = true
 	cfg.CheckPath = testutil.SanityCheckPath
+	cfg.TestVolumeMutableParameters = testutil.SanityMutableParameters
 	switch mode {
 	case "block":
 		cfg.TestVolumeAccessType = "block"
 	case "dir":
 		cfg.TestVolumeParameters = map[string]string{"layout": "dir"}
+		// A directory has no device to throttle and no image to
+		// preallocate; "false" is what it is.
+		cfg.TestVolumeMutableParameters = map[string]string{"preallocate": "false"}
 	}
 	sanity.Test(t, cfg)
 }

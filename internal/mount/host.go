@@ -155,7 +155,22 @@ func (Filesystems) Statfs(path string, st *unix.Statfs_t) error {
 	return nil
 }
 func (Filesystems) Freeze(path string) (func() error, error) { return Freeze(path) }
-func (Filesystems) Thaw(path string) error                   { return Thaw(path) }
+
+// Allocate allocates [off, off+length) of f (fallocate mode 0) and fsyncs f,
+// so the allocation survives a crash.
+func (Filesystems) Allocate(f *os.File, off, length int64) error { return Allocate(f, off, length) }
+
+// Allocate is Filesystems.Allocate.
+func Allocate(f *os.File, off, length int64) error {
+	if err := unix.Fallocate(int(f.Fd()), 0, off, length); err != nil {
+		return fmt.Errorf("fallocate %s [%d, +%d): %w", f.Name(), off, length, err)
+	}
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("fsync %s: %w", f.Name(), err)
+	}
+	return nil
+}
+func (Filesystems) Thaw(path string) error { return Thaw(path) }
 
 // sysFSExt4 is where ext4 publishes its per-filesystem attributes; a variable
 // so a test can point it at a tree holding errors it cannot cause for real.

@@ -17,9 +17,12 @@ import (
 // those bytes to a filesystem (the loop device takes its size from the file).
 // limit (0: none) bounds that adopted size.
 //
+// A preallocated volume's new range is allocated too (allocate), and must fit
+// now; a failing allocate leaves the volume at its recorded size, usable.
+//
 // Locks: the volume's lock, then the pool's lock around the capacity decision;
 // callers hold no pool lock.
-func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volume, error) {
+func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64, allocate Allocator) (*Volume, error) {
 	v, unlock, err := p.lockForGrowth(ctx, id, LayoutImage)
 	if err != nil {
 		return nil, err
@@ -55,12 +58,24 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64) (*Volum
 	if err := tx.admit(target-v.CapacityBytes, fmt.Sprintf("growing volume %s from %d to %d bytes", id, v.CapacityBytes, target)); err != nil {
 		return nil, err
 	}
+	prealloc := v.Preallocate && allocate != nil
+	if prealloc {
+		if err := tx.admitAllocation(target-fi.Size(), 0, fmt.Sprintf("growing preallocated volume %s from %d to %d bytes", id, fi.Size(), target)); err != nil {
+			return nil, err
+		}
+	}
 	if err := tx.countGrowth(id, v.CapacityBytes, target); err != nil {
 		return nil, err
 	}
 	if fi.Size() < target {
 		if err := growFile(h.Path(), target); err != nil {
 			return nil, err
+		}
+	}
+	if prealloc {
+		// From the recorded size: an interrupted growth's range is allocated too.
+		if err := allocateFile(h, v.CapacityBytes, target-v.CapacityBytes, allocate); err != nil {
+			return nil, fmt.Errorf("preallocate the growth of volume %s: %w", id, err)
 		}
 	}
 	v.CapacityBytes = target

@@ -51,7 +51,7 @@ func TestGrow(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			got, err := p.Grow(ctx, id, tc.grow, tc.limit)
+			got, err := p.Grow(ctx, id, tc.grow, tc.limit, nil)
 			if !errors.Is(err, tc.wantErr) {
 				t.Fatalf("Grow = %v, want %v", err, tc.wantErr)
 			}

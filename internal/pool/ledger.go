@@ -383,6 +383,40 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 	return nil
 }
 
+// admitAllocation decides whether need bytes can be allocated now (a
+// preallocated image, or its growth): they must fit in the pool's free space,
+// and what stays promised to sparse volumes must still fit the overcommit
+// policy in what is left. promised is the part of need already counted as a
+// promise (the sparse image being filled): allocating it ends that promise.
+// The ledger's bound decides first, as in admit; only a request it would
+// refuse measures the pool.
+func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
+	p := tx.p
+	var st unix.Statfs_t
+	if err := unix.Statfs(p.Path, &st); err != nil {
+		return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
+	}
+	free := int64(st.Bavail) * st.Bsize
+	if need > free {
+		return fmt.Errorf("%w: pool %s has %d bytes free; %s needs %d allocated now", ErrNoSpace, p.Name, free, what, need)
+	}
+	fits := func(free, unbacked int64) bool {
+		return float64(free-need)*p.Overcommit >= float64(unbacked-promised)
+	}
+	if !tx.degraded && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
+		return nil
+	}
+	u, err := p.Usage()
+	if err != nil {
+		return err
+	}
+	if need > u.FreeBytes || !fits(u.FreeBytes, u.UnbackedBytes) {
+		return fmt.Errorf("%w: pool %s has %d bytes free and %d promised to sparse volumes and reflinked snapshots (overcommit %.2f); %s needs %d allocated now, which would leave the sparse volumes' promises unbacked",
+			ErrNoSpace, p.Name, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
+	}
+	return nil
+}
+
 // LedgerReport is what pool check says of a pool's ledger.
 type LedgerReport struct {
 	// Problem is empty when the ledger matches the records, or is only

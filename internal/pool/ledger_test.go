@@ -122,7 +122,7 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if _, err := p.Grow(ctx, id, 32*MiB, 0); err != nil {
+			if _, err := p.Grow(ctx, id, 32*MiB, 0, nil); err != nil {
 				t.Fatal(err)
 			}
 			if err := os.WriteFile(p.MetadataPath(id), old, 0o600); err != nil {

@@ -25,6 +25,10 @@ type Spec struct {
 	Parameters    map[string]string
 	Topology      map[string]string
 	Source        *ContentSource
+	IOLimits      IOLimits
+	// Preallocate: the image is to be fully allocated (AllocateImage, once
+	// made); its bytes must fit now as well as under the overcommit policy.
+	Preallocate bool
 }
 
 // Reserve finds or makes the volume named spec.Name: its directory, a volume.json in
@@ -62,6 +66,11 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := tx.admit(spec.CapacityBytes, "a new volume"); err != nil {
 		return nil, err
 	}
+	if spec.Preallocate {
+		if err := tx.admitAllocation(spec.CapacityBytes, 0, "a new preallocated volume"); err != nil {
+			return nil, err
+		}
+	}
 
 	v := &Volume{
 		ID:            id.String(),
@@ -75,6 +84,8 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		Parameters:    spec.Parameters,
 		Topology:      spec.Topology,
 		Source:        spec.Source,
+		IOLimits:      spec.IOLimits,
+		Preallocate:   spec.Preallocate,
 		CreatedAt:     time.Now().UTC(),
 	}
 	if err := v.validate(); err != nil {

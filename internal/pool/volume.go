@@ -68,6 +68,12 @@ type Volume struct {
 	// Source is the snapshot or volume the volume was made from (CSI
 	// volume_content_source); nil for an empty volume.
 	Source *ContentSource `json:"source,omitempty"`
+	// IOLimits and Preallocate are the volume's mutable parameters
+	// (CreateVolume's mutable_parameters, ControllerModifyVolume): the block
+	// throttling the node holds its pods to, and whether its image is kept
+	// fully allocated. Image volumes only.
+	IOLimits    IOLimits `json:"ioLimits,omitzero"`
+	Preallocate bool     `json:"preallocate,omitempty"`
 }
 
 // ContentSource names what a volume's first content was copied from: exactly one
@@ -140,6 +146,12 @@ func (v *Volume) validate() error {
 	}
 	if err := ValidateVolumeName(v.Name); err != nil {
 		return err
+	}
+	if err := v.IOLimits.validate(); err != nil {
+		return err
+	}
+	if v.Layout != LayoutImage && (!v.IOLimits.IsZero() || v.Preallocate) {
+		return fmt.Errorf("layout %s has no I/O limits or preallocation", v.Layout)
 	}
 	for _, s := range v.Staged {
 		if err := ValidateNodeID(s.Node); err != nil {

@@ -24,6 +24,14 @@ func (SanityIDs) GenerateInvalidVolumeID() string       { return "nopool." + ran
 func (SanityIDs) GenerateUniqueValidNodeID() string     { return "node-" + randKey()[:8] }
 func (SanityIDs) GenerateInvalidNodeID() string         { return "no-such-node" }
 
+// SanityMutableParameters are the VolumeAttributesClass parameters the
+// sanity suite creates and modifies image volumes with: every key poolcsi
+// knows, so each is parsed, recorded and acted on (the image preallocated).
+var SanityMutableParameters = map[string]string{
+	"readBytesPerSecond": "40Mi", "writeBytesPerSecond": "20Mi",
+	"readIOPS": "2000", "writeIOPS": "1000", "preallocate": "true",
+}
+
 // SanityCheckPath tells the sanity suite what is at a staging or target path.
 func SanityCheckPath(path string) (sanity.PathKind, error) {
 	fi, err := os.Stat(path)

@@ -37,5 +37,6 @@ func StartForSanity(t *testing.T) *sanity.TestConfig {
 	cfg.IdempotentCount = 2
 	cfg.TestNodeVolumeAttachLimit = true
 	cfg.CheckPath = testutil.SanityCheckPath
+	cfg.TestVolumeMutableParameters = testutil.SanityMutableParameters
 	return &cfg
 }

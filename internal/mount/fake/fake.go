@@ -24,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/poolcsi/poolcsi/internal/cgroup"
 	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
@@ -36,7 +37,10 @@ type Host struct {
 	fs      map[string]*filesystem
 	mounts  map[string]*Mount // target -> what it shows
 	frozen  map[string]bool
-	Faults  *Faults
+	// pods are the pods with a cgroup, and the I/O limits written there
+	// by device (cgroups.go).
+	pods   map[string]map[string]cgroup.Limits
+	Faults *Faults
 }
 
 type device struct {
@@ -82,6 +86,7 @@ func New() *Host {
 		fs:      map[string]*filesystem{},
 		mounts:  map[string]*Mount{},
 		frozen:  map[string]bool{},
+		pods:    map[string]map[string]cgroup.Limits{},
 		Faults:  &Faults{},
 	}
 }
@@ -839,4 +844,13 @@ func (h *Host) Thaw(path string) error {
 	defer h.mu.Unlock()
 	delete(h.frozen, filepath.Clean(path))
 	return nil
+}
+
+// Allocate allocates for real: images are real files in the test's directory,
+// and the pool's accounting reads their blocks.
+func (h *Host) Allocate(f *os.File, off, length int64) error {
+	if err := h.Faults.hit("Allocate"); err != nil {
+		return err
+	}
+	return mount.Allocate(f, off, length)
 }

@@ -13,5 +13,7 @@ import (
 func TestSanityDirLayout(t *testing.T) {
 	cfg := harness.StartForSanity(t)
 	cfg.TestVolumeParameters = map[string]string{"layout": "dir"}
+	// A directory has no device to throttle and no image to preallocate.
+	cfg.TestVolumeMutableParameters = map[string]string{"preallocate": "false"}
 	sanity.Test(t, *cfg)
 }

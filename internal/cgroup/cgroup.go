@@ -1,0 +1,172 @@
+// Package cgroup holds a pod's block I/O to limits through the kernel's block
+// throttling: cgroup v1's blkio.throttle.* files or cgroup v2's io.max, on the
+// pod-level cgroup kubelet made (throttling is hierarchical, so every
+// container of the pod is held to it), for both kubelet cgroup drivers.
+package cgroup
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Limits are per-device limits; 0 is none.
+type Limits struct {
+	ReadBPS, WriteBPS, ReadIOPS, WriteIOPS int64
+}
+
+// IsZero tells whether no limit is set.
+func (l Limits) IsZero() bool { return l == Limits{} }
+
+var (
+	// ErrNoPodCgroup: no cgroup of the pod exists under the root (not
+	// created yet, already gone, or another cgroup layout).
+	ErrNoPodCgroup = errors.New("no cgroup of the pod")
+	// ErrBadPodUID: a pod UID that is not a UUID; no path is built from it.
+	ErrBadPodUID = errors.New("pod UID is not a UUID")
+)
+
+// uidRE is a Kubernetes pod UID: a lowercase UUID.
+var uidRE = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$`)
+
+// ValidatePodUID accepts a lowercase UUID only.
+func ValidatePodUID(uid string) error {
+	if !uidRE.MatchString(uid) {
+		return fmt.Errorf("%w: %q", ErrBadPodUID, uid)
+	}
+	return nil
+}
+
+// PodDirs are where kubelet puts a pod's cgroup, relative to a hierarchy's
+// root, for the cgroupfs driver (guaranteed, burstable, best-effort) and then
+// the systemd driver.
+func PodDirs(uid string) []string {
+	u := strings.ReplaceAll(uid, "-", "_")
+	return []string{
+		"kubepods/pod" + uid,
+		"kubepods/burstable/pod" + uid,
+		"kubepods/besteffort/pod" + uid,
+		"kubepods.slice/kubepods-pod" + u + ".slice",
+		"kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod" + u + ".slice",
+		"kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod" + u + ".slice",
+	}
+}
+
+// FS is the real cgroup filesystem under Root (/sys/fs/cgroup): v2 when Root
+// is the unified hierarchy (it has cgroup.controllers), else v1's blkio.
+type FS struct{ Root string }
+
+// v2 tells whether the root is a cgroup v2 unified hierarchy.
+func (c FS) v2() bool {
+	_, err := os.Stat(filepath.Join(c.Root, "cgroup.controllers"))
+	return err == nil
+}
+
+// PodCgroup returns the pod's cgroup directory, or ErrNoPodCgroup.
+func (c FS) PodCgroup(uid string) (string, error) {
+	if err := ValidatePodUID(uid); err != nil {
+		return "", err
+	}
+	base := c.Root
+	if !c.v2() {
+		base = filepath.Join(c.Root, "blkio")
+	}
+	for _, rel := range PodDirs(uid) {
+		dir := filepath.Join(base, rel)
+		if fi, err := os.Lstat(dir); err == nil && fi.IsDir() {
+			return dir, nil
+		}
+	}
+	return "", fmt.Errorf("%w %s under %s", ErrNoPodCgroup, uid, base)
+}
+
+// Apply holds pod uid's I/O on the block device at device to l (0 clears a
+// limit) and returns the cgroup it wrote.
+func (c FS) Apply(uid, device string, l Limits) (string, error) {
+	dir, err := c.PodCgroup(uid)
+	if err != nil {
+		return "", err
+	}
+	major, minor, err := deviceNumber(device)
+	if err != nil {
+		return dir, err
+	}
+	return dir, WriteLimits(dir, c.v2(), major, minor, l)
+}
+
+// deviceNumber is the major and minor number of a block device node.
+func deviceNumber(device string) (uint32, uint32, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(device, &st); err != nil {
+		return 0, 0, fmt.Errorf("stat %s: %w", device, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return 0, 0, fmt.Errorf("%s is not a block device", device)
+	}
+	return unix.Major(st.Rdev), unix.Minor(st.Rdev), nil
+}
+
+// WriteLimits writes l for device major:minor into the cgroup dir: io.max
+// (v2), or the four blkio.throttle files (v1).
+func WriteLimits(dir string, v2 bool, major, minor uint32, l Limits) error {
+	dev := fmt.Sprintf("%d:%d", major, minor)
+	if v2 {
+		v := func(n int64) string {
+			if n == 0 {
+				return "max"
+			}
+			return strconv.FormatInt(n, 10)
+		}
+		line := fmt.Sprintf("%s rbps=%s wbps=%s riops=%s wiops=%s", dev, v(l.ReadBPS), v(l.WriteBPS), v(l.ReadIOPS), v(l.WriteIOPS))
+		return writeFile(filepath.Join(dir, "io.max"), line)
+	}
+	for _, f := range []struct {
+		name string
+		n    int64
+	}{
+		{"blkio.throttle.read_bps_device", l.ReadBPS},
+		{"blkio.throttle.write_bps_device", l.WriteBPS},
+		{"blkio.throttle.read_iops_device", l.ReadIOPS},
+		{"blkio.throttle.write_iops_device", l.WriteIOPS},
+	} {
+		if err := writeFile(filepath.Join(dir, f.name), dev+" "+strconv.FormatInt(f.n, 10)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// writeFile writes one line to a cgroup control file, which must exist (a
+// cgroup file is never created) and is never reached through a link.
+func writeFile(path, line string) error {
+	f, err := os.OpenFile(path, os.O_WRONLY|unix.O_NOFOLLOW, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", path, err)
+	}
+	defer f.Close()
+	if _, err := f.WriteString(line + "\n"); err != nil {
+		return fmt.Errorf("write %q to %s: %w", line, path, err)
+	}
+	return f.Close()
+}
+
+// ReadV1 reads the limit for dev ("MAJ:MIN") in a v1 blkio throttle file (0
+// when it has none), for tests and status.
+func ReadV1(dir, file, dev string) (int64, error) {
+	raw, err := os.ReadFile(filepath.Join(dir, file))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == dev {
+			return strconv.ParseInt(f[1], 10, 64)
+		}
+	}
+	return 0, nil
+}

@@ -1,0 +1,105 @@
+package cgroup
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestValidatePodUID(t *testing.T) {
+	for _, tt := range []struct {
+		uid string
+		ok  bool
+	}{
+		{"0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60", true},
+		{"0D7D9A9E-3C1B-4D7E-9A55-1B2C3D4E5F60", false},
+		{"", false},
+		{"../../etc", false},
+		{"0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60/..", false},
+		{"0d7d9a9e3c1b4d7e9a551b2c3d4e5f60", false},
+		{"0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f6\n", false},
+	} {
+		if err := ValidatePodUID(tt.uid); (err == nil) != tt.ok {
+			t.Errorf("%q: %v, want ok=%t", tt.uid, err, tt.ok)
+		}
+	}
+}
+
+// TestPodCgroupAndWrite lays out fake cgroup trees (a plain directory
+// tree: cgroupfs cannot be mounted without root) for each version and
+// kubelet cgroup driver and checks the pod's cgroup is found and written.
+func TestPodCgroupAndWrite(t *testing.T) {
+	const uid = "0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60"
+	l := Limits{ReadBPS: 1 << 20, WriteBPS: 2 << 20, WriteIOPS: 300}
+	tests := []struct {
+		name  string
+		v2    bool
+		dir   string
+		files map[string]string // file -> what it holds afterwards
+	}{
+		{"v1 cgroupfs burstable", false, "blkio/kubepods/burstable/pod" + uid, map[string]string{
+			"blkio.throttle.read_bps_device": "7:3 1048576\n", "blkio.throttle.write_bps_device": "7:3 2097152\n",
+			"blkio.throttle.read_iops_device": "7:3 0\n", "blkio.throttle.write_iops_device": "7:3 300\n"}},
+		{"v1 systemd guaranteed", false, "blkio/kubepods.slice/kubepods-pod0d7d9a9e_3c1b_4d7e_9a55_1b2c3d4e5f60.slice", map[string]string{
+			"blkio.throttle.write_iops_device": "7:3 300\n"}},
+		{"v2 cgroupfs best-effort", true, "kubepods/besteffort/pod" + uid, map[string]string{
+			"io.max": "7:3 rbps=1048576 wbps=2097152 riops=max wiops=300\n"}},
+		{"v2 systemd burstable", true, "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0d7d9a9e_3c1b_4d7e_9a55_1b2c3d4e5f60.slice", map[string]string{
+			"io.max": "7:3 rbps=1048576 wbps=2097152 riops=max wiops=300\n"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			root := t.TempDir()
+			if tt.v2 {
+				if err := os.WriteFile(filepath.Join(root, "cgroup.controllers"), []byte("io\n"), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			c := FS{Root: root}
+			if _, err := c.PodCgroup(uid); !errors.Is(err, ErrNoPodCgroup) {
+				t.Fatalf("no pod yet: %v", err)
+			}
+			dir := filepath.Join(root, tt.dir)
+			if err := os.MkdirAll(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			for f := range map[string]bool{"io.max": tt.v2, "blkio.throttle.read_bps_device": !tt.v2, "blkio.throttle.write_bps_device": !tt.v2,
+				"blkio.throttle.read_iops_device": !tt.v2, "blkio.throttle.write_iops_device": !tt.v2} {
+				if strings.HasPrefix(f, "io.") == tt.v2 {
+					if err := os.WriteFile(filepath.Join(dir, f), nil, 0o644); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			got, err := c.PodCgroup(uid)
+			if err != nil || got != dir {
+				t.Fatalf("PodCgroup: %q, %v; want %q", got, err, dir)
+			}
+			if err := WriteLimits(got, c.v2(), 7, 3, l); err != nil {
+				t.Fatal(err)
+			}
+			for f, want := range tt.files {
+				raw, err := os.ReadFile(filepath.Join(dir, f))
+				if err != nil || string(raw) != want {
+					t.Errorf("%s holds %q (%v), want %q", f, raw, err, want)
+				}
+			}
+		})
+	}
+}
+
+func TestApplyRefusesBadUIDAndNonDevice(t *testing.T) {
+	c := FS{Root: t.TempDir()}
+	if _, err := c.Apply("../x", "/dev/null", Limits{}); !errors.Is(err, ErrBadPodUID) {
+		t.Errorf("bad uid: %v", err)
+	}
+	const uid = "0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60"
+	if err := os.MkdirAll(filepath.Join(c.Root, "blkio/kubepods/pod"+uid), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Apply(uid, "/dev/null", Limits{}); err == nil || !strings.Contains(err.Error(), "not a block device") {
+		t.Errorf("character device: %v", err)
+	}
+}

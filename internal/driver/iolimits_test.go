@@ -1,0 +1,160 @@
+package driver
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/poolcsi/poolcsi/internal/cgroup"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+const testPod = "0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60"
+
+func (td *testDriver) publishPod(id string, vc *csi.VolumeCapability, pod string) error {
+	_, err := td.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
+		VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id),
+		TargetPath: filepath.Join(td.root, "target", id), VolumeCapability: vc,
+		VolumeContext: map[string]string{podUIDKey: pod},
+	})
+	return err
+}
+
+func (td *testDriver) modify(t *testing.T, id string, params map[string]string) {
+	t.Helper()
+	if _, err := td.ControllerModifyVolume(context.Background(), &csi.ControllerModifyVolumeRequest{VolumeId: id, MutableParameters: params}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func (td *testDriver) device(t *testing.T, id string) string {
+	t.Helper()
+	vid, _ := pool.ParseVolumeID(id)
+	dev, ok, err := td.loops.Find(td.pool.ImagePath(vid))
+	if err != nil || !ok {
+		t.Fatalf("no loop device for %s: %v", id, err)
+	}
+	return dev
+}
+
+func TestIOLimitsReachPods(t *testing.T) {
+	vc := mountCap(rwo, "ext4")
+	limits := map[string]string{"readBytesPerSecond": "40Mi", "writeIOPS": "100"}
+	want := cgroup.Limits{ReadBPS: 40 << 20, WriteIOPS: 100}
+	tests := []struct {
+		name    string
+		created map[string]string // mutable_parameters at create
+		pod     string            // pod UID in the volume context
+		podCg   bool              // the pod's cgroup exists at publish
+		code    codes.Code
+		// then: what the pod's cgroup holds after publish, after a
+		// reconcile (its cgroup made if missing), after a modify and a
+		// reconcile
+		atPublish, afterReconcile *cgroup.Limits
+		change                    map[string]string
+		afterChange               *cgroup.Limits
+	}{
+		{name: "limits at create reach the pod at publish", created: limits, pod: testPod, podCg: true,
+			atPublish: &want, afterReconcile: &want,
+			change: map[string]string{"readBytesPerSecond": "0", "writeBytesPerSecond": "1Mi"}, afterChange: &cgroup.Limits{WriteBPS: 1 << 20, WriteIOPS: 100}},
+		{name: "a pod's cgroup found later is limited by the reconcile", created: limits, pod: testPod,
+			afterReconcile: &want},
+		{name: "a class set after publish reaches the running pod", pod: testPod, podCg: true,
+			change: limits, afterChange: &want},
+		{name: "limits set to none are cleared", created: limits, pod: testPod, podCg: true, atPublish: &want, afterReconcile: &want,
+			change: map[string]string{"readBytesPerSecond": "0", "writeIOPS": "0"}, afterChange: &cgroup.Limits{}},
+		{name: "no pod UID: nothing to throttle", created: limits},
+		{name: "a pod UID that is not a UUID is refused", created: limits, pod: "../../../etc", code: codes.InvalidArgument},
+		{name: "an upper-case UID is refused", created: limits, pod: "0D7D9A9E-3C1B-4D7E-9A55-1B2C3D4E5F60", code: codes.InvalidArgument},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			ctx := context.Background()
+			resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{vc},
+				CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20}, MutableParameters: tt.created})
+			if err != nil {
+				t.Fatal(err)
+			}
+			id := resp.GetVolume().GetVolumeId()
+			if err := td.stage(id, vc); err != nil {
+				t.Fatal(err)
+			}
+			if tt.podCg {
+				td.host.AddPod(testPod)
+			}
+			err = td.publishPod(id, vc, tt.pod)
+			wantCode(t, err, tt.code)
+			if err != nil {
+				if n := len(td.host.Mounts()); n != 1 {
+					t.Errorf("a refused publish left %d mounts, want the staging mount only", n)
+				}
+				return
+			}
+			dev := td.device(t, id)
+			check := func(when string, want *cgroup.Limits) {
+				t.Helper()
+				got, ok := td.host.PodLimits(testPod, dev)
+				if want == nil {
+					if ok {
+						t.Errorf("%s: the pod's cgroup holds %+v, want nothing written", when, got)
+					}
+					return
+				}
+				if !ok || got != *want {
+					t.Errorf("%s: the pod's cgroup holds %+v (written %t), want %+v", when, got, ok, *want)
+				}
+			}
+			check("after publish", tt.atPublish)
+			td.host.AddPod(testPod)
+			td.reconcileIOLimits(ctx)
+			check("after a reconcile", tt.afterReconcile)
+			if tt.change != nil {
+				td.modify(t, id, tt.change)
+				td.reconcileIOLimits(ctx)
+				check("after a modify", tt.afterChange)
+			}
+			// Unpublished, the pod is forgotten: nothing more is written.
+			calls := td.host.Faults.Calls("Apply")
+			if _, err := td.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: filepath.Join(td.root, "target", id)}); err != nil {
+				t.Fatal(err)
+			}
+			td.modify(t, id, map[string]string{"readIOPS": "7"})
+			td.reconcileIOLimits(ctx)
+			if n := td.host.Faults.Calls("Apply"); n != calls {
+				t.Errorf("%d cgroup writes after the unpublish", n-calls)
+			}
+		})
+	}
+}
+
+// TestIOLimitsReconcileRunsWithServer: the periodic reconcile started by Serve
+// brings a changed class to a running pod, and stops with the server.
+func TestIOLimitsReconcileRunsWithServer(t *testing.T) {
+	td := newTestDriver(t, testOpts{modify: func(o *Options) { o.IOLimitsInterval = 5 * time.Millisecond }})
+	td.serve(t)
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	td.host.AddPod(testPod)
+	if err := td.publishPod(id, vc, testPod); err != nil {
+		t.Fatal(err)
+	}
+	td.modify(t, id, map[string]string{"writeBytesPerSecond": "5Mi"})
+	dev := td.device(t, id)
+	// Polled, not timed: the test asserts that it happens, not how fast.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if l, ok := td.host.PodLimits(testPod, dev); ok && l.WriteBPS == 5<<20 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the reconcile never applied the changed limits")
+		}
+	}
+}

@@ -1,0 +1,55 @@
+package fake
+
+import (
+	"fmt"
+
+	"github.com/poolcsi/poolcsi/internal/cgroup"
+)
+
+// AddPod gives a pod a cgroup: until then, Apply finds none, as for a pod
+// kubelet has not set up (or has torn down).
+func (h *Host) AddPod(uid string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.pods[uid] == nil {
+		h.pods[uid] = map[string]cgroup.Limits{}
+	}
+}
+
+// RemovePod takes a pod's cgroup away.
+func (h *Host) RemovePod(uid string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.pods, uid)
+}
+
+// PodLimits is what was last written for device in the pod's cgroup.
+func (h *Host) PodLimits(uid, device string) (cgroup.Limits, bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	l, ok := h.pods[uid][device]
+	return l, ok
+}
+
+// Apply records limits in the pod's fake cgroup. Like the real one, it
+// refuses a UID that is not a UUID before anything else, and knows only
+// devices that exist (attached loop devices).
+func (h *Host) Apply(uid, device string, l cgroup.Limits) (string, error) {
+	if err := h.Faults.hit("Apply"); err != nil {
+		return "", err
+	}
+	if err := cgroup.ValidatePodUID(uid); err != nil {
+		return "", err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	pod, ok := h.pods[uid]
+	if !ok {
+		return "", fmt.Errorf("%w %s (fake)", cgroup.ErrNoPodCgroup, uid)
+	}
+	if _, ok := h.devices[device]; !ok {
+		return "", fmt.Errorf("%s is not a block device (fake)", device)
+	}
+	pod[device] = l
+	return "fake:/kubepods/pod" + uid, nil
+}
