@@ -25,6 +25,7 @@ type Spec struct {
 	Parameters    map[string]string
 	Topology      map[string]string
 	Source        *ContentSource
+	Ephemeral     *EphemeralRecord
 }
 
 // Reserve finds or makes the volume named spec.Name: its directory, a volume.json in
@@ -75,6 +76,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		Parameters:    spec.Parameters,
 		Topology:      spec.Topology,
 		Source:        spec.Source,
+		Ephemeral:     spec.Ephemeral,
 		CreatedAt:     time.Now().UTC(),
 	}
 	if err := v.validate(); err != nil {

@@ -68,6 +68,8 @@ type Volume struct {
 	// Source is the snapshot or volume the volume was made from (CSI
 	// volume_content_source); nil for an empty volume.
 	Source *ContentSource `json:"source,omitempty"`
+	// Ephemeral marks a CSI ephemeral inline volume; nil for every other.
+	Ephemeral *EphemeralRecord `json:"ephemeral,omitempty"`
 }
 
 // ContentSource names what a volume's first content was copied from: exactly one
@@ -140,6 +142,11 @@ func (v *Volume) validate() error {
 	}
 	if err := ValidateVolumeName(v.Name); err != nil {
 		return err
+	}
+	if v.Ephemeral != nil {
+		if err := v.Ephemeral.validate(v.Name); err != nil {
+			return err
+		}
 	}
 	for _, s := range v.Staged {
 		if err := ValidateNodeID(s.Node); err != nil {
