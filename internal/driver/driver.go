@@ -97,6 +97,13 @@ type Options struct {
 	// Lease is the schedule of node leases in shared pools; the zero value
 	// takes lease.Default (docs/fencing.md).
 	Lease lease.Timing
+	// EphemeralPool is the pool of inline volumes whose attributes name
+	// none; "" takes the first local pool that allows them (docs/ephemeral.md).
+	EphemeralPool string
+	// EphemeralSweepInterval is how often a node plugin removes the inline
+	// volumes no unpublish removed, besides once at start; 0 takes
+	// DefaultEphemeralSweep, a negative value sweeps at start only.
+	EphemeralSweepInterval time.Duration
 }
 
 // Driver serves the CSI services over one pool set.
@@ -131,6 +138,9 @@ type Driver struct {
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *leases
+	// ephemeralPool is where inline volumes go whose attributes name no
+	// pool; nil when no pool takes them by default.
+	ephemeralPool *pool.Pool
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -191,6 +201,12 @@ func New(opts Options) (*Driver, error) {
 	if err := d.shares.init(opts); err != nil {
 		return nil, err
 	}
+	if d.ephemeralPool, err = defaultEphemeralPool(opts); err != nil {
+		return nil, err
+	}
+	if d.opts.EphemeralSweepInterval == 0 {
+		d.opts.EphemeralSweepInterval = DefaultEphemeralSweep
+	}
 	return d, nil
 }
 
@@ -220,6 +236,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		// The leases stop after the server: a call under way at the stop
 		// may still stage a volume.
 		defer func() { stopLeases(); <-leasesDone }()
+		sweepCtx, stopSweep := context.WithCancel(ctx)
+		sweepDone := make(chan struct{})
+		go func() { defer close(sweepDone); d.keepSweeping(sweepCtx, d.opts.EphemeralSweepInterval) }()
+		defer func() { stopSweep(); <-sweepDone }()
 	}
 	go func() {
 		<-ctx.Done()
