@@ -486,6 +486,7 @@ func (d *Driver) sweepEphemeral(ctx context.Context) int {
 			}
 		}
 	}
+	logger.V(2).Info("Swept ephemeral volumes", "removed", removed)
 	return removed
 }
 
