@@ -113,7 +113,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.DurationVar(&o.Lease.Interval, "lease-renew-interval", o.Lease.Interval, "how often a node plugin renews its lease in each shared pool")
 	fs.DurationVar(&o.Lease.Margin, "lease-margin", o.Lease.Margin, "how much longer than the lease duration a controller waits, by its own clock, before it takes a volume from a node that stopped renewing")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins (docs/performance.md#start-with-10000-volumes)")
-	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared][,ephemeral|,noephemeral]`; repeatable")
+	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,OPTION...]`; OPTION: shared, ephemeral or noephemeral (allow or refuse ephemeral inline volumes in it, docs/ephemeral.md); repeatable")
 	fs.StringVar(&o.EphemeralPool, "ephemeral-pool", o.EphemeralPool, "the pool of ephemeral inline volumes whose attributes name none (default: the first local pool that allows them; docs/ephemeral.md)")
 	fs.DurationVar(&o.EphemeralSweep, "ephemeral-sweep-interval", o.EphemeralSweep, "how often the node plugin removes the ephemeral inline volumes of this node that no unpublish removed and whose target no longer holds them, besides once at start; 0: at start only")
 }
