@@ -103,48 +103,17 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 		}
 	}
 	s.caps = caps
-	var attrFS, ns, name string
-	for k, v := range req.GetVolumeContext() {
-		switch {
-		case k == AttrSize:
-			if s.size, err = parseEphemeralSize(v); err != nil {
-				return s, err
-			}
-		case k == ParamFSType:
-			attrFS = strings.ToLower(v)
-			if !mount.SupportedFS(attrFS) {
-				return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
-			}
-		case k == ParamPool:
-			if s.pool = d.pool(v); s.pool == nil || s.pool.Share != nil || !slices.Contains(d.configured, v) {
-				return s, status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
-			}
-		case k == k8sPrefix+"pod.namespace":
-			ns = v
-		case k == k8sPrefix+"pod.name":
-			name = v
-		case strings.HasPrefix(k, k8sPrefix):
-			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
-		default:
-			return s, status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)
-		}
+	attrFS, err := d.parseEphemeralAttrs(&s, req.GetVolumeContext())
+	if err != nil {
+		return s, err
 	}
 	if attrFS != "" && caps.fsType != "" && attrFS != caps.fsType {
 		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.fsType)
 	}
 	s.fsType = firstNonEmpty(attrFS, caps.fsType, DefaultFSType)
 	s.caps.fsType = s.fsType
-	if s.pool == nil {
-		if s.pool = d.ephemeralPool; s.pool == nil {
-			return s, status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, joinNames(d.configured))
-		}
-	}
-	if !s.pool.AllowsEphemeral() {
-		why := "its config says ephemeral: false"
-		if s.pool.Shared {
-			why = "it is shared and its config does not say ephemeral: true"
-		}
-		return s, status.Errorf(codes.InvalidArgument, "pool %s does not allow ephemeral inline volumes: %s (docs/ephemeral.md)", s.pool.Name, why)
+	if err := d.ephemeralPoolOf(&s); err != nil {
+		return s, err
 	}
 	if s.size, err = pool.Capacity(s.size, 0, mount.MinSize(s.fsType)); err != nil {
 		return s, err
@@ -153,13 +122,64 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if err := mount.CheckOptions(s.fsType, s.flags); err != nil {
 		return s, status.Errorf(codes.InvalidArgument, "ephemeral volume %s: %v", s.handle, err)
 	}
+	return s, nil
+}
+
+// parseEphemeralAttrs reads the volume attributes into s (size, pool, pod)
+// and returns the fsType they name ("" for none).
+func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
+	var attrFS, ns, name string
+	var err error
+	for k, v := range attrs {
+		switch {
+		case k == AttrSize:
+			if s.size, err = parseEphemeralSize(v); err != nil {
+				return "", err
+			}
+		case k == ParamFSType:
+			attrFS = strings.ToLower(v)
+			if !mount.SupportedFS(attrFS) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
+			}
+		case k == ParamPool:
+			if s.pool = d.pool(v); s.pool == nil || s.pool.Share != nil || !slices.Contains(d.configured, v) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
+			}
+		case k == k8sPrefix+"pod.namespace":
+			ns = v
+		case k == k8sPrefix+"pod.name":
+			name = v
+		case strings.HasPrefix(k, k8sPrefix):
+			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
+		default:
+			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)
+		}
+	}
 	if ns != "" || name != "" {
 		s.pod = ns + "/" + name
 		if len(s.pod) > 2*pool.MaxNameLength {
-			return s, status.Error(codes.InvalidArgument, "pod namespace and name are too long")
+			return "", status.Error(codes.InvalidArgument, "pod namespace and name are too long")
 		}
 	}
-	return s, nil
+	return attrFS, nil
+}
+
+// ephemeralPoolOf settles s's pool: the one its attributes named, else the
+// default, and refuses one that does not allow inline volumes.
+func (d *Driver) ephemeralPoolOf(s *ephemeralSpec) error {
+	if s.pool == nil {
+		if s.pool = d.ephemeralPool; s.pool == nil {
+			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, joinNames(d.configured))
+		}
+	}
+	if !s.pool.AllowsEphemeral() {
+		why := "its config says ephemeral: false"
+		if s.pool.Shared {
+			why = "it is shared and its config does not say ephemeral: true"
+		}
+		return status.Errorf(codes.InvalidArgument, "pool %s does not allow ephemeral inline volumes: %s (docs/ephemeral.md)", s.pool.Name, why)
+	}
+	return nil
 }
 
 // parseEphemeralSize reads the size attribute, a Kubernetes quantity.
