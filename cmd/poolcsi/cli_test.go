@@ -136,7 +136,7 @@ func TestServeHelpKeepsKlogApart(t *testing.T) {
 		t.Fatalf("no klog heading:\n%s", help)
 	}
 	own, logging := help[:heading], help[heading:]
-	for _, f := range []string{"-endpoint", "-pool NAME=PATH[,shared]", "-lease-duration", "-memory-limit-mib"} {
+	for _, f := range []string{"-endpoint", "-pool NAME=PATH[,OPTION...]", "-lease-duration", "-memory-limit-mib"} {
 		if !strings.Contains(own, "  "+f) {
 			t.Errorf("serve's flag %s not listed before the klog heading", f)
 		}

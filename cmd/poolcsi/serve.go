@@ -63,6 +63,9 @@ type serveOptions struct {
 
 	CgroupRoot       string
 	IOLimitsInterval time.Duration
+
+	EphemeralPool  string
+	EphemeralSweep time.Duration
 }
 
 func newServeOptions() *serveOptions {
@@ -83,6 +86,7 @@ func newServeOptions() *serveOptions {
 		Freeze:            driver.DefaultFreezeTiming,
 		CgroupRoot:        "/sys/fs/cgroup",
 		IOLimitsInterval:  driver.DefaultIOLimitsInterval,
+		EphemeralSweep:    driver.DefaultEphemeralSweep,
 	}
 }
 
@@ -92,7 +96,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.NodeID, "node-id", o.NodeID, "this node's ID; use the Kubernetes node name (default: the host name)")
 	fs.StringVar(&o.DriverName, "driver-name", o.DriverName, "CSI driver name")
 	fs.StringVar(&o.Mode, "mode", o.Mode, "services to serve: controller, node or all")
-	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "YAML config `FILE`: pools: [{name, path, shared, overcommit, mount: {type, source, options, timeout}}]; flags win on a name clash (docs/pools.md)")
+	fs.StringVar(&o.ConfigFile, "config", o.ConfigFile, "YAML config `FILE`: pools: [{name, path, shared, overcommit, ephemeral, mount: {type, source, options, timeout}}]; flags win on a name clash (docs/pools.md)")
 	fs.Int64Var(&o.MaxVolumes, "max-volumes-per-node", o.MaxVolumes, "volumes a node may hold (0: no limit): reported by NodeGetInfo and held by ControllerPublishVolume (counted from a per-node index in the pool, docs/format.md#the-attach-limits-index)")
 	fs.BoolVar(&o.ExpandOnNode, "expand-on-node", o.ExpandOnNode, "grow local-pool images in NodeExpandVolume and do not advertise controller expansion (one cluster-wide resizer for node-local pools; docs/deploy.md)")
 	fs.StringVar(&o.MetricsAddr, "metrics-address", o.MetricsAddr, "host:port to serve Prometheus /metrics on (docs/metrics.md); empty: off")
@@ -121,7 +125,9 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.CgroupRoot, "cgroup-root", o.CgroupRoot, "where the node plugin finds pods' cgroups to hold them to their volumes' I/O limits (a VolumeAttributesClass's readBytesPerSecond, ...): cgroup v2 io.max, or v1 blkio/ below it; the node plugin needs the host's cgroup filesystem there, writable (docs/modify.md)")
 	fs.DurationVar(&o.IOLimitsInterval, "io-limits-interval", o.IOLimitsInterval, "how often the node plugin re-applies the I/O limits of the volumes published on this node, so a changed VolumeAttributesClass reaches running pods")
 	fs.Int64Var(&o.MemoryLimitMiB, "memory-limit-mib", o.MemoryLimitMiB, "soft limit of the Go runtime's memory in MiB (debug.SetMemoryLimit): the GC works harder near it instead of letting the heap double in a burst; 0: no limit. The GOMEMLIMIT environment variable, when set, wins (docs/performance.md#start-with-10000-volumes)")
-	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,shared]`; repeatable")
+	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,OPTION...]`; OPTION: shared, ephemeral or noephemeral (allow or refuse ephemeral inline volumes in it, docs/ephemeral.md); repeatable")
+	fs.StringVar(&o.EphemeralPool, "ephemeral-pool", o.EphemeralPool, "the pool of ephemeral inline volumes whose attributes name none (default: the first local pool that allows them; docs/ephemeral.md)")
+	fs.DurationVar(&o.EphemeralSweep, "ephemeral-sweep-interval", o.EphemeralSweep, "how often the node plugin removes the ephemeral inline volumes of this node that no unpublish removed and whose target no longer holds them, besides once at start; 0: at start only")
 }
 
 // Validate refuses what serve could only fail on later, or would silently
@@ -158,6 +164,7 @@ func (o *serveOptions) Validate() error {
 		{"stats-health-ttl", o.StatsHealthTTL},
 		{"pvc-events-interval", o.PVCEventsInterval},
 		{"share-mount-timeout", o.ShareMountTimeout},
+		{"ephemeral-sweep-interval", o.EphemeralSweep},
 	} {
 		if d.v < 0 {
 			errs = append(errs, fmt.Errorf("--%s %s: negative", d.flag, d.v))
@@ -288,6 +295,10 @@ func (o *serveOptions) run(ctx context.Context) error {
 		Freeze:            o.Freeze,
 		CgroupRoot:        o.CgroupRoot,
 		IOLimitsInterval:  o.IOLimitsInterval,
+		EphemeralPool:     o.EphemeralPool,
+		// 0 on the command line is "at start only", which the driver spells
+		// negative (its zero is the default).
+		EphemeralSweepInterval: sweepInterval(o.EphemeralSweep),
 	})
 	if err != nil {
 		return err
@@ -394,4 +405,12 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 		close(done)
 	}
 	return interceptors, registered, nil
+}
+
+// sweepInterval turns --ephemeral-sweep-interval into the driver's option.
+func sweepInterval(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
 }

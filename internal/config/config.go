@@ -56,11 +56,11 @@ func Load(path string) (File, error) {
 	return f, nil
 }
 
-// ParsePoolFlag parses --pool NAME=PATH[,shared].
+// ParsePoolFlag parses --pool NAME=PATH[,shared][,ephemeral|,noephemeral].
 func ParsePoolFlag(s string) (pool.Config, error) {
 	name, rest, ok := strings.Cut(s, "=")
 	if !ok || name == "" || rest == "" {
-		return pool.Config{}, fmt.Errorf("--pool %q: want NAME=PATH[,shared]", s)
+		return pool.Config{}, fmt.Errorf("--pool %q: want NAME=PATH[,shared][,ephemeral|,noephemeral]", s)
 	}
 	parts := strings.Split(rest, ",")
 	c := pool.Config{Name: name, Path: filepath.Clean(parts[0])}
@@ -70,8 +70,11 @@ func ParsePoolFlag(s string) (pool.Config, error) {
 			c.Shared = true
 		case "local":
 			c.Shared = false
+		case "ephemeral", "noephemeral":
+			allow := opt == "ephemeral"
+			c.Ephemeral = &allow
 		default:
-			return pool.Config{}, fmt.Errorf("--pool %q: unknown option %q (known: shared, local)", s, opt)
+			return pool.Config{}, fmt.Errorf("--pool %q: unknown option %q (known: shared, local, ephemeral, noephemeral)", s, opt)
 		}
 	}
 	if err := checkName(c.Name); err != nil {

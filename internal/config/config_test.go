@@ -3,12 +3,14 @@ package config
 import (
 	"os"
 	"path/filepath"
+	"reflect"
 	"testing"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 func TestParsePoolFlag(t *testing.T) {
+	yes, no := true, false
 	tests := []struct {
 		in      string
 		want    pool.Config
@@ -24,6 +26,9 @@ func TestParsePoolFlag(t *testing.T) {
 		{in: "a=", wantErr: true},
 		{in: "s-0123456789abcdef=/x", wantErr: true}, // a share's pool name
 		{in: "s-nfs=/x", want: pool.Config{Name: "s-nfs", Path: "/x"}},
+		{in: "sc=/mnt/sc,shared,ephemeral", want: pool.Config{Name: "sc", Path: "/mnt/sc", Shared: true, Ephemeral: &yes}},
+		{in: "l=/l,noephemeral", want: pool.Config{Name: "l", Path: "/l", Ephemeral: &no}},
+		{in: "l=/l,ephemeral=yes", wantErr: true},
 	}
 	for _, tt := range tests {
 		got, err := ParsePoolFlag(tt.in)
@@ -31,7 +36,7 @@ func TestParsePoolFlag(t *testing.T) {
 			t.Errorf("ParsePoolFlag(%q) error = %v, wantErr %v", tt.in, err, tt.wantErr)
 			continue
 		}
-		if !tt.wantErr && got != tt.want {
+		if !tt.wantErr && !reflect.DeepEqual(got, tt.want) {
 			t.Errorf("ParsePoolFlag(%q) = %+v, want %+v", tt.in, got, tt.want)
 		}
 	}

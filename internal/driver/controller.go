@@ -137,6 +137,9 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, err.Error())
 	}
+	if strings.HasPrefix(name, pool.EphemeralPrefix) {
+		return nil, status.Errorf(codes.InvalidArgument, "name %q: names beginning %s are those of ephemeral inline volumes", name, pool.EphemeralPrefix)
+	}
 	acc := dataAccess(req.GetSecrets())
 	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), acc)
 	if err != nil {
@@ -344,6 +347,8 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	defer unlock()
 	v, err := p.Load(vid)
 	switch {
+	case err == nil && v.Ephemeral != nil:
+		return nil, failf(errInUse, "volume %s is the ephemeral inline volume %s of pod %s on node %s: only that node's NodeUnpublishVolume (or its sweep) removes it", vid, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node)
 	case err == nil && v.IsStaged():
 		var where []string
 		for _, s := range v.Staged {
@@ -489,7 +494,9 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 			klog.FromContext(ctx).Error(e.Err, "Volume metadata unreadable", "volume", e.ID)
 			return true
 		}
-		return e.Volume.State == pool.StateReady
+		// Inline volumes have no PV and are never the CO's to act on: left
+		// out (poolcsi pool list shows them).
+		return e.Volume.State == pool.StateReady && e.Volume.Ephemeral == nil
 	})
 	if err != nil {
 		return nil, err

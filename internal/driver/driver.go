@@ -106,6 +106,13 @@ type Options struct {
 	// IOLimitsInterval is how often the node re-applies the I/O limits of
 	// the volumes published here (0: DefaultIOLimitsInterval).
 	IOLimitsInterval time.Duration
+	// EphemeralPool is the pool of inline volumes whose attributes name
+	// none; "" takes the first local pool that allows them (docs/ephemeral.md).
+	EphemeralPool string
+	// EphemeralSweepInterval is how often a node plugin removes the inline
+	// volumes no unpublish removed, besides once at start; 0 takes
+	// DefaultEphemeralSweep, a negative value sweeps at start only.
+	EphemeralSweepInterval time.Duration
 }
 
 // Driver serves the CSI services over one pool set.
@@ -154,6 +161,9 @@ type Driver struct {
 	// (iolimits.go).
 	cgroups  Cgroups
 	throttle ioLimits
+	// ephemeralPool is where inline volumes go whose attributes name no
+	// pool; nil when no pool takes them by default.
+	ephemeralPool *pool.Pool
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -236,6 +246,12 @@ func New(opts Options) (*Driver, error) {
 	if err := d.shares.init(opts); err != nil {
 		return nil, err
 	}
+	if d.ephemeralPool, err = defaultEphemeralPool(opts); err != nil {
+		return nil, err
+	}
+	if d.opts.EphemeralSweepInterval == 0 {
+		d.opts.EphemeralSweepInterval = DefaultEphemeralSweep
+	}
 	return d, nil
 }
 
@@ -275,6 +291,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		limitsDone := make(chan struct{})
 		go func() { defer close(limitsDone); d.keepIOLimits(limitsCtx, d.opts.IOLimitsInterval) }()
 		defer func() { stopLimits(); <-limitsDone }()
+		sweepCtx, stopSweep := context.WithCancel(ctx)
+		sweepDone := make(chan struct{})
+		go func() { defer close(sweepDone); d.keepSweeping(sweepCtx, d.opts.EphemeralSweepInterval) }()
+		defer func() { stopSweep(); <-sweepDone }()
 	}
 	go func() {
 		<-ctx.Done()

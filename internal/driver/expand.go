@@ -39,6 +39,9 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	if err != nil {
 		return nil, err
 	}
+	if err := notEphemeral(v, "be expanded"); err != nil {
+		return nil, err
+	}
 	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
@@ -77,6 +80,9 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if req.GetVolumePath() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
+	if pool.IsEphemeralHandle(req.GetVolumeId()) {
+		return nil, failf(errInvalid, "volume %s is an ephemeral inline volume: it cannot be expanded (it lives as long as its pod; its size is the pod's size attribute)", req.GetVolumeId())
+	}
 	// The volume is staged here, so its share (if it has one) is served: no mount.
 	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", shareAccess{})
 	if err != nil {
@@ -85,6 +91,9 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	defer release()
 	v, err := loadVolume(p, vid)
 	if err != nil {
+		return nil, err
+	}
+	if err := notEphemeral(v, "be expanded"); err != nil {
 		return nil, err
 	}
 	path, err := d.volumePath(vid, req.GetVolumePath())

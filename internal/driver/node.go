@@ -104,6 +104,9 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 	if nv.vol, err = loadVolume(nv.pool, nv.id); err != nil {
 		return nv, err
 	}
+	if err := notEphemeral(nv.vol, "be staged or published by its pool ID"); err != nil {
+		return nv, err
+	}
 	if err := d.compatible(caps, nv.vol); err != nil {
 		return nv, failf(errState, "%w", err)
 	}
@@ -329,6 +332,12 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
+	if isEphemeral(req.GetVolumeContext()) {
+		if err := d.publishEphemeral(ctx, req, target); err != nil {
+			return nil, err
+		}
+		return &csi.NodePublishVolumeResponse{}, nil
+	}
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -355,6 +364,12 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
+	}
+	if pool.IsEphemeralHandle(req.GetVolumeId()) {
+		if err := d.unpublishEphemeral(ctx, req.GetVolumeId(), target); err != nil {
+			return nil, err
+		}
+		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {

@@ -99,6 +99,9 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if v.State != pool.StateReady {
 			return false, failf(pool.ErrNotReady, "volume %s is still being created", vid)
 		}
+		if err := notEphemeral(v, "be published by a controller"); err != nil {
+			return false, err
+		}
 		if err := d.checkNode(p, v, node); err != nil {
 			return false, err
 		}

@@ -21,6 +21,16 @@ import (
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (_ *csi.NodeGetVolumeStatsResponse, err error) {
 	defer toStatus(&err)
+	if pool.IsEphemeralHandle(req.GetVolumeId()) {
+		if req.GetVolumePath() == "" {
+			return nil, status.Error(codes.InvalidArgument, "volume_path is required")
+		}
+		p, vid, err := d.ephemeralRef(req.GetVolumeId())
+		if err != nil {
+			return nil, err
+		}
+		return d.statsOf(ctx, p, vid, req)
+	}
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -32,6 +42,11 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 	if err != nil {
 		return nil, err
 	}
+	return d.statsOf(ctx, p, vid, req)
+}
+
+// statsOf is NodeGetVolumeStats of the volume vid of p, however the request named it.
+func (d *Driver) statsOf(ctx context.Context, p *pool.Pool, vid pool.VolumeID, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	path, err := d.volumePath(vid, req.GetVolumePath())
 	if err != nil {
 		return nil, err

@@ -29,6 +29,7 @@ type Spec struct {
 	// Preallocate: the image is to be fully allocated (AllocateImage, once
 	// made); its bytes must fit now as well as under the overcommit policy.
 	Preallocate bool
+	Ephemeral   *EphemeralRecord
 }
 
 // Reserve finds or makes the volume named spec.Name: its directory, a volume.json in
@@ -86,6 +87,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		Source:        spec.Source,
 		IOLimits:      spec.IOLimits,
 		Preallocate:   spec.Preallocate,
+		Ephemeral:     spec.Ephemeral,
 		CreatedAt:     time.Now().UTC(),
 	}
 	if err := v.validate(); err != nil {

@@ -36,6 +36,10 @@ type Config struct {
 	// mounted there the pool is unavailable, so volumes never land on the node's
 	// root disk under an empty mount point. Set by the config's mount stanza.
 	RequireMount bool `json:"requireMount,omitempty"`
+	// Ephemeral allows (true) or forbids (false) CSI ephemeral inline
+	// volumes in the pool; unset, local pools allow them and shared pools
+	// do not (AllowsEphemeral).
+	Ephemeral *bool `json:"ephemeral,omitempty"`
 	// Share is the share a StorageClass named, for the pool the driver keeps
 	// on it; nil for an operator-configured pool. Its volume IDs carry it.
 	Share *ShareRef `json:"-"`

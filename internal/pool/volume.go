@@ -74,6 +74,8 @@ type Volume struct {
 	// fully allocated. Image volumes only.
 	IOLimits    IOLimits `json:"ioLimits,omitzero"`
 	Preallocate bool     `json:"preallocate,omitempty"`
+	// Ephemeral marks a CSI ephemeral inline volume; nil for every other.
+	Ephemeral *EphemeralRecord `json:"ephemeral,omitempty"`
 }
 
 // ContentSource names what a volume's first content was copied from: exactly one
@@ -152,6 +154,11 @@ func (v *Volume) validate() error {
 	}
 	if v.Layout != LayoutImage && (!v.IOLimits.IsZero() || v.Preallocate) {
 		return fmt.Errorf("layout %s has no I/O limits or preallocation", v.Layout)
+	}
+	if v.Ephemeral != nil {
+		if err := v.Ephemeral.validate(v.Name); err != nil {
+			return err
+		}
 	}
 	for _, s := range v.Staged {
 		if err := ValidateNodeID(s.Node); err != nil {

@@ -55,6 +55,10 @@ type device struct {
 type filesystem struct {
 	fsType string
 	size   int64
+	// born identifies the image file it was formatted on (inode and birth
+	// time): a file made anew at the same path (a volume deleted and made
+	// again, which may reuse the inode) is blank.
+	born fileIdentity
 	// What the health checks read, set by the test through the Set*
 	// methods: a superblock made read-only, ext4's error count, usage.
 	readOnly   bool
@@ -354,14 +358,14 @@ func (h *Host) Format(ctx context.Context, target, fsType string) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	file := h.backingOf(target)
-	if _, ok := h.fs[file]; ok {
+	if h.formatted(file) != nil {
 		return fmt.Errorf("format %s: %w", target, mount.ErrAlreadyFormatted)
 	}
 	fi, err := os.Stat(file)
 	if err != nil {
 		return fmt.Errorf("format %s: %w", target, err)
 	}
-	h.fs[file] = &filesystem{fsType: fsType, size: fi.Size()}
+	h.fs[file] = &filesystem{fsType: fsType, size: fi.Size(), born: identity(file)}
 	return nil
 }
 
@@ -371,7 +375,7 @@ func (h *Host) DiskFormat(ctx context.Context, target string) (string, error) {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if f, ok := h.fs[h.backingOf(target)]; ok {
+	if f := h.formatted(h.backingOf(target)); f != nil {
 		return f.fsType, nil
 	}
 	return "", nil
@@ -853,4 +857,32 @@ func (h *Host) Allocate(f *os.File, off, length int64) error {
 		return err
 	}
 	return mount.Allocate(f, off, length)
+}
+
+// formatted is the filesystem on file, nil when it has none: never one
+// formatted on an earlier file of the same path. The caller holds mu.
+func (h *Host) formatted(file string) *filesystem {
+	f, ok := h.fs[file]
+	if !ok {
+		return nil
+	}
+	if id := identity(file); id != (fileIdentity{}) && f.born != (fileIdentity{}) && id != f.born {
+		delete(h.fs, file)
+		return nil
+	}
+	return f
+}
+
+type fileIdentity struct {
+	ino  uint64
+	born unix.StatxTimestamp
+}
+
+// identity is file's inode and birth time; zero when they cannot be read.
+func identity(file string) fileIdentity {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, file, 0, unix.STATX_INO|unix.STATX_BTIME, &st); err != nil {
+		return fileIdentity{}
+	}
+	return fileIdentity{ino: st.Ino, born: st.Btime}
 }

@@ -1,0 +1,552 @@
+package driver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"k8s.io/apimachinery/pkg/api/resource"
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// CSI ephemeral inline volumes (docs/ephemeral.md): kubelet calls
+// NodePublishVolume, with no controller call and no stage, for a pod's
+// `csi:` volume, and NodeUnpublishVolume when the pod goes. The volume is an
+// image volume of a pool on this node, made at the publish and removed at the
+// unpublish; a sweep removes those no unpublish reached.
+
+// Volume attributes of an inline volume (the pod's csi.volumeAttributes).
+const (
+	AttrSize = "size"
+	// ParamPool and ParamFSType are the other two.
+
+	// ctxEphemeral is what kubelet (podInfoOnMount) puts in the volume
+	// context of an inline volume's NodePublishVolume.
+	ctxEphemeral = k8sPrefix + "ephemeral"
+)
+
+// DefaultEphemeralSize is an inline volume's size when its attributes name none.
+const DefaultEphemeralSize = pool.GiB
+
+// DefaultEphemeralSweep is how often the node looks for inline volumes no
+// unpublish removed (Options.EphemeralSweepInterval).
+const DefaultEphemeralSweep = 10 * time.Minute
+
+// ephemeralSpec is a parsed inline-volume NodePublishVolume.
+type ephemeralSpec struct {
+	handle string
+	pool   *pool.Pool
+	size   int64
+	fsType string
+	caps   capsSpec
+	flags  []string
+	pod    string
+}
+
+func isEphemeral(volumeContext map[string]string) bool {
+	return volumeContext[ctxEphemeral] == "true"
+}
+
+// defaultEphemeralPool is --ephemeral-pool, else the first local pool of the
+// configuration (in its order) that allows inline volumes; nil for none.
+func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
+	if opts.EphemeralPool != "" {
+		for _, p := range opts.Pools {
+			if p.Name == opts.EphemeralPool {
+				if !p.AllowsEphemeral() {
+					return nil, fmt.Errorf("ephemeral pool %s does not allow ephemeral inline volumes (a shared pool needs ephemeral: true in its config)", p.Name)
+				}
+				return p, nil
+			}
+		}
+		return nil, fmt.Errorf("ephemeral pool %s is not configured", opts.EphemeralPool)
+	}
+	for _, p := range opts.Pools {
+		if isLocal(p) && p.AllowsEphemeral() {
+			return p, nil
+		}
+	}
+	return nil, nil
+}
+
+// parseEphemeral checks everything an inline volume's publish carries before
+// anything is made: the handle, the capability, the attributes.
+func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpec, error) {
+	s := ephemeralSpec{handle: req.GetVolumeId(), size: DefaultEphemeralSize}
+	if err := pool.ValidateEphemeralHandle(s.handle); err != nil {
+		return s, status.Error(codes.InvalidArgument, err.Error())
+	}
+	vc := req.GetVolumeCapability()
+	if vc == nil {
+		return s, status.Error(codes.InvalidArgument, "volume_capability is required")
+	}
+	if vc.GetMount() == nil {
+		return s, status.Error(codes.InvalidArgument, "an ephemeral inline volume is a filesystem: volume_capability must be a mount")
+	}
+	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	if err != nil {
+		return s, err
+	}
+	for _, m := range caps.modes {
+		if m != csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER &&
+			m != csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
+			return s, status.Errorf(codes.InvalidArgument, "access mode %s: an ephemeral inline volume is one pod's, on one node", m)
+		}
+	}
+	s.caps = caps
+	attrFS, err := d.parseEphemeralAttrs(&s, req.GetVolumeContext())
+	if err != nil {
+		return s, err
+	}
+	if attrFS != "" && caps.fsType != "" && attrFS != caps.fsType {
+		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.fsType)
+	}
+	s.fsType = firstNonEmpty(attrFS, caps.fsType, DefaultFSType)
+	s.caps.fsType = s.fsType
+	if err := d.ephemeralPoolOf(&s); err != nil {
+		return s, err
+	}
+	if s.size, err = pool.Capacity(s.size, 0, mount.MinSize(s.fsType)); err != nil {
+		return s, err
+	}
+	s.flags = vc.GetMount().GetMountFlags()
+	if err := mount.CheckOptions(s.fsType, s.flags); err != nil {
+		return s, status.Errorf(codes.InvalidArgument, "ephemeral volume %s: %v", s.handle, err)
+	}
+	return s, nil
+}
+
+// parseEphemeralAttrs reads the volume attributes into s (size, pool, pod)
+// and returns the fsType they name ("" for none).
+func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
+	var attrFS, ns, name string
+	var err error
+	for k, v := range attrs {
+		switch {
+		case k == AttrSize:
+			if s.size, err = parseEphemeralSize(v); err != nil {
+				return "", err
+			}
+		case k == ParamFSType:
+			attrFS = strings.ToLower(v)
+			if !mount.SupportedFS(attrFS) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
+			}
+		case k == ParamPool:
+			if s.pool = d.pool(v); s.pool == nil || s.pool.Share != nil || !slices.Contains(d.configured, v) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
+			}
+		case k == k8sPrefix+"pod.namespace":
+			ns = v
+		case k == k8sPrefix+"pod.name":
+			name = v
+		case strings.HasPrefix(k, k8sPrefix):
+			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
+		default:
+			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)
+		}
+	}
+	if ns != "" || name != "" {
+		s.pod = ns + "/" + name
+		if len(s.pod) > 2*pool.MaxNameLength {
+			return "", status.Error(codes.InvalidArgument, "pod namespace and name are too long")
+		}
+	}
+	return attrFS, nil
+}
+
+// ephemeralPoolOf settles s's pool: the one its attributes named, else the
+// default, and refuses one that does not allow inline volumes.
+func (d *Driver) ephemeralPoolOf(s *ephemeralSpec) error {
+	if s.pool == nil {
+		if s.pool = d.ephemeralPool; s.pool == nil {
+			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, joinNames(d.configured))
+		}
+	}
+	if !s.pool.AllowsEphemeral() {
+		why := "its config says ephemeral: false"
+		if s.pool.Shared {
+			why = "it is shared and its config does not say ephemeral: true"
+		}
+		return status.Errorf(codes.InvalidArgument, "pool %s does not allow ephemeral inline volumes: %s (docs/ephemeral.md)", s.pool.Name, why)
+	}
+	return nil
+}
+
+// parseEphemeralSize reads the size attribute, a Kubernetes quantity.
+func parseEphemeralSize(v string) (int64, error) {
+	if len(v) > 64 {
+		return 0, status.Error(codes.InvalidArgument, "volume attribute size is longer than any size")
+	}
+	q, err := resource.ParseQuantity(v)
+	if err != nil {
+		return 0, status.Errorf(codes.InvalidArgument, "volume attribute size=%q: not a quantity (say 1Gi, 500Mi): %v", v, err)
+	}
+	if q.Sign() <= 0 {
+		return 0, status.Errorf(codes.InvalidArgument, "volume attribute size=%q: must be positive", v)
+	}
+	if q.CmpInt64(pool.MaxCapacity) > 0 {
+		return 0, failf(pool.ErrOutOfRange, "volume attribute size=%q is above the largest volume, %d bytes", v, int64(pool.MaxCapacity))
+	}
+	return q.Value(), nil
+}
+
+// findEphemeral finds the inline volume of handle in the pools that allow
+// them: its pool and ID, or a nil pool when none holds it. A pool that cannot
+// be read is an error (UNAVAILABLE), not "none": the volume may be there.
+func (d *Driver) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
+	name := pool.EphemeralName(handle)
+	for _, pn := range d.configured {
+		p := d.pool(pn)
+		if !p.AllowsEphemeral() {
+			continue
+		}
+		vid := p.NewID(name)
+		v, err := p.Load(vid)
+		if errors.Is(err, pool.ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, vid, nil, fmt.Errorf("look for ephemeral volume %s in pool %s: %w", handle, pn, err)
+		}
+		if v.Ephemeral == nil || v.Ephemeral.Handle != handle {
+			return nil, vid, nil, failf(errState, "volume %s of pool %s has the key of ephemeral volume %s but is not it", vid, pn, handle)
+		}
+		return p, vid, v, nil
+	}
+	return nil, pool.VolumeID{}, nil, nil
+}
+
+// publishEphemeral makes, mounts and records an inline volume at target.
+// A retry finds what an earlier call made and converges; a failure removes
+// everything unless the target already shows the volume (a pod uses it).
+func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) error {
+	s, err := d.parseEphemeral(req)
+	if err != nil {
+		return err
+	}
+	release, err := d.locks.acquire(s.handle, "NodePublishVolume")
+	if err != nil {
+		return err
+	}
+	defer release()
+	found, _, _, err := d.findEphemeral(s.handle)
+	if err != nil {
+		return err
+	}
+	if found != nil && found != s.pool {
+		return failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name, s.pool.Name)
+	}
+	p := s.pool
+	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	var topology map[string]string
+	if isLocal(p) {
+		topology = d.nodeTopology()
+	}
+	v, err := p.Reserve(ctx, pool.Spec{
+		Name:          pool.EphemeralName(s.handle),
+		Layout:        pool.LayoutImage,
+		AccessType:    pool.AccessFilesystem,
+		FSType:        s.fsType,
+		CapacityBytes: s.size,
+		Topology:      topology,
+		Ephemeral:     &pool.EphemeralRecord{Handle: s.handle, Node: d.opts.NodeID, Target: target, Pod: s.pod},
+	})
+	if err != nil {
+		return err
+	}
+	vid := p.NewID(v.Name)
+	if err := sameEphemeral(v, s, d.opts.NodeID, target); err != nil {
+		return err // another publish's volume: not this call's to remove
+	}
+	if err := d.makeEphemeral(ctx, p, vid, v, s, target, readOnly); err != nil {
+		d.rollbackEphemeral(ctx, p, vid, target)
+		return err
+	}
+	return nil
+}
+
+// sameEphemeral refuses a volume of the handle's key that this publish did
+// not ask for: other attributes, another node's or another target's.
+func sameEphemeral(v *pool.Volume, s ephemeralSpec, node, target string) error {
+	e := v.Ephemeral
+	switch {
+	case e == nil || e.Handle != s.handle:
+		return failf(errState, "volume %s has the key of ephemeral volume %s but is not it", v.ID, s.handle)
+	case e.Node != node:
+		return failf(errInUse, "ephemeral volume %s belongs to node %s", s.handle, e.Node)
+	case e.Target != target:
+		return failf(pool.ErrExists, "ephemeral volume %s is published at %s, not %s", s.handle, e.Target, target)
+	case v.CapacityBytes != s.size || v.FSType != s.fsType:
+		return failf(pool.ErrExists, "ephemeral volume %s exists with size %d and fsType %s; the request asks %d and %s", s.handle, v.CapacityBytes, v.FSType, s.size, s.fsType)
+	}
+	return nil
+}
+
+// makeEphemeral converges a reserved inline volume to "formatted, recorded
+// as this node's, mounted at target".
+func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
+	lay := imageLayout{&d.layoutDeps}
+	var err error
+	if v.State == pool.StateCreating {
+		if v, err = p.Finish(ctx, vid, func(v *pool.Volume) error { return lay.finishCreate(ctx, p, v) }); err != nil {
+			return err
+		}
+	}
+	// The stage record says this node holds the volume: the controller's
+	// DeleteVolume refuses it, and on a shared pool it fences other nodes.
+	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
+		if err := lay.fence(v, d.opts.NodeID, readOnly); err != nil {
+			return false, err
+		}
+		for _, r := range v.Staged {
+			if r.Node == d.opts.NodeID && r.Path == target && r.ReadOnly == readOnly {
+				return false, nil
+			}
+		}
+		v.SetStaged(d.opts.NodeID, target, readOnly, time.Now())
+		return true, nil
+	})
+	if err != nil {
+		return err
+	}
+	h, err := p.OpenImage(vid)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	info, mounted, err := d.mounts.Info(target)
+	if err != nil {
+		return fmt.Errorf("inspect %s: %w", target, err)
+	}
+	if mounted {
+		if !d.showsVolume(p, vid, target, info) {
+			return failf(errPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
+		}
+		if info.ReadOnly != readOnly {
+			return failf(errPathTaken, "ephemeral volume %s is published at %s with read-only=%v, the request asks read-only=%v", s.handle, target, info.ReadOnly, readOnly)
+		}
+		return nil
+	}
+	if !readOnly {
+		// As for a stage: a node that cannot renew its lease in a shared
+		// pool would not fence itself if cut off, so it takes no image
+		// read-write meanwhile.
+		if err := d.ensureLease(ctx, p); err != nil {
+			return err
+		}
+	}
+	nv := nodeVolume{id: vid, pool: p, vol: v, caps: s.caps}
+	dev, err := lay.attach(ctx, nv, h.Path())
+	if err != nil {
+		return err
+	}
+	found, err := d.devs.DiskFormat(ctx, dev)
+	if err != nil {
+		return fmt.Errorf("inspect %s: %w", dev, err)
+	}
+	if found != v.FSType {
+		return failf(errState, "ephemeral volume %s should hold %s but %s holds %q; refusing to mount it", s.handle, v.FSType, dev, found)
+	}
+	opts := slices.Clone(s.flags)
+	if readOnly {
+		opts = append(opts, "ro")
+	}
+	if v.FSType == "xfs" && !slices.Contains(opts, "nouuid") {
+		opts = append(opts, "nouuid")
+	}
+	if err := d.mounts.Mount(ctx, dev, target, v.FSType, opts); err != nil {
+		return fmt.Errorf("mount %s at %s: %w", dev, target, err)
+	}
+	klog.FromContext(ctx).Info("Published ephemeral volume", "handle", s.handle, "volume", vid, "pod", s.pod,
+		"device", dev, "target", target, "capacity", v.CapacityBytes, "fsType", v.FSType, "readOnly", readOnly)
+	return nil
+}
+
+// rollbackEphemeral undoes a failed publish: unless the target shows the
+// volume (an earlier publish a pod may use), the volume goes entirely.
+func (d *Driver) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
+	if info, mounted, err := d.mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+		return
+	}
+	if err := d.removeEphemeral(ctx, p, vid, ""); err != nil {
+		klog.FromContext(ctx).Error(err, "Removing an ephemeral volume after its publish failed; the sweep retries", "volume", vid)
+	}
+}
+
+// removeEphemeral takes an inline volume down and deletes it: the mount at
+// target (when named, and only if it is the volume's), the loop device (which
+// refuses while anything else mounts it), the volume. It refuses a volume
+// that is not this node's inline volume.
+func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) error {
+	unlock, err := p.LockVolume(ctx, vid)
+	if errors.Is(err, pool.ErrNotFound) {
+		return p.Delete(ctx, vid) // gone, or a delete that crashed half way
+	} else if err != nil {
+		return err
+	}
+	defer unlock()
+	v, err := p.Load(vid)
+	switch {
+	case errors.Is(err, pool.ErrNotFound):
+	case err != nil:
+		return failf(errState, "volume %s: %v; not removing a volume whose metadata cannot be read (poolcsi pool check names the fault)", vid, err)
+	case v.Ephemeral == nil:
+		return failf(errState, "volume %s is not an ephemeral inline volume", vid)
+	case v.Ephemeral.Node != d.opts.NodeID:
+		return failf(errInUse, "ephemeral volume %s belongs to node %s", v.Ephemeral.Handle, v.Ephemeral.Node)
+	}
+	if target != "" {
+		if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
+			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+	}
+	image := p.ImagePath(vid)
+	if err := d.loops.Detach(ctx, image); err != nil {
+		if errors.Is(err, mount.ErrDeviceBusy) {
+			return failf(errInUse, "ephemeral volume %s is still mounted elsewhere on this node: %v", vid, err)
+		}
+		return fmt.Errorf("detach loop device of %s: %w", image, err)
+	}
+	if err := p.Delete(ctx, vid); err != nil {
+		return err
+	}
+	d.conditions.forget(vid.String())
+	return nil
+}
+
+// unpublishEphemeral is NodeUnpublishVolume of an inline volume's handle:
+// unmount, detach, delete; nothing found is done.
+func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) error {
+	release, err := d.locks.acquire(handle, "NodeUnpublishVolume")
+	if err != nil {
+		return err
+	}
+	defer release()
+	p, vid, v, err := d.findEphemeral(handle)
+	if err != nil {
+		return err
+	}
+	if p == nil {
+		// Nothing of it is here: only a mount of nothing poolcsi knows could
+		// be at target, and it is not ours to take down.
+		if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(nil, vid, "target path", target)); err != nil {
+			return fmt.Errorf("unmount %s: %w", target, err)
+		}
+		return nil
+	}
+	if v.Ephemeral.Target != target {
+		// Another path of the same pod volume: take down only that mount.
+		return d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target))
+	}
+	if err := d.removeEphemeral(ctx, p, vid, target); err != nil {
+		return err
+	}
+	klog.FromContext(ctx).Info("Unpublished and deleted ephemeral volume", "handle", handle, "volume", vid, "pod", v.Ephemeral.Pod, "target", target)
+	return nil
+}
+
+// ephemeralRef resolves the handle of an inline volume to its volume, for
+// the node calls that name it (NodeGetVolumeStats).
+func (d *Driver) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) {
+	p, vid, _, err := d.findEphemeral(handle)
+	if err != nil {
+		return nil, vid, err
+	}
+	if p == nil {
+		return nil, vid, failf(pool.ErrNotFound, "ephemeral volume %s does not exist on node %s", handle, d.opts.NodeID)
+	}
+	return p, vid, nil
+}
+
+// notEphemeral refuses what an inline volume cannot do (what says which).
+func notEphemeral(v *pool.Volume, what string) error {
+	if v == nil || v.Ephemeral == nil {
+		return nil
+	}
+	return failf(errInvalid, "volume %s is the ephemeral inline volume %s of pod %s on node %s: it cannot %s (it lives as long as its pod; its size is the pod's size attribute)",
+		v.ID, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node, what)
+}
+
+// sweepEphemeral removes this node's inline volumes whose target no longer
+// shows them and whose handle no call holds: what a driver or kubelet that
+// stopped between a publish and its unpublish, or a node that rebooted, left.
+// One whose target still shows it is kept: kubelet will unpublish it. It
+// returns how many it removed.
+func (d *Driver) sweepEphemeral(ctx context.Context) int {
+	logger := klog.FromContext(ctx)
+	removed := 0
+	for _, pn := range d.configured {
+		p := d.pool(pn)
+		if p.Check() != nil {
+			continue // unavailable: the next sweep looks again
+		}
+		entries, _, err := p.ListPage("", 0, func(e pool.Entry) bool {
+			return e.Err == nil && e.Volume.Ephemeral != nil && e.Volume.Ephemeral.Node == d.opts.NodeID
+		})
+		if err != nil {
+			logger.Error(err, "Listing a pool for ephemeral volumes to sweep", "pool", pn)
+			continue
+		}
+		for _, e := range entries {
+			if ctx.Err() != nil {
+				return removed
+			}
+			if d.sweepOne(ctx, p, e.ID, e.Volume.Ephemeral) {
+				removed++
+			}
+		}
+	}
+	logger.V(2).Info("Swept ephemeral volumes", "removed", removed)
+	return removed
+}
+
+func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
+	logger := klog.FromContext(ctx)
+	release, err := d.locks.acquire(rec.Handle, "sweep")
+	if err != nil {
+		return false // a publish or unpublish is under way: it decides
+	}
+	defer release()
+	// The recorded target is pool content: checked like a request's path
+	// before it is looked at.
+	if target, err := d.requestPath("target", rec.Target); err == nil {
+		if info, mounted, err := d.mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+			return false // in use (or unknown): kubelet unpublishes it
+		}
+	}
+	if err := d.removeEphemeral(ctx, p, vid, ""); err != nil {
+		logger.Error(err, "Sweeping an ephemeral volume whose target no longer holds it; the next sweep retries", "handle", rec.Handle, "volume", vid, "pod", rec.Pod)
+		return false
+	}
+	logger.Info("Swept ephemeral volume no unpublish removed", "handle", rec.Handle, "volume", vid, "pod", rec.Pod, "target", rec.Target)
+	return true
+}
+
+// keepSweeping sweeps at start and every interval (0: at start only) until
+// ctx ends.
+func (d *Driver) keepSweeping(ctx context.Context, interval time.Duration) {
+	d.sweepEphemeral(ctx)
+	if interval <= 0 {
+		return
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			d.sweepEphemeral(ctx)
+		}
+	}
+}
