@@ -77,13 +77,40 @@ func (c FS) PodCgroup(uid string) (string, error) {
 	if !c.v2() {
 		base = filepath.Join(c.Root, "blkio")
 	}
-	for _, rel := range PodDirs(uid) {
-		dir := filepath.Join(base, rel)
-		if fi, err := os.Lstat(dir); err == nil && fi.IsDir() {
-			return dir, nil
+	for _, r := range kubeletRoots(base) {
+		for _, rel := range PodDirs(uid) {
+			dir := filepath.Join(r, rel)
+			if fi, err := os.Lstat(dir); err == nil && fi.IsDir() {
+				return dir, nil
+			}
 		}
 	}
 	return "", fmt.Errorf("%w %s under %s", ErrNoPodCgroup, uid, base)
+}
+
+// kubeletRoots are where kubelet's pod cgroups may hang: the hierarchy's
+// root (kubelet's default cgroupRoot, /) and each cgroup one level down that
+// holds kubepods — a kubelet run with cgroupRoot /<name>, as two kubelets on
+// one host are. Only names read from the kernel's cgroup filesystem are
+// joined, never one from a request.
+func kubeletRoots(base string) []string {
+	out := []string{base}
+	ents, err := os.ReadDir(base)
+	if err != nil {
+		return out
+	}
+	for _, e := range ents {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), "kubepods") {
+			continue
+		}
+		for _, k := range []string{"kubepods", "kubepods.slice"} {
+			if fi, err := os.Lstat(filepath.Join(base, e.Name(), k)); err == nil && fi.IsDir() {
+				out = append(out, filepath.Join(base, e.Name()))
+				break
+			}
+		}
+	}
+	return out
 }
 
 // Apply holds pod uid's I/O on the block device at device to l (0 clears a

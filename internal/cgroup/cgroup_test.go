@@ -46,6 +46,10 @@ func TestPodCgroupAndWrite(t *testing.T) {
 			"blkio.throttle.write_iops_device": "7:3 300\n"}},
 		{"v2 cgroupfs best-effort", true, "kubepods/besteffort/pod" + uid, map[string]string{
 			"io.max": "7:3 rbps=1048576 wbps=2097152 riops=max wiops=300\n"}},
+		{"v1 cgroupfs under kubelet's cgroupRoot /node-a", false, "blkio/node-a/kubepods/besteffort/pod" + uid, map[string]string{
+			"blkio.throttle.write_bps_device": "7:3 2097152\n"}},
+		{"v2 systemd under kubelet's cgroupRoot", true, "kubelet.slice/kubepods.slice/kubepods-pod0d7d9a9e_3c1b_4d7e_9a55_1b2c3d4e5f60.slice", map[string]string{
+			"io.max": "7:3 rbps=1048576 wbps=2097152 riops=max wiops=300\n"}},
 		{"v2 systemd burstable", true, "kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0d7d9a9e_3c1b_4d7e_9a55_1b2c3d4e5f60.slice", map[string]string{
 			"io.max": "7:3 rbps=1048576 wbps=2097152 riops=max wiops=300\n"}},
 	}

@@ -6,8 +6,6 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/cgroup"
@@ -41,17 +39,20 @@ type ioLimits struct {
 }
 
 // podUIDOf returns the pod UID of a publish's volume context, "" without
-// one (no podInfoOnMount), INVALID_ARGUMENT for one that is not a UUID:
-// it becomes part of a cgroup path.
-func podUIDOf(volumeContext map[string]string) (string, error) {
+// one (no podInfoOnMount) or with one that is not a UUID: it becomes part of
+// a cgroup path, so anything else is never used — but it is no reason to
+// refuse the pod its volume (a static pod's UID is a hash, not a UUID): that
+// pod is just not held to I/O limits, and the log says so.
+func podUIDOf(ctx context.Context, volumeContext map[string]string) string {
 	uid, ok := volumeContext[podUIDKey]
 	if !ok || uid == "" {
-		return "", nil
+		return ""
 	}
 	if err := cgroup.ValidatePodUID(uid); err != nil {
-		return "", status.Errorf(codes.InvalidArgument, "volume_context %s: %v", podUIDKey, err)
+		klog.FromContext(ctx).Info("Pod UID is not a UUID: its pod is not held to the volume's I/O limits", "key", podUIDKey, "err", err)
+		return ""
 	}
-	return uid, nil
+	return uid
 }
 
 // trackPublish remembers a publication of an image volume to a pod and

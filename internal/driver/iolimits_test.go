@@ -68,8 +68,10 @@ func TestIOLimitsReachPods(t *testing.T) {
 		{name: "limits set to none are cleared", created: limits, pod: testPod, podCg: true, atPublish: &want, afterReconcile: &want,
 			change: map[string]string{"readBytesPerSecond": "0", "writeIOPS": "0"}, afterChange: &cgroup.Limits{}},
 		{name: "no pod UID: nothing to throttle", created: limits},
-		{name: "a pod UID that is not a UUID is refused", created: limits, pod: "../../../etc", code: codes.InvalidArgument},
-		{name: "an upper-case UID is refused", created: limits, pod: "0D7D9A9E-3C1B-4D7E-9A55-1B2C3D4E5F60", code: codes.InvalidArgument},
+		// Never part of a path, and no reason to refuse the pod its volume.
+		{name: "a pod UID that is not a UUID is not used", created: limits, pod: "../../../etc", podCg: true},
+		{name: "an upper-case UID is not used", created: limits, pod: "0D7D9A9E-3C1B-4D7E-9A55-1B2C3D4E5F60", podCg: true},
+		{name: "a static pod's hash is not used", created: limits, pod: "6f4e1c0b7a2d9e8f6f4e1c0b7a2d9e8f", podCg: true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

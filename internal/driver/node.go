@@ -342,10 +342,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
-	podUID, err := podUIDOf(req.GetVolumeContext())
-	if err != nil {
-		return nil, err
-	}
+	podUID := podUIDOf(ctx, req.GetVolumeContext())
 	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
