@@ -135,7 +135,7 @@ func poolList(out, stderr io.Writer, args []string) error {
 		}
 	}
 	s := scan.Space
-	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes, %d group snapshots\n", p.Name, p.Path, humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes), len(groups))
+	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes, %d group snapshots\n", p.Name(), p.Path(), humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes), len(groups))
 	return nil
 }
 
@@ -202,10 +202,10 @@ func poolCheck(out, stderr io.Writer, args []string) error {
 		problems++
 	}
 	if problems > 0 {
-		fmt.Fprintf(out, "pool %s: %d problems in %d volumes\n", p.Name, problems, len(scan.Volumes))
+		fmt.Fprintf(out, "pool %s: %d problems in %d volumes\n", p.Name(), problems, len(scan.Volumes))
 		return errProblems
 	}
-	fmt.Fprintf(out, "pool %s: %d volumes, no problems\n", p.Name, len(scan.Volumes))
+	fmt.Fprintf(out, "pool %s: %d volumes, no problems\n", p.Name(), len(scan.Volumes))
 	return nil
 }
 
@@ -346,7 +346,7 @@ func poolInit(out, stderr io.Writer, args []string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Fprintf(out, "pool %s is ready at %s\n", p.Name, p.Path)
+	fmt.Fprintf(out, "pool %s is ready at %s\n", p.Name(), p.Path())
 	return nil
 }
 
@@ -436,10 +436,10 @@ func leasesExpired(ctx context.Context, out io.Writer, p *pool.Pool, id pool.Vol
 				return err
 			}
 			if first != nil && (rec.Counter != first.Counter || rec.Instance != first.Instance) && !rec.Released {
-				return fmt.Errorf("node %s renewed its lease in pool %s while it was watched: it is alive and may be writing; not unfencing", n, p.Name)
+				return fmt.Errorf("node %s renewed its lease in pool %s while it was watched: it is alive and may be writing; not unfencing", n, p.Name())
 			}
 			first = &rec
-			verdict := obs.Observe(p.Name, n, rec, ok, t)
+			verdict := obs.Observe(p.Name(), n, rec, ok, t)
 			if verdict.Expired {
 				fmt.Fprintf(out, "%s: its records may go\n", verdict.Why)
 				break

@@ -264,7 +264,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 			return fmt.Errorf("--node-id not given and no host name: %w", err)
 		}
 	}
-	opened, readiness, err := o.openPools(ctx)
+	opened, readiness, err := o.openPools(ctx, nodeID)
 	if err != nil {
 		return err
 	}
@@ -324,7 +324,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 
 // openPools opens the configured pools, mounting those with a mount stanza
 // first; the readiness checks are those of the mounts.
-func (o *serveOptions) openPools(ctx context.Context) ([]*pool.Pool, []func() error, error) {
+func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Pool, []func() error, error) {
 	var file config.File
 	if o.ConfigFile != "" {
 		var err error
@@ -349,7 +349,7 @@ func (o *serveOptions) openPools(ctx context.Context) ([]*pool.Pool, []func() er
 			go m.Keep(ctx, o.MountRetry)
 			readiness = append(readiness, m.Ready)
 		}
-		p, err := pool.Open(c)
+		p, err := pool.Open(c, pool.WithNode(nodeID))
 		if err != nil {
 			return nil, nil, err
 		}

@@ -21,7 +21,7 @@ import (
 // locks, as a replica on another node sharing the pool would have.
 func secondController(t *testing.T, td *testDriver) *Driver {
 	t.Helper()
-	p, err := pool.Open(pool.Config{Name: td.pool.Name, Path: td.pool.Path})
+	p, err := pool.Open(pool.Config{Name: td.pool.Name(), Path: td.pool.Path()})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +125,7 @@ func TestAttachLimitIndexRepair(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A pool an older version made: publish records, no index.
-	nodes := filepath.Join(td.pool.Path, "nodes")
+	nodes := filepath.Join(td.pool.Path(), "nodes")
 	if err := os.RemoveAll(filepath.Join(nodes, "node-1.published")); err != nil {
 		t.Fatal(err)
 	}

@@ -81,8 +81,8 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 	if src == nil {
 		return params
 	}
-	out := map[string]string{ParamPool: src.pool.Name, ParamLayout: string(src.layout)}
-	if r := src.pool.Share; r != nil {
+	out := map[string]string{ParamPool: src.pool.Name(), ParamLayout: string(src.layout)}
+	if r := src.pool.Config().Share; r != nil {
 		// A copy stays on its source's share: named by the share, as a
 		// StorageClass names it, unless the parameters name it themselves.
 		delete(out, ParamPool)
@@ -105,7 +105,7 @@ func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps
 	}
 	switch {
 	case p != c.pool:
-		return status.Errorf(codes.InvalidArgument, "%s is in pool %s; a copy is made in its source's pool, not %s", what, c.pool.Name, p.Name)
+		return status.Errorf(codes.InvalidArgument, "%s is in pool %s; a copy is made in its source's pool, not %s", what, c.pool.Name(), p.Name())
 	case layout != c.layout:
 		return status.Errorf(codes.InvalidArgument, "%s has layout %s, the request asks for layout %s", what, c.layout, layout)
 	case caps.access != c.access:

@@ -94,7 +94,7 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 	for k, v := range params {
 		switch {
 		case k == ParamPool:
-			if cp.pool = d.pool(v); cp.pool == nil || cp.pool.Share != nil {
+			if cp.pool = d.pool(v); cp.pool == nil || cp.pool.Config().Share != nil {
 				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
 		case k == ParamLayout:
@@ -290,20 +290,20 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 			return mine, nil
 		}
 	}
-	return nil, failf(errTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name, d.opts.NodeID, requisite)
+	return nil, failf(errTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name(), d.opts.NodeID, requisite)
 }
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	out := &csi.Volume{
 		VolumeId:      d.wireVolumeID(p, v.ID),
 		CapacityBytes: v.CapacityBytes,
-		VolumeContext: map[string]string{ParamPool: p.Name, ParamLayout: string(v.Layout)},
+		VolumeContext: map[string]string{ParamPool: p.Name(), ParamLayout: string(v.Layout)},
 	}
-	if p.Share != nil {
+	if p.Config().Share != nil {
 		// NodeStageVolume and ControllerPublishVolume get the volume context:
 		// the share's options reach every node this way. Never a secret.
-		out.VolumeContext[ParamShareType] = p.Share.Type
-		out.VolumeContext[ParamShareSource] = p.Share.Source
+		out.VolumeContext[ParamShareType] = p.Config().Share.Type
+		out.VolumeContext[ParamShareSource] = p.Config().Share.Source
 		if o := v.Parameters[ParamShareOptions]; o != "" {
 			out.VolumeContext[ParamShareOptions] = o
 		}
@@ -520,7 +520,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		if l.entry.Volume == nil {
 			// Capacity 0 means unknown; the condition says why.
 			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
-				VolumeId: d.wireVolumeID(l.pool, l.entry.ID.String()), VolumeContext: map[string]string{ParamPool: l.pool.Name},
+				VolumeId: d.wireVolumeID(l.pool, l.entry.ID.String()), VolumeContext: map[string]string{ParamPool: l.pool.Name()},
 			}, Status: st})
 			continue
 		}

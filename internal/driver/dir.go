@@ -34,27 +34,27 @@ type quotaBackends struct {
 func (d *layoutDeps) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, error) {
 	d.quotas.mu.Lock()
 	defer d.quotas.mu.Unlock()
-	if b, ok := d.quotas.m[p.Name]; ok {
+	if b, ok := d.quotas.m[p.Name()]; ok {
 		return b, nil
 	}
 	if err := p.Check(); err != nil {
 		return nil, err
 	}
-	b := quota.Detect(ctx, p.Path)
+	b := quota.Detect(ctx, p.Path())
 	if d.quotas.m == nil {
 		d.quotas.m = map[string]quota.Backend{}
 	}
-	d.quotas.m[p.Name] = b
+	d.quotas.m[p.Name()] = b
 	logQuota(ctx, p, b)
 	return b, nil
 }
 
 func logQuota(ctx context.Context, p *pool.Pool, b quota.Backend) {
 	if b.Enforced() {
-		klog.FromContext(ctx).Info("Dir volumes of this pool get enforced sizes", "pool", p.Name, "quota", b.Kind())
+		klog.FromContext(ctx).Info("Dir volumes of this pool get enforced sizes", "pool", p.Name(), "quota", b.Kind())
 		return
 	}
-	klog.FromContext(ctx).Info("Dir volumes of this pool will NOT have their size enforced", "pool", p.Name, "reason", b.Reason())
+	klog.FromContext(ctx).Info("Dir volumes of this pool will NOT have their size enforced", "pool", p.Name(), "reason", b.Reason())
 }
 
 // detectQuotas runs detection for every pool present at start-up, so the log

@@ -231,15 +231,14 @@ func New(opts Options) (*Driver, error) {
 		return p.FillSnapshot(ctx, s, v, nil)
 	}
 	for _, p := range opts.Pools {
-		if _, dup := d.pools[p.Name]; dup {
-			return nil, fmt.Errorf("pool %s is configured twice", p.Name)
+		if _, dup := d.pools[p.Name()]; dup {
+			return nil, fmt.Errorf("pool %s is configured twice", p.Name())
 		}
-		if p.Share != nil || pool.IsSharePoolName(p.Name) {
-			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name)
+		if p.Config().Share != nil || pool.IsSharePoolName(p.Name()) {
+			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name())
 		}
-		p.SetNode(opts.NodeID) // named in the lock files it takes
-		d.pools[p.Name] = p
-		d.poolNames = append(d.poolNames, p.Name)
+		d.pools[p.Name()] = p
+		d.poolNames = append(d.poolNames, p.Name())
 	}
 	sort.Strings(d.poolNames)
 	d.configured = append([]string(nil), d.poolNames...)
@@ -358,19 +357,18 @@ func (d *Driver) names() []string {
 func (d *Driver) addPool(p *pool.Pool) *pool.Pool {
 	d.poolsMu.Lock()
 	defer d.poolsMu.Unlock()
-	if old, ok := d.pools[p.Name]; ok {
+	if old, ok := d.pools[p.Name()]; ok {
 		return old
 	}
-	p.SetNode(d.opts.NodeID)
-	d.pools[p.Name] = p
-	names := append(append([]string(nil), d.poolNames...), p.Name)
+	d.pools[p.Name()] = p
+	names := append(append([]string(nil), d.poolNames...), p.Name())
 	sort.Strings(names)
 	d.poolNames = names
 	return p
 }
 
 // isLocal reports whether volumes of p live on this node only.
-func isLocal(p *pool.Pool) bool { return !p.Shared }
+func isLocal(p *pool.Pool) bool { return !p.Shared() }
 
 func (d *Driver) nodeTopology() map[string]string {
 	return map[string]string{TopologyKey: d.opts.NodeID}

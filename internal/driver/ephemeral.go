@@ -61,9 +61,9 @@ func isEphemeral(volumeContext map[string]string) bool {
 func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
 	if opts.EphemeralPool != "" {
 		for _, p := range opts.Pools {
-			if p.Name == opts.EphemeralPool {
+			if p.Name() == opts.EphemeralPool {
 				if !p.AllowsEphemeral() {
-					return nil, fmt.Errorf("ephemeral pool %s does not allow ephemeral inline volumes (a shared pool needs ephemeral: true in its config)", p.Name)
+					return nil, fmt.Errorf("ephemeral pool %s does not allow ephemeral inline volumes (a shared pool needs ephemeral: true in its config)", p.Name())
 				}
 				return p, nil
 			}
@@ -142,7 +142,7 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
 			}
 		case k == ParamPool:
-			if s.pool = d.pool(v); s.pool == nil || s.pool.Share != nil || !slices.Contains(d.configured, v) {
+			if s.pool = d.pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.configured, v) {
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
 		case k == k8sPrefix+"pod.namespace":
@@ -174,10 +174,10 @@ func (d *Driver) ephemeralPoolOf(s *ephemeralSpec) error {
 	}
 	if !s.pool.AllowsEphemeral() {
 		why := "its config says ephemeral: false"
-		if s.pool.Shared {
+		if s.pool.Shared() {
 			why = "it is shared and its config does not say ephemeral: true"
 		}
-		return status.Errorf(codes.InvalidArgument, "pool %s does not allow ephemeral inline volumes: %s (docs/ephemeral.md)", s.pool.Name, why)
+		return status.Errorf(codes.InvalidArgument, "pool %s does not allow ephemeral inline volumes: %s (docs/ephemeral.md)", s.pool.Name(), why)
 	}
 	return nil
 }
@@ -244,7 +244,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		return err
 	}
 	if found != nil && found != s.pool {
-		return failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name, s.pool.Name)
+		return failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name(), s.pool.Name())
 	}
 	p := s.pool
 	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())

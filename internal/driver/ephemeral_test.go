@@ -68,7 +68,7 @@ func (td *testDriver) requireNothingLeft(t *testing.T) {
 	if a := td.host.Attached(); len(a) != 0 {
 		t.Errorf("loop devices left: %v", a)
 	}
-	ents, err := os.ReadDir(filepath.Join(td.pool.Path, "volumes"))
+	ents, err := os.ReadDir(filepath.Join(td.pool.Path(), "volumes"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,8 +171,7 @@ func TestEphemeralPoolAllowed(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			td := newTestDriver(t, testOpts{shared: tc.shared})
-			td.pool.Ephemeral = tc.ephemeral
+			td := newTestDriver(t, testOpts{shared: tc.shared, ephemeral: tc.ephemeral})
 			h := handleOf(tc.name)
 			err := td.ephPublish(h, mountCap(rwo, ""), map[string]string{"pool": "local", "size": "64Mi"})
 			wantCode(t, err, tc.code)
@@ -219,7 +218,7 @@ func TestEphemeralDefaultPool(t *testing.T) {
 			td := newTestDriver(t, tc.opts)
 			got := ""
 			if td.ephemeralPool != nil {
-				got = td.ephemeralPool.Name
+				got = td.ephemeralPool.Name()
 			}
 			if got != tc.want {
 				t.Fatalf("default ephemeral pool %q, want %q", got, tc.want)

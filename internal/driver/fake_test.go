@@ -28,12 +28,16 @@ type testOpts struct {
 	maxVols   int64
 	modify    func(*Options)
 	extraPool bool
+	// ephemeral is the pool's ephemeral setting (nil: the default).
+	ephemeral *bool
+	// overcommit is the pool's overcommit (0: the default, 1).
+	overcommit float64
 }
 
 func newTestDriver(t testing.TB, o testOpts) *testDriver {
 	t.Helper()
 	root := t.TempDir()
-	cfg := pool.Config{Name: "local", Path: filepath.Join(root, "pool"), Shared: o.shared}
+	cfg := pool.Config{Name: "local", Path: filepath.Join(root, "pool"), Shared: o.shared, Ephemeral: o.ephemeral, Overcommit: o.overcommit}
 	p, err := pool.Initialise(cfg)
 	if err != nil {
 		t.Fatal(err)

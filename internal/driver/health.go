@@ -63,7 +63,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 		if p.VolumeExists(vid) {
 			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
 		}
-		return pool.Entry{}, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name)
+		return pool.Entry{}, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
 	default:
 		return pool.Entry{ID: vid, Err: err}, nil
 	}

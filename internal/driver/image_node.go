@@ -212,7 +212,7 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 		return "", fmt.Errorf("attach %s: %w", image, err)
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
-		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name)
+		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name())
 	}
 	return dev, nil
 }

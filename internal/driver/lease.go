@@ -108,7 +108,7 @@ func (d *Driver) keepLeases(ctx context.Context) {
 func (d *Driver) sharedPools() []*pool.Pool {
 	var out []*pool.Pool
 	for _, name := range d.names() {
-		if p := d.pool(name); p != nil && p.Shared {
+		if p := d.pool(name); p != nil && p.Shared() {
 			out = append(out, p)
 		}
 	}
@@ -129,11 +129,11 @@ func (d *Driver) renewAll(ctx context.Context) {
 func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error) {
 	ls := d.leases
 	ls.mu.Lock()
-	pl := ls.state(p.Name)
+	pl := ls.state(p.Name())
 	if pl.inFlight {
 		ls.mu.Unlock()
 		if done != nil {
-			done <- fmt.Errorf("%w: a renewal of the lease in pool %s is still under way", pool.ErrBusy, p.Name)
+			done <- fmt.Errorf("%w: a renewal of the lease in pool %s is still under way", pool.ErrBusy, p.Name())
 		}
 		return
 	}
@@ -145,7 +145,7 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		err := ls.write(p, rec)
 		var root string
 		if err == nil {
-			root, _ = filepath.EvalSymlinks(p.Path)
+			root, _ = filepath.EvalSymlinks(p.Path())
 		}
 		ls.mu.Lock()
 		pl.inFlight = false
@@ -158,7 +158,7 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		}
 		ls.mu.Unlock()
 		if err != nil {
-			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name)
+			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name())
 		}
 		if done != nil {
 			done <- err
@@ -172,7 +172,7 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 	ls := d.leases
 	for _, p := range d.sharedPools() {
 		ls.mu.Lock()
-		pl := ls.state(p.Name)
+		pl := ls.state(p.Name())
 		since := pl.last
 		if since.IsZero() {
 			// Never renewed by this process. Its devices may be a previous
@@ -195,9 +195,9 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 
 // fence stops I/O through every loop device backed by an image of p.
 func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root string, since time.Time, cause error) {
-	log := klog.FromContext(ctx).WithValues("pool", p.Name)
+	log := klog.FromContext(ctx).WithValues("pool", p.Name())
 	if root == "" {
-		root = p.Path
+		root = p.Path()
 	}
 	devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes"))
 	if err != nil {
@@ -231,7 +231,7 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root st
 // another node has mounted. An unreadable record fences nothing here: the
 // lease's own fence covers a pool that does not answer.
 func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image, staging string) error {
-	if !p.Shared {
+	if !p.Shared() {
 		return nil
 	}
 	v, err := p.Load(vid)
@@ -270,7 +270,7 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
 	// A read-only stage writes nothing back; on one machine running two node
 	// plugins (the tests) the device it finds is the other node's read-only one.
-	if readOnly || !nv.pool.Shared || nv.vol.Layout != pool.LayoutImage {
+	if readOnly || !nv.pool.Shared() || nv.vol.Layout != pool.LayoutImage {
 		return nil
 	}
 	image := nv.pool.ImagePath(nv.id)
@@ -330,7 +330,7 @@ func (d *Driver) releaseLeases() {
 	ls := d.leases
 	for _, p := range d.sharedPools() {
 		ls.mu.Lock()
-		pl := ls.state(p.Name)
+		pl := ls.state(p.Name())
 		root, renewed := pl.root, !pl.last.IsZero() && pl.fenced.IsZero()
 		ls.mu.Unlock()
 		if !renewed || root == "" {
@@ -345,7 +345,7 @@ func (d *Driver) releaseLeases() {
 		select {
 		case err := <-done:
 			if err != nil {
-				klog.ErrorS(err, "Releasing this node's lease", "pool", p.Name)
+				klog.ErrorS(err, "Releasing this node's lease", "pool", p.Name())
 			}
 		case <-time.After(2 * time.Second):
 		}
@@ -356,12 +356,12 @@ func (d *Driver) releaseLeases() {
 // volume read-write: renewed within half its duration and not fenced; if it
 // is not, it renews it now, within ctx.
 func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
-	if d.leases == nil || !p.Shared {
+	if d.leases == nil || !p.Shared() {
 		return nil
 	}
 	ls := d.leases
 	ls.mu.Lock()
-	pl := ls.state(p.Name)
+	pl := ls.state(p.Name())
 	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2
 	ls.mu.Unlock()
 	if fresh {
@@ -372,29 +372,29 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	select {
 	case err := <-done:
 		if err != nil {
-			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name, err)
+			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name(), err)
 		}
 		return nil
 	case <-ctx.Done():
-		return failf(pool.ErrUnavailable, "node %s: renewing its lease in pool %s did not finish in time: %w", d.opts.NodeID, p.Name, ctx.Err())
+		return failf(pool.ErrUnavailable, "node %s: renewing its lease in pool %s did not finish in time: %w", d.opts.NodeID, p.Name(), ctx.Err())
 	}
 }
 
 // fencedIssue is the node-side health of a volume of a pool this node has
 // fenced itself off, nil if it has not.
 func (d *Driver) fencedIssue(p *pool.Pool) *health.Issue {
-	if d.leases == nil || !p.Shared {
+	if d.leases == nil || !p.Shared() {
 		return nil
 	}
 	d.leases.mu.Lock()
 	defer d.leases.mu.Unlock()
-	pl, ok := d.leases.pools[p.Name]
+	pl, ok := d.leases.pools[p.Name()]
 	if !ok || pl.fenced.IsZero() {
 		return nil
 	}
 	return &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
 		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s: the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
-		d.opts.NodeID, p.Name, d.leases.timing.Duration, pl.fenced.Format(time.RFC3339))}
+		d.opts.NodeID, p.Name(), d.leases.timing.Duration, pl.fenced.Format(time.RFC3339))}
 }
 
 // LeaseState is this node's lease in one pool, for metrics.
@@ -432,7 +432,7 @@ func (d *Driver) leaseVerdict(p *pool.Pool, node string) (lease.Verdict, error) 
 	if err != nil {
 		return lease.Verdict{}, err
 	}
-	return d.leases.observer.Observe(p.Name, node, rec, ok, d.leases.timing), nil
+	return d.leases.observer.Observe(p.Name(), node, rec, ok, d.leases.timing), nil
 }
 
 // writers are the nodes holding an image volume staged read-write.
@@ -463,7 +463,7 @@ func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) e
 	}
 	if len(waits) > 0 {
 		return failf(pool.ErrUnavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
-			v.ID, strings.Join(waits, "; "), p.Name)
+			v.ID, strings.Join(waits, "; "), p.Name())
 	}
 	return nil
 }

@@ -126,7 +126,11 @@ func TestControllerModifyVolume(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			td := newTestDriver(t, testOpts{})
+			o := testOpts{}
+			if tt.huge {
+				o.overcommit = 1 << 20
+			}
+			td := newTestDriver(t, o)
 			cap := vc
 			if tt.params["layout"] == "dir" {
 				cap = mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
@@ -135,7 +139,6 @@ func TestControllerModifyVolume(t *testing.T) {
 			var id string
 			if tt.huge {
 				cap = blockCap(rwo)
-				td.pool.Overcommit = 1 << 20
 				resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{cap},
 					CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 40}})
 				if err != nil {
@@ -224,7 +227,7 @@ func TestCreateVolumeMutableParameters(t *testing.T) {
 			resp, err := td.CreateVolume(context.Background(), req)
 			wantCode(t, err, tt.code)
 			if err != nil {
-				if entries, _ := os.ReadDir(td.pool.Path + "/volumes"); len(entries) != 0 {
+				if entries, _ := os.ReadDir(td.pool.Path() + "/volumes"); len(entries) != 0 {
 					t.Errorf("a refused create left %d volumes", len(entries))
 				}
 				return

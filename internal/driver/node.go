@@ -286,7 +286,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		return len(v.Staged) != before, nil
 	})
 	if err != nil && !gone(err) {
-		if cerr := p.Check(); cerr == nil || !p.Shared {
+		if cerr := p.Check(); cerr == nil || !p.Shared() {
 			return nil, err
 		}
 		// Nothing of the volume is left on this node, but the pool does not

@@ -48,9 +48,9 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if owner, ok := v.Topology[TopologyKey]; ok && owner != node {
-		return failf(errNoNode, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name, owner)
+		return failf(errNoNode, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name(), owner)
 	}
-	if p.Share != nil {
+	if p.Config().Share != nil {
 		// A node registers with a share's pool when it first mounts the share,
 		// which is at its first NodeStageVolume, after this call: the registry
 		// cannot know it yet.
@@ -61,7 +61,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		return err
 	}
 	if !known {
-		return failf(errNoNode, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name)
+		return failf(errNoNode, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name())
 	}
 	return nil
 }
@@ -165,7 +165,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		// A node that still has an image staged read-write never unstaged
 		// it: the CO is force-detaching (a node out of service). Its records
 		// go only once its lease has expired, by this controller's clock.
-		if p.Shared && v.Layout == pool.LayoutImage {
+		if p.Shared() && v.Layout == pool.LayoutImage {
 			if forced = writers(v, node); len(forced) > 0 {
 				if err := d.forceDetachable(p, v, forced); err != nil {
 					return false, err

@@ -329,7 +329,7 @@ func TestFreezeInboxHostile(t *testing.T) {
 			a, _, id, staging := freezePair(t, false)
 			p := a.pool("shared")
 			vid, _ := pool.ParseVolumeID(id)
-			inbox := filepath.Join(p.Path, "freeze", "node-a")
+			inbox := filepath.Join(p.Path(), "freeze", "node-a")
 			if err := os.MkdirAll(inbox, 0o750); err != nil {
 				t.Fatal(err)
 			}

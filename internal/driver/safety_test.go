@@ -73,10 +73,10 @@ func TestDeleteRefusesUnreadableMetadata(t *testing.T) {
 			if err := os.WriteFile(meta, tc.meta(old), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			before := tree(t, td.pool.Path)
+			before := tree(t, td.pool.Path())
 			_, err = td.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id})
 			wantCode(t, err, codes.FailedPrecondition)
-			if after := tree(t, td.pool.Path); after != before {
+			if after := tree(t, td.pool.Path()); after != before {
 				t.Errorf("a refused delete changed the pool:\n%s\n---\n%s", before, after)
 			}
 			scan, err := td.ControllerGetVolumeHealth(context.Background(), &csi.ControllerGetVolumeHealthRequest{VolumeId: id})
@@ -89,7 +89,7 @@ func TestDeleteRefusesUnreadableMetadata(t *testing.T) {
 
 func TestHugeSizesAreOutOfRange(t *testing.T) {
 	td := newTestDriver(t, testOpts{})
-	before := tree(t, td.pool.Path)
+	before := tree(t, td.pool.Path())
 	for _, size := range []int64{math.MaxInt64, math.MaxInt64 - 1<<20 + 2, pool.MaxCapacity + 1} {
 		_, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
 			Name: "huge", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")},
@@ -97,16 +97,16 @@ func TestHugeSizesAreOutOfRange(t *testing.T) {
 		})
 		wantCode(t, err, codes.OutOfRange)
 	}
-	if after := tree(t, td.pool.Path); after != before {
+	if after := tree(t, td.pool.Path()); after != before {
 		t.Errorf("a refused create changed the pool:\n%s\n---\n%s", before, after)
 	}
 	id := td.create(t, "v", mountCap(rwo, "ext4"), nil)
-	before = tree(t, td.pool.Path)
+	before = tree(t, td.pool.Path())
 	for _, size := range []int64{math.MaxInt64, pool.MaxCapacity + 1} {
 		_, err := td.ControllerExpandVolume(context.Background(), &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: size}})
 		wantCode(t, err, codes.OutOfRange)
 	}
-	if after := tree(t, td.pool.Path); after != before {
+	if after := tree(t, td.pool.Path()); after != before {
 		t.Errorf("a refused expand changed the pool:\n%s\n---\n%s", before, after)
 	}
 }
@@ -435,11 +435,11 @@ func TestDeleteRefusesWhenAttachmentUnknown(t *testing.T) {
 				t.Fatal(err)
 			}
 			tc.prepare(t, td, vid)
-			before := tree(t, td.pool.Path)
+			before := tree(t, td.pool.Path())
 			td.host.Faults.FailFrom("Find", 1, errInjected)
 			_, err = td.DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id})
 			wantCode(t, err, codes.Unavailable)
-			if after := tree(t, td.pool.Path); after != before {
+			if after := tree(t, td.pool.Path()); after != before {
 				t.Errorf("a delete that could not check the loop devices changed the pool:\n%s\n---\n%s", before, after)
 			}
 			td.host.Faults.Reset()

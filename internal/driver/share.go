@@ -392,7 +392,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 // openSharePool opens the pool on share r, mounted at path. Only LayOut lays
 // it out: a share is a pool once its pool.json says so.
 func (d *Driver) openSharePool(r pool.ShareRef, path string) (*pool.Pool, error) {
-	return pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: d.shares.m.RequireMount(), Share: &r, NoLayout: true})
+	return pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: d.shares.m.RequireMount(), Share: &r, NoLayout: true}, pool.WithNode(d.opts.NodeID))
 }
 
 // poolOf returns the pool of a volume ID: a configured pool, or a share's
@@ -438,10 +438,10 @@ func contextAccess(volumeContext, secrets map[string]string, flags []string) sha
 // wireVolumeID is the ID of a volume as the CO gets it: on a share, tagged
 // (when the driver has a share key).
 func (d *Driver) wireVolumeID(p *pool.Pool, id string) string {
-	if p == nil || p.Share == nil {
+	if p == nil || p.Config().Share == nil {
 		return id
 	}
-	if tag := d.shares.tag(*p.Share); tag != "" {
+	if tag := d.shares.tag(*p.Config().Share); tag != "" {
 		return id + "." + tag
 	}
 	return id
@@ -483,7 +483,7 @@ func (d *Driver) recoverShares(ctx context.Context) {
 			continue
 		}
 		d.addPool(p)
-		log.Info("Serving the pool on a share mounted before", "pool", p.Name, "share", r.String(), "path", path)
+		log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
 	}
 }
 
@@ -492,7 +492,7 @@ func (d *Driver) recoverShares(ctx context.Context) {
 // non-generic flags are the share's (shareFlags).
 func volumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []string {
 	flags := vc.GetMount().GetMountFlags()
-	if p.Share != nil && v.Layout == pool.LayoutDir {
+	if p.Config().Share != nil && v.Layout == pool.LayoutDir {
 		return mount.BindOptions(flags)
 	}
 	return flags

@@ -62,7 +62,7 @@ func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
-		return nil, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name)
+		return nil, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
 	case err != nil:
 		return nil, err
 	case v.State != pool.StateReady:

@@ -28,10 +28,10 @@ func (s PoolSpace) UsedFraction() float64 {
 
 // StatPool measures the pool's filesystem: one statfs.
 func StatPool(p *pool.Pool) PoolSpace {
-	s := PoolSpace{Pool: p.Name, Path: p.Path}
+	s := PoolSpace{Pool: p.Name(), Path: p.Path()}
 	var st unix.Statfs_t
-	if err := unix.Statfs(p.Path, &st); err != nil {
-		s.Err = fmt.Errorf("statfs %s: %w", p.Path, err)
+	if err := unix.Statfs(p.Path(), &st); err != nil {
+		s.Err = fmt.Errorf("statfs %s: %w", p.Path(), err)
 		return s
 	}
 	s.Total = int64(st.Blocks) * st.Bsize
@@ -116,16 +116,16 @@ func checkVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeR
 		case errors.Is(err, pool.ErrCorrupt):
 			r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonUnsafeEntry, Message: fmt.Sprintf(
 				"volume %s: %v. poolcsi will not stage, copy or grow it. Put the volume's own image back at %s (or delete the PVC); "+
-					"anyone who can write pool %s can do this, so check who did", e.ID, err, image, p.Name)})
+					"anyone who can write pool %s can do this, so check who did", e.ID, err, image, p.Name())})
 		case errors.Is(err, pool.ErrNotFound):
 			r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonImageMissing, Message: fmt.Sprintf(
 				"image file %s of volume %s is missing: the volume's data is gone from pool %s. "+
 					"Restore the image from a backup to that path, or delete the PVC and provision a new volume",
-				image, e.ID, p.Name)})
+				image, e.ID, p.Name())})
 		default:
 			r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonImageUnreadable, Message: fmt.Sprintf(
 				"image file %s of volume %s cannot be examined: %v. Check the pool's filesystem (%s) and the file's permissions",
-				image, e.ID, err, p.Path)})
+				image, e.ID, err, p.Path())})
 		}
 		return r
 	}
@@ -154,12 +154,12 @@ func poolRoom(p *pool.Pool, id pool.VolumeID, v *pool.Volume, allocated int64, s
 		return []Issue{{Status: Degraded, Reason: ReasonPoolNearlyFull, Message: fmt.Sprintf(
 			"pool %s is %s full (%s free of %s, threshold %s) and volume %s's sparse image can still grow by %s: "+
 				"writes inside the volume fail with I/O errors once the pool fills. Free space in %s, grow the pool's filesystem, or move volumes to another pool",
-			p.Name, percent(used), bytesIEC(space.Free), bytesIEC(space.Total), percent(o.PoolFullThreshold), id, bytesIEC(unbacked), p.Path)}}
+			p.Name(), percent(used), bytesIEC(space.Free), bytesIEC(space.Total), percent(o.PoolFullThreshold), id, bytesIEC(unbacked), p.Path())}}
 	case space.Free < unbacked:
 		return []Issue{{Status: Degraded, Reason: ReasonPoolNearlyFull, Message: fmt.Sprintf(
 			"pool %s has %s free but volume %s's sparse image can still grow by %s (the pool is overcommitted): "+
 				"writes inside the volume fail with I/O errors once the pool fills. Free space in %s, grow the pool's filesystem, or lower the pool's overcommit",
-			p.Name, bytesIEC(space.Free), id, bytesIEC(unbacked), p.Path)}}
+			p.Name(), bytesIEC(space.Free), id, bytesIEC(unbacked), p.Path())}}
 	}
 	return nil
 }
@@ -177,11 +177,11 @@ func CheckPoolReady(p *pool.Pool) (PoolSpace, error) {
 	}
 	s := StatPool(p)
 	if s.Err != nil {
-		return s, fmt.Errorf("pool %s: %w", p.Name, s.Err)
+		return s, fmt.Errorf("pool %s: %w", p.Name(), s.Err)
 	}
 	if s.Free < minFreeBytes {
 		return s, fmt.Errorf("pool %s: filesystem at %s is out of space (%s free of %s): volumes cannot be created and sparse images cannot grow; free space or grow the filesystem",
-			p.Name, p.Path, bytesIEC(s.Free), bytesIEC(s.Total))
+			p.Name(), p.Path(), bytesIEC(s.Free), bytesIEC(s.Total))
 	}
 	return s, nil
 }
@@ -203,7 +203,7 @@ func checkData(p *pool.Pool, id pool.VolumeID, r VolumeReport) VolumeReport {
 			"volume %s: %v. poolcsi will not stage or copy it. Put the volume's own directory back at %s (or delete the PVC)", id, err, p.DataPath(id))})
 	case errors.Is(err, pool.ErrNotFound):
 		r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonDataMissing, Message: fmt.Sprintf(
-			"data directory %s of volume %s is missing: the volume's data is gone from pool %s. Restore it from a backup, or delete the PVC", p.DataPath(id), id, p.Name)})
+			"data directory %s of volume %s is missing: the volume's data is gone from pool %s. Restore it from a backup, or delete the PVC", p.DataPath(id), id, p.Name())})
 	default:
 		r.Issues = append(r.Issues, Issue{Status: Inaccessible, Reason: ReasonImageUnreadable, Message: fmt.Sprintf(
 			"data directory %s of volume %s cannot be examined: %v", p.DataPath(id), id, err)})

@@ -45,14 +45,14 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 		if _, err := health.CheckPoolReady(p); err != nil {
 			up = 0
 		}
-		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, up, p.Name)
+		ch <- prometheus.MustNewConstMetric(c.up, prometheus.GaugeValue, up, p.Name())
 		scan, err := health.ScanPool(p, c.opts)
 		if scan.Space.Err == nil {
-			ch <- prometheus.MustNewConstMetric(c.size, prometheus.GaugeValue, float64(scan.Space.Total), p.Name)
-			ch <- prometheus.MustNewConstMetric(c.free, prometheus.GaugeValue, float64(scan.Space.Free), p.Name)
+			ch <- prometheus.MustNewConstMetric(c.size, prometheus.GaugeValue, float64(scan.Space.Total), p.Name())
+			ch <- prometheus.MustNewConstMetric(c.free, prometheus.GaugeValue, float64(scan.Space.Free), p.Name())
 		}
 		if err != nil {
-			klog.V(2).InfoS("Metrics: cannot list pool", "pool", p.Name, "err", err)
+			klog.V(2).InfoS("Metrics: cannot list pool", "pool", p.Name(), "err", err)
 			continue
 		}
 		var allocated, provisioned float64
@@ -73,14 +73,14 @@ func (c *poolCollector) Collect(ch chan<- prometheus.Metric) {
 				issues[key{i.Status.String(), i.Reason}]++
 			}
 		}
-		ch <- prometheus.MustNewConstMetric(c.allocated, prometheus.GaugeValue, allocated, p.Name)
-		ch <- prometheus.MustNewConstMetric(c.provisioned, prometheus.GaugeValue, provisioned, p.Name)
-		ch <- prometheus.MustNewConstMetric(c.volumes, prometheus.GaugeValue, float64(len(scan.Volumes)), p.Name)
+		ch <- prometheus.MustNewConstMetric(c.allocated, prometheus.GaugeValue, allocated, p.Name())
+		ch <- prometheus.MustNewConstMetric(c.provisioned, prometheus.GaugeValue, provisioned, p.Name())
+		ch <- prometheus.MustNewConstMetric(c.volumes, prometheus.GaugeValue, float64(len(scan.Volumes)), p.Name())
 		for cond, n := range conditions {
-			ch <- prometheus.MustNewConstMetric(c.byCondition, prometheus.GaugeValue, n, p.Name, cond)
+			ch <- prometheus.MustNewConstMetric(c.byCondition, prometheus.GaugeValue, n, p.Name(), cond)
 		}
 		for k, n := range issues {
-			ch <- prometheus.MustNewConstMetric(c.issues, prometheus.GaugeValue, n, p.Name, k.status, k.reason)
+			ch <- prometheus.MustNewConstMetric(c.issues, prometheus.GaugeValue, n, p.Name(), k.status, k.reason)
 		}
 	}
 }

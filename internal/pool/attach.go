@@ -39,7 +39,7 @@ const (
 )
 
 func (p *Pool) publishedDir(node string) string {
-	return filepath.Join(p.Path, nodesDir, node+publishedSuffix)
+	return filepath.Join(p.cfg.Path, nodesDir, node+publishedSuffix)
 }
 
 // LockNode takes node's attach-count lock in this pool: on a shared pool the
@@ -49,8 +49,8 @@ func (p *Pool) LockNode(ctx context.Context, node string) (unlock func(), err er
 	if err := ValidateNodeID(node); err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
-		return nil, fmt.Errorf("pool %s: lock node %s: %w", p.Name, node, err)
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
+		return nil, fmt.Errorf("pool %s: lock node %s: %w", p.cfg.Name, node, err)
 	}
 	return p.lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
 }
@@ -67,10 +67,10 @@ func (p *Pool) markPublished(node string, id VolumeID, durable bool) error {
 	}
 	dir := p.publishedDir(node)
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.cfg.Name, id, node, err)
 	}
 	if err := p.touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
-		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.Name, id, node, err)
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.cfg.Name, id, node, err)
 	}
 	if !durable {
 		return nil
@@ -87,7 +87,7 @@ func (p *Pool) UnmarkPublished(node string, id VolumeID) error {
 	}
 	err := os.Remove(filepath.Join(p.publishedDir(node), id.Key))
 	if err != nil && !missing(err) {
-		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", p.Name, id, node, err)
+		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", p.cfg.Name, id, node, err)
 	}
 	return nil
 }
@@ -106,16 +106,16 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 		return 0, nil
 	}
 	if err != nil {
-		return 0, fmt.Errorf("pool %s: count volumes published to node %s: %w", p.Name, node, err)
+		return 0, fmt.Errorf("pool %s: count volumes published to node %s: %w", p.cfg.Name, node, err)
 	}
 	var n int64
 	for _, name := range names {
 		if name == except.Key || !keyRE.MatchString(name) {
 			continue
 		}
-		if verify && p.staleMarker(node, VolumeID{Pool: p.Name, Key: name}) {
+		if verify && p.staleMarker(node, VolumeID{Pool: p.cfg.Name, Key: name}) {
 			if err := os.Remove(filepath.Join(dir, name)); err != nil && !missing(err) {
-				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", p.Name, name, node, err)
+				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", p.cfg.Name, name, node, err)
 			}
 			continue
 		}
@@ -129,7 +129,7 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 // (a publish holds it from before it makes the marker until its record is
 // saved). Anything unclear (a damaged volume.json) counts as published.
 func (p *Pool) staleMarker(node string, id VolumeID) bool {
-	if lockHeld(p.Path, volumeRel(id, lockFile)) {
+	if lockHeld(p.cfg.Path, volumeRel(id, lockFile)) {
 		return false
 	}
 	v, err := p.Load(id)
@@ -152,14 +152,14 @@ func (p *Pool) EnsurePublishIndex() error {
 	if p.indexed.Load() {
 		return nil
 	}
-	done := filepath.Join(p.Path, nodesDir, publishIndexDone)
+	done := filepath.Join(p.cfg.Path, nodesDir, publishIndexDone)
 	if _, err := os.Stat(done); err == nil {
 		p.indexed.Store(true)
 		return nil
 	}
 	entries, err := p.List()
 	if err != nil {
-		return fmt.Errorf("pool %s: build the publish index: %w", p.Name, err)
+		return fmt.Errorf("pool %s: build the publish index: %w", p.cfg.Name, err)
 	}
 	dirs := map[string]bool{}
 	for _, e := range entries {
@@ -178,8 +178,8 @@ func (p *Pool) EnsurePublishIndex() error {
 			return err
 		}
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: build the publish index: %w", p.Name, err)
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: build the publish index: %w", p.cfg.Name, err)
 	}
 	if err := WriteFileAtomic(done, []byte("1\n"), true); err != nil {
 		return err

@@ -79,7 +79,7 @@ type Usage struct {
 // overcommit policy: free space times the overcommit ratio, less every promise
 // already made and not yet backed by allocated blocks.
 func (p *Pool) AvailableBytes(u Usage) int64 {
-	avail := float64(u.FreeBytes)*p.Overcommit - float64(u.UnbackedBytes)
+	avail := float64(u.FreeBytes)*p.cfg.Overcommit - float64(u.UnbackedBytes)
 	if avail <= 0 {
 		return 0
 	}
@@ -91,8 +91,8 @@ func (p *Pool) AvailableBytes(u Usage) int64 {
 // (ledger.go), and measure only a pool the ledger's bound would refuse.
 func (p *Pool) Usage() (Usage, error) {
 	var st unix.Statfs_t
-	if err := unix.Statfs(p.Path, &st); err != nil {
-		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
+	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
+		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	u := Usage{
 		TotalBytes: int64(st.Blocks) * st.Bsize,

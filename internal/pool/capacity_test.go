@@ -54,7 +54,7 @@ func TestAvailableBytes(t *testing.T) {
 		{2, Usage{FreeBytes: 100, UnbackedBytes: 130}, 70},
 	}
 	for _, tt := range tests {
-		p := &Pool{Config: Config{Overcommit: tt.overcommit}}
+		p := &Pool{cfg: Config{Overcommit: tt.overcommit}}
 		if got := p.AvailableBytes(tt.u); got != tt.want {
 			t.Errorf("overcommit %v, %+v: got %d want %d", tt.overcommit, tt.u, got, tt.want)
 		}

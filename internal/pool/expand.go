@@ -79,7 +79,7 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64, allocat
 		}
 	}
 	v.CapacityBytes = target
-	if err := p.Save(v); err != nil {
+	if err := p.save(v, true); err != nil {
 		return nil, err
 	}
 	return v, nil
@@ -133,7 +133,7 @@ func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit fu
 		}
 	}
 	v.CapacityBytes = size
-	if err := p.Save(v); err != nil {
+	if err := p.save(v, true); err != nil {
 		return nil, fmt.Errorf("volume %s: limit raised to %d but not recorded: %w", id, size, err)
 	}
 	return v, nil

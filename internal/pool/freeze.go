@@ -96,8 +96,8 @@ func (p *Pool) validateRequest(r FreezeRequest) (VolumeID, error) {
 	if err != nil {
 		return id, err
 	}
-	if id.Pool != p.Name || id.String() != p.IDOf(id.Key).String() {
-		return id, fmt.Errorf("%w: freeze request names volume %s of another pool than %s", ErrInvalidID, r.Volume, p.Name)
+	if id.Pool != p.cfg.Name || id.String() != p.IDOf(id.Key).String() {
+		return id, fmt.Errorf("%w: freeze request names volume %s of another pool than %s", ErrInvalidID, r.Volume, p.cfg.Name)
 	}
 	if err := ValidateNodeID(r.Node); err != nil {
 		return id, err
@@ -116,14 +116,14 @@ func (p *Pool) validateRequest(r FreezeRequest) (VolumeID, error) {
 // link planted in its place makes nothing outside the pool.
 func (p *Pool) inbox(node string) error {
 	for _, rel := range []string{freezeDir, filepath.Join(freezeDir, node)} {
-		parent, err := fsx.OpenDir(p.Path, filepath.Clean("./"+filepath.Dir(rel)))
+		parent, err := fsx.OpenDir(p.cfg.Path, filepath.Clean("./"+filepath.Dir(rel)))
 		if err != nil {
 			return p.classify(err)
 		}
 		err = unix.Mkdirat(int(parent.Fd()), filepath.Base(rel), 0o750)
 		parent.Close()
 		if err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("pool %s: make %s: %w", p.Name, rel, err)
+			return fmt.Errorf("pool %s: make %s: %w", p.cfg.Name, rel, err)
 		}
 		if err := p.checkDir(rel); err != nil {
 			return err
@@ -160,7 +160,7 @@ func (p *Pool) removeInInbox(node string, id VolumeID, suffix string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	d, err := fsx.OpenDir(p.Path, filepath.Join(freezeDir, node))
+	d, err := fsx.OpenDir(p.cfg.Path, filepath.Join(freezeDir, node))
 	if missing(err) {
 		return nil
 	}
@@ -169,7 +169,7 @@ func (p *Pool) removeInInbox(node string, id VolumeID, suffix string) error {
 	}
 	defer d.Close()
 	if err := unix.Unlinkat(int(d.Fd()), id.Key+suffix, 0); err != nil && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("pool %s: remove %s: %w", p.Name, freezeRel(node, id, suffix), err)
+		return fmt.Errorf("pool %s: remove %s: %w", p.cfg.Name, freezeRel(node, id, suffix), err)
 	}
 	return nil
 }
@@ -195,7 +195,7 @@ func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err 
 		return nil, nil, nil
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: pool %s: freeze inbox of node %s: %w", ErrUnavailable, p.Name, node, err)
+		return nil, nil, fmt.Errorf("%w: pool %s: freeze inbox of node %s: %w", ErrUnavailable, p.cfg.Name, node, err)
 	}
 	for _, de := range des {
 		name := de.Name()
@@ -209,7 +209,7 @@ func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err 
 		e := InboxEntry{Name: name}
 		key, ok := strings.CutSuffix(name, requestSuffix)
 		if !ok || !keyRE.MatchString(key) {
-			e.Err = fmt.Errorf("%w: %s is not a freeze request poolcsi writes", ErrCorrupt, filepath.Join(p.Path, freezeDir, node, name))
+			e.Err = fmt.Errorf("%w: %s is not a freeze request poolcsi writes", ErrCorrupt, filepath.Join(p.cfg.Path, freezeDir, node, name))
 			requests = append(requests, e)
 			continue
 		}
@@ -262,16 +262,16 @@ func (p *Pool) WriteFreezeAck(a FreezeAck) error {
 		return err
 	}
 	line := append(raw, []byte(strings.Repeat(" ", freezeAckSize-1-len(raw))+"\n")...)
-	f, err := fsx.OpenRegular(p.Path, freezeRel(a.Node, id, ackSuffix), unix.O_RDWR|unix.O_CREAT, 0o640)
+	f, err := fsx.OpenRegular(p.cfg.Path, freezeRel(a.Node, id, ackSuffix), unix.O_RDWR|unix.O_CREAT, 0o640)
 	if err != nil {
-		return fmt.Errorf("pool %s: freeze ack of volume %s: %w", p.Name, id, unsafe(err))
+		return fmt.Errorf("pool %s: freeze ack of volume %s: %w", p.cfg.Name, id, unsafe(err))
 	}
 	defer f.Close()
 	if _, err := f.WriteAt(line, 0); err != nil {
-		return fmt.Errorf("pool %s: write freeze ack of volume %s: %w", p.Name, id, err)
+		return fmt.Errorf("pool %s: write freeze ack of volume %s: %w", p.cfg.Name, id, err)
 	}
 	if err := f.Sync(); err != nil {
-		return fmt.Errorf("pool %s: fsync freeze ack of volume %s: %w", p.Name, id, err)
+		return fmt.Errorf("pool %s: fsync freeze ack of volume %s: %w", p.cfg.Name, id, err)
 	}
 	return nil
 }

@@ -123,13 +123,13 @@ func (p *Pool) LoadGroupSnapshot(id GroupSnapshotID) (*GroupSnapshot, error) {
 	if g.SchemaVersion > GroupSnapshotSchemaVersion {
 		return nil, fmt.Errorf("%w: group snapshot %s has schema version %d, this driver understands up to %d", ErrCorrupt, id, g.SchemaVersion, GroupSnapshotSchemaVersion)
 	}
-	if g.ID != id.String() || g.Pool != p.Name || len(g.Members) == 0 || len(g.Members) > MaxGroupMembers {
-		return nil, fmt.Errorf("%w: %s: ID, pool or members are not what a driver writes", ErrCorrupt, filepath.Join(p.Path, groupRel(id, groupMetaFile)))
+	if g.ID != id.String() || g.Pool != p.cfg.Name || len(g.Members) == 0 || len(g.Members) > MaxGroupMembers {
+		return nil, fmt.Errorf("%w: %s: ID, pool or members are not what a driver writes", ErrCorrupt, filepath.Join(p.cfg.Path, groupRel(id, groupMetaFile)))
 	}
 	for i, m := range g.Members {
 		if _, err := ParseVolumeID(m.SourceVolumeID); err != nil || m.SnapshotID != p.GroupMemberID(id, m.SourceVolumeID).String() ||
 			(i > 0 && g.Members[i-1].SourceVolumeID >= m.SourceVolumeID) {
-			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(p.Path, groupRel(id, groupMetaFile)), i)
+			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(p.cfg.Path, groupRel(id, groupMetaFile)), i)
 		}
 	}
 	return &g, nil
@@ -161,8 +161,8 @@ func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []
 	id := p.NewGroupSnapshotID(name)
 	members := make([]GroupMember, len(sources))
 	for i, vid := range sources {
-		if vid.Pool != p.Name {
-			return nil, fmt.Errorf("%w: volume %s is not in pool %s", ErrInvalidID, vid, p.Name)
+		if vid.Pool != p.cfg.Name {
+			return nil, fmt.Errorf("%w: volume %s is not in pool %s", ErrInvalidID, vid, p.cfg.Name)
 		}
 		members[i] = GroupMember{SourceVolumeID: vid.String(), SnapshotID: p.GroupMemberID(id, vid.String()).String()}
 	}
@@ -191,10 +191,10 @@ func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []
 	} else if !missing(err) {
 		return nil, err
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, groupRel(id)), 0o750); err != nil {
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, groupRel(id)), 0o750); err != nil {
 		return nil, fmt.Errorf("create group snapshot %s: %w", id, err)
 	}
-	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: p.Name, Members: members, CreatedAt: time.Now().UTC()}
+	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: p.cfg.Name, Members: members, CreatedAt: time.Now().UTC()}
 	if err := p.saveGroupSnapshot(id, g); err != nil {
 		return nil, err
 	}
@@ -253,7 +253,7 @@ func (p *Pool) ListGroupSnapshots() ([]GroupSnapshotEntry, error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list group snapshots of pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list group snapshots of pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	var out []GroupSnapshotEntry
 	for _, de := range des {

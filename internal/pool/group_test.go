@@ -65,7 +65,7 @@ func TestLoadGroupSnapshotRefusesForeignMembers(t *testing.T) {
 	if _, err := p.ReserveGroupSnapshot(ctx, "x", []VolumeID{vids[0], vids[0]}); !errors.Is(err, ErrInvalidID) {
 		t.Errorf("a volume twice: %v, want ErrInvalidID", err)
 	}
-	path := filepath.Join(p.Path, groupsDir, gid.Key, groupMetaFile)
+	path := filepath.Join(p.cfg.Path, groupsDir, gid.Key, groupMetaFile)
 	raw, err := os.ReadFile(path)
 	if err != nil {
 		t.Fatal(err)

@@ -48,10 +48,10 @@ const StaleCreate = time.Hour
 // Leftovers lists what does not belong in the pool's volumes directory. It only
 // reads; removing anything is the operator's decision.
 func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
-	dir := filepath.Join(p.Path, volumesDir)
+	dir := filepath.Join(p.cfg.Path, volumesDir)
 	des, err := p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("list pool %s: %w", p.Name, err)
+		return nil, fmt.Errorf("list pool %s: %w", p.cfg.Name, err)
 	}
 	var out []Leftover
 	for _, de := range des {
@@ -65,7 +65,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
 			id := p.IDOf(de.Name())
-			if !lockHeld(p.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
+			if !lockHeld(p.cfg.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}
 			e, listed := p.loadListed(id)
@@ -81,7 +81,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 	}
 	out = append(out, p.trashLeftovers(now)...)
 	out = append(out, p.damagedFiles()...)
-	sdir := filepath.Join(p.Path, snapshotsDir)
+	sdir := filepath.Join(p.cfg.Path, snapshotsDir)
 	if sdes, err := p.readDir(snapshotsDir); err == nil {
 		for _, de := range sdes {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
@@ -100,7 +100,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 // never orphans.
 func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 	var out []Leftover
-	gdir := filepath.Join(p.Path, groupsDir)
+	gdir := filepath.Join(p.cfg.Path, groupsDir)
 	des, err := p.readDir(groupsDir)
 	if err != nil && !missing(err) {
 		return []Leftover{{gdir, "damaged: " + err.Error()}}
@@ -176,8 +176,8 @@ func tempLeftovers(dir string) []Leftover {
 func (p *Pool) damagedFiles() []Leftover {
 	var out []Leftover
 	check := func(rel string, max int64) {
-		if err := fsx.CheckFile(p.Path, rel, max); err != nil && !missing(err) {
-			out = append(out, Leftover{filepath.Join(p.Path, rel), "damaged: " + err.Error()})
+		if err := fsx.CheckFile(p.cfg.Path, rel, max); err != nil && !missing(err) {
+			out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), "damaged: " + err.Error()})
 		}
 	}
 	check(poolMeta, maxPoolMeta)
@@ -191,7 +191,7 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 			claims, err := p.readDir(filepath.Join(quotaIDsDir, k.Name()))
 			if err != nil {
-				out = append(out, Leftover{filepath.Join(p.Path, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
 			}
 			for _, c := range claims {
 				check(filepath.Join(quotaIDsDir, k.Name(), c.Name()), maxQuotaClaim)
@@ -223,7 +223,7 @@ func (p *Pool) damagedFiles() []Leftover {
 	}
 	des, err := p.readDir(nodesDir)
 	if err != nil && !missing(err) {
-		out = append(out, Leftover{filepath.Join(p.Path, nodesDir), "damaged: " + err.Error()})
+		out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir), "damaged: " + err.Error()})
 	}
 	for _, de := range des {
 		name := de.Name()
@@ -237,7 +237,7 @@ func (p *Pool) damagedFiles() []Leftover {
 		case strings.HasSuffix(name, publishedSuffix):
 			marks, err := p.readDir(filepath.Join(nodesDir, name))
 			if err != nil {
-				out = append(out, Leftover{filepath.Join(p.Path, nodesDir, name), "damaged: " + err.Error()})
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir, name), "damaged: " + err.Error()})
 			}
 			for _, m := range marks {
 				check(filepath.Join(nodesDir, name, m.Name()), maxMarker)
@@ -260,8 +260,8 @@ func (p *Pool) trashLeftovers(now time.Time) []Leftover {
 	}
 	var out []Leftover
 	for _, de := range des {
-		path := filepath.Join(p.Path, trashDir, de.Name())
-		if lockHeld(p.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+		path := filepath.Join(p.cfg.Path, trashDir, de.Name())
+		if lockHeld(p.cfg.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
 			continue // a delete under way, here or on another node
 		}
 		// The change time: a rename sets it, and keeps the mtime.

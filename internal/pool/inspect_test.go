@@ -21,13 +21,13 @@ func TestOpenExistingAndLeftovers(t *testing.T) {
 	if _, err := p.Reserve(ctx, Spec{Name: "stuck", Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: MiB}); err != nil {
 		t.Fatal(err)
 	}
-	vols := filepath.Join(p.Path, "volumes")
+	vols := filepath.Join(p.cfg.Path, "volumes")
 	os.Mkdir(filepath.Join(vols, ".deleting-"+KeyForName("gone")), 0o750)
 	os.Mkdir(filepath.Join(vols, KeyForName("nometa")), 0o750)
 	os.WriteFile(filepath.Join(vols, "stray"), nil, 0o600)
 
-	q, err := OpenExisting(p.Path)
-	if err != nil || q.Name != p.Name {
+	q, err := OpenExisting(p.cfg.Path)
+	if err != nil || q.cfg.Name != p.cfg.Name {
 		t.Fatalf("OpenExisting = %+v, %v", q, err)
 	}
 	if _, err := OpenExisting(t.TempDir()); err == nil {
@@ -62,7 +62,7 @@ func TestTempLeftovers(t *testing.T) {
 	if err != nil || len(left) != 1 || left[0].Path != tmp {
 		t.Fatalf("leftovers: %+v %v", left, err)
 	}
-	if err := p.Save(v); err != nil {
+	if err := p.save(v, true); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(tmp); err != nil {
@@ -72,7 +72,7 @@ func TestTempLeftovers(t *testing.T) {
 	if err := os.Chtimes(tmp, old, old); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.Save(v); err != nil {
+	if err := p.save(v, true); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := os.Stat(tmp); !os.IsNotExist(err) {
@@ -89,7 +89,7 @@ func TestTempLeftovers(t *testing.T) {
 func TestHalfDoneChangesOfAnotherNode(t *testing.T) {
 	p := openTemp(t)
 	ctx := context.Background()
-	other, err := Open(Config{Name: p.Name, Path: p.Path, Shared: true})
+	other, err := Open(Config{Name: p.cfg.Name, Path: p.cfg.Path, Shared: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,12 +97,12 @@ func TestHalfDoneChangesOfAnotherNode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	vols := filepath.Join(p.Path, "volumes")
+	vols := filepath.Join(p.cfg.Path, "volumes")
 	nometa := filepath.Join(vols, KeyForName("creating"))
 	os.Mkdir(nometa, 0o750)
 	os.WriteFile(filepath.Join(nometa, ".volume.json.tmp-123"), []byte("{"), 0o600)
 	os.Mkdir(filepath.Join(vols, ".deleting-"+KeyForName("going")), 0o750)
-	snap := filepath.Join(p.Path, "snapshots", KeyForName("snapping"))
+	snap := filepath.Join(p.cfg.Path, "snapshots", KeyForName("snapping"))
 	os.MkdirAll(snap, 0o750)
 
 	check := func(want int) {

@@ -62,19 +62,19 @@ func (p *Pool) WriteLease(l Lease) error {
 	if err := p.readMeta(); err != nil {
 		return err
 	}
-	if err := os.Mkdir(filepath.Join(p.Path, leasesDir), 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
-		return fmt.Errorf("pool %s: %w", p.Name, err)
+	if err := os.Mkdir(filepath.Join(p.cfg.Path, leasesDir), 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
 	}
-	f, err := fsx.OpenRegular(p.Path, leaseRel(l.Node), unix.O_RDWR|unix.O_CREAT, 0o640)
+	f, err := fsx.OpenRegular(p.cfg.Path, leaseRel(l.Node), unix.O_RDWR|unix.O_CREAT, 0o640)
 	if err != nil {
-		return fmt.Errorf("pool %s: lease of node %s: %w", p.Name, l.Node, unsafe(err))
+		return fmt.Errorf("pool %s: lease of node %s: %w", p.cfg.Name, l.Node, unsafe(err))
 	}
 	defer f.Close()
 	if _, err := f.WriteAt(line, 0); err != nil {
-		return fmt.Errorf("pool %s: write lease of node %s: %w", p.Name, l.Node, err)
+		return fmt.Errorf("pool %s: write lease of node %s: %w", p.cfg.Name, l.Node, err)
 	}
 	if err := f.Sync(); err != nil {
-		return fmt.Errorf("pool %s: fsync lease of node %s: %w", p.Name, l.Node, err)
+		return fmt.Errorf("pool %s: fsync lease of node %s: %w", p.cfg.Name, l.Node, err)
 	}
 	return nil
 }
@@ -92,10 +92,10 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 		return l, false, err
 	}
 	if err := json.Unmarshal([]byte(strings.TrimSpace(string(raw))), &l); err != nil {
-		return l, false, fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrCorrupt, p.Name, node, err)
+		return l, false, fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrCorrupt, p.cfg.Name, node, err)
 	}
 	if l.Node != node {
-		return l, false, fmt.Errorf("%w: pool %s: the lease file of node %s names node %q", ErrCorrupt, p.Name, node, l.Node)
+		return l, false, fmt.Errorf("%w: pool %s: the lease file of node %s names node %q", ErrCorrupt, p.cfg.Name, node, l.Node)
 	}
 	return l, true, nil
 }

@@ -147,17 +147,17 @@ func (l *ledger) validate() error {
 // descriptor opened below the pool's root without links. Opening it also makes
 // an NFS client revalidate its attributes (close-to-open).
 func (p *Pool) stampOf(rel string) (dirStamp, error) {
-	f, err := fsx.OpenDir(p.Path, rel)
+	f, err := fsx.OpenDir(p.cfg.Path, rel)
 	if missing(err) {
 		return dirStamp{}, nil
 	}
 	if err != nil {
-		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.Name, rel, unsafe(err))
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.cfg.Name, rel, unsafe(err))
 	}
 	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.Name, rel, err)
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.cfg.Name, rel, err)
 	}
 	return dirStamp{Ino: st.Ino, Mtime: st.Mtim.Nano(), Ctime: st.Ctim.Nano(), Nlink: uint64(st.Nlink), Size: st.Size}, nil
 }
@@ -209,7 +209,7 @@ func (p *Pool) writeLedger(l *ledger) error {
 		return err
 	}
 	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), true); err != nil {
-		return fmt.Errorf("pool %s: write %s: %w", p.Name, ledgerFile, err)
+		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
 	}
 	return nil
 }
@@ -255,7 +255,7 @@ func (tx *ledgerTx) load() error {
 func (tx *ledgerTx) rebuild() error {
 	u, err := tx.p.Usage()
 	if err != nil {
-		return fmt.Errorf("pool %s: rebuild the capacity ledger: %w", tx.p.Name, err)
+		return fmt.Errorf("pool %s: rebuild the capacity ledger: %w", tx.p.cfg.Name, err)
 	}
 	tx.l = ledger{}
 	tx.l.setTally(tallyOf(u))
@@ -304,7 +304,7 @@ func (tx *ledgerTx) settle() error {
 	}
 	n, b, err := tx.p.recorded(pd)
 	if err != nil {
-		return fmt.Errorf("pool %s: settle the capacity ledger: %w", tx.p.Name, err)
+		return fmt.Errorf("pool %s: settle the capacity ledger: %w", tx.p.cfg.Name, err)
 	}
 	if pd.Kind == pendingVolume {
 		tx.l.Volumes += n - 1
@@ -326,7 +326,7 @@ func (tx *ledgerTx) write(l ledger) error {
 	}
 	err := tx.p.writeLedger(&l)
 	if err != nil {
-		if fi, lerr := os.Lstat(filepath.Join(tx.p.Path, ledgerFile)); lerr == nil && fi.IsDir() {
+		if fi, lerr := os.Lstat(filepath.Join(tx.p.cfg.Path, ledgerFile)); lerr == nil && fi.IsDir() {
 			// Not ours to remove; admission measures the pool instead,
 			// and pool check names the directory.
 			tx.degraded = true
@@ -359,10 +359,10 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 	p := tx.p
 	if !tx.degraded {
 		var st unix.Statfs_t
-		if err := unix.Statfs(p.Path, &st); err != nil {
-			return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
+		if err := unix.Statfs(p.cfg.Path, &st); err != nil {
+			return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 		}
-		bound := float64(int64(st.Bavail)*st.Bsize)*p.Overcommit - float64(tx.l.ProvisionedBytes) - float64(tx.l.ReflinkedBytes)
+		bound := float64(int64(st.Bavail)*st.Bsize)*p.cfg.Overcommit - float64(tx.l.ProvisionedBytes) - float64(tx.l.ReflinkedBytes)
 		if float64(need) <= bound && bound < math.MaxInt64 {
 			return nil
 		}
@@ -378,7 +378,7 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 	}
 	if avail := p.AvailableBytes(u); need > avail {
 		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",
-			ErrNoSpace, p.Name, avail, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
+			ErrNoSpace, p.cfg.Name, avail, u.FreeBytes, u.UnbackedBytes, p.cfg.Overcommit, what, need)
 	}
 	return nil
 }
@@ -393,15 +393,15 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
 	p := tx.p
 	var st unix.Statfs_t
-	if err := unix.Statfs(p.Path, &st); err != nil {
-		return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.Name, err)
+	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
+		return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	free := int64(st.Bavail) * st.Bsize
 	if need > free {
-		return fmt.Errorf("%w: pool %s has %d bytes free; %s needs %d allocated now", ErrNoSpace, p.Name, free, what, need)
+		return fmt.Errorf("%w: pool %s has %d bytes free; %s needs %d allocated now", ErrNoSpace, p.cfg.Name, free, what, need)
 	}
 	fits := func(free, unbacked int64) bool {
-		return float64(free-need)*p.Overcommit >= float64(unbacked-promised)
+		return float64(free-need)*p.cfg.Overcommit >= float64(unbacked-promised)
 	}
 	if !tx.degraded && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
 		return nil
@@ -412,7 +412,7 @@ func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
 	}
 	if need > u.FreeBytes || !fits(u.FreeBytes, u.UnbackedBytes) {
 		return fmt.Errorf("%w: pool %s has %d bytes free and %d promised to sparse volumes and reflinked snapshots (overcommit %.2f); %s needs %d allocated now, which would leave the sparse volumes' promises unbacked",
-			ErrNoSpace, p.Name, u.FreeBytes, u.UnbackedBytes, p.Overcommit, what, need)
+			ErrNoSpace, p.cfg.Name, u.FreeBytes, u.UnbackedBytes, p.cfg.Overcommit, what, need)
 	}
 	return nil
 }
@@ -496,7 +496,7 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 // written into it; a pool without a lock file has no change under way, and a
 // lock file that is not a regular file (pool check names it) is not waited on.
 func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
-	f, err := fsx.OpenRegular(p.Path, poolLock, unix.O_RDONLY, 0)
+	f, err := fsx.OpenRegular(p.cfg.Path, poolLock, unix.O_RDONLY, 0)
 	if err != nil {
 		return func() {}, nil //nolint:nilerr // nothing to wait for; damage is reported elsewhere
 	}
@@ -507,7 +507,7 @@ func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
 	}
 	if err := FlockContext(ctx, f); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", p.Name, err)
+		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", p.cfg.Name, err)
 	}
 	return func() { f.Close() }, nil
 }

@@ -53,7 +53,7 @@ func wantLedger(t *testing.T, p *Pool, want string) {
 
 func readLedgerFile(t *testing.T, p *Pool) []byte {
 	t.Helper()
-	raw, err := os.ReadFile(filepath.Join(p.Path, ledgerFile))
+	raw, err := os.ReadFile(filepath.Join(p.cfg.Path, ledgerFile))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,7 +62,7 @@ func readLedgerFile(t *testing.T, p *Pool) []byte {
 
 func putLedgerFile(t *testing.T, p *Pool, raw []byte) {
 	t.Helper()
-	if err := os.WriteFile(filepath.Join(p.Path, ledgerFile), raw, 0o600); err != nil {
+	if err := os.WriteFile(filepath.Join(p.cfg.Path, ledgerFile), raw, 0o600); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -155,20 +155,20 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 			if err := p.saveFilled(ctx, sid, &filled); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.SaveSnapshot(s); err != nil { // the record as it was
+			if err := p.saveSnapshot(s); err != nil { // the record as it was
 				t.Fatal(err)
 			}
 		}, ""},
 		{"ledger missing (a pool an older version made)", func(t *testing.T, p *Pool) {
-			_ = os.Remove(filepath.Join(p.Path, ledgerFile))
+			_ = os.Remove(filepath.Join(p.cfg.Path, ledgerFile))
 		}, ""},
 		{"a volume an older driver made, unknown to the ledger", func(t *testing.T, p *Pool) {
 			id := p.NewID("foreign")
 			if err := os.Mkdir(p.Dir(id), 0o750); err != nil {
 				t.Fatal(err)
 			}
-			v := &Volume{ID: id.String(), Name: "foreign", Pool: p.Name, Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: 5 * MiB, State: StateReady}
-			if err := p.Save(v); err != nil {
+			v := &Volume{ID: id.String(), Name: "foreign", Pool: p.cfg.Name, Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: 5 * MiB, State: StateReady}
+			if err := p.save(v, true); err != nil {
 				t.Fatal(err)
 			}
 		}, "outdated"},
@@ -233,7 +233,7 @@ func TestDamagedLedgerIsRebuiltNeverTrusted(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			p := openTemp(t)
 			big := reserveBlock(t, p, "big", 64*MiB)
-			path := filepath.Join(p.Path, ledgerFile)
+			path := filepath.Join(p.cfg.Path, ledgerFile)
 			_ = os.Remove(path)
 			tt.plant(t, path)
 			// The pool can back exactly its free space less what big
@@ -365,11 +365,11 @@ func TestQuotaIDClaims(t *testing.T) {
 			return claim(b, 100)
 		}, true},
 		{"b's claim records b", func() bool {
-			raw, _ := os.ReadFile(filepath.Join(p.Path, quotaClaimRel("xfs-project", 100)))
+			raw, _ := os.ReadFile(filepath.Join(p.cfg.Path, quotaClaimRel("xfs-project", 100)))
 			return string(raw) == b.Key
 		}, true},
 		{"a damaged claim is never taken", func() bool {
-			_ = os.Symlink("/etc/passwd", filepath.Join(p.Path, quotaClaimRel("xfs-project", 200)))
+			_ = os.Symlink("/etc/passwd", filepath.Join(p.cfg.Path, quotaClaimRel("xfs-project", 200)))
 			return claim(b, 200)
 		}, false},
 		{"a kind that names a path is refused", func() bool {

@@ -76,7 +76,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	v := &Volume{
 		ID:            id.String(),
 		Name:          spec.Name,
-		Pool:          p.Name,
+		Pool:          p.cfg.Name,
 		Layout:        spec.Layout,
 		AccessType:    spec.AccessType,
 		FSType:        spec.FSType,
@@ -247,7 +247,7 @@ func (p *Pool) Finish(ctx context.Context, id VolumeID, make func(*Volume) error
 // MarkReady records that the volume is complete.
 func (p *Pool) MarkReady(v *Volume) error {
 	v.State = StateReady
-	return p.Save(v)
+	return p.save(v, true)
 }
 
 // Delete removes a volume's directory and everything in it. The directory is
@@ -308,7 +308,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 // the rename acts on those descriptors: a link swapped in for either after the
 // check (anyone may write a shared pool) cannot move a volume elsewhere.
 func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
-	parent, err := fsx.OpenDir(p.Path, parentRel)
+	parent, err := fsx.OpenDir(p.cfg.Path, parentRel)
 	if err != nil {
 		return false, nil, unsafe(err)
 	}
@@ -338,7 +338,7 @@ func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string
 			moved = moved || name == key
 			ours = append(ours, dst)
 		case !errors.Is(err, unix.ENOENT):
-			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(p.Path, parentRel, name), filepath.Join(p.Path, trashDir), err)
+			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(p.cfg.Path, parentRel, name), filepath.Join(p.cfg.Path, trashDir), err)
 		}
 	}
 	return moved, ours, nil
@@ -346,15 +346,15 @@ func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string
 
 // openTrash opens the pool's trash directory, making it first if need be.
 func (p *Pool) openTrash() (*os.File, error) {
-	root, err := fsx.OpenDir(p.Path, ".")
+	root, err := fsx.OpenDir(p.cfg.Path, ".")
 	if err != nil {
 		return nil, unsafe(err)
 	}
 	defer root.Close()
 	if err := unix.Mkdirat(int(root.Fd()), trashDir, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
-		return nil, fmt.Errorf("make %s: %w", filepath.Join(p.Path, trashDir), err)
+		return nil, fmt.Errorf("make %s: %w", filepath.Join(p.cfg.Path, trashDir), err)
 	}
-	trash, err := fsx.OpenDir(p.Path, trashDir)
+	trash, err := fsx.OpenDir(p.cfg.Path, trashDir)
 	if err != nil {
 		return nil, unsafe(err)
 	}
@@ -369,7 +369,7 @@ func (p *Pool) openTrash() (*os.File, error) {
 // helper the step runs can use too), so a link swapped in for the trash
 // directory cannot aim the removal elsewhere.
 func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) error) error {
-	trash, err := fsx.OpenDir(p.Path, trashDir)
+	trash, err := fsx.OpenDir(p.cfg.Path, trashDir)
 	if missing(err) {
 		return nil
 	}
@@ -379,7 +379,7 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 	defer trash.Close()
 	des, err := trash.ReadDir(-1)
 	if err != nil {
-		return fmt.Errorf("read directory %s: %w", filepath.Join(p.Path, trashDir), err)
+		return fmt.Errorf("read directory %s: %w", filepath.Join(p.cfg.Path, trashDir), err)
 	}
 	dir := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), trash.Fd())
 	removed := false
@@ -387,7 +387,7 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 		if !de.IsDir() || !strings.HasPrefix(de.Name(), name+"-") {
 			continue
 		}
-		if !slices.Contains(ours, de.Name()) && lockHeld(p.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+		if !slices.Contains(ours, de.Name()) && lockHeld(p.cfg.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
 			continue
 		}
 		if before != nil {
@@ -410,9 +410,9 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 // touch creates the pool file rel if it is missing (a link planted there is
 // refused, never followed to create a file elsewhere).
 func (p *Pool) touch(rel string) error {
-	f, err := fsx.OpenRegular(p.Path, rel, unix.O_RDWR|unix.O_CREAT, 0o600)
+	f, err := fsx.OpenRegular(p.cfg.Path, rel, unix.O_RDWR|unix.O_CREAT, 0o600)
 	if err != nil {
-		return fmt.Errorf("create %s: %w", filepath.Join(p.Path, rel), unsafe(err))
+		return fmt.Errorf("create %s: %w", filepath.Join(p.cfg.Path, rel), unsafe(err))
 	}
 	return f.Close()
 }

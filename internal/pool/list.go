@@ -42,12 +42,12 @@ const settleTime = 2 * time.Second
 // volumeKeys returns the pool's volume keys, sorted. The slice is shared:
 // callers do not modify it.
 func (p *Pool) volumeKeys() ([]string, error) {
-	return p.cachedKeys(&p.keys, filepath.Join(p.Path, volumesDir))
+	return p.cachedKeys(&p.keys, filepath.Join(p.cfg.Path, volumesDir))
 }
 
 // snapshotKeys is volumeKeys for snapshots; no snapshots directory is none.
 func (p *Pool) snapshotKeys() ([]string, error) {
-	dir := filepath.Join(p.Path, snapshotsDir)
+	dir := filepath.Join(p.cfg.Path, snapshotsDir)
 	if _, err := os.Lstat(dir); missing(err) {
 		return nil, nil
 	}
@@ -57,7 +57,7 @@ func (p *Pool) snapshotKeys() ([]string, error) {
 func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -67,7 +67,7 @@ func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 	readAt := time.Now()
 	names, err := readNames(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	keys := names[:0]
 	for _, n := range names {

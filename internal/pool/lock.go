@@ -41,7 +41,7 @@ const lockPatience = 30 * time.Second
 // lockFileAt takes the lock file rel of the pool (opened below the pool's root,
 // never through a link, and only if it is a regular file).
 func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(), error) {
-	path := filepath.Join(p.Path, rel)
+	path := filepath.Join(p.cfg.Path, rel)
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, lockPatience, ErrBusy)
@@ -52,7 +52,7 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 		flags |= os.O_CREATE
 	}
 	for {
-		f, err := openLock(ctx, p.Path, rel, flags)
+		f, err := openLock(ctx, p.cfg.Path, rel, flags)
 		if err != nil {
 			err = p.classify(err)
 			if ctx.Err() != nil {
@@ -252,7 +252,4 @@ func lockHeld(root, rel string) bool {
 // no volume.json yet, a .deleting- directory) is then not damage. On a shared
 // filesystem another node's half-done step can be visible for seconds (on
 // CephFS a metadata change from another client waits for the MDS's journal).
-func (p *Pool) changing() bool { return lockHeld(p.Path, poolLock) }
-
-// SetNode names this process's node in the lock files it takes.
-func (p *Pool) SetNode(node string) { p.node = node }
+func (p *Pool) changing() bool { return lockHeld(p.cfg.Path, poolLock) }

@@ -13,16 +13,14 @@ import (
 // the error names the holder.
 func TestLockNamesItsHolder(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "pool")
-	a, err := Open(Config{Name: "t", Path: dir})
+	a, err := Open(Config{Name: "t", Path: dir}, WithNode("node-a"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.SetNode("node-a")
-	b, err := Open(Config{Name: "t", Path: dir})
+	b, err := Open(Config{Name: "t", Path: dir}, WithNode("node-b"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	b.SetNode("node-b")
 	unlock, err := a.LockPool(context.Background())
 	if err != nil {
 		t.Fatal(err)

@@ -129,7 +129,7 @@ func (p *Pool) Modify(ctx context.Context, id VolumeID, change func(v *Volume) e
 	if before.IOLimits == v.IOLimits && before.Preallocate == v.Preallocate {
 		return v, nil
 	}
-	if err := p.Save(v); err != nil {
+	if err := p.save(v, true); err != nil {
 		return nil, err
 	}
 	return v, nil

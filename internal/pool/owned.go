@@ -68,7 +68,7 @@ func (p *Pool) ClearFreeze(id VolumeID) error {
 func (p *Pool) Freezes() ([]Freeze, error) {
 	des, err := p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	var out []Freeze
 	for _, de := range des {

@@ -51,13 +51,15 @@ type Config struct {
 
 // Pool is an opened pool directory.
 type Pool struct {
-	Config
+	// cfg is fixed at Open: callers read it through Name, Path, Shared and
+	// Config, so no one can flip a pool from local to shared under the driver.
+	cfg Config
 	// share is the encoded ShareRef its volume IDs carry ("" for a configured pool).
 	share string
 	// keys and snapKeys cache the sorted volume and snapshot keys, for
 	// listing in pages (list.go).
 	keys, snapKeys keyCache
-	// node names this process's node in the lock files it takes (SetNode).
+	// node names this process's node in the lock files it takes (WithNode).
 	node string
 	// meta caches parsed volume.json files for capacity accounting, by key
 	// (loadForUsage).
@@ -70,11 +72,18 @@ type Pool struct {
 	quotaIndexed atomic.Bool
 }
 
+// Option sets up a pool at Open with what its configuration does not hold.
+type Option func(*Pool)
+
+// WithNode names this process's node in the lock files the pool takes, so an
+// operator (and a node that finds a lock held) can tell whose it is.
+func WithNode(node string) Option { return func(p *Pool) { p.node = node } }
+
 // Open validates cfg and makes the pool's layout. A local pool's directory is
 // created if missing; a shared pool's directory is a mount point the admin (or the
 // driver's mount stanza) provides, so it is never created here — creating it would
 // quietly put "shared" volumes on the node's root disk.
-func Open(cfg Config) (*Pool, error) {
+func Open(cfg Config, opts ...Option) (*Pool, error) {
 	if err := ValidatePoolName(cfg.Name); err != nil {
 		return nil, err
 	}
@@ -95,7 +104,10 @@ func Open(cfg Config) (*Pool, error) {
 			return nil, fmt.Errorf("pool %s: the pool of share %s is named %s", cfg.Name, cfg.Share, cfg.Share.PoolName())
 		}
 	}
-	p := &Pool{Config: cfg}
+	p := &Pool{cfg: cfg}
+	for _, o := range opts {
+		o(p)
+	}
 	if cfg.Share != nil {
 		p.share = cfg.Share.payload()
 	}
@@ -151,7 +163,7 @@ func (p *Pool) LayOut() error { return p.init(true) }
 
 // LaidOut tells whether the pool has its pool.json.
 func (p *Pool) LaidOut() bool {
-	_, err := os.Stat(filepath.Join(p.Path, poolMeta))
+	_, err := os.Stat(filepath.Join(p.cfg.Path, poolMeta))
 	return err == nil
 }
 
@@ -161,7 +173,7 @@ func (p *Pool) MountReady() error { return p.mountReady() }
 // IDOf is the ID of the volume with key in this pool (carrying the pool's
 // share, if it is a share's).
 func (p *Pool) IDOf(key string) VolumeID {
-	return VolumeID{Pool: p.Name, Key: key, Share: p.share}
+	return VolumeID{Pool: p.cfg.Name, Key: key, Share: p.share}
 }
 
 // NewID is the ID of the volume named name in this pool.
@@ -173,7 +185,7 @@ func (p *Pool) NewID(name string) VolumeID { return p.IDOf(KeyForName(name)) }
 // out would put "shared" volumes on this node's own disk, where no other node
 // sees them. A pool the driver mounts itself (mount stanza) is checked mounted
 // first, so it may, unless NoLayout says only LayOut may.
-func (p *Pool) mayInit() bool { return !p.NoLayout && (!p.Shared || p.RequireMount) }
+func (p *Pool) mayInit() bool { return !p.cfg.NoLayout && (!p.cfg.Shared || p.cfg.RequireMount) }
 
 type poolInfo struct {
 	SchemaVersion int    `json:"schemaVersion"`
@@ -188,7 +200,7 @@ type poolInfo struct {
 // on it), with what to do; a missing one is missing (errors.go).
 func (p *Pool) readMeta() error {
 	var info poolInfo
-	metaPath := filepath.Join(p.Path, poolMeta)
+	metaPath := filepath.Join(p.cfg.Path, poolMeta)
 	raw, err := p.readBeneath(poolMeta, maxPoolMeta)
 	switch {
 	case missing(err):
@@ -196,14 +208,14 @@ func (p *Pool) readMeta() error {
 	case errors.Is(err, ErrUnavailable):
 		return err
 	case err != nil:
-		return fmt.Errorf("%w: pool %s: %s cannot be read: %w", ErrUnavailable, p.Name, metaPath, err)
+		return fmt.Errorf("%w: pool %s: %s cannot be read: %w", ErrUnavailable, p.cfg.Name, metaPath, err)
 	}
 	if err := json.Unmarshal(raw, &info); err != nil {
 		return fmt.Errorf("%w: pool %s: %s is damaged (%w): restore it (it holds {\"schemaVersion\": %d, \"name\": %q})",
-			ErrUnavailable, p.Name, metaPath, err, SchemaVersion, p.Name)
+			ErrUnavailable, p.cfg.Name, metaPath, err, SchemaVersion, p.cfg.Name)
 	}
-	if info.Name != p.Name {
-		return fmt.Errorf("%w: pool %s: %s belongs to pool %q; give it that name or use another directory", ErrUnavailable, p.Name, p.Path, info.Name)
+	if info.Name != p.cfg.Name {
+		return fmt.Errorf("%w: pool %s: %s belongs to pool %q; give it that name or use another directory", ErrUnavailable, p.cfg.Name, p.cfg.Path, info.Name)
 	}
 	return nil
 }
@@ -212,28 +224,28 @@ func (p *Pool) readMeta() error {
 // pool of another name: two names over one directory would double-count capacity
 // and give one volume two IDs.
 func (p *Pool) init(may bool) error {
-	metaPath := filepath.Join(p.Path, poolMeta)
+	metaPath := filepath.Join(p.cfg.Path, poolMeta)
 	err := p.readMeta()
 	switch {
 	case err == nil:
-		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: %w", p.Name, err)
+		if err := os.MkdirAll(filepath.Join(p.cfg.Path, volumesDir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
 		}
 		return nil
 	case missing(err):
 		if !may {
-			if p.Share != nil {
-				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.Share, p.Path, poolMeta)
+			if p.cfg.Share != nil {
+				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.cfg.Share, p.cfg.Path, poolMeta)
 			}
 			return fmt.Errorf("%w: shared pool %s: %s has no %s — the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s)",
-				ErrUnavailable, p.Name, p.Path, poolMeta, p.Path, p.Name)
+				ErrUnavailable, p.cfg.Name, p.cfg.Path, poolMeta, p.cfg.Path, p.cfg.Name)
 		}
-		if err := os.MkdirAll(filepath.Join(p.Path, volumesDir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: %w", p.Name, err)
+		if err := os.MkdirAll(filepath.Join(p.cfg.Path, volumesDir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
 		}
-		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.Name, Share: p.Share})
+		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, Share: p.cfg.Share})
 		if err := p.writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
-			return fmt.Errorf("pool %s: write %s: %w", p.Name, metaPath, err)
+			return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, metaPath, err)
 		}
 		return nil
 	default:
@@ -256,9 +268,9 @@ func (p *Pool) Check() error {
 }
 
 func (p *Pool) check() error {
-	vols := filepath.Join(p.Path, volumesDir)
-	if _, err := os.Stat(p.Path); err != nil {
-		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.Name, p.Path, err)
+	vols := filepath.Join(p.cfg.Path, volumesDir)
+	if _, err := os.Stat(p.cfg.Path); err != nil {
+		return fmt.Errorf("pool %s: directory %s is missing (is the pool's filesystem mounted?): %w", p.cfg.Name, p.cfg.Path, err)
 	}
 	if err := p.mountReady(); err != nil {
 		return err
@@ -273,22 +285,22 @@ func (p *Pool) check() error {
 		return err
 	}
 	if err := unix.Access(vols, unix.W_OK); err != nil {
-		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %w", p.Name, vols, err)
+		return fmt.Errorf("pool %s: %s is not writable (read-only filesystem or permissions): %w", p.cfg.Name, vols, err)
 	}
 	return nil
 }
 
 // mountReady fails when the pool must be a mount point and is not.
 func (p *Pool) mountReady() error {
-	if !p.RequireMount {
+	if !p.cfg.RequireMount {
 		return nil
 	}
-	mounted, err := mountinfo.Mounted(p.Path)
+	mounted, err := mountinfo.Mounted(p.cfg.Path)
 	if err != nil {
-		return fmt.Errorf("pool %s: %w: cannot tell whether %s is mounted: %w", p.Name, ErrUnavailable, p.Path, err)
+		return fmt.Errorf("pool %s: %w: cannot tell whether %s is mounted: %w", p.cfg.Name, ErrUnavailable, p.cfg.Path, err)
 	}
 	if !mounted {
-		return fmt.Errorf("pool %s: %w: %s is not mounted yet", p.Name, ErrUnavailable, p.Path)
+		return fmt.Errorf("pool %s: %w: %s is not mounted yet", p.cfg.Name, ErrUnavailable, p.cfg.Path)
 	}
 	return nil
 }
@@ -321,7 +333,7 @@ func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
 func (p *Pool) List() ([]Entry, error) {
 	des, err := p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	var out []Entry
 	for _, de := range des {
@@ -335,3 +347,25 @@ func (p *Pool) List() ([]Entry, error) {
 	sort.Slice(out, func(i, j int) bool { return out[i].ID.Key < out[j].ID.Key })
 	return out, nil
 }
+
+// Name is the pool's name, as configured.
+func (p *Pool) Name() string { return p.cfg.Name }
+
+// Path is the pool's directory.
+func (p *Pool) Path() string { return p.cfg.Path }
+
+// Shared tells whether the pool is on a filesystem every node mounts.
+func (p *Pool) Shared() bool { return p.cfg.Shared }
+
+// Config is a copy of the pool's configuration.
+func (p *Pool) Config() Config {
+	c := p.cfg
+	if c.Share != nil {
+		s := *c.Share
+		c.Share = &s
+	}
+	return c
+}
+
+// AllowsEphemeral tells whether the pool takes CSI ephemeral inline volumes.
+func (p *Pool) AllowsEphemeral() bool { return p.cfg.AllowsEphemeral() }

@@ -179,7 +179,7 @@ func TestDeleteRemovesOnlyTheVolume(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	canary := filepath.Join(p.Path, "canary")
+	canary := filepath.Join(p.cfg.Path, "canary")
 	os.WriteFile(canary, []byte("x"), 0o600)
 	if err := p.Delete(ctx, NewVolumeID("test", "a")); err != nil {
 		t.Fatal(err)
@@ -262,11 +262,11 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if err := p.SyncImage(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("SyncImage of a volume without its image: %v, want ErrNotFound", err)
 	}
-	if err := p.Save(&Volume{ID: gone.String(), Name: "gone"}); !errors.Is(err, ErrNotFound) {
+	if err := p.save(&Volume{ID: gone.String(), Name: "gone"}, true); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Save of a volume whose directory is gone: %v, want ErrNotFound", err)
 	}
 
-	if err := os.Rename(p.Path, p.Path+".away"); err != nil {
+	if err := os.Rename(p.cfg.Path, p.cfg.Path+".away"); err != nil {
 		t.Fatal(err)
 	}
 	id := NewVolumeID("test", "v")
@@ -275,7 +275,7 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 		"LockVolume": func() error { _, err := p.LockVolume(ctx, id); return err }(),
 		"ImageSize":  func() error { _, err := p.ImageSize(id); return err }(),
 		"SyncImage":  p.SyncImage(id),
-		"Save":       p.Save(&Volume{ID: id.String(), Name: "v", CapacityBytes: MiB}),
+		"Save":       p.save(&Volume{ID: id.String(), Name: "v", CapacityBytes: MiB}, true),
 		"List":       func() error { _, err := p.List(); return err }(),
 		"Check":      p.Check(),
 	} {
@@ -313,7 +313,7 @@ func TestDeleteFinishesAnInterruptedDelete(t *testing.T) {
 	}
 	id := NewVolumeID("test", "a")
 	// The state a crash between the rename and the removal leaves.
-	trash := filepath.Join(p.Path, "volumes", ".deleting-"+id.Key)
+	trash := filepath.Join(p.cfg.Path, "volumes", ".deleting-"+id.Key)
 	if err := os.Rename(p.Dir(id), trash); err != nil {
 		t.Fatal(err)
 	}

@@ -112,7 +112,7 @@ type NodeRecord struct {
 
 func (p *Pool) nodeRel(node string) string { return filepath.Join(nodesDir, node+".json") }
 
-func (p *Pool) nodePath(node string) string { return filepath.Join(p.Path, p.nodeRel(node)) }
+func (p *Pool) nodePath(node string) string { return filepath.Join(p.cfg.Path, p.nodeRel(node)) }
 
 // RegisterNode records that node's node plugin serves this pool. Nodes are known
 // nowhere else (poolcsi talks to no API server), and a controller must be able to
@@ -122,8 +122,8 @@ func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes 
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, nodesDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: register node %s: %w", p.Name, node, err)
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: register node %s: %w", p.cfg.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
 	return p.writeBeneath(p.nodeRel(node), append(raw, '\n'), true)
@@ -139,10 +139,10 @@ func (p *Pool) Node(node string) (rec NodeRecord, ok bool, err error) {
 	case missing(err):
 		return rec, false, nil
 	case err != nil:
-		return rec, false, fmt.Errorf("pool %s: read node %s: %w", p.Name, node, err)
+		return rec, false, fmt.Errorf("pool %s: read node %s: %w", p.cfg.Name, node, err)
 	}
 	if err := json.Unmarshal(raw, &rec); err != nil {
-		return rec, false, fmt.Errorf("pool %s: node record %s is damaged: %w", p.Name, node, err)
+		return rec, false, fmt.Errorf("pool %s: node record %s is damaged: %w", p.cfg.Name, node, err)
 	}
 	return rec, true, nil
 }
@@ -159,7 +159,7 @@ func (p *Pool) NodeRegistered(node string) (bool, error) {
 	case missing(err):
 		return false, nil
 	default:
-		return false, fmt.Errorf("pool %s: look up node %s: %w", p.Name, node, err)
+		return false, fmt.Errorf("pool %s: look up node %s: %w", p.cfg.Name, node, err)
 	}
 }
 

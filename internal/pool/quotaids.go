@@ -63,8 +63,8 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 		return false, err
 	}
 	dir := filepath.Join(quotaIDsDir, kind)
-	if err := os.MkdirAll(filepath.Join(p.Path, dir), 0o750); err != nil {
-		return false, fmt.Errorf("pool %s: claim quota ID %d: %w", p.Name, qid, err)
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
+		return false, fmt.Errorf("pool %s: claim quota ID %d: %w", p.cfg.Name, qid, err)
 	}
 	if err := p.checkDir(dir); err != nil {
 		return false, err
@@ -95,7 +95,7 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 		return string(owner) == vol.Key, nil
 	}
 	if err := p.writeBeneath(rel, []byte(vol.Key), true); err != nil {
-		return false, fmt.Errorf("pool %s: take over stale quota ID %d: %w", p.Name, qid, err)
+		return false, fmt.Errorf("pool %s: take over stale quota ID %d: %w", p.cfg.Name, qid, err)
 	}
 	return true, nil
 }
@@ -108,7 +108,7 @@ func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
 		return false, nil
 	}
 	if err != nil {
-		return false, fmt.Errorf("pool %s: claim %s: %w", p.Name, rel, err)
+		return false, fmt.Errorf("pool %s: claim %s: %w", p.cfg.Name, rel, err)
 	}
 	_, werr := f.WriteString(key)
 	if werr == nil && durable {
@@ -118,11 +118,11 @@ func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
 		werr = cerr
 	}
 	if werr == nil && durable {
-		werr = syncDir(filepath.Dir(filepath.Join(p.Path, rel)))
+		werr = syncDir(filepath.Dir(filepath.Join(p.cfg.Path, rel)))
 	}
 	if werr != nil {
-		_ = os.Remove(filepath.Join(p.Path, rel))
-		return false, fmt.Errorf("pool %s: claim %s: %w", p.Name, rel, werr)
+		_ = os.Remove(filepath.Join(p.cfg.Path, rel))
+		return false, fmt.Errorf("pool %s: claim %s: %w", p.cfg.Name, rel, werr)
 	}
 	return true, nil
 }
@@ -132,7 +132,7 @@ func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
 // from before it claims until it records the ID). Anything unclear (a
 // damaged volume.json, a volume still creating) counts as holding it.
 func (p *Pool) staleClaim(kind string, owner VolumeID, qid uint64) bool {
-	if lockHeld(p.Path, volumeRel(owner, lockFile)) {
+	if lockHeld(p.cfg.Path, volumeRel(owner, lockFile)) {
 		return false
 	}
 	v, err := p.Load(owner)
@@ -153,7 +153,7 @@ func (p *Pool) releaseQuotaID(kind string, qid uint64, key string) {
 	}
 	rel := quotaClaimRel(kind, qid)
 	if owner, err := p.readBeneath(rel, maxQuotaClaim); err == nil && string(owner) == key {
-		_ = os.Remove(filepath.Join(p.Path, rel))
+		_ = os.Remove(filepath.Join(p.cfg.Path, rel))
 	}
 }
 
@@ -180,7 +180,7 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 	}
 	entries, err := p.List()
 	if err != nil {
-		return fmt.Errorf("pool %s: build the quota ID index: %w", p.Name, err)
+		return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
 	}
 	dirs := map[string]bool{}
 	for _, e := range entries {
@@ -189,8 +189,8 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 		}
 		q := e.Volume.Quota
 		dir := filepath.Join(quotaIDsDir, q.Kind)
-		if err := os.MkdirAll(filepath.Join(p.Path, dir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: build the quota ID index: %w", p.Name, err)
+		if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
 		}
 		if err := p.checkDir(dir); err != nil {
 			return err
@@ -204,12 +204,12 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 	}
 	// One fsync per directory, not per claim; the done marker comes after.
 	for dir := range dirs {
-		if err := syncDir(filepath.Join(p.Path, dir)); err != nil {
+		if err := syncDir(filepath.Join(p.cfg.Path, dir)); err != nil {
 			return err
 		}
 	}
-	if err := os.MkdirAll(filepath.Join(p.Path, quotaIDsDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: build the quota ID index: %w", p.Name, err)
+	if err := os.MkdirAll(filepath.Join(p.cfg.Path, quotaIDsDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
 	}
 	if err := p.writeBeneath(done, []byte("1\n"), true); err != nil {
 		return err

@@ -57,7 +57,7 @@ func unsafe(err error) error {
 // following any link and without leaving the pool. A missing one is
 // ErrNotFound (a volume's image).
 func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
-	f, err := fsx.OpenBeneath(p.Path, rel, flags, 0)
+	f, err := fsx.OpenBeneath(p.cfg.Path, rel, flags, 0)
 	if err != nil {
 		return nil, notFound(p.classify(err))
 	}
@@ -69,8 +69,8 @@ func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
 // that is a link, of the wrong kind or too large is damage.
 func (p *Pool) classify(err error) error {
 	var pe *os.PathError
-	if errors.As(err, &pe) && pe.Path == p.Path && !errors.Is(err, ErrUnavailable) {
-		return fmt.Errorf("%w: open pool %s at %s: %w", ErrUnavailable, p.Name, p.Path, pe.Err)
+	if errors.As(err, &pe) && pe.Path == p.cfg.Path && !errors.Is(err, ErrUnavailable) {
+		return fmt.Errorf("%w: open pool %s at %s: %w", ErrUnavailable, p.cfg.Name, p.cfg.Path, pe.Err)
 	}
 	return unsafe(err)
 }
@@ -78,7 +78,7 @@ func (p *Pool) classify(err error) error {
 // openKind opens rel as a handle and requires it to be a regular file (dir
 // false) or a directory (dir true). A missing one is ErrNotFound.
 func (p *Pool) openKind(rel string, dir bool) (*Handle, error) {
-	f, err := fsx.OpenPath(p.Path, rel, dir)
+	f, err := fsx.OpenPath(p.cfg.Path, rel, dir)
 	if err != nil {
 		return nil, notFound(p.classify(err))
 	}
@@ -117,7 +117,7 @@ func (p *Pool) OpenSnapshotData(id SnapshotID) (*Handle, error) {
 // the one reader of pool files (internal/fsx): no link followed, nothing but a
 // regular file opened, never blocking on a FIFO, never more than max read.
 func (p *Pool) readBeneath(rel string, max int64) ([]byte, error) {
-	b, err := fsx.ReadFile(p.Path, rel, max)
+	b, err := fsx.ReadFile(p.cfg.Path, rel, max)
 	if err != nil {
 		return nil, p.classify(err)
 	}
@@ -127,12 +127,12 @@ func (p *Pool) readBeneath(rel string, max int64) ([]byte, error) {
 // writeBeneath replaces one of the pool's small files atomically, through a
 // descriptor of its directory opened below the pool's root without links.
 func (p *Pool) writeBeneath(rel string, data []byte, durable bool) error {
-	return unsafe(fsx.WriteFileAtomic(p.Path, rel, data, durable))
+	return unsafe(fsx.WriteFileAtomic(p.cfg.Path, rel, data, durable))
 }
 
 // readDir lists a directory of the pool, reached without links.
 func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
-	des, err := fsx.ReadDir(p.Path, rel)
+	des, err := fsx.ReadDir(p.cfg.Path, rel)
 	return des, unsafe(err)
 }
 
@@ -141,7 +141,7 @@ func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
 // link planted in its place never redirects a write or a delete out of the pool.
 // A missing one is ErrNotFound (a volume's or snapshot's directory).
 func (p *Pool) checkDir(rel string) error {
-	if err := fsx.CheckDir(p.Path, rel); err != nil {
+	if err := fsx.CheckDir(p.cfg.Path, rel); err != nil {
 		return notFound(p.classify(err))
 	}
 	return nil

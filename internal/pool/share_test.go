@@ -134,8 +134,8 @@ func TestSharePoolLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if again.Share == nil || *again.Share != ref {
-		t.Fatalf("pool.json gave share %+v", again.Share)
+	if again.cfg.Share == nil || *again.cfg.Share != ref {
+		t.Fatalf("pool.json gave share %+v", again.cfg.Share)
 	}
 	if _, err := again.Load(again.NewID("pvc-1")); err != nil {
 		t.Fatalf("an operator tool reads the share's volume: %v", err)

@@ -63,7 +63,7 @@ func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) 
 
 // SnapshotIDOf is the ID of the snapshot with key in this pool.
 func (p *Pool) SnapshotIDOf(key string) SnapshotID {
-	return SnapshotID{Pool: p.Name, Key: key, Share: p.share}
+	return SnapshotID{Pool: p.cfg.Name, Key: key, Share: p.share}
 }
 
 // NewSnapshotID is the ID of the snapshot named name in this pool.
@@ -147,7 +147,7 @@ type Snapshot struct {
 
 // SnapshotDir is the directory holding one snapshot.
 func (p *Pool) SnapshotDir(id SnapshotID) string {
-	return filepath.Join(p.Path, snapshotsDir, id.Key)
+	return filepath.Join(p.cfg.Path, snapshotsDir, id.Key)
 }
 
 // SnapshotImagePath is the copied disk image of an image-layout snapshot.
@@ -190,8 +190,8 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	return &s, nil
 }
 
-// SaveSnapshot writes snapshot.json atomically.
-func (p *Pool) SaveSnapshot(s *Snapshot) error {
+// saveSnapshot writes snapshot.json atomically.
+func (p *Pool) saveSnapshot(s *Snapshot) error {
 	id, err := ParseSnapshotID(s.ID)
 	if err != nil {
 		return err
@@ -233,7 +233,7 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 		return nil, nil // no snapshot was ever taken
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list snapshots of pool %s: %w", ErrUnavailable, p.Name, err)
+		return nil, fmt.Errorf("%w: list snapshots of pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
 	var out []SnapshotEntry
 	for _, de := range des {
@@ -252,7 +252,7 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 // directory and a snapshot.json with readyToUse false. A snapshot of that name
 // from another source is ErrExists. needBytes is what the copy may allocate; the
 // pool must be able to hold it under its overcommit policy (ErrNoSpace). The
-// caller copies the data and then calls SaveSnapshot with ReadyToUse set.
+// caller copies the data and then calls saveSnapshot with ReadyToUse set.
 func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, needBytes int64) (*Snapshot, error) {
 	return p.reserveSnapshot(ctx, name, "", time.Now().UTC(), src, needBytes)
 }
@@ -302,7 +302,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 	s := &Snapshot{
 		ID:              id.String(),
 		Name:            name,
-		Pool:            p.Name,
+		Pool:            p.cfg.Name,
 		SourceVolumeID:  src.ID,
 		Layout:          src.Layout,
 		AccessType:      src.AccessType,
@@ -311,7 +311,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 		CreatedAt:       created,
 		GroupSnapshotID: group,
 	}
-	if err := p.SaveSnapshot(s); err != nil {
+	if err := p.saveSnapshot(s); err != nil {
 		return nil, err
 	}
 	return s, nil
@@ -362,12 +362,12 @@ func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) erro
 			l.Pending = pending{Kind: pendingSnapshot, Key: sid.Key, Bytes: reflinked(s)}
 		})
 		if err == nil {
-			err = p.SaveSnapshot(s)
+			err = p.saveSnapshot(s)
 		}
 		end()
 		return err
 	}
-	return p.SaveSnapshot(s)
+	return p.saveSnapshot(s)
 }
 
 // SnapshotAllocated measures what a snapshot's data holds on the pool's

@@ -229,7 +229,7 @@ func TestUsageCountsSnapshots(t *testing.T) {
 			t.Fatal(err)
 		}
 		s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = tt.method, 5<<20, true
-		if err := p.SaveSnapshot(s); err != nil {
+		if err := p.saveSnapshot(s); err != nil {
 			t.Fatal(err)
 		}
 	}

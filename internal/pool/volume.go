@@ -103,7 +103,7 @@ const (
 )
 
 // Dir is the directory holding one volume.
-func (p *Pool) Dir(id VolumeID) string { return filepath.Join(p.Path, volumesDir, id.Key) }
+func (p *Pool) Dir(id VolumeID) string { return filepath.Join(p.cfg.Path, volumesDir, id.Key) }
 
 // ImagePath is the image file of an image-layout volume.
 func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), imageFile) }
@@ -176,15 +176,14 @@ func (v *Volume) validate() error {
 	return nil
 }
 
-// Save writes volume.json atomically: a reader sees the old or the new content,
-// never a torn one, even across a crash or power loss.
-func (p *Pool) Save(v *Volume) error { return p.save(v, true) }
-
-// save is Save; durable false leaves out the fsync of the directory, so the
-// rename may not survive a crash (the content, if it does, is whole: the
-// temp file is still fsynced before the rename, or xfs could leave an empty
-// volume.json). Only for a write a later durable one in the same directory
-// supersedes, and whose loss the caller recovers from.
+// save writes volume.json atomically: a reader sees the old or the new
+// content, never a torn one, even across a crash or power loss. It is not
+// exported: Update is the one read-modify-write for everyone else. durable
+// false leaves out the fsync of the directory, so the rename may not survive a
+// crash (the content, if it does, is whole: the temp file is still fsynced
+// before the rename, or xfs could leave an empty volume.json). Only for a write
+// a later durable one in the same directory supersedes, and whose loss the
+// caller recovers from.
 func (p *Pool) save(v *Volume, durable bool) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
@@ -271,5 +270,5 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 	if err != nil || !changed {
 		return err
 	}
-	return p.Save(v)
+	return p.save(v, true)
 }

@@ -41,11 +41,10 @@ func TestNodeDiesHoldingALock(t *testing.T) {
 	})
 	// Node 2 takes the volume's lock as its driver does (through its own mount,
 	// recording itself as the holder) and dies holding it.
-	p2, err := pool.Open(pool.Config{Name: "shared", Path: e.pool2, Shared: true})
+	p2, err := pool.Open(pool.Config{Name: "shared", Path: e.pool2, Shared: true}, pool.WithNode("node-2"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	p2.SetNode("node-2")
 	if _, err := p2.LockVolume(ctx, vid); err != nil {
 		t.Fatal(err)
 	}
