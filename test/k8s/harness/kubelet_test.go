@@ -758,6 +758,7 @@ func TestKubelet(t *testing.T) {
 		})
 	}
 	kubeletMore(t, env)
+	kubeletFeatures(t, env)
 }
 
 // volumeHandle returns the CSI volume handle of a bound claim.

@@ -1,0 +1,291 @@
+package harness
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+)
+
+var (
+	vgsGVR = schema.GroupVersionResource{Group: "groupsnapshot.storage.k8s.io", Version: "v1", Resource: "volumegroupsnapshots"}
+)
+
+// kubeletFeatures are issue 25's features through kubelet and the released sidecars:
+// VolumeAttributesClass (csi-resizer's modify controller, the node's cgroup limits),
+// group snapshots (snapshot-controller and csi-snapshotter v8.7) and CSI ephemeral
+// inline volumes (kubelet alone).
+func kubeletFeatures(t *testing.T, env *kubeletEnv) {
+	t.Run("VolumeAttributesClass limits a running pod's I/O and a change reaches it", func(t *testing.T) {
+		ns := env.namespace(t, "vac")
+		env.volumeAttributesClass(t, "vac-slow", sharedDrv, map[string]string{"writeBytesPerSecond": "4Mi", "readIOPS": "300"})
+		env.volumeAttributesClass(t, "vac-fast", sharedDrv, map[string]string{"writeBytesPerSecond": "16Mi", "readIOPS": "0"})
+		pvc := claimObject(ns, claimSpec{name: "c", class: "shared-xfs", size: "300Mi"})
+		slow := "vac-slow"
+		pvc.Spec.VolumeAttributesClassName = &slow
+		if _, err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		p := env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
+		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 300)
+
+		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-fast"}}`)
+		waitFor(t, 2*time.Minute, "claim "+ns+"/c modified to vac-fast", func() error {
+			got := env.pvc(t, ns, "c")
+			if cur := got.Status.CurrentVolumeAttributesClassName; cur == nil || *cur != "vac-fast" {
+				return fmt.Errorf("current class %v, modify status %+v; events: %s", cur, got.Status.ModifyVolumeStatus, env.events(ns, "c"))
+			}
+			return nil
+		})
+		// The same pod, not restarted: the node applies the new record on its next pass.
+		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 16<<20)
+		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 0)
+		if got := env.pvc(t, ns, "c"); got.Status.ModifyVolumeStatus != nil {
+			t.Fatalf("modify status left on the claim: %+v", got.Status.ModifyVolumeStatus)
+		}
+
+		// An unknown parameter: the modification is Infeasible, the volume keeps its class.
+		env.volumeAttributesClass(t, "vac-bogus", sharedDrv, map[string]string{"writeBPS": "1Mi"})
+		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-bogus"}}`)
+		waitFor(t, 2*time.Minute, "claim "+ns+"/c modification Infeasible", func() error {
+			got := env.pvc(t, ns, "c")
+			if s := got.Status.ModifyVolumeStatus; s == nil || s.Status != corev1.PersistentVolumeClaimModifyVolumeInfeasible {
+				return fmt.Errorf("modify status %+v", s)
+			}
+			return nil
+		})
+		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 16<<20)
+	})
+
+	t.Run("VolumeAttributesClass preallocates the image", func(t *testing.T) {
+		ns := env.namespace(t, "vac-prealloc")
+		env.volumeAttributesClass(t, "vac-guaranteed", sharedDrv, map[string]string{"preallocate": "true"})
+		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "256Mi"})
+		handle := env.volumeHandle(t, ns, "c")
+		img := imagePath(t, sharedPoolPath, handle)
+		if a := allocated(t, img); a >= 256<<20 {
+			t.Fatalf("a new image has %d bytes allocated: not sparse", a)
+		}
+		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-guaranteed"}}`)
+		waitFor(t, 2*time.Minute, "claim "+ns+"/c preallocated", func() error {
+			if a := allocated(t, img); a < 256<<20 {
+				return fmt.Errorf("%d of %d bytes allocated; events: %s", a, 256<<20, env.events(ns, "c"))
+			}
+			return nil
+		})
+	})
+
+	t.Run("group snapshot restores data and WAL to one point in time", func(t *testing.T) {
+		ctx := context.Background()
+		ns := env.namespace(t, "group-snapshot")
+		for _, c := range []claimSpec{{name: "data", class: "shared-xfs", size: "300Mi"}, {name: "wal", class: "shared-ext4", size: "300Mi"}} {
+			pvc := claimObject(ns, c)
+			pvc.Labels = map[string]string{"app": "db"}
+			if _, err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// A writer that appends n to the data log, then n to the WAL: at any one point in
+		// time the WAL's last n is the data's last n or one less.
+		writer := podObject(ns, podSpec{name: "db", claims: []string{"data", "wal"}})
+		writer.Spec.Containers[0].Command = []string{"sh", "-c", "n=0; while :; do n=$((n+1)); echo $n >> /data/log; echo $n >> /data2/log; done"}
+		if _, err := env.c.Client.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		env.waitRunning(t, ns, "db")
+		waitFor(t, 30*time.Second, "the writer's first 1000 lines", func() error {
+			out, err := env.exec(t, ns, "db", "tail -n1 /data2/log")
+			if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 1000 {
+				return fmt.Errorf("%q: %w", out, err)
+			}
+			return nil
+		})
+		class := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshotClass",
+			"metadata": map[string]any{"name": "shared-group"}, "driver": sharedDrv, "deletionPolicy": "Delete"}}
+		vgs := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
+			"metadata": map[string]any{"name": "db-snap", "namespace": ns},
+			"spec": map[string]any{"volumeGroupSnapshotClassName": "shared-group",
+				"source": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "db"}}}}}}
+		for _, o := range []*unstructured.Unstructured{class, vgs} {
+			if err := env.c.Applier().Apply(ctx, o, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		dyn := dynamic.NewForConfigOrDie(env.c.Config)
+		var uid string
+		waitFor(t, 3*time.Minute, "VolumeGroupSnapshot "+ns+"/db-snap ready", func() error {
+			got, err := dyn.Resource(vgsGVR).Namespace(ns).Get(ctx, "db-snap", metav1.GetOptions{})
+			if err != nil {
+				return err
+			}
+			uid = string(got.GetUID())
+			if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
+				st, _, _ := unstructured.NestedMap(got.Object, "status")
+				return fmt.Errorf("status %v; events: %s", st, env.events(ns, "db-snap"))
+			}
+			return nil
+		})
+		// snapshot-controller names each member VolumeSnapshot after the group's UID and
+		// the member's volume handle.
+		for _, c := range []string{"data", "wal"} {
+			member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.volumeHandle(t, ns, c))))
+			env.claim(t, ns, claimSpec{name: c + "-restored", class: map[string]string{"data": "shared-xfs", "wal": "shared-ext4"}[c], size: "300Mi", dataSource: member})
+		}
+		env.pod(t, ns, podSpec{name: "check", claims: []string{"data-restored", "wal-restored"}})
+		last := func(path string) int {
+			out := env.mustExec(t, ns, "check", "tail -c 64 "+path+" | tail -n1; tail -c1 "+path+" | od -An -c")
+			lines := strings.Split(strings.TrimSpace(out), "\n")
+			if len(lines) != 2 || strings.TrimSpace(lines[1]) != `\n` {
+				t.Fatalf("%s does not end with a whole line: %q", path, out)
+			}
+			n, err := strconv.Atoi(strings.TrimSpace(lines[0]))
+			if err != nil {
+				t.Fatalf("%s: last line %q", path, lines[0])
+			}
+			return n
+		}
+		d, w := last("/data/log"), last("/data2/log")
+		t.Logf("restored: data ends at %d, WAL at %d", d, w)
+		if w > d || d > w+1 {
+			t.Fatalf("the restored pair is no single point in time: data ends at %d, WAL at %d (want WAL = data or data-1)", d, w)
+		}
+	})
+
+	t.Run("ephemeral inline volume lives and dies with its pod", func(t *testing.T) {
+		ctx := context.Background()
+		ns := env.namespace(t, "inline")
+		before := poolVolumes(t, localPoolPath)
+		pod := podObject(ns, podSpec{name: "p"})
+		pod.Spec.Volumes = []corev1.Volume{{Name: "scratch", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
+			Driver: localDriver, VolumeAttributes: map[string]string{"size": "64Mi", "fsType": "ext4"}}}}}
+		pod.Spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "scratch", MountPath: "/data"}}
+		if _, err := env.c.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		env.waitRunning(t, ns, "p")
+		if size := env.dfBytes(t, ns, "p", "/data"); size <= 0 || size > 64<<20 {
+			t.Fatalf("an inline volume of 64Mi shows %d bytes", size)
+		}
+		env.mustExec(t, ns, "p", writeBlob)
+		if got := poolVolumes(t, localPoolPath); len(got) != len(before)+1 {
+			t.Fatalf("pool volumes with the pod running: %v, before: %v", got, before)
+		}
+		env.deletePod(t, ns, "p")
+		waitFor(t, 60*time.Second, "the inline volume removed from the pool", func() error {
+			if got := poolVolumes(t, localPoolPath); len(got) != len(before) {
+				return fmt.Errorf("pool volumes %v, before %v", got, before)
+			}
+			return nil
+		})
+	})
+}
+
+// volumeAttributesClass creates a VolumeAttributesClass.
+func (e *kubeletEnv) volumeAttributesClass(t testing.TB, name, driver string, params map[string]string) {
+	t.Helper()
+	vac := &storagev1.VolumeAttributesClass{ObjectMeta: metav1.ObjectMeta{Name: name}, DriverName: driver, Parameters: params}
+	if _, err := e.c.Client.StorageV1().VolumeAttributesClasses().Create(context.Background(), vac, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// patchClaim merge-patches a claim.
+func (e *kubeletEnv) patchClaim(t testing.TB, ns, name, patch string) {
+	t.Helper()
+	if _, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitThrottle waits until the pod's blkio cgroup (v1, as on this machine) holds want for a
+// loop device in the throttle file (0: no line for a loop device, the limit removed).
+func (e *kubeletEnv) waitThrottle(t testing.TB, pod *corev1.Pod, file string, want int64) {
+	t.Helper()
+	waitFor(t, 90*time.Second, fmt.Sprintf("%s of pod %s/%s = %d", file, pod.Namespace, pod.Name, want), func() error {
+		dir, err := podCgroup("/sys/fs/cgroup/blkio", string(pod.UID))
+		if err != nil {
+			return err
+		}
+		b, err := os.ReadFile(filepath.Join(dir, file))
+		if err != nil {
+			return err
+		}
+		var got int64
+		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+			// "MAJ:MIN value"; loop devices are major 7.
+			if f := strings.Fields(line); len(f) == 2 && strings.HasPrefix(f[0], "7:") {
+				got, _ = strconv.ParseInt(f[1], 10, 64)
+			}
+		}
+		if got != want {
+			return fmt.Errorf("%s holds %q", filepath.Join(dir, file), b)
+		}
+		return nil
+	})
+}
+
+// podCgroup finds the cgroup directory kubelet made for a pod under root, whichever node
+// prefix and QoS class it is under.
+func podCgroup(root, uid string) (string, error) {
+	var found string
+	want := "pod" + uid
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.IsDir() || found != "" {
+			return filepath.SkipDir
+		}
+		if strings.Count(strings.TrimPrefix(p, root), "/") > 5 {
+			return filepath.SkipDir
+		}
+		if d.Name() == want {
+			found = p
+			return filepath.SkipAll
+		}
+		return nil
+	})
+	if found == "" {
+		return "", fmt.Errorf("no cgroup %s under %s: %w", want, root, err)
+	}
+	return found, nil
+}
+
+// allocated is how many bytes of a file are allocated on its filesystem.
+func allocated(t testing.TB, path string) int64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Blocks * 512
+}
+
+// poolVolumes lists the volume directories of a pool on this machine.
+func poolVolumes(t testing.TB, pool string) []string {
+	t.Helper()
+	ents, err := os.ReadDir(filepath.Join(pool, "volumes"))
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	var out []string
+	for _, e := range ents {
+		out = append(out, e.Name())
+	}
+	return out
+}
