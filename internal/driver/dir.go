@@ -11,6 +11,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/quota"
@@ -238,7 +239,7 @@ func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 	}
 	defer from.Close()
 	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
-		if err := pool.CopyTree(ctx, from.Path(), data); err != nil {
+		if err := fsx.CopyTree(ctx, from.Path(), data); err != nil {
 			return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 		}
 		return nil

@@ -367,3 +367,12 @@ func sweepTemps(d *os.File, base string) {
 		}
 	}
 }
+
+// WriteFilePath replaces path with data: temp file, fsync, rename, and with
+// durable an fsync of the directory, which makes the rename survive a crash.
+// For files outside a pool (a node's own records), whose directory the
+// caller trusts; a pool's files are written by WriteFileAtomic, below the
+// pool's root.
+func WriteFilePath(path string, data []byte, durable bool) error {
+	return WriteFileAtomic(filepath.Dir(path), filepath.Base(path), data, durable)
+}

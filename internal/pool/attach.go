@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // The per-node publish index answers "how many volumes of this pool are
@@ -181,7 +183,7 @@ func (p *Pool) EnsurePublishIndex() error {
 	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
 		return fmt.Errorf("pool %s: build the publish index: %w", p.cfg.Name, err)
 	}
-	if err := WriteFileAtomic(done, []byte("1\n"), true); err != nil {
+	if err := fsx.WriteFilePath(done, []byte("1\n"), true); err != nil {
 		return err
 	}
 	p.indexed.Store(true)

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -296,4 +297,62 @@ func (p *Pool) ReadFreezeAck(node string, id VolumeID) (a FreezeAck, ok bool, er
 		return a, false, fmt.Errorf("%w: the freeze ack of volume %s by node %s names volume %s of node %s", ErrCorrupt, id, node, a.Volume, a.Node)
 	}
 	return a, true, nil
+}
+
+// freezeFile marks, in a volume's directory, that a node froze its filesystem
+// for a snapshot: the crash record thawAfterCrash reads.
+const freezeFile = "frozen"
+
+// Freeze is a record that node froze the filesystem of a volume mounted at Path
+// for a snapshot: it outlives a crash of the freezing process, so the next start
+// thaws what it froze (volumes/<key>/frozen, "<node>\n<path>").
+type Freeze struct {
+	Volume VolumeID
+	Node   string
+	Path   string
+}
+
+// RecordFreeze writes the freeze record of a volume, before the freeze.
+func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return err
+	}
+	return p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
+}
+
+// ClearFreeze removes a volume's freeze record, after the thaw.
+func (p *Pool) ClearFreeze(id VolumeID) error {
+	err := os.Remove(filepath.Join(p.Dir(id), freezeFile))
+	if err != nil && !missing(err) {
+		return fmt.Errorf("volume %s: clear freeze record: %w", id, err)
+	}
+	return nil
+}
+
+// Freezes lists the pool's freeze records. One that cannot be read or parsed is
+// skipped: it names nothing this node could safely thaw.
+func (p *Pool) Freezes() ([]Freeze, error) {
+	des, err := p.readDir(volumesDir)
+	if err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	var out []Freeze
+	for _, de := range des {
+		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
+			continue
+		}
+		raw, err := p.readBeneath(volumeRel(p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
+		if err != nil {
+			continue
+		}
+		node, path, ok := strings.Cut(string(raw), "\n")
+		if !ok || ValidateNodeID(node) != nil || !filepath.IsAbs(path) {
+			continue
+		}
+		out = append(out, Freeze{Volume: p.IDOf(de.Name()), Node: node, Path: path})
+	}
+	return out, nil
 }

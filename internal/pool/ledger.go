@@ -505,7 +505,7 @@ func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
 		ctx, cancel = context.WithTimeout(ctx, lockPatience)
 		defer cancel()
 	}
-	if err := FlockContext(ctx, f); err != nil {
+	if err := fsx.FlockContext(ctx, f); err != nil {
 		f.Close()
 		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", p.cfg.Name, err)
 	}

@@ -196,7 +196,7 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 	if err := os.Remove(path); err != nil && !missing(err) {
 		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
-	return CopyImage(ctx, src, path, v.CapacityBytes)
+	return fsx.CopyImage(ctx, src, path, v.CapacityBytes)
 }
 
 // DiscardImage removes the image of a volume still in state creating, after a

@@ -15,10 +15,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
-// lockPoll is how often a blocked lock is retried. flock has no timeout, and a
-// blocking flock cannot be cancelled, so the wait is a poll bounded by the context.
-const lockPoll = 5 * time.Millisecond
-
 // LockPool takes the pool-wide lock that serialises capacity decisions (create,
 // expand, delete) across every process and node that shares the pool. It is a lock
 // file, not a mutex: on a shared filesystem the other holder is another machine.
@@ -66,7 +62,7 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 			}
 			return nil, fmt.Errorf("lock %s: %w", path, err)
 		}
-		if err := FlockContext(ctx, f); err != nil {
+		if err := fsx.FlockContext(ctx, f); err != nil {
 			holder := readHolder(f)
 			f.Close()
 			if errors.Is(context.Cause(ctx), ErrBusy) {
@@ -90,26 +86,6 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 		}
 		p.writeHolder(f)
 		return func() { f.Close() }, nil // closing releases the flock
-	}
-}
-
-// FlockContext takes an exclusive flock on f, waiting until ctx ends.
-func FlockContext(ctx context.Context, f *os.File) error {
-	t := time.NewTicker(lockPoll)
-	defer t.Stop()
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return nil
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("held by another process: %w", ctx.Err())
-		case <-t.C:
-		}
 	}
 }
 

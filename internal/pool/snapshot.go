@@ -3,6 +3,7 @@ package pool
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -13,6 +14,8 @@ import (
 	"unicode"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 const (
@@ -32,9 +35,9 @@ const SnapshotSchemaVersion = 1
 const (
 	// CopyReflink: the data shares extents with its source (FICLONE); the
 	// blocks are unshared, and allocated, when either side is later written.
-	CopyReflink = "reflink"
+	CopyReflink = fsx.CopyReflink
 	// CopyFull: an independent sparse copy.
-	CopyFull = "copy"
+	CopyFull = fsx.CopyFull
 )
 
 // SnapshotID is the handle Kubernetes stores in a VolumeSnapshotContent:
@@ -414,4 +417,82 @@ func TreeAllocated(root string) (int64, error) {
 		return nil
 	})
 	return total, err
+}
+
+// FillSnapshot copies volume src's data into the reserved snapshot s, measures
+// what the copy holds and marks the snapshot ready. Whatever an interrupted
+// attempt copied is thrown away first. quiesce, if not nil, runs just before an
+// image is copied and the function it returns just after (the driver freezes
+// the filesystem staged on a node there); an error of either fails the fill,
+// and a copy that resume says was not quiesced throughout is removed.
+func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func() error, err error)) error {
+	sid, err := ParseSnapshotID(s.ID)
+	if err != nil {
+		return err
+	}
+	vid, err := ParseVolumeID(src.ID)
+	if err != nil {
+		return err
+	}
+	if err := p.checkDir(snapshotRel(sid)); err != nil {
+		return err
+	}
+	var method string
+	if src.Layout == LayoutDir {
+		from, err := p.OpenData(vid)
+		if err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		defer from.Close()
+		data := p.SnapshotDataPath(sid)
+		if err := os.RemoveAll(data); err != nil {
+			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
+		}
+		if err := os.Mkdir(data, 0o750); err != nil {
+			return fmt.Errorf("snapshot %s: %w", sid, err)
+		}
+		if err := fsx.CopyTree(ctx, from.Path(), data); err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		method = CopyFull
+	} else {
+		from, err := p.OpenImage(vid)
+		if err != nil {
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+		defer from.Close()
+		image := p.SnapshotImagePath(sid)
+		if err := os.Remove(image); err != nil && !missing(err) {
+			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
+		}
+		method, err = func() (_ string, err error) {
+			if quiesce != nil {
+				resume, qerr := quiesce()
+				if qerr != nil {
+					return "", qerr
+				}
+				// Deferred, so a panic in the copy cannot leave it quiesced.
+				defer func() {
+					if rerr := resume(); rerr != nil && err == nil {
+						err = rerr
+					}
+				}()
+			}
+			return fsx.CopyImage(ctx, from.Path(), image, 0)
+		}()
+		if err != nil {
+			// Not kept for the retry to find: it may be a copy of a volume
+			// that was written to while it was made.
+			if rerr := os.Remove(image); rerr != nil && !missing(rerr) {
+				err = errors.Join(err, fmt.Errorf("remove the failed copy: %w", rerr))
+			}
+			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
+		}
+	}
+	alloc, err := p.SnapshotAllocated(sid, s)
+	if err != nil {
+		return fmt.Errorf("snapshot %s: %w", sid, err)
+	}
+	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
+	return p.saveFilled(ctx, sid, s)
 }

@@ -13,6 +13,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 func TestParseSnapshotID(t *testing.T) {
@@ -99,7 +101,7 @@ func TestCopyImageSparse(t *testing.T) {
 	f.Close()
 
 	dst := filepath.Join(dir, "dst")
-	method, err := CopyImage(context.Background(), src, dst, 128<<20)
+	method, err := fsx.CopyImage(context.Background(), src, dst, 128<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,7 +128,7 @@ func TestCopyImageSparse(t *testing.T) {
 	}
 	t.Logf("method %s, source %d KiB allocated, copy %d KiB", method, ss.Blocks/2, ds.Blocks/2)
 
-	if _, err := CopyImage(context.Background(), src, dst, 0); !errors.Is(err, os.ErrExist) {
+	if _, err := fsx.CopyImage(context.Background(), src, dst, 0); !errors.Is(err, os.ErrExist) {
 		t.Fatalf("copy over an existing file: %v, want ErrExist", err)
 	}
 }
@@ -193,7 +195,7 @@ func TestCopyImageReflink(t *testing.T) {
 				t.Fatal(err)
 			}
 			dst := filepath.Join(mnt, "dst")
-			method, err := CopyImage(context.Background(), src, dst, 8<<20)
+			method, err := fsx.CopyImage(context.Background(), src, dst, 8<<20)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -7,8 +7,6 @@ import (
 	"os"
 	"path/filepath"
 	"time"
-
-	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // SchemaVersion is the version of volume.json this code writes. Readers refuse a
@@ -198,14 +196,6 @@ func (p *Pool) save(v *Volume, durable bool) error {
 		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
 	}
 	return p.writeBeneath(volumeRel(id, metadataFile), append(raw, '\n'), durable)
-}
-
-// WriteFileAtomic replaces path with data: temp file, fsync, rename, and with
-// durable an fsync of the directory, which makes the rename survive a crash.
-// For files outside a pool (a node's own records); a pool's files are written
-// by writeBeneath, below the pool's root.
-func WriteFileAtomic(path string, data []byte, durable bool) error {
-	return fsx.WriteFileAtomic(filepath.Dir(path), filepath.Base(path), data, durable)
 }
 
 func syncDir(dir string) error {

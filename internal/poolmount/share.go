@@ -200,7 +200,7 @@ func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow 
 			return nil
 		}
 		raw, _ := json.Marshal(record{Type: sh.Ref.Type, Source: sh.Ref.Source, Options: sh.Options})
-		return pool.WriteFileAtomic(recPath, append(raw, '\n'), true)
+		return fsx.WriteFilePath(recPath, append(raw, '\n'), true)
 	}
 	if mounted, err := mountinfo.Mounted(path); err == nil && mounted {
 		if err := Verify(sh.Ref, path); err != nil {
@@ -213,7 +213,7 @@ func (s *Shares) Ensure(ctx context.Context, sh Share) (path string, mountedNow 
 	var keyfile string
 	if key := secretOf(sh, "secret"); key != "" && sh.Ref.Type == "fuse.ceph" {
 		keyfile = filepath.Join(s.Dir, "."+name+".key")
-		if err := pool.WriteFileAtomic(keyfile, []byte(key), false); err != nil {
+		if err := fsx.WriteFilePath(keyfile, []byte(key), false); err != nil {
 			return "", false, fmt.Errorf("share %s: write its key file: %w", sh.Ref, err)
 		}
 		// ceph-fuse reads the key once, at start.
@@ -401,7 +401,7 @@ func lockFile(ctx context.Context, path string) (func(), error) {
 	if err != nil {
 		return nil, err
 	}
-	if err := pool.FlockContext(ctx, f); err != nil {
+	if err := fsx.FlockContext(ctx, f); err != nil {
 		_ = f.Close()
 		return nil, fmt.Errorf("lock %s: another mount of this share is under way: %w", path, err)
 	}

@@ -16,7 +16,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 
-	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/harness"
 )
@@ -284,7 +284,7 @@ func floorArm(fs string) *lifecycleArm {
 }
 
 // durableFloorArm is floorArm plus the records poolcsi keeps, written the way
-// it writes them (pool.WriteFileAtomic: temp file, fsync, rename, and for a
+// it writes them (fsx.WriteFilePath: temp file, fsync, rename, and for a
 // durable record an fsync of the directory), with the same fsyncs per step:
 // create writes a non-durable "creating" record, fsyncs the formatted image and
 // writes the durable "ready" record; stage writes the stage record before the
@@ -302,7 +302,7 @@ func durableFloorArm(fs string) *lifecycleArm {
 		floor.setup(b, root)
 	}
 	record := func(b *testing.B, state string, durable bool) {
-		must(b, pool.WriteFileAtomic(rec, []byte(`{"state":"`+state+`"}`+"\n"), durable))
+		must(b, fsx.WriteFilePath(rec, []byte(`{"state":"`+state+`"}`+"\n"), durable))
 	}
 	a.step = func(b *testing.B, i int, s string) {
 		switch s {

@@ -1,4 +1,4 @@
-package pool
+package fsx
 
 import (
 	"context"
@@ -10,6 +10,14 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+)
+
+// How CopyImage copied: the names pool records in snapshot.json.
+const (
+	// CopyReflink: the copy shares extents with its source (FICLONE).
+	CopyReflink = "reflink"
+	// CopyFull: an independent sparse copy.
+	CopyFull = "copy"
 )
 
 // CopyImage makes dst a copy of the image file src, then grows it to size bytes

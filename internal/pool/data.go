@@ -1,0 +1,99 @@
+package pool
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+)
+
+// This file holds what the driver and the health checks need to know about a
+// volume's or snapshot's data without knowing the names of its files:
+// existence, a dir volume's data directory, an image's size. Nothing outside
+// this package builds a path inside a pool.
+
+// MetadataPath is a volume's volume.json, for messages that tell an operator
+// which file to repair.
+func (p *Pool) MetadataPath(id VolumeID) string { return filepath.Join(p.Dir(id), metadataFile) }
+
+// VolumeExists tells whether the volume's directory exists, metadata or not.
+func (p *Pool) VolumeExists(id VolumeID) bool {
+	_, err := os.Lstat(p.Dir(id))
+	return err == nil
+}
+
+// SnapshotExists tells whether the snapshot's directory exists, ready or not.
+func (p *Pool) SnapshotExists(id SnapshotID) bool {
+	_, err := os.Lstat(p.SnapshotDir(id))
+	return err == nil
+}
+
+// MakeData makes the data directory of a dir volume still in state creating.
+// A half-made data directory from an interrupted attempt holds no user data
+// and is removed first. create makes the directory (a plain directory, a btrfs
+// subvolume, a project-quota directory) with its limit and returns the quota
+// ID it took; claim takes a quota ID of kind for this volume through the
+// pool's quota ID index (quotaids.go), or tells that another volume holds it.
+// The caller holds the volume's lock (Finish); no pool-wide lock is taken and
+// no other volume is read.
+func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func(data string, claim func(qid uint64) (bool, error)) (uint64, error)) (uint64, error) {
+	id, err := ParseVolumeID(v.ID)
+	if err != nil {
+		return 0, err
+	}
+	if v.State != StateCreating {
+		return 0, fmt.Errorf("volume %s is %s, not creating: refusing to remake its data", id, v.State)
+	}
+	if err := p.checkDir(volumeRel(id)); err != nil {
+		return 0, err
+	}
+	data := p.DataPath(id)
+	if err := os.RemoveAll(data); err != nil {
+		return 0, fmt.Errorf("remove half-made data of volume %s: %w", id, err)
+	}
+	return create(data, func(qid uint64) (bool, error) { return p.ClaimQuotaID(ctx, kind, id, qid) })
+}
+
+// DataExists tells whether a dir volume's data directory is there.
+func (p *Pool) DataExists(id VolumeID) bool {
+	h, err := p.OpenData(id)
+	if err != nil {
+		return false
+	}
+	_ = h.Close()
+	return true
+}
+
+// ImageSize is the size of a volume's image file. A missing image is
+// ErrNotFound; a link or anything but a regular file is ErrCorrupt and is
+// never followed.
+func (p *Pool) ImageSize(id VolumeID) (int64, error) {
+	h, err := p.OpenImage(id)
+	if err != nil {
+		return 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	defer h.Close()
+	fi, err := h.f.Stat()
+	if err != nil {
+		return 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	return fi.Size(), nil
+}
+
+// ImageStat is the size of a volume's image file and the bytes it holds on the
+// pool's filesystem, from a descriptor opened without following links (errors
+// as ImageSize).
+func (p *Pool) ImageStat(id VolumeID) (size, allocated int64, err error) {
+	h, err := p.OpenImage(id)
+	if err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	defer h.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	return st.Size, st.Blocks * 512, nil
+}
