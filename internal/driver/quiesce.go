@@ -103,9 +103,15 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 		if m.vol.Layout != pool.LayoutImage || m.vol.AccessType != pool.AccessFilesystem {
 			continue // block: no filesystem poolcsi knows of; dir: many writers by design
 		}
-		local = append(local, d.freezeIfStagedHere(ctx, m.pool, m.id, m.vol))
+		// A controller-only process does not see the node plugin's mounts,
+		// even on the node it runs on (its pod has no kubelet directory): it
+		// asks its own node through the inbox, as it asks any other.
+		here := d.opts.Mode.node()
+		if here {
+			local = append(local, d.freezeIfStagedHere(ctx, m.pool, m.id, m.vol))
+		}
 		for _, st := range m.vol.Staged {
-			if st.ReadOnly || st.Node == d.opts.NodeID {
+			if st.ReadOnly || (here && st.Node == d.opts.NodeID) {
 				continue
 			}
 			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce()}

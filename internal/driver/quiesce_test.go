@@ -414,3 +414,30 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 		})
 	}
 }
+
+// TestControllerOnItsOwnNodeAsksThroughTheInbox: a controller-only process
+// on the node that has the volume staged does not see the node plugin's
+// mounts (its pod has no kubelet directory; here, a fake kernel of its own),
+// so it asks its own node through the inbox; before, it found no mount, froze
+// nothing and skipped the inbox as "here".
+func TestControllerOnItsOwnNodeAsksThroughTheInbox(t *testing.T) {
+	a, b, id, staging := freezePair(t, true)
+	b.opts.NodeID, b.opts.Mode = "node-a", ModeController
+	var frozen []bool
+	quiesce := b.quiesceCopy
+	b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+		thaw, err := quiesce(ctx, p, vid, v)
+		if err != nil {
+			return nil, err
+		}
+		frozen = append(frozen, a.host.Frozen(staging))
+		return thaw, nil
+	}
+	if _, err := snapshot(b, id, "snap"); err != nil {
+		t.Fatal(err)
+	}
+	if len(frozen) != 1 || !frozen[0] {
+		t.Fatalf("the node plugin's filesystem frozen at the copy: %v", frozen)
+	}
+	waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, b.pool("shared"), "node-a") })
+}

@@ -248,8 +248,11 @@ func podCgroup(root, uid string) (string, error) {
 	var found string
 	want := "pod" + uid
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || !d.IsDir() || found != "" {
+		switch {
+		case err != nil:
 			return filepath.SkipDir
+		case !d.IsDir():
+			return nil // a SkipDir here would skip the rest of its directory
 		}
 		if strings.Count(strings.TrimPrefix(p, root), "/") > 5 {
 			return filepath.SkipDir
@@ -261,7 +264,7 @@ func podCgroup(root, uid string) (string, error) {
 		return nil
 	})
 	if found == "" {
-		return "", fmt.Errorf("no cgroup %s under %s: %w", want, root, err)
+		return "", fmt.Errorf("no cgroup %s under %s (walk: %v)", want, root, err) //nolint:errorlint // err is usually nil: not the cause
 	}
 	return found, nil
 }
