@@ -8,7 +8,7 @@ for cmd in mkfs.ext4:e2fsprogs resize2fs:e2fsprogs mkfs.xfs:xfsprogs xfs_growfs:
 	containerd:containerd ctr:containerd runc:runc iptables:iptables ip:iproute2 ldd:libc-bin; do
 	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
 done
-# The CephFS tests (test/cephfs): a one-node Ceph 16.2 (mon, mgr, OSD, MDS) and two
+# The CephFS tests (test/support/cephfs): a one-node Ceph 16.2 (mon, mgr, OSD, MDS) and two
 # ceph-fuse clients; ceph-common has the ceph command line, ceph-base monmaptool.
 for cmd in ceph:ceph-common ceph-authtool:ceph-common monmaptool:ceph-base ceph-mon:ceph-mon \
 	ceph-mgr:ceph-mgr ceph-osd:ceph-osd ceph-mds:ceph-mds ceph-fuse:ceph-fuse; do

@@ -26,15 +26,15 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/cephfs"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 const mib = 1 << 20
 
 type env struct {
 	root, poolDir string
-	d1, d2        *harness.Driver
+	d1, d2        *csiproc.Driver
 	rng           *rand.Rand
 }
 
@@ -70,14 +70,14 @@ func TestMain(m *testing.M) { os.Exit(cephfs.Main(m)) }
 //   - btrfs: a btrfs filesystem (reflinks, qgroups for dir volumes) with the
 //     pool on it, mounted a second time by bind at another path, so each driver
 //     sees the pool through its own mount, as two nodes do;
-//   - cephfs: a directory of the package's one-node CephFS (test/cephfs), seen
+//   - cephfs: a directory of the package's one-node CephFS (test/support/cephfs), seen
 //     by node 1 through one ceph-fuse mount and by node 2 through the other:
 //     two clients with their own caches, whose locks the MDS grants.
 func setup(t *testing.T, backend string) *env {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "mkfs.xfs", "xfs_growfs", "blkid", "mount", "umount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	var poolDir, view2 string
 	switch backend {
 	case "btrfs":
@@ -112,13 +112,13 @@ func setup(t *testing.T, backend string) *env {
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
 	e := &env{root: root, poolDir: poolDir, rng: rand.New(rand.NewPCG(seed(t), 7))}
-	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared"}, SidecarDeadlines: true})
-	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", Pools: []string{"shared=" + view2 + ",shared"}, SidecarDeadlines: true})
-	for _, d := range []*harness.Driver{e.d1, e.d2} {
+	e.d1 = csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"shared=" + poolDir + ",shared"}, SidecarDeadlines: true})
+	e.d2 = csiproc.Start(t, csiproc.Options{NodeID: "node-2", Pools: []string{"shared=" + view2 + ",shared"}, SidecarDeadlines: true})
+	for _, d := range []*csiproc.Driver{e.d1, e.d2} {
 		d.LogSlowCalls(t, time.Second)
 	}
 	return e
@@ -149,13 +149,13 @@ func retryable(err error) bool {
 // step is one mutating call of a volume's life.
 type step struct {
 	name string
-	call func(ctx context.Context, d *harness.Driver) error
+	call func(ctx context.Context, d *csiproc.Driver) error
 }
 
 // killDuring runs s against d while a SIGKILL lands at a random moment within
 // the call's first ~40 ms (or not at all, one time in four), restarts d, and
 // then retries s until it succeeds: the retry must converge.
-func (e *env) killDuring(t *testing.T, d *harness.Driver, s step) {
+func (e *env) killDuring(t *testing.T, d *csiproc.Driver, s step) {
 	t.Helper()
 	killAfter := time.Duration(e.rng.IntN(40_000)) * time.Microsecond
 	kill := e.rng.IntN(4) != 0
@@ -228,7 +228,7 @@ func sum(t *testing.T, path string) string {
 // poolCheck runs the operator's check: the pool must be clean.
 func (e *env) poolCheck(t *testing.T) {
 	t.Helper()
-	out, err := exec.Command(harness.Binary(t), "pool", "check", "--path", e.poolDir).CombinedOutput()
+	out, err := exec.Command(csiproc.Binary(t), "pool", "check", "--path", e.poolDir).CombinedOutput()
 	if err != nil {
 		t.Fatalf("pool check after the round: %v\n%s", err, out)
 	}
@@ -282,85 +282,85 @@ func (e *env) life(t *testing.T, layout string, round int) {
 		_, _ = d.Controller().DeleteVolume(c, &csi.DeleteVolumeRequest{VolumeId: id})
 	})
 	steps := []step{
-		{"CreateVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"CreateVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			r, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, Parameters: params,
 				VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: size}})
 			id = r.GetVolume().GetVolumeId()
 			return err
 		}},
-		{"ControllerPublishVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"ControllerPublishVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-1", VolumeCapability: vc})
 			return err
 		}},
-		{"NodeStageVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeStageVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc})
 			return err
 		}},
-		{"NodePublishVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"NodePublishVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{VolumeId: id, StagingTargetPath: staging, TargetPath: target, VolumeCapability: vc})
 			return err
 		}},
-		{"write", func(context.Context, *harness.Driver) error {
+		{"write", func(context.Context, *csiproc.Driver) error {
 			data = writeFile(t, filepath.Join(target, "data"), 3*mib)
 			return nil
 		}},
-		{"ControllerExpandVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"ControllerExpandVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
 			return err
 		}},
-		{"NodeExpandVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeExpandVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeExpandVolume(ctx, &csi.NodeExpandVolumeRequest{VolumeId: id, VolumePath: target, StagingTargetPath: staging,
 				CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size}})
 			return err
 		}},
-		{"CreateSnapshot", func(ctx context.Context, d *harness.Driver) error {
+		{"CreateSnapshot", func(ctx context.Context, d *csiproc.Driver) error {
 			r, err := d.Controller().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: snapName, SourceVolumeId: id})
 			snapID = r.GetSnapshot().GetSnapshotId()
 			return err
 		}},
-		{"CreateVolume from the snapshot", func(ctx context.Context, d *harness.Driver) error {
+		{"CreateVolume from the snapshot", func(ctx context.Context, d *csiproc.Driver) error {
 			r, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name + "-restored", Parameters: params,
 				VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 2 * size},
 				VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: snapID}}}})
 			restoredID = r.GetVolume().GetVolumeId()
 			return err
 		}},
-		{"DeleteVolume of the restored volume", func(ctx context.Context, d *harness.Driver) error {
+		{"DeleteVolume of the restored volume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: restoredID})
 			return err
 		}},
-		{"NodeUnpublishVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeUnpublishVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target})
 			return err
 		}},
-		{"NodeUnstageVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeUnstageVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
 			return err
 		}},
 		// The data must have survived every kill: stage and read it again.
-		{"NodeStageVolume again", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeStageVolume again", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc})
 			return err
 		}},
-		{"check data", func(context.Context, *harness.Driver) error {
+		{"check data", func(context.Context, *csiproc.Driver) error {
 			if got := sum(t, filepath.Join(staging, "data")); got != data {
 				t.Fatalf("data changed across the kills: %s, want %s", got, data)
 			}
 			return nil
 		}},
-		{"NodeUnstageVolume again", func(ctx context.Context, d *harness.Driver) error {
+		{"NodeUnstageVolume again", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Node().NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging})
 			return err
 		}},
-		{"ControllerUnpublishVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"ControllerUnpublishVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-1"})
 			return err
 		}},
-		{"DeleteSnapshot", func(ctx context.Context, d *harness.Driver) error {
+		{"DeleteSnapshot", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snapID})
 			return err
 		}},
-		{"DeleteVolume", func(ctx context.Context, d *harness.Driver) error {
+		{"DeleteVolume", func(ctx context.Context, d *csiproc.Driver) error {
 			_, err := d.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id})
 			return err
 		}},
@@ -390,7 +390,7 @@ func TestTwoControllersRace(t *testing.T) {
 
 func twoControllersRace(t *testing.T, e *env) {
 	vc := mountCap(rwo, "ext4")
-	both := func(f func(d *harness.Driver, node string) error) (error, error) {
+	both := func(f func(d *csiproc.Driver, node string) error) (error, error) {
 		var wg sync.WaitGroup
 		var e1, e2 error
 		wg.Add(2)
@@ -406,7 +406,7 @@ func twoControllersRace(t *testing.T, e *env) {
 	}
 	for round := 0; round < rounds(8); round++ {
 		name := fmt.Sprintf("race-%d", round)
-		create := func(d *harness.Driver, _ string) error {
+		create := func(d *csiproc.Driver, _ string) error {
 			_, err := d.Controller().CreateVolume(ctx(), &csi.CreateVolumeRequest{Name: name,
 				VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 32 * mib}})
 			return err
@@ -425,7 +425,7 @@ func twoControllersRace(t *testing.T, e *env) {
 		id := r.GetVolume().GetVolumeId()
 
 		// Publish to two nodes at once: exactly one writer.
-		e1, e2 = both(func(d *harness.Driver, node string) error {
+		e1, e2 = both(func(d *csiproc.Driver, node string) error {
 			_, err := d.Controller().ControllerPublishVolume(ctx(), &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: node, VolumeCapability: vc})
 			return err
 		})
@@ -441,26 +441,26 @@ func twoControllersRace(t *testing.T, e *env) {
 		// and the volume mounts there.
 		stagings := map[string]string{"node-1": filepath.Join(e.root, name, "s1"), "node-2": filepath.Join(e.root, name, "s2")}
 		t.Cleanup(func() { // a failed round leaves no mount or loop device behind
-			for node, d := range map[string]*harness.Driver{"node-1": e.d1, "node-2": e.d2} {
+			for node, d := range map[string]*csiproc.Driver{"node-1": e.d1, "node-2": e.d2} {
 				_, _ = d.Node().NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: stagings[node]})
 			}
 			_, _ = e.d1.Controller().DeleteVolume(context.Background(), &csi.DeleteVolumeRequest{VolumeId: id})
 		})
-		e1, e2 = both(func(d *harness.Driver, node string) error {
+		e1, e2 = both(func(d *csiproc.Driver, node string) error {
 			_, err := d.Node().NodeStageVolume(ctx(), &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: stagings[node], VolumeCapability: vc})
 			return err
 		})
 		if (e1 == nil) == (e2 == nil) {
 			t.Fatalf("racing stages on two nodes: %v / %v (exactly one must win)", e1, e2)
 		}
-		for node, d := range map[string]*harness.Driver{"node-1": e.d1, "node-2": e.d2} {
+		for node, d := range map[string]*csiproc.Driver{"node-1": e.d1, "node-2": e.d2} {
 			if _, err := d.Node().NodeUnstageVolume(ctx(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: stagings[node]}); err != nil {
 				t.Fatalf("unstage on %s: %v", node, err)
 			}
 		}
 		// Create racing delete of the same name: each answers OK or a
 		// retryable code, and what is left is consistent either way.
-		e1, e2 = both(func(d *harness.Driver, node string) error {
+		e1, e2 = both(func(d *csiproc.Driver, node string) error {
 			if node == "node-1" {
 				return create(d, node)
 			}

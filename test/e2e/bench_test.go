@@ -18,7 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // lifecycleSteps are the steps of a volume's life that BenchmarkLifecycle times.
@@ -82,7 +82,7 @@ func BenchmarkLifecycle(b *testing.B) {
 		b.Run(fs, func(b *testing.B) {
 			testutil.RequireCommands(b, "mkfs."+fs, "losetup", "mount", "umount", "truncate")
 			root := b.TempDir()
-			harness.CheckNoLeaks(b, root)
+			csiproc.CheckNoLeaks(b, root)
 			arms := []*lifecycleArm{poolcsiArm(fs), rawArm(fs), floorArm(fs), durableFloorArm(fs), rpcDurableArm(fs)}
 			for _, a := range arms {
 				a.times = map[string][]time.Duration{}
@@ -162,11 +162,11 @@ func reportLifecycle(b *testing.B, arms []*lifecycleArm) {
 // poolcsiArm drives the real driver process over its socket.
 func poolcsiArm(fs string) *lifecycleArm {
 	a := &lifecycleArm{name: "poolcsi"}
-	var d *harness.Driver
+	var d *csiproc.Driver
 	var staging, target, id string
-	vc := harness.MountCap(fs, harness.RWO)
+	vc := csiproc.MountCap(fs, csiproc.RWO)
 	a.setup = func(b *testing.B, root string) {
-		d = harness.Start(b, harness.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
+		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
 		staging, target = filepath.Join(root, "staging"), filepath.Join(root, "pod")
 	}
 	a.step = func(b *testing.B, i int, s string) {
@@ -348,9 +348,9 @@ func durableFloorArm(fs string) *lifecycleArm {
 func rpcDurableArm(fs string) *lifecycleArm {
 	a := &lifecycleArm{name: "rpc-durable"}
 	durable := durableFloorArm(fs)
-	var d *harness.Driver
+	var d *csiproc.Driver
 	a.setup = func(b *testing.B, root string) {
-		d = harness.Start(b, harness.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
+		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
 		durable.setup(b, root)
 	}
 	a.step = func(b *testing.B, i int, s string) {

@@ -13,7 +13,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // ephemeral is one pod's inline volume as kubelet drives it: a handle and a
@@ -47,7 +47,7 @@ func (v *ephemeral) publish(attrs map[string]string) {
 	}
 	if _, err := v.e.drv.Node().NodePublishVolume(ctx(v.e.t), &csi.NodePublishVolumeRequest{
 		VolumeId: v.handle, TargetPath: v.target, VolumeContext: vctx,
-		VolumeCapability: harness.MountCap("", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER),
+		VolumeCapability: csiproc.MountCap("", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER),
 	}); err != nil {
 		v.e.t.Fatalf("NodePublishVolume of inline volume %s: %v", v.handle, err)
 	}

@@ -5,7 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 	"os"
 	"path/filepath"
 	"strings"
@@ -38,7 +38,7 @@ func TestOnlineExpand(t *testing.T) {
 	} {
 		t.Run(tc.fs, func(t *testing.T) {
 			e := newEnv(t, tc.tools...)
-			vc := harness.MountCap(tc.fs, harness.RWO)
+			vc := csiproc.MountCap(tc.fs, csiproc.RWO)
 			id := e.create("online-"+tc.fs, vc, 300*mib)
 			e.stage(id, vc)
 			e.publish(id, vc, false)
@@ -116,7 +116,7 @@ func TestOfflineExpand(t *testing.T) {
 	} {
 		t.Run(tc.fs, func(t *testing.T) {
 			e := newEnv(t, tc.tools...)
-			vc := harness.MountCap(tc.fs, harness.RWO)
+			vc := csiproc.MountCap(tc.fs, csiproc.RWO)
 			id := e.create("offline-"+tc.fs, vc, 300*mib)
 			e.stage(id, vc)
 			e.publish(id, vc, false)
@@ -154,7 +154,7 @@ func TestOfflineExpand(t *testing.T) {
 // publish path reports the new size, and the bytes written before are intact.
 func TestBlockExpand(t *testing.T) {
 	e := newEnv(t)
-	vc := harness.BlockCap(harness.RWO)
+	vc := csiproc.BlockCap(csiproc.RWO)
 	id := e.create("block", vc, 64*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
@@ -188,7 +188,7 @@ func TestBlockExpand(t *testing.T) {
 // that), and that a later read-write publish can write again.
 func TestBlockReadOnlyPublish(t *testing.T) {
 	e := newEnv(t)
-	vc := harness.BlockCap(harness.RWO)
+	vc := csiproc.BlockCap(csiproc.RWO)
 	id := e.create("block-ro", vc, 16*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, true)
@@ -243,7 +243,7 @@ func TestBlockReadOnlyPublish(t *testing.T) {
 // changes nothing — not the answer, not the image, not volume.json.
 func TestExpandNoShrink(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("noshrink", vc, 64*mib)
 	vid, err := pool.ParseVolumeID(id)
 	if err != nil {
@@ -282,7 +282,7 @@ func TestExpandNoShrink(t *testing.T) {
 // TestExpandErrors: bad requests get the right code and change nothing.
 func TestExpandErrors(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("errors", vc, 64*mib)
 	unknown := "e2e." + strings.Repeat("0", 32)
 	for _, tc := range []struct {
@@ -298,7 +298,7 @@ func TestExpandErrors(t *testing.T) {
 		{"current above limit", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 32 * mib, LimitBytes: 32 * mib}}, codes.OutOfRange},
 		{"above the largest volume", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: pool.MaxCapacity + 1}}, codes.OutOfRange},
 		{"more than the pool holds", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: pool.MaxCapacity}}, codes.ResourceExhausted},
-		{"other access type", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 128 * mib}, VolumeCapability: harness.BlockCap(harness.RWO)}, codes.InvalidArgument},
+		{"other access type", &csi.ControllerExpandVolumeRequest{VolumeId: id, CapacityRange: &csi.CapacityRange{RequiredBytes: 128 * mib}, VolumeCapability: csiproc.BlockCap(csiproc.RWO)}, codes.InvalidArgument},
 	} {
 		_, err := e.drv.Controller().ControllerExpandVolume(ctx(t), tc.req)
 		wantCode(t, tc.name, err, tc.want)
@@ -335,7 +335,7 @@ func TestExpandErrors(t *testing.T) {
 // NodeExpandVolume; a new process, knowing only the pool, completes it.
 func TestExpandAcrossRestart(t *testing.T) {
 	e := newEnv(t, "mkfs.xfs", "xfs_growfs")
-	vc := harness.MountCap("xfs", harness.RWO)
+	vc := csiproc.MountCap("xfs", csiproc.RWO)
 	id := e.create("restart", vc, 300*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
@@ -371,7 +371,7 @@ func TestExpandOnNode(t *testing.T) {
 			t.Fatal("EXPAND_VOLUME advertised with --expand-on-node: the resizer would call a controller that cannot reach the pool")
 		}
 	}
-	vc := harness.MountCap("xfs", harness.RWO)
+	vc := csiproc.MountCap("xfs", csiproc.RWO)
 	id := e.create("pvc-node-expand", vc, 300*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)

@@ -14,7 +14,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // fioPattern is one fio job run against every target.
@@ -83,7 +83,7 @@ func BenchmarkFio(b *testing.B) {
 
 	poolFS := filepath.Join(e.root, "pool-fs")
 	must(b, os.MkdirAll(poolFS, 0o750))
-	vc := harness.MountCap("xfs", harness.RWO)
+	vc := csiproc.MountCap("xfs", csiproc.RWO)
 	id := e.create("fio", vc, fioImageSize)
 	e.stage(id, vc)
 	e.publish(id, vc, false)

@@ -11,7 +11,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestGroupSnapshotRestoresOneInstant is a database's data (ext4) and WAL
@@ -31,7 +31,7 @@ func TestGroupSnapshotRestoresOneInstant(t *testing.T) {
 	byID := map[string]*member{}
 	var ids []string
 	for _, m := range members {
-		m.vc = harness.MountCap(m.fsType, harness.RWO)
+		m.vc = csiproc.MountCap(m.fsType, csiproc.RWO)
 		m.id = e.create("pvc-"+m.fsType, m.vc, 320*mib)
 		e.stage(m.id, m.vc)
 		e.publish(m.id, m.vc, false)
@@ -75,7 +75,7 @@ func TestGroupSnapshotRestoresOneInstant(t *testing.T) {
 	wantCode(t, "DeleteSnapshot of a member", err, codes.InvalidArgument)
 
 	poolcsi := func(args ...string) (string, int) {
-		out, err := exec.Command(harness.Binary(t), append([]string{"pool"}, args...)...).CombinedOutput()
+		out, err := exec.Command(csiproc.Binary(t), append([]string{"pool"}, args...)...).CombinedOutput()
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
 			return string(out), ee.ExitCode()

@@ -12,7 +12,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestMountHelpersNeverSeeRequestFlags: the attack docs/pools.md ("Which shares
@@ -28,7 +28,7 @@ import (
 // directory.
 func TestMountHelpersNeverSeeRequestFlags(t *testing.T) {
 	testutil.RequireRoot(t)
-	root := harness.ShortRoot(t, "pcsi-h-")
+	root := csiproc.ShortRoot(t, "pcsi-h-")
 	bin := filepath.Join(root, "bin")
 	if err := os.Mkdir(bin, 0o755); err != nil {
 		t.Fatal(err)
@@ -53,7 +53,7 @@ func TestMountHelpersNeverSeeRequestFlags(t *testing.T) {
 	e := newEnvArgs(t, []string{"--share-dir", shares, "--share-types", "nfs,nfs4,ceph,fuse.ceph", "--share-key-file", keyFile})
 	c := ctx(t)
 	ctrl, node := e.drv.Controller(), e.drv.Node()
-	vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	vc := csiproc.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 
 	hostile := pool.ShareRef{Type: "fuse.ceph", Source: "no_mon_config,admin_socket=" + canary}
 	forged := pool.NewShareVolumeID(hostile, "pvc-x").String()

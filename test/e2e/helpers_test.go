@@ -18,7 +18,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 const mib = int64(1) << 20
@@ -28,7 +28,7 @@ type env struct {
 	t    testing.TB
 	root string
 	pool string
-	drv  *harness.Driver
+	drv  *csiproc.Driver
 }
 
 func newEnv(t testing.TB, tools ...string) *env {
@@ -41,9 +41,9 @@ func newEnvArgs(t testing.TB, args []string, tools ...string) *env {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, append([]string{"blkid", "mount", "umount"}, tools...)...)
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	e := &env{t: t, root: root, pool: filepath.Join(root, "pool")}
-	e.drv = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}, Args: args})
+	e.drv = csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}, Args: args})
 	return e
 }
 

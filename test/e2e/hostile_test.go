@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // tree lists every path under root with its size, to prove a refused call changed
@@ -46,7 +46,7 @@ func TestHostileInput(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4", "mkfs.xfs")
 	ctx := ctx(t)
 	c, n := e.drv.Controller(), e.drv.Node()
-	rwo := harness.MountCap("ext4", harness.RWO)
+	rwo := csiproc.MountCap("ext4", csiproc.RWO)
 	// One real volume, so the node calls below have something to aim at.
 	good := e.create("pvc-real", rwo, 16*mib)
 	// A canary beside the pool, where a traversal would land.
@@ -58,11 +58,11 @@ func TestHostileInput(t *testing.T) {
 
 	long := strings.Repeat("a", 300)
 	traversalIDs := []string{"../../etc", "local/../../canary", "local.../../canary", "local.\x00", long, "local." + long, "/etc/passwd", "local..", "local."}
-	mixed := []*csi.VolumeCapability{harness.MountCap("ext4", harness.RWO), harness.BlockCap(harness.RWO)}
-	noType := []*csi.VolumeCapability{{AccessMode: &csi.VolumeCapability_AccessMode{Mode: harness.RWO}}}
+	mixed := []*csi.VolumeCapability{csiproc.MountCap("ext4", csiproc.RWO), csiproc.BlockCap(csiproc.RWO)}
+	noType := []*csi.VolumeCapability{{AccessMode: &csi.VolumeCapability_AccessMode{Mode: csiproc.RWO}}}
 	noMode := []*csi.VolumeCapability{{AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{}}}}
-	twoFS := []*csi.VolumeCapability{harness.MountCap("ext4", harness.RWO), harness.MountCap("xfs", harness.RWO)}
-	rwx := []*csi.VolumeCapability{harness.MountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}
+	twoFS := []*csi.VolumeCapability{csiproc.MountCap("ext4", csiproc.RWO), csiproc.MountCap("xfs", csiproc.RWO)}
+	rwx := []*csi.VolumeCapability{csiproc.MountCap("ext4", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)}
 	create := func(name string, caps []*csi.VolumeCapability, r *csi.CapacityRange, params map[string]string) func() error {
 		return func() error {
 			_, err := c.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: caps, CapacityRange: r, Parameters: params})
@@ -82,16 +82,16 @@ func TestHostileInput(t *testing.T) {
 		{"create: no access type", create("pvc-x", noType, nil, nil), codes.InvalidArgument},
 		{"create: no access mode", create("pvc-x", noMode, nil, nil), codes.InvalidArgument},
 		{"create: two filesystems", create("pvc-x", twoFS, nil, nil), codes.InvalidArgument},
-		{"create: unsupported fs", create("pvc-x", []*csi.VolumeCapability{harness.MountCap("ntfs", harness.RWO)}, nil, nil), codes.InvalidArgument},
+		{"create: unsupported fs", create("pvc-x", []*csi.VolumeCapability{csiproc.MountCap("ntfs", csiproc.RWO)}, nil, nil), codes.InvalidArgument},
 		{"create: RWX on an image", create("pvc-x", rwx, nil, nil), codes.InvalidArgument},
 		{"create: limit below required", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 64 * mib, LimitBytes: 32 * mib}, nil), codes.InvalidArgument},
 		{"create: negative size", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: -1}, nil), codes.InvalidArgument},
-		{"create: limit below the fs minimum", create("pvc-x", []*csi.VolumeCapability{harness.MountCap("xfs", harness.RWO)}, &csi.CapacityRange{RequiredBytes: 64 * mib, LimitBytes: 64 * mib}, nil), codes.OutOfRange},
+		{"create: limit below the fs minimum", create("pvc-x", []*csi.VolumeCapability{csiproc.MountCap("xfs", csiproc.RWO)}, &csi.CapacityRange{RequiredBytes: 64 * mib, LimitBytes: 64 * mib}, nil), codes.OutOfRange},
 		{"create: larger than the pool", create("pvc-x", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 60 << 40}, nil), codes.ResourceExhausted},
 		{"create: traversal in pool parameter", create("pvc-x", []*csi.VolumeCapability{rwo}, nil, map[string]string{"pool": "../canary"}), codes.InvalidArgument},
 		{"create: unknown parameter", create("pvc-x", []*csi.VolumeCapability{rwo}, nil, map[string]string{"pol": "local"}), codes.InvalidArgument},
 		{"create: existing name, other size", create("pvc-real", []*csi.VolumeCapability{rwo}, &csi.CapacityRange{RequiredBytes: 1 << 30}, nil), codes.AlreadyExists},
-		{"create: existing name, other fs", create("pvc-real", []*csi.VolumeCapability{harness.MountCap("xfs", harness.RWO)}, nil, nil), codes.AlreadyExists},
+		{"create: existing name, other fs", create("pvc-real", []*csi.VolumeCapability{csiproc.MountCap("xfs", csiproc.RWO)}, nil, nil), codes.AlreadyExists},
 		{"stage: relative staging path", func() error {
 			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: "relative", VolumeCapability: rwo})
 			return err
@@ -105,7 +105,7 @@ func TestHostileInput(t *testing.T) {
 			return err
 		}, codes.InvalidArgument},
 		{"stage: other filesystem than the volume's", func() error {
-			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s", VolumeCapability: harness.MountCap("xfs", harness.RWO)})
+			_, err := n.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: good, StagingTargetPath: e.root + "/s", VolumeCapability: csiproc.MountCap("xfs", csiproc.RWO)})
 			return err
 		}, codes.FailedPrecondition},
 		{"publish: NUL in target", func() error {
@@ -188,7 +188,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 	ctx := ctx(t)
 	const secret = "s3cr3t-do-not-log"
 	secrets := map[string]string{"password": secret}
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	resp, err := e.drv.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
 		VolumeCapabilities: []*csi.VolumeCapability{vc}, Secrets: secrets,
@@ -228,7 +228,7 @@ func TestSecretsNeverLogged(t *testing.T) {
 // delete with them, and a refused secret option.
 func TestShareSecretsNeverLogged(t *testing.T) {
 	testutil.RequireRoot(t)
-	root := harness.ShortRoot(t, "pcsi-e2e-")
+	root := csiproc.ShortRoot(t, "pcsi-e2e-")
 	export, shares := filepath.Join(root, "export"), filepath.Join(root, "shares")
 	if err := os.Mkdir(export, 0o755); err != nil {
 		t.Fatal(err)
@@ -252,7 +252,7 @@ func TestShareSecretsNeverLogged(t *testing.T) {
 	// line): the secret here rides in the request, as a CO sends it.
 	const secret = "s3cr3t-share-do-not-log"
 	secrets := map[string]string{"password": secret}
-	vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	vc := csiproc.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 	resp, err := e.drv.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
 		Name: "pvc-share-secret", CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20},
 		Parameters:         map[string]string{"shareType": "bind", "shareSource": export},

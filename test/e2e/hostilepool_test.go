@@ -20,7 +20,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // plant is what someone who can write a shared pool (anyone, on any node) may
@@ -53,9 +53,9 @@ var plants = []plant{
 // and the CLI, hang for ever.
 func TestHostilePoolFiles(t *testing.T) {
 	testutil.RequireRoot(t)
-	bin := harness.Binary(t)
+	bin := csiproc.Binary(t)
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	pristine := filepath.Join(root, "pristine")
 	cli := func(ctx context.Context, args ...string) ([]byte, error) {
 		return exec.CommandContext(ctx, bin, args...).CombinedOutput()
@@ -67,10 +67,10 @@ func TestHostilePoolFiles(t *testing.T) {
 	// kind of file a shared pool holds.
 	var volID, snapID string
 	func() {
-		d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + pristine + ",shared"}})
+		d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"shared=" + pristine + ",shared"}})
 		defer d.Stop()
 		ctx := ctx(t)
-		vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+		vc := csiproc.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 		v, err := d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-dir", VolumeCapabilities: []*csi.VolumeCapability{vc},
 			Parameters: map[string]string{"layout": "dir"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * mib}})
 		if err != nil {
@@ -139,10 +139,10 @@ func TestHostilePoolFiles(t *testing.T) {
 					}
 				}
 				// The driver: starts, answers within the sidecars' deadlines.
-				d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + dir + ",shared"}, SidecarDeadlines: true})
+				d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"shared=" + dir + ",shared"}, SidecarDeadlines: true})
 				ctx := context.Background()
 				c := d.Controller()
-				vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+				vc := csiproc.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 				calls := []struct {
 					name string
 					call func() error
@@ -209,13 +209,13 @@ func rssMiB(t *testing.T, pid int) int64 {
 func TestPoolCommandAnswersSIGTERM(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "flock")
-	bin := harness.Binary(t)
+	bin := csiproc.Binary(t)
 	dir := filepath.Join(t.TempDir(), "pool")
 	if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
-	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + dir + ",shared"}})
-	vc := harness.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
+	d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"shared=" + dir + ",shared"}})
+	vc := csiproc.MountCap("", csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER)
 	v, err := d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc},
 		Parameters: map[string]string{"layout": "dir"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 * mib}})
 	if err != nil {

@@ -15,7 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/cgroup"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 const blkioRoot = "/sys/fs/cgroup/blkio"
@@ -128,7 +128,7 @@ func (e *env) modify(id string, params map[string]string) {
 func TestIOLimitsOnRealCgroupV1(t *testing.T) {
 	root, uid, podDir := podCgroup(t)
 	e := newEnvArgs(t, []string{"--cgroup-root", root, "--io-limits-interval", "100ms"}, "mkfs.ext4", "losetup")
-	vc := harness.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	vc := csiproc.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	id := e.limitedVolume("limited", uid, vc, map[string]string{"writeBytesPerSecond": "10Mi", "readIOPS": "500", "preallocate": "true"})
 
 	dev, got := throttleOf(t, podDir)
@@ -163,7 +163,7 @@ func BenchmarkIOLimitsV1(b *testing.B) {
 	root, uid, podDir := podCgroup(b)
 	testutil.RequireCommands(b, "fio")
 	e := newEnvArgs(b, []string{"--cgroup-root", root, "--io-limits-interval", "100ms"}, "mkfs.ext4")
-	vc := harness.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	vc := csiproc.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	id := e.limitedVolume("bench", uid, vc, nil)
 	const limit = 20 << 20
 	var free, limited []float64

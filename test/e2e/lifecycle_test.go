@@ -9,7 +9,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestLifecycle walks a volume per filesystem through its whole life — create,
@@ -19,7 +19,7 @@ func TestLifecycle(t *testing.T) {
 	for _, fs := range []string{"xfs", "ext4", "btrfs"} {
 		t.Run(fs, func(t *testing.T) {
 			e := newEnv(t, "mkfs."+fs)
-			vc := harness.MountCap(fs, harness.RWO)
+			vc := csiproc.MountCap(fs, csiproc.RWO)
 			const size = 64 * mib
 			vol := e.createVolume("pvc-lifecycle-"+fs, vc, size)
 			if vol.GetCapacityBytes() < size {
@@ -72,7 +72,7 @@ func TestLifecycle(t *testing.T) {
 // it is staged.
 func TestRestartKeepsState(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("pvc-restart", vc, 32*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
@@ -94,7 +94,7 @@ func TestRestartKeepsState(t *testing.T) {
 // and its removal would, and checks the CO's retry removes the data.
 func TestDeleteAfterCrash(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	id := e.create("pvc-crash", harness.MountCap("ext4", harness.RWO), 16*mib)
+	id := e.create("pvc-crash", csiproc.MountCap("ext4", csiproc.RWO), 16*mib)
 	key := id[strings.IndexByte(id, '.')+1:]
 	vols := filepath.Join(e.pool, "volumes")
 	if err := os.Rename(filepath.Join(vols, key), filepath.Join(vols, ".deleting-"+key)); err != nil {

@@ -6,7 +6,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestListVolumesPagingSurvivesChanges is the pagination case csi-test keeps
@@ -15,7 +15,7 @@ import (
 // never repeats a volume and never loses one that existed throughout.
 func TestListVolumesPagingSurvivesChanges(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	all := map[string]bool{}
 	for i := range 7 {
 		all[e.create(fmt.Sprintf("pvc-page-%d", i), vc, 16*mib)] = true

@@ -15,7 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestPathSwapRace: while NodeStageVolume, NodePublishVolume and their
@@ -28,7 +28,7 @@ import (
 func TestPathSwapRace(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4")
-	base := harness.ShortRoot(t, "pcsi-race-")
+	base := csiproc.ShortRoot(t, "pcsi-race-")
 	prefix, outside := filepath.Join(base, "kubelet"), filepath.Join(base, "outside")
 	for _, d := range []string{prefix, outside} {
 		if err := os.Mkdir(d, 0o755); err != nil {
@@ -38,7 +38,7 @@ func TestPathSwapRace(t *testing.T) {
 	e := newEnvArgs(t, []string{"--allowed-path-prefix", prefix}, "mkfs.ext4")
 	c := ctx(t)
 	n := e.drv.Node()
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("pvc-race", vc, 16*mib)
 
 	// The prefix itself is never a staging or target path.

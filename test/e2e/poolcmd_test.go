@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestPoolCommands runs the operator commands against a pool a live driver uses:
@@ -16,13 +16,13 @@ import (
 // and exits 0 again once they are repaired.
 func TestPoolCommands(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	staged := e.create("pvc-staged", vc, 32*mib)
 	idle := e.create("pvc-idle", vc, 16*mib)
 	e.stage(staged, vc)
 
 	poolcsi := func(args ...string) (string, int) {
-		out, err := exec.Command(harness.Binary(t), append([]string{"pool"}, args...)...).CombinedOutput()
+		out, err := exec.Command(csiproc.Binary(t), append([]string{"pool"}, args...)...).CombinedOutput()
 		code := 0
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {

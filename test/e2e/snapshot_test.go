@@ -15,7 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // snapshot cuts a snapshot and registers its deletion.
@@ -102,15 +102,15 @@ func newEnvOnLoopFS(t *testing.T, poolFS string, size int64, tools ...string) *e
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, append([]string{"blkid", "mount", "umount"}, tools...)...)
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	mnt := testutil.LoopFS(t, root, poolFS, size)
 	e := &env{t: t, root: root, pool: filepath.Join(mnt, "pool")}
-	e.drv = harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}})
+	e.drv = csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"e2e=" + e.pool}})
 	return e
 }
 
 func restoreAndClone(t *testing.T, e *env, fsType string, size, bigger int64) {
-	vc := harness.MountCap(fsType, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	vc := csiproc.MountCap(fsType, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	const n = 8 * mib
 	src := e.create("src", vc, size)
 	e.stage(src, vc)
@@ -140,9 +140,9 @@ func restoreAndClone(t *testing.T, e *env, fsType string, size, bigger int64) {
 	if fsType == "xfs" {
 		other = "ext4"
 	}
-	_, err = e.tryCreateFrom("wrong-fs", harness.MountCap(other, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), bigger, snapshotSource(snap.GetSnapshotId()))
+	_, err = e.tryCreateFrom("wrong-fs", csiproc.MountCap(other, csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), bigger, snapshotSource(snap.GetSnapshotId()))
 	wantCode(t, "restore into another filesystem", err, codes.InvalidArgument)
-	_, err = e.tryCreateFrom("as-block", harness.BlockCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), bigger, snapshotSource(snap.GetSnapshotId()))
+	_, err = e.tryCreateFrom("as-block", csiproc.BlockCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER), bigger, snapshotSource(snap.GetSnapshotId()))
 	wantCode(t, "restore a filesystem snapshot as block", err, codes.InvalidArgument)
 	missing := strings.Replace(snap.GetSnapshotId(), "@", "@0", 1)[:len(snap.GetSnapshotId())]
 	_, err = e.tryCreateFrom("missing", vc, bigger, snapshotSource(missing))
@@ -199,7 +199,7 @@ func restoreAndClone(t *testing.T, e *env, fsType string, size, bigger int64) {
 // snapshot still restores.
 func TestSnapshotOutlivesSource(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	vc := csiproc.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	resp, err := e.drv.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "short-lived", CapacityRange: &csi.CapacityRange{RequiredBytes: 64 * mib}, VolumeCapabilities: []*csi.VolumeCapability{vc}})
 	if err != nil {
 		t.Fatal(err)
@@ -247,7 +247,7 @@ func treeState(t *testing.T, root string) string {
 // INVALID_ARGUMENT, none deletes or creates anything.
 func TestSnapshotHostileIDs(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4")
-	vc := harness.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
+	vc := csiproc.MountCap("ext4", csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER)
 	vol := e.create("victim", vc, 64*mib)
 	snap := e.snapshot("victim-snap", vol)
 	key := vol[strings.Index(vol, ".")+1:]
@@ -300,7 +300,7 @@ func TestSnapshotHostileIDs(t *testing.T) {
 // thaws it — pods' writes would otherwise hang until someone ran fsfreeze -u.
 func TestThawAfterCrash(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4", "fsfreeze")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("pvc-frozen", vc, 32*mib)
 	e.stage(id, vc)
 	staging := e.staging(id)

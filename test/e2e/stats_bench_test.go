@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -24,7 +24,7 @@ import (
 // The driver runs at -v=2, where calls are not logged (they are from -v=3).
 func BenchmarkNodeGetVolumeStats(b *testing.B) {
 	e := newEnvArgs(b, []string{"-v", "2"}, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("bench-stats", vc, 64*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)
@@ -87,7 +87,7 @@ func percentile(ds []time.Duration, p int) float64 {
 //	go test ./test/e2e -run '^$' -bench NodeGetVolumeStatsConcurrent -benchtime 20000x
 func BenchmarkNodeGetVolumeStatsConcurrent(b *testing.B) {
 	e := newEnvArgs(b, []string{"-v", "2"}, "mkfs.ext4")
-	vc := harness.MountCap("ext4", harness.RWO)
+	vc := csiproc.MountCap("ext4", csiproc.RWO)
 	id := e.create("bench-stats-50", vc, 64*mib)
 	e.stage(id, vc)
 	e.publish(id, vc, false)

@@ -17,14 +17,14 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 type env struct {
 	t    *testing.T
 	root string
 	pool string // pool directory
-	d    *harness.Driver
+	d    *csiproc.Driver
 }
 
 // start runs poolcsi on a pool under a fresh temp dir. poolDir, when set, is a
@@ -34,11 +34,11 @@ func start(t *testing.T, poolDir string, args ...string) *env {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "losetup", "mount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	if poolDir == "" {
 		poolDir = filepath.Join(root, "pool")
 	}
-	d := harness.Start(t, harness.Options{Pools: []string{"p=" + poolDir}, Args: args})
+	d := csiproc.Start(t, csiproc.Options{Pools: []string{"p=" + poolDir}, Args: args})
 	return &env{t: t, root: root, pool: poolDir, d: d}
 }
 

@@ -13,7 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 func (e *env) wantReady() {
@@ -95,7 +95,7 @@ func smallFS(t *testing.T, size int64) string {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "mount")
 	dir := t.TempDir()
-	harness.CheckNoLeaks(t, dir)
+	csiproc.CheckNoLeaks(t, dir)
 	img := filepath.Join(dir, "poolfs.img")
 	if err := os.WriteFile(img, nil, 0o600); err != nil {
 		t.Fatal(err)
@@ -180,10 +180,10 @@ func TestOneBrokenPoolKeepsTheOthersServing(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "losetup", "mount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	broken := smallFS(t, 64<<20)
 	good := filepath.Join(root, "good")
-	d := harness.Start(t, harness.Options{Pools: []string{"broken=" + broken, "good=" + good}})
+	d := csiproc.Start(t, csiproc.Options{Pools: []string{"broken=" + broken, "good=" + good}})
 	e := &env{t: t, root: root, pool: good, d: d}
 	// The broken pool's filesystem goes away under the driver.
 	if err := unix.Unmount(filepath.Dir(broken), unix.MNT_DETACH); err != nil {

@@ -19,7 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 func freeAddr(t *testing.T) string {
@@ -51,7 +51,7 @@ func get(t *testing.T, url string) (int, string) {
 }
 
 // livenessprobe returns the kubernetes-csi livenessprobe binary if the module
-// proxy serves it, else the documented stand-in in test/livenessprobe (the
+// proxy serves it, else the documented stand-in in test/support/livenessprobe (the
 // proxy answers 403 for that module today).
 func livenessprobe(t *testing.T) string {
 	t.Helper()
@@ -71,14 +71,14 @@ func livenessprobe(t *testing.T) string {
 	if out, err := cmd.CombinedOutput(); err == nil {
 		return real
 	} else {
-		t.Logf("the real livenessprobe cannot be built from the module proxy (%v: %s); using the stand-in test/livenessprobe, which does what its /healthz does",
+		t.Logf("the real livenessprobe cannot be built from the module proxy (%v: %s); using the stand-in test/support/livenessprobe, which does what its /healthz does",
 			err, strings.TrimSpace(string(out)))
 	}
 	stand := filepath.Join(t.TempDir(), "livenessprobe")
-	build := exec.Command("go", "build", "-o", stand, "./test/livenessprobe")
-	build.Dir = harness.RepoRoot()
+	build := exec.Command("go", "build", "-o", stand, "./test/support/livenessprobe")
+	build.Dir = csiproc.RepoRoot()
 	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build test/livenessprobe: %v\n%s", err, out)
+		t.Fatalf("build test/support/livenessprobe: %v\n%s", err, out)
 	}
 	return stand
 }
@@ -87,9 +87,9 @@ func TestLivenessProbeHealthz(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	poolDir := filepath.Join(root, "pool")
-	d := harness.Start(t, harness.Options{Pools: []string{"p=" + poolDir}})
+	d := csiproc.Start(t, csiproc.Options{Pools: []string{"p=" + poolDir}})
 
 	addr := freeAddr(t)
 	lp := exec.Command(livenessprobe(t), "--csi-address", d.Socket, "--http-endpoint", addr, "--probe-timeout", "5s")
@@ -135,9 +135,9 @@ func TestMetricsAfterCalls(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	addr := freeAddr(t)
-	d := harness.Start(t, harness.Options{Pools: []string{"p=" + filepath.Join(root, "pool")}, Args: []string{"--metrics-address", addr}})
+	d := csiproc.Start(t, csiproc.Options{Pools: []string{"p=" + filepath.Join(root, "pool")}, Args: []string{"--metrics-address", addr}})
 	ctx := context.Background()
 	c := &csi.VolumeCapability{
 		AccessType: &csi.VolumeCapability_Mount{Mount: &csi.VolumeCapability_MountVolume{FsType: "ext4"}},
@@ -194,8 +194,8 @@ func TestDemo(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.xfs", "blkid", "mount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
-	out, err := exec.Command(harness.Binary(t), "demo", "--temp-dir", root).CombinedOutput()
+	csiproc.CheckNoLeaks(t, root)
+	out, err := exec.Command(csiproc.Binary(t), "demo", "--temp-dir", root).CombinedOutput()
 	if err != nil {
 		t.Fatalf("poolcsi demo: %v\n%s", err, out)
 	}
@@ -226,7 +226,7 @@ func TestDemoNeedsRoot(t *testing.T) {
 	if err := os.Chmod(dir, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	raw, err := os.ReadFile(harness.Binary(t))
+	raw, err := os.ReadFile(csiproc.Binary(t))
 	if err != nil {
 		t.Fatal(err)
 	}

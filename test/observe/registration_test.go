@@ -12,7 +12,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestKubeletRegistration plays kubelet's plugin watcher against `poolcsi
@@ -27,7 +27,7 @@ func TestKubeletRegistration(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(regDir) })
 	addr := freeAddr(t)
-	d := harness.Start(t, harness.Options{Pools: []string{"p=" + filepath.Join(root, "pool")},
+	d := csiproc.Start(t, csiproc.Options{Pools: []string{"p=" + filepath.Join(root, "pool")},
 		Args: []string{"--driver-name", "poolcsi.test", "--registration-dir", regDir, "--kubelet-registration-path", "/var/lib/kubelet/plugins/poolcsi.test/csi.sock", "--healthz-address", addr}})
 	sock := filepath.Join(regDir, "poolcsi.test-reg.sock")
 	getInfo := func() *registerapi.PluginInfo {

@@ -19,7 +19,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // BenchmarkServeStart10k starts `poolcsi serve` on a pool of 10,000 volumes and reports
@@ -116,7 +116,7 @@ func BenchmarkServeStart10k(b *testing.B) {
 func imageBinary(b *testing.B) string {
 	bin := filepath.Join(b.TempDir(), "poolcsi")
 	cmd := exec.Command("go", "build", "-trimpath", "-ldflags", "-s -w", "-o", bin, "./cmd/poolcsi")
-	cmd.Dir = harness.RepoRoot()
+	cmd.Dir = csiproc.RepoRoot()
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
 		b.Fatalf("go build: %v\n%s", err, out)

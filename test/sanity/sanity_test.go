@@ -10,7 +10,7 @@ import (
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // accessEnv selects the access type of one sanity run. Ginkgo runs a suite once
@@ -46,7 +46,7 @@ func TestSanity(t *testing.T) {
 }
 
 func runSanity(t *testing.T, access string) {
-	cfg := harness.StartForSanity(t)
+	cfg := csiproc.StartForSanity(t)
 	cfg.TestVolumeAccessType = access
 	sanity.Test(t, *cfg)
 }

@@ -11,7 +11,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestWhileTheOtherNodeCreates: node 1 creates and deletes volumes in the
@@ -52,7 +52,7 @@ func testWhileTheOtherNodeCreates(t *testing.T, e *env) {
 		}()
 	}
 	watch("Probe", 100*time.Millisecond, func() error {
-		c, cancel := context.WithTimeout(context.Background(), harness.ProbeTimeout)
+		c, cancel := context.WithTimeout(context.Background(), csiproc.ProbeTimeout)
 		defer cancel()
 		_, err := e.d2.Identity().Probe(c, &csi.ProbeRequest{})
 		return err
@@ -69,7 +69,7 @@ func testWhileTheOtherNodeCreates(t *testing.T, e *env) {
 		return err
 	})
 	watch("pool check", 200*time.Millisecond, func() error {
-		out, err := exec.Command(harness.Binary(t), "pool", "check", "--path", e.pool2).CombinedOutput()
+		out, err := exec.Command(csiproc.Binary(t), "pool", "check", "--path", e.pool2).CombinedOutput()
 		if err != nil {
 			return fmt.Errorf("%w: %s", err, strings.TrimSpace(string(out)))
 		}

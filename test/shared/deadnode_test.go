@@ -13,7 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
-	"github.com/poolcsi/poolcsi/test/cephfs"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 // TestNodeDiesHoldingALock: node 2 holds a volume's lock when it dies (its

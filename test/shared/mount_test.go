@@ -12,7 +12,7 @@ import (
 	"github.com/moby/sys/mountinfo"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestMountStanza: a pool whose config has a mount stanza is mounted by the
@@ -23,7 +23,7 @@ func TestMountStanza(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.btrfs", "btrfs", "mount", "umount")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	export := testutil.LoopFS(t, root, "btrfs", 256*mib)
 	poolPath := filepath.Join(root, "mnt", "shared")
 	t.Cleanup(func() {
@@ -43,7 +43,7 @@ func TestMountStanza(t *testing.T) {
     options: [bind]
     timeout: 10s
 `, poolPath, export)), 0o600)
-	d := harness.Start(t, harness.Options{NodeID: "node-1", Args: []string{"--config", cfg}})
+	d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Args: []string{"--config", cfg}})
 	if ok, _ := mountinfo.Mounted(poolPath); !ok {
 		t.Fatalf("%s is not mounted", poolPath)
 	}

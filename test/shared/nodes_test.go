@@ -13,7 +13,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // writeRandom writes n random bytes to path, fsyncs them and returns them.
@@ -46,7 +46,7 @@ func wantFile(t *testing.T, path string, want []byte) {
 	}
 }
 
-func unstageAll(t *testing.T, d *harness.Driver, dir, id string) {
+func unstageAll(t *testing.T, d *csiproc.Driver, dir, id string) {
 	t.Helper()
 	ctx := context.Background()
 	must(d.Node().NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: filepath.Join(dir, "target")}))(t)
@@ -121,7 +121,7 @@ func testSnapshotAcrossNodes(t *testing.T, e *env) {
 	if !snap.GetReadyToUse() {
 		t.Fatalf("snapshot not ready: %v", snap)
 	}
-	for _, d := range []*harness.Driver{e.d1, e.d2} {
+	for _, d := range []*csiproc.Driver{e.d1, e.d2} {
 		ls := must(d.Controller().ListSnapshots(ctx, &csi.ListSnapshotsRequest{SourceVolumeId: src}))(t)
 		if len(ls.GetEntries()) != 1 || ls.GetEntries()[0].GetSnapshot().GetSnapshotId() != snap.GetSnapshotId() {
 			t.Fatalf("ListSnapshots: %v, want the one snapshot", ls.GetEntries())
@@ -155,11 +155,11 @@ func testHealthAcrossNodes(t *testing.T, e *env) {
 	ctx := context.Background()
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	id := createVolume(t, e.d1, "watched", 32*mib, map[string]string{"pool": "shared"}, vc).GetVolumeId()
-	health := func(d *harness.Driver) *csi.VolumeHealth {
+	health := func(d *csiproc.Driver) *csi.VolumeHealth {
 		t.Helper()
 		return must(d.Controller().ControllerGetVolumeHealth(ctx, &csi.ControllerGetVolumeHealthRequest{VolumeId: id}))(t).GetVolumeHealth()
 	}
-	for _, d := range []*harness.Driver{e.d1, e.d2} {
+	for _, d := range []*csiproc.Driver{e.d1, e.d2} {
 		if h := health(d); len(h.GetHealthStatuses()) != 0 {
 			t.Fatalf("a new volume is unhealthy: %v", h)
 		}

@@ -19,8 +19,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/cephfs"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 // Short leases, so the test does not wait the production minute and a half:
@@ -61,7 +61,7 @@ func testPartition(t *testing.T, backend string) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid")
 	ctx := context.Background()
-	root := harness.ShortRoot(t, "pcpart-")
+	root := csiproc.ShortRoot(t, "pcpart-")
 	t.Cleanup(func() {
 		// A test that failed half way leaves node A's fenced mounts: taken
 		// down here, after the drivers stopped, so the next run starts clean
@@ -139,11 +139,11 @@ func testPartition(t *testing.T, backend string) {
 	default:
 		t.Fatalf("unknown backend %q", backend)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", bPool, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", bPool, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	dA := harness.Start(t, harness.Options{NodeID: "node-a", Pools: []string{"shared=" + aPool + ",shared"}, Args: leaseArgs})
-	dB := harness.Start(t, harness.Options{NodeID: "node-b", Pools: []string{"shared=" + bPool + ",shared"}, Args: leaseArgs})
+	dA := csiproc.Start(t, csiproc.Options{NodeID: "node-a", Pools: []string{"shared=" + aPool + ",shared"}, Args: leaseArgs})
+	dB := csiproc.Start(t, csiproc.Options{NodeID: "node-b", Pools: []string{"shared=" + bPool + ",shared"}, Args: leaseArgs})
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	v := must(dB.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-part", VolumeCapabilities: []*csi.VolumeCapability{vc},
 		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 * mib}}))(t).GetVolume()

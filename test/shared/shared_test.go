@@ -1,6 +1,6 @@
 // Package shared tests shared pools end to end: two real `poolcsi serve`
 // processes with different node IDs over one pool, on each backend: a btrfs
-// filesystem (a loop device) both drivers see at one path, and a CephFS (test/cephfs)
+// filesystem (a loop device) both drivers see at one path, and a CephFS (test/support/cephfs)
 // mounted twice with ceph-fuse, one mount per driver, as two nodes are two
 // clients of a real network filesystem, each with its own caches, and locks
 // that the metadata server grants.
@@ -24,8 +24,8 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/cephfs"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 const mib = int64(1) << 20
@@ -39,7 +39,7 @@ type env struct {
 	poolDir string // the pool as node 1 sees it
 	pool2   string // the pool as node 2 sees it: another mount of the same filesystem on cephfs
 	quota   bool   // dir volumes get an enforced size (btrfs qgroups)
-	d1, d2  *harness.Driver
+	d1, d2  *csiproc.Driver
 }
 
 // backends are the shared filesystems every shared-pool test runs on.
@@ -63,7 +63,7 @@ func setup(t *testing.T, backend string) *env {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	e := &env{backend: backend, root: root}
 	switch backend {
 	case "btrfs":
@@ -93,14 +93,14 @@ func setup(t *testing.T, backend string) *env {
 	}
 	// The operator's one explicit step for a shared pool: the driver never lays
 	// out a share by itself (it could be an empty, unmounted directory).
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", e.poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", e.poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	e.d1 = harness.Start(t, harness.Options{NodeID: "node-1", SidecarDeadlines: true,
+	e.d1 = csiproc.Start(t, csiproc.Options{NodeID: "node-1", SidecarDeadlines: true,
 		Pools: []string{"shared=" + e.poolDir + ",shared", "local=" + filepath.Join(root, "local1")}})
-	e.d2 = harness.Start(t, harness.Options{NodeID: "node-2", SidecarDeadlines: true,
+	e.d2 = csiproc.Start(t, csiproc.Options{NodeID: "node-2", SidecarDeadlines: true,
 		Pools: []string{"shared=" + e.pool2 + ",shared"}})
-	for _, d := range []*harness.Driver{e.d1, e.d2} {
+	for _, d := range []*csiproc.Driver{e.d1, e.d2} {
 		d.LogSlowCalls(t, time.Second)
 	}
 	return e
@@ -134,7 +134,7 @@ func must[T any](v T, err error) func(*testing.T) T {
 	}
 }
 
-func createVolume(t *testing.T, d *harness.Driver, name string, size int64, params map[string]string, vc *csi.VolumeCapability) *csi.Volume {
+func createVolume(t *testing.T, d *csiproc.Driver, name string, size int64, params map[string]string, vc *csi.VolumeCapability) *csi.Volume {
 	t.Helper()
 	ctx := context.Background()
 	resp := must(d.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
@@ -152,21 +152,21 @@ func createVolume(t *testing.T, d *harness.Driver, name string, size int64, para
 	return resp.GetVolume()
 }
 
-func publish(t *testing.T, d *harness.Driver, id, node string, vc *csi.VolumeCapability, readOnly bool) error {
+func publish(t *testing.T, d *csiproc.Driver, id, node string, vc *csi.VolumeCapability, readOnly bool) error {
 	_, err := d.Controller().ControllerPublishVolume(context.Background(), &csi.ControllerPublishVolumeRequest{
 		VolumeId: id, NodeId: node, VolumeCapability: vc, Readonly: readOnly,
 	})
 	return err
 }
 
-func unpublish(t *testing.T, d *harness.Driver, id, node string) {
+func unpublish(t *testing.T, d *csiproc.Driver, id, node string) {
 	t.Helper()
 	must(d.Controller().ControllerUnpublishVolume(context.Background(), &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: node}))(t)
 }
 
 // stagePublish stages and publishes id on d's node and returns the target path;
 // both are undone in t.Cleanup.
-func stagePublish(t *testing.T, d *harness.Driver, dir, id string, vc *csi.VolumeCapability) string {
+func stagePublish(t *testing.T, d *csiproc.Driver, dir, id string, vc *csi.VolumeCapability) string {
 	t.Helper()
 	ctx := context.Background()
 	staging := filepath.Join(dir, "staging")
@@ -230,7 +230,7 @@ func testImageFence(t *testing.T, e *env) {
 	// its lease: it is alive and may be writing.
 	wantCode(t, publish(t, e.d1, id, "node-1", vc, false), codes.FailedPrecondition, "node-2")
 	unfence := func() ([]byte, error) {
-		return exec.Command(harness.Binary(t), "pool", "unfence", "--path", e.poolDir, "--volume", id, "--node", "node-2").CombinedOutput()
+		return exec.Command(csiproc.Binary(t), "pool", "unfence", "--path", e.poolDir, "--volume", id, "--node", "node-2").CombinedOutput()
 	}
 	if out, err := unfence(); err == nil || !strings.Contains(string(out), "--wait") {
 		t.Fatalf("poolcsi pool unfence of a live node: %v\n%s", err, out)
@@ -273,7 +273,7 @@ func testRWXDirVolume(t *testing.T, e *env) {
 		t.Fatalf("volume context %v, want sizeEnforced=false on %s", got, e.backend)
 	}
 	for _, n := range []struct {
-		d    *harness.Driver
+		d    *csiproc.Driver
 		node string
 	}{{e.d1, "node-1"}, {e.d2, "node-2"}} {
 		if err := publish(t, n.d, id, n.node, vc, false); err != nil {
@@ -476,7 +476,7 @@ func testDeleteDirVolumeTouchesNothingElse(t *testing.T, e *env) {
 	}
 }
 
-func stagePublishNoCleanup(t *testing.T, d *harness.Driver, dir, id string, vc *csi.VolumeCapability) string {
+func stagePublishNoCleanup(t *testing.T, d *csiproc.Driver, dir, id string, vc *csi.VolumeCapability) string {
 	t.Helper()
 	ctx := context.Background()
 	staging, target := filepath.Join(dir, "staging"), filepath.Join(dir, "target")
@@ -526,9 +526,9 @@ func TestUnenforcedDirVolume(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4")
 	root := t.TempDir()
-	harness.CheckNoLeaks(t, root)
+	csiproc.CheckNoLeaks(t, root)
 	mnt := testutil.LoopFS(t, root, "ext4", 64*mib, "-q")
-	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"plain=" + filepath.Join(mnt, "pool")}})
+	d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"plain=" + filepath.Join(mnt, "pool")}})
 	vc := mountCap(csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER, "")
 	v := createVolume(t, d, "loose", 16*mib, map[string]string{"layout": "dir"}, vc)
 	if got := v.GetVolumeContext(); got["sizeEnforced"] != "false" || got["quota"] != "none" {
@@ -567,7 +567,7 @@ func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 	if err := os.Mkdir(share, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	d := harness.Start(t, harness.Options{NodeID: "node-1", Pools: []string{"shared=" + share + ",shared"}})
+	d := csiproc.Start(t, csiproc.Options{NodeID: "node-1", Pools: []string{"shared=" + share + ",shared"}})
 	// The process serves (liveness); the pool is unavailable and says how to
 	// initialise it, in its calls and in storage health.
 	_, err := d.Controller().CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "v",
@@ -583,7 +583,7 @@ func TestUninitialisedSharedPoolIsUnavailable(t *testing.T) {
 	if entries, _ := os.ReadDir(share); len(entries) != 0 {
 		t.Fatalf("the driver wrote into what may be an unmounted share: %v", entries)
 	}
-	if out, err := exec.Command(harness.Binary(t), "pool", "init", "--path", share, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", share, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
 	if sh, err := d.Node().NodeGetStorageHealth(context.Background(), &csi.NodeGetStorageHealthRequest{}); err != nil || len(sh.GetBackendHealth()) != 0 {

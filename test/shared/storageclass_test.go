@@ -15,8 +15,8 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
-	"github.com/poolcsi/poolcsi/test/cephfs"
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 // unmountShares takes down, at the end of a test, every share a driver mounted
@@ -57,7 +57,7 @@ func testStorageClassShare(t *testing.T, backend string) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mount", "umount")
 	ctx := context.Background()
-	root := harness.ShortRoot(t, "p")
+	root := csiproc.ShortRoot(t, "p")
 	// export is the share's root as this test sees it, to check what the
 	// drivers wrote there.
 	var share pool.ShareRef
@@ -88,9 +88,9 @@ func testStorageClassShare(t *testing.T, backend string) {
 		t.Fatal(err)
 	}
 	unmountShares(t, shareDirs...)
-	start := func(i int) *harness.Driver {
+	start := func(i int) *csiproc.Driver {
 		node := "node-" + string(rune('1'+i))
-		d := harness.Start(t, harness.Options{NodeID: node, SidecarDeadlines: true,
+		d := csiproc.Start(t, csiproc.Options{NodeID: node, SidecarDeadlines: true,
 			// A local pool of its own, nothing for the share.
 			Pools: []string{"local=" + filepath.Join(root, node, "local")},
 			Args:  []string{"--share-dir", shareDirs[i], "--share-types", "bind,fuse.ceph", "--share-key-file", keyFile}})
@@ -133,7 +133,7 @@ func testStorageClassShare(t *testing.T, backend string) {
 	}
 	v2 := create("pvc-share-2")
 	// The operator's tools read the share's pool like any other.
-	out, err := exec.Command(harness.Binary(t), "pool", "check", "--path", export).CombinedOutput()
+	out, err := exec.Command(csiproc.Binary(t), "pool", "check", "--path", export).CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "2 volumes, no problems") {
 		t.Fatalf("poolcsi pool check on the share: %v\n%s", err, out)
 	}
@@ -209,7 +209,7 @@ func testStorageClassShare(t *testing.T, backend string) {
 	_, err = d3.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: pool.NewShareVolumeID(pool.ShareRef{Type: "nfs", Source: "x:/"}, "y").String()})
 	wantCode(t, err, codes.InvalidArgument, "not allowed")
 
-	for i, d := range []*harness.Driver{d1, d2, d3} {
+	for i, d := range []*csiproc.Driver{d1, d2, d3} {
 		if strings.Contains(d.Log(), secret) {
 			t.Errorf("node-%d: the secret mount option reached the log", i+1)
 		}

@@ -57,7 +57,7 @@ type envOptions struct {
 	// root, its local pool and its shares), cgroup root and pod network; the shared pool
 	// is one filesystem both mount. Zero: this machine is the one node.
 	nodes int
-	// cephFS, with nodes: the shared pool is a directory of test/cephfs's CephFS, each
+	// cephFS, with nodes: the shared pool is a directory of test/support/cephfs's CephFS, each
 	// node mounting it through a ceph-fuse client of its own; else a btrfs filesystem.
 	cephFS bool
 }
@@ -757,7 +757,7 @@ func TestKubelet(t *testing.T) {
 			}
 		})
 	}
-	kubeletMore(t, env)
+	kubeletCases(t, env)
 	kubeletFeatures(t, env)
 }
 
@@ -857,8 +857,8 @@ func (e *kubeletEnv) nodePodName(t testing.TB) (string, error) {
 	return names[0], nil
 }
 
-// kubeletMore are the rest of the kubelet issue's cases, on the environment of TestKubelet.
-func kubeletMore(t *testing.T, env *kubeletEnv) {
+// kubeletCases are the rest of the kubelet issue's cases, on the environment of TestKubelet.
+func kubeletCases(t *testing.T, env *kubeletEnv) {
 	ctx := context.Background()
 
 	t.Run("RWX dir volume in two pods", func(t *testing.T) {

@@ -691,7 +691,7 @@ func imageLoops(handle string) []string {
 	return devs
 }
 
-// startCephFS runs test/cephfs's one-node Ceph cluster (its command cephfs-up, of the main
+// startCephFS runs test/support/cephfs's one-node Ceph cluster (its command cephfs-up, of the main
 // module: this module does not import it) until the test ends, and returns its two
 // ceph-fuse mounts, one client per node.
 func startCephFS(t testing.TB) [2]string {
@@ -701,7 +701,7 @@ func startCephFS(t testing.TB) [2]string {
 		missing(t, fmt.Sprintf("needs /dev/fuse for the ceph-fuse mounts (%v)", err))
 	}
 	began := time.Now()
-	cmd := exec.Command(goBin(), "run", "./test/cephfs/cmd/cephfs-up")
+	cmd := exec.Command(goBin(), "run", "./test/support/cephfs/cmd/cephfs-up")
 	cmd.Dir = chart.RepoRoot()
 	cmd.Env = append(os.Environ(), "GOWORK=off")
 	var stderr strings.Builder

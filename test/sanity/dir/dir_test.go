@@ -7,11 +7,11 @@ import (
 
 	"github.com/kubernetes-csi/csi-test/v5/pkg/sanity"
 
-	"github.com/poolcsi/poolcsi/test/harness"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 func TestSanityDirLayout(t *testing.T) {
-	cfg := harness.StartForSanity(t)
+	cfg := csiproc.StartForSanity(t)
 	cfg.TestVolumeParameters = map[string]string{"layout": "dir"}
 	// A directory has no device to throttle and no image to preallocate.
 	cfg.TestVolumeMutableParameters = map[string]string{"preallocate": "false"}

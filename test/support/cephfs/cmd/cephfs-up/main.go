@@ -13,7 +13,7 @@ import (
 	"io"
 	"os"
 
-	"github.com/poolcsi/poolcsi/test/cephfs"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 // Ready is the line printed once the cluster is up.

@@ -1,4 +1,4 @@
-package harness
+package csiproc
 
 import (
 	"path/filepath"

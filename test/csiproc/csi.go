@@ -1,4 +1,4 @@
-package harness
+package csiproc
 
 import (
 	"github.com/container-storage-interface/spec/lib/go/csi"

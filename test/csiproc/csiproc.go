@@ -1,6 +1,6 @@
-// Package harness builds the real poolcsi binary and runs it as a separate process
+// Package csiproc builds the real poolcsi binary and runs it as a separate process
 // on temporary pools, the way kubelet and the sidecars meet it: over a unix socket.
-package harness
+package csiproc
 
 import (
 	"bytes"
