@@ -197,3 +197,77 @@ func ReadV1(dir, file, dev string) (int64, error) {
 	}
 	return 0, nil
 }
+
+// Held returns what pod uid's cgroup holds its I/O on the block device at
+// device to (zero Limits when nothing is written for it), and the cgroup it
+// read. A node plugin that restarted reads it so as not to write again what
+// the kernel already holds.
+func (c FS) Held(uid, device string) (Limits, string, error) {
+	dir, err := c.PodCgroup(uid)
+	if err != nil {
+		return Limits{}, "", err
+	}
+	major, minor, err := deviceNumber(device)
+	if err != nil {
+		return Limits{}, dir, err
+	}
+	l, err := ReadLimits(dir, c.v2(), major, minor)
+	return l, dir, err
+}
+
+// ReadLimits reads the limits for device major:minor in the cgroup dir: its
+// io.max line (v2), or its line in each of the four blkio.throttle files (v1).
+func ReadLimits(dir string, v2 bool, major, minor uint32) (Limits, error) {
+	dev := fmt.Sprintf("%d:%d", major, minor)
+	if !v2 {
+		var l Limits
+		for _, f := range []struct {
+			name string
+			n    *int64
+		}{
+			{"blkio.throttle.read_bps_device", &l.ReadBPS},
+			{"blkio.throttle.write_bps_device", &l.WriteBPS},
+			{"blkio.throttle.read_iops_device", &l.ReadIOPS},
+			{"blkio.throttle.write_iops_device", &l.WriteIOPS},
+		} {
+			n, err := ReadV1(dir, f.name, dev)
+			if err != nil {
+				return Limits{}, fmt.Errorf("read %s of %s: %w", f.name, dir, err)
+			}
+			*f.n = n
+		}
+		return l, nil
+	}
+	raw, err := os.ReadFile(filepath.Join(dir, "io.max"))
+	if err != nil {
+		return Limits{}, fmt.Errorf("read io.max of %s: %w", dir, err)
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || f[0] != dev {
+			continue
+		}
+		var l Limits
+		for _, kv := range f[1:] {
+			k, v, _ := strings.Cut(kv, "=")
+			n := int64(0)
+			if v != "max" {
+				if n, err = strconv.ParseInt(v, 10, 64); err != nil {
+					return Limits{}, fmt.Errorf("io.max of %s: %q: %w", dir, kv, err)
+				}
+			}
+			switch k {
+			case "rbps":
+				l.ReadBPS = n
+			case "wbps":
+				l.WriteBPS = n
+			case "riops":
+				l.ReadIOPS = n
+			case "wiops":
+				l.WriteIOPS = n
+			}
+		}
+		return l, nil
+	}
+	return Limits{}, nil
+}

@@ -90,6 +90,9 @@ func TestPodCgroupAndWrite(t *testing.T) {
 					t.Errorf("%s holds %q (%v), want %q", f, raw, err, want)
 				}
 			}
+			if back, err := ReadLimits(got, c.v2(), 7, 3); err != nil || back != l {
+				t.Errorf("ReadLimits: %+v, %v; want %+v", back, err, l)
+			}
 		})
 	}
 }
@@ -105,5 +108,42 @@ func TestApplyRefusesBadUIDAndNonDevice(t *testing.T) {
 	}
 	if _, err := c.Apply(uid, "/dev/null", Limits{}); err == nil || !strings.Contains(err.Error(), "not a block device") {
 		t.Errorf("character device: %v", err)
+	}
+}
+
+// TestReadLimits reads what the kernel shows: other devices' lines, a device
+// with no line, and a value that is no number.
+func TestReadLimits(t *testing.T) {
+	tests := []struct {
+		name    string
+		v2      bool
+		files   map[string]string
+		want    Limits
+		wantErr bool
+	}{
+		{name: "v2 among other devices", v2: true, files: map[string]string{"io.max": "8:0 rbps=1 wbps=max riops=max wiops=max\n7:3 rbps=max wbps=2097152 riops=max wiops=300\n"},
+			want: Limits{WriteBPS: 2 << 20, WriteIOPS: 300}},
+		{name: "v2 no line for the device", v2: true, files: map[string]string{"io.max": "8:0 rbps=1 wbps=max riops=max wiops=max\n"}},
+		{name: "v2 empty", v2: true, files: map[string]string{"io.max": ""}},
+		{name: "v2 a value that is no number", v2: true, files: map[string]string{"io.max": "7:3 rbps=lots\n"}, wantErr: true},
+		{name: "v1 among other devices", files: map[string]string{
+			"blkio.throttle.read_bps_device": "8:0 5\n7:3 1048576\n", "blkio.throttle.write_bps_device": "",
+			"blkio.throttle.read_iops_device": "7:30 9\n", "blkio.throttle.write_iops_device": "7:3 300\n"},
+			want: Limits{ReadBPS: 1 << 20, WriteIOPS: 300}},
+		{name: "v1 a file missing", files: map[string]string{"blkio.throttle.read_bps_device": ""}, wantErr: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			for f, body := range tt.files {
+				if err := os.WriteFile(filepath.Join(dir, f), []byte(body), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			got, err := ReadLimits(dir, tt.v2, 7, 3)
+			if (err != nil) != tt.wantErr || got != tt.want {
+				t.Errorf("ReadLimits: %+v, %v; want %+v (error %t)", got, err, tt.want, tt.wantErr)
+			}
+		})
 	}
 }

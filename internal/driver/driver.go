@@ -286,6 +286,9 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		agentDone := make(chan struct{})
 		go func() { defer close(agentDone); d.runFreezeAgent(agentCtx) }()
 		defer func() { stopAgent(); <-agentDone }()
+		// Before the first reconcile and before any publish: a restarted
+		// node plugin knows its pods again only from the mount table.
+		d.rebuildIOLimits(ctx)
 		limitsCtx, stopLimits := context.WithCancel(ctx)
 		limitsDone := make(chan struct{})
 		go func() { defer close(limitsDone); d.keepIOLimits(limitsCtx, d.opts.IOLimitsInterval) }()

@@ -75,9 +75,11 @@ type Filesystems interface {
 
 // Cgroups holds a pod's I/O on a block device to limits (the pod's cgroup,
 // found from its UID; cgroup.ErrNoPodCgroup when there is none) and returns
-// the cgroup it wrote.
+// the cgroup it wrote; Held reads what the pod's cgroup holds for the device
+// (zero Limits when nothing).
 type Cgroups interface {
 	Apply(podUID, device string, l cgroup.Limits) (string, error)
+	Held(podUID, device string) (cgroup.Limits, string, error)
 }
 
 // Host is how a Driver reaches the node's kernel; a nil field takes the real

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"testing"
 	"time"
@@ -157,6 +158,134 @@ func TestIOLimitsReconcileRunsWithServer(t *testing.T) {
 		}
 		if time.Now().After(deadline) {
 			t.Fatal("the reconcile never applied the changed limits")
+		}
+	}
+}
+
+// restart is a new Driver on the same pools and fake kernel: a node plugin
+// restarted (an upgrade, a crash) with every mount and loop device still
+// there and nothing of the old one's memory.
+func (td *testDriver) restart(t *testing.T) *testDriver {
+	t.Helper()
+	d, err := New(td.opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.registerNode(context.Background())
+	return &testDriver{Driver: d, host: td.host, root: td.root, pool: td.pool}
+}
+
+// TestIOLimitsFoundAgainAfterRestart: a restarted node plugin finds the pods
+// its image volumes are published to again from the mount table and kubelet's
+// target paths, so a class changed after the restart reaches them, and writes
+// nothing the kernel already holds. A path that is not kubelet's publish of a
+// pod with a UUID is not tracked.
+func TestIOLimitsFoundAgainAfterRestart(t *testing.T) {
+	const pv = "pvc-1b2c3d4e"
+	fsPath := func(uid string) string {
+		return filepath.Join("kubelet/pods", uid, "volumes/kubernetes.io~csi", pv, "mount")
+	}
+	blockPath := func(uid string) string {
+		return filepath.Join("kubelet/plugins/kubernetes.io/csi/volumeDevices/publish", pv, uid)
+	}
+	tests := []struct {
+		name    string
+		vc      *csi.VolumeCapability
+		pod     string // in the volume context at publish
+		target  string // below the test's root
+		tracked bool
+	}{
+		{name: "filesystem publish", vc: mountCap(rwo, "ext4"), pod: "11111111-1111-4111-8111-111111111111",
+			target: fsPath("11111111-1111-4111-8111-111111111111"), tracked: true},
+		{name: "block publish", vc: blockCap(rwo), pod: "22222222-2222-4222-8222-222222222222",
+			target: blockPath("22222222-2222-4222-8222-222222222222"), tracked: true},
+		{name: "a static pod's hash where the UID goes", vc: mountCap(rwo, "ext4"), pod: "33333333-3333-4333-8333-333333333333",
+			target: fsPath("6f4e1c0b7a2d9e8f6f4e1c0b7a2d9e8f")},
+		{name: "an upper-case UID in a block path", vc: blockCap(rwo), pod: "44444444-4444-4444-8444-444444444444",
+			target: blockPath("44444444-4444-4444-8444-44444444444A")},
+		{name: "kubelet's global map path of a block volume is no publish", vc: blockCap(rwo), pod: "55555555-5555-4555-8555-555555555555",
+			target: filepath.Join("kubelet/plugins/kubernetes.io/csi/volumeDevices", pv, "dev/55555555-5555-4555-8555-555555555555")},
+		{name: "not a kubelet path", vc: mountCap(rwo, "ext4"), pod: "66666666-6666-4666-8666-666666666666", target: "target/x"},
+	}
+	ctx := context.Background()
+	td := newTestDriver(t, testOpts{})
+	created := cgroup.Limits{WriteIOPS: 100}
+	changed := cgroup.Limits{ReadBPS: 1 << 20, WriteIOPS: 200}
+	ids := make([]string, len(tests))
+	for i, tt := range tests {
+		resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: fmt.Sprintf("v%d", i), VolumeCapabilities: []*csi.VolumeCapability{tt.vc},
+			CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20}, MutableParameters: map[string]string{"writeIOPS": "100"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids[i] = resp.GetVolume().GetVolumeId()
+		if err := td.stage(ids[i], tt.vc); err != nil {
+			t.Fatal(err)
+		}
+		td.host.AddPod(tt.pod)
+		if _, err := td.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
+			VolumeId: ids[i], StagingTargetPath: filepath.Join(td.root, "staging", ids[i]),
+			TargetPath: filepath.Join(td.root, tt.target), VolumeCapability: tt.vc,
+			VolumeContext: map[string]string{podUIDKey: tt.pod},
+		}); err != nil {
+			t.Fatalf("%s: publish: %v", tt.name, err)
+		}
+		if got, _ := td.host.PodLimits(tt.pod, td.device(t, ids[i])); got != created {
+			t.Fatalf("%s: after publish the pod's cgroup holds %+v, want %+v", tt.name, got, created)
+		}
+	}
+
+	rd := td.restart(t)
+	rd.rebuildIOLimits(ctx)
+	writes := td.host.Faults.Calls("Apply")
+	rd.reconcileIOLimits(ctx)
+	if n := td.host.Faults.Calls("Apply") - writes; n != 0 {
+		t.Errorf("the first reconcile after the restart wrote %d cgroups, want none: the kernel already holds their limits", n)
+	}
+	for _, id := range ids {
+		rd.modify(t, id, map[string]string{"readBytesPerSecond": "1Mi", "writeIOPS": "200"})
+	}
+	rd.reconcileIOLimits(ctx)
+
+	throttled := rd.ThrottledPods()
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			want := created
+			if tt.tracked {
+				want = changed
+			}
+			if got, _ := td.host.PodLimits(tt.pod, td.device(t, ids[i])); got != want {
+				t.Errorf("after the restart and a modify the pod's cgroup holds %+v, want %+v", got, want)
+			}
+			if _, ok := throttled[filepath.Join(td.root, tt.target)]; ok != tt.tracked {
+				t.Errorf("tracked %t, want %t", ok, tt.tracked)
+			}
+		})
+	}
+}
+
+func TestPodUIDOfTarget(t *testing.T) {
+	const uid = "0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60"
+	tests := []struct {
+		path string
+		ok   bool
+	}{
+		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount", true},
+		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/" + uid, true},
+		{"/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount", true},
+		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount/sub", false},
+		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~nfs/pvc-1/mount", false},
+		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi//mount", false},
+		{"/var/lib/kubelet/pods/../volumes/kubernetes.io~csi/pvc-1/mount", false},
+		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/pvc-1/dev/" + uid, false},
+		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-1", false},
+		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/" + uid + "x", false},
+		{"/var/lib/kubelet/plugins/kubernetes.io/csi/poolcsi.io/0123abcd/globalmount", false},
+	}
+	for _, tt := range tests {
+		got, ok := podUIDOfTarget(tt.path)
+		if ok != tt.ok || (ok && got != uid) {
+			t.Errorf("%s: %q, %t; want ok=%t", tt.path, got, ok, tt.ok)
 		}
 	}
 }

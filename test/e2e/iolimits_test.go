@@ -88,8 +88,16 @@ func throttleOf(t testing.TB, podDir string) (string, cgroup.Limits) {
 	return dev, l
 }
 
+// podTarget is where kubelet v1.36 publishes a filesystem volume to a pod,
+// below a kubelet root of the test's own: a restarted driver finds the pod
+// again from that path.
+func (e *env) podTarget(name, uid string) string {
+	return filepath.Join(e.root, "kubelet/pods", uid, "volumes/kubernetes.io~csi", name, "mount")
+}
+
 // limitedVolume makes a volume with mutable parameters, stages it and
-// publishes it to the pod uid (as kubelet does with podInfoOnMount).
+// publishes it to the pod uid at its podTarget (as kubelet does with
+// podInfoOnMount).
 func (e *env) limitedVolume(name, uid string, vc *csi.VolumeCapability, mutable map[string]string) string {
 	e.t.Helper()
 	resp, err := e.drv.Controller().CreateVolume(ctx(e.t), &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{vc},
@@ -104,9 +112,10 @@ func (e *env) limitedVolume(name, uid string, vc *csi.VolumeCapability, mutable 
 		}
 	})
 	e.stage(id, vc)
-	e.t.Cleanup(func() { e.unpublish(id) })
+	target := e.podTarget(name, uid)
+	e.t.Cleanup(func() { e.unpublishAt(id, target) })
 	if _, err := e.drv.Node().NodePublishVolume(ctx(e.t), &csi.NodePublishVolumeRequest{
-		VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: e.target(id), VolumeCapability: vc,
+		VolumeId: id, StagingTargetPath: e.staging(id), TargetPath: target, VolumeCapability: vc,
 		VolumeContext: map[string]string{"csi.storage.k8s.io/pod.uid": uid},
 	}); err != nil {
 		e.t.Fatal(err)
@@ -124,7 +133,9 @@ func (e *env) modify(id string, params map[string]string) {
 // TestIOLimitsOnRealCgroupV1: the limits of a volume's class reach the
 // kernel's blkio throttle files of its pod's cgroup, for the volume's own loop
 // device, at publish; a modified class reaches them through the node's
-// reconcile, without a new publish; 0 clears a limit.
+// reconcile, without a new publish; 0 clears a limit. A restart of the driver
+// between publish and modify changes none of it: the restarted driver finds
+// the pod again from the kernel's mount table.
 func TestIOLimitsOnRealCgroupV1(t *testing.T) {
 	root, uid, podDir := podCgroup(t)
 	e := newEnvArgs(t, []string{"--cgroup-root", root, "--io-limits-interval", "100ms"}, "mkfs.ext4", "losetup")
@@ -141,14 +152,28 @@ func TestIOLimitsOnRealCgroupV1(t *testing.T) {
 		t.Fatalf("device %s is backed by %q (%v), not a volume of the pool %s", dev, backing, err, e.pool)
 	}
 
-	e.modify(id, map[string]string{"writeBytesPerSecond": "0", "writeIOPS": "200"})
-	want := cgroup.Limits{ReadIOPS: 500, WriteIOPS: 200}
-	for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
-		if _, got = throttleOf(t, podDir); got == want {
-			break
+	for _, step := range []struct {
+		name    string
+		restart bool
+		change  map[string]string
+		want    cgroup.Limits
+	}{
+		{name: "a modify", change: map[string]string{"writeBytesPerSecond": "0", "writeIOPS": "200"},
+			want: cgroup.Limits{ReadIOPS: 500, WriteIOPS: 200}},
+		{name: "a driver restart and a modify", restart: true, change: map[string]string{"readIOPS": "0", "readBytesPerSecond": "30Mi"},
+			want: cgroup.Limits{ReadBPS: 30 << 20, WriteIOPS: 200}},
+	} {
+		if step.restart {
+			e.drv.Restart(t)
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("after the modify the kernel holds the pod to %+v, want %+v", got, want)
+		e.modify(id, step.change)
+		for deadline := time.Now().Add(time.Minute); ; time.Sleep(50 * time.Millisecond) {
+			if _, got = throttleOf(t, podDir); got == step.want {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("after %s the kernel holds the pod to %+v, want %+v", step.name, got, step.want)
+			}
 		}
 	}
 }
@@ -170,10 +195,10 @@ func BenchmarkIOLimitsV1(b *testing.B) {
 	for i := 0; i < b.N; i++ {
 		e.modify(id, map[string]string{"writeBytesPerSecond": "0"})
 		waitThrottle(b, podDir, 0)
-		free = append(free, fioInCgroup(b, podDir, e.target(id)))
+		free = append(free, fioInCgroup(b, podDir, e.podTarget("bench", uid)))
 		e.modify(id, map[string]string{"writeBytesPerSecond": "20Mi"})
 		waitThrottle(b, podDir, limit)
-		limited = append(limited, fioInCgroup(b, podDir, e.target(id)))
+		limited = append(limited, fioInCgroup(b, podDir, e.podTarget("bench", uid)))
 		b.Logf("round %d: unlimited %.1f MiB/s, limited to 20 MiB/s: %.1f MiB/s", i+1, free[i]/(1<<20), limited[i]/(1<<20))
 	}
 	b.ReportMetric(median(free)/(1<<20), "MiB/s-unlimited")

@@ -53,3 +53,24 @@ func (h *Host) Apply(uid, device string, l cgroup.Limits) (string, error) {
 	pod[device] = l
 	return "fake:/kubepods/pod" + uid, nil
 }
+
+// Held is what the pod's fake cgroup holds for device, as the real one reads
+// it: zero Limits when nothing was written.
+func (h *Host) Held(uid, device string) (cgroup.Limits, string, error) {
+	if err := h.Faults.hit("Held"); err != nil {
+		return cgroup.Limits{}, "", err
+	}
+	if err := cgroup.ValidatePodUID(uid); err != nil {
+		return cgroup.Limits{}, "", err
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	pod, ok := h.pods[uid]
+	if !ok {
+		return cgroup.Limits{}, "", fmt.Errorf("%w %s (fake)", cgroup.ErrNoPodCgroup, uid)
+	}
+	if _, ok := h.devices[device]; !ok {
+		return cgroup.Limits{}, "", fmt.Errorf("%s is not a block device (fake)", device)
+	}
+	return pod[device], "fake:/kubepods/pod" + uid, nil
+}

@@ -1,0 +1,139 @@
+package driver
+
+import (
+	"context"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/cgroup"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// blockPublishDir is what precedes <pv>/<pod UID> in kubelet's block publish
+// path, below its root directory.
+var blockPublishDir = []string{"plugins", "kubernetes.io", "csi", "volumeDevices", "publish"}
+
+// podUIDOfTarget returns the pod UID in a kubelet target path, false when the
+// path is not one or the UID is not a lowercase UUID (it becomes part of a
+// cgroup path). kubelet v1.36 (pkg/volume/csi) publishes a filesystem volume
+// at <root>/pods/<pod UID>/volumes/kubernetes.io~csi/<pv>/mount
+// (csiMountMgr.GetPath) and a block volume at
+// <root>/plugins/kubernetes.io/csi/volumeDevices/publish/<pv>/<pod UID>
+// (csiBlockMapper.getPublishPath). Its other binds of a block device
+// (volumeDevices/<pv>/dev/<pod UID>, the global map path) are no publish and
+// match neither.
+func podUIDOfTarget(target string) (string, bool) {
+	parts := strings.Split(target, "/")
+	n := len(parts)
+	var uid string
+	switch {
+	case n >= 7 && parts[n-6] == "pods" && parts[n-4] == "volumes" && parts[n-3] == "kubernetes.io~csi" &&
+		parts[n-2] != "" && parts[n-1] == "mount":
+		uid = parts[n-5]
+	case n >= 8 && slices.Equal(parts[n-7:n-2], blockPublishDir) && parts[n-2] != "":
+		uid = parts[n-1]
+	default:
+		return "", false
+	}
+	if cgroup.ValidatePodUID(uid) != nil {
+		return "", false
+	}
+	return uid, true
+}
+
+// rebuildIOLimits finds again, after a restart, the publications of image
+// volumes this node staged, from the mount table: the tracking is in memory
+// only, and without it a class changed later never reaches pods already
+// running. It writes nothing: it records what each pod's cgroup already
+// holds, so the reconcile writes only what differs. It runs before the
+// server serves; a publication a handler tracked first is kept.
+func (d *Driver) rebuildIOLimits(ctx context.Context) {
+	logger := klog.FromContext(ctx)
+	found := 0
+	for _, name := range d.names() {
+		p := d.pool(name)
+		if p == nil {
+			continue
+		}
+		entries, err := p.List()
+		if err != nil {
+			logger.Error(err, "I/O limits: cannot list the pool's volumes; its running pods keep the limits they have until published again", "pool", name)
+			continue
+		}
+		for _, e := range entries {
+			if ctx.Err() != nil {
+				return
+			}
+			if e.Err != nil || e.Volume == nil || e.Volume.Layout != pool.LayoutImage {
+				continue
+			}
+			found += d.rediscoverPublishes(ctx, p, e.ID, e.Volume)
+		}
+	}
+	logger.Info("I/O limits: found the publications of this node again", "count", found)
+}
+
+// rediscoverPublishes tracks the publications of one volume: the mount points
+// of its loop device that are kubelet target paths, below the allowed path
+// prefix, other than this node's staging paths (an inline volume is staged at
+// its target and never tracked). It returns how many it tracked.
+func (d *Driver) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.VolumeID, v *pool.Volume) int {
+	var staging []string
+	for _, s := range v.Staged {
+		if s.Node == d.opts.NodeID {
+			staging = append(staging, s.Path, filepath.Clean(s.Path))
+		}
+	}
+	if len(staging) == 0 {
+		return 0
+	}
+	logger := klog.FromContext(ctx).WithValues("volume", id)
+	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	if err != nil || !ok {
+		logger.V(2).Info("I/O limits: a volume staged here has no loop device", "err", err)
+		return 0
+	}
+	points, err := d.mounts.MountPoints(dev)
+	if err != nil {
+		logger.Error(err, "I/O limits: cannot list the mounts of a volume's loop device", "device", dev)
+		return 0
+	}
+	n := 0
+	for _, m := range points {
+		if slices.Contains(staging, m) {
+			continue
+		}
+		// The same check a request's target path passes: below the prefix,
+		// clean, through no link.
+		target, err := d.requestPath("target_path", m)
+		if err != nil || target != m {
+			logger.V(2).Info("I/O limits: not a target path this driver publishes to", "path", m, "err", err)
+			continue
+		}
+		uid, ok := podUIDOfTarget(target)
+		if !ok {
+			logger.V(2).Info("I/O limits: no pod UID in the path; that pod is not held to the volume's limits", "path", target)
+			continue
+		}
+		t := &throttled{pool: p, id: id, podUID: uid}
+		held, _, err := d.cgroups.Held(uid, dev)
+		if err == nil && !held.IsZero() {
+			t.device = dev
+			t.applied = pool.IOLimits{ReadBytesPerSecond: held.ReadBPS, WriteBytesPerSecond: held.WriteBPS, ReadIOPS: held.ReadIOPS, WriteIOPS: held.WriteIOPS}
+		}
+		d.throttle.mu.Lock()
+		if _, dup := d.throttle.pub[target]; !dup {
+			if d.throttle.pub == nil {
+				d.throttle.pub = map[string]*throttled{}
+			}
+			d.throttle.pub[target] = t
+			n++
+		}
+		d.throttle.mu.Unlock()
+		logger.V(2).Info("I/O limits: tracking a publication found again", "target", target, "pod", uid, "device", dev, "held", held, "err", err)
+	}
+	return n
+}
