@@ -60,6 +60,13 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 			t.Fatalf("modify status left on the claim: %+v", got.Status.ModifyVolumeStatus)
 		}
 
+		// A node plugin restarted (an upgrade) finds the running pod again from its mounts:
+		// a class changed after the restart still reaches it.
+		env.restartNodePod(t)
+		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-slow"}}`)
+		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
+		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 300)
+
 		// An unknown parameter: the modification is Infeasible, the volume keeps its class.
 		env.volumeAttributesClass(t, "vac-bogus", sharedDrv, map[string]string{"writeBPS": "1Mi"})
 		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-bogus"}}`)

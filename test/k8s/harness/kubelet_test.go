@@ -857,6 +857,26 @@ func (e *kubeletEnv) nodePodName(t testing.TB) (string, error) {
 	return names[0], nil
 }
 
+// restartNodePod deletes the node DaemonSet's pod and waits until its replacement serves.
+func (e *kubeletEnv) restartNodePod(t testing.TB) {
+	t.Helper()
+	old, err := e.nodePodName(t)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.c.Client.CoreV1().Pods(chart.Namespace).Delete(context.Background(), old, metav1.DeleteOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 120*time.Second, "a new node pod", func() error {
+		n, err := e.nodePodName(t)
+		if err == nil && n == old {
+			return fmt.Errorf("still %s", n)
+		}
+		return err
+	})
+	e.waitChartReady(t)
+}
+
 // kubeletCases are the rest of the kubelet issue's cases, on the environment of TestKubelet.
 func kubeletCases(t *testing.T, env *kubeletEnv) {
 	ctx := context.Background()
@@ -1011,21 +1031,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 		env.claim(t, ns, claimSpec{name: "d", class: "shared-dir", size: "100Mi"})
 		env.pod(t, ns, podSpec{name: "p", claims: []string{"c", "d"}})
 		want := strings.TrimSpace(env.mustExec(t, ns, "p", writeBlob))
-		old, err := env.nodePodName(t)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := env.c.Client.CoreV1().Pods(chart.Namespace).Delete(ctx, old, metav1.DeleteOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		waitFor(t, 120*time.Second, "a new node pod", func() error {
-			n, err := env.nodePodName(t)
-			if err == nil && n == old {
-				return fmt.Errorf("still %s", n)
-			}
-			return err
-		})
-		env.waitChartReady(t)
+		env.restartNodePod(t)
 		if got := sum(t, env, ns, "p", "/data/blob"); got != want {
 			t.Fatalf("after the driver restart the pod reads %s, wrote %s", got, want)
 		}
