@@ -77,7 +77,10 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 			}
 			return nil
 		})
-		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 16<<20)
+		if cur := env.pvc(t, ns, "c").Status.CurrentVolumeAttributesClassName; cur == nil || *cur != "vac-slow" {
+			t.Fatalf("after an Infeasible class the claim's current class is %v, want vac-slow", cur)
+		}
+		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
 	})
 
 	t.Run("VolumeAttributesClass preallocates the image", func(t *testing.T) {
