@@ -112,6 +112,25 @@ func checkMemberIDs(gid pool.GroupSnapshotID, g *pool.GroupSnapshot, given []str
 	return nil
 }
 
+// checkGroupSnapshotParams is checkSnapshotParams, and lets deletionPolicy
+// (Delete or Retain) through, ignored: it is a VolumeGroupSnapshotClass
+// field, not a driver parameter, but the Kubernetes storage e2e suite's group
+// snapshot class carries it among its parameters too, and a driver that
+// refused it would fail every group snapshot that class asks for.
+func checkGroupSnapshotParams(params map[string]string) error {
+	rest := make(map[string]string, len(params))
+	for k, v := range params {
+		if k == "deletionPolicy" {
+			if v != "Delete" && v != "Retain" {
+				return status.Errorf(codes.InvalidArgument, "parameter deletionPolicy %q: want Delete or Retain (poolcsi ignores it: it is the class's field)", v)
+			}
+			continue
+		}
+		rest[k] = v
+	}
+	return checkSnapshotParams(rest)
+}
+
 // groupSource is one volume of a group snapshot being cut, locked.
 type groupSource struct {
 	id   pool.VolumeID
@@ -133,7 +152,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	if err := pool.ValidateVolumeName(name); err != nil {
 		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "group snapshot name", 1))
 	}
-	if err := checkSnapshotParams(req.GetParameters()); err != nil {
+	if err := checkGroupSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
 	vids, p, err := d.groupSources(ctx, req.GetSourceVolumeIds(), req.GetSecrets())

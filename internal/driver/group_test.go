@@ -130,6 +130,7 @@ func TestCreateVolumeGroupSnapshotRefusals(t *testing.T) {
 		{name: "path in an ID", sources: func(f *groupFixture) []string { return []string{f.ids[0], "local/../../etc"} }, want: codes.InvalidArgument},
 		{name: "no volumes", sources: func(*groupFixture) []string { return nil }, want: codes.InvalidArgument},
 		{name: "unknown parameter", sources: func(f *groupFixture) []string { return f.ids }, params: map[string]string{"consistency": "app"}, want: codes.InvalidArgument},
+		{name: "a deletionPolicy that is none", sources: func(f *groupFixture) []string { return f.ids }, params: map[string]string{"deletionPolicy": "Keep"}, want: codes.InvalidArgument},
 		{name: "first member copy fails", sources: func(f *groupFixture) []string { return f.ids }, failCopy: 1, want: codes.Internal},
 		{name: "second member copy fails", sources: func(f *groupFixture) []string { return f.ids }, failCopy: 2, want: codes.Internal},
 	} {
@@ -150,7 +151,9 @@ func TestVolumeGroupSnapshotLifecycle(t *testing.T) {
 	ctx := context.Background()
 	f.writeImage(t, f.ids[0], "data-before")
 	f.writeImage(t, f.ids[1], "wal-before")
-	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: []string{f.ids[1], f.ids[0]}}
+	// The Kubernetes e2e suite's class puts deletionPolicy among the parameters.
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: []string{f.ids[1], f.ids[0]},
+		Parameters: map[string]string{"deletionPolicy": "Delete", "csi.storage.k8s.io/volumegroupsnapshot/name": "db"}}
 	resp, err := f.CreateVolumeGroupSnapshot(ctx, req)
 	if err != nil {
 		t.Fatal(err)
