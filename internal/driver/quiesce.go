@@ -127,6 +127,7 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 	return func() error {
 		err := d.checkStillFrozen(remote)
 		release()
+		d.awaitThaws(ctx, remote)
 		return err
 	}, nil
 }
@@ -199,6 +200,47 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 				t.AckTimeout, strings.Join(live, "; "))
 		}
 		return nil
+	}
+}
+
+// awaitThaws waits, at most the acknowledgement timeout, until every node
+// that froze a volume has thawed it and let it go (its answer gone from its
+// inbox, its last step), so that a snapshot returns with nothing frozen: the
+// pod writes again, and an unstage right after is not refused as busy. A node
+// that is slow to notice only delays the return; the copy stands.
+func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
+	var held []*remoteFreeze
+	for _, r := range remote {
+		if r.frozen {
+			held = append(held, r)
+		}
+	}
+	if len(held) == 0 {
+		return
+	}
+	tick := time.NewTicker(min(d.freezeTiming.Poll, 100*time.Millisecond))
+	defer tick.Stop()
+	deadline := time.NewTimer(d.freezeTiming.AckTimeout)
+	defer deadline.Stop()
+	for {
+		pending := held[:0]
+		for _, r := range held {
+			if a, ok, err := r.pool.ReadFreezeAck(r.node, r.id); err != nil || (ok && a.Nonce == r.nonce) {
+				pending = append(pending, r)
+			}
+		}
+		held = pending
+		if len(held) == 0 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+		case <-deadline.C:
+		case <-tick.C:
+			continue
+		}
+		klog.FromContext(ctx).Info("A node has not let go of a frozen volume yet; the snapshot returns all the same (it thaws on its next poll or at its maximum hold)", "volume", held[0].id, "node", held[0].node)
+		return
 	}
 }
 
