@@ -462,19 +462,26 @@ var skipReason = regexp.MustCompile(`(?s)skipped - (.*)`)
 var knownCauses = []struct {
 	spec, reason *regexp.Regexp // either may be nil: then it matches every spec or reason
 	cause        string
+	where        string // whose the cause is; "" is this machine's
 }{
 	{nil, regexp.MustCompile(`on node \S+: command terminated with exit code`), "the spec checks the node through " +
 		"the suite's host-exec pod, which runs nsenter into PID 1's mount namespace; on this machine " +
 		"even root on the host may not open /proc/1/ns/mnt (`nsenter: can't open '/rootfs/proc/1/ns/mnt': " +
-		"Permission denied`), so every host-exec command fails"},
+		"Permission denied`), so every host-exec command fails", ""},
 	{regexp.MustCompile(`any volume data source`), nil, "needs the hello-populator and volume-data-source-validator images; " +
 		"their modules (github.com/kubernetes-csi/lib-volume-populator, github.com/kubernetes-csi/volume-data-source-validator) " +
-		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff"},
+		"are not on the Go module proxy and no registry is reachable here, so the pod waits in ImagePullBackOff", ""},
 	{regexp.MustCompile(`\[Layout: dir\]`), regexp.MustCompile(`fs size: \d+ bytes is not larger than origin fs size`),
 		"the spec reads a dir volume's size with df in the pod. A dir volume's size is its quota, and this machine's only " +
 			"dir quota is btrfs quota groups (its kernel has no XFS or ext4 project quotas), whose limit statfs never shows: " +
 			"btrfs reports the whole filesystem. XFS and ext4 project quotas report the quota to statfs, so on such a pool " +
-			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)"},
+			"df shows the volume's size (kubelet's volume stats show it on any pool: NodeGetVolumeStats reads the quota)", ""},
+	{regexp.MustCompile(`VolumeGroupSnapshottable should create snapshots for StatefulSet volumes and verify data consistency after restore`), nil,
+		"the spec restores each member into a claim of the test suite's smallest size (1 MiB, the suite's " +
+			"SupportedSizeRange, not the driver's), and csi-provisioner refuses a restore smaller than its snapshot " +
+			"(`requested volume size 1048576 is less than the size 314572800 for the source snapshot`): the members are " +
+			"xfs image volumes of 300 MiB, xfs's smallest. The group snapshot itself became ready; a driver whose " +
+			"smallest volume is 1 MiB passes", "the suite"},
 }
 
 // outsideCauses are the known causes outside the driver (knownCauses) that explain a failed
@@ -483,7 +490,11 @@ func outsideCauses(name, reason string) []string {
 	var out []string
 	for _, k := range knownCauses {
 		if (k.spec == nil || k.spec.MatchString(name)) && (k.reason == nil || k.reason.MatchString(reason)) {
-			out = append(out, "**Cause (this machine):** "+k.cause+".")
+			where := k.where
+			if where == "" {
+				where = "this machine"
+			}
+			out = append(out, "**Cause ("+where+"):** "+k.cause+".")
 		}
 	}
 	return out
