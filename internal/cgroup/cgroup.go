@@ -124,7 +124,40 @@ func (c FS) Apply(uid, device string, l Limits) (string, error) {
 	if err != nil {
 		return dir, err
 	}
-	return dir, WriteLimits(dir, c.v2(), major, minor, l)
+	return dir, writePod(dir, c.v2(), major, minor, l)
+}
+
+// writePod writes l into a pod's cgroup dir. cgroup v1's block throttling is
+// not hierarchical: a limit on the pod's cgroup does not hold the containers
+// in the cgroups below it, where the pod's processes are, so each is written
+// too; one started later (a restart) is found by the next reconcile, through
+// Held.
+func writePod(dir string, v2 bool, major, minor uint32, l Limits) error {
+	if err := WriteLimits(dir, v2, major, minor, l); err != nil || v2 {
+		return err
+	}
+	for _, child := range childCgroups(dir) {
+		if err := WriteLimits(child, false, major, minor, l); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// childCgroups are the cgroups directly below dir (v1: a pod's containers),
+// read from the kernel's cgroup filesystem, never through a link.
+func childCgroups(dir string) []string {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return nil
+	}
+	var out []string
+	for _, e := range ents {
+		if e.IsDir() && e.Type()&os.ModeSymlink == 0 {
+			out = append(out, filepath.Join(dir, e.Name()))
+		}
+	}
+	return out
 }
 
 // deviceNumber is the major and minor number of a block device node.
@@ -211,8 +244,28 @@ func (c FS) Held(uid, device string) (Limits, string, error) {
 	if err != nil {
 		return Limits{}, dir, err
 	}
-	l, err := ReadLimits(dir, c.v2(), major, minor)
-	return l, dir, err
+	l, at, err := heldByPod(dir, c.v2(), major, minor)
+	return l, at, err
+}
+
+// heldByPod reads what a pod's cgroup dir holds. Under v1 the pod holds the
+// limits only if every container's cgroup does (writePod); the first that
+// differs is what the pod holds, and where.
+func heldByPod(dir string, v2 bool, major, minor uint32) (Limits, string, error) {
+	l, err := ReadLimits(dir, v2, major, minor)
+	if err != nil || v2 {
+		return l, dir, err
+	}
+	for _, child := range childCgroups(dir) {
+		cl, err := ReadLimits(child, false, major, minor)
+		if err != nil {
+			return Limits{}, child, err
+		}
+		if cl != l {
+			return cl, child, nil
+		}
+	}
+	return l, dir, nil
 }
 
 // ReadLimits reads the limits for device major:minor in the cgroup dir: its

@@ -147,3 +147,47 @@ func TestReadLimits(t *testing.T) {
 		})
 	}
 }
+
+// TestV1ContainersAreWritten: under cgroup v1 the pod's limits are written into
+// each container's cgroup too (throttling is not hierarchical there), and a
+// container that holds other limits (started since) makes the pod hold those.
+func TestV1ContainersAreWritten(t *testing.T) {
+	pod := t.TempDir()
+	files := []string{"blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device",
+		"blkio.throttle.read_iops_device", "blkio.throttle.write_iops_device"}
+	for _, d := range []string{pod, filepath.Join(pod, "pause"), filepath.Join(pod, "app")} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range files {
+			if err := os.WriteFile(filepath.Join(d, f), nil, 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	l := Limits{WriteBPS: 8 << 20, ReadIOPS: 100}
+	if err := writePod(pod, false, 7, 5, l); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{pod, filepath.Join(pod, "pause"), filepath.Join(pod, "app")} {
+		if got, err := ReadLimits(d, false, 7, 5); err != nil || got != l {
+			t.Errorf("%s holds %+v (%v), want %+v", d, got, err, l)
+		}
+	}
+	if got, at, err := heldByPod(pod, false, 7, 5); err != nil || got != l || at != pod {
+		t.Fatalf("held %+v at %s (%v), want %+v at the pod", got, at, err, l)
+	}
+	// A container restarted: a new cgroup, nothing in it.
+	restarted := filepath.Join(pod, "app2")
+	if err := os.MkdirAll(restarted, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		if err := os.WriteFile(filepath.Join(restarted, f), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, at, err := heldByPod(pod, false, 7, 5); err != nil || got != (Limits{}) || at != restarted {
+		t.Fatalf("with a new container: held %+v at %s (%v), want nothing at %s", got, at, err, restarted)
+	}
+}

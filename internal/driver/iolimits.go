@@ -98,11 +98,20 @@ func (d *Driver) applyLimits(ctx context.Context, t *throttled, v *pool.Volume) 
 	same := t.device == dev && t.applied == v.IOLimits
 	never := t.device == "" && v.IOLimits.IsZero()
 	d.throttle.mu.Unlock()
-	if same || never {
+	if never {
 		return
 	}
 	l := v.IOLimits
-	dir, err := d.cgroups.Apply(t.podUID, dev, cgroup.Limits{ReadBPS: l.ReadBytesPerSecond, WriteBPS: l.WriteBytesPerSecond, ReadIOPS: l.ReadIOPS, WriteIOPS: l.WriteIOPS})
+	want := cgroup.Limits{ReadBPS: l.ReadBytesPerSecond, WriteBPS: l.WriteBytesPerSecond, ReadIOPS: l.ReadIOPS, WriteIOPS: l.WriteIOPS}
+	if same {
+		// Written before; the kernel may have moved on all the same: under
+		// cgroup v1 a container (re)started since sits in a new cgroup that
+		// holds nothing (Held tells).
+		if held, _, err := d.cgroups.Held(t.podUID, dev); err != nil || held == want {
+			return
+		}
+	}
+	dir, err := d.cgroups.Apply(t.podUID, dev, want)
 	if err != nil {
 		if errors.Is(err, cgroup.ErrNoPodCgroup) {
 			logger.Info("I/O limits not applied: the pod's cgroup is not found (tried again every reconcile)", "device", dev, "reason", err.Error())

@@ -135,6 +135,46 @@ func TestIOLimitsReachPods(t *testing.T) {
 	}
 }
 
+// TestIOLimitsReachRestartedContainers: under cgroup v1 a pod-level limit does
+// not hold the containers below it, so each container's cgroup is written; one
+// restarted since holds nothing, and the next reconcile writes it again even
+// though the volume's limits did not change (before, a reconcile skipped what
+// it had written once).
+func TestIOLimitsReachRestartedContainers(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	ctx := context.Background()
+	vc := mountCap(rwo, "ext4")
+	resp, err := td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "v", VolumeCapabilities: []*csi.VolumeCapability{vc},
+		CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20}, MutableParameters: map[string]string{"writeBytesPerSecond": "8Mi"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	td.host.AddPod(testPod)
+	if err := td.publishPod(id, vc, testPod); err != nil {
+		t.Fatal(err)
+	}
+	dev := td.device(t, id)
+	want := cgroup.Limits{WriteBPS: 8 << 20}
+	if got, ok := td.host.PodLimits(testPod, dev); !ok || got != want {
+		t.Fatalf("after publish the pod holds %+v (%t), want %+v", got, ok, want)
+	}
+	td.host.RestartContainers(testPod)
+	td.reconcileIOLimits(ctx)
+	if got, ok := td.host.PodLimits(testPod, dev); !ok || got != want {
+		t.Fatalf("after a container restart and a reconcile the pod holds %+v (%t), want %+v", got, ok, want)
+	}
+	// Nothing changed since: the next reconcile reads, and writes nothing.
+	calls := td.host.Faults.Calls("Apply")
+	td.reconcileIOLimits(ctx)
+	if n := td.host.Faults.Calls("Apply"); n != calls {
+		t.Fatalf("%d cgroup writes by a reconcile with nothing to change", n-calls)
+	}
+}
+
 // TestIOLimitsReconcileRunsWithServer: the periodic reconcile started by Serve
 // brings a changed class to a running pod, and stops with the server.
 func TestIOLimitsReconcileRunsWithServer(t *testing.T) {

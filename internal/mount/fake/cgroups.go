@@ -16,6 +16,16 @@ func (h *Host) AddPod(uid string) {
 	}
 }
 
+// RestartContainers forgets what the pod's cgroup holds, as a container
+// restarted under cgroup v1 sits in a new cgroup that holds nothing.
+func (h *Host) RestartContainers(uid string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.pods[uid] != nil {
+		h.pods[uid] = map[string]cgroup.Limits{}
+	}
+}
+
 // RemovePod takes a pod's cgroup away.
 func (h *Host) RemovePod(uid string) {
 	h.mu.Lock()

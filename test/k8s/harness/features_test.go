@@ -234,19 +234,33 @@ func (e *kubeletEnv) waitThrottle(t testing.TB, pod *corev1.Pod, file string, wa
 		if err != nil {
 			return err
 		}
-		b, err := os.ReadFile(filepath.Join(dir, file))
+		// v1 throttling is not hierarchical: the pod's containers, in the cgroups
+		// below, must hold the limit too, or it holds nothing.
+		dirs := []string{dir}
+		ents, err := os.ReadDir(dir)
 		if err != nil {
 			return err
 		}
-		var got int64
-		for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
-			// "MAJ:MIN value"; loop devices are major 7.
-			if f := strings.Fields(line); len(f) == 2 && strings.HasPrefix(f[0], "7:") {
-				got, _ = strconv.ParseInt(f[1], 10, 64)
+		for _, e := range ents {
+			if e.IsDir() {
+				dirs = append(dirs, filepath.Join(dir, e.Name()))
 			}
 		}
-		if got != want {
-			return fmt.Errorf("%s holds %q", filepath.Join(dir, file), b)
+		for _, d := range dirs {
+			b, err := os.ReadFile(filepath.Join(d, file))
+			if err != nil {
+				return err
+			}
+			var got int64
+			for _, line := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+				// "MAJ:MIN value"; loop devices are major 7.
+				if f := strings.Fields(line); len(f) == 2 && strings.HasPrefix(f[0], "7:") {
+					got, _ = strconv.ParseInt(f[1], 10, 64)
+				}
+			}
+			if got != want {
+				return fmt.Errorf("%s holds %q", filepath.Join(d, file), b)
+			}
 		}
 		return nil
 	})
