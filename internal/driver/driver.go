@@ -275,28 +275,21 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
 	if d.opts.Mode.node() {
-		leaseCtx, stopLeases := context.WithCancel(context.WithoutCancel(ctx))
-		leasesDone := make(chan struct{})
-		go func() { defer close(leasesDone); d.keepLeases(leaseCtx) }()
 		// The leases stop after the server: a call under way at the stop
 		// may still stage a volume.
-		defer func() { stopLeases(); <-leasesDone }()
+		defer background(context.WithoutCancel(ctx), d.keepLeases)()
 		// Stopped after the server too, and thawing what it holds.
-		agentCtx, stopAgent := context.WithCancel(context.WithoutCancel(ctx))
-		agentDone := make(chan struct{})
-		go func() { defer close(agentDone); d.runFreezeAgent(agentCtx) }()
-		defer func() { stopAgent(); <-agentDone }()
+		defer background(context.WithoutCancel(ctx), d.runFreezeAgent)()
 		// Before the first reconcile and before any publish: a restarted
 		// node plugin knows its pods again only from the mount table.
 		d.rebuildIOLimits(ctx)
-		limitsCtx, stopLimits := context.WithCancel(ctx)
-		limitsDone := make(chan struct{})
-		go func() { defer close(limitsDone); d.keepIOLimits(limitsCtx, d.opts.IOLimitsInterval) }()
-		defer func() { stopLimits(); <-limitsDone }()
-		sweepCtx, stopSweep := context.WithCancel(ctx)
-		sweepDone := make(chan struct{})
-		go func() { defer close(sweepDone); d.keepSweeping(sweepCtx, d.opts.EphemeralSweepInterval) }()
-		defer func() { stopSweep(); <-sweepDone }()
+		defer background(ctx, func(ctx context.Context) { every(ctx, d.opts.IOLimitsInterval, d.reconcileIOLimits) })()
+		defer background(ctx, func(ctx context.Context) {
+			d.sweepEphemeral(ctx)
+			if d.opts.EphemeralSweepInterval > 0 {
+				every(ctx, d.opts.EphemeralSweepInterval, func(ctx context.Context) { d.sweepEphemeral(ctx) })
+			}
+		})()
 	}
 	go func() {
 		<-ctx.Done()
@@ -313,6 +306,29 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		return fmt.Errorf("serve %s: %w", endpoint, err)
 	}
 	return nil
+}
+
+// background runs f on a goroutine of its own, with a context of its own below
+// parent, and returns what cancels it and waits until f has returned.
+func background(parent context.Context, f func(context.Context)) (stop func()) {
+	ctx, cancel := context.WithCancel(parent)
+	done := make(chan struct{})
+	go func() { defer close(done); f(ctx) }()
+	return func() { cancel(); <-done }
+}
+
+// every runs f every interval until ctx ends.
+func every(ctx context.Context, interval time.Duration, f func(context.Context)) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			f(ctx)
+		}
+	}
 }
 
 // Listen opens a unix socket endpoint, replacing a stale socket file left by a

@@ -531,22 +531,3 @@ func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	logger.Info("Swept ephemeral volume no unpublish removed", "handle", rec.Handle, "volume", vid, "pod", rec.Pod, "target", rec.Target)
 	return true
 }
-
-// keepSweeping sweeps at start and every interval (0: at start only) until
-// ctx ends.
-func (d *Driver) keepSweeping(ctx context.Context, interval time.Duration) {
-	d.sweepEphemeral(ctx)
-	if interval <= 0 {
-		return
-	}
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			d.sweepEphemeral(ctx)
-		}
-	}
-}

@@ -149,20 +149,6 @@ func (d *Driver) reconcileIOLimits(ctx context.Context) {
 	}
 }
 
-// keepIOLimits runs reconcileIOLimits every interval until ctx ends.
-func (d *Driver) keepIOLimits(ctx context.Context, interval time.Duration) {
-	tick := time.NewTicker(interval)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tick.C:
-			d.reconcileIOLimits(ctx)
-		}
-	}
-}
-
 // ThrottledPods lists the publications whose limits are applied, by target
 // (for poolcsi status and tests).
 func (d *Driver) ThrottledPods() map[string]pool.IOLimits {
