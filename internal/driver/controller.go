@@ -131,11 +131,8 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
-	if name == "" {
-		return nil, status.Error(codes.InvalidArgument, "name is required")
-	}
-	if err := pool.ValidateVolumeName(name); err != nil {
-		return nil, status.Error(codes.InvalidArgument, err.Error())
+	if err := checkRequestName("volume", name); err != nil {
+		return nil, err
 	}
 	if strings.HasPrefix(name, pool.EphemeralPrefix) {
 		return nil, status.Errorf(codes.InvalidArgument, "name %q: names beginning %s are those of ephemeral inline volumes", name, pool.EphemeralPrefix)

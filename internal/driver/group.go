@@ -146,11 +146,8 @@ type groupSource struct {
 func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
-	if name == "" {
-		return nil, status.Error(codes.InvalidArgument, "name is required")
-	}
-	if err := pool.ValidateVolumeName(name); err != nil {
-		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "group snapshot name", 1))
+	if err := checkRequestName("group snapshot", name); err != nil {
+		return nil, err
 	}
 	if err := checkGroupSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err

@@ -76,11 +76,8 @@ func checkSnapshotParams(params map[string]string) error {
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
-	if name == "" {
-		return nil, status.Error(codes.InvalidArgument, "name is required")
-	}
-	if err := pool.ValidateVolumeName(name); err != nil {
-		return nil, status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", "snapshot name", 1))
+	if err := checkRequestName("snapshot", name); err != nil {
+		return nil, err
 	}
 	if req.GetSourceVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "source_volume_id is required")

@@ -25,6 +25,8 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		if req.GetVolumePath() == "" {
 			return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 		}
+		// kubelet's own ID of an inline volume: found by its record, never
+		// parsed as a poolcsi ID.
 		p, vid, err := d.ephemeralRef(req.GetVolumeId())
 		if err != nil {
 			return nil, err

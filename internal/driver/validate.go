@@ -247,3 +247,16 @@ func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.V
 	}
 	return v, unlock, nil
 }
+
+// checkRequestName checks the name of a CreateVolume, CreateSnapshot or
+// CreateVolumeGroupSnapshot request: required, and a name the pool can key
+// (kind says whose, in the message).
+func checkRequestName(kind, name string) error {
+	if name == "" {
+		return status.Error(codes.InvalidArgument, "name is required")
+	}
+	if err := pool.ValidateVolumeName(name); err != nil {
+		return status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", kind+" name", 1))
+	}
+	return nil
+}
