@@ -207,10 +207,9 @@ func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 		return &csi.ControllerModifyVolumeResponse{}, nil
 	}
 	before := *v
+	// A volume's layout never changes: the check above holds for the record
+	// Modify loads again under the volume's lock.
 	v, err = p.Modify(ctx, vid, func(v *pool.Volume) error {
-		if err := m.forLayout(v.Layout); err != nil {
-			return err
-		}
 		m.apply(v)
 		return nil
 	}, d.fs.Allocate)
