@@ -61,14 +61,16 @@ func (d *Driver) runFreezeAgent(ctx context.Context) {
 	}
 }
 
-// freezeTick reads every pool's inbox once: thaws what was withdrawn or held
-// too long, then answers new requests.
+// freezeTick reads every shared pool's inbox once: thaws what was withdrawn
+// or held too long, then answers new requests. A local pool has no other
+// node to ask: its controller runs in this process and freezes in place, so
+// its inbox is never read (two directory reads a second saved per pool).
 func (d *Driver) freezeTick(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	node := d.opts.NodeID
 	for _, pn := range d.names() {
 		p := d.pool(pn)
-		if p == nil {
+		if p == nil || !p.Shared() {
 			continue
 		}
 		entries, acked, listErr := p.Inbox(node)
