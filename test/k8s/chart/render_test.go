@@ -270,3 +270,58 @@ func checkPoolHostPaths(t *testing.T, overrides map[string]any, have map[string]
 		t.Errorf("DaemonSet/poolcsi-node has no pool volumes")
 	}
 }
+
+// TestMaxVolumesReachEachDriver: node.maxVolumes gives each driver's node plugin its own
+// --max-volumes-per-node (reported in CSINode for the scheduler), and 0 leaves it out.
+func TestMaxVolumesReachEachDriver(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		max           map[string]any
+		shared, local string // the flag expected in each container, "" for none
+	}{
+		{name: "default", max: nil},
+		{name: "both", max: map[string]any{"shared": 8, "local": 4}, shared: "--max-volumes-per-node=8", local: "--max-volumes-per-node=4"},
+		{name: "local only", max: map[string]any{"shared": 0, "local": 16}, local: "--max-volumes-per-node=16"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			overrides := map[string]any{}
+			if tc.max != nil {
+				overrides["node"] = map[string]any{"maxVolumes": tc.max}
+			}
+			docs, err := Render(ChartDir(), "", overrides)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var ds string
+			for _, d := range docs {
+				if d.Kind == "DaemonSet" && d.Name == "poolcsi-node" {
+					ds = d.YAML
+				}
+			}
+			for container, want := range map[string]string{"poolcsi": tc.shared, "poolcsi-local": tc.local} {
+				c := containerYAML(t, ds, container)
+				n := strings.Count(c, "--max-volumes-per-node")
+				switch {
+				case want == "" && n != 0:
+					t.Errorf("container %s has --max-volumes-per-node, want none:\n%s", container, c)
+				case want != "" && (n != 1 || !strings.Contains(c, "- "+want+"\n")):
+					t.Errorf("container %s: want exactly %q:\n%s", container, want, c)
+				}
+			}
+		})
+	}
+}
+
+// containerYAML is the part of a pod template's YAML that is container name's.
+func containerYAML(t *testing.T, podYAML, name string) string {
+	t.Helper()
+	i := strings.Index(podYAML, "- name: "+name+"\n")
+	if i < 0 {
+		t.Fatalf("no container %s in:\n%s", name, podYAML)
+	}
+	c := podYAML[i:]
+	if j := strings.Index(c[1:], "\n        - name: "); j >= 0 {
+		c = c[:j+1]
+	}
+	return c
+}

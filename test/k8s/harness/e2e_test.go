@@ -75,12 +75,17 @@ func TestE2EStorage(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// The chart's opt-in local snapshots (snapshots.local), so that the local driver's
-	// definition can claim snapshots: everything poolcsi does. Two nodes (TestTwoNodes's,
-	// the shared pool on btrfs): the suite's multi-node specs (a volume's pod moved to
-	// another node, one volume used from two) and its topology specs need them.
-	env := startEnv(t, envOptions{nodes: e2eNodes, extra: images,
-		values: map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}}})
+	// Two nodes (TestTwoNodes's, the shared pool on btrfs): the suite's multi-node specs (a
+	// volume's pod moved to another node, one volume used from two) and its topology specs
+	// need them. Beside the chart's defaults, what the driver definitions claim and a
+	// cluster turns on:
+	//   - local snapshots (snapshots.local; snapshot-controller runs distributed);
+	//   - inline volumes in the shared pool too (ephemeralVolumes.shared and the pool's
+	//     ephemeral: true), which shared-image.yaml's InlineVolumes name;
+	//   - a volume limit per node and driver (node.maxVolumes), which every definition's
+	//     volumeLimits specs fill and then exceed by one: small, as each volume of those
+	//     specs is an image of its own, formatted on a 2-core machine.
+	env := startEnv(t, envOptions{nodes: e2eNodes, extra: images, values: e2eValues})
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
 	if err := os.WriteFile(repoList, []byte(e2eRepoList), 0o644); err != nil {
@@ -102,6 +107,21 @@ func TestE2EStorage(t *testing.T) {
 		t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
 	}
 }
+
+// e2eValues are the chart values of the storage e2e suite's cluster (see TestE2EStorage).
+var e2eValues = map[string]any{
+	"snapshots":        map[string]any{"enabled": true, "local": true},
+	"ephemeralVolumes": map[string]any{"shared": true},
+	"pools": map[string]any{"shared": []any{
+		map[string]any{"name": "shared", "path": sharedPoolPath, "ephemeral": true},
+	}},
+	"node": map[string]any{"maxVolumes": map[string]any{"shared": e2eMaxVolumes, "local": e2eMaxVolumes}},
+}
+
+// e2eMaxVolumes is the volume limit of each node and driver in the e2e cluster: above what
+// three specs at once put on one node (the modify stress spec's four pods beside two
+// specs of two), small enough that the volumeLimits specs fill a node quickly.
+const e2eMaxVolumes = 10
 
 // e2eRun runs e2e.test against one kubelet environment.
 type e2eRun struct {
