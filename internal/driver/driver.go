@@ -225,8 +225,10 @@ func New(opts Options) (*Driver, error) {
 		freezer:      newFreezer(),
 		cgroups:      host.Cgroups,
 	}
-	d.freeze = d.freezeIfStagedHere
 	d.quiesceCopy = d.quiesce
+	d.freeze = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+		return d.quiesceCopy(ctx, p, vid, v)
+	}
 	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
 		return p.FillSnapshot(ctx, s, v, nil)
 	}

@@ -156,25 +156,30 @@ func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 	return d.devs.Format(ctx, h.Path(), fsType)
 }
 
-// cloneFrom copies an image (a snapshot's, or a volume's, frozen if it is
-// staged here) into the new volume's image, grown to its size.
+// cloneFrom copies an image (a snapshot's, or a volume's, frozen on whichever
+// node has it staged read-write, as a snapshot's is) into the new volume's
+// image, grown to its size. A source some node could not keep frozen for the
+// whole copy fails the clone (retried): a copy of a filesystem being written
+// is no filesystem anyone can trust.
 func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
 	var from *pool.Handle
 	var err error
-	thaw := func() {}
+	thaw := func() error { return nil }
 	if src.isSnapshot() {
 		from, err = p.OpenSnapshotImage(src.snapID)
-	} else {
-		from, err = p.OpenImage(src.volID)
-		thaw = d.freeze(ctx, p, src.volID, src.vol)
+	} else if thaw, err = d.freeze(ctx, p, src.volID, src.vol); err == nil {
+		if from, err = p.OpenImage(src.volID); err != nil {
+			_ = thaw()
+		}
 	}
 	if err != nil {
-		thaw()
 		return fmt.Errorf("source of volume %s: %w", v.ID, err)
 	}
 	defer from.Close()
 	method, err := p.PrepareImageFrom(ctx, v, from.Path())
-	thaw()
+	if terr := thaw(); err == nil && terr != nil {
+		err = terr
+	}
 	if err != nil {
 		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 	}

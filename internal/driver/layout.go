@@ -86,10 +86,10 @@ type layoutDeps struct {
 	expandOnNode bool
 	// pathPrefix is --allowed-path-prefix: the only directory mounts go in.
 	pathPrefix string
-	// freeze freezes the filesystem of a volume staged on this node for a
-	// consistent copy and returns its thaw (the driver's snapshot code, which
-	// takes the volume's freeze record).
-	freeze func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func())
+	// freeze freezes the filesystem of a volume wherever it is staged
+	// read-write, for a consistent copy (the snapshot's quiesce, quiesce.go);
+	// its thaw fails when a node let go before the copy ended.
+	freeze func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
 }
 
 // dirLayout is a subdirectory of the pool, bind-mounted into pods: many

@@ -444,3 +444,62 @@ func TestControllerOnItsOwnNodeAsksThroughTheInbox(t *testing.T) {
 	}
 	waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, b.pool("shared"), "node-a") })
 }
+
+// cloneOf asks node b for a clone of volume id.
+func cloneOf(b *leaseNode, id, name string) (*csi.CreateVolumeResponse, error) {
+	return b.CreateVolume(context.Background(), &csi.CreateVolumeRequest{
+		Name:                name,
+		VolumeCapabilities:  []*csi.VolumeCapability{mountCap(rwo, "ext4")},
+		CapacityRange:       &csi.CapacityRange{RequiredBytes: 16 << 20},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}},
+	})
+}
+
+// TestCloneFreezesOtherNode: a clone of a volume staged read-write on another
+// node is copied while that node holds its filesystem frozen, as a snapshot
+// is (it was once frozen only when staged on the controller's own node: a
+// shared pool's clone copied a filesystem being written). A node that thaws
+// before the copy ends fails the clone ABORTED, and the retry makes it.
+func TestCloneFreezesOtherNode(t *testing.T) {
+	for _, early := range []bool{false, true} {
+		t.Run(map[bool]string{false: "frozen throughout", true: "thawed early"}[early], func(t *testing.T) {
+			a, b, id, staging := freezePair(t, true)
+			p := b.pool("shared")
+			var events []string
+			quiesce := b.quiesceCopy
+			b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+				thaw, err := quiesce(ctx, p, vid, v)
+				if err != nil {
+					return nil, err
+				}
+				events = append(events, map[bool]string{true: "frozen", false: "thawed"}[a.host.Frozen(staging)])
+				if early {
+					a.clock.add(testFreeze.MaxHold)
+					waitFor(t, "A thaws at its maximum hold", func() bool { return !a.host.Frozen(staging) })
+				}
+				return thaw, nil
+			}
+			resp, err := cloneOf(b, id, "copy")
+			if early {
+				wantCode(t, err, codes.Aborted)
+				waitFor(t, "A clears its inbox", func() bool { return inboxEmpty(t, p, "node-a") })
+				b.quiesceCopy, early = quiesce, false
+				if resp, err = cloneOf(b, id, "copy"); err != nil {
+					t.Fatalf("retry: %v", err)
+				}
+			} else if err != nil {
+				t.Fatal(err)
+			}
+			if len(events) == 0 || events[0] != "frozen" {
+				t.Fatalf("A's filesystem when B began the copy: %v, want frozen", events)
+			}
+			if resp.GetVolume().GetVolumeId() == "" {
+				t.Fatal("no clone")
+			}
+			if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
+				t.Fatal("the clone returned while A still held the freeze")
+			}
+			noFreezeRecord(t, p)
+		})
+	}
+}

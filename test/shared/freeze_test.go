@@ -29,13 +29,55 @@ func TestSnapshotFreezesOtherNode(t *testing.T) {
 	for _, fsType := range []string{"ext4", "xfs"} {
 		t.Run(fsType, func(t *testing.T) {
 			testutil.RequireCommands(t, "mkfs."+fsType, "e2fsck", "xfs_repair")
-			testSnapshotFreezesOtherNode(t, setup(t, "btrfs"), fsType)
+			testCopyFreezesOtherNode(t, setup(t, "btrfs"), fsType, snapshotCopy)
 		})
 	}
 }
 
-func testSnapshotFreezesOtherNode(t *testing.T, e *env, fsType string) {
+// TestCloneFreezesOtherNode is TestSnapshotFreezesOtherNode for a clone
+// (CreateVolume from a volume): its copy is frozen on the source's node too.
+func TestCloneFreezesOtherNode(t *testing.T) {
+	for _, fsType := range []string{"ext4", "xfs"} {
+		t.Run(fsType, func(t *testing.T) {
+			testutil.RequireCommands(t, "mkfs."+fsType, "e2fsck", "xfs_repair")
+			// Room for the source and its clone, 300 MiB each (XFS's smallest).
+			testCopyFreezesOtherNode(t, setupSized(t, "btrfs", 1024*mib), fsType, cloneCopy)
+		})
+	}
+}
+
+// A copier has node 2's controller copy volume id of e's shared pool and
+// returns the copy's image file.
+type copier func(t *testing.T, e *env, id, name string, vc *csi.VolumeCapability) (image string)
+
+func snapshotCopy(t *testing.T, e *env, id, name string, _ *csi.VolumeCapability) string {
 	ctx := context.Background()
+	snap := must(e.d2.Controller().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: id}))(t)
+	t.Cleanup(func() {
+		if _, err := e.d2.Controller().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
+			t.Errorf("delete snapshot: %v", err)
+		}
+	})
+	return filepath.Join(e.poolDir, "snapshots", strings.SplitN(strings.SplitN(snap.GetSnapshot().GetSnapshotId(), "@", 2)[1], ".", 2)[0], "image")
+}
+
+func cloneCopy(t *testing.T, e *env, id, name string, vc *csi.VolumeCapability) string {
+	ctx := context.Background()
+	clone := must(e.d2.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{
+		Name: name, Parameters: map[string]string{"pool": "shared", "layout": "image"},
+		VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 300 * mib},
+		VolumeContentSource: &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: id}}},
+	}))(t).GetVolume().GetVolumeId()
+	t.Cleanup(func() {
+		if _, err := e.d2.Controller().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: clone}); err != nil {
+			t.Errorf("delete clone: %v", err)
+		}
+	})
+	p := must(pool.OpenExisting(e.poolDir))(t)
+	return p.ImagePath(must(pool.ParseVolumeID(clone))(t))
+}
+
+func testCopyFreezesOtherNode(t *testing.T, e *env, fsType string, copyBy copier) {
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, fsType)
 	id := createVolume(t, e.d1, "frozen-"+fsType, 300*mib, map[string]string{"pool": "shared", "layout": "image"}, vc).GetVolumeId()
 	vid := must(pool.ParseVolumeID(id))(t)
@@ -48,13 +90,7 @@ func testSnapshotFreezesOtherNode(t *testing.T, e *env, fsType string) {
 
 	ack := filepath.Join(e.poolDir, "freeze", "node-1", vid.Key+".ack")
 	watch := watchFrozen(ack)
-	name := "snap-" + fsType
-	snap := must(e.d2.Controller().CreateSnapshot(ctx, &csi.CreateSnapshotRequest{Name: name, SourceVolumeId: id}))(t)
-	t.Cleanup(func() {
-		if _, err := e.d2.Controller().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: snap.GetSnapshot().GetSnapshotId()}); err != nil {
-			t.Errorf("delete snapshot: %v", err)
-		}
-	})
+	image := copyBy(t, e, id, "copy-"+fsType, vc)
 	// Node 1 thaws at its next poll after the request goes, then removes
 	// its answer: the window is over once the answer is gone.
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(10 * time.Millisecond) {
@@ -87,7 +123,6 @@ func testSnapshotFreezesOtherNode(t *testing.T, e *env, fsType string) {
 	}
 	t.Logf("%s: node 1's writer: %d writes; its answer read frozen %d times", fsType, len(writes), seen)
 
-	image := filepath.Join(e.poolDir, "snapshots", strings.SplitN(strings.SplitN(snap.GetSnapshot().GetSnapshotId(), "@", 2)[1], ".", 2)[0], "image")
 	checkClean(t, fsType, image)
 }
 

@@ -59,7 +59,10 @@ func onEachBackend(t *testing.T, f func(t *testing.T, e *env)) {
 //     docs/pools.md); both drivers use the same path.
 //   - cephfs: a directory of the package's one-node CephFS, node 1 through the
 //     ceph-fuse mount of "node A", node 2 through that of "node B".
-func setup(t *testing.T, backend string) *env {
+func setup(t *testing.T, backend string) *env { return setupSized(t, backend, 512*mib) }
+
+// setupSized is setup with a btrfs pool of size bytes (sparse).
+func setupSized(t *testing.T, backend string, size int64) *env {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid")
 	root := t.TempDir()
@@ -68,7 +71,7 @@ func setup(t *testing.T, backend string) *env {
 	switch backend {
 	case "btrfs":
 		testutil.RequireCommands(t, "mkfs.btrfs", "btrfs")
-		mnt := testutil.LoopFS(t, root, "btrfs", 512*mib)
+		mnt := testutil.LoopFS(t, root, "btrfs", size)
 		if out, err := exec.Command("btrfs", "quota", "enable", mnt).CombinedOutput(); err != nil {
 			t.Fatalf("btrfs quota enable: %v\n%s", err, out)
 		}
