@@ -34,7 +34,8 @@ var (
 	// errNotStaged: a call that needs the volume staged on this node first.
 	errNotStaged = errors.New("volume is not staged here")
 	// errInUse: the volume is staged, published or mounted where the call
-	// would have to take it away (delete, a second writer).
+	// would have to take it away (delete, a second writer), or is written
+	// where a group snapshot cannot freeze it.
 	errInUse = errors.New("volume is in use")
 	// errFenced: the volume, or this node, is fenced off (docs/fencing.md).
 	errFenced = errors.New("fenced")

@@ -138,11 +138,13 @@ type groupSource struct {
 	need int64
 }
 
-// CreateVolumeGroupSnapshot snapshots the volumes together. Every member is
-// reserved first (capacity, records), then every staged filesystem among them
-// is frozen, then each is copied, then all are thawed: the freeze window covers
-// all members before the first copy starts. A member that fails rolls the
-// whole group back: no member and no record is left.
+// CreateVolumeGroupSnapshot snapshots the volumes together. A member that
+// cannot be frozen and is written refuses the group before anything is
+// reserved (checkOneInstant). Every member is reserved first (capacity,
+// records), then every staged filesystem among them is frozen, then each is
+// copied, then all are thawed: the freeze window covers all members before the
+// first copy starts. A member that fails rolls the whole group back: no member
+// and no record is left.
 func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
 	defer toStatus(&err)
 	name := req.GetName()
@@ -194,6 +196,11 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 		return nil, err
 	}
 	defer unlock()
+	// Under the volumes' locks: a stage cannot record a writer between this
+	// check and the copies.
+	if err := checkOneInstant(name, srcs); err != nil {
+		return nil, err
+	}
 	g, err := p.ReserveGroupSnapshot(ctx, name, vids)
 	if err != nil {
 		return nil, err
@@ -289,6 +296,46 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 		srcs = append(srcs, groupSource{id: vid, vol: v, need: need})
 	}
 	return srcs, releaseAll, nil
+}
+
+// checkOneInstant refuses a group with a member that is written while the
+// members are copied one after another: one that cannot be frozen (freezable)
+// and is staged read-write anywhere. Its copy would be of another instant than
+// the others', and a database restored from the group (data and WAL of
+// different moments) would be silently corrupt; CSI asks a group that cannot
+// be write-order consistent to be refused. A member staged only read-only, or
+// not at all, has no writer poolcsi hands it to.
+func checkOneInstant(name string, srcs []groupSource) error {
+	var written []string
+	for _, src := range srcs {
+		if freezable(src.vol) {
+			continue
+		}
+		var nodes []string
+		for _, st := range src.vol.Staged {
+			if !st.ReadOnly {
+				nodes = append(nodes, st.Node)
+			}
+		}
+		if len(nodes) == 0 {
+			continue
+		}
+		why := "a block volume, which holds no filesystem poolcsi can freeze"
+		if src.vol.Layout == pool.LayoutDir {
+			why = "a dir volume, a directory of the pool, which cannot be frozen"
+		}
+		sort.Strings(nodes)
+		on := "node"
+		if len(nodes) > 1 {
+			on = "nodes"
+		}
+		written = append(written, fmt.Sprintf("volume %s is %s, and is staged read-write on %s %s", src.id, why, on, strings.Join(nodes, ", ")))
+	}
+	if len(written) == 0 {
+		return nil
+	}
+	return failf(errInUse, "group snapshot %q would not be one instant (its members are copied one after another): %s; stop its writers (unstage it, e.g. scale its workload down) and retry, or snapshot it on its own with CreateSnapshot",
+		name, strings.Join(written, "; "))
 }
 
 // cutGroup reserves, freezes, copies and thaws. A record a crash left

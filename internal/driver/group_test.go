@@ -3,10 +3,12 @@ package driver
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -340,4 +342,130 @@ func TestGroupControllerIsAdvertised(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A member no freeze reaches (block, dir) that is staged read-write is written
+// while the members are copied one after another: the group is refused before
+// anything is reserved. Staged read-only, or not at all, it is no writer.
+func TestGroupRefusesAWrittenMemberItCannotFreeze(t *testing.T) {
+	const (
+		rox = csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY
+		rwx = csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER
+		mrx = csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
+	)
+	block := func(mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability { return blockCap(mode) }
+	dir := func(mode csi.VolumeCapability_AccessMode_Mode) *csi.VolumeCapability { return mountCap(mode, "") }
+	for _, tc := range []struct {
+		name   string
+		layout string // of the extra member
+		create *csi.VolumeCapability
+		stage  *csi.VolumeCapability // nil: not staged here
+		others []pool.StageRecord    // stage records of other nodes
+		want   codes.Code
+		says   []string // in the refusal
+	}{
+		{name: "block staged read-write", layout: "image", create: block(rwo), stage: block(rwo), want: codes.FailedPrecondition,
+			says: []string{"block volume", "no filesystem poolcsi can freeze", "read-write on node node-1", "unstage it", "CreateSnapshot"}},
+		{name: "block staged read-write on another node", layout: "image", create: block(rwo), others: []pool.StageRecord{{Node: "node-2", Path: "/var/lib/kubelet/x"}}, want: codes.FailedPrecondition,
+			says: []string{"block volume", "read-write on node node-2;"}},
+		{name: "dir staged read-write", layout: "dir", create: dir(rwx), stage: dir(rwx), want: codes.FailedPrecondition,
+			says: []string{"dir volume", "cannot be frozen", "read-write on node node-1", "scale its workload down", "CreateSnapshot"}},
+		{name: "dir staged read-write on two nodes", layout: "dir", create: dir(rwx), stage: dir(rwx),
+			others: []pool.StageRecord{{Node: "node-2", Path: "/var/lib/kubelet/x"}, {Node: "node-3", Path: "/var/lib/kubelet/y", ReadOnly: true}}, want: codes.FailedPrecondition,
+			says: []string{"read-write on nodes node-1, node-2;"}},
+		{name: "block staged read-only", layout: "image", create: block(rwo), stage: block(rox), want: codes.OK},
+		{name: "dir staged read-only", layout: "dir", create: dir(rwx), stage: dir(mrx), others: []pool.StageRecord{{Node: "node-2", Path: "/var/lib/kubelet/x", ReadOnly: true}}, want: codes.OK},
+		{name: "block not staged", layout: "image", create: block(rwo), want: codes.OK},
+		{name: "dir not staged", layout: "dir", create: dir(rwx), want: codes.OK},
+		{name: "filesystem staged read-write, frozen", layout: "image", create: mountCap(rwo, "ext4"), stage: mountCap(rwo, "ext4"), want: codes.OK},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newGroupFixture(t)
+			ctx := context.Background()
+			id := f.create(t, "extra", tc.create, map[string]string{ParamPool: "local", ParamLayout: tc.layout})
+			if tc.stage != nil {
+				if err := f.stage(id, tc.stage); err != nil {
+					t.Fatal(err)
+				}
+				if tc.layout == "image" && tc.stage.GetMount() != nil {
+					f.staging = append(f.staging, filepath.Join(f.root, "staging", id))
+				}
+			}
+			vid, _ := pool.ParseVolumeID(id)
+			if len(tc.others) > 0 {
+				err := f.pool.Update(ctx, vid, func(v *pool.Volume) (bool, error) {
+					v.Staged = append(v.Staged, tc.others...)
+					return true, nil
+				})
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			before, err := f.pool.Load(vid)
+			if err != nil {
+				t.Fatal(err)
+			}
+			sources := append(slices.Clone(f.ids), id)
+			resp, err := f.CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: sources})
+			wantCode(t, err, tc.want)
+			if tc.want != codes.OK {
+				t.Logf("refusal: %v", err)
+				for _, s := range tc.says {
+					if !strings.Contains(err.Error(), s) {
+						t.Errorf("refusal %q does not say %q", err, s)
+					}
+				}
+				if !strings.Contains(err.Error(), "volume "+id+" is") || strings.Contains(err.Error(), f.ids[0]) {
+					t.Errorf("refusal %q should name volume %s and no other", err, id)
+				}
+				f.assertNothingLeft(t)
+				if _, err := f.pool.LoadGroupSnapshot(f.pool.NewGroupSnapshotID("db")); !errors.Is(err, pool.ErrNotFound) {
+					t.Errorf("group record after a refusal: %v", err)
+				}
+				list, err := f.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
+				if err != nil || len(list.GetEntries()) != 0 {
+					t.Errorf("ListSnapshots after a refusal: %v, %v", list, err)
+				}
+				if n := f.host.Faults.Calls("Freeze"); n != 0 || len(f.copies) != 0 {
+					t.Errorf("a refused group froze %d filesystems and made copies %v", n, f.copies)
+				}
+				if after, err := f.pool.Load(vid); err != nil || !slices.Equal(after.Staged, before.Staged) {
+					t.Errorf("stage records changed by a refusal: %v -> %v (%v)", before.Staged, after.Staged, err)
+				}
+				return
+			}
+			if g := resp.GetGroupSnapshot(); !g.GetReadyToUse() || len(g.GetSnapshots()) != 3 {
+				t.Fatalf("group snapshot %v", g)
+			}
+			for _, c := range f.copies {
+				if want := fmt.Sprintf("with %d frozen", len(f.staging)); !strings.HasSuffix(c, want) {
+					t.Errorf("copies %v: want every one %s", f.copies, want)
+				}
+			}
+		})
+	}
+}
+
+// A group that finished answers its retry from its records, even when a
+// member it could not freeze is written by then.
+func TestFinishedGroupRetryIgnoresNewWriters(t *testing.T) {
+	f := newGroupFixture(t)
+	ctx := context.Background()
+	id := f.create(t, "raw", blockCap(rwo), map[string]string{ParamPool: "local"})
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: append(slices.Clone(f.ids), id)}
+	first, err := f.CreateVolumeGroupSnapshot(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := f.stage(id, blockCap(rwo)); err != nil {
+		t.Fatal(err)
+	}
+	again, err := f.CreateVolumeGroupSnapshot(ctx, req)
+	if err != nil || again.GetGroupSnapshot().GetGroupSnapshotId() != first.GetGroupSnapshot().GetGroupSnapshotId() || len(f.copies) != 3 {
+		t.Errorf("retry of a finished group: %v, %v (copies %v)", again, err, f.copies)
+	}
+	// Another group of the same volumes is cut now, with a writer: refused.
+	req.Name = "db-2"
+	_, err = f.CreateVolumeGroupSnapshot(ctx, req)
+	wantCode(t, err, codes.FailedPrecondition)
 }

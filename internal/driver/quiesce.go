@@ -50,6 +50,15 @@ func (t FreezeTiming) Validate() error {
 	return nil
 }
 
+// freezable tells whether quiesce can freeze v where it is staged: only an
+// image volume's own filesystem. A block volume may hold a filesystem poolcsi
+// never made and a pod's mount of it poolcsi cannot see; a dir volume is a
+// directory of the pool's filesystem, which a freeze would stop for every
+// volume in it.
+func freezable(v *pool.Volume) bool {
+	return v.Layout == pool.LayoutImage && v.AccessType == pool.AccessFilesystem
+}
+
 // quiesceMember is one volume to freeze.
 type quiesceMember struct {
 	pool *pool.Pool
@@ -100,7 +109,7 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 		}
 	}()
 	for _, m := range members {
-		if m.vol.Layout != pool.LayoutImage || m.vol.AccessType != pool.AccessFilesystem {
+		if !freezable(m.vol) {
 			continue // block: no filesystem poolcsi knows of; dir: many writers by design
 		}
 		// A controller-only process does not see the node plugin's mounts,

@@ -3,6 +3,8 @@ package e2e
 import (
 	"context"
 	"errors"
+	"io/fs"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -123,4 +125,66 @@ func TestGroupSnapshotRestoresOneInstant(t *testing.T) {
 	}
 	_, err = gc.GetVolumeGroupSnapshot(ctx(t), &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: g.GetGroupSnapshotId(), SnapshotIds: snapIDs})
 	wantCode(t, "GetVolumeGroupSnapshot after delete", err, codes.NotFound)
+}
+
+// TestGroupSnapshotRefusesAWrittenBlockVolume is a database whose WAL is a
+// block volume, staged and published read-write on a real loop device, next to
+// an ext4 data volume: poolcsi can freeze no filesystem in the block volume,
+// so the group would not be one instant, and it is refused FAILED_PRECONDITION
+// with nothing frozen, reserved or written. What the refusal says to do works:
+// the block volume snapshots on its own, and once unstaged the group is cut.
+func TestGroupSnapshotRefusesAWrittenBlockVolume(t *testing.T) {
+	e := newEnv(t, "mkfs.ext4")
+	data := csiproc.MountCap("ext4", csiproc.RWO)
+	dataID := e.create("pvc-data", data, 64*mib)
+	e.stage(dataID, data)
+	e.publish(dataID, data, false)
+	writeRandom(t, filepath.Join(e.target(dataID), "data"), mib)
+	wal := csiproc.BlockCap(csiproc.RWO)
+	walID := e.create("pvc-wal", wal, 64*mib)
+	e.stage(walID, wal)
+	e.publish(walID, wal, false)
+	writeRandom(t, e.target(walID), mib)
+
+	gc := csi.NewGroupControllerClient(e.drv.Conn)
+	req := &csi.CreateVolumeGroupSnapshotRequest{Name: "db-backup", SourceVolumeIds: []string{dataID, walID}}
+	_, err := gc.CreateVolumeGroupSnapshot(ctx(t), req)
+	wantCode(t, "CreateVolumeGroupSnapshot with a written block volume", err, codes.FailedPrecondition)
+	for _, s := range []string{"volume " + walID, "block volume", "read-write on node node-1", "unstage", "CreateSnapshot"} {
+		if err != nil && !strings.Contains(err.Error(), s) {
+			t.Errorf("refusal %q does not say %q", err, s)
+		}
+	}
+	if got := strings.Count(e.drv.Log(), "Froze filesystem for a snapshot"); got != 0 {
+		t.Errorf("a refused group froze %d filesystems", got)
+	}
+	list, err := e.drv.Controller().ListSnapshots(ctx(t), &csi.ListSnapshotsRequest{})
+	if err != nil || len(list.GetEntries()) != 0 {
+		t.Errorf("snapshots after a refused group: %v, %v", list, err)
+	}
+	if groups, err := os.ReadDir(filepath.Join(e.pool, "groupsnapshots")); err == nil && len(groups) != 0 || err != nil && !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("group records after a refused group: %v, %v", groups, err)
+	}
+
+	// On its own the block volume snapshots, as before.
+	e.snapshot("wal-alone", walID)
+
+	// Its writer gone, the group is cut.
+	e.unpublish(walID)
+	e.unstage(walID)
+	resp, err := gc.CreateVolumeGroupSnapshot(ctx(t), req)
+	if err != nil {
+		t.Fatalf("CreateVolumeGroupSnapshot with the block volume unstaged: %v", err)
+	}
+	g := resp.GetGroupSnapshot()
+	var snapIDs []string
+	for _, s := range g.GetSnapshots() {
+		snapIDs = append(snapIDs, s.GetSnapshotId())
+	}
+	if _, err := gc.DeleteVolumeGroupSnapshot(ctx(t), &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: g.GetGroupSnapshotId(), SnapshotIds: snapIDs}); err != nil {
+		t.Errorf("DeleteVolumeGroupSnapshot: %v", err)
+	}
+	if !g.GetReadyToUse() || len(snapIDs) != 2 {
+		t.Errorf("group snapshot %+v", g)
+	}
 }
