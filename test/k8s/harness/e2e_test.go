@@ -84,7 +84,8 @@ func TestE2EStorage(t *testing.T) {
 	//     ephemeral: true), which shared-image.yaml's InlineVolumes name;
 	//   - a volume limit per node and driver (node.maxVolumes), which every definition's
 	//     volumeLimits specs fill and then exceed by one: small, as each volume of those
-	//     specs is an image of its own, formatted on a 2-core machine.
+	//     specs is an image of its own, formatted on a 2-core machine;
+	//   - CSIStorageCapacity for the shared driver's Immediate classes too.
 	env := startEnv(t, envOptions{nodes: e2eNodes, extra: images, values: e2eValues})
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
@@ -116,6 +117,11 @@ var e2eValues = map[string]any{
 		map[string]any{"name": "shared", "path": sharedPoolPath, "ephemeral": true},
 	}},
 	"node": map[string]any{"maxVolumes": map[string]any{"shared": e2eMaxVolumes, "local": e2eMaxVolumes}},
+	// The shared definitions' classes bind at once (Immediate), for which csi-provisioner
+	// publishes no CSIStorageCapacity unless told to (the scheduler reads them only for
+	// WaitForFirstConsumer classes): the capacity specs then see GetCapacity of the shared
+	// pool through the released sidecar.
+	"controller": map[string]any{"provisionerExtraArgs": []any{"--capacity-for-immediate-binding"}},
 }
 
 // e2eMaxVolumes is the volume limit of each node and driver in the e2e cluster: above what
