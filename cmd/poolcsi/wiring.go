@@ -16,8 +16,11 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pvcevents"
 	"github.com/poolcsi/poolcsi/internal/snapclaim"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -126,8 +129,10 @@ func apiServerConfig(kubeconfig string) (*rest.Config, error) {
 	return cfg, nil
 }
 
-// startSnapshotClaims labels, for this node's csi-snapshotter, the pre-provisioned
-// VolumeSnapshotContents whose snapshot this node's pools hold (package snapclaim).
+// startSnapshotClaims labels, for this node's csi-snapshotter, the snapshot contents
+// nobody labelled whose source this node's pools hold (package snapclaim): pre-provisioned
+// VolumeSnapshotContents, group members, and VolumeGroupSnapshotContents if the cluster
+// serves them.
 func startSnapshotClaims(ctx context.Context, d *driver.Driver, name, node, kubeconfig string) error {
 	cfg, err := apiServerConfig(kubeconfig)
 	if err != nil {
@@ -137,12 +142,52 @@ func startSnapshotClaims(ctx context.Context, d *driver.Driver, name, node, kube
 	if err != nil {
 		return fmt.Errorf("--claim-local-snapshots: %w", err)
 	}
-	c := &snapclaim.Claimer{Client: client, Driver: name, Node: node, Holds: func(ctx context.Context, handle string) (bool, error) {
-		// The same lookup csi-snapshotter makes of a pre-provisioned content, in process.
+	disc, err := discovery.NewDiscoveryClientForConfig(cfg)
+	if err != nil {
+		return fmt.Errorf("--claim-local-snapshots: %w", err)
+	}
+	c := &snapclaim.Claimer{
+		Client: client, Discovery: disc, Driver: name, Node: node,
+		Holds: snapshotHere(d), HoldsVolume: volumeHere(d), HoldsGroup: groupHere(d),
+	}
+	go c.Run(ctx, 10*time.Minute)
+	klog.InfoS("Claiming unlabelled snapshot contents held here for this node's snapshotter", "node", node)
+	return nil
+}
+
+// The claim's lookups are the CSI calls, in process: they parse a handle as the RPCs do
+// (a hostile one is INVALID_ARGUMENT, logged by the claimer), and NOT_FOUND is a source
+// that is not in this node's pools.
+
+// snapshotHere is the lookup csi-snapshotter makes of a pre-provisioned content.
+func snapshotHere(d *driver.Driver) func(context.Context, string) (bool, error) {
+	return func(ctx context.Context, handle string) (bool, error) {
 		resp, err := d.ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: handle})
 		return len(resp.GetEntries()) > 0, err
-	}}
-	go c.Run(ctx, 10*time.Minute)
-	klog.InfoS("Claiming pre-provisioned snapshots held here for this node's snapshotter", "node", node)
-	return nil
+	}
+}
+
+// volumeHere asks for one volume rather than listing them all: a group names a few
+// volumes of a pool that may hold thousands.
+func volumeHere(d *driver.Driver) func(context.Context, string) (bool, error) {
+	return func(ctx context.Context, handle string) (bool, error) {
+		_, err := d.ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: handle})
+		return found(err)
+	}
+}
+
+// groupHere is the lookup csi-snapshotter makes of a pre-provisioned group content; the
+// driver also checks that the members are exactly the group's.
+func groupHere(d *driver.Driver) func(context.Context, string, []string) (bool, error) {
+	return func(ctx context.Context, handle string, snapshots []string) (bool, error) {
+		_, err := d.GetVolumeGroupSnapshot(ctx, &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: handle, SnapshotIds: snapshots})
+		return found(err)
+	}
+}
+
+func found(err error) (bool, error) {
+	if status.Code(err) == codes.NotFound {
+		return false, nil
+	}
+	return err == nil, err
 }
