@@ -101,83 +101,17 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 		})
 	})
 
-	t.Run("group snapshot restores data and WAL to one point in time", func(t *testing.T) {
-		ctx := context.Background()
-		ns := env.namespace(t, "group-snapshot")
-		for _, c := range []claimSpec{{name: "data", class: "shared-xfs", size: "300Mi"}, {name: "wal", class: "shared-ext4", size: "300Mi"}} {
-			pvc := claimObject(ns, c)
-			pvc.Labels = map[string]string{"app": "db"}
-			if _, err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
-				t.Fatal(err)
-			}
-		}
-		// A writer that appends n to the data log, then n to the WAL: at any one point in
-		// time the WAL's last n is the data's last n or one less.
-		writer := podObject(ns, podSpec{name: "db", claims: []string{"data", "wal"}})
-		writer.Spec.Containers[0].Command = []string{"sh", "-c", "n=0; while :; do n=$((n+1)); echo $n >> /data/log; echo $n >> /data2/log; done"}
-		if _, err := env.c.Client.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
-			t.Fatal(err)
-		}
-		env.waitRunning(t, ns, "db")
-		waitFor(t, 30*time.Second, "the writer's first 1000 lines", func() error {
-			out, err := env.exec(t, ns, "db", "tail -n1 /data2/log")
-			if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 1000 {
-				return fmt.Errorf("%q: %w", out, err)
-			}
-			return nil
+	// Shared: the controller asks the writer's node to freeze (freeze inboxes); local: the
+	// node's own csi-snapshotter takes it, the group content labelled for the node by
+	// poolcsi (--claim-local-snapshots), and freezes in place.
+	for _, g := range []groupCase{
+		{driver: sharedDrv, class: "shared-group", data: "shared-xfs", wal: "shared-ext4"},
+		{driver: localDriver, class: "local-group", data: "local-xfs", wal: "local-ext4"},
+	} {
+		t.Run("group snapshot restores data and WAL to one point in time/"+g.driver, func(t *testing.T) {
+			groupSnapshotOneInstant(t, env, g)
 		})
-		class := &unstructured.Unstructured{Object: map[string]any{
-			"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshotClass",
-			"metadata": map[string]any{"name": "shared-group"}, "driver": sharedDrv, "deletionPolicy": "Delete"}}
-		vgs := &unstructured.Unstructured{Object: map[string]any{
-			"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
-			"metadata": map[string]any{"name": "db-snap", "namespace": ns},
-			"spec": map[string]any{"volumeGroupSnapshotClassName": "shared-group",
-				"source": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "db"}}}}}}
-		for _, o := range []*unstructured.Unstructured{class, vgs} {
-			if err := env.c.Applier().Apply(ctx, o, false); err != nil {
-				t.Fatal(err)
-			}
-		}
-		dyn := dynamic.NewForConfigOrDie(env.c.Config)
-		var uid string
-		waitFor(t, 3*time.Minute, "VolumeGroupSnapshot "+ns+"/db-snap ready", func() error {
-			got, err := dyn.Resource(vgsGVR).Namespace(ns).Get(ctx, "db-snap", metav1.GetOptions{})
-			if err != nil {
-				return err
-			}
-			uid = string(got.GetUID())
-			if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
-				st, _, _ := unstructured.NestedMap(got.Object, "status")
-				return fmt.Errorf("status %v; events: %s", st, env.events(ns, "db-snap"))
-			}
-			return nil
-		})
-		// snapshot-controller names each member VolumeSnapshot after the group's UID and
-		// the member's volume handle.
-		for _, c := range []string{"data", "wal"} {
-			member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.volumeHandle(t, ns, c))))
-			env.claim(t, ns, claimSpec{name: c + "-restored", class: map[string]string{"data": "shared-xfs", "wal": "shared-ext4"}[c], size: "300Mi", dataSource: member})
-		}
-		env.pod(t, ns, podSpec{name: "check", claims: []string{"data-restored", "wal-restored"}})
-		last := func(path string) int {
-			out := env.mustExec(t, ns, "check", "tail -c 64 "+path+" | tail -n1; tail -c1 "+path+" | od -An -c")
-			lines := strings.Split(strings.TrimSpace(out), "\n")
-			if len(lines) != 2 || strings.TrimSpace(lines[1]) != `\n` {
-				t.Fatalf("%s does not end with a whole line: %q", path, out)
-			}
-			n, err := strconv.Atoi(strings.TrimSpace(lines[0]))
-			if err != nil {
-				t.Fatalf("%s: last line %q", path, lines[0])
-			}
-			return n
-		}
-		d, w := last("/data/log"), last("/data2/log")
-		t.Logf("restored: data ends at %d, WAL at %d", d, w)
-		if w > d || d > w+1 {
-			t.Fatalf("the restored pair is no single point in time: data ends at %d, WAL at %d (want WAL = data or data-1)", d, w)
-		}
-	})
+	}
 
 	t.Run("ephemeral inline volume lives and dies with its pod", func(t *testing.T) {
 		ctx := context.Background()
@@ -206,6 +140,90 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 			return nil
 		})
 	})
+}
+
+// groupCase is one driver's group snapshot through kubelet: its VolumeGroupSnapshotClass
+// and the storage classes of the data and WAL claims.
+type groupCase struct{ driver, class, data, wal string }
+
+// groupSnapshotOneInstant: a writer appends to a data log and then a WAL without pause; a
+// VolumeGroupSnapshot of both claims, restored, ends the two at one point in time.
+func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
+	ctx := context.Background()
+	ns := env.namespace(t, "group-"+g.class)
+	for _, c := range []claimSpec{{name: "data", class: g.data, size: "300Mi"}, {name: "wal", class: g.wal, size: "300Mi"}} {
+		pvc := claimObject(ns, c)
+		pvc.Labels = map[string]string{"app": "db"}
+		if _, err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// A writer that appends n to the data log, then n to the WAL: at any one point in
+	// time the WAL's last n is the data's last n or one less.
+	writer := podObject(ns, podSpec{name: "db", claims: []string{"data", "wal"}})
+	writer.Spec.Containers[0].Command = []string{"sh", "-c", "n=0; while :; do n=$((n+1)); echo $n >> /data/log; echo $n >> /data2/log; done"}
+	if _, err := env.c.Client.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	env.waitRunning(t, ns, "db")
+	waitFor(t, 30*time.Second, "the writer's first 1000 lines", func() error {
+		out, err := env.exec(t, ns, "db", "tail -n1 /data2/log")
+		if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 1000 {
+			return fmt.Errorf("%q: %w", out, err)
+		}
+		return nil
+	})
+	class := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshotClass",
+		"metadata": map[string]any{"name": g.class}, "driver": g.driver, "deletionPolicy": "Delete"}}
+	vgs := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
+		"metadata": map[string]any{"name": "db-snap", "namespace": ns},
+		"spec": map[string]any{"volumeGroupSnapshotClassName": g.class,
+			"source": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "db"}}}}}}
+	for _, o := range []*unstructured.Unstructured{class, vgs} {
+		if err := env.c.Applier().Apply(ctx, o, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	dyn := dynamic.NewForConfigOrDie(env.c.Config)
+	var uid string
+	waitFor(t, 3*time.Minute, "VolumeGroupSnapshot "+ns+"/db-snap ready", func() error {
+		got, err := dyn.Resource(vgsGVR).Namespace(ns).Get(ctx, "db-snap", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		uid = string(got.GetUID())
+		if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
+			st, _, _ := unstructured.NestedMap(got.Object, "status")
+			return fmt.Errorf("status %v; events: %s", st, env.events(ns, "db-snap"))
+		}
+		return nil
+	})
+	// snapshot-controller names each member VolumeSnapshot after the group's UID and
+	// the member's volume handle.
+	for _, c := range []string{"data", "wal"} {
+		member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.volumeHandle(t, ns, c))))
+		env.claim(t, ns, claimSpec{name: c + "-restored", class: map[string]string{"data": g.data, "wal": g.wal}[c], size: "300Mi", dataSource: member})
+	}
+	env.pod(t, ns, podSpec{name: "check", claims: []string{"data-restored", "wal-restored"}})
+	last := func(path string) int {
+		out := env.mustExec(t, ns, "check", "tail -c 64 "+path+" | tail -n1; tail -c1 "+path+" | od -An -c")
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 2 || strings.TrimSpace(lines[1]) != `\n` {
+			t.Fatalf("%s does not end with a whole line: %q", path, out)
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(lines[0]))
+		if err != nil {
+			t.Fatalf("%s: last line %q", path, lines[0])
+		}
+		return n
+	}
+	d, w := last("/data/log"), last("/data2/log")
+	t.Logf("restored: data ends at %d, WAL at %d", d, w)
+	if w > d || d > w+1 {
+		t.Fatalf("the restored pair is no single point in time: data ends at %d, WAL at %d (want WAL = data or data-1)", d, w)
+	}
 }
 
 // volumeAttributesClass creates a VolumeAttributesClass.

@@ -739,7 +739,9 @@ const writeBlob = "dd if=/dev/urandom of=/data/blob bs=1M count=4 2>/dev/null &&
 
 // TestKubelet drives poolcsi through a real kubelet, with the chart running as pods.
 func TestKubelet(t *testing.T) {
-	env := startKubeletEnv(t)
+	// Local snapshots on (the chart's opt-in snapshots.local; the environment's
+	// snapshot-controller is distributed): the local group snapshot case needs them.
+	env := startKubeletEnvWith(t, nil, map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}})
 	env.storageClasses(t)
 
 	// Both driver names of the chart: data written in one pod is there, bit for bit, in
