@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -90,7 +91,79 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		}
 	}
 	out = append(out, p.groupLeftovers(now)...)
+	out = append(out, p.freezeLeftovers(now)...)
 	return out, nil
+}
+
+// StaleFreeze is how old a freeze request, answer or record must be before
+// Leftovers names it: a freeze lasts one copy, and a node lets go after its
+// --freeze-max-hold (a minute by default) whatever the controller does.
+const StaleFreeze = 10 * time.Minute
+
+// freezeLeftovers lists what freezes across nodes (freeze.go) left behind: a
+// filesystem a node recorded as frozen long ago (its writers are held until
+// that node's plugin thaws it), requests no controller withdrew, answers no
+// node removed, and whatever else sits in an inbox.
+func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
+	var out []Leftover
+	age := func(rel string) (time.Duration, bool) {
+		fi, err := os.Lstat(filepath.Join(p.cfg.Path, rel))
+		if err != nil {
+			return 0, false
+		}
+		return now.Sub(fi.ModTime()), true
+	}
+	if fs, err := p.Freezes(); err == nil {
+		for _, f := range fs {
+			rel := volumeRel(f.Volume, freezeFile)
+			if a, ok := age(rel); ok && a > StaleFreeze {
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+					"node %s froze this volume's filesystem at %s %s ago and has not thawed it since: its node plugin thaws it when it starts and at its maximum hold (is it running?); the volume's writers there wait until then",
+					f.Node, f.Path, a.Round(time.Second))})
+			}
+		}
+	}
+	des, err := p.readDir(freezeDir)
+	if err != nil {
+		if !missing(err) {
+			out = append(out, Leftover{filepath.Join(p.cfg.Path, freezeDir), "damaged: " + err.Error()})
+		}
+		return out
+	}
+	for _, de := range des {
+		path := filepath.Join(p.cfg.Path, freezeDir, de.Name())
+		if !de.IsDir() || ValidateNodeID(de.Name()) != nil {
+			out = append(out, Leftover{path, "not a node's freeze inbox"})
+			continue
+		}
+		node := de.Name()
+		reqs, acked, err := p.Inbox(node)
+		if err != nil {
+			out = append(out, Leftover{path, "damaged: " + err.Error()})
+			continue
+		}
+		asked := map[string]bool{}
+		for _, r := range reqs {
+			rel := filepath.Join(freezeDir, node, r.Name)
+			if r.Err != nil {
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), "damaged: " + r.Err.Error()})
+				continue
+			}
+			asked[r.Volume.Key] = true // its answer goes with it
+			if a, ok := age(rel); ok && a > StaleFreeze {
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+					"a freeze request no controller withdrew (%s old: its controller died during a copy?); node %s thawed at its maximum hold and will not freeze for it again: remove it", a.Round(time.Second), node)})
+			}
+		}
+		for _, id := range acked {
+			rel := freezeRel(node, id, ackSuffix)
+			if a, ok := age(rel); ok && a > StaleFreeze && !asked[id.Key] {
+				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+					"node %s's answer to a freeze request that is gone (%s old), which its node plugin removes at its next look (is it running?): harmless", node, a.Round(time.Second))})
+			}
+		}
+	}
+	return out
 }
 
 // groupLeftovers lists what interrupted group snapshot creates and deletes

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 )
@@ -127,4 +128,63 @@ func TestHalfDoneChangesOfAnotherNode(t *testing.T) {
 	check(0) // under way elsewhere
 	unlock()
 	check(1) // nobody is changing the pool: the same things are damage
+}
+
+// TestFreezeLeftovers: pool check names what freezes across nodes left behind
+// once it is older than StaleFreeze — a filesystem recorded frozen, a request
+// no controller withdrew, an answer to a request that is gone, a file that is
+// no request — and nothing of a freeze under way.
+func TestFreezeLeftovers(t *testing.T) {
+	p := openTemp(t)
+	ctx := context.Background()
+	var ids []VolumeID
+	for _, name := range []string{"frozen", "asked", "answered"} {
+		if _, err := p.Reserve(ctx, Spec{Name: name, Layout: LayoutImage, AccessType: AccessFilesystem, FSType: "ext4", CapacityBytes: MiB}); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, NewVolumeID(p.Name(), name))
+	}
+	frozen, asked, answered := ids[0], ids[1], ids[2]
+	if err := p.RecordFreeze(frozen, "node-a", "/var/lib/kubelet/staging/x"); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.WriteFreezeRequest(FreezeRequest{Volume: asked.String(), Node: "node-a", Path: "/var/lib/kubelet/staging/y", Nonce: NewFreezeNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.WriteFreezeAck(FreezeAck{Volume: answered.String(), Node: "node-b", Nonce: NewFreezeNonce(), State: FreezeThawed}); err != nil {
+		t.Fatal(err)
+	}
+	stray := filepath.Join(p.cfg.Path, "freeze", "node-a", "notes.txt")
+	if err := os.WriteFile(stray, []byte("hi"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	reasons := func(now time.Time) map[string]string {
+		left, err := p.Leftovers(now)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]string{}
+		for _, l := range left {
+			out[l.Path] = l.Reason
+		}
+		return out
+	}
+	// A freeze under way: only the stray file.
+	if got := reasons(time.Now()); len(got) != 1 || got[stray] == "" {
+		t.Fatalf("leftovers of a freeze under way: %v, want the stray file alone", got)
+	}
+	got := reasons(time.Now().Add(2 * StaleFreeze))
+	for path, want := range map[string]string{
+		stray:                                  "damaged",
+		filepath.Join(p.Dir(frozen), "frozen"): "node node-a froze",
+		filepath.Join(p.cfg.Path, "freeze", "node-a", asked.Key+".request"): "no controller withdrew",
+		filepath.Join(p.cfg.Path, "freeze", "node-b", answered.Key+".ack"):  "request that is gone",
+	} {
+		if !strings.Contains(got[path], want) {
+			t.Errorf("%s: %q, want %q", path, got[path], want)
+		}
+	}
+	if len(got) != 4 {
+		t.Errorf("leftovers: %v, want 4", got)
+	}
 }
