@@ -141,6 +141,29 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 	}, nil
 }
 
+// pollNodes calls step at once and then every tick (the nodes' poll interval,
+// at most 100 ms) until it reports done or fails, for at most the
+// acknowledgement timeout; done is false when that passed first. ctx ending
+// is an error.
+func (d *Driver) pollNodes(ctx context.Context, step func() (done bool, err error)) (bool, error) {
+	tick := time.NewTicker(min(d.freezeTiming.Poll, 100*time.Millisecond))
+	defer tick.Stop()
+	timeout := time.NewTimer(d.freezeTiming.AckTimeout)
+	defer timeout.Stop()
+	for {
+		if done, err := step(); done || err != nil {
+			return done, err
+		}
+		select {
+		case <-ctx.Done():
+			return false, ctx.Err()
+		case <-timeout.C:
+			return false, nil
+		case <-tick.C:
+		}
+	}
+}
+
 // awaitFreezes waits for every node's answer, or for the acknowledgement
 // timeout; a node that does not answer in time is passed over only if its
 // lease has expired by this controller's clock (it has fenced itself: its
@@ -150,12 +173,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 		return nil
 	}
 	log := klog.FromContext(ctx)
-	t := d.freezeTiming
-	tick := time.NewTicker(min(t.Poll, 100*time.Millisecond))
-	defer tick.Stop()
-	timeout := time.NewTimer(t.AckTimeout)
-	defer timeout.Stop()
-	for {
+	answered, err := d.pollNodes(ctx, func() (bool, error) {
 		pending := 0
 		for _, r := range remote {
 			if r.answered {
@@ -174,42 +192,42 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 				r.answered = true
 				log.Info("Node has nothing of the volume mounted read-write where it is recorded: nothing to freeze there", "volume", r.id, "node", r.node, "reason", a.Reason)
 			default:
-				return failf(pool.ErrUnavailable, "node %s could not freeze volume %s for a consistent copy (%s: %s): retry later", r.node, r.id, a.State, a.Reason)
+				return false, failf(pool.ErrUnavailable, "node %s could not freeze volume %s for a consistent copy (%s: %s): retry later", r.node, r.id, a.State, a.Reason)
 			}
 		}
-		if pending == 0 {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("waiting for nodes to freeze volumes for a snapshot: %w", ctx.Err())
-		case <-tick.C:
-			continue
-		case <-timeout.C:
-		}
-		var live []string
-		for _, r := range remote {
-			if r.answered {
-				continue
-			}
-			verdict, err := d.leaseVerdict(r.pool, r.node)
-			if err == nil && verdict.Expired {
-				log.Info("Node did not answer the freeze request, and its lease has expired: it has fenced itself off the pool, so nothing of it writes to the volume; copying without its freeze", "volume", r.id, "node", r.node, "lease", verdict.Why)
-				r.answered = true
-				continue
-			}
-			why := verdict.Why
-			if err != nil {
-				why = "its lease cannot be read: " + err.Error()
-			}
-			live = append(live, fmt.Sprintf("node %s for volume %s (%s)", r.node, r.id, why))
-		}
-		if len(live) > 0 {
-			return failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
-				t.AckTimeout, strings.Join(live, "; "))
-		}
+		return pending == 0, nil
+	})
+	if ctx.Err() != nil {
+		return fmt.Errorf("waiting for nodes to freeze volumes for a snapshot: %w", err)
+	}
+	if err != nil {
+		return err
+	}
+	if answered {
 		return nil
 	}
+	var live []string
+	for _, r := range remote {
+		if r.answered {
+			continue
+		}
+		verdict, err := d.leaseVerdict(r.pool, r.node)
+		if err == nil && verdict.Expired {
+			log.Info("Node did not answer the freeze request, and its lease has expired: it has fenced itself off the pool, so nothing of it writes to the volume; copying without its freeze", "volume", r.id, "node", r.node, "lease", verdict.Why)
+			r.answered = true
+			continue
+		}
+		why := verdict.Why
+		if err != nil {
+			why = "its lease cannot be read: " + err.Error()
+		}
+		live = append(live, fmt.Sprintf("node %s for volume %s (%s)", r.node, r.id, why))
+	}
+	if len(live) > 0 {
+		return failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
+			d.freezeTiming.AckTimeout, strings.Join(live, "; "))
+	}
+	return nil
 }
 
 // awaitThaws waits, at most the acknowledgement timeout, until every node
@@ -227,11 +245,7 @@ func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 	if len(held) == 0 {
 		return
 	}
-	tick := time.NewTicker(min(d.freezeTiming.Poll, 100*time.Millisecond))
-	defer tick.Stop()
-	deadline := time.NewTimer(d.freezeTiming.AckTimeout)
-	defer deadline.Stop()
-	for {
+	if done, _ := d.pollNodes(ctx, func() (bool, error) {
 		pending := held[:0]
 		for _, r := range held {
 			if a, ok, err := r.pool.ReadFreezeAck(r.node, r.id); err != nil || (ok && a.Nonce == r.nonce) {
@@ -239,17 +253,9 @@ func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 			}
 		}
 		held = pending
-		if len(held) == 0 {
-			return
-		}
-		select {
-		case <-ctx.Done():
-		case <-deadline.C:
-		case <-tick.C:
-			continue
-		}
+		return len(held) == 0, nil
+	}); !done {
 		klog.FromContext(ctx).Info("A node has not let go of a frozen volume yet; the snapshot returns all the same (it thaws on its next poll or at its maximum hold)", "volume", held[0].id, "node", held[0].node)
-		return
 	}
 }
 
