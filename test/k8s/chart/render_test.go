@@ -78,13 +78,6 @@ var chartVariants = []chartVariant{
 		"snapshots":     map[string]any{"local": true},
 		"snapshotClass": map[string]any{"create": true, "default": true}},
 		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
-	{"group snapshot classes: shared, and local with local snapshots", map[string]any{
-		"snapshots":          map[string]any{"local": true},
-		"groupSnapshotClass": map[string]any{"create": true}},
-		[]string{"VolumeGroupSnapshotClass/poolcsi-shared-group", "VolumeGroupSnapshotClass/poolcsi-local-group"}, nil},
-	{"group snapshot class: no local one without local snapshots", map[string]any{
-		"groupSnapshotClass": map[string]any{"create": true}},
-		[]string{"VolumeGroupSnapshotClass/poolcsi-shared-group"}, []string{"VolumeGroupSnapshotClass/poolcsi-local-group"}},
 	{"snapshots disabled", map[string]any{
 		"snapshots":     map[string]any{"enabled": false},
 		"snapshotClass": map[string]any{"create": true}},

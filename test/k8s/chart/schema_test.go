@@ -115,7 +115,7 @@ storageClasses:
 volumeAttributesClasses:
   - {name: fast, shared: true, parameters: {readBytesPerSecond: 100Mi, writeIOPS: "3000"}}
   - {name: guaranteed, parameters: {preallocate: "true"}}
-groupSnapshotClass: {create: true, name: db-group, localName: local-db-group, deletionPolicy: Retain, default: true}
+groupSnapshotClass: {create: true, name: db-group, deletionPolicy: Retain, default: true}
 `,
 			set: []string{"image.tag=2", "controller.healthEvents=sidecar", "controller.builtinLivenessProbe=false",
 				"node.builtinRegistration=false", "logLevel=5", "controller.replicas=1", "controller.provisionerExtraArgs={--extra-create-metadata}",
