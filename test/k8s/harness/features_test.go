@@ -103,7 +103,8 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 
 	// Shared: the controller asks the writer's node to freeze (freeze inboxes); local: the
 	// node's own csi-snapshotter takes it, the group content labelled for the node by
-	// poolcsi (--claim-local-snapshots), and freezes in place.
+	// poolcsi (--claim-local-snapshots), with a class labelled for the node, and freezes in
+	// place.
 	for _, g := range []groupCase{
 		{driver: sharedDrv, class: "shared-group", data: "shared-xfs", wal: "shared-ext4"},
 		{driver: localDriver, class: "local-group", data: "local-xfs", wal: "local-ext4"},
@@ -173,9 +174,15 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 		}
 		return nil
 	})
+	meta := map[string]any{"name": g.class}
+	if g.driver == localDriver {
+		// csi-snapshotter v8.7 --node-deployment sees only the group classes labelled
+		// with its node (docs/snapshots.md, "Group snapshots of local pools").
+		meta["labels"] = map[string]any{"snapshot.storage.kubernetes.io/managed-by": env.node.Name}
+	}
 	class := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshotClass",
-		"metadata": map[string]any{"name": g.class}, "driver": g.driver, "deletionPolicy": "Delete"}}
+		"metadata": meta, "driver": g.driver, "deletionPolicy": "Delete"}}
 	vgs := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
 		"metadata": map[string]any{"name": "db-snap", "namespace": ns},
