@@ -23,21 +23,7 @@ const (
 )
 
 func content(name, drv string, source map[string]any, labels map[string]string) *unstructured.Unstructured {
-	u := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "snapshot.storage.k8s.io/v1",
-		"kind":       "VolumeSnapshotContent",
-		"metadata":   map[string]any{"name": name},
-		"spec": map[string]any{
-			"driver":         drv,
-			"deletionPolicy": "Retain",
-			"source":         source,
-			"volumeSnapshotRef": map[string]any{
-				"name": "snap", "namespace": "default",
-			},
-		},
-	}}
-	u.SetLabels(labels)
-	return u
+	return object("snapshot.storage.k8s.io/v1", "VolumeSnapshotContent", "volumeSnapshotRef", "Retain", name, drv, source, labels)
 }
 
 func newClaimer(t *testing.T, holds func(context.Context, string) (bool, error), objs ...runtime.Object) (*Claimer, *dynamicfake.FakeDynamicClient) {
@@ -162,17 +148,20 @@ func groupHere(_ context.Context, g string, snaps []string) (bool, error) {
 }
 
 func groupContent(name, drv string, source map[string]any, labels map[string]string) *unstructured.Unstructured {
+	return object("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshotContent", "volumeGroupSnapshotRef", "Delete", name, drv, source, labels)
+}
+
+// object is a (group) snapshot content as the API server would return it.
+func object(apiVersion, kind, ref, policy, name, drv string, source map[string]any, labels map[string]string) *unstructured.Unstructured {
 	u := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "groupsnapshot.storage.k8s.io/v1",
-		"kind":       "VolumeGroupSnapshotContent",
+		"apiVersion": apiVersion,
+		"kind":       kind,
 		"metadata":   map[string]any{"name": name},
 		"spec": map[string]any{
 			"driver":         drv,
-			"deletionPolicy": "Delete",
+			"deletionPolicy": policy,
 			"source":         source,
-			"volumeGroupSnapshotRef": map[string]any{
-				"name": "group", "namespace": "default",
-			},
+			ref:              map[string]any{"name": "snap", "namespace": "default"},
 		},
 	}}
 	u.SetLabels(labels)
