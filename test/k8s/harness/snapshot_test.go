@@ -290,8 +290,12 @@ func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, 
 	if l := got.GetLabels()[managedBy]; l != sc.node {
 		t.Errorf("pre-provisioned VolumeSnapshotContent %s label %s=%q, want %q", name, managedBy, l, sc.node)
 	}
-	if lines := logLines(t, sc.driver.proc, "Claimed a pre-provisioned snapshot"); len(lines) == 0 {
-		t.Errorf("no claim of the pre-provisioned content in poolcsi's log")
+	claimed := false
+	for _, l := range logLines(t, sc.driver.proc, "Claimed a content for this node's snapshotter") {
+		claimed = claimed || strings.Contains(l, `content="`+name+`"`)
+	}
+	if !claimed {
+		t.Errorf("no claim of the pre-provisioned content %s in poolcsi's log", name)
 	}
 	cleanup()
 	waitSnapshotGone(t, c, name, name)
