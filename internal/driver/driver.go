@@ -226,6 +226,8 @@ func New(opts Options) (*Driver, error) {
 		cgroups:      host.Cgroups,
 	}
 	d.quiesceCopy = d.quiesce
+	// A clone freezes its source as a snapshot does; read late, so a test's
+	// wrapper of quiesceCopy sees clones too.
 	d.freeze = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
 		return d.quiesceCopy(ctx, p, vid, v)
 	}

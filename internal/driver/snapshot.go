@@ -158,11 +158,12 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 	return nil
 }
 
-// freezeIfStagedHere freezes the filesystem of an image volume that is staged on
-// this node, so its image is clean while it is copied, and returns the thaw. It
-// is best effort: the controller cannot freeze a volume staged on another node,
-// and a snapshot is crash-consistent without it. Callers hold the volume's
-// in-process lock, so no unstage runs meanwhile.
+// freezeIfStagedHere is quiesceAll's part on this node: it freezes the
+// filesystem of an image volume staged here, so its image is clean while it is
+// copied, and returns the thaw. Other nodes are asked through their freeze
+// inboxes (quiesce.go). A stage it cannot tell is the volume's mount is not
+// frozen, never a wrong filesystem. Callers hold the volume's in-process lock,
+// so no unstage runs meanwhile.
 func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func()) {
 	noop := func() {}
 	if v.AccessType != pool.AccessFilesystem {
