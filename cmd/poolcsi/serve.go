@@ -19,6 +19,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/metrics"
+	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
@@ -43,6 +44,7 @@ type serveOptions struct {
 	HealthzAddr     string
 	RegistrationDir string
 	KubeletEndpoint string
+	StateDir        string
 
 	// Percent, as on the command line; health.Options wants fractions.
 	PoolFullPercent   float64
@@ -87,6 +89,7 @@ func newServeOptions() *serveOptions {
 		CgroupRoot:        "/sys/fs/cgroup",
 		IOLimitsInterval:  driver.DefaultIOLimitsInterval,
 		EphemeralSweep:    driver.DefaultEphemeralSweep,
+		StateDir:          "/var/lib/poolcsi/state",
 	}
 }
 
@@ -104,6 +107,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Float64Var(&o.VolumeFullPercent, "volume-full-threshold", o.VolumeFullPercent, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	fs.DurationVar(&o.MountRetry, "mount-retry", o.MountRetry, "how often a pool whose mount: stanza failed is mounted again")
 	fs.StringVar(&o.PathPrefix, "allowed-path-prefix", o.PathPrefix, "the only directory staging and target paths may be strictly below (the chart sets kubelet's root directory, whose own path may go through links); below it no path component may be a symbolic link, and each path is resolved once and used through what was resolved; / allows any path (docs/format.md#what-the-driver-trusts-and-what-it-does-not)")
+	fs.StringVar(&o.StateDir, "state-dir", o.StateDir, "where the node plugin keeps its own records, outside every pool (what it staged and froze: the self-fence and freeze recovery read them when a pool no longer answers or after a restart); on the node's own disk, kept across restarts of the plugin (docs/fencing.md); empty: in memory only")
 	fs.StringVar(&o.RegistrationDir, "registration-dir", o.RegistrationDir, "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
 	fs.StringVar(&o.KubeletEndpoint, "kubelet-registration-path", o.KubeletEndpoint, "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
 	fs.DurationVar(&o.StatsHealthTTL, "stats-health-ttl", o.StatsHealthTTL, "how long NodeGetVolumeStats reuses a volume's node-side health condition (kubelet asks every minute); 0: recompute every call")
@@ -276,6 +280,14 @@ func (o *serveOptions) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// Only a node plugin keeps node-local records; a controller's pod has
+	// no directory of the node's for them.
+	state := nodestate.Memory()
+	if mode != driver.ModeController && o.StateDir != "" {
+		if state, err = nodestate.Open(o.StateDir, nodeID); err != nil {
+			return fmt.Errorf("--state-dir: %w", err)
+		}
+	}
 	d, err := driver.New(driver.Options{
 		Name:              o.DriverName,
 		Version:           buildVersion(),
@@ -293,6 +305,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 		ShareKeys:         shareKeys,
 		Lease:             o.Lease,
 		Freeze:            o.Freeze,
+		State:             state,
 		CgroupRoot:        o.CgroupRoot,
 		IOLimitsInterval:  o.IOLimitsInterval,
 		EphemeralPool:     o.EphemeralPool,

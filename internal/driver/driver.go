@@ -22,6 +22,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
@@ -113,6 +114,11 @@ type Options struct {
 	// volumes no unpublish removed, besides once at start; 0 takes
 	// DefaultEphemeralSweep, a negative value sweeps at start only.
 	EphemeralSweepInterval time.Duration
+	// State is this node plugin's own record store, outside every pool
+	// (--state-dir, internal/nodestate): what it staged and froze, which it
+	// must know when a pool stops answering or after a restart. nil keeps
+	// the records in memory (unit tests).
+	State *nodestate.Store
 }
 
 // Driver serves the CSI services over one pool set.
@@ -200,6 +206,9 @@ func New(opts Options) (*Driver, error) {
 	}
 	if err := opts.Freeze.Validate(); err != nil {
 		return nil, err
+	}
+	if opts.State == nil {
+		opts.State = nodestate.Memory()
 	}
 	if opts.CgroupRoot == "" {
 		opts.CgroupRoot = "/sys/fs/cgroup"

@@ -83,6 +83,7 @@ type Driver struct {
 	Socket   string
 	Conn     *grpc.ClientConn
 	opts     Options
+	stateDir string // the node plugin's --state-dir, kept across Restart
 	cmd      *exec.Cmd
 	log      *bytes.Buffer
 	logMu    sync.Mutex
@@ -141,6 +142,12 @@ func Start(t testing.TB, o Options) *Driver {
 		o.NodeID = "node-1"
 	}
 	d := &Driver{Endpoint: "unix://" + sock, Socket: sock, log: &bytes.Buffer{}, opts: o}
+	// Each driver keeps its node-local records (--state-dir) apart from every
+	// other test's, and from the machine's own /var/lib/poolcsi/state; a
+	// Restart finds them again, as a restarted node plugin does on its node.
+	if !slices.ContainsFunc(o.Args, func(a string) bool { return strings.HasPrefix(a, "--state-dir") }) {
+		d.stateDir = filepath.Join(sockDir, "state")
+	}
 	conn, err := grpc.NewClient(d.Endpoint, grpc.WithTransportCredentials(insecure.NewCredentials()),
 		grpc.WithUnaryInterceptor(d.intercept))
 	if err != nil {
@@ -235,6 +242,9 @@ func (d *Driver) launch(t testing.TB) {
 	if !slices.ContainsFunc(d.opts.Args, func(a string) bool { return strings.HasPrefix(a, "--allowed-path-prefix") }) {
 		// The tests' staging and target paths are in the temp directory.
 		args = append(args, "--allowed-path-prefix", os.TempDir())
+	}
+	if d.stateDir != "" {
+		args = append(args, "--state-dir", d.stateDir)
 	}
 	d.cmd = exec.Command(Binary(t), args...)
 	// If the test process dies without its cleanups (os.Exit, a panic, a
