@@ -415,31 +415,33 @@ func leasesExpired(ctx context.Context, out io.Writer, p *pool.Pool, id pool.Vol
 	if v.Layout != pool.LayoutImage {
 		return nil // dir volumes have many writers by design: no fence to wait for
 	}
+	// held: the nodes holding it read-write, true for those with a stage
+	// record (a released lease is no proof for those: docs/fencing.md).
 	held := map[string]bool{}
+	for _, r := range v.Published {
+		if !r.ReadOnly && (node == "" || r.Node == node) {
+			held[r.Node] = false
+		}
+	}
 	for _, s := range v.Staged {
 		if !s.ReadOnly && (node == "" || s.Node == node) {
 			held[s.Node] = true
 		}
 	}
-	for _, r := range v.Published {
-		if !r.ReadOnly && (node == "" || r.Node == node) {
-			held[r.Node] = true
-		}
-	}
 	t := lease.Default
 	obs := lease.NewObserver()
-	for n := range held {
+	for n, staged := range held {
 		var first *pool.Lease
 		for {
 			rec, ok, err := p.ReadLease(n)
 			if err != nil {
 				return err
 			}
-			if first != nil && (rec.Counter != first.Counter || rec.Instance != first.Instance) && !rec.Released {
+			if first != nil && (rec.Counter != first.Counter || rec.Instance != first.Instance) && (!rec.Released || staged) {
 				return fmt.Errorf("node %s renewed its lease in pool %s while it was watched: it is alive and may be writing; not unfencing", n, p.Name())
 			}
 			first = &rec
-			verdict := obs.Observe(p.Name(), n, rec, ok, t)
+			verdict := obs.Observe(p.Name(), n, rec, ok, t, staged)
 			if verdict.Expired {
 				fmt.Fprintf(out, "%s: its records may go\n", verdict.Why)
 				break

@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"sort"
@@ -11,6 +12,7 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
@@ -41,6 +43,8 @@ type leases struct {
 	now func() time.Time
 	// write renews a lease; tests replace it to make a pool hang or fail.
 	write func(p *pool.Pool, l pool.Lease) error
+	// repair removes a damaged lease entry of this node (pool.RepairLease).
+	repair func(p *pool.Pool, node string) error
 }
 
 // poolLease is this node's lease in one pool.
@@ -49,9 +53,12 @@ type poolLease struct {
 	last     time.Time // the start of the last renewal that succeeded (zero: none)
 	counter  uint64
 	inFlight bool
+	started  time.Time // when the renewal under way (inFlight) began
 	lastErr  error
 	fenced   time.Time // when it fenced itself (zero: not)
-	devices  []string  // what it fenced
+	// fenceCause says why the renewals failed, for the health reason.
+	fenceCause string
+	devices    []string // what it fenced
 	// root is the pool's path as the kernel names the backing files of its
 	// loop devices, resolved while the pool answered.
 	root string
@@ -63,7 +70,8 @@ func newLeases(t lease.Timing) *leases {
 	ls := &leases{
 		timing: t, instance: hex.EncodeToString(b[:]),
 		pools: map[string]*poolLease{}, now: time.Now,
-		write: func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) },
+		write:  func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) },
+		repair: func(p *pool.Pool, node string) error { return p.RepairLease(node) },
 	}
 	ls.observer = lease.NewObserverClock(func() time.Time { return ls.now() })
 	return ls
@@ -139,10 +147,26 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 	}
 	pl.inFlight = true
 	rec := pool.Lease{Node: d.opts.NodeID, Instance: ls.instance, Counter: pl.counter + 1, DurationSeconds: int64(ls.timing.Duration / time.Second)}
-	ls.mu.Unlock()
 	start := ls.now()
+	pl.started = start
+	write, repair := ls.write, ls.repair
+	ls.mu.Unlock()
 	go func() {
-		err := ls.write(p, rec)
+		err := write(p, rec)
+		if renewalCause(err) == causeDamaged {
+			// The pool answers; only this node's own entry is wrong (anyone
+			// who can write the pool can put a directory or a link there).
+			// Fencing would stop this node's volumes for nothing: repair it
+			// and write anew. A repair that fails leaves the renewal failed,
+			// and the fence comes at the lease's duration as for any other
+			// failure, since readers see no renewal either.
+			klog.FromContext(ctx).Info("This node's lease file in the pool is damaged while the pool answers: removing it and writing it anew", "pool", p.Name(), "damage", err.Error())
+			if rerr := repair(p, rec.Node); rerr != nil {
+				err = fmt.Errorf("%w; repairing it failed: %w", err, rerr)
+			} else {
+				err = write(p, rec)
+			}
+		}
 		var root string
 		if err == nil {
 			root, _ = filepath.EvalSymlinks(p.Path())
@@ -158,12 +182,93 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		}
 		ls.mu.Unlock()
 		if err != nil {
-			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name())
+			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name(), "cause", renewalCause(err).String())
 		}
 		if done != nil {
 			done <- err
 		}
 	}()
+}
+
+// renewalFailure classifies why a renewal failed: the node repairs a damaged
+// lease entry of its own and fences for the rest at the lease's duration, but
+// the health reason and the logs say which it was.
+type renewalFailure int
+
+const (
+	causeNone renewalFailure = iota
+	// causeCutOff: the pool does not answer as this pool (its root gone or
+	// not the pool any more, EIO, ESTALE, ENOTCONN, a timeout, read-only).
+	causeCutOff
+	// causeDamaged: the pool answers, but this node's own lease entry is no
+	// lease file (a directory, a link, a FIFO): repaired, not fenced for.
+	causeDamaged
+	// causeOther: anything else that kept the record from being written
+	// (EACCES, ENOSPC, ...).
+	causeOther
+	// causeHung: a renewal has not returned for a renewal interval.
+	causeHung
+)
+
+func (c renewalFailure) String() string {
+	switch c {
+	case causeCutOff:
+		return "cut off from the pool"
+	case causeDamaged:
+		return "lease file damaged"
+	case causeHung:
+		return "renewal timed out"
+	case causeOther:
+		return "lease not writable"
+	}
+	return "none"
+}
+
+// cutOffErrnos are the errors of a filesystem that does not answer as the
+// pool any more.
+var cutOffErrnos = []error{unix.EIO, unix.ESTALE, unix.ENOTCONN, unix.ETIMEDOUT, unix.EROFS, unix.ENODEV, unix.ENXIO, unix.EHOSTDOWN, unix.EHOSTUNREACH, unix.ECONNRESET, unix.ECONNREFUSED, unix.ESHUTDOWN}
+
+// renewalCause classifies the outcome of one renewal.
+func renewalCause(err error) renewalFailure {
+	switch {
+	case err == nil:
+		return causeNone
+	case errors.Is(err, errRenewalHung):
+		return causeHung
+	case errors.Is(err, pool.ErrUnavailable):
+		return causeCutOff
+	}
+	for _, e := range cutOffErrnos {
+		if errors.Is(err, e) {
+			return causeCutOff
+		}
+	}
+	if errors.Is(err, pool.ErrLeaseDamaged) {
+		return causeDamaged
+	}
+	return causeOther
+}
+
+// errRenewalHung marks a renewal that did not return within an interval.
+var errRenewalHung = errors.New("a renewal of the lease has not returned")
+
+// failure is why this lease is not being renewed, at now: a renewal under way
+// for longer than interval has timed out (the pool hangs), whatever the one
+// before said; otherwise the last renewal's error (nil: it worked).
+func (pl *poolLease) failure(now time.Time, interval time.Duration) error {
+	if pl.inFlight && now.Sub(pl.started) >= interval {
+		return fmt.Errorf("%w for %s (the pool hangs)", errRenewalHung, now.Sub(pl.started).Round(time.Second))
+	}
+	return pl.lastErr
+}
+
+// describeFailure is the health reason's account of a failure.
+func describeFailure(err error) string {
+	c := renewalCause(err)
+	if c == causeNone {
+		return "no renewal succeeded since this node plugin started"
+	}
+	return c.String() + ": " + err.Error()
 }
 
 // fenceExpired fences every pool whose lease this node has not renewed for the
@@ -182,9 +287,10 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
 		}
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
-		root, lastErr := pl.root, pl.lastErr
+		root, lastErr := pl.root, pl.failure(ls.now(), ls.timing.Interval)
 		if must {
 			pl.fenced = ls.now()
+			pl.fenceCause = describeFailure(lastErr)
 		}
 		ls.mu.Unlock()
 		if must {
@@ -393,8 +499,8 @@ func (d *Driver) fencedIssue(p *pool.Pool) *health.Issue {
 		return nil
 	}
 	return &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
-		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s: the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
-		d.opts.NodeID, p.Name(), d.leases.timing.Duration, pl.fenced.Format(time.RFC3339))}
+		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s (%s): the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
+		d.opts.NodeID, p.Name(), d.leases.timing.Duration, pl.fenced.Format(time.RFC3339), pl.fenceCause)}
 }
 
 // LeaseState is this node's lease in one pool, for metrics.
@@ -426,13 +532,16 @@ func (d *Driver) LeaseStates() []LeaseState {
 }
 
 // leaseVerdict is the controller's verdict on node's lease in p, from what
-// it reads now and what it saw before.
-func (d *Driver) leaseVerdict(p *pool.Pool, node string) (lease.Verdict, error) {
+// it reads now and what it saw before. staged: the node still holds a
+// read-write stage record of the volume at stake, so a released lease proves
+// nothing (lease.Observer.Observe). A damaged record is waited for, as for
+// the longest lease; only a pool that cannot be read is an error.
+func (d *Driver) leaseVerdict(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
 	rec, ok, err := p.ReadLease(node)
 	if err != nil {
 		return lease.Verdict{}, err
 	}
-	return d.leases.observer.Observe(p.Name(), node, rec, ok, d.leases.timing), nil
+	return d.leases.observer.Observe(p.Name(), node, rec, ok, d.leases.timing, staged), nil
 }
 
 // writers are the nodes holding an image volume staged read-write.
@@ -453,7 +562,8 @@ func writers(v *pool.Volume, node string) []string {
 func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) error {
 	var waits []string
 	for _, n := range nodes {
-		verdict, err := d.leaseVerdict(p, n)
+		// Every node here holds a read-write stage record of v.
+		verdict, err := d.leaseVerdict(p, n, true)
 		if err != nil {
 			return fmt.Errorf("volume %s is staged read-write on node %s, whose lease cannot be read: %w", v.ID, n, err)
 		}

@@ -188,8 +188,9 @@ func waitFenced(t *testing.T, h *fake.Host, dev string) {
 }
 
 // TestForceDetachWaitsForALiveNode: a node that keeps renewing is never
-// force-detached, however long the controller waits; one that releases its
-// lease cleanly is at once.
+// force-detached, however long the controller waits, nor one whose lease
+// says released while it still has the volume staged; one that unstaged is
+// detached at once.
 func TestForceDetachWaitsForALiveNode(t *testing.T) {
 	ctx := context.Background()
 	dir := newLeasePool(t)
@@ -211,12 +212,20 @@ func TestForceDetachWaitsForALiveNode(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// A clean release (no device left in the pool) ends the wait at once.
+	// A released lease is no proof while the node still holds a read-write
+	// stage record of the volume (anyone who can write the pool can write
+	// "released"): still waited for.
 	if err := b.pool("shared").WriteLease(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
 		t.Fatal(err)
 	}
+	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+	wantCode(t, err, codes.Unavailable)
+	// A node that unstaged is detached at once.
+	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "s")}); err != nil {
+		t.Fatal(err)
+	}
 	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
-		t.Fatalf("after a release: %v", err)
+		t.Fatalf("after the unstage: %v", err)
 	}
 }
 

@@ -1,9 +1,13 @@
 package pool
 
 import (
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -42,11 +46,25 @@ type Lease struct {
 	// Released: the holder stopped renewing and holds nothing read-write in
 	// the pool (a clean stop).
 	Released bool `json:"released,omitempty"`
+	// Damaged, set by ReadLease and never written, says that what the pool
+	// holds for the node is no lease record (a directory, a link, a FIFO, a
+	// file too large, garbage, another node's name) and fingerprints it, so
+	// that a reader notices when it changes. A reader waits for a damaged
+	// record as for one declaring the longest lease (internal/lease).
+	Damaged string `json:"-"`
 }
 
 func leaseRel(node string) string { return filepath.Join(leasesDir, node) }
 
-// WriteLease rewrites node's lease record in place and makes it durable.
+// ErrLeaseDamaged marks a node's own lease entry that is not a lease file it
+// can rewrite in place: a directory, a link (symbolic or hard), a FIFO, a
+// device, a file far too large. It wraps ErrCorrupt. The node repairs it
+// (RepairLease): the pool answers, only its file is wrong.
+var ErrLeaseDamaged = fmt.Errorf("%w: lease entry damaged", ErrCorrupt)
+
+// WriteLease rewrites node's lease record in place and makes it durable. A
+// pool that does not answer, or whose root is not this pool any more, is
+// ErrUnavailable; a lease entry that is not a lease file is ErrLeaseDamaged.
 func (p *Pool) WriteLease(l Lease) error {
 	if err := ValidateNodeID(l.Node); err != nil {
 		return err
@@ -60,6 +78,9 @@ func (p *Pool) WriteLease(l Lease) error {
 	// more), the mount point is an empty directory of this node's own disk,
 	// and a lease written there would renew nothing another node sees.
 	if err := p.readMeta(); err != nil {
+		if !errors.Is(err, ErrUnavailable) {
+			err = fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		}
 		return err
 	}
 	if err := os.Mkdir(filepath.Join(p.cfg.Path, leasesDir), 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
@@ -67,11 +88,30 @@ func (p *Pool) WriteLease(l Lease) error {
 	}
 	f, err := fsx.OpenRegular(p.cfg.Path, leaseRel(l.Node), unix.O_RDWR|unix.O_CREAT, 0o640)
 	if err != nil {
-		return fmt.Errorf("pool %s: lease of node %s: %w", p.cfg.Name, l.Node, unsafe(err))
+		if errors.Is(err, fsx.ErrUnsafe) || errors.Is(err, unix.ENOTDIR) {
+			return fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrLeaseDamaged, p.cfg.Name, l.Node, err)
+		}
+		return fmt.Errorf("pool %s: lease of node %s: %w", p.cfg.Name, l.Node, p.classify(err))
 	}
 	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return fmt.Errorf("pool %s: stat lease of node %s: %w", p.cfg.Name, l.Node, err)
+	}
+	// A second name for the file (a hard link from another node's lease, or
+	// from anywhere in the pool) would carry this node's renewals there.
+	if st.Nlink > 1 {
+		return fmt.Errorf("%w: pool %s: the lease file of node %s has %d names", ErrLeaseDamaged, p.cfg.Name, l.Node, st.Nlink)
+	}
 	if _, err := f.WriteAt(line, 0); err != nil {
 		return fmt.Errorf("pool %s: write lease of node %s: %w", p.cfg.Name, l.Node, err)
+	}
+	// Whatever someone appended beyond the record goes: a reader would take
+	// the file for damage.
+	if st.Size > leaseSize {
+		if err := f.Truncate(leaseSize); err != nil {
+			return fmt.Errorf("pool %s: truncate lease of node %s: %w", p.cfg.Name, l.Node, err)
+		}
 	}
 	if err := f.Sync(); err != nil {
 		return fmt.Errorf("pool %s: fsync lease of node %s: %w", p.cfg.Name, l.Node, err)
@@ -79,7 +119,133 @@ func (p *Pool) WriteLease(l Lease) error {
 	return nil
 }
 
-// ReadLease reads node's lease record; ok is false when it has none.
+// RepairLease removes node's lease entry when it is not a lease file the node
+// can rewrite (ErrLeaseDamaged), so that the next WriteLease creates it anew;
+// the leases directory too, when it is not a directory. Nothing is followed:
+// entries are looked at and removed relative to a descriptor of their
+// directory, opened below the pool's root without links, so a link is removed
+// itself, never its target. A directory in the lease's place is renamed
+// aside first (the lease can be written at once) and then removed, at most
+// maxRepairEntries entries deep: a huge tree planted there is left, renamed,
+// for an operator, and says so.
+func (p *Pool) RepairLease(node string) error {
+	if err := ValidateNodeID(node); err != nil {
+		return err
+	}
+	if err := p.readMeta(); err != nil {
+		return err // only in the pool itself, as WriteLease
+	}
+	root, err := fsx.OpenDir(p.cfg.Path, ".")
+	if err != nil {
+		return fmt.Errorf("pool %s: %w", p.cfg.Name, p.classify(err))
+	}
+	defer root.Close()
+	if err := removeEntry(int(root.Fd()), leasesDir, false); err != nil {
+		return fmt.Errorf("pool %s: repair %s: %w", p.cfg.Name, leasesDir, err)
+	}
+	dir, err := fsx.OpenDir(p.cfg.Path, leasesDir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("pool %s: %w", p.cfg.Name, p.classify(err))
+	}
+	defer dir.Close()
+	if err := removeEntry(int(dir.Fd()), node, true); err != nil {
+		return fmt.Errorf("pool %s: repair the lease of node %s: %w", p.cfg.Name, node, err)
+	}
+	return dir.Sync()
+}
+
+// maxRepairEntries bounds what RepairLease removes of a directory planted
+// where a lease belongs.
+const maxRepairEntries = 1000
+
+// removeEntry removes name in the directory dirfd unless it is what belongs
+// there: a directory (file false) or a regular file with one name (file true).
+func removeEntry(dirfd int, name string, file bool) error {
+	var st unix.Stat_t
+	if err := unix.Fstatat(dirfd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		if errors.Is(err, unix.ENOENT) {
+			return nil
+		}
+		return err
+	}
+	isDir := st.Mode&unix.S_IFMT == unix.S_IFDIR
+	switch {
+	case !file && isDir:
+		return nil
+	case file && st.Mode&unix.S_IFMT == unix.S_IFREG && st.Nlink == 1 && st.Size <= maxLease:
+		return nil
+	case !isDir:
+		// unlinkat removes the entry itself, whatever it points to; if a
+		// directory was swapped in since the look, it fails (EISDIR).
+		return unlinkat(dirfd, name, 0)
+	}
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	aside := fmt.Sprintf(".%s.damaged-%s", name, hex.EncodeToString(b[:]))
+	if err := unix.Renameat(dirfd, name, dirfd, aside); err != nil {
+		return fmt.Errorf("rename %s aside: %w", name, err)
+	}
+	budget := maxRepairEntries
+	if err := removeTree(dirfd, aside, &budget, 0); err != nil {
+		return fmt.Errorf("a directory stood in its place, renamed %s, and removing it failed (remove it by hand): %w", aside, err)
+	}
+	return nil
+}
+
+// removeTree removes the directory name in dirfd and what it holds, never
+// following a link, within budget entries and 16 levels.
+func removeTree(dirfd int, name string, budget *int, depth int) error {
+	if depth > 16 {
+		return errors.New("nested too deep")
+	}
+	fd, err := unix.Openat(dirfd, name, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", name, err)
+	}
+	d := os.NewFile(uintptr(fd), name)
+	defer d.Close()
+	for {
+		des, err := d.ReadDir(64)
+		for _, de := range des {
+			if *budget--; *budget < 0 {
+				return fmt.Errorf("more than %d entries", maxRepairEntries)
+			}
+			if de.IsDir() {
+				if err := removeTree(fd, de.Name(), budget, depth+1); err != nil {
+					return err
+				}
+				continue
+			}
+			if err := unlinkat(fd, de.Name(), 0); err != nil {
+				return err
+			}
+		}
+		if errors.Is(err, io.EOF) || len(des) == 0 {
+			break
+		}
+		if err != nil {
+			return err
+		}
+	}
+	return unlinkat(dirfd, name, unix.AT_REMOVEDIR)
+}
+
+func unlinkat(dirfd int, name string, flags int) error {
+	if err := unix.Unlinkat(dirfd, name, flags); err != nil && !errors.Is(err, unix.ENOENT) {
+		return fmt.Errorf("remove %s: %w", name, err)
+	}
+	return nil
+}
+
+// ReadLease reads node's lease record; ok is false when it has none. What
+// stands in its place and is no lease record (a link, a directory, a FIFO, a
+// file too large, garbage, another node's name) is returned with ok and
+// Damaged set, not as an error: anyone who can write the pool can put it
+// there, and a reader waits for it as for the longest lease (internal/lease)
+// instead of refusing for good. An error is a pool that cannot be read.
 func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return l, false, err
@@ -88,14 +254,23 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	switch {
 	case missing(err):
 		return l, false, nil
+	case errors.Is(err, ErrUnavailable):
+		return l, false, err
+	case errors.Is(err, fsx.ErrUnsafe) || errors.Is(err, unix.ENOTDIR):
+		return Lease{Node: node, Damaged: err.Error()}, true, nil
 	case err != nil:
 		return l, false, err
 	}
+	damaged := func(why string) (Lease, bool, error) {
+		sum := sha256.Sum256(raw)
+		return Lease{Node: node, Damaged: fmt.Sprintf("%s; content sha256 %s", why, hex.EncodeToString(sum[:8]))}, true, nil
+	}
 	if err := json.Unmarshal([]byte(strings.TrimSpace(string(raw))), &l); err != nil {
-		return l, false, fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrCorrupt, p.cfg.Name, node, err)
+		return damaged(fmt.Sprintf("pool %s: the lease of node %s is not a lease record: %v", p.cfg.Name, node, err))
 	}
 	if l.Node != node {
-		return l, false, fmt.Errorf("%w: pool %s: the lease file of node %s names node %q", ErrCorrupt, p.cfg.Name, node, l.Node)
+		return damaged(fmt.Sprintf("pool %s: the lease file of node %s names node %q", p.cfg.Name, node, l.Node))
 	}
+	l.Damaged = ""
 	return l, true, nil
 }

@@ -1,0 +1,119 @@
+package pool
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+)
+
+// TestLeaseDamageIsReadAndRepaired: whatever stands where a node's lease file
+// belongs (anyone who can write the pool can put it there) is read as a
+// damaged record, never as an error that refuses for good nor as a record;
+// the node's own write either overwrites it in place (garbage, another
+// node's name, a tail) or reports ErrLeaseDamaged, and RepairLease then lets
+// the write succeed, removing links themselves and never their targets.
+func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
+	const node = "node-a"
+	tests := []struct {
+		name string
+		// plant damages the pool at root; outside is a directory outside it.
+		plant func(t *testing.T, root, outside string)
+		// repair: the write fails with ErrLeaseDamaged until RepairLease.
+		repair bool
+	}{
+		{"directory", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases", node, "sub", "deeper"), 0o755))
+			must(t, os.WriteFile(filepath.Join(root, "leases", node, "sub", "f"), []byte("x"), 0o644))
+		}, true},
+		{"symlink out of the pool", func(t *testing.T, root, outside string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, os.Symlink(filepath.Join(outside, "victim"), filepath.Join(root, "leases", node)))
+		}, true},
+		{"hard link to another lease", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, os.WriteFile(filepath.Join(root, "leases", "node-b"), []byte(`{"node":"node-b","instance":"b","counter":1}`), 0o644))
+			must(t, os.Link(filepath.Join(root, "leases", "node-b"), filepath.Join(root, "leases", node)))
+		}, true},
+		{"fifo", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, syscall.Mkfifo(filepath.Join(root, "leases", node), 0o644))
+		}, true},
+		{"too large", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, os.WriteFile(filepath.Join(root, "leases", node), []byte(strings.Repeat("x", 2*maxLease)), 0o644))
+		}, false},
+		{"garbage with a tail", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, os.WriteFile(filepath.Join(root, "leases", node), []byte(strings.Repeat("garbage ", 100)), 0o644))
+		}, false},
+		{"another node's name", func(t *testing.T, root, _ string) {
+			must(t, os.MkdirAll(filepath.Join(root, "leases"), 0o755))
+			must(t, os.WriteFile(filepath.Join(root, "leases", node), []byte(`{"node":"node-z","instance":"z","counter":5,"released":true}`), 0o644))
+		}, false},
+		{"leases directory a symlink", func(t *testing.T, root, outside string) {
+			must(t, os.Symlink(outside, filepath.Join(root, "leases")))
+		}, true},
+		{"leases directory a file", func(t *testing.T, root, _ string) {
+			must(t, os.WriteFile(filepath.Join(root, "leases"), []byte("x"), 0o644))
+		}, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := openTemp(t)
+			outside := t.TempDir()
+			must(t, os.WriteFile(filepath.Join(outside, "victim"), []byte("keep"), 0o644))
+			tt.plant(t, p.Path(), outside)
+			got, ok, err := p.ReadLease(node)
+			if err != nil || !ok || got.Damaged == "" {
+				t.Fatalf("ReadLease of the damage: %+v ok=%t %v; want a damaged record", got, ok, err)
+			}
+			rec := Lease{Node: node, Instance: "i", Counter: 3, DurationSeconds: 60}
+			err = p.WriteLease(rec)
+			if tt.repair {
+				if !errors.Is(err, ErrLeaseDamaged) || errors.Is(err, ErrUnavailable) {
+					t.Fatalf("WriteLease over the damage: %v, want ErrLeaseDamaged", err)
+				}
+				must(t, p.RepairLease(node))
+				err = p.WriteLease(rec)
+			}
+			if err != nil {
+				t.Fatalf("WriteLease after the repair: %v", err)
+			}
+			got, ok, err = p.ReadLease(node)
+			if err != nil || !ok || got != rec {
+				t.Fatalf("ReadLease after the repair: %+v ok=%t %v, want %+v", got, ok, err, rec)
+			}
+			if b, err := os.ReadFile(filepath.Join(outside, "victim")); err != nil || string(b) != "keep" {
+				t.Fatalf("the link's target outside the pool: %q %v", b, err)
+			}
+			if b, err := os.ReadFile(filepath.Join(p.Path(), "leases", "node-b")); err == nil && !strings.Contains(string(b), `"node-b"`) {
+				t.Fatalf("another node's lease was written through a hard link: %q", b)
+			}
+		})
+	}
+}
+
+// TestWriteLeaseOutsideThePool: a pool whose root is not the pool any more
+// (its filesystem gone, another one in its place) is ErrUnavailable, never
+// damage to repair.
+func TestWriteLeaseOutsideThePool(t *testing.T) {
+	p := openTemp(t)
+	must(t, os.Remove(filepath.Join(p.Path(), poolMeta)))
+	err := p.WriteLease(Lease{Node: "node-a", Instance: "i", Counter: 1})
+	if !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrLeaseDamaged) {
+		t.Fatalf("WriteLease into a root without pool.json: %v", err)
+	}
+	if err := p.RepairLease("node-a"); err == nil {
+		t.Fatal("RepairLease worked in a root without pool.json")
+	}
+}
+
+func must(t *testing.T, err error) {
+	t.Helper()
+	if err != nil {
+		t.Fatal(err)
+	}
+}
