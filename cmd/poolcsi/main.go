@@ -298,6 +298,15 @@ func shareMounter(dir, typeList string, timeout time.Duration) (driver.ShareMoun
 	return sh, types, nil
 }
 
+// peerLeaseStates are every node's leases as the controller's metrics report them.
+func peerLeaseStates(d *driver.Driver) []metrics.PeerLeaseState {
+	var out []metrics.PeerLeaseState
+	for _, s := range d.PeerLeases() {
+		out = append(out, metrics.PeerLeaseState{Pool: s.Pool, Node: s.Node, Unchanged: s.Unchanged, Stages: s.Stages})
+	}
+	return out
+}
+
 // leaseStates are the node's leases as the metrics report them.
 func leaseStates(d *driver.Driver) []metrics.LeaseState {
 	var out []metrics.LeaseState

@@ -382,6 +382,9 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 		if mode == driver.ModeNode || mode == driver.ModeAll {
 			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
 		}
+		if mode == driver.ModeController || mode == driver.ModeAll {
+			mx.WatchPeerLeases(func() []metrics.PeerLeaseState { return peerLeaseStates(d) })
+		}
 		if _, err := mx.Serve(ctx, o.MetricsAddr); err != nil {
 			return nil, nil, err
 		}

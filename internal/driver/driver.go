@@ -287,6 +287,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
+	if d.opts.Mode.controller() && d.leases != nil {
+		// What the lease cannot cover, made visible (peers.go).
+		defer background(ctx, func(ctx context.Context) { every(ctx, d.leases.timing.Interval, d.watchPeers) })()
+	}
 	if d.opts.Mode.node() {
 		// The leases stop after the server: a call under way at the stop
 		// may still stage a volume.

@@ -35,6 +35,7 @@ type leases struct {
 	timing   lease.Timing
 	instance string
 	observer *lease.Observer // controller side
+	peers    *peerWatch      // controller side: what an operator watches
 
 	mu    sync.Mutex
 	pools map[string]*poolLease // node side, by pool name
@@ -74,6 +75,7 @@ func newLeases(t lease.Timing) *leases {
 		repair: func(p *pool.Pool, node string) error { return p.RepairLease(node) },
 	}
 	ls.observer = lease.NewObserverClock(func() time.Time { return ls.now() })
+	ls.peers = newPeerWatch(func() time.Time { return ls.now() })
 	return ls
 }
 

@@ -197,3 +197,19 @@ func (o *Observer) Observe(poolName, node string, rec pool.Lease, present bool, 
 	}
 	return Verdict{Wait: need - held, Why: fmt.Sprintf("node %s has shown %s in pool %s unchanged for %s of the %s (lease duration plus margin, by this controller's clock) after which it cannot be writing", node, what, poolName, held.Round(time.Second), need)}
 }
+
+// Unchanged records what was read of node's lease in poolName, as Observe
+// does, and says how long this observer has seen it unchanged: what an
+// operator watches for a node that stopped renewing (docs/fencing.md).
+func (o *Observer) Unchanged(poolName, node string, rec pool.Lease, present bool) time.Duration {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	now := o.now()
+	k := key{poolName, node}
+	s, ok := o.seen[k]
+	if !ok || s.present != present || s.rec != rec {
+		s = seen{rec: rec, present: present, since: now}
+		o.seen[k] = s
+	}
+	return max(now.Sub(s.since), 0)
+}

@@ -55,3 +55,49 @@ func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.fenced, prometheus.GaugeValue, fenced, s.Pool)
 	}
 }
+
+// PeerLeaseState is a node's lease in one shared pool as a controller sees it
+// (docs/fencing.md, "What the leases do not cover").
+type PeerLeaseState struct {
+	Pool, Node string
+	// Unchanged is how long the controller has seen the record unchanged.
+	Unchanged time.Duration
+	// Stages is how many image volumes the node holds staged read-write.
+	Stages int
+}
+
+// peerCollector reports the other nodes' leases on each scrape.
+type peerCollector struct {
+	states    func() []PeerLeaseState
+	unchanged *prometheus.Desc
+	stages    *prometheus.Desc
+}
+
+// WatchPeerLeases adds poolcsi_peer_lease_unchanged_seconds and
+// poolcsi_peer_lease_rw_stages, per pool and node, from states (the
+// controller's watch of every node's lease). A lease that stops changing
+// while the node holds read-write stages is a node plugin that is down or cut
+// off: if its node still runs, nothing fences its pods' writes.
+func (m *Metrics) WatchPeerLeases(states func() []PeerLeaseState) {
+	m.Registry.MustRegister(&peerCollector{
+		states: states,
+		unchanged: prometheus.NewDesc("poolcsi_peer_lease_unchanged_seconds",
+			"Seconds this controller has seen a node's lease record in a shared pool unchanged, by its own clock. A node plugin renews every --lease-renew-interval; one that stops while its node runs fences nothing.",
+			[]string{"pool", "node"}, nil),
+		stages: prometheus.NewDesc("poolcsi_peer_lease_rw_stages",
+			"Image volumes of a shared pool that a node holds staged read-write, by the pool's records (counted every 30 s at most).",
+			[]string{"pool", "node"}, nil),
+	})
+}
+
+func (c *peerCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.unchanged
+	ch <- c.stages
+}
+
+func (c *peerCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, s := range c.states() {
+		ch <- prometheus.MustNewConstMetric(c.unchanged, prometheus.GaugeValue, s.Unchanged.Seconds(), s.Pool, s.Node)
+		ch <- prometheus.MustNewConstMetric(c.stages, prometheus.GaugeValue, float64(s.Stages), s.Pool, s.Node)
+	}
+}

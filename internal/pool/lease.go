@@ -274,3 +274,23 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	l.Damaged = ""
 	return l, true, nil
 }
+
+// LeaseNodes lists the nodes that have an entry in the pool's leases
+// directory (whatever it is: ReadLease says), sorted; names that are no node
+// ID (an entry RepairLease renamed aside, a temp file) are left out.
+func (p *Pool) LeaseNodes() ([]string, error) {
+	des, err := p.readDir(leasesDir)
+	switch {
+	case missing(err):
+		return nil, nil
+	case err != nil:
+		return nil, err
+	}
+	var out []string
+	for _, de := range des {
+		if n := de.Name(); !strings.HasPrefix(n, ".") && ValidateNodeID(n) == nil {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
