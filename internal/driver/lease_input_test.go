@@ -98,7 +98,6 @@ func TestPlantedLeaseRecordsNeverShortenTheWait(t *testing.T) {
 	}
 }
 
-
 // TestPlantedLeaseRecordsBoundTheWait: node A staged an image read-write and
 // died (no renewals). A record planted in its lease file (a billion-second
 // duration, garbage, a directory) delays the force-detach by at most
