@@ -258,3 +258,29 @@ func TestFenceSaysWhy(t *testing.T) {
 		})
 	}
 }
+
+// TestOverwrittenLeaseStillRenews: someone rewrites node A's lease with one
+// constant record right after each of A's renewals, so that a reader never
+// sees A's own records. A's writes succeed, so A does not fence; the reader
+// must therefore count every write to the file as a renewal (its change
+// time), or it would take the volume from a live writer after the expiry.
+func TestOverwrittenLeaseStillRenews(t *testing.T) {
+	ctx := context.Background()
+	dir, a, b, _, id, _ := stagedOnA(t)
+	forged := []byte(`{"node":"node-a","instance":"forged","counter":1,"durationSeconds":60}`)
+	for elapsed := time.Duration(0); elapsed < 3*(lease.Default.Duration+lease.Default.Margin); elapsed += 20 * time.Second {
+		if err := a.renew(t); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(5 * time.Millisecond) // past the filesystem's change-time granularity
+		if err := os.WriteFile(leaseFile(dir, "node-a"), forged, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		_, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
+		if grpcstatus.Code(err) != codes.Unavailable {
+			t.Fatalf("force-detach %s into the overwriting of a live node's lease: %v; want UNAVAILABLE", elapsed, err)
+		}
+		b.clock.add(20 * time.Second)
+		a.clock.add(20 * time.Second)
+	}
+}

@@ -52,6 +52,12 @@ type Lease struct {
 	// that a reader notices when it changes. A reader waits for a damaged
 	// record as for one declaring the longest lease (internal/lease).
 	Damaged string `json:"-"`
+	// Stamp, set by ReadLease and never written, is the lease file's inode
+	// and change time (ctime, which only the kernel sets, on every write).
+	// A reader counts any change of it as a renewal: someone who rewrites a
+	// live node's lease with a constant record, faster than the node renews,
+	// must not make the node look silent while it renews and does not fence.
+	Stamp string `json:"-"`
 }
 
 func leaseRel(node string) string { return filepath.Join(leasesDir, node) }
@@ -250,20 +256,20 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return l, false, err
 	}
-	raw, err := p.readBeneath(leaseRel(node), maxLease)
+	raw, stamp, err := p.readLeaseFile(node)
 	switch {
 	case missing(err):
 		return l, false, nil
 	case errors.Is(err, ErrUnavailable):
 		return l, false, err
 	case errors.Is(err, fsx.ErrUnsafe) || errors.Is(err, unix.ENOTDIR):
-		return Lease{Node: node, Damaged: err.Error()}, true, nil
+		return Lease{Node: node, Damaged: err.Error(), Stamp: stamp}, true, nil
 	case err != nil:
 		return l, false, err
 	}
 	damaged := func(why string) (Lease, bool, error) {
 		sum := sha256.Sum256(raw)
-		return Lease{Node: node, Damaged: fmt.Sprintf("%s; content sha256 %s", why, hex.EncodeToString(sum[:8]))}, true, nil
+		return Lease{Node: node, Damaged: fmt.Sprintf("%s; content sha256 %s", why, hex.EncodeToString(sum[:8])), Stamp: stamp}, true, nil
 	}
 	if err := json.Unmarshal([]byte(strings.TrimSpace(string(raw))), &l); err != nil {
 		return damaged(fmt.Sprintf("pool %s: the lease of node %s is not a lease record: %v", p.cfg.Name, node, err))
@@ -271,8 +277,32 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 	if l.Node != node {
 		return damaged(fmt.Sprintf("pool %s: the lease file of node %s names node %q", p.cfg.Name, node, l.Node))
 	}
-	l.Damaged = ""
+	l.Damaged, l.Stamp = "", stamp
 	return l, true, nil
+}
+
+// readLeaseFile reads node's lease file through the bounded reader's rules
+// (below the pool's root without links, a regular file only, at most
+// maxLease bytes) and stamps it with its inode and change time.
+func (p *Pool) readLeaseFile(node string) (raw []byte, stamp string, err error) {
+	f, err := fsx.OpenRegular(p.cfg.Path, leaseRel(node), unix.O_RDONLY, 0)
+	if err != nil {
+		return nil, "", p.classify(err)
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, "", fmt.Errorf("pool %s: stat lease of node %s: %w", p.cfg.Name, node, err)
+	}
+	stamp = fmt.Sprintf("ino %d ctime %d.%09d", st.Ino, st.Ctim.Sec, st.Ctim.Nsec)
+	raw, err = io.ReadAll(io.LimitReader(f, maxLease+1))
+	if err != nil {
+		return nil, stamp, fmt.Errorf("pool %s: read lease of node %s: %w", p.cfg.Name, node, err)
+	}
+	if len(raw) > maxLease {
+		return nil, stamp, fmt.Errorf("%w: %w: %s is over %d bytes", ErrCorrupt, fsx.ErrUnsafe, f.Name(), maxLease)
+	}
+	return raw, stamp, nil
 }
 
 // LeaseNodes lists the nodes that have an entry in the pool's leases

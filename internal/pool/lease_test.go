@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 )
 
 // TestLeaseDamageIsReadAndRepaired: whatever stands where a node's lease file
@@ -83,6 +84,10 @@ func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 				t.Fatalf("WriteLease after the repair: %v", err)
 			}
 			got, ok, err = p.ReadLease(node)
+			if got.Stamp == "" {
+				t.Fatalf("ReadLease gave no stamp: %+v", got)
+			}
+			got.Stamp = ""
 			if err != nil || !ok || got != rec {
 				t.Fatalf("ReadLease after the repair: %+v ok=%t %v, want %+v", got, ok, err, rec)
 			}
@@ -93,6 +98,23 @@ func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 				t.Fatalf("another node's lease was written through a hard link: %q", b)
 			}
 		})
+	}
+}
+
+// TestLeaseStampChangesWithEveryWrite: a rewrite of the same record (someone
+// rewriting a live node's lease with a constant one) is a change to a reader.
+func TestLeaseStampChangesWithEveryWrite(t *testing.T) {
+	p := openTemp(t)
+	rec := Lease{Node: "node-a", Instance: "i", Counter: 1, DurationSeconds: 60}
+	must(t, p.WriteLease(rec))
+	first, _, err := p.ReadLease("node-a")
+	must(t, err)
+	time.Sleep(20 * time.Millisecond) // past the filesystem's timestamp granularity
+	must(t, p.WriteLease(rec))
+	second, _, err := p.ReadLease("node-a")
+	must(t, err)
+	if first.Stamp == "" || first == second {
+		t.Fatalf("the same record written twice reads the same: %+v", first)
 	}
 }
 
