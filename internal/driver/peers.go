@@ -70,10 +70,9 @@ func (d *Driver) watchPeers(ctx context.Context) {
 			continue
 		}
 		seen := map[string]bool{}
+		// A node holding stages without any lease entry is watched too.
 		for n := range stages {
-			if n != d.opts.NodeID {
-				nodes = append(nodes, n)
-			}
+			nodes = append(nodes, n)
 		}
 		sort.Strings(nodes)
 		for _, n := range nodes {
