@@ -78,6 +78,10 @@ type FreezeAck struct {
 	Nonce  string      `json:"nonce"`
 	State  FreezeState `json:"state"`
 	Reason string      `json:"reason,omitempty"`
+	// HoldMillis, with "frozen", is the node's bound on the freeze in
+	// milliseconds: it is thawed then at the latest, by the node's clock,
+	// whether or not it could write "thawed" first.
+	HoldMillis int64 `json:"holdMs,omitempty"`
 }
 
 // NewFreezeNonce is a random nonce for a request.
