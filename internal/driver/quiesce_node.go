@@ -124,6 +124,7 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, p *pool.Pool, id pool.Vol
 	if err != nil {
 		return nil, "", fmt.Errorf("read the mount table: %w", err)
 	}
+	var failed error
 	for _, path := range points {
 		// Recorded first: a crash of this process while frozen is thawed
 		// at the next start (thawAfterCrash).
@@ -135,12 +136,16 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, p *pool.Pool, id pool.Vol
 			return &localHold{id: id, path: path, dev: dev, fs: fz}, "", nil
 		}
 		d.clearFreeze(ctx, id)
-		if !errors.Is(err, mount.ErrNotTheMount) {
-			return nil, "", err
-		}
-		// A bind of a subdirectory, a mount outside the allowed prefix or
-		// reached through a link: not a place to freeze it from.
+		// A bind of a subdirectory or of the device node, a mount outside
+		// the allowed prefix or reached through a link, one gone since the
+		// table was read: not a place to freeze it from; the next may be.
 		klog.FromContext(ctx).V(4).Info("Not freezing through this mount of the volume", "volume", id, "path", path, "err", err)
+		if failed == nil && !errors.Is(err, mount.ErrNotTheMount) {
+			failed = err
+		}
+	}
+	if failed != nil {
+		return nil, "", failed
 	}
 	return nil, "no mount of the volume's filesystem on this node", nil
 }
@@ -341,6 +346,7 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	if err := p.WriteFreezeAck(ack); err != nil {
 		if h != nil {
 			d.thawNow(ctx, h)
+			d.freezer.spend(id.String(), h.since, d.freezer.now())
 		}
 		release()
 		log.Error(err, "Cannot answer a freeze request; not keeping the filesystem frozen")
