@@ -36,7 +36,7 @@ var ErrNotTheMount = errors.New("not the root of a mount of the volume's filesys
 // itself, never opened; then the descriptor's own mount (its mnt_id in
 // /proc/self/fdinfo) must be a mount table entry at that path, of the
 // filesystem's root, whose source is the volume's loop device, and fstat
-// must show that entry's device.
+// must show that entry's device (but on btrfs, whose devices are anonymous).
 
 // openMountRoot opens path below prefix ("" is /) and checks it is the root of
 // a mount of dev's filesystem.
@@ -93,13 +93,15 @@ func checkMountRoot(f *os.File, path, dev string) error {
 		return fmt.Errorf("%w: %s is in the mount of %s at %s, not the root of a mount there", ErrNotTheMount, path, m.Root, m.Mountpoint)
 	case m.Source != dev:
 		return fmt.Errorf("%w: %s shows a filesystem of %s, not of %s", ErrNotTheMount, path, m.Source, dev)
-	case int(unix.Major(st.Dev)) != m.Major || int(unix.Minor(st.Dev)) != m.Minor:
-		return fmt.Errorf("%w: %s is on device %d:%d, its mount shows %d:%d", ErrNotTheMount, path, unix.Major(st.Dev), unix.Minor(st.Dev), m.Major, m.Minor)
 	case dst.Mode&unix.S_IFMT != unix.S_IFBLK:
 		return fmt.Errorf("%w: %s is not a block device", ErrNotTheMount, dev)
-	// btrfs shows an anonymous device of its own; every other filesystem
-	// poolcsi makes shows the block device it is on.
-	case m.FSType != "btrfs" && (m.Major != int(unix.Major(dst.Rdev)) || m.Minor != int(unix.Minor(dst.Rdev))):
+	// btrfs shows anonymous devices of its own (one in the mount table,
+	// another per subvolume in stat); every other filesystem poolcsi makes
+	// shows the block device it is on, in both.
+	case m.FSType == "btrfs":
+	case int(unix.Major(st.Dev)) != m.Major || int(unix.Minor(st.Dev)) != m.Minor:
+		return fmt.Errorf("%w: %s is on device %d:%d, its mount shows %d:%d", ErrNotTheMount, path, unix.Major(st.Dev), unix.Minor(st.Dev), m.Major, m.Minor)
+	case m.Major != int(unix.Major(dst.Rdev)) || m.Minor != int(unix.Minor(dst.Rdev)):
 		return fmt.Errorf("%w: %s is on device %d:%d, not %s (%d:%d)", ErrNotTheMount, path, m.Major, m.Minor, dev, unix.Major(dst.Rdev), unix.Minor(dst.Rdev))
 	}
 	return nil

@@ -142,3 +142,26 @@ func TestFreezeMountChecksTheDescriptor(t *testing.T) {
 		}
 	})
 }
+
+// TestFreezeMountBtrfs: a btrfs mount root is frozen and thawed though its
+// devices are anonymous ones (the mount table's differs from stat's).
+func TestFreezeMountBtrfs(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.btrfs")
+	root := t.TempDir()
+	mnt := testutil.LoopFS(t, root, "btrfs", 256<<20)
+	infos, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(mnt))
+	if err != nil || len(infos) != 1 {
+		t.Fatalf("mount of %s: %v %v", mnt, infos, err)
+	}
+	h, err := FreezeMount(root, mnt, infos[0].Source, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Thaw(); err != nil {
+		t.Fatal(err)
+	}
+	if frozen(t, mnt) {
+		t.Fatal("still frozen")
+	}
+}
