@@ -361,9 +361,10 @@ func (d *Driver) thawAfterCrash(ctx context.Context) {
 	d.freezer.mu.Lock()
 	d.freezer.recovered = done
 	d.freezer.mu.Unlock()
+	timeout := freezeRecoveryTimeout
 	go func() {
 		defer close(done)
-		d.recoverFreezes(context.WithoutCancel(ctx), freezeRecoveryTimeout)
+		d.recoverFreezes(context.WithoutCancel(ctx), timeout)
 	}()
 }
 
