@@ -11,6 +11,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -309,4 +310,53 @@ func TestFreezeRecoveryGivesUp(t *testing.T) {
 	defer func() { freezeRecoveryTimeout = old }()
 	a.thawAfterCrash(ctx)
 	waitFor(t, "the recovery is given up", a.freezer.isRecovered)
+}
+
+// TestFreezeBoundNeedsNoAgent: a node whose agent stops answering after it
+// froze (stuck, as on a write to a hung pool or a log on a frozen filesystem)
+// is thawed at the bound all the same, by the thaw armed with the freeze; its
+// answer still reads "frozen", and the controller discards the copy all the
+// same, by its own clock against the bound the answer carries (ABORTED).
+func TestFreezeBoundNeedsNoAgent(t *testing.T) {
+	ctx := context.Background()
+	a, b, id, staging := freezePair(t, false)
+	a.freezeTiming.MaxHold = 200 * time.Millisecond
+	b.freezeTiming.AckTimeout = time.Second // B waits that long for the stuck A to let go
+	p := b.pool("shared")
+	vid, _ := pool.ParseVolumeID(id)
+	// A's agent answers once, then is stuck.
+	answered := make(chan struct{})
+	go func() {
+		defer close(answered)
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			a.freezeTick(ctx)
+			if ack, ok, _ := p.ReadFreezeAck("node-a", vid); ok && ack.State == pool.FreezeFrozen {
+				return
+			}
+		}
+	}()
+	quiesce := b.quiesceCopy
+	b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+		thaw, err := quiesce(ctx, p, vid, v)
+		if err != nil {
+			return nil, err
+		}
+		<-answered
+		waitFor(t, "the bound thaws A without its agent", func() bool { return !a.host.Frozen(staging) })
+		if ack, ok, _ := p.ReadFreezeAck("node-a", vid); !ok || ack.State != pool.FreezeFrozen || ack.HoldMillis != 200 {
+			t.Errorf("A's answer: %+v", ack)
+		}
+		return thaw, nil
+	}
+	_, err := snapshot(b, id, "snap")
+	wantCode(t, err, codes.Aborted)
+	if !strings.Contains(err.Error(), "outlasted") {
+		t.Fatalf("message: %v", err)
+	}
+	// The agent comes back: it lets go of the hold, and nothing is left.
+	a.freezeTick(ctx)
+	if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
+		t.Fatal("A did not let go")
+	}
+	noFreezeRecord(t, p, a)
 }
