@@ -207,7 +207,7 @@ func TestSnapshotFreezesAStagedVolume(t *testing.T) {
 	if td.host.Faults.Calls("Freeze") != 1 || td.host.Faults.Calls("Thaw") != 1 {
 		t.Errorf("freeze %d, thaw %d: want one each", td.host.Faults.Calls("Freeze"), td.host.Faults.Calls("Thaw"))
 	}
-	if f, _ := td.pool.Freezes(); len(f) != 0 {
+	if f, _ := td.opts.State.Keys(freezeKind); len(f) != 0 {
 		t.Errorf("freeze records left: %v", f)
 	}
 	// A filesystem that cannot be frozen still gets a crash-consistent snapshot.
@@ -215,35 +215,47 @@ func TestSnapshotFreezesAStagedVolume(t *testing.T) {
 	if _, err := td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s2", SourceVolumeId: id}); err != nil {
 		t.Fatal(err)
 	}
-	if f, _ := td.pool.Freezes(); len(f) != 0 {
+	if f, _ := td.opts.State.Keys(freezeKind); len(f) != 0 {
 		t.Errorf("a failed freeze left its record: %v", f)
 	}
 }
 
+// TestThawAfterCrash: a restart thaws what this node's own records say it
+// froze, and, for a record an older version left in the pool, this node's own
+// mount of that volume, never the path the record names.
 func TestThawAfterCrash(t *testing.T) {
-	td := newTestDriver(t, testOpts{})
-	vc := mountCap(rwo, "ext4")
-	id := td.create(t, "v", vc, nil)
-	if err := td.stage(id, vc); err != nil {
-		t.Fatal(err)
-	}
-	staging := filepath.Join(td.root, "staging", id)
-	vid, _ := pool.ParseVolumeID(id)
-	if err := td.pool.RecordFreeze(vid, "node-1", staging); err != nil {
-		t.Fatal(err)
-	}
-	if err := td.pool.RecordFreeze(pool.NewVolumeID("local", "other"), "node-2", "/elsewhere"); err == nil {
-		t.Fatal("a freeze record for a volume that does not exist was written")
-	}
-	if _, err := td.host.Freeze(staging); err != nil {
-		t.Fatal(err)
-	}
-	td.thawAfterCrash(context.Background())
-	if td.host.Frozen(staging) {
-		t.Error("still frozen after restart")
-	}
-	if f, _ := td.pool.Freezes(); len(f) != 0 {
-		t.Errorf("records left: %v", f)
+	for _, legacy := range []bool{false, true} {
+		t.Run(map[bool]string{false: "node-local record", true: "older version's pool record"}[legacy], func(t *testing.T) {
+			td := newTestDriver(t, testOpts{})
+			vc := mountCap(rwo, "ext4")
+			id := td.create(t, "v", vc, nil)
+			if err := td.stage(id, vc); err != nil {
+				t.Fatal(err)
+			}
+			staging := filepath.Join(td.root, "staging", id)
+			vid, _ := pool.ParseVolumeID(id)
+			dev, _, _ := td.loops.Find(td.pool.ImagePath(vid))
+			if legacy {
+				// The path it names is not even looked at.
+				if err := td.pool.RecordFreeze(vid, "node-1", "/nonexistent"); err != nil {
+					t.Fatal(err)
+				}
+			} else if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+				t.Fatal(err)
+			}
+			td.host.FreezeDevice(dev)
+			td.thawAfterCrash(context.Background())
+			waitFor(t, "the recovery is done", td.freezer.isRecovered)
+			if td.host.Frozen(staging) {
+				t.Error("still frozen after restart")
+			}
+			if f, _ := td.pool.Freezes(); len(f) != 0 {
+				t.Errorf("pool records left: %v", f)
+			}
+			if keys, _ := td.opts.State.Keys(freezeKind); len(keys) != 0 {
+				t.Errorf("node records left: %v", keys)
+			}
+		})
 	}
 }
 

@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -66,8 +67,12 @@ type BlockDevices interface {
 type Filesystems interface {
 	Statfs(path string, st *unix.Statfs_t) error
 	Ext4Errors(device string) (count int64, firstFunc string, err error)
-	Freeze(path string) (thaw func() error, err error)
-	Thaw(path string) error
+	// FreezeMount freezes the filesystem of dev mounted at path, a path
+	// opened once below prefix without links and checked on its descriptor
+	// to be that mount's root (mount.ErrNotTheMount otherwise); the hold is
+	// thawed at bound whatever else happens. ThawMount thaws such a mount.
+	FreezeMount(prefix, path, dev string, bound time.Duration) (mount.FrozenFS, error)
+	ThawMount(prefix, path, dev string) error
 	// Allocate fills [off, off+length) of an image with allocated blocks
 	// (preallocate: true), durably.
 	Allocate(f *os.File, off, length int64) error

@@ -32,6 +32,24 @@ type FreezeTiming struct {
 	// AckTimeout is how long a controller waits for a node to confirm a
 	// freeze before it looks at the node's lease.
 	AckTimeout time.Duration
+	// Budget is the most a node keeps one volume frozen for requests
+	// within any hour (0: DefaultFreezeBudget, or MaxHold if that is
+	// longer). After each hold the volume is not frozen again for as long
+	// as that hold lasted. Requests cannot change either: a pool writer
+	// that sends new nonces gets no more frozen time.
+	Budget time.Duration
+}
+
+// DefaultFreezeBudget is the frozen time per volume and hour a node allows
+// when FreezeTiming.Budget is zero: five holds of the default maximum.
+const DefaultFreezeBudget = 5 * time.Minute
+
+// budget is the budget in force.
+func (t FreezeTiming) budget() time.Duration {
+	if t.Budget > 0 {
+		return t.Budget
+	}
+	return max(DefaultFreezeBudget, t.MaxHold)
 }
 
 // DefaultFreezeTiming is the schedule when none is given.
@@ -46,6 +64,8 @@ func (t FreezeTiming) Validate() error {
 		return fmt.Errorf("freeze acknowledgement timeout %s must be at least two poll intervals (%s)", t.AckTimeout, t.Poll)
 	case t.MaxHold < 2*t.Poll:
 		return fmt.Errorf("freeze maximum hold %s must be at least two poll intervals (%s)", t.MaxHold, t.Poll)
+	case t.Budget < 0 || (t.Budget > 0 && t.Budget < t.MaxHold):
+		return fmt.Errorf("freeze budget %s must be at least the maximum hold (%s)", t.Budget, t.MaxHold)
 	}
 	return nil
 }
@@ -72,6 +92,10 @@ type remoteFreeze struct {
 	id    pool.VolumeID
 	node  string
 	nonce string
+	// asked is when the request was written, by this controller's clock:
+	// the node's freeze began after it, so it lasts at least the bound its
+	// answer gives from then.
+	asked time.Time
 	// answered: the node's answer settled it (frozen, or nothing to freeze);
 	// frozen: the answer was "frozen", to be checked again after the copy.
 	answered, frozen bool
@@ -90,22 +114,24 @@ func (d *Driver) quiesce(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 // nothing is left frozen or requested.
 func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw func() error, err error) {
 	log := klog.FromContext(ctx)
-	var local []func()
+	var local []func() error
 	var remote []*remoteFreeze
-	release := func() {
+	release := func() error {
 		for _, r := range remote {
 			if err := r.pool.RemoveFreezeRequest(r.node, r.id); err != nil {
 				// The node thaws at its maximum hold anyway.
 				log.Error(err, "Withdrawing a freeze request failed", "volume", r.id, "node", r.node)
 			}
 		}
+		var errs []error
 		for i := len(local) - 1; i >= 0; i-- {
-			local[i]()
+			errs = append(errs, local[i]())
 		}
+		return errors.Join(errs...)
 	}
 	defer func() {
 		if err != nil {
-			release()
+			_ = release()
 		}
 	}()
 	for _, m := range members {
@@ -123,7 +149,7 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 			if st.ReadOnly || (here && st.Node == d.opts.NodeID) {
 				continue
 			}
-			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce()}
+			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce(), asked: time.Now()}
 			if err := m.pool.WriteFreezeRequest(pool.FreezeRequest{Volume: m.id.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
 				return nil, fmt.Errorf("ask node %s to freeze volume %s: %w", st.Node, m.id, err)
 			}
@@ -135,7 +161,9 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 	}
 	return func() error {
 		err := d.checkStillFrozen(remote)
-		release()
+		if lerr := release(); err == nil {
+			err = lerr
+		}
 		d.awaitThaws(ctx, remote)
 		return err
 	}, nil
@@ -259,6 +287,10 @@ func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 	}
 }
 
+// outlasted is how long after its request a controller still trusts a
+// freeze of the given bound: 5% less, far more than two clocks' rates differ.
+func outlasted(bound time.Duration) time.Duration { return bound - bound/20 }
+
 // checkStillFrozen tells whether every node that froze a volume still said
 // "frozen" after the copy: a node writes "thawed" before it thaws early, so
 // that answer proves the copy ended before any thaw.
@@ -278,6 +310,12 @@ func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
 				why = fmt.Sprintf("%s: %s", a.State, a.Reason)
 			}
 			thawed = append(thawed, fmt.Sprintf("volume %s on node %s (%s)", r.id, r.node, why))
+		case a.HoldMillis > 0 && time.Since(r.asked) >= outlasted(time.Duration(a.HoldMillis)*time.Millisecond):
+			// The node's bound thaws without writing anything first (it
+			// must not wait on the pool): past it by this controller's
+			// own clock, with a margin for the two clocks' rates, the
+			// copy may have outlived the freeze.
+			thawed = append(thawed, fmt.Sprintf("volume %s on node %s (the copy outlasted the node's bound of %s)", r.id, r.node, time.Duration(a.HoldMillis)*time.Millisecond))
 		}
 	}
 	if len(thawed) > 0 {

@@ -9,40 +9,199 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 // The node's side of freezing across nodes (quiesce.go): an agent reads this
-// node's inbox in every pool, freezes what a request names once it has
-// checked it against the stage records and the mount table (the pool is
-// hostile: a request can name anything), answers, and thaws when the request
-// goes or its maximum hold has passed.
+// node's inbox in every pool, freezes the volume a request names on the
+// node's own mount of it, answers, and thaws when the request goes or its
+// bound has passed.
+//
+// The pool is hostile: anyone on any node may write it. So nothing a pool
+// record says is opened as a path. The node finds the volume's filesystem
+// itself (freezeVolumeHere): the loop device attached to the volume's image,
+// that device's mounts in the kernel's table, and of those a mount root
+// opened once below --allowed-path-prefix without following links and
+// checked on its descriptor, which is the descriptor frozen and thawed. What
+// a restart must thaw is written in this node's own records (nodestate),
+// never read from a pool. A freeze's thaw is armed before the freeze and
+// does nothing a frozen filesystem could block, and each volume has a budget
+// of frozen time whatever the requests say (freezeBudget).
+
+// freezeKind is the node-local records of freezes (nodestate), by volume ID:
+// written before a freeze, removed after its thaw, read by the next start.
+const freezeKind = "freezes"
+
+// freezeRecord is what a node froze: the mount root and the loop device whose
+// filesystem it is.
+type freezeRecord struct {
+	Volume string `json:"volume"`
+	Path   string `json:"path"`
+	Device string `json:"device"`
+}
+
+// freezeRecoveryTimeout bounds how long a start waits for the thaws of what
+// a crashed process left frozen before it lets the freeze agent work (it
+// never holds up serving: the recovery runs in the background).
+var freezeRecoveryTimeout = 30 * time.Second
 
 // freezer is the agent's state.
 type freezer struct {
 	mu   sync.Mutex
 	held map[string]*heldFreeze // by volume ID
+	// spent are the holds of each volume that ended within the last hour,
+	// oldest first: the budget (allowance).
+	spent map[string][]span
 	// warned holds the inbox entries already reported as unusable, so a
 	// planted file is logged once, not every poll.
 	warned map[string]bool
+	// recovered is closed once the thaws after a crash are done (or given
+	// up): no freeze begins before, so a recovery's thaw never ends a new
+	// freeze.
+	recovered chan struct{}
 	// now is the agent's clock; tests replace it. Only differences of its
 	// readings matter.
 	now func() time.Time
 }
 
+// span is a stretch of time a volume was frozen, by the agent's clock.
+type span struct{ start, end time.Time }
+
 // heldFreeze is a filesystem this node froze for a request.
 type heldFreeze struct {
-	pool    *pool.Pool
-	id      pool.VolumeID
-	nonce   string
-	path    string
-	since   time.Time
-	thaw    func() error
+	pool  *pool.Pool
+	id    pool.VolumeID
+	nonce string
+	local *localHold
+	since time.Time
+	// bound is how long the hold may last: the thaw armed with the freeze
+	// fires then; the agent thaws one poll before, writing "thawed" first.
+	bound   time.Duration
 	release func() // the volume's in-process lock, held while frozen
 }
 
+// localHold is a freeze of a volume's filesystem on this node.
+type localHold struct {
+	id        pool.VolumeID
+	path, dev string
+	fs        mount.FrozenFS
+}
+
 func newFreezer() *freezer {
-	return &freezer{held: map[string]*heldFreeze{}, warned: map[string]bool{}, now: time.Now}
+	done := make(chan struct{})
+	close(done)
+	return &freezer{held: map[string]*heldFreeze{}, spent: map[string][]span{}, warned: map[string]bool{}, recovered: done, now: time.Now}
+}
+
+// isRecovered tells whether no thaw after a crash is pending any more.
+func (f *freezer) isRecovered() bool {
+	f.mu.Lock()
+	ch := f.recovered
+	f.mu.Unlock()
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// freezeVolumeHere freezes the filesystem of volume id of p as this node
+// mounted it, for at most bound, and records the freeze in this node's own
+// records first. why says, when h is nil and err is nil, why there is
+// nothing here to freeze. Nothing in the pool but the image's place (the
+// pool's root, which the operator configured, and the parsed key) is used.
+func (d *Driver) freezeVolumeHere(ctx context.Context, p *pool.Pool, id pool.VolumeID, bound time.Duration) (h *localHold, why string, err error) {
+	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	if err != nil {
+		return nil, "", err
+	}
+	if !ok {
+		return nil, "no loop device of the volume on this node", nil
+	}
+	points, err := d.mounts.MountPoints(dev)
+	if err != nil {
+		return nil, "", fmt.Errorf("read the mount table: %w", err)
+	}
+	var failed error
+	for _, path := range points {
+		// Recorded first: a crash of this process while frozen is thawed
+		// at the next start (thawAfterCrash).
+		if err := d.opts.State.Put(freezeKind, id.String(), freezeRecord{Volume: id.String(), Path: path, Device: dev}); err != nil {
+			return nil, "", fmt.Errorf("record the freeze: %w", err)
+		}
+		fz, err := d.fs.FreezeMount(d.opts.PathPrefix, path, dev, bound)
+		if err == nil {
+			return &localHold{id: id, path: path, dev: dev, fs: fz}, "", nil
+		}
+		d.clearFreeze(ctx, id)
+		// A bind of a subdirectory or of the device node, a mount outside
+		// the allowed prefix or reached through a link, one gone since the
+		// table was read: not a place to freeze it from; the next may be.
+		klog.FromContext(ctx).V(4).Info("Not freezing through this mount of the volume", "volume", id, "path", path, "err", err)
+		if failed == nil && !errors.Is(err, mount.ErrNotTheMount) {
+			failed = err
+		}
+	}
+	if failed != nil {
+		return nil, "", failed
+	}
+	return nil, "no mount of the volume's filesystem on this node", nil
+}
+
+// thawHere thaws a local hold (unless its bound did) and drops its record.
+func (d *Driver) thawHere(ctx context.Context, h *localHold) error {
+	if err := h.fs.Thaw(); err != nil {
+		return err
+	}
+	d.clearFreeze(ctx, h.id)
+	return nil
+}
+
+// allowance is how long volume id may be frozen now, or why not: after a hold
+// the volume is not frozen again for as long as that hold lasted, and within
+// any hour it is frozen for at most the budget. Requests cannot change
+// either: a pool writer that rotates nonces gets no more.
+func (f *freezer) allowance(id string, now time.Time, t FreezeTiming) (time.Duration, string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var used time.Duration
+	var keep []span
+	for _, s := range f.spent[id] {
+		if now.Sub(s.end) >= time.Hour {
+			continue
+		}
+		keep = append(keep, s)
+		start := s.start
+		if now.Sub(start) > time.Hour {
+			start = now.Add(-time.Hour)
+		}
+		used += s.end.Sub(start)
+	}
+	if len(keep) == 0 {
+		delete(f.spent, id)
+	} else {
+		f.spent[id] = keep
+		last := keep[len(keep)-1]
+		if until := last.end.Add(last.end.Sub(last.start)); now.Before(until) {
+			return 0, fmt.Sprintf("freeze budget: the volume was frozen for %s until %s ago, and is not frozen again for as long (retry in %s)",
+				last.end.Sub(last.start).Round(time.Millisecond), now.Sub(last.end).Round(time.Millisecond), until.Sub(now).Round(time.Millisecond))
+		}
+	}
+	bound := min(t.MaxHold, t.budget()-used)
+	if bound < 2*t.Poll {
+		return 0, fmt.Sprintf("freeze budget: the volume was frozen for %s within the last hour, the most this node allows (%s); retry later",
+			used.Round(time.Millisecond), t.budget())
+	}
+	return bound, ""
+}
+
+// spend counts a hold against its volume's budget.
+func (f *freezer) spend(id string, start, end time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.spent[id] = append(f.spent[id], span{start, end})
 }
 
 // runFreezeAgent answers freeze requests every poll interval until ctx ends,
@@ -96,12 +255,12 @@ func (d *Driver) freezeTick(ctx context.Context) {
 			switch {
 			case listErr == nil && (!ok || r.Nonce != h.nonce):
 				d.thawHeld(ctx, h, "")
-			case now.Sub(h.since) >= d.freezeTiming.MaxHold:
-				d.thawHeld(ctx, h, fmt.Sprintf("held for the maximum of %s (--freeze-max-hold) by node %s's clock, and the request is still there", d.freezeTiming.MaxHold, node))
+			case now.Sub(h.since) >= h.bound-d.freezeTiming.Poll || h.local.fs.Expired():
+				d.thawHeld(ctx, h, fmt.Sprintf("held for its bound of %s (--freeze-max-hold, and the volume's freeze budget) by node %s's clock, and the request is still there", h.bound, node))
 			}
 		}
-		if listErr != nil {
-			continue
+		if listErr != nil || !d.freezer.isRecovered() {
+			continue // no new freeze before the thaws after a crash are done
 		}
 		for _, id := range acked {
 			if _, ok := requests[id.String()]; !ok && !d.freezer.holds(id) {
@@ -162,12 +321,12 @@ func (f *freezer) heldIn(p *pool.Pool) []*heldFreeze {
 }
 
 // answerFreeze acts on a request not answered yet: it freezes the volume if
-// the request names a read-write stage of this node at the recorded path that
-// the mount table shows is the volume's, and writes the answer.
+// this node has it staged read-write, on this node's own mount of it, within
+// the volume's budget, and writes the answer.
 func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRequest) {
 	node := d.opts.NodeID
 	id := mustVolumeID(r.Volume)
-	log := klog.FromContext(ctx).WithValues("volume", id, "path", r.Path)
+	log := klog.FromContext(ctx).WithValues("volume", id)
 	if prev, ok, err := p.ReadFreezeAck(node, id); err == nil && ok && prev.Nonce == r.Nonce {
 		return // answered; a request thawed early is not frozen again
 	}
@@ -181,12 +340,16 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	ack := pool.FreezeAck{Volume: id.String(), Node: node, Nonce: r.Nonce}
 	h, state, reason := d.freezeForRequest(ctx, p, id, r)
 	ack.State, ack.Reason = state, reason
+	if h != nil {
+		ack.HoldMillis = h.bound.Milliseconds()
+	}
 	if err := p.WriteFreezeAck(ack); err != nil {
-		log.Error(err, "Cannot answer a freeze request; not keeping the filesystem frozen")
 		if h != nil {
 			d.thawNow(ctx, h)
+			d.freezer.spend(id.String(), h.since, d.freezer.now())
 		}
 		release()
+		log.Error(err, "Cannot answer a freeze request; not keeping the filesystem frozen")
 		return
 	}
 	if h == nil {
@@ -198,11 +361,14 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	d.freezer.mu.Lock()
 	d.freezer.held[id.String()] = h
 	d.freezer.mu.Unlock()
-	log.Info("Froze filesystem for another node's snapshot", "maxHold", d.freezeTiming.MaxHold)
+	// Logged after the freeze: the thaw at the bound was armed with it and
+	// needs no log line, nor anything else, to happen.
+	log.Info("Froze filesystem for another node's snapshot", "path", h.local.path, "device", h.local.dev, "bound", h.bound)
 }
 
-// freezeForRequest checks a request against this node's stage record and
-// mount table and freezes: a hold, or no hold and the answer that says why.
+// freezeForRequest checks a request against the volume's record, this
+// node's own mount of it and the volume's budget, and freezes: a hold, or no
+// hold and the answer that says why. The path the request names is not used.
 func (d *Driver) freezeForRequest(ctx context.Context, p *pool.Pool, id pool.VolumeID, r pool.FreezeRequest) (*heldFreeze, pool.FreezeState, string) {
 	v, err := p.Load(id)
 	switch {
@@ -210,39 +376,29 @@ func (d *Driver) freezeForRequest(ctx context.Context, p *pool.Pool, id pool.Vol
 		return nil, pool.FreezeNotStaged, "the volume does not exist"
 	case err != nil:
 		return nil, pool.FreezeFailed, fmt.Sprintf("read the volume: %v", err)
-	case v.Layout != pool.LayoutImage || v.AccessType != pool.AccessFilesystem:
+	case !freezable(v):
 		return nil, pool.FreezeNotStaged, "not an image volume with a filesystem"
 	}
 	staged := false
 	for _, st := range v.Staged {
-		staged = staged || (st.Node == d.opts.NodeID && st.Path == r.Path && !st.ReadOnly)
+		staged = staged || (st.Node == d.opts.NodeID && !st.ReadOnly)
 	}
 	if !staged {
-		return nil, pool.FreezeNotStaged, "no read-write stage of this node at that path"
+		return nil, pool.FreezeNotStaged, "no read-write stage of this node"
 	}
-	info, mounted, err := d.mounts.Info(r.Path)
-	if err != nil {
-		return nil, pool.FreezeFailed, fmt.Sprintf("read the mount table: %v", err)
+	now := d.freezer.now()
+	bound, refused := d.freezer.allowance(id.String(), now, d.freezeTiming)
+	if refused != "" {
+		return nil, pool.FreezeFailed, refused
 	}
-	if !mounted {
-		return nil, pool.FreezeNotStaged, "nothing is mounted at the staging path"
-	}
-	if ours, err := d.isVolumeMount(info, p.ImagePath(id)); err != nil {
-		return nil, pool.FreezeFailed, fmt.Sprintf("find the volume's loop device: %v", err)
-	} else if !ours {
-		return nil, pool.FreezeNotStaged, "the staging path shows another filesystem"
-	}
-	// Recorded first: a crash of this process while frozen is thawed at the
-	// next start (thawAfterCrash).
-	if err := p.RecordFreeze(id, d.opts.NodeID, r.Path); err != nil {
-		return nil, pool.FreezeFailed, fmt.Sprintf("record the freeze: %v", err)
-	}
-	thaw, err := d.fs.Freeze(r.Path)
-	if err != nil {
-		d.clearFreeze(ctx, p, id)
+	local, why, err := d.freezeVolumeHere(ctx, p, id, bound)
+	switch {
+	case err != nil:
 		return nil, pool.FreezeFailed, fmt.Sprintf("freeze: %v", err)
+	case local == nil:
+		return nil, pool.FreezeNotStaged, why
 	}
-	return &heldFreeze{pool: p, id: id, nonce: r.Nonce, path: r.Path, since: d.freezer.now(), thaw: thaw}, pool.FreezeFrozen, ""
+	return &heldFreeze{pool: p, id: id, nonce: r.Nonce, local: local, since: now, bound: bound}, pool.FreezeFrozen, ""
 }
 
 // thawHeld thaws a hold. early, when not empty, says why it ends while the
@@ -251,25 +407,28 @@ func (d *Driver) freezeForRequest(ctx context.Context, p *pool.Pool, id pool.Vol
 // says "thawed" before the thaw, so "frozen" is only ever read while it is;
 // a withdrawn request's answer then goes.
 func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
-	log := klog.FromContext(ctx).WithValues("volume", h.id, "path", h.path)
+	log := klog.FromContext(ctx).WithValues("volume", h.id, "path", h.local.path)
 	node := d.opts.NodeID
 	why := early
 	if why == "" {
 		why = "the request was withdrawn"
 	}
-	if err := h.pool.WriteFreezeAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: why}); err != nil {
-		// Thawed all the same: a frozen filesystem hangs every writer.
-		log.Error(err, "Cannot write down the thaw; thawing all the same")
-	}
-	if early != "" {
-		log.Info("Thawing a filesystem before the snapshot's controller withdrew its request", "why", early)
-	}
+	ackErr := h.pool.WriteFreezeAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: why})
+	// Thawed all the same if the answer cannot be written: a frozen
+	// filesystem hangs every writer (and the bound thaws it anyway).
 	d.thawNow(ctx, h)
+	if ackErr != nil {
+		log.Error(ackErr, "Cannot write down the thaw; thawed all the same")
+	}
 	d.freezer.mu.Lock()
 	delete(d.freezer.held, h.id.String())
 	d.freezer.mu.Unlock()
+	d.freezer.spend(h.id.String(), h.since, d.freezer.now())
 	if h.release != nil {
 		h.release()
+	}
+	if early != "" {
+		log.Info("Thawed a filesystem before the snapshot's controller withdrew its request", "why", early)
 	}
 	// Last: an inbox without the answer means the volume is free again.
 	if early == "" {
@@ -282,11 +441,9 @@ func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
 
 // thawNow thaws and drops the freeze record.
 func (d *Driver) thawNow(ctx context.Context, h *heldFreeze) {
-	if err := h.thaw(); err != nil {
-		klog.FromContext(ctx).Error(err, "Thawing the filesystem failed", "volume", h.id, "path", h.path)
-		return
+	if err := d.thawHere(ctx, h.local); err != nil {
+		klog.FromContext(ctx).Error(err, "Thawing the filesystem failed; its bound thaws it", "volume", h.id, "path", h.local.path)
 	}
-	d.clearFreeze(ctx, h.pool, h.id)
 }
 
 // thawAllHeld thaws every hold, as early thaws.

@@ -69,11 +69,18 @@ func inboxEmpty(t *testing.T, p *pool.Pool, node string) bool {
 	return len(reqs) == 0 && len(acked) == 0
 }
 
-func noFreezeRecord(t *testing.T, p *pool.Pool) {
+// noFreezeRecord checks that no freeze record is left: neither in the pool
+// (older versions wrote them there) nor in any node's own records.
+func noFreezeRecord(t *testing.T, p *pool.Pool, nodes ...*leaseNode) {
 	t.Helper()
 	fs, err := p.Freezes()
 	if err != nil || len(fs) != 0 {
-		t.Fatalf("freeze records left: %+v %v", fs, err)
+		t.Fatalf("freeze records left in the pool: %+v %v", fs, err)
+	}
+	for _, n := range nodes {
+		if keys, err := n.opts.State.Keys(freezeKind); err != nil || len(keys) != 0 {
+			t.Fatalf("freeze records left on %s: %v %v", n.opts.NodeID, keys, err)
+		}
 	}
 }
 
@@ -114,7 +121,7 @@ func TestRemoteFreezeAroundCopy(t *testing.T) {
 	if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
 		t.Fatal("the snapshot returned while A still held the freeze")
 	}
-	noFreezeRecord(t, p)
+	noFreezeRecord(t, p, a)
 	// The volume is A's again: an unstage is not refused as busy.
 	if _, err := a.NodeUnstageVolume(context.Background(), &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
 		t.Fatalf("unstage after the thaw: %v", err)
@@ -190,8 +197,9 @@ func TestRemoteFreezeEarlyThaw(t *testing.T) {
 		t.Fatalf("the copy was kept: %v", err)
 	}
 	waitFor(t, "A clears its inbox", func() bool { return inboxEmpty(t, p, "node-a") })
-	noFreezeRecord(t, p)
+	noFreezeRecord(t, p, a)
 	b.quiesceCopy = quiesce
+	a.clock.add(testFreeze.MaxHold) // the cool-down after a whole hold
 	if _, err := snapshot(b, id, "snap"); err != nil {
 		t.Fatalf("retry: %v", err)
 	}
@@ -232,14 +240,24 @@ func TestFreezeControllerDies(t *testing.T) {
 	if a.host.Frozen(staging) || ack().State != pool.FreezeThawed {
 		t.Fatalf("after the maximum hold: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
-	noFreezeRecord(t, p)
+	noFreezeRecord(t, p, a)
 	a.freezeTick(ctx)
 	if a.host.Frozen(staging) {
 		t.Fatal("the same request froze it again")
 	}
 
-	// A new request (a retry), then the node plugin dies while frozen: the
-	// next start writes the thaw down before it thaws.
+	// A new request (a retry) within the cool-down after that hold is
+	// refused, as failed (the controller fails UNAVAILABLE and retries);
+	// after it, frozen. Then the node plugin dies while frozen: the next
+	// start writes the thaw down before it thaws.
+	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
+		t.Fatal(err)
+	}
+	a.freezeTick(ctx)
+	if a.host.Frozen(staging) || ack().State != pool.FreezeFailed || !strings.Contains(ack().Reason, "budget") {
+		t.Fatalf("a retry right after a whole hold: frozen %v, %+v", a.host.Frozen(staging), ack())
+	}
+	a.clock.add(testFreeze.MaxHold)
 	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
@@ -251,6 +269,7 @@ func TestFreezeControllerDies(t *testing.T) {
 	a.freezer, a.locks = newFreezer(), newVolumeLocks()
 	a.freezer.now = a.clock.now
 	a.thawAfterCrash(ctx)
+	waitFor(t, "the recovery is done", a.freezer.isRecovered)
 	if a.host.Frozen(staging) || ack().State != pool.FreezeThawed {
 		t.Fatalf("after a restart: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
@@ -285,6 +304,8 @@ func TestFreezeInboxHostile(t *testing.T) {
 		// want is the answer expected for the volume the entry is named
 		// after ("" = none).
 		want pool.FreezeState
+		// frozen: the volume's own filesystem is frozen (only ever that).
+		frozen bool
 	}{
 		{name: "link to a file outside the pool", plant: func(t *testing.T, inbox, key, id, staging string) (string, error) {
 			target := filepath.Join(t.TempDir(), "outside")
@@ -323,7 +344,9 @@ func TestFreezeInboxHostile(t *testing.T) {
 		{name: "a volume not staged here", want: pool.FreezeNotStaged, plant: writeEntry(func(key, id, staging string) (string, []byte) {
 			return otherKey + ".request", req("shared."+otherKey, "node-a", staging)
 		})},
-		{name: "the volume at another path", want: pool.FreezeNotStaged, plant: writeEntry(func(key, id, staging string) (string, []byte) {
+		// The path a request names is never used: the node freezes its own
+		// mount of the volume, and nothing at "/".
+		{name: "the volume at another path", want: pool.FreezeFrozen, frozen: true, plant: writeEntry(func(key, id, staging string) (string, []byte) {
 			return key + ".request", req(id, "node-a", "/")
 		})},
 	}
@@ -347,10 +370,12 @@ func TestFreezeInboxHostile(t *testing.T) {
 			case <-time.After(10 * time.Second):
 				t.Fatal("the agent blocked on the entry")
 			}
-			if a.host.Frozen(staging) {
-				t.Fatal("frozen")
+			if a.host.Frozen(staging) != tt.frozen {
+				t.Fatalf("frozen: %v, want %v", a.host.Frozen(staging), tt.frozen)
 			}
-			noFreezeRecord(t, p)
+			if !tt.frozen {
+				noFreezeRecord(t, p, a)
+			}
 			key, _ := strings.CutSuffix(name, ".request")
 			got, ok, err := p.ReadFreezeAck("node-a", p.IDOf(key))
 			switch {
@@ -413,7 +438,7 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 				t.Fatalf("A's filesystem frozen at each copy: %v", frozenAtCopy)
 			}
 			waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, p, "node-a") })
-			noFreezeRecord(t, p)
+			noFreezeRecord(t, p, a)
 		})
 	}
 }
@@ -484,6 +509,13 @@ func TestCloneFreezesOtherNode(t *testing.T) {
 				wantCode(t, err, codes.Aborted)
 				waitFor(t, "A clears its inbox", func() bool { return inboxEmpty(t, p, "node-a") })
 				b.quiesceCopy, early = quiesce, false
+				// Within the cool-down after a whole hold the node refuses
+				// (UNAVAILABLE, retried); after it, the retry makes it.
+				if _, err := cloneOf(b, id, "copy"); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "budget") {
+					t.Fatalf("retry within the cool-down: %v", err)
+				}
+				waitFor(t, "A clears its inbox", func() bool { return inboxEmpty(t, p, "node-a") })
+				a.clock.add(testFreeze.MaxHold)
 				if resp, err = cloneOf(b, id, "copy"); err != nil {
 					t.Fatalf("retry: %v", err)
 				}
@@ -499,7 +531,7 @@ func TestCloneFreezesOtherNode(t *testing.T) {
 			if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
 				t.Fatal("the clone returned while A still held the freeze")
 			}
-			noFreezeRecord(t, p)
+			noFreezeRecord(t, p, a)
 		})
 	}
 }

@@ -4,7 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -12,6 +15,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -160,53 +164,45 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 
 // freezeIfStagedHere is quiesceAll's part on this node: it freezes the
 // filesystem of an image volume staged here, so its image is clean while it is
-// copied, and returns the thaw. Other nodes are asked through their freeze
-// inboxes (quiesce.go). A stage it cannot tell is the volume's mount is not
-// frozen, never a wrong filesystem. Callers hold the volume's in-process lock,
-// so no unstage runs meanwhile.
-func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func()) {
-	noop := func() {}
-	if v.AccessType != pool.AccessFilesystem {
+// copied, and returns the thaw, which fails (ABORTED, retried) if the freeze's
+// bound (--freeze-max-hold) thawed it first. Other nodes are asked through
+// their freeze inboxes (quiesce.go). The filesystem is found as the agent
+// finds it (freezeVolumeHere): this node's own mount of the volume's loop
+// device, never the staging path the pool records. A stage it cannot tell is
+// the volume's mount is not frozen, never a wrong filesystem. Callers hold
+// the volume's in-process lock, so no unstage runs meanwhile.
+func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error) {
+	noop := func() error { return nil }
+	if !freezable(v) || !slices.ContainsFunc(v.Staged, func(st pool.StageRecord) bool { return st.Node == d.opts.NodeID }) {
 		return noop
 	}
 	log := klog.FromContext(ctx)
-	image := p.ImagePath(vid)
-	for _, st := range v.Staged {
-		if st.Node != d.opts.NodeID {
-			continue
-		}
+	if !d.freezer.isRecovered() {
+		log.Info("Not freezing: the thaws after this node plugin's restart are not done yet; the snapshot is crash-consistent", "volume", vid)
+		return noop
+	}
+	start := time.Now()
+	h, why, err := d.freezeVolumeHere(ctx, p, vid, d.freezeTiming.MaxHold)
+	if err != nil || h == nil {
 		// Not known to be the volume's mount: not frozen (the snapshot is
 		// then crash-consistent), never a wrong filesystem frozen.
-		info, mounted, err := d.mounts.Info(st.Path)
-		if err != nil || !mounted {
-			continue
-		}
-		if ours, err := d.isVolumeMount(info, image); err != nil || !ours {
-			continue
-		}
-		// The record outlives a crash of this process while the filesystem is
-		// frozen; the next start thaws what it names (thawAfterCrash).
-		if err := p.RecordFreeze(vid, d.opts.NodeID, st.Path); err != nil {
-			log.Error(err, "Cannot record the freeze; not freezing, the snapshot is crash-consistent", "volume", vid)
-			return noop
-		}
-		thaw, err := d.fs.Freeze(st.Path)
-		if err != nil {
-			d.clearFreeze(ctx, p, vid)
-			log.Error(err, "Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "path", st.Path)
-			return noop
-		}
-		log.Info("Froze filesystem for a snapshot", "volume", vid, "path", st.Path)
-		return func() {
-			if err := thaw(); err != nil {
-				log.Error(err, "Thawing the filesystem after a snapshot failed", "volume", vid, "path", st.Path)
-				return
-			}
-			d.clearFreeze(ctx, p, vid)
-			log.Info("Thawed filesystem", "volume", vid, "path", st.Path)
-		}
+		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "why", why, "err", err)
+		return noop
 	}
-	return noop
+	log.Info("Froze filesystem for a snapshot", "volume", vid, "path", h.path)
+	return func() error {
+		expired := h.fs.Expired()
+		if err := d.thawHere(ctx, h); err != nil {
+			log.Error(err, "Thawing the filesystem after a snapshot failed; its bound thaws it", "volume", vid, "path", h.path)
+		} else {
+			log.Info("Thawed filesystem", "volume", vid, "path", h.path)
+		}
+		if expired {
+			return failf(pool.ErrBusy, "the filesystem of volume %s was thawed at its bound of %s (--freeze-max-hold) before the copy ended (it took %s), so the copy is not of one point in time: retry (raise --freeze-max-hold for copies this long)",
+				vid, d.freezeTiming.MaxHold, time.Since(start).Round(time.Millisecond))
+		}
+		return nil
+	}
 }
 
 // DeleteSnapshot is idempotent: an unknown or already deleted snapshot is success.
@@ -342,41 +338,163 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	return resp, nil
 }
 
-// clearFreeze removes a freeze record after its thaw. A record left behind is
-// harmless (the next start finds the filesystem thawed) but is logged.
-func (d *Driver) clearFreeze(ctx context.Context, p *pool.Pool, vid pool.VolumeID) {
-	if err := p.ClearFreeze(vid); err != nil {
+// clearFreeze removes this node's record of a freeze after its thaw. A
+// record left behind is harmless (the next start finds the filesystem thawed)
+// but is logged.
+func (d *Driver) clearFreeze(ctx context.Context, vid pool.VolumeID) {
+	if err := d.opts.State.Delete(freezeKind, vid.String()); err != nil {
 		klog.FromContext(ctx).Error(err, "Removing a freeze record failed", "volume", vid)
 	}
 }
 
-// thawAfterCrash thaws filesystems a previous process froze for a snapshot and
-// died before thawing: otherwise every write of the pods using them would hang
-// until someone ran fsfreeze -u by hand. Only paths recorded by a freeze record
-// of this node are touched, so an operator's own fsfreeze is left alone.
+// thawAfterCrash thaws, in the background, filesystems a previous process
+// froze for a snapshot and died before thawing: otherwise every write of the
+// pods using them would hang until someone ran fsfreeze -u by hand. It
+// returns at once: serving (Probe first) never waits for it, whatever a pool
+// or a mount does. The freeze agent and local freezes start freezing only
+// once it is done, so its thaws never end a new freeze.
 func (d *Driver) thawAfterCrash(ctx context.Context) {
 	if !d.opts.Mode.node() {
 		return
 	}
+	done := make(chan struct{})
+	d.freezer.mu.Lock()
+	d.freezer.recovered = done
+	d.freezer.mu.Unlock()
+	timeout := freezeRecoveryTimeout
+	go func() {
+		defer close(done)
+		d.recoverFreezes(context.WithoutCancel(ctx), timeout)
+	}()
+}
+
+// recoverFreezes is thawAfterCrash's work, given up after timeout (what is
+// still running then goes on, holding its volume's lock). First every shared
+// pool's "frozen" answers of this node are rewritten "thawed" (before any
+// thaw: the controller must not take a thaw it was not told of for a
+// freeze); then what this node's own records say it froze is thawed, through
+// the same checks as a freeze. A pool's records are never opened as paths:
+// a "frozen" file an older version left in a volume's directory only selects
+// which of this node's own mounts of that volume is thawed.
+func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 	log := klog.FromContext(ctx)
+	deadline := time.Now().Add(timeout)
+	var pools []func()
 	for _, pn := range d.names() {
-		p := d.pool(pn)
-		d.abandonFreezeAnswers(ctx, p)
-		freezes, err := p.Freezes()
-		if err != nil {
-			log.V(2).Info("Cannot look for filesystems left frozen; the pool is not available yet", "pool", pn, "err", err)
+		if p := d.pool(pn); p != nil {
+			pools = append(pools, func() { d.abandonFreezeAnswers(ctx, p) })
+		}
+	}
+	if !runUntil(deadline, pools) {
+		log.Info("A pool did not answer while the thaws of a crashed freeze were written down; thawing all the same", "timeout", timeout)
+	}
+	var thaws []func()
+	keys, err := d.opts.State.Keys(freezeKind)
+	if err != nil {
+		log.Error(err, "Cannot read this node's freeze records; nothing left frozen by a crash is thawed")
+	}
+	for _, key := range keys {
+		var rec freezeRecord
+		ok, err := d.opts.State.Get(freezeKind, key, &rec)
+		if err != nil || !ok {
+			log.Error(err, "Unreadable freeze record", "record", key)
 			continue
 		}
-		for _, f := range freezes {
-			if f.Node != d.opts.NodeID {
-				continue // another node's freeze, on a shared pool
-			}
-			if err := d.fs.Thaw(f.Path); err != nil {
-				log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", f.Path)
-				continue
-			}
-			log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", f.Path)
-			d.clearFreeze(ctx, p, f.Volume)
+		thaws = append(thaws, d.recoveryThaw(ctx, key, func() (string, error) {
+			return rec.Path, d.fs.ThawMount(d.opts.PathPrefix, rec.Path, rec.Device)
+		}))
+	}
+	// Older versions recorded freezes in the pool: only which volume is
+	// taken from those, never a path.
+	for _, pn := range d.names() {
+		p := d.pool(pn)
+		if p == nil {
+			continue
 		}
+		thaws = append(thaws, func() {
+			freezes, err := p.Freezes()
+			if err != nil {
+				log.V(2).Info("Cannot look for freezes an older version recorded in the pool", "pool", pn, "err", err)
+				return
+			}
+			for _, f := range freezes {
+				if f.Node != d.opts.NodeID {
+					continue // another node's freeze, on a shared pool
+				}
+				d.recoveryThaw(ctx, f.Volume.String(), func() (string, error) { return d.thawVolumeHere(p, f.Volume) })()
+				if err := p.ClearFreeze(f.Volume); err != nil {
+					log.Error(err, "Removing an older version's freeze record failed", "volume", f.Volume)
+				}
+			}
+		})
+	}
+	if !runUntil(deadline, thaws) {
+		log.Info("Thawing what a crash left frozen has not finished; the freeze agent starts all the same (a volume still being thawed stays locked)", "timeout", timeout)
+	}
+}
+
+// recoveryThaw is one thaw of recoverFreezes, under the volume's lock.
+func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (path string, err error)) func() {
+	return func() {
+		log := klog.FromContext(ctx).WithValues("volume", volume)
+		release, err := d.locks.acquire(volume, "a thaw after a crash")
+		if err != nil {
+			log.Error(err, "Not thawing a filesystem left frozen by a crash now")
+			return
+		}
+		defer release()
+		path, err := thaw()
+		if err != nil {
+			log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", path)
+			if !errors.Is(err, mount.ErrNotTheMount) {
+				return // kept for the next start
+			}
+		} else if path != "" {
+			log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", path)
+		}
+		if id, err := pool.ParseVolumeID(volume); err == nil {
+			d.clearFreeze(ctx, id)
+		} else if err := d.opts.State.Delete(freezeKind, volume); err != nil {
+			log.Error(err, "Removing a freeze record failed")
+		}
+	}
+}
+
+// thawVolumeHere thaws this node's own mount of volume id of p, found as
+// freezeVolumeHere finds it; "" when the volume has none here.
+func (d *Driver) thawVolumeHere(p *pool.Pool, id pool.VolumeID) (string, error) {
+	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	if err != nil || !ok {
+		return "", err
+	}
+	points, err := d.mounts.MountPoints(dev)
+	if err != nil {
+		return "", fmt.Errorf("read the mount table: %w", err)
+	}
+	for _, path := range points {
+		if err := d.fs.ThawMount(d.opts.PathPrefix, path, dev); !errors.Is(err, mount.ErrNotTheMount) {
+			return path, err
+		}
+	}
+	return "", nil
+}
+
+// runUntil runs every f on a goroutine of its own and waits until all have
+// returned or deadline passes; true when all returned.
+func runUntil(deadline time.Time, fs []func()) bool {
+	var wg sync.WaitGroup
+	for _, f := range fs {
+		wg.Add(1)
+		go func() { defer wg.Done(); f() }()
+	}
+	done := make(chan struct{})
+	go func() { wg.Wait(); close(done) }()
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	select {
+	case <-done:
+		return true
+	case <-t.C:
+		return false
 	}
 }

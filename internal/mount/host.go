@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -154,7 +155,22 @@ func (Filesystems) Statfs(path string, st *unix.Statfs_t) error {
 	}
 	return nil
 }
-func (Filesystems) Freeze(path string) (func() error, error) { return Freeze(path) }
+
+// FreezeMount is FreezeMount: the hold's type hidden behind the interface
+// the driver uses.
+func (Filesystems) FreezeMount(prefix, path, dev string, bound time.Duration) (FrozenFS, error) {
+	h, err := FreezeMount(prefix, path, dev, bound)
+	if err != nil {
+		return nil, err
+	}
+	return h, nil
+}
+
+// FrozenFS is a frozen filesystem's hold.
+type FrozenFS interface {
+	Thaw() error
+	Expired() bool
+}
 
 // Allocate allocates [off, off+length) of f (fallocate mode 0) and fsyncs f,
 // so the allocation survives a crash.
@@ -170,7 +186,7 @@ func Allocate(f *os.File, off, length int64) error {
 	}
 	return nil
 }
-func (Filesystems) Thaw(path string) error { return Thaw(path) }
+func (Filesystems) ThawMount(prefix, path, dev string) error { return ThawMount(prefix, path, dev) }
 
 // sysFSExt4 is where ext4 publishes its per-filesystem attributes; a variable
 // so a test can point it at a tree holding errors it cannot cause for real.

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -78,6 +77,10 @@ type FreezeAck struct {
 	Nonce  string      `json:"nonce"`
 	State  FreezeState `json:"state"`
 	Reason string      `json:"reason,omitempty"`
+	// HoldMillis, with "frozen", is the node's bound on the freeze in
+	// milliseconds: it is thawed then at the latest, by the node's clock,
+	// whether or not it could write "thawed" first.
+	HoldMillis int64 `json:"holdMs,omitempty"`
 }
 
 // NewFreezeNonce is a random nonce for a request.
@@ -300,19 +303,23 @@ func (p *Pool) ReadFreezeAck(node string, id VolumeID) (a FreezeAck, ok bool, er
 }
 
 // freezeFile marks, in a volume's directory, that a node froze its filesystem
-// for a snapshot: the crash record thawAfterCrash reads.
+// for a snapshot. Only older versions write it: a node now records its freezes
+// in its own records, outside every pool. A start still reads the ones naming
+// its node, for the volume only (the path is pool content and never used),
+// and removes them; pool check reports them.
 const freezeFile = "frozen"
 
-// Freeze is a record that node froze the filesystem of a volume mounted at Path
-// for a snapshot: it outlives a crash of the freezing process, so the next start
-// thaws what it froze (volumes/<key>/frozen, "<node>\n<path>").
+// Freeze is a record an older version wrote when node froze the filesystem of
+// a volume mounted at Path for a snapshot (volumes/<key>/frozen,
+// "<node>\n<path>"). Path is whatever the pool says: never open it.
 type Freeze struct {
 	Volume VolumeID
 	Node   string
 	Path   string
 }
 
-// RecordFreeze writes the freeze record of a volume, before the freeze.
+// RecordFreeze writes the freeze record of a volume as older versions did
+// before a freeze (tests and tools make such records with it).
 func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
@@ -323,10 +330,20 @@ func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
 	return p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
 }
 
-// ClearFreeze removes a volume's freeze record, after the thaw.
+// ClearFreeze removes a volume's freeze record (an older version's).
+// The volume's directory is opened below the pool's root without links and
+// the record unlinked relative to it, so a link swapped in for the directory
+// removes nothing outside the pool.
 func (p *Pool) ClearFreeze(id VolumeID) error {
-	err := os.Remove(filepath.Join(p.Dir(id), freezeFile))
-	if err != nil && !missing(err) {
+	d, err := fsx.OpenDir(p.cfg.Path, volumeRel(id))
+	if missing(err) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("volume %s: clear freeze record: %w", id, p.classify(err))
+	}
+	defer d.Close()
+	if err := unix.Unlinkat(int(d.Fd()), freezeFile, 0); err != nil && !errors.Is(err, unix.ENOENT) {
 		return fmt.Errorf("volume %s: clear freeze record: %w", id, err)
 	}
 	return nil

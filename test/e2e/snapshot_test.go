@@ -10,6 +10,7 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -296,8 +297,11 @@ func TestSnapshotHostileIDs(t *testing.T) {
 }
 
 // TestThawAfterCrash leaves a volume frozen with a freeze marker, as a driver
-// killed in the middle of a snapshot copy would, and checks the restarted driver
-// thaws it — pods' writes would otherwise hang until someone ran fsfreeze -u.
+// of an older version killed in the middle of a snapshot copy would, and
+// checks the restarted driver thaws it — pods' writes would otherwise hang
+// until someone ran fsfreeze -u. The marker names a path the driver does not
+// use: it thaws its own mount of the volume, in the background after Probe
+// answers, then removes the marker.
 func TestThawAfterCrash(t *testing.T) {
 	e := newEnv(t, "mkfs.ext4", "fsfreeze")
 	vc := csiproc.MountCap("ext4", csiproc.RWO)
@@ -311,15 +315,20 @@ func TestThawAfterCrash(t *testing.T) {
 	}
 	key := id[strings.IndexByte(id, '.')+1:]
 	marker := filepath.Join(e.pool, "volumes", key, "frozen")
-	if err := os.WriteFile(marker, []byte("node-1\n"+staging), 0o600); err != nil {
+	if err := os.WriteFile(marker, []byte("node-1\n/elsewhere"), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	e.drv.Restart(t)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := os.Stat(marker); os.IsNotExist(err) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("freeze marker still there")
+		}
+	}
 	// Unfreezing a filesystem that is not frozen fails: that failure is the proof.
 	if out, err := exec.Command("fsfreeze", "-u", staging).CombinedOutput(); err == nil {
 		t.Fatalf("the filesystem was still frozen after the restart (%s)", out)
-	}
-	if _, err := os.Stat(marker); !os.IsNotExist(err) {
-		t.Fatalf("freeze marker still there: %v", err)
 	}
 }

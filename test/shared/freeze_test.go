@@ -3,6 +3,7 @@ package shared
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,9 +13,11 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
+	"github.com/poolcsi/poolcsi/test/csiproc"
 )
 
 // TestSnapshotFreezesOtherNode: node 1 stages an image volume of the shared
@@ -284,4 +287,204 @@ func (w *fsyncWriter) stop() []timedWrite {
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return w.writes
+}
+
+// freezeNode starts one node plugin over a shared pool on a loop-mounted
+// btrfs, polling its freeze inbox every 20 ms, with an ext4 image volume
+// staged and published; it returns the driver, the pool, the volume and its
+// staging path.
+func freezeNode(t *testing.T, root string) (d *csiproc.Driver, p *pool.Pool, id pool.VolumeID, staging string) {
+	t.Helper()
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.ext4", "mkfs.btrfs", "blkid")
+	csiproc.CheckNoLeaks(t, root)
+	poolDir := filepath.Join(testutil.LoopFS(t, root, "btrfs", 512*mib), "pool")
+	if err := os.Mkdir(poolDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", poolDir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
+	}
+	d = csiproc.Start(t, csiproc.Options{NodeID: "node-1", SidecarDeadlines: true,
+		Pools: []string{"shared=" + poolDir + ",shared"}, Args: []string{"--freeze-poll-interval=20ms"}})
+	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
+	vid := createVolume(t, d, "frozen", 64*mib, map[string]string{"pool": "shared", "layout": "image"}, vc).GetVolumeId()
+	if err := publish(t, d, vid, "node-1", vc, false); err != nil {
+		t.Fatal(err)
+	}
+	stagePublish(t, d, filepath.Join(root, "n1"), vid, vc)
+	return d, must(pool.OpenExisting(poolDir))(t), must(pool.ParseVolumeID(vid))(t), filepath.Join(root, "n1", "staging")
+}
+
+// thawIfFrozen tells whether the filesystem mounted at mnt was frozen, and
+// thaws it if it was.
+func thawIfFrozen(t *testing.T, mnt string) bool {
+	t.Helper()
+	f, err := os.Open(mnt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	err = unix.IoctlSetInt(int(f.Fd()), 0xC0045878, 0) // FITHAW
+	if err != nil && !errors.Is(err, unix.EINVAL) {
+		t.Fatalf("FITHAW %s: %v", mnt, err)
+	}
+	return err == nil
+}
+
+// setStagePath makes node-1's stage record of id name path, as any writer of
+// the shared pool can; the record is restored in t.Cleanup.
+func setStagePath(t *testing.T, p *pool.Pool, id pool.VolumeID, path string) {
+	t.Helper()
+	set := func(path string) error {
+		return p.Update(context.Background(), id, func(v *pool.Volume) (bool, error) {
+			for i := range v.Staged {
+				if v.Staged[i].Node == "node-1" {
+					v.Staged[i].Path = path
+				}
+			}
+			return true, nil
+		})
+	}
+	old := must(p.Load(id))(t).Staged[0].Path
+	if err := set(path); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := set(old); err != nil {
+			t.Errorf("restore the stage record: %v", err)
+		}
+	})
+}
+
+// TestFreezeLinkFlipNeverFreezesAnotherFilesystem: a pool writer points the
+// volume's stage record (and its freeze requests) at a link in the pool that
+// flips without pause between the volume's staging path and another
+// filesystem (a second loop-mounted ext4, standing in for the host's), and
+// sends requests with new nonces, round after round. The node freezes its
+// own mount of the volume or nothing, never the other filesystem. Before, the
+// node checked the path through the link and opened it again to freeze it:
+// the other filesystem was frozen in about a third of the rounds.
+func TestFreezeLinkFlipNeverFreezesAnotherFilesystem(t *testing.T) {
+	root := t.TempDir()
+	_, p, id, staging := freezeNode(t, root)
+	otherDir := filepath.Join(root, "other")
+	if err := os.Mkdir(otherDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	other := testutil.LoopFS(t, otherDir, "ext4", 32*mib)
+	link := filepath.Join(p.Path(), "flip")
+	setStagePath(t, p, id, link)
+	stop := make(chan struct{})
+	flipped := make(chan struct{})
+	go func() {
+		defer close(flipped)
+		tmp := link + ".tmp"
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			_ = os.Remove(tmp)
+			_ = os.Symlink(map[bool]string{true: staging, false: other}[i%2 == 0], tmp)
+			_ = os.Rename(tmp, link)
+		}
+	}()
+	defer func() { close(stop); <-flipped }()
+
+	const rounds = 200
+	var otherFrozen, volumeFrozen, refused int
+	ack := filepath.Join(p.Path(), "freeze", "node-1", id.Key+".ack")
+	for range rounds {
+		nonce := pool.NewFreezeNonce()
+		if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id.String(), Node: "node-1", Path: link, Nonce: nonce}); err != nil {
+			t.Fatal(err)
+		}
+		var a pool.FreezeAck
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+			got, ok, err := p.ReadFreezeAck("node-1", id)
+			if err == nil && ok && got.Nonce == nonce {
+				a = got
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("no answer to the freeze request (%v)", err)
+			}
+		}
+		if thawIfFrozen(t, other) {
+			otherFrozen++
+		}
+		switch a.State {
+		case pool.FreezeFrozen:
+			volumeFrozen++
+		case pool.FreezeFailed:
+			refused++
+		}
+		if err := p.RemoveFreezeRequest("node-1", id); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
+			if _, err := os.Stat(ack); os.IsNotExist(err) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("the node did not clear its answer")
+			}
+		}
+	}
+	t.Logf("%d rounds: the volume frozen in %d, refused (budget) in %d; the other filesystem frozen in %d", rounds, volumeFrozen, refused, otherFrozen)
+	if otherFrozen > 0 {
+		t.Fatalf("the other filesystem was frozen in %d of %d rounds", otherFrozen, rounds)
+	}
+	if volumeFrozen == 0 {
+		t.Fatal("the volume itself was never frozen")
+	}
+	if thawIfFrozen(t, staging) {
+		t.Fatal("the volume was left frozen")
+	}
+}
+
+// TestFreezeFIFORecordDoesNotBlockStart: a "frozen" record in the pool that
+// names this node and a FIFO (as an older version wrote them, or any pool
+// writer) does not keep a restarted node plugin from answering Probe, and
+// the FIFO is never opened. Before, every start opened the path the record
+// named before serving: the plugin never became ready.
+func TestFreezeFIFORecordDoesNotBlockStart(t *testing.T) {
+	root := t.TempDir()
+	d, p, id, staging := freezeNode(t, root)
+	fifo := filepath.Join(p.Path(), "fifo")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.RecordFreeze(id, "node-1", fifo); err != nil {
+		t.Fatal(err)
+	}
+	d.Restart(t) // fails the test unless Probe answers within 30 s
+	ctx, cancel := context.WithTimeout(context.Background(), csiproc.ProbeTimeout)
+	defer cancel()
+	if _, err := d.Identity().Probe(ctx, &csi.ProbeRequest{}); err != nil {
+		t.Fatalf("Probe: %v", err)
+	}
+	fd, err := unix.Open(fifo, unix.O_WRONLY|unix.O_NONBLOCK|unix.O_CLOEXEC, 0)
+	if err == nil {
+		unix.Close(fd)
+		t.Fatal("the FIFO the record names was opened")
+	}
+	if !errors.Is(err, unix.ENXIO) {
+		t.Fatal(err)
+	}
+	// The record only said which volume: this node's own mount of it is
+	// thawed (it was not frozen), and the record goes.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if fs, err := p.Freezes(); err == nil && len(fs) == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the pool's freeze record was not cleared")
+		}
+	}
+	if thawIfFrozen(t, staging) {
+		t.Fatal("the volume was frozen")
+	}
 }

@@ -21,10 +21,12 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/cgroup"
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/mount"
 )
 
@@ -36,7 +38,7 @@ type Host struct {
 	devices map[string]*device // device -> state
 	fs      map[string]*filesystem
 	mounts  map[string]*Mount // target -> what it shows
-	frozen  map[string]bool
+	frozen  map[string]bool   // by device
 	// pods are the pods with a cgroup, and the I/O limits written there
 	// by device (cgroups.go).
 	pods   map[string]map[string]cgroup.Limits
@@ -119,11 +121,12 @@ func (h *Host) Attached() []string {
 	return out
 }
 
-// Frozen tells whether the filesystem at path is frozen.
+// Frozen tells whether the filesystem shown at path is frozen.
 func (h *Host) Frozen(path string) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.frozen[filepath.Clean(path)]
+	m := h.mounts[filepath.Clean(path)]
+	return m != nil && m.Device != "" && h.frozen[m.Device]
 }
 
 // mountedFS is the filesystem shown at target, or nil. Callers hold h.mu.
@@ -823,31 +826,110 @@ func (h *Host) Ext4Errors(dev string) (int64, string, error) {
 	return f.errors, f.firstError, nil
 }
 
-func (h *Host) Freeze(path string) (func() error, error) {
+// FreezeMount opens path below prefix as the real one does (openat2 without
+// links, O_DIRECTORY: a link, a FIFO or a device there is refused, never
+// opened), then freezes the filesystem of dev if a mount of it is at path.
+// The freeze is the filesystem's, as the kernel's is: every mount of it shows
+// frozen. The bound thaws it as the real one's does.
+func (h *Host) FreezeMount(prefix, path, dev string, bound time.Duration) (mount.FrozenFS, error) {
 	if err := h.Faults.hit("Freeze"); err != nil {
 		return nil, err
 	}
-	path = filepath.Clean(path)
+	if err := h.checkMountRoot(prefix, path, dev); err != nil {
+		return nil, fmt.Errorf("freeze %s: %w", path, err)
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, ok := h.mounts[path]; !ok {
-		return nil, fmt.Errorf("freeze %s: not a mount point", path)
-	}
-	if h.frozen[path] {
+	if h.frozen[dev] {
 		return nil, fmt.Errorf("freeze %s: %w", path, unix.EBUSY)
 	}
-	h.frozen[path] = true
-	return func() error { return h.Thaw(path) }, nil
+	hold := &hold{h: h, dev: dev}
+	// Armed first, as the real one is; it takes h.mu, held until the freeze is done.
+	hold.timer = time.AfterFunc(bound, hold.expire)
+	h.frozen[dev] = true
+	return hold, nil
 }
 
-func (h *Host) Thaw(path string) error {
+func (h *Host) checkMountRoot(prefix, path, dev string) error {
+	if prefix == "" {
+		prefix = "/"
+	}
+	rel, err := filepath.Rel(prefix, path)
+	if err != nil || !filepath.IsAbs(path) || filepath.Clean(path) != path || rel == ".." || strings.HasPrefix(rel, "../") {
+		return fmt.Errorf("%w: %s is not a clean path below %s", mount.ErrNotTheMount, path, prefix)
+	}
+	f, err := fsx.OpenBeneath(prefix, rel, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return fmt.Errorf("%w: %w", mount.ErrNotTheMount, err)
+	}
+	f.Close()
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	m := h.mounts[path]
+	if m == nil || m.Device != dev || m.Block || m.Dir != "" {
+		return fmt.Errorf("%w: %s does not show the filesystem of %s", mount.ErrNotTheMount, path, dev)
+	}
+	return nil
+}
+
+// hold is a fake freeze.
+type hold struct {
+	h               *Host
+	dev             string
+	timer           *time.Timer
+	thawed, expired bool
+}
+
+func (f *hold) expire() {
+	f.h.mu.Lock()
+	defer f.h.mu.Unlock()
+	if !f.thawed {
+		delete(f.h.frozen, f.dev)
+		f.thawed, f.expired = true, true
+	}
+}
+
+func (f *hold) Expired() bool {
+	f.h.mu.Lock()
+	defer f.h.mu.Unlock()
+	return f.expired
+}
+
+func (f *hold) Thaw() error {
+	if err := f.h.Faults.hit("Thaw"); err != nil {
+		return err
+	}
+	f.timer.Stop()
+	f.h.mu.Lock()
+	defer f.h.mu.Unlock()
+	if !f.thawed {
+		delete(f.h.frozen, f.dev)
+		f.thawed = true
+	}
+	return nil
+}
+
+// ThawMount thaws the filesystem of dev if a mount of it is at path, checked
+// as FreezeMount checks it.
+func (h *Host) ThawMount(prefix, path, dev string) error {
 	if err := h.Faults.hit("Thaw"); err != nil {
 		return err
 	}
+	if err := h.checkMountRoot(prefix, path, dev); err != nil {
+		return fmt.Errorf("thaw %s: %w", path, err)
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	delete(h.frozen, filepath.Clean(path))
+	delete(h.frozen, dev)
 	return nil
+}
+
+// FreezeDevice freezes the filesystem of dev behind the driver's back, as an
+// earlier process that crashed while it held it frozen would leave it.
+func (h *Host) FreezeDevice(dev string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.frozen[dev] = true
 }
 
 // Allocate allocates for real: images are real files in the test's directory,
