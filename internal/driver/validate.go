@@ -231,7 +231,7 @@ func (d *Driver) checkNesting(field, path string) error {
 // belowPrefix says whether m is strictly below --allowed-path-prefix (any
 // path but / without one).
 func (d *Driver) belowPrefix(m string) bool {
-	prefix := d.layoutDeps.pathPrefix
+	prefix := d.pathPrefix
 	if prefix == "" || prefix == "/" {
 		return m != "/"
 	}
