@@ -20,6 +20,12 @@ done
 { [ -x /bin/busybox ] && ! ldd /bin/busybox >/dev/null 2>&1; } || need+=(busybox-static)
 # make image's push route, which docs/deploy.md documents and TestImagePushPull takes.
 command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
+# make image-lock and its tests check signed InRelease files with gpgv against Debian's
+# archive keyring; the tests sign their own with a throw-away gpg key.
+for cmd in gpg:gpg gpg-agent:gpg-agent gpgv:gpgv gpgconf:gpgconf; do
+	command -v "${cmd%%:*}" >/dev/null 2>&1 || need+=("${cmd##*:}")
+done
+[ -f /usr/share/keyrings/debian-archive-keyring.gpg ] || need+=(debian-archive-keyring)
 # mount.nfs, which the poolcsi image carries (deploy/image-tools.txt) and the test harness
 # copies from this machine into the image it builds.
 [ -x /sbin/mount.nfs ] || need+=(nfs-common)

@@ -63,10 +63,11 @@ func callCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	resp := dynamicpb.NewMessage(m.Output())
 	full := fmt.Sprintf("/%s/%s", m.Parent().FullName(), m.Name())
 	if err := conn.Invoke(ctx, full, req, resp); err != nil {
+		// The driver's message is untrusted text bound for a terminal.
 		if s, ok := status.FromError(err); ok {
-			return fmt.Errorf("call %s: %s: %s", m.Name(), s.Code(), s.Message())
+			return fmt.Errorf("call %s: %s: %s", m.Name(), s.Code(), printable(s.Message()))
 		}
-		return fmt.Errorf("call %s: %w", m.Name(), err)
+		return fmt.Errorf("call %s: %s", m.Name(), printable(err.Error()))
 	}
 	raw, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(resp)
 	if err != nil {
@@ -78,7 +79,7 @@ func callCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := json.Indent(&out, raw, "", "  "); err != nil {
 		return fmt.Errorf("call %s: answer: %w", m.Name(), err)
 	}
-	_, err = fmt.Fprintf(stdout, "%s\n", out.Bytes())
+	_, err = fmt.Fprintf(stdout, "%s\n", escapeJSON(out.Bytes()))
 	return err
 }
 

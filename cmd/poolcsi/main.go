@@ -21,7 +21,6 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/demo"
 	"github.com/poolcsi/poolcsi/internal/driver"
-	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
@@ -254,29 +253,6 @@ func setMemoryLimit(mib int64) {
 		return
 	}
 	debug.SetMemoryLimit(mib << 20)
-}
-
-// readShareKeys reads --share-key-file: one key per line (a Kubernetes
-// Secret's value, mounted through links), the first the one that tags. No
-// file, no keys.
-func readShareKeys(path string) ([][]byte, error) {
-	if path == "" {
-		return nil, nil
-	}
-	raw, err := fsx.ReadFileFollow(path, 16<<10)
-	if err != nil {
-		return nil, fmt.Errorf("--share-key-file: %w", err)
-	}
-	var keys [][]byte
-	for _, line := range strings.Split(string(raw), "\n") {
-		if line = strings.TrimSpace(line); line != "" {
-			keys = append(keys, []byte(line))
-		}
-	}
-	if len(keys) == 0 {
-		return nil, fmt.Errorf("--share-key-file %s holds no key", path)
-	}
-	return keys, nil
 }
 
 // shareMounter is the share machinery --share-dir and --share-types ask for:

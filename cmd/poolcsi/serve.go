@@ -144,6 +144,9 @@ func (o *serveOptions) Validate() error {
 	}
 	if o.DriverName == "" {
 		errs = append(errs, errors.New("--driver-name is empty"))
+	} else if err := kubeletplugin.ValidateDriverName(o.DriverName); err != nil {
+		// It names the registration socket, leases, metrics and events.
+		errs = append(errs, fmt.Errorf("--driver-name: %w", err))
 	}
 	if _, err := driver.ParseMode(o.Mode); err != nil {
 		errs = append(errs, fmt.Errorf("--mode: %w", err))

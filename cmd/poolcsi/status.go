@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/poolcsi/poolcsi/internal/driver"
 )
@@ -45,6 +47,36 @@ var errAbnormal = errors.New("something is abnormal")
 // ControllerListVolumeHealth page: the driver never builds one huge answer.
 // A variable for the tests.
 var statusPageSize int32 = 256
+
+// A listing status reads (ListVolumes, ControllerListVolumeHealth) stops at the
+// first of these, noted as a problem: a driver whose listing never ends (a new
+// next_token each page) must not keep status reading until it runs out of
+// memory. Far above what a real pool lists (256 pages of 256 volumes, or 64 MiB
+// of answers). Variables for the tests.
+var (
+	statusMaxPages   = 1024
+	statusMaxEntries = 100_000
+	statusMaxBytes   = 64 << 20
+)
+
+// listBudget counts what one listing has read against the caps.
+type listBudget struct {
+	method                string
+	pages, entries, bytes int
+}
+
+// spend adds one page; false, with the problem noted, once a cap is passed.
+func (g *gatherer) spend(b *listBudget, entries int, resp proto.Message) bool {
+	b.pages++
+	b.entries += entries
+	b.bytes += proto.Size(resp)
+	if b.pages < statusMaxPages && b.entries < statusMaxEntries && b.bytes < statusMaxBytes {
+		return true
+	}
+	g.r.Errors = append(g.r.Errors, fmt.Sprintf("%s: stopped after %d pages, %d entries, %s: status reads at most %d pages, %d entries, %s (does the listing end?)",
+		b.method, b.pages, b.entries, humanBytes(int64(b.bytes)), statusMaxPages, statusMaxEntries, humanBytes(int64(statusMaxBytes))))
+	return false
+}
 
 // nodeVolumeHealthNote says why status shows no node-side volume health.
 const nodeVolumeHealthNote = "not shown: the node checks a volume at its staging or publish path, which no CSI call lists " +
@@ -206,7 +238,7 @@ func gatherStatus(ctx context.Context, conn grpc.ClientConnInterface, endpoint s
 		return ids.GetPluginInfo(ctx, &csi.GetPluginInfoRequest{})
 	})
 	if err != nil {
-		return nil, fmt.Errorf("status: cannot reach the driver at %s: GetPluginInfo: %s (is the driver running, and is this its --endpoint? The chart's containers serve unix:///csi/csi.sock)", endpoint, callError(err))
+		return nil, fmt.Errorf("status: cannot reach the driver at %s: GetPluginInfo: %s (is the driver running, and is this its --endpoint? The chart's containers serve unix:///csi/csi.sock)", endpoint, printable(callError(err)))
 	}
 	r.Plugin.Name, r.Plugin.Version = info.GetName(), info.GetVendorVersion()
 	r.Plugin.Services = []string{"Identity"}
@@ -338,6 +370,7 @@ func (g *gatherer) controller(cc csi.ControllerClient, advertised bool) bool {
 func (g *gatherer) listVolumes(cc csi.ControllerClient) {
 	c := &g.r.Controller
 	seen := map[string]bool{}
+	budget := &listBudget{method: "ListVolumes"}
 	for token := ""; ; {
 		resp, err := ask(g, func(ctx context.Context) (*csi.ListVolumesResponse, error) {
 			return cc.ListVolumes(ctx, &csi.ListVolumesRequest{MaxEntries: statusPageSize, StartingToken: token})
@@ -365,6 +398,10 @@ func (g *gatherer) listVolumes(cc csi.ControllerClient) {
 		if token == "" {
 			return
 		}
+		if !g.spend(budget, len(resp.GetEntries()), resp) {
+			c.VolumesNote = "incomplete: the listing did not end (see the problems)"
+			return
+		}
 		if seen[token] {
 			g.r.Errors = append(g.r.Errors, fmt.Sprintf("ListVolumes: next_token %q came twice: the listing stopped there", token))
 			return
@@ -382,6 +419,7 @@ func (g *gatherer) listVolumeHealth(cc csi.ControllerClient) {
 		index[v.ID] = i
 	}
 	seen := map[string]bool{}
+	budget := &listBudget{method: "ControllerListVolumeHealth"}
 	for token := ""; ; {
 		resp, err := ask(g, func(ctx context.Context) (*csi.ControllerListVolumeHealthResponse, error) {
 			return cc.ControllerListVolumeHealth(ctx, &csi.ControllerListVolumeHealthRequest{MaxEntries: statusPageSize, StartingToken: token})
@@ -411,6 +449,10 @@ func (g *gatherer) listVolumeHealth(cc csi.ControllerClient) {
 		}
 		token = resp.GetNextToken()
 		if token == "" {
+			return
+		}
+		if !g.spend(budget, len(resp.GetEntries()), resp) {
+			c.VolumesNote = strings.TrimPrefix(c.VolumesNote+"; ", "; ") + "health incomplete: the listing did not end (see the problems)"
 			return
 		}
 		if seen[token] {
@@ -586,14 +628,20 @@ func nodeCapName(t csi.NodeServiceCapability_RPC_Type) string {
 }
 
 func writeStatusJSON(w io.Writer, r *statusReport) error {
-	enc := json.NewEncoder(w)
+	var b bytes.Buffer
+	enc := json.NewEncoder(&b)
 	enc.SetIndent("", "  ")
-	return enc.Encode(r)
+	if err := enc.Encode(r); err != nil {
+		return err
+	}
+	_, err := w.Write(escapeJSON(b.Bytes()))
+	return err
 }
 
 // writeStatusText renders the report for a person: sections of aligned
 // "key: value" lines and tables, abnormal volumes marked "!" and last.
 func writeStatusText(out io.Writer, r *statusReport) error {
+	r = printableCopy(r) // every string in it is the driver's, or holds the driver's
 	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 	p := r.Plugin
 	fmt.Fprintf(w, "Plugin %s %s at %s\n", p.Name, p.Version, r.Endpoint)

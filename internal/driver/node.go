@@ -124,6 +124,9 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err != nil {
 		return nil, err
 	}
+	if err := d.checkNesting("staging_target_path", staging); err != nil {
+		return nil, err
+	}
 	nv, release, err := d.beginNodeCall(ctx, "NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
@@ -332,6 +335,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	if err != nil {
 		return nil, err
 	}
+	if err := d.checkNesting("target_path", target); err != nil {
+		return nil, err
+	}
 	if isEphemeral(req.GetVolumeContext()) {
 		if err := d.publishEphemeral(ctx, req, target); err != nil {
 			return nil, err
@@ -341,6 +347,9 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
+	}
+	if how := nestedIn(target, staging); how != "" {
+		return nil, failf(errInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
 	podUID := podUIDOf(ctx, req.GetVolumeContext())
 	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())

@@ -10,10 +10,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"path/filepath"
+	"regexp"
 	"time"
 
 	"google.golang.org/grpc"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 	registerapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
 
@@ -31,10 +34,32 @@ type Registrar struct {
 	// Dir is kubelet's plugins_registry directory as this process sees it;
 	// the socket is <Dir>/<DriverName>-reg.sock.
 	Dir string
+	// Retry paces the attempts to take the socket while it cannot be had
+	// (another instance serves it); DefaultRetry when zero.
+	Retry wait.Backoff
 }
+
+// DefaultRetry paces a registrar waiting for the socket: soon at first (the
+// instance a rolling update replaces is about to go), then every 30 s.
+var DefaultRetry = wait.Backoff{Duration: time.Second, Factor: 2, Jitter: 0.1, Cap: 30 * time.Second, Steps: math.MaxInt32}
 
 // SocketPath is where the registration socket is made.
 func (r *Registrar) SocketPath() string { return filepath.Join(r.Dir, r.DriverName+"-reg.sock") }
+
+// driverName is the CSI spec's rule for a plugin name (GetPluginInfo), which
+// Kubernetes applies to a CSIDriver's: at most 63 characters, alphanumerics,
+// '-' and '.', beginning and ending with an alphanumeric.
+var driverName = regexp.MustCompile(`^[a-zA-Z0-9]([-.a-zA-Z0-9]{0,61}[a-zA-Z0-9])?$`)
+
+// ValidateDriverName refuses a name that is not a CSI driver name. Such a name
+// never holds a '/' and is never "." or "..": the registration socket named
+// after it stays in its directory.
+func ValidateDriverName(name string) error {
+	if !driverName.MatchString(name) {
+		return fmt.Errorf("driver name %q: want at most 63 characters, letters, digits, '-' and '.', beginning and ending with a letter or digit (the CSI spec's rule; e.g. poolcsi.io)", name)
+	}
+	return nil
+}
 
 // Run waits until ready answers (the CSI socket serves: kubelet calls
 // NodeGetInfo right after it registers the plugin), then serves the
@@ -42,8 +67,13 @@ func (r *Registrar) SocketPath() string { return filepath.Join(r.Dir, r.DriverNa
 // still its own), which deregisters the driver. A stale socket from an earlier
 // process is replaced: kubelet's watcher sees the new one and registers the
 // restarted driver. A socket another process serves, or anything that is not
-// a socket, is never replaced nor removed: Run fails and says what is there.
+// a socket, is never replaced nor removed: Run says what is there and tries
+// again, paced by Retry, until it has the socket or ctx ends (an instance that
+// gave up would leave kubelet without this driver once the other one goes).
 func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) error {
+	if err := ValidateDriverName(r.DriverName); err != nil {
+		return err
+	}
 	log := klog.FromContext(ctx).WithValues("driver", r.DriverName, "socket", r.SocketPath())
 	for {
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
@@ -59,10 +89,9 @@ func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) 
 		case <-time.After(time.Second):
 		}
 	}
-	sock := r.SocketPath()
-	lis, err := unixsock.Listen(sock)
-	if err != nil {
-		return fmt.Errorf("registration socket %s (is kubelet's plugins_registry mounted?): %w", sock, err)
+	lis := r.listen(ctx, log)
+	if lis == nil {
+		return nil // ctx ended
 	}
 	srv := grpc.NewServer()
 	registerapi.RegisterRegistrationServer(srv, r)
@@ -103,4 +132,36 @@ func (r *Registrar) NotifyRegistrationStatus(ctx context.Context, s *registerapi
 	}
 	klog.FromContext(ctx).Info("Registered with kubelet", "driver", r.DriverName, "endpoint", r.Endpoint)
 	return &registerapi.RegistrationStatusResponse{}, nil
+}
+
+// listen takes the registration socket, trying again while it cannot (another
+// instance serves it, or something else is in the way); nil when ctx ends
+// first. The first failure and every change of reason are logged; the same
+// reason again only at V(2).
+func (r *Registrar) listen(ctx context.Context, log klog.Logger) *unixsock.Socket {
+	backoff := r.Retry // a copy: Step changes it
+	if backoff.Duration == 0 {
+		backoff = DefaultRetry
+	}
+	last := ""
+	for {
+		lis, err := unixsock.Listen(r.SocketPath())
+		if err == nil {
+			return lis
+		}
+		if msg := err.Error(); msg != last {
+			last = msg
+			log.Error(err, "Cannot serve the registration socket yet; trying again (another instance of the driver on this node? is kubelet's plugins_registry mounted?)")
+		} else {
+			log.V(2).Info("Registration socket still unavailable", "err", err)
+		}
+		// Step keeps returning the cap once it is reached.
+		t := time.NewTimer(backoff.Step())
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil
+		case <-t.C:
+		}
+	}
 }

@@ -77,6 +77,9 @@ type MountEntry struct {
 	// Major and Minor are the filesystem's device numbers: every mount of one
 	// filesystem (its binds included) shows the same.
 	Major, Minor int
+	// Root is the directory of the filesystem this mount shows ("/" for a
+	// whole filesystem, the source directory's path in it for a bind).
+	Root string
 	// Options are this mount's own options ("rw" or "ro" among them);
 	// VFSOptions the filesystem's, which say "ro" once the kernel made the
 	// filesystem itself read-only (after an error with errors=remount-ro).
@@ -92,7 +95,7 @@ func (m *Mounter) Table() ([]MountEntry, error) {
 	}
 	out := make([]MountEntry, 0, len(infos))
 	for _, i := range infos {
-		out = append(out, MountEntry{Mountpoint: i.Mountpoint, Source: i.Source, Major: i.Major, Minor: i.Minor, Options: i.Options, VFSOptions: i.VFSOptions})
+		out = append(out, MountEntry{Mountpoint: i.Mountpoint, Source: i.Source, Root: i.Root, Major: i.Major, Minor: i.Minor, Options: i.Options, VFSOptions: i.VFSOptions})
 	}
 	return out, nil
 }

@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestParsePackages(t *testing.T) {
@@ -48,22 +49,51 @@ SHA256: def
 	}
 }
 
-func TestReleaseSum(t *testing.T) {
+func TestParseRelease(t *testing.T) {
 	const release = `Origin: Debian
+Codename: bookworm
+Date: Sat, 11 Jul 2026 10:16:37 UTC
 MD5Sum:
  0123 50060337 main/binary-arm64/Packages.xz
 SHA256:
- aaaa 50060337 main/binary-amd64/Packages.xz
- bbbb 8689464 main/binary-arm64/Packages.xz
+ aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 50060337 main/binary-amd64/Packages.xz
+ bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb 8689464 main/binary-arm64/Packages.xz
 `
-	for _, tt := range []struct{ member, want string }{
-		{"main/binary-arm64/Packages.xz", "bbbb"}, // the SHA256 line, not the MD5 one
-		{"main/binary-amd64/Packages.xz", "aaaa"},
-		{"main/binary-riscv64/Packages.xz", ""},
+	rel, err := parseRelease([]byte(release))
+	must(t, err)
+	if got := rel.SHA256["main/binary-arm64/Packages.xz"]; got.SHA256[0] != 'b' || got.Size != 8689464 { // the SHA256 line, not the MD5 one
+		t.Errorf("arm64: %+v", got)
+	}
+	if _, ok := rel.SHA256["main/binary-riscv64/Packages.xz"]; ok || rel.Codename != "bookworm" ||
+		!rel.Date.Equal(time.Date(2026, 7, 11, 10, 16, 37, 0, time.UTC)) || !rel.ValidUntil.IsZero() {
+		t.Errorf("parseRelease = %+v", rel)
+	}
+	// Anything a reader would have to choose between is refused.
+	for name, bad := range map[string]string{
+		"a second SHA256 list": release + "SHA256:\n aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa 1 x\n",
+		"a file listed twice":  release + " cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc 1 main/binary-amd64/Packages.xz\n",
+		"a second paragraph":   release + "\nSHA256:\n",
+		"a bad sum":            release + " abc 1 x\n",
+		"a bad date":           strings.Replace(release, "UTC", "EST", 1),
+		"a field twice":        release + "codename: bookworm-updates\n",
 	} {
-		got, err := releaseSum([]byte(release), tt.member)
-		if got != tt.want || (err != nil) != (tt.want == "") {
-			t.Errorf("releaseSum(%s) = %q, %v; want %q", tt.member, got, err, tt.want)
+		if _, err := parseRelease([]byte(bad)); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
+
+func TestParseReleaseDate(t *testing.T) {
+	want := time.Date(2026, 7, 1, 10, 16, 37, 0, time.UTC)
+	for _, s := range []string{"Wed, 01 Jul 2026 10:16:37 UTC", "Wed, 1 Jul 2026 10:16:37 UTC", "Wed, 01 Jul 2026 10:16:37 GMT",
+		"Wed, 01 Jul 2026 10:16:37 +0000", "Wed, 01 Jul 2026 12:16:37 +0200"} {
+		if got, err := parseReleaseDate(s); err != nil || !got.Equal(want) {
+			t.Errorf("parseReleaseDate(%q) = %v, %v; want %v", s, got, err, want)
+		}
+	}
+	for _, s := range []string{"", "Wed, 01 Jul 2026 10:16:37 EST", "Wed, 01 Jul 2026 10:16:37", "2026-07-01T10:16:37Z", "Wed, 01 Jul 2026 10:16:37 UTC junk"} {
+		if got, err := parseReleaseDate(s); err == nil {
+			t.Errorf("parseReleaseDate(%q) = %v, want an error", s, got)
 		}
 	}
 }

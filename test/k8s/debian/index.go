@@ -14,8 +14,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"os"
-	"os/exec"
 	"strconv"
 	"strings"
 
@@ -42,15 +40,11 @@ type Package struct {
 	Depends             []string // Pre-Depends and Depends, every alternative, in order
 }
 
-// Keyring is the Debian archive keyring of the debian-archive-keyring package.
-const Keyring = "/usr/share/keyrings/debian-archive-keyring.gpg"
-
 // FetchIndex reads the main component's Packages of every suite for arch and merges them,
 // the newest version of each package winning (a point release can put a newer version in
-// bookworm than bookworm-security still carries). Each InRelease's signature is checked with
-// gpgv and the Debian archive keyring when this machine has them; the Packages files are
-// checked against the SHA256 sums InRelease lists. logf says which.
-func FetchIndex(ctx context.Context, arch string, suites []Suite, logf func(string, ...any)) (map[string]Package, error) {
+// bookworm than bookworm-security still carries). Each InRelease is checked by v (a good
+// signature, current), and each Packages file against the SHA256 the signed text lists.
+func FetchIndex(ctx context.Context, arch string, suites []Suite, v Verifier) (map[string]Package, error) {
 	out := map[string]Package{}
 	for _, s := range suites {
 		base := s.Archive + "/dists/" + s.Dist
@@ -58,20 +52,21 @@ func FetchIndex(ctx context.Context, arch string, suites []Suite, logf func(stri
 		if err != nil {
 			return nil, err
 		}
-		if err := verifyRelease(release, logf, base); err != nil {
-			return nil, err
-		}
-		member := "main/binary-" + arch + "/Packages.xz"
-		want, err := releaseSum(release, member)
+		rel, err := v.Verify(ctx, release, s.Dist)
 		if err != nil {
 			return nil, fmt.Errorf("%s/InRelease: %w", base, err)
+		}
+		member := "main/binary-" + arch + "/Packages.xz"
+		want, ok := rel.SHA256[member]
+		if !ok {
+			return nil, fmt.Errorf("%s/InRelease: no SHA256 for %s", base, member)
 		}
 		compressed, err := get(ctx, base+"/"+member)
 		if err != nil {
 			return nil, err
 		}
-		if got := sum(compressed); got != want {
-			return nil, fmt.Errorf("%s/%s: sha256 %s, InRelease says %s", base, member, got, want)
+		if got := sum(compressed); got != want.SHA256 || int64(len(compressed)) != want.Size {
+			return nil, fmt.Errorf("%s/%s: sha256 %s, %d bytes; the signed InRelease says %s, %d bytes", base, member, got, len(compressed), want.SHA256, want.Size)
 		}
 		r, err := xz.NewReader(bytes.NewReader(compressed))
 		if err != nil {
@@ -88,47 +83,6 @@ func FetchIndex(ctx context.Context, arch string, suites []Suite, logf func(stri
 		}
 	}
 	return out, nil
-}
-
-// verifyRelease checks an InRelease's signature with gpgv when it can, and says so when
-// it cannot: the sums of the committed lock, not this signature, are what make image
-// trusts, but a lock should be written from a signed index.
-func verifyRelease(release []byte, logf func(string, ...any), what string) error {
-	gpgv, err := exec.LookPath("gpgv")
-	if err != nil || !exists(Keyring) {
-		logf("NOT checking the signature of %s/InRelease (needs gpgv and %s, Debian package debian-archive-keyring); trusting HTTPS to deb.debian.org", what, Keyring)
-		return nil
-	}
-	f, err := os.CreateTemp("", "InRelease")
-	if err != nil {
-		return err
-	}
-	defer os.Remove(f.Name())
-	if _, err := f.Write(release); err != nil {
-		f.Close()
-		return err
-	}
-	f.Close()
-	if out, err := exec.Command(gpgv, "--keyring", Keyring, f.Name()).CombinedOutput(); err != nil {
-		return fmt.Errorf("%s/InRelease: bad signature: %w\n%s", what, err, out)
-	}
-	return nil
-}
-
-// releaseSum is the SHA256 an InRelease lists for one of its files.
-func releaseSum(release []byte, member string) (string, error) {
-	inSHA := false
-	for _, line := range strings.Split(string(release), "\n") {
-		if !strings.HasPrefix(line, " ") {
-			inSHA = strings.HasPrefix(line, "SHA256:")
-			continue
-		}
-		f := strings.Fields(line)
-		if inSHA && len(f) == 3 && f[2] == member {
-			return f[0], nil
-		}
-	}
-	return "", fmt.Errorf("no SHA256 for %s", member)
 }
 
 // ParsePackages reads a Packages file; archive is the base URL its Filename fields are
@@ -236,5 +190,3 @@ func sum(b []byte) string {
 	h := sha256.Sum256(b)
 	return hex.EncodeToString(h[:])
 }
-
-func exists(p string) bool { _, err := os.Stat(p); return err == nil }

@@ -34,6 +34,7 @@ func main() {
 		revision   = flag.String("revision", "", "annotation org.opencontainers.image.revision")
 		updateLock = flag.Bool("update-lock", false, "resolve from the archive's current indexes and rewrite the lock; build nothing")
 		fetchOnly  = flag.Bool("fetch-only", false, "download the locked packages into the cache; build nothing")
+		keyring    = flag.String("keyring", debian.Keyring, "the OpenPGP keyring -update-lock checks the archive's InRelease signatures with (gpgv)")
 	)
 	flag.Parse()
 	log.SetFlags(0)
@@ -56,7 +57,7 @@ func main() {
 				log.Fatalf("architecture %q: want one of amd64, arm64", name)
 			}
 			log.Printf("%s: reading the bookworm indexes", name)
-			idx, err := debian.FetchIndex(ctx, name, debian.Bookworm, log.Printf)
+			idx, err := debian.FetchIndex(ctx, name, debian.Bookworm, debian.Verifier{Keyring: *keyring})
 			if err != nil {
 				log.Fatal(err)
 			}
