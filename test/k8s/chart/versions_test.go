@@ -94,7 +94,11 @@ func TestVersionsAgree(t *testing.T) {
 		t.Errorf("deploy/kubernetes/poolcsi.yaml was not rendered from chart version %s: regenerate it (cd test/k8s && go run ./cmd/render)", want)
 	}
 
-	checkKustomizationTag(t, want)
+	var repos []string
+	for _, m := range images {
+		repos = append(repos, strings.SplitN(string(m[1]), ":", 2)[0])
+	}
+	checkKustomization(t, want, repos)
 }
 
 func withoutEnv(env []string, names ...string) []string {
@@ -111,27 +115,41 @@ next:
 	return out
 }
 
-// checkKustomizationTag checks the tag deploy/kubernetes/kustomization.yaml gives the image.
-func checkKustomizationTag(t *testing.T, want string) {
+// checkKustomization checks deploy/kubernetes/kustomization.yaml, the one place the plain
+// YAML's image is set: it must name the image poolcsi.yaml runs (else its override changes
+// nothing) and give it the version's tag.
+func checkKustomization(t *testing.T, want string, repos []string) {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy", "kubernetes", "kustomization.yaml"))
-	if os.IsNotExist(err) {
-		return
-	}
 	if err != nil {
 		t.Fatal(err)
 	}
 	var k struct {
-		Images []struct {
-			Name, NewName, NewTag string
+		APIVersion string   `json:"apiVersion"`
+		Kind       string   `json:"kind"`
+		Resources  []string `json:"resources"`
+		Images     []struct {
+			Name    string `json:"name"`
+			NewName string `json:"newName"`
+			NewTag  string `json:"newTag"`
 		} `json:"images"`
 	}
-	if err := yaml.Unmarshal(b, &k); err != nil {
+	if err := yaml.UnmarshalStrict(b, &k); err != nil {
 		t.Fatalf("deploy/kubernetes/kustomization.yaml: %v", err)
 	}
-	for _, img := range k.Images {
-		if img.Name == "poolcsi/poolcsi" && img.NewTag != want {
-			t.Errorf("deploy/kubernetes/kustomization.yaml sets the image's tag to %q; VERSION says %q", img.NewTag, want)
+	if len(k.Resources) != 1 || k.Resources[0] != filepath.Base(RenderedFile()) {
+		t.Errorf("deploy/kubernetes/kustomization.yaml has resources %q, want [%s]", k.Resources, filepath.Base(RenderedFile()))
+	}
+	if len(k.Images) != 1 {
+		t.Fatalf("deploy/kubernetes/kustomization.yaml sets %d images, want poolcsi's alone", len(k.Images))
+	}
+	img := k.Images[0]
+	for _, r := range repos {
+		if r != img.Name {
+			t.Errorf("deploy/kubernetes/kustomization.yaml overrides image %q, but poolcsi.yaml runs %q: the override would change nothing", img.Name, r)
 		}
+	}
+	if img.NewTag != want {
+		t.Errorf("deploy/kubernetes/kustomization.yaml sets the image's tag to %q; VERSION says %q", img.NewTag, want)
 	}
 }

@@ -58,7 +58,9 @@ list would only be logged).
   verbs: [update, patch]
 {{- end }}
 
-{{/* The Secret holding the cluster's share key (key "key"). */}}
+{{/* The Secret holding the cluster's share key (key "key"): shareKey.existingSecret, or
+its former name shares.keySecret. templates/sharekey.yaml refuses to render without one
+where it is needed. */}}
 {{- define "poolcsi.shareKeySecret" -}}
-{{- .Values.shares.keySecret | default (printf "%s-share-key" (include "poolcsi.fullname" .)) -}}
+{{- (.Values.shareKey).existingSecret | default .Values.shares.keySecret -}}
 {{- end -}}
