@@ -1017,7 +1017,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	// the image at once; the local driver (--expand-on-node) grows its image only in
 	// NodeExpandVolume, which kubelet calls with the filesystem mounted, so a local ext4
 	// claim always grows online, which needs CAP_SYS_RESOURCE (production nodes have it,
-	// this machine does not: docs/deploy.md).
+	// this machine does not: docs/testing.md).
 	t.Run("offline expansion/ext4", func(t *testing.T) {
 		ns := env.namespace(t, "grow-ext4")
 		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "200Mi"})
