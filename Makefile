@@ -1,11 +1,20 @@
 # poolcsi developer entry points. Everything needs Go; tests and `run` need root.
 BIN := bin/poolcsi
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
+# The version of this build, semver: the VERSION file, the one place it is written. The
+# image tag, the chart's version and appVersion and deploy/kubernetes follow it
+# (test/k8s/chart's TestVersionsAgree fails when they drift); the commit is stamped apart.
+VERSION ?= $(shell cat VERSION)
 COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
-BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
+# The commit's time, not the clock's: the same tree links the same binary, so make run and
+# make build relink only after a change (a clock stamp made every run relink).
+BUILD_DATE ?= $(shell TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ 2>/dev/null)
 LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT) -X main.buildDate=$(BUILD_DATE)
 
-.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock
+.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock release
+
+# Prints a variable as make sees it (make -s print-IMAGE_TAG): the version test reads them.
+print-%:
+	@echo '$($*)'
 
 build:
 	CGO_ENABLED=0 go build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/poolcsi
@@ -51,6 +60,16 @@ image:
 			-o _output/bin/linux-$$arch/poolcsi ./cmd/poolcsi || exit 1; \
 	done
 	cd test/k8s && go run ./cmd/image -arches '$(IMAGE_ARCHES)' -ref '$(IMAGE_TAG)' -version '$(VERSION)' -revision '$(COMMIT)'
+
+# A release's artefacts in _output/release (docs/release.md): the image index of make image
+# as an OCI archive, the packaged chart, the plain YAML for RELEASE_REPOSITORY's image of this
+# version (pinned by digest), an SPDX SBOM of the image (its Go modules and Debian
+# packages) and SHA256SUMS. The version is the VERSION file's; no network beyond make image's.
+RELEASE_REPOSITORY ?= ghcr.io/poolcsi/poolcsi
+RELEASE_OUT ?= $(CURDIR)/_output/release
+release: image
+	cd test/k8s && go run ./cmd/release -version '$(VERSION)' -commit '$(COMMIT)' \
+		-repository '$(RELEASE_REPOSITORY)' -arches '$(IMAGE_ARCHES)' -out '$(RELEASE_OUT)'
 
 # Downloads the pinned Debian packages of make image into .cache/image-debs (the image
 # tests read them from there and never download).

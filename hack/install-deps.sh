@@ -31,6 +31,8 @@ done
 [ -x /sbin/mount.nfs ] || need+=(nfs-common)
 # The direct-I/O writer of the fio benchmarks (test/e2e BenchmarkFio, BenchmarkIOLimitsV1).
 command -v fio >/dev/null 2>&1 || need+=(fio)
+# promtool, which checks the chart's alert rules (test/k8s/chart TestAlertRules).
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 [ ${#need[@]} -eq 0 ] && exit 0
 # Once each, in the order found.
 mapfile -t need < <(printf '%s\n' "${need[@]}" | awk '!seen[$0]++')

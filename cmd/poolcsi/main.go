@@ -139,6 +139,11 @@ func run(args []string, stdout, stderr io.Writer) int {
 		ctx, stop = signalContext()
 		defer stop()
 	}
+	// -h asks for the usage: it goes to stdout and exits 0, for every command as for
+	// `poolcsi -h`; a usage error goes to stderr and exits non-zero.
+	if asksHelp(args[1:]) {
+		stderr = stdout
+	}
 	var err error
 	switch args[0] {
 	case "serve":
@@ -170,6 +175,20 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	fmt.Fprintf(stderr, "poolcsi: %v\n", err)
 	return 1
+}
+
+// asksHelp tells whether args, a command's, hold -h, -help or --help as a flag (before a
+// "--" that ends the flags).
+func asksHelp(args []string) bool {
+	for _, a := range args {
+		switch a {
+		case "--":
+			return false
+		case "-h", "-help", "--help":
+			return true
+		}
+	}
+	return false
 }
 
 // signalContext ends on SIGINT or SIGTERM, with the signal as its cause.

@@ -5,6 +5,7 @@ import (
 
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
@@ -71,8 +72,17 @@ func poolCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 
 // openPoolFlag parses --path and opens the pool it names, read-only in spirit.
 func openPoolFlag(name, synopsis string, stderr io.Writer, args []string) (*pool.Pool, error) {
-	fs := newFlagSet("pool "+name, "pool "+name+" --path POOL_DIR\n\n"+synopsis, stderr)
+	return openPoolFlags(name, "pool "+name+" --path POOL_DIR\n\n"+synopsis, stderr, args, nil)
+}
+
+// openPoolFlags is openPoolFlag with a command's own flags, which more adds to the set
+// (so that -h lists them).
+func openPoolFlags(name, synopsis string, stderr io.Writer, args []string, more func(*flag.FlagSet)) (*pool.Pool, error) {
+	fs := newFlagSet("pool "+name, synopsis, stderr)
 	path := fs.String("path", "", "the pool's directory")
+	if more != nil {
+		more(fs)
+	}
 	if err := parseFlags(fs, args); err != nil {
 		return nil, err
 	}
@@ -143,17 +153,11 @@ func poolList(out, stderr io.Writer, args []string) error {
 var errProblems = errors.New("problems found")
 
 func poolCheck(out, stderr io.Writer, args []string) error {
-	// --repair is check's own flag; openPoolFlag parses the rest.
-	var rest []string
 	repair := false
-	for _, a := range args {
-		if a == "--repair" || a == "-repair" {
-			repair = true
-			continue
-		}
-		rest = append(rest, a)
-	}
-	p, err := openPoolFlag("check", "Reports damaged or unhealthy volumes, leftovers of interrupted calls and a capacity\nledger that does not match the volumes, and exits 1 when it finds any. It changes\nnothing, except that --repair rewrites such a ledger from the volumes.", stderr, rest)
+	p, err := openPoolFlags("check", "pool check --path POOL_DIR [--repair]\n\nReports damaged or unhealthy volumes, leftovers of interrupted calls and a capacity\nledger that does not match the volumes, and exits 1 when it finds any. It changes\nnothing, except that --repair rewrites such a ledger from the volumes.", stderr, args,
+		func(fs *flag.FlagSet) {
+			fs.BoolVar(&repair, "repair", false, "rewrite a capacity ledger that does not match the volumes from them (nothing else is changed)")
+		})
 	if err != nil {
 		return err
 	}

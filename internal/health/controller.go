@@ -133,8 +133,8 @@ func checkVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeR
 	if size < v.CapacityBytes {
 		r.Issues = append(r.Issues, Issue{Status: DataLoss, Reason: ReasonImageTruncated, Message: fmt.Sprintf(
 			"image file %s of volume %s is %d bytes but the volume is recorded as %d bytes: the end of its filesystem is cut off. "+
-				"Stop the pods using it, restore the image from a backup, or grow it back (truncate -s %d %s) and run fsck on it before use",
-			image, e.ID, size, v.CapacityBytes, v.CapacityBytes, image)})
+				"Stop the pods using it, restore the image from a backup, or grow it back (truncate -s %d %s) and run %s before use",
+			image, e.ID, size, v.CapacityBytes, v.CapacityBytes, image, repairCommand(v.FSType, image))})
 	}
 	r.Issues = append(r.Issues, poolRoom(p, e.ID, v, r.AllocatedBytes, space, o)...)
 	return r

@@ -170,17 +170,32 @@ func checkFilesystem(n Node, v NodeVolume, device string, m *mount.MountEntry, m
 	if superReadOnly(m) && anyWritable(mounts, m) {
 		issues = append(issues, Issue{Status: Degraded, Reason: ReasonFilesystemReadOnly, Message: fmt.Sprintf(
 			"the %s filesystem of volume %s (%s) is read-only although the volume is published read-write: writes from pods fail (the kernel does this after errors with errors=remount-ro, or someone remounted it). "+
-				"Check dmesg for %s; if it was an error, stop the pods, unstage, run fsck on %s and stage again; if it was a manual remount, remount it read-write",
-			v.FSType, v.ID, device, device, v.Image)})
+				"Check dmesg for %s; if it was an error, stop the pods, unstage, run %s and stage again; if it was a manual remount, remount it read-write",
+			v.FSType, v.ID, device, device, repairCommand(v.FSType, v.Image))})
 	}
 	if count, first := fsErrors(n, v.FSType, device); count > 0 {
 		issues = append(issues, Issue{Status: Degraded, Reason: ReasonFilesystemErrors, Message: fmt.Sprintf(
 			"the %s filesystem of volume %s (%s) has recorded %d errors%s: data may be damaged. "+
-				"Stop the pods, unstage the volume and run fsck.%s on %s; the count clears when fsck repairs it",
-			v.FSType, v.ID, device, count, first, v.FSType, v.Image)})
+				"Stop the pods, unstage the volume and run %s; the count clears when the repair succeeds",
+			v.FSType, v.ID, device, count, first, repairCommand(v.FSType, v.Image))})
 	}
 	issues = append(issues, usage(v, st, threshold)...)
 	return issues
+}
+
+// repairCommand is the command that checks and repairs a volume's filesystem in its
+// image, unstaged: fsck means e2fsck for ext4 only (fsck.xfs does nothing, by design, and
+// btrfs has its own checker, whose --repair its manual says to use only when advised).
+func repairCommand(fsType, image string) string {
+	switch fsType {
+	case "xfs":
+		return "xfs_repair " + image
+	case "btrfs":
+		return "btrfs check " + image + " (and btrfs check --repair only when advised)"
+	case "ext4", "ext3", "ext2":
+		return "e2fsck -f " + image
+	}
+	return "the filesystem's repair tool on " + image
 }
 
 // superReadOnly tells whether the filesystem itself (not just this mount) is

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
@@ -75,4 +76,48 @@ func attachFormatted(t *testing.T, h *fake.Host, image string) string {
 		t.Fatal(err)
 	}
 	return dev
+}
+
+// TestReadOnlyMessageNamesTheRepairTool: the message of a filesystem turned read-only names
+// the command that repairs that filesystem (it said "run fsck" for every one, and fsck.xfs
+// does nothing).
+func TestReadOnlyMessageNamesTheRepairTool(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct{ fsType, want, notWant string }{
+		{"ext4", "e2fsck -f ", ""},
+		{"xfs", "xfs_repair ", "fsck"},
+		{"btrfs", "btrfs check ", "fsck"},
+	} {
+		t.Run(tc.fsType, func(t *testing.T) {
+			dir := t.TempDir()
+			v := NodeVolume{ID: "p.v", Image: filepath.Join(dir, "disk.img"), FSType: tc.fsType}
+			if err := os.WriteFile(v.Image, make([]byte, 1<<20), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			h := fake.New()
+			dev, err := h.Attach(ctx, v.Image)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := h.Format(ctx, dev, tc.fsType); err != nil {
+				t.Fatal(err)
+			}
+			v.Device, v.StagingPath = dev, filepath.Join(dir, "staging")
+			if err := h.Mount(ctx, dev, v.StagingPath, tc.fsType, nil); err != nil {
+				t.Fatal(err)
+			}
+			h.SetFilesystemReadOnly(v.StagingPath)
+			issues := CheckNode(h, v, DefaultOptions)
+			if len(issues) != 1 || issues[0].Reason != ReasonFilesystemReadOnly {
+				t.Fatalf("issues %+v, want one %s", issues, ReasonFilesystemReadOnly)
+			}
+			msg := issues[0].Message
+			if !strings.Contains(msg, tc.want+v.Image) {
+				t.Errorf("the message does not say to run %q on the image:\n%s", tc.want, msg)
+			}
+			if tc.notWant != "" && strings.Contains(msg, tc.notWant) {
+				t.Errorf("the message says %q, which does not repair %s:\n%s", tc.notWant, tc.fsType, msg)
+			}
+		})
+	}
 }

@@ -79,6 +79,11 @@ func renderFiles(chartDir, valuesFile string, overrides map[string]any) (*chart.
 		vals = v.AsMap()
 	}
 	vals = chartutil.CoalesceTables(overrides, vals)
+	// Subcharts' conditions and import-values, as `helm install` processes them (an
+	// umbrella chart with poolcsi as its dependency; nothing for poolcsi itself).
+	if err := chartutil.ProcessDependenciesWithMerge(ch, vals); err != nil {
+		return nil, nil, fmt.Errorf("dependencies: %w", err)
+	}
 	caps := chartutil.DefaultCapabilities.Copy()
 	caps.KubeVersion = chartutil.KubeVersion{Version: "v1.36.3", Major: "1", Minor: "36"}
 	top, err := chartutil.ToRenderValues(ch, vals, chartutil.ReleaseOptions{
@@ -192,4 +197,22 @@ func WriteRepo() error {
 		return err
 	}
 	return os.WriteFile(RenderedFile(), b, 0o644)
+}
+
+// SharedPoolPath and ShareKeySecret are the shared pool the test clusters mount (the
+// chart's default before 0.2.0, which installs the local pool only) and the Secret that
+// holds its share key.
+const (
+	SharedPoolPath = "/mnt/poolcsi-shared"
+	ShareKeySecret = "poolcsi-share-key"
+)
+
+// SharedPoolValues are chart values that add the shared pool "shared" at SharedPoolPath,
+// its share key read from the Secret ShareKeySecret (which whoever installs makes first),
+// to the chart's default local pool. A fresh map each call: callers add to it.
+func SharedPoolValues() map[string]any {
+	return map[string]any{
+		"pools":    map[string]any{"shared": []any{map[string]any{"name": "shared", "path": SharedPoolPath}}},
+		"shareKey": map[string]any{"existingSecret": ShareKeySecret},
+	}
 }

@@ -50,38 +50,55 @@ type chartVariant struct {
 // chartVariants are rendered by TestChartVariants; TestValuesSchema checks the schema
 // accepts each of them.
 var chartVariants = []chartVariant{
+	// The default install: the local pool only, which needs nothing on the nodes (issue: a
+	// default shared pool kept every node pod in FailedMount where it was not mounted).
 	{"defaults", nil,
-		[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node", "Secret/poolcsi-share-key"},
-		[]string{"Namespace/poolcsi", "StorageClass/"}},
-	{"share key from an existing Secret", map[string]any{"shares": map[string]any{"keySecret": "my-key"}},
+		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
+		[]string{"Namespace/poolcsi", "StorageClass/", "Secret/", "Deployment/", "CSIDriver/poolcsi.io", "ClusterRole/poolcsi-controller"}},
+	{"a shared pool mounted by the admin, its share key from an existing Secret", withSharedPool(nil),
+		[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
+		[]string{"Secret/"}},
+	{"the share key's Secret by its former name, shares.keySecret", map[string]any{
+		"pools":  SharedPoolValues()["pools"],
+		"shares": map[string]any{"keySecret": "my-key"}},
 		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
-	{"shares off", map[string]any{"shares": map[string]any{"enabled": false}},
+	{"shares off", map[string]any{"pools": SharedPoolValues()["pools"], "shares": map[string]any{"enabled": false}},
 		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
 	{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
 		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
 		[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
 	{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
-		"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}}},
+		"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}},
+		"shareKey": map[string]any{"existingSecret": "my-key"}},
 		[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
 		[]string{"CSIDriver/local.poolcsi.io", "ClusterRole/poolcsi-node"}},
 	{"shared pools, one mounted by the admin and one by poolcsi", map[string]any{"pools": map[string]any{
 		"shared": []any{
 			map[string]any{"name": "admin", "path": "/mnt/admin"},
 			map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export"}},
-		}}},
+		}}, "shareKey": map[string]any{"existingSecret": "my-key"}},
 		[]string{"DaemonSet/poolcsi-node", "Deployment/poolcsi-controller"}, nil},
-	{"storage classes", map[string]any{"createNamespace": true, "storageClasses": []any{
+	{"storage classes", withSharedPool(map[string]any{"createNamespace": true, "storageClasses": []any{
 		map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
 		map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
-	}}, []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
-	{"snapshots: local node deployment and classes", map[string]any{
+	}}), []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
+	{"snapshots: local node deployment and classes", withSharedPool(map[string]any{
 		"snapshots":     map[string]any{"local": true},
-		"snapshotClass": map[string]any{"create": true, "default": true}},
+		"snapshotClass": map[string]any{"create": true, "default": true}}),
 		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
-	{"snapshots disabled", map[string]any{
+	{"snapshots disabled", withSharedPool(map[string]any{
 		"snapshots":     map[string]any{"enabled": false},
-		"snapshotClass": map[string]any{"create": true}},
+		"snapshotClass": map[string]any{"create": true}}),
 		nil, []string{"VolumeSnapshotClass/"}},
+}
+
+// withSharedPool adds SharedPoolValues to values (nil: none).
+func withSharedPool(values map[string]any) map[string]any {
+	out := SharedPoolValues()
+	for k, v := range values {
+		out[k] = v
+	}
+	return out
 }
 
 // TestChartVariants renders the chart with the values an operator is likely to change and
@@ -189,18 +206,19 @@ func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]D
 }
 
 // checkShareKey: where shares are on, the controller and the node plugin of the shared
-// driver read the cluster's share key from the Secret the chart makes (or the one
-// shares.keySecret names); where they are off, neither is given one.
+// driver read the cluster's share key from the Secret shareKey.existingSecret (or its
+// former name, shares.keySecret) names; where they are off, neither is given one.
 func checkShareKey(t *testing.T, overrides map[string]any, have map[string]Doc) {
 	t.Helper()
 	shares, _ := overrides["shares"].(map[string]any)
-	secret := "poolcsi-share-key"
-	if s, ok := shares["keySecret"].(string); ok && s != "" {
+	shareKey, _ := overrides["shareKey"].(map[string]any)
+	secret, _ := shareKey["existingSecret"].(string)
+	if s, ok := shares["keySecret"].(string); ok && s != "" && secret == "" {
 		secret = s
 	}
 	pools, _ := overrides["pools"].(map[string]any)
-	shared, set := pools["shared"].([]any)
-	on := shares["enabled"] != false && (!set || len(shared) > 0) // shares are the shared driver's
+	shared, _ := pools["shared"].([]any)
+	on := shares["enabled"] != false && len(shared) > 0 // shares are the shared driver's
 	for _, w := range []string{"Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"} {
 		d, ok := have[w]
 		if !ok {
@@ -284,7 +302,7 @@ func TestMaxVolumesReachEachDriver(t *testing.T) {
 		{name: "local only", max: map[string]any{"shared": 0, "local": 16}, local: "--max-volumes-per-node=16"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			overrides := map[string]any{}
+			overrides := withSharedPool(nil)
 			if tc.max != nil {
 				overrides["node"] = map[string]any{"maxVolumes": tc.max}
 			}

@@ -80,8 +80,12 @@ sidecars:
   snapshotter: {image: "poolcsi.test/csi-snapshotter:v8.7.0"}
 snapshots: {enabled: true, local: true}
 shares: {enabled: true, hostDir: /var/lib/poolcsi/shares, types: [bind, nfs, nfs4, ceph, fuse.ceph]}
+pools: {shared: [{name: shared, path: /mnt/poolcsi-shared}]}
+shareKey: {existingSecret: poolcsi-share-key}
 `}},
 		{name: "harness: StorageClasses", file: RenderedValues(), values: userValues{file: `
+pools: {shared: [{name: shared, path: /mnt/poolcsi-shared}]}
+shareKey: {existingSecret: poolcsi-share-key}
 storageClasses:
   - {name: sc-local, pool: local, fsType: xfs, default: true}
   - {name: sc-shared-dir, pool: shared, layout: dir, shared: true, mountOptions: [noatime]}
@@ -90,6 +94,12 @@ storageClasses:
 snapshots: {enabled: true, local: true}
 snapshotClass: {create: true}
 `}},
+		{name: "docs: a shared pool, its share key from an existing Secret", values: userValues{
+			setJSON: []string{`pools.shared=[{"name":"shared","path":"/mnt/poolcsi-shared"}]`},
+			set:     []string{"shareKey.existingSecret=poolcsi-share-key"}}},
+		{name: "Helm's global values, as a parent chart gives them", values: userValues{file: "global: {imageRegistry: registry.example.com, storageClass: x}"}},
+		{name: "a share key Secret name that is not a name", values: userValues{set: []string{"shareKey.existingSecret=My_Key"}},
+			wantErr: []string{"at '/shareKey/existingSecret'"}},
 		{name: "docs: disable the shared half with an empty list", values: userValues{setJSON: []string{"pools.shared=[]"}}},
 		{name: "disable the shared half with null", values: userValues{set: []string{"pools.shared=null"}}},
 		{name: "everything else an operator sets", values: userValues{
@@ -256,27 +266,33 @@ func TestNotes(t *testing.T) {
 		want      []string
 		notWant   []string
 	}{
-		{"defaults", nil, []string{
+		{"defaults: the local pool only", nil, []string{
 			"kubectl -n poolcsi get daemonset poolcsi-node",
 			"kubectl -n poolcsi get pods -l app.kubernetes.io/instance=poolcsi -o wide",
+			"kubectl get csidriver local.poolcsi.io\n",
+			"kubectl get csinodes",
+			"exec POD -c poolcsi-local -- poolcsi status\n",
+			"-c poolcsi-local -- poolcsi pool list --path /var/lib/poolcsi/pools/local",
+			"kubectl get storageclass",
+			"This release made none",
+		}, []string{"poolcsi-controller", "poolcsi.io local", "pool init"}},
+		{"a shared pool mounted by the admin", withSharedPool(nil), []string{
+			"kubectl -n poolcsi get daemonset poolcsi-node",
 			"kubectl -n poolcsi rollout status deployment/poolcsi-controller",
 			"kubectl get csidriver poolcsi.io local.poolcsi.io",
-			"kubectl get csinodes",
 			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi pool init --path /mnt/poolcsi-shared --name shared",
 			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi status\n",
 			"exec deploy/poolcsi-controller -c poolcsi -- poolcsi pool check --path /mnt/poolcsi-shared",
 			"exec POD -c poolcsi -- poolcsi status\n",
 			"exec POD -c poolcsi-local -- poolcsi status\n",
-			"-c poolcsi-local -- poolcsi pool list --path /var/lib/poolcsi/pools/local",
-			"kubectl get storageclass",
-			"This release made none",
 		}, nil},
 		{"local pools only, a StorageClass", map[string]any{"pools": map[string]any{"shared": []any{}},
 			"storageClasses": []any{map[string]any{"name": "fast", "pool": "local"}}},
 			[]string{"kubectl get csidriver local.poolcsi.io\n", "This release made: fast"},
 			[]string{"poolcsi-controller", "poolcsi.io local", "pool init"}},
 		{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
-			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "s:/e"}}}}},
+			"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "s:/e"}}}},
+			"shareKey": map[string]any{"existingSecret": "k"}},
 			[]string{"kubectl get csidriver poolcsi.io\n", "poolcsi pool check --path /mnt/nfs"},
 			[]string{"poolcsi-local", "pool init"}},
 	}

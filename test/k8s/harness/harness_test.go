@@ -243,11 +243,22 @@ func TestKubernetes(t *testing.T) {
 	snapshotter, snapshotController := tools.Snapshotter.Path(t), tools.SnapshotController.Path(t)
 	snapVariant := snapshotVariant(t)
 
+	// The plain YAML installs the local pool only (the chart's defaults); this test drives
+	// both drivers, so it runs the plain YAML's values plus the shared pool, which an
+	// operator opts into. The plain YAML itself is dry-run below as well.
 	renderedBytes, err := os.ReadFile(chart.RenderedFile())
 	if err != nil {
 		t.Fatal(err)
 	}
-	rendered, err := ParseObjects(renderedBytes)
+	plain, err := ParseObjects(renderedBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sharedDocs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), chart.SharedPoolValues())
+	if err != nil {
+		t.Fatal(err)
+	}
+	rendered, err := ParseObjects(chart.Join(sharedDocs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,16 +283,21 @@ func TestKubernetes(t *testing.T) {
 		} else if err := ap.Apply(ctx, ns, false); err != nil {
 			t.Fatal(err)
 		}
-		all := append([]*unstructured.Unstructured{}, rendered...)
+		all := append([]*unstructured.Unstructured{}, plain...)
+		all = append(all, rendered...)
 		all = append(all, exampleObjs...)
 		// The chart's optional StorageClasses too.
-		docs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), map[string]any{"storageClasses": []any{
+		optional := chart.SharedPoolValues()
+		for k, v := range map[string]any{"storageClasses": []any{
 			map[string]any{"name": "sc-local", "pool": "local", "fsType": "xfs", "default": true},
 			map[string]any{"name": "sc-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "mountOptions": []any{"noatime"}},
 		}, "volumeAttributesClasses": []any{
 			map[string]any{"name": "vac-shared", "shared": true, "parameters": map[string]any{"writeBytesPerSecond": "20Mi", "readIOPS": "500"}},
 			map[string]any{"name": "vac-local", "parameters": map[string]any{"preallocate": "true"}},
-		}, "groupSnapshotClass": map[string]any{"create": true}})
+		}, "groupSnapshotClass": map[string]any{"create": true}} {
+			optional[k] = v
+		}
+		docs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), optional)
 		if err != nil {
 			t.Fatal(err)
 		}

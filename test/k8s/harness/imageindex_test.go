@@ -231,7 +231,7 @@ func listDiff(got, want []string) string {
 	return b.String()
 }
 
-// The route docs/deploy.md gives, to a registry: the OCI layout make image writes is pushed
+// The route docs/install.md gives, to a registry: the OCI layout make image writes is pushed
 // with skopeo copy --all (with go-containerregistry's remote.WriteIndex where skopeo is not
 // installed; CI installs it) to a registry on localhost, and pulled back: one index, both
 // platforms, the same image digests.
@@ -255,7 +255,7 @@ func TestImagePushPull(t *testing.T) {
 		}
 	} else {
 		if inCI() {
-			t.Fatal("CI: skopeo, the push route docs/deploy.md documents, is not installed (hack/install-deps.sh installs it)")
+			t.Fatal("CI: skopeo, the push route docs/install.md documents, is not installed (hack/install-deps.sh installs it)")
 		}
 		t.Log("skopeo not installed: pushing with go-containerregistry instead")
 		if err := remote.WriteIndex(ref, idx); err != nil {

@@ -3,6 +3,8 @@ package harness
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"fmt"
 	"os"
 	"os/exec"
@@ -128,6 +130,12 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 		sidecars[key] = map[string]any{"image": ref}
 	}
 	overrides["sidecars"] = sidecars
+	// The shared pool the node is prepared with: opt-in since the chart's defaults install
+	// the local pool only (values may set pools of their own). Its share key comes from a
+	// Secret made before the chart is applied, as docs/install.md tells an operator.
+	for k, v := range chart.SharedPoolValues() {
+		overrides[k] = v
+	}
 	for k, v := range values {
 		overrides[k] = v
 	}
@@ -206,6 +214,17 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	ctx := context.Background()
 	// helm install --create-namespace
 	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}}, metav1.CreateOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	// kubectl create secret generic poolcsi-share-key --from-literal=key=...
+	shareKey := make([]byte, 36)
+	if _, err := rand.Read(shareKey); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Client.CoreV1().Secrets(chart.Namespace).Create(ctx, &corev1.Secret{
+		ObjectMeta: metav1.ObjectMeta{Name: chart.ShareKeySecret},
+		Data:       map[string][]byte{"key": []byte(base64.StdEncoding.EncodeToString(shareKey))},
+	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	for _, d := range docs {
@@ -998,7 +1017,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	// the image at once; the local driver (--expand-on-node) grows its image only in
 	// NodeExpandVolume, which kubelet calls with the filesystem mounted, so a local ext4
 	// claim always grows online, which needs CAP_SYS_RESOURCE (production nodes have it,
-	// this machine does not: docs/deploy.md).
+	// this machine does not: docs/testing.md).
 	t.Run("offline expansion/ext4", func(t *testing.T) {
 		ns := env.namespace(t, "grow-ext4")
 		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "200Mi"})

@@ -23,7 +23,7 @@ import (
 // Node is a real Kubernetes node on this machine: Debian's containerd and runc, a CNI
 // bridge from Debian's containernetworking-plugins, kube-proxy and kubelet v1.36, registered
 // with the Cluster. Every fact this needed about the machine is in a comment next to the
-// setting it explains, and in docs/deploy.md.
+// setting it explains, and in docs/testing.md.
 type Node struct {
 	Name       string
 	IP         string

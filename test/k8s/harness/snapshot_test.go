@@ -87,11 +87,15 @@ func installSnapshotCRDs(t testing.TB, c *Cluster) {
 	t.Logf("installed the snapshot CRDs of %s@%s: %s", tools.SnapshotClientModule, tools.SnapshotterVersion, strings.Join(names, ", "))
 }
 
-// snapshotVariant renders the chart as the plain YAML is, plus local snapshots and the
-// VolumeSnapshotClasses, which the plain YAML leaves out (they need the CRDs).
+// snapshotVariant renders the chart as the plain YAML is, plus the shared pool, local
+// snapshots and the VolumeSnapshotClasses, which the plain YAML leaves out (they need the CRDs).
 func snapshotVariant(t *testing.T) []*unstructured.Unstructured {
 	t.Helper()
-	docs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), snapValues)
+	values := chart.SharedPoolValues() // the shared driver's VolumeSnapshotClass needs its pool
+	for k, v := range snapValues {
+		values[k] = v
+	}
+	docs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), values)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -95,7 +95,7 @@ const SnapshotClientModule = "github.com/kubernetes-csi/external-snapshotter/cli
 // shared almost no compiled package (client-go v0.37.0 and v0.37.1, grpc v1.83.2 and
 // v1.84.0, three otelgrpc versions). Built together, each dependency is at the highest
 // version any of them pins or requires (patch-level steps), so a sidecar may run with a
-// newer dependency than its release did; docs/deploy.md lists what resolves.
+// newer dependency than its release did; docs/testing.md lists what resolves.
 // csi-provisioner v6.3.0 stays apart: it is built on client-go v0.36.1 and k8s.io/kubernetes
 // v1.36.1, and does not compile against client-go v0.37 (CSIStorageCapacityInformer).
 const SidecarGroup = "csi-sidecars"

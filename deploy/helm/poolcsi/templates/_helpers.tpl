@@ -34,8 +34,8 @@ pool-{{ .kind }}-{{ .name | lower | replace "_" "-" | replace "." "-" }}
 RBAC of csi-snapshotter (kubernetes-csi/external-snapshotter v8): it updates the
 VolumeSnapshotContents of its driver and their status, reads the classes, and, as the
 VolumeGroupSnapshot feature is on by default in v8, looks for the group snapshot CRDs and
-watches their objects when they are installed (poolcsi has no group snapshots, but a refused
-list would only be logged).
+watches their objects when they are installed, and takes the group snapshots of its driver
+(docs/snapshots.md).
 */}}
 {{- define "poolcsi.snapshotterRules" -}}
 - apiGroups: [snapshot.storage.k8s.io]
@@ -58,7 +58,9 @@ list would only be logged).
   verbs: [update, patch]
 {{- end }}
 
-{{/* The Secret holding the cluster's share key (key "key"). */}}
+{{/* The Secret holding the cluster's share key (key "key"): shareKey.existingSecret, or
+its former name shares.keySecret. templates/sharekey.yaml refuses to render without one
+where it is needed. */}}
 {{- define "poolcsi.shareKeySecret" -}}
-{{- .Values.shares.keySecret | default (printf "%s-share-key" (include "poolcsi.fullname" .)) -}}
+{{- (.Values.shareKey).existingSecret | default .Values.shares.keySecret -}}
 {{- end -}}

@@ -1,0 +1,101 @@
+package metrics
+
+import (
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/poolcsi/poolcsi/internal/health"
+)
+
+// registeredNames is every metric family a poolcsi process registers: the call histogram,
+// the pool gauges, the lease gauges and the Go and process collectors.
+func registeredNames(t *testing.T) map[string]bool {
+	t.Helper()
+	m := New("poolcsi.io", nil, health.Options{})
+	m.WatchLeases(func() []LeaseState { return []LeaseState{{Pool: "shared"}} })
+	m.calls.WithLabelValues("poolcsi.io", "/csi.v1.Identity/Probe", "OK").Observe(0)
+	names := map[string]bool{}
+	families, err := m.Registry.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range families {
+		names[f.GetName()] = true
+	}
+	// The pool gauges are only gathered with a pool: their descriptions name them all.
+	ch := make(chan *prometheus.Desc, 64)
+	newPoolCollector(nil, health.Options{}).Describe(ch)
+	close(ch)
+	fq := regexp.MustCompile(`fqName: "([^"]+)"`)
+	for d := range ch {
+		match := fq.FindStringSubmatch(d.String())
+		if match == nil {
+			t.Fatalf("cannot read the name of %s", d)
+		}
+		names[match[1]] = true
+	}
+	return names
+}
+
+// metricRef matches a poolcsi metric name where the chart's rules, its dashboard and
+// docs/metrics.md write one.
+var metricRef = regexp.MustCompile(`\b(?:poolcsi|csi_plugin)_[a-z0-9_]*[a-z0-9]\b`)
+
+// family is the metric family a series name belongs to (a histogram's _bucket, _count and
+// _sum are its own).
+func family(name string, registered map[string]bool) string {
+	for _, s := range []string{"_bucket", "_count", "_sum"} {
+		if base, ok := strings.CutSuffix(name, s); ok && registered[base] {
+			return base
+		}
+	}
+	return name
+}
+
+// TestMetricNamesExist: every metric the chart's alert rules, its Grafana dashboard and
+// docs/metrics.md name is one poolcsi registers (a renamed metric would leave an alert that
+// never fires), and docs/metrics.md documents every poolcsi metric registered.
+func TestMetricNamesExist(t *testing.T) {
+	registered := registeredNames(t)
+	root := filepath.Join("..", "..")
+	files := []string{
+		"deploy/helm/poolcsi/templates/prometheusrule.yaml",
+		"deploy/helm/poolcsi/dashboards/poolcsi.json",
+		"docs/metrics.md",
+	}
+	named := map[string]map[string]bool{}
+	for _, f := range files {
+		b, err := os.ReadFile(filepath.Join(root, f))
+		if err != nil {
+			t.Fatal(err)
+		}
+		named[f] = map[string]bool{}
+		for _, n := range metricRef.FindAllString(string(b), -1) {
+			named[f][family(n, registered)] = true
+		}
+		if len(named[f]) == 0 {
+			t.Errorf("%s names no poolcsi metric", f)
+		}
+		for n := range named[f] {
+			if !registered[n] {
+				t.Errorf("%s names %s, which poolcsi does not register", f, n)
+			}
+		}
+	}
+	var missing []string
+	for n := range registered {
+		if metricRef.MatchString(n) && !named["docs/metrics.md"][n] {
+			missing = append(missing, n)
+		}
+	}
+	sort.Strings(missing)
+	for _, n := range missing {
+		t.Errorf("docs/metrics.md does not document %s", n)
+	}
+}
