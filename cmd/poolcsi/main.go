@@ -302,7 +302,7 @@ func shareMounter(dir, typeList string, timeout time.Duration) (driver.ShareMoun
 func leaseStates(d *driver.Driver) []metrics.LeaseState {
 	var out []metrics.LeaseState
 	for _, s := range d.LeaseStates() {
-		out = append(out, metrics.LeaseState{Pool: s.Pool, Age: s.Age, Fenced: s.Fenced})
+		out = append(out, metrics.LeaseState{Pool: s.Pool, Age: s.Age, Fenced: s.Fenced, FailedClosed: s.FailedClosed})
 	}
 	return out
 }

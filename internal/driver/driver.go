@@ -228,7 +228,7 @@ func New(opts Options) (*Driver, error) {
 		pools: map[string]*pool.Pool{},
 		locks: newVolumeLocks(),
 		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
-			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix},
+			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix, state: opts.State},
 		leases:       newLeases(opts.Lease),
 		freezeTiming: opts.Freeze,
 		freezer:      newFreezer(),

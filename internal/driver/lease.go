@@ -4,8 +4,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
-	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -51,10 +52,8 @@ type poolLease struct {
 	inFlight bool
 	lastErr  error
 	fenced   time.Time // when it fenced itself (zero: not)
-	devices  []string  // what it fenced
-	// root is the pool's path as the kernel names the backing files of its
-	// loop devices, resolved while the pool answered.
-	root string
+	// fence is what the fence found and did (planFence).
+	fence fencePlan
 }
 
 func newLeases(t lease.Timing) *leases {
@@ -143,18 +142,11 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 	start := ls.now()
 	go func() {
 		err := ls.write(p, rec)
-		var root string
-		if err == nil {
-			root, _ = filepath.EvalSymlinks(p.Path())
-		}
 		ls.mu.Lock()
 		pl.inFlight = false
 		pl.lastErr = err
 		if err == nil {
 			pl.last, pl.counter = start, rec.Counter
-			if root != "" {
-				pl.root = root
-			}
 		}
 		ls.mu.Unlock()
 		if err != nil {
@@ -182,33 +174,59 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
 		}
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
-		root, lastErr := pl.root, pl.lastErr
+		lastErr := pl.lastErr
 		if must {
 			pl.fenced = ls.now()
 		}
 		ls.mu.Unlock()
 		if must {
-			d.fence(ctx, p, pl, root, since, lastErr)
+			d.fence(ctx, p, pl, since, lastErr)
 		}
 	}
 }
 
-// fence stops I/O through every loop device backed by an image of p.
-func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root string, since time.Time, cause error) {
-	log := klog.FromContext(ctx).WithValues("pool", p.Name())
-	if root == "" {
-		root = p.Path()
+// fence stops I/O through every loop device of this node's images of p, found
+// from the kernel and this node's records, never from the pool's path (a node
+// that lost its pool cannot resolve it): see planFence. It never blocks on the
+// pool: the kernel's answers are waited for a bounded time, and each device is
+// fenced on its own goroutine.
+func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since time.Time, cause error) {
+	log := klog.FromContext(ctx).WithValues("pool", p.Name(), "node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
+	recs, rerr := d.poolRecords(p.Name())
+	if rerr != nil {
+		log.Error(rerr, "Reading this node's stage records for the fence: failing closed")
 	}
-	devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes"))
-	if err != nil {
-		log.Error(err, "Listing the loop devices to fence")
+	devs, lerr := d.loops.List(identifyWait)
+	if lerr != nil {
+		rerr = errors.Join(rerr, lerr)
+	}
+	plan := planFence(devs, recs, d.poolDevs(p.Name()), rerr != nil)
+	if lerr != nil {
+		// Not even the kernel's list: nothing can be fenced, and no record
+		// is accounted for.
+		plan.failedClosed = true
+		for _, r := range recs {
+			if !r.ReadOnly && !slices.Contains(plan.unmatched, r.Volume) {
+				plan.unmatched = append(plan.unmatched, r.Volume)
+			}
+		}
 	}
 	d.leases.mu.Lock()
-	pl.devices = devs
+	pl.fence = plan
 	d.leases.mu.Unlock()
-	log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
-		"node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration, "devices", devs)
-	for _, dev := range devs {
+	switch {
+	case plan.failedClosed:
+		log.Error(errors.Join(cause, rerr), "FENCE FAILED CLOSED: this node's lease in the pool was not renewed for the lease duration, and its records say it holds images of the pool read-write whose loop devices the fence did not find (or its records or the kernel's list could not be read). Fencing every loop device it cannot rule out: every one whose backing file is on the pool's filesystem, and every one whose backing file the kernel cannot identify. Check the node: another node may take these volumes",
+			"unmatched", plan.unmatched, "devices", plan.devices, "matched", plan.matched, "unidentified", unidentified(devs))
+	case len(plan.devices) == 0 && len(plan.matched) == 0:
+		log.Info("This node's lease in the pool was not renewed for the lease duration, so another node may take its volumes; this node holds no loop device of the pool (by its own records), so there is nothing to fence", "cause", fmt.Sprint(cause))
+	case len(plan.devices) == 0:
+		log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration; its loop devices there were fenced already", "devices", plan.matched)
+	default:
+		log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
+			"devices", plan.devices)
+	}
+	for _, dev := range plan.devices {
 		// Each on its own: the kernel flushes what a device has queued
 		// before it changes it, which on a hung filesystem waits for it.
 		go func() {
@@ -219,6 +237,18 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root st
 			log.Info("Fenced a loop device", "device", dev)
 		}()
 	}
+}
+
+// unidentified lists the devices whose backing file the kernel did not
+// identify.
+func unidentified(devs []mount.LoopDevice) []string {
+	var out []string
+	for _, ld := range devs {
+		if ld.Err != nil {
+			out = append(out, ld.Device+": "+ld.Err.Error())
+		}
+	}
+	return out
 }
 
 // fenceIfTaken fences this node's loop device of an image volume of a shared
@@ -324,19 +354,21 @@ func (d *Driver) stageDevice(staging, image string) (string, error) {
 }
 
 // releaseLeases marks released the leases of the pools where this node holds
-// no loop device: a controller may then take their volumes at once. A node
-// that still holds one leaves its lease to expire.
+// no loop device by its own records (a record goes only once the kernel shows
+// its device detached): a controller may then take their volumes at once. A
+// node that still holds one, or cannot read its records, leaves its lease to
+// expire.
 func (d *Driver) releaseLeases() {
 	ls := d.leases
 	for _, p := range d.sharedPools() {
 		ls.mu.Lock()
 		pl := ls.state(p.Name())
-		root, renewed := pl.root, !pl.last.IsZero() && pl.fenced.IsZero()
+		renewed := !pl.last.IsZero() && pl.fenced.IsZero()
 		ls.mu.Unlock()
-		if !renewed || root == "" {
+		if !renewed {
 			continue
 		}
-		if devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes")); err != nil || len(devs) > 0 {
+		if recs, err := d.poolRecords(p.Name()); err != nil || len(recs) > 0 {
 			continue
 		}
 		rec := pool.Lease{Node: d.opts.NodeID, Instance: ls.instance, Counter: pl.counter + 1, DurationSeconds: int64(ls.timing.Duration / time.Second), Released: true}
@@ -392,9 +424,39 @@ func (d *Driver) fencedIssue(p *pool.Pool) *health.Issue {
 	if !ok || pl.fenced.IsZero() {
 		return nil
 	}
-	return &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
+	is := &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
 		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s: the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
 		d.opts.NodeID, p.Name(), d.leases.timing.Duration, pl.fenced.Format(time.RFC3339))}
+	if pl.fence.failedClosed {
+		is.Reason = health.ReasonFenceFailedClosed
+		is.Message += fmt.Sprintf("; the fence failed closed: this node's records name read-write stages of volume(s) %s whose loop devices it did not find, so it fenced every device it could not rule out (%s); check the node",
+			strings.Join(pl.fence.unmatched, ", "), strings.Join(pl.fence.devices, ", "))
+	}
+	return is
+}
+
+// fencedPools describes, for NodeGetStorageHealth, the pools this node fenced
+// itself off, and separately those whose fence failed closed.
+func (d *Driver) fencedPools() (fenced, failedClosed []string) {
+	if d.leases == nil {
+		return nil, nil
+	}
+	d.leases.mu.Lock()
+	defer d.leases.mu.Unlock()
+	for name, pl := range d.leases.pools {
+		switch {
+		case pl.fenced.IsZero():
+		case pl.fence.failedClosed:
+			failedClosed = append(failedClosed, fmt.Sprintf("pool %s: node %s fenced itself off at %s and failed closed: its records name read-write stages of %s whose loop devices it did not find; it fenced every device it could not rule out (%s)",
+				name, d.opts.NodeID, pl.fenced.Format(time.RFC3339), strings.Join(pl.fence.unmatched, ", "), strings.Join(pl.fence.devices, ", ")))
+		default:
+			fenced = append(fenced, fmt.Sprintf("pool %s: node %s could not renew its lease and fenced itself off at %s (loop devices %s)",
+				name, d.opts.NodeID, pl.fenced.Format(time.RFC3339), strings.Join(pl.fence.matched, ", ")))
+		}
+	}
+	sort.Strings(fenced)
+	sort.Strings(failedClosed)
+	return fenced, failedClosed
 }
 
 // LeaseState is this node's lease in one pool, for metrics.
@@ -403,6 +465,10 @@ type LeaseState struct {
 	// Age is how long ago the last successful renewal started (-1: never).
 	Age    time.Duration
 	Fenced bool
+	// FailedClosed: the fence did not find the loop device of a read-write
+	// stage this node's records hold in the pool (or could not read them),
+	// and fenced every device it could not rule out. An alarm.
+	FailedClosed bool
 }
 
 // LeaseStates reports this node's leases, by pool name.
@@ -419,7 +485,7 @@ func (d *Driver) LeaseStates() []LeaseState {
 		if !pl.last.IsZero() {
 			age = ls.now().Sub(pl.last)
 		}
-		out = append(out, LeaseState{Pool: name, Age: age, Fenced: !pl.fenced.IsZero()})
+		out = append(out, LeaseState{Pool: name, Age: age, Fenced: !pl.fenced.IsZero(), FailedClosed: pl.fence.failedClosed})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Pool < out[j].Pool })
 	return out

@@ -151,6 +151,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		if claimed {
 			d.unclaimStage(ctx, nv)
 		}
+		d.forgetStages(ctx, nv.id) // those whose device went with the failure
 		return nil, err
 	}
 	if !claimed {
@@ -280,6 +281,8 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
 		return nil, err
 	}
+	// Only now: a record goes once the kernel shows its device gone.
+	d.forgetStages(ctx, vid)
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
