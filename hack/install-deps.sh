@@ -23,6 +23,10 @@ command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
 # mount.nfs, which the poolcsi image carries (deploy/image-tools.txt) and the test harness
 # copies from this machine into the image it builds.
 [ -x /sbin/mount.nfs ] || need+=(nfs-common)
+# The fence tests' FUSE pool (test/shared TestLostPoolNeverWritesLate): a passthrough whose
+# daemon can be stopped or killed.
+command -v bindfs >/dev/null 2>&1 || need+=(bindfs)
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 # The direct-I/O writer of the fio benchmarks (test/e2e BenchmarkFio, BenchmarkIOLimitsV1).
 command -v fio >/dev/null 2>&1 || need+=(fio)
 [ ${#need[@]} -eq 0 ] && exit 0

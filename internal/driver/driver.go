@@ -119,6 +119,9 @@ type Options struct {
 	// must know when a pool stops answering or after a restart. nil keeps
 	// the records in memory (unit tests).
 	State *nodestate.Store
+	// StartupFence, if set, is the guard over this process's start: its
+	// lease keeper stops it, and counts from its start (lease.go).
+	StartupFence *StartupFence
 }
 
 // Driver serves the CSI services over one pool set.

@@ -47,6 +47,9 @@ type LoopDevices interface {
 	// tells whether it was.
 	Fence(device string) error
 	Fenced(device string) (bool, error)
+	// DetachFenced detaches a fenced device that nothing mounts, without
+	// its backing file (whose filesystem may be gone).
+	DetachFenced(device string) error
 	// Backs tells whether device is a loop device, fenced or not, of
 	// backingFile.
 	Backs(device, backingFile string) bool

@@ -17,6 +17,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -42,6 +43,9 @@ type leases struct {
 	now func() time.Time
 	// write renews a lease; tests replace it to make a pool hang or fail.
 	write func(p *pool.Pool, l pool.Lease) error
+	// started, if set, is when this process started (StartupFence): a
+	// pool's time without a renewal counts from there.
+	started time.Time
 }
 
 // poolLease is this node's lease in one pool.
@@ -72,6 +76,9 @@ func (ls *leases) state(name string) *poolLease {
 	pl, ok := ls.pools[name]
 	if !ok {
 		pl = &poolLease{first: ls.now()}
+		if !ls.started.IsZero() && ls.started.Before(pl.first) {
+			pl.first = ls.started
+		}
 		ls.pools[name] = pl
 	}
 	return pl
@@ -83,6 +90,15 @@ func (ls *leases) state(name string) *poolLease {
 func (d *Driver) keepLeases(ctx context.Context) {
 	if ok, kernel := mount.FenceHolds(); !ok && len(d.sharedPools()) > 0 {
 		klog.FromContext(ctx).Error(nil, "This kernel lets I/O through to a loop device of size zero, which the self-fence relies on (Linux 6.5 and later refuse it): a node cut off from a shared pool cannot stop its pods' writes; do not force-detach volumes of a running node", "kernel", kernel)
+	}
+	if g := d.opts.StartupFence; g != nil {
+		// This process's time without a renewal counts from its start,
+		// not from here: a start that hung on a pool must not delay the
+		// fence.
+		d.leases.mu.Lock()
+		d.leases.started = g.at
+		d.leases.mu.Unlock()
+		g.Started()
 	}
 	t := d.leases.timing
 	renew := time.NewTicker(t.Interval)
@@ -191,16 +207,80 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 // pool: the kernel's answers are waited for a bounded time, and each device is
 // fenced on its own goroutine.
 func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since time.Time, cause error) {
-	log := klog.FromContext(ctx).WithValues("pool", p.Name(), "node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
-	recs, rerr := d.poolRecords(p.Name())
+	log := klog.FromContext(ctx).WithValues("node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
+	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, p.Name(), min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
+		d.leases.mu.Lock()
+		pl.fence = plan
+		d.leases.mu.Unlock()
+	})
+}
+
+// StartupFence covers the start of a node plugin, before its lease keeper
+// runs: opening a pool whose filesystem hangs hangs the start itself, and a
+// process that never reaches its lease keeper would never fence. Unless
+// Started is called first, it fences at half the margin after it was made
+// (when a started node plugin that cannot renew fences) every pool this
+// node's records name, from the records alone: the previous process's last
+// renewal cannot be known.
+type StartupFence struct {
+	at      time.Time
+	started chan struct{}
+	once    sync.Once
+}
+
+// NewStartupFence starts the guard over the records in state, with the
+// node's lease timing t.
+func NewStartupFence(ctx context.Context, state *nodestate.Store, t lease.Timing) *StartupFence {
+	g := &StartupFence{at: time.Now(), started: make(chan struct{})}
+	go func() {
+		select {
+		case <-g.started:
+			return
+		case <-ctx.Done():
+			return
+		case <-time.After(min(t.Margin/2, t.Duration)):
+		}
+		deps := &layoutDeps{state: state, loops: new(mount.Loops)}
+		keys, err := state.Keys(stagesKind)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "The node plugin has not started its lease keeper within half the lease margin and cannot read its stage records to fence")
+		}
+		var pools []string
+		for _, k := range keys {
+			var r stageRecord
+			if ok, err := state.Get(stagesKind, k, &r); err == nil && ok && !slices.Contains(pools, r.Pool) {
+				pools = append(pools, r.Pool)
+			}
+		}
+		for _, name := range pools {
+			fencePool(ctx, deps, name, min(identifyWait, t.Margin/4),
+				errors.New("the node plugin has not started its lease keeper within half the lease margin (a pool that hangs at start), so it cannot renew"), nil)
+		}
+	}()
+	return g
+}
+
+// Started tells the guard the lease keeper runs; nil does nothing.
+func (g *StartupFence) Started() {
+	if g != nil {
+		g.once.Do(func() { close(g.started) })
+	}
+}
+
+// fencePool fences pool name off this node, from the node's records and the
+// kernel's loop devices (planFence), waiting at most wait for the kernel to
+// identify them; planned gets the plan before any device is fenced.
+func fencePool(ctx context.Context, deps *layoutDeps, name string, wait time.Duration, cause error, planned func(fencePlan)) fencePlan {
+	log := klog.FromContext(ctx).WithValues("pool", name)
+	recs, rerr := deps.poolRecords(name)
 	if rerr != nil {
 		log.Error(rerr, "Reading this node's stage records for the fence: failing closed")
 	}
-	devs, lerr := d.loops.List(identifyWait)
+	devs, lerr := deps.loops.List(wait)
 	if lerr != nil {
 		rerr = errors.Join(rerr, lerr)
 	}
-	plan := planFence(devs, recs, d.poolDevs(p.Name()), rerr != nil)
+	plan := planFence(devs, recs, deps.poolDevs(name), rerr != nil)
 	if lerr != nil {
 		// Not even the kernel's list: nothing can be fenced, and no record
 		// is accounted for.
@@ -211,9 +291,9 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since t
 			}
 		}
 	}
-	d.leases.mu.Lock()
-	pl.fence = plan
-	d.leases.mu.Unlock()
+	if planned != nil {
+		planned(plan)
+	}
 	switch {
 	case plan.failedClosed:
 		log.Error(errors.Join(cause, rerr), "FENCE FAILED CLOSED: this node's lease in the pool was not renewed for the lease duration, and its records say it holds images of the pool read-write whose loop devices the fence did not find (or its records or the kernel's list could not be read). Fencing every loop device it cannot rule out: every one whose backing file is on the pool's filesystem, and every one whose backing file the kernel cannot identify. Check the node: another node may take these volumes",
@@ -230,13 +310,14 @@ func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since t
 		// Each on its own: the kernel flushes what a device has queued
 		// before it changes it, which on a hung filesystem waits for it.
 		go func() {
-			if err := d.loops.Fence(dev); err != nil {
+			if err := deps.loops.Fence(dev); err != nil {
 				log.Error(err, "Fencing a loop device failed", "device", dev)
 				return
 			}
 			log.Info("Fenced a loop device", "device", dev)
 		}()
 	}
+	return plan
 }
 
 // unidentified lists the devices whose backing file the kernel did not

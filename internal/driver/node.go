@@ -196,6 +196,12 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 	if d.loops.Backs(info.Source, image) {
 		return true
 	}
+	// A device of the volume this node recorded, whose backing file can be
+	// found neither by path nor by identity any more (its filesystem is
+	// gone for good: a FUSE daemon killed, a client evicted).
+	if d.recordedDevice(vid, info.Source) {
+		return true
+	}
 	return d.mounts.SameDir(path, p.DataPath(vid))
 }
 

@@ -226,18 +226,61 @@ func (d *layoutDeps) forgetStages(ctx context.Context, vid pool.VolumeID) {
 		return
 	}
 	for _, r := range recs {
-		if slices.ContainsFunc(devs, func(ld mount.LoopDevice) bool {
+		still := false
+		for _, ld := range devs {
 			if r.Device != "" && ld.Device != r.Device {
-				return false
+				continue
 			}
-			return r.holds(ld) || ld.Err != nil && (r.Device != "" || strings.HasSuffix(ld.Backing, "/"+vid.Key+"/disk.img"))
-		}) {
+			if !r.holds(ld) && (ld.Err == nil || r.Device == "" && !strings.HasSuffix(ld.Backing, "/"+vid.Key+"/disk.img")) {
+				continue
+			}
+			// This node's fenced device of the image: let go of it here,
+			// where its backing file may not be found any more (a FUSE
+			// daemon killed, a client evicted: the file answers neither by
+			// path nor by identity).
+			if ld.Fenced {
+				if err := d.loops.DetachFenced(ld.Device); err == nil {
+					klog.FromContext(ctx).Info("Detached this node's fenced loop device of the volume", "volume", vid, "device", ld.Device)
+					continue
+				}
+			}
+			still = true
+		}
+		if still {
 			continue
 		}
 		if err := d.state.Delete(stagesKind, r.key()); err != nil {
 			klog.FromContext(ctx).Error(err, "Dropping this node's stage record", "volume", vid)
 		}
 	}
+}
+
+// recordedDevice tells whether dev is a loop device that this node's records
+// name for volume vid and that still holds the recorded file, or whose backing
+// file the kernel cannot identify while sysfs shows the volume's image.
+func (d *layoutDeps) recordedDevice(vid pool.VolumeID, dev string) bool {
+	if d.state == nil || !strings.HasPrefix(dev, "/dev/") {
+		return false
+	}
+	recs, err := d.volumeRecords(vid)
+	if err != nil || !slices.ContainsFunc(recs, func(r stageRecord) bool { return r.Device == dev }) {
+		return false
+	}
+	devs, err := d.loops.List(identifyWait)
+	if err != nil {
+		return false
+	}
+	for _, ld := range devs {
+		if ld.Device != dev {
+			continue
+		}
+		for _, r := range recs {
+			if r.Device == dev && (r.holds(ld) || ld.Err != nil && strings.HasSuffix(ld.Backing, "/"+vid.Key+"/disk.img")) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // poolDevs are the device numbers this node saw the pool's filesystem answer

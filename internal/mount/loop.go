@@ -81,36 +81,34 @@ func NewLoops() (*Loops, error) {
 	return l, nil
 }
 
+// rescanWait bounds how long a rescan waits for the kernel to identify the
+// devices' backing files: a device whose filesystem hangs is left out rather
+// than hanging the rescan (and with it a node plugin's start).
+const rescanWait = 2 * time.Second
+
 // rescan rebuilds the map from the kernel. Caller holds l.mu (or owns l).
 func (l *Loops) rescan() error {
-	names, err := filepath.Glob(filepath.Join(sysBlock, "loop*"))
+	devs, err := l.List(rescanWait)
 	if err != nil {
-		return fmt.Errorf("list loop devices: %w", err)
+		return err
 	}
-	byID := make(map[fileID]string, len(names))
-	paths := make(map[string]string, len(names))
+	byID := make(map[fileID]string, len(devs))
+	paths := make(map[string]string, len(devs))
 	fenced := map[fileID][]string{}
-	for _, sys := range names {
-		name := filepath.Base(sys)
-		backing, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
-		if err != nil {
-			// Unbound devices have no loop/ directory; that is the common case.
+	for _, d := range devs {
+		if d.Err != nil {
+			// Its backing file's filesystem does not answer, or the node is
+			// missing (no udev).
+			klog.V(4).InfoS("Skipping loop device during scan", "device", d.Device, "err", d.Err)
 			continue
 		}
-		dev := "/dev/" + name
-		info, err := loopStatus(dev)
-		if err != nil {
-			// Detached between the two reads, or the node is missing (no udev).
-			klog.V(4).InfoS("Skipping loop device during scan", "device", dev, "err", err)
+		id := fileID{d.Dev, d.Ino}
+		if d.Fenced {
+			fenced[id] = append(fenced[id], d.Device)
 			continue
 		}
-		id := fileID{info.Device, info.Inode}
-		if info.Sizelimit == fenceSizeLimit {
-			fenced[id] = append(fenced[id], dev)
-			continue
-		}
-		byID[id] = dev
-		paths[dev] = strings.TrimSuffix(strings.TrimSpace(string(backing)), deletedSuffix)
+		byID[id] = d.Device
+		paths[d.Device] = d.Backing
 	}
 	l.byID, l.paths, l.fenced = byID, paths, fenced
 	return nil
@@ -452,6 +450,21 @@ func (l *Loops) detachFenced(backingFile string) {
 			klog.V(2).InfoS("Fenced loop device not detached yet", "device", dev, "err", err)
 		}
 	}
+}
+
+// DetachFenced detaches device if sysfs shows it fenced and nothing mounts
+// it; ErrDeviceBusy if something does. Not fenced, or not attached, is left
+// alone. It needs nothing of the backing file: the filesystem of a fenced
+// device's file may be gone for good (a FUSE daemon killed, an evicted
+// client), where the file can be found neither by path nor by identity.
+func (l *Loops) DetachFenced(device string) error {
+	if !strings.HasPrefix(filepath.Base(device), "loop") || !sysFenced(device) {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, err := l.detachDevice(device)
+	return err
 }
 
 // Backs tells whether device is a loop device (fenced or not) whose backing

@@ -368,6 +368,23 @@ func (h *Host) Fence(dev string) error {
 	return nil
 }
 
+// DetachFenced detaches a fenced fake loop device that nothing mounts.
+func (h *Host) DetachFenced(dev string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok || !d.fenced {
+		return nil
+	}
+	for _, m := range h.mounts {
+		if m.Device == dev {
+			return fmt.Errorf("detach %s: mounted at %s: %w", dev, m.Target, mount.ErrDeviceBusy)
+		}
+	}
+	delete(h.devices, dev)
+	return nil
+}
+
 // Backs tells whether dev is a fake loop device (fenced or not) of backingFile.
 func (h *Host) Backs(dev, backingFile string) bool {
 	h.mu.Lock()
