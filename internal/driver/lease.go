@@ -100,6 +100,7 @@ func (d *Driver) keepLeases(ctx context.Context) {
 		d.leases.mu.Unlock()
 		g.Started()
 	}
+	d.dropStaleRecords(ctx)
 	t := d.leases.timing
 	renew := time.NewTicker(t.Interval)
 	defer renew.Stop()

@@ -622,6 +622,16 @@ func TestStageRecords(t *testing.T) {
 	if l, ok, err := a.pool("shared").ReadLease("node-a"); err != nil || !ok || !l.Released {
 		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
 	}
+
+	// A record whose device is gone (a crash between a detach and the
+	// record's deletion) goes when the lease keeper starts.
+	if err := a.opts.State.Put(stagesKind, recs[0].key(), recs[0]); err != nil {
+		t.Fatal(err)
+	}
+	a.dropStaleRecords(ctx)
+	if recs := records(); len(recs) != 0 {
+		t.Fatalf("stale records after the lease keeper's start: %+v", recs)
+	}
 }
 
 // TestPlanFence: which devices a fence takes, from the kernel's devices and

@@ -283,6 +283,36 @@ func (d *layoutDeps) recordedDevice(vid pool.VolumeID, dev string) bool {
 	return false
 }
 
+// dropStaleRecords drops, when the lease keeper starts, the stage records
+// whose device the kernel shows gone (forgetStages): a crash between a detach
+// and the record's deletion leaves one, which would make a later fence fail
+// closed for nothing. A volume with a call under way is left to that call.
+func (d *Driver) dropStaleRecords(ctx context.Context) {
+	keys, err := d.opts.State.Keys(stagesKind)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading this node's stage records")
+		return
+	}
+	seen := map[string]bool{}
+	for _, k := range keys {
+		vol, _, _ := strings.Cut(k, "@")
+		if seen[vol] {
+			continue
+		}
+		seen[vol] = true
+		vid, err := pool.ParseVolumeID(vol)
+		if err != nil {
+			continue
+		}
+		release, err := d.locks.acquire(vid.String(), "dropStaleRecords")
+		if err != nil {
+			continue
+		}
+		d.forgetStages(ctx, vid)
+		release()
+	}
+}
+
 // poolDevs are the device numbers this node saw the pool's filesystem answer
 // with.
 func (d *layoutDeps) poolDevs(name string) []uint64 {
