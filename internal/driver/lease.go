@@ -271,7 +271,7 @@ func (g *StartupFence) Started() {
 // fencePool fences pool name off this node, from the node's records and the
 // kernel's loop devices (planFence), waiting at most wait for the kernel to
 // identify them; planned gets the plan before any device is fenced.
-func fencePool(ctx context.Context, deps *layoutDeps, name string, wait time.Duration, cause error, planned func(fencePlan)) fencePlan {
+func fencePool(ctx context.Context, deps *layoutDeps, name string, wait time.Duration, cause error, planned func(fencePlan)) {
 	log := klog.FromContext(ctx).WithValues("pool", name)
 	recs, rerr := deps.poolRecords(name)
 	if rerr != nil {
@@ -318,7 +318,6 @@ func fencePool(ctx context.Context, deps *layoutDeps, name string, wait time.Dur
 			log.Info("Fenced a loop device", "device", dev)
 		}()
 	}
-	return plan
 }
 
 // unidentified lists the devices whose backing file the kernel did not
