@@ -101,6 +101,9 @@ func (d *Driver) keepLeases(ctx context.Context) {
 		g.Started()
 	}
 	d.dropStaleRecords(ctx)
+	for _, p := range d.sharedPools() {
+		go d.adoptDevices(ctx, p) // on its own: a pool may hang
+	}
 	t := d.leases.timing
 	renew := time.NewTicker(t.Interval)
 	defer renew.Stop()

@@ -675,3 +675,43 @@ func TestPlanFence(t *testing.T) {
 		t.Fatalf("failing closed with the pool's filesystem remembered: %v", plan.devices)
 	}
 }
+
+// TestAdoptDevicesStagedBeforeRecords: a device staged by a node plugin from
+// before the node kept records (an upgrade with volumes staged) is recorded
+// when the lease keeper starts, while the pool answers, so a later fence
+// finds it; a device whose volume's record does not name this node is not.
+func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, id, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	vid, _ := pool.ParseVolumeID(id)
+	recs, err := a.volumeRecords(vid)
+	if err != nil || len(recs) != 1 {
+		t.Fatalf("records: %+v %v", recs, err)
+	}
+	if err := a.opts.State.Delete(stagesKind, recs[0].key()); err != nil {
+		t.Fatal(err)
+	}
+	// Another node's plugin on the same kernel and path (as in tests) does
+	// not take A's device for its own.
+	other, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-c", Mode: ModeAll, Pools: a.opts.Pools,
+		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.adoptDevices(ctx, other.pool("shared"))
+	if keys, _ := other.opts.State.Keys(stagesKind); len(keys) != 0 {
+		t.Fatalf("node C adopted %v", keys)
+	}
+	a.adoptDevices(ctx, a.pool("shared"))
+	recs, err = a.volumeRecords(vid)
+	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
+		t.Fatalf("records after the adoption: %+v %v", recs, err)
+	}
+	a.host.LosePath(dir)
+	a.cut()
+	_ = a.renew(t)
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+}

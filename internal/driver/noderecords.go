@@ -3,6 +3,7 @@ package driver
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -310,6 +311,63 @@ func (d *Driver) dropStaleRecords(ctx context.Context) {
 		}
 		d.forgetStages(ctx, vid)
 		release()
+	}
+}
+
+// adoptDevices records, while pool p answers, the loop devices of its images
+// that this node holds without a record: those staged by a node plugin from
+// before the records existed (an upgrade with volumes staged), whose fence
+// would otherwise miss them. A device is adopted when the kernel shows its
+// backing file under the pool's path, the file at that path is the device's
+// (same st_dev and st_ino), and the volume's record in the pool names this
+// node among its stages. Read-only or not cannot be told: it is recorded
+// read-write (a fence that misses it then fails closed).
+func (d *Driver) adoptDevices(ctx context.Context, p *pool.Pool) {
+	root, err := filepath.EvalSymlinks(p.Path())
+	if err != nil {
+		return
+	}
+	devs, err := d.loops.List(identifyWait)
+	if err != nil {
+		return
+	}
+	prefix := filepath.Join(root, "volumes") + "/"
+	for _, ld := range devs {
+		rel, ok := strings.CutPrefix(ld.Backing, prefix)
+		key, file, _ := strings.Cut(rel, "/")
+		if !ok || ld.Err != nil || ld.Fenced || file != "disk.img" {
+			continue
+		}
+		vid, err := pool.ParseVolumeID(p.Name() + "." + key)
+		if err != nil {
+			continue
+		}
+		rec := stageRecord{Pool: p.Name(), Volume: vid.String(), FileDev: ld.Dev, FileIno: ld.Ino, Device: ld.Device, At: time.Now().UTC()}
+		var old stageRecord
+		if ok, err := d.opts.State.Get(stagesKind, rec.key(), &old); err != nil || ok {
+			continue
+		}
+		var st unix.Stat_t
+		if unix.Stat(p.ImagePath(vid), &st) != nil || st.Dev != ld.Dev || st.Ino != ld.Ino {
+			continue
+		}
+		v, err := p.Load(vid)
+		if err != nil || !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID }) {
+			continue
+		}
+		release, err := d.locks.acquire(vid.String(), "adoptDevices")
+		if err != nil {
+			continue
+		}
+		if err := d.notePool(p, ld.Dev); err == nil {
+			err = d.opts.State.Put(stagesKind, rec.key(), rec)
+		}
+		release()
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "Recording a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
+			continue
+		}
+		klog.FromContext(ctx).Info("Recorded a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
 	}
 }
 
