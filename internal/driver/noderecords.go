@@ -57,9 +57,19 @@ type stageRecord struct {
 	At     time.Time `json:"at"`
 }
 
+// key is <pool>.<volume key>@<st_dev>-<st_ino> in hex: a volume ID on a share
+// may be longer than a record's name may, and its pool and key identify it.
 func (r stageRecord) key() string {
-	return fmt.Sprintf("%s@%x-%x", r.Volume, r.FileDev, r.FileIno)
+	vid, err := pool.ParseVolumeID(r.Volume)
+	if err != nil {
+		return ""
+	}
+	return fmt.Sprintf("%s@%x-%x", volumePrefix(vid), r.FileDev, r.FileIno)
 }
+
+// volumePrefix is what the keys of volume vid's records start with, before
+// their "@".
+func volumePrefix(vid pool.VolumeID) string { return vid.Pool + "." + vid.Key }
 
 // holds tells whether loop device ld holds the file r records.
 func (r stageRecord) holds(ld mount.LoopDevice) bool {
@@ -175,7 +185,7 @@ func (d *layoutDeps) volumeRecords(vid pool.VolumeID) ([]stageRecord, error) {
 	}
 	var out []stageRecord
 	for _, k := range keys {
-		if !strings.HasPrefix(k, vid.String()+"@") {
+		if !strings.HasPrefix(k, volumePrefix(vid)+"@") {
 			continue
 		}
 		var r stageRecord
@@ -296,12 +306,12 @@ func (d *Driver) dropStaleRecords(ctx context.Context) {
 	}
 	seen := map[string]bool{}
 	for _, k := range keys {
-		vol, _, _ := strings.Cut(k, "@")
-		if seen[vol] {
+		var r stageRecord
+		if ok, err := d.opts.State.Get(stagesKind, k, &r); err != nil || !ok || seen[r.Volume] {
 			continue
 		}
-		seen[vol] = true
-		vid, err := pool.ParseVolumeID(vol)
+		seen[r.Volume] = true
+		vid, err := pool.ParseVolumeID(r.Volume)
 		if err != nil {
 			continue
 		}
