@@ -369,7 +369,8 @@ func (d *Driver) adoptDevices(ctx context.Context, p *pool.Pool) {
 		if err != nil {
 			continue
 		}
-		if err := d.notePool(p, ld.Dev); err == nil {
+		err = d.notePool(p, ld.Dev)
+		if err == nil {
 			err = d.opts.State.Put(stagesKind, rec.key(), rec)
 		}
 		release()
