@@ -29,6 +29,10 @@ done
 # mount.nfs, which the poolcsi image carries (deploy/image-tools.txt) and the test harness
 # copies from this machine into the image it builds.
 [ -x /sbin/mount.nfs ] || need+=(nfs-common)
+# The fence tests' FUSE pool (test/shared TestLostPoolNeverWritesLate): a passthrough whose
+# daemon can be stopped or killed.
+command -v bindfs >/dev/null 2>&1 || need+=(bindfs)
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 # The direct-I/O writer of the fio benchmarks (test/e2e BenchmarkFio, BenchmarkIOLimitsV1).
 command -v fio >/dev/null 2>&1 || need+=(fio)
 # promtool, which checks the chart's alert rules (test/k8s/chart TestAlertRules).

@@ -306,7 +306,7 @@ func peerLeaseStates(d *driver.Driver) []metrics.PeerLeaseState {
 func leaseStates(d *driver.Driver) []metrics.LeaseState {
 	var out []metrics.LeaseState
 	for _, s := range d.LeaseStates() {
-		out = append(out, metrics.LeaseState{Pool: s.Pool, Age: s.Age, Fenced: s.Fenced})
+		out = append(out, metrics.LeaseState{Pool: s.Pool, Age: s.Age, Fenced: s.Fenced, FailedClosed: s.FailedClosed})
 	}
 	return out
 }

@@ -271,6 +271,18 @@ func (o *serveOptions) run(ctx context.Context) error {
 			return fmt.Errorf("--node-id not given and no host name: %w", err)
 		}
 	}
+	// Only a node plugin keeps node-local records; a controller's pod has
+	// no directory of the node's for them. Opened first: a pool that hangs
+	// hangs openPools, and the node must still fence from its records.
+	state := nodestate.Memory()
+	var guard *driver.StartupFence
+	if mode != driver.ModeController && o.StateDir != "" {
+		if state, err = nodestate.Open(o.StateDir, nodeID); err != nil {
+			return fmt.Errorf("--state-dir: %w", err)
+		}
+		guard = driver.NewStartupFence(ctx, state, o.Lease)
+		defer guard.Started()
+	}
 	opened, readiness, err := o.openPools(ctx, nodeID)
 	if err != nil {
 		return err
@@ -282,14 +294,6 @@ func (o *serveOptions) run(ctx context.Context) error {
 	shareKeys, err := readShareKeys(o.ShareKeyFile)
 	if err != nil {
 		return err
-	}
-	// Only a node plugin keeps node-local records; a controller's pod has
-	// no directory of the node's for them.
-	state := nodestate.Memory()
-	if mode != driver.ModeController && o.StateDir != "" {
-		if state, err = nodestate.Open(o.StateDir, nodeID); err != nil {
-			return fmt.Errorf("--state-dir: %w", err)
-		}
 	}
 	d, err := driver.New(driver.Options{
 		Name:              o.DriverName,
@@ -309,6 +313,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 		Lease:             o.Lease,
 		Freeze:            o.Freeze,
 		State:             state,
+		StartupFence:      guard,
 		CgroupRoot:        o.CgroupRoot,
 		IOLimitsInterval:  o.IOLimitsInterval,
 		EphemeralPool:     o.EphemeralPool,

@@ -119,6 +119,9 @@ type Options struct {
 	// must know when a pool stops answering or after a restart. nil keeps
 	// the records in memory (unit tests).
 	State *nodestate.Store
+	// StartupFence, if set, is the guard over this process's start: its
+	// lease keeper stops it, and counts from its start (lease.go).
+	StartupFence *StartupFence
 }
 
 // Driver serves the CSI services over one pool set.
@@ -228,7 +231,7 @@ func New(opts Options) (*Driver, error) {
 		pools: map[string]*pool.Pool{},
 		locks: newVolumeLocks(),
 		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
-			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix},
+			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix, state: opts.State},
 		leases:       newLeases(opts.Lease),
 		freezeTiming: opts.Freeze,
 		freezer:      newFreezer(),

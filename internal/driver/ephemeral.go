@@ -417,6 +417,7 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 		}
 		return fmt.Errorf("detach loop device of %s: %w", image, err)
 	}
+	d.forgetStages(ctx, vid)
 	if err := p.Delete(ctx, vid); err != nil {
 		return err
 	}

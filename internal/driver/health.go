@@ -218,6 +218,20 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 		}
 	}
 	resp := &csi.NodeGetStorageHealthResponse{}
+	// Said without touching the pools: a node fences itself when a pool
+	// stops answering.
+	if fenced, failedClosed := d.fencedPools(); len(fenced)+len(failedClosed) > 0 {
+		if len(failedClosed) > 0 {
+			resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+				Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonFenceFailedClosed, Message: strings.Join(failedClosed, "; "),
+			})
+		}
+		if len(fenced) > 0 {
+			resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+				Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonNodeFenced, Message: strings.Join(fenced, "; "),
+			})
+		}
+	}
 	if len(unreachable) > 0 {
 		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
 			Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonPoolUnavailable, Message: strings.Join(unreachable, "; "),

@@ -39,13 +39,17 @@ type LoopDevices interface {
 	Detach(ctx context.Context, backingFile string) error
 	Refresh(device string) error
 	Status(device string) (mount.LoopStatus, error)
-	// BackedUnder lists the devices whose backing file is below dir,
-	// without touching dir (its filesystem may hang).
-	BackedUnder(dir string) ([]string, error)
+	// List enumerates every bound loop device from the kernel and
+	// identifies each one's backing file by its device and inode, waiting
+	// at most wait for filesystems that hang; it never resolves a path.
+	List(wait time.Duration) ([]mount.LoopDevice, error)
 	// Fence stops all I/O through a device until it is detached; Fenced
 	// tells whether it was.
 	Fence(device string) error
 	Fenced(device string) (bool, error)
+	// DetachFenced detaches a fenced device that nothing mounts, without
+	// its backing file (whose filesystem may be gone).
+	DetachFenced(device string) error
 	// Backs tells whether device is a loop device, fenced or not, of
 	// backingFile.
 	Backs(device, backingFile string) bool

@@ -206,10 +206,21 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 // attach attaches the volume's image (or finds it attached) and refuses a
 // device this node fenced: it maps nothing any more, and the volume may be
 // another node's now. Only an unstage (a detach) clears it.
+// On a shared pool, the node records the image before it attaches it and
+// the device once attached (noderecords.go): its fence finds the device by
+// that record, without the pool.
 func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (string, error) {
+	rec, err := d.noteStage(nv, image)
+	if err != nil {
+		return "", err
+	}
 	dev, err := d.loops.Attach(ctx, image)
 	if err != nil {
+		d.forgetStages(ctx, nv.id)
 		return "", fmt.Errorf("attach %s: %w", image, err)
+	}
+	if err := d.noteDevice(ctx, rec, dev); err != nil {
+		return "", err
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
 		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name())

@@ -5,6 +5,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -90,6 +91,8 @@ type layoutDeps struct {
 	// read-write, for a consistent copy (the snapshot's quiesce, quiesce.go);
 	// its thaw fails when a node let go before the copy ended.
 	freeze func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
+	// state is the node's own record store (noderecords.go).
+	state *nodestate.Store
 }
 
 // dirLayout is a subdirectory of the pool, bind-mounted into pods: many

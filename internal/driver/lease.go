@@ -6,7 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"path/filepath"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -18,6 +18,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -46,6 +47,9 @@ type leases struct {
 	write func(p *pool.Pool, l pool.Lease) error
 	// repair removes a damaged lease entry of this node (pool.RepairLease).
 	repair func(p *pool.Pool, node string) error
+	// started, if set, is when this process started (StartupFence): a
+	// pool's time without a renewal counts from there.
+	started time.Time
 }
 
 // poolLease is this node's lease in one pool.
@@ -59,10 +63,8 @@ type poolLease struct {
 	fenced   time.Time // when it fenced itself (zero: not)
 	// fenceCause says why the renewals failed, for the health reason.
 	fenceCause string
-	devices    []string // what it fenced
-	// root is the pool's path as the kernel names the backing files of its
-	// loop devices, resolved while the pool answered.
-	root string
+	// fence is what the fence found and did (planFence).
+	fence fencePlan
 }
 
 func newLeases(t lease.Timing) *leases {
@@ -83,6 +85,9 @@ func (ls *leases) state(name string) *poolLease {
 	pl, ok := ls.pools[name]
 	if !ok {
 		pl = &poolLease{first: ls.now()}
+		if !ls.started.IsZero() && ls.started.Before(pl.first) {
+			pl.first = ls.started
+		}
 		ls.pools[name] = pl
 	}
 	return pl
@@ -94,6 +99,19 @@ func (ls *leases) state(name string) *poolLease {
 func (d *Driver) keepLeases(ctx context.Context) {
 	if ok, kernel := mount.FenceHolds(); !ok && len(d.sharedPools()) > 0 {
 		klog.FromContext(ctx).Error(nil, "This kernel lets I/O through to a loop device of size zero, which the self-fence relies on (Linux 6.5 and later refuse it): a node cut off from a shared pool cannot stop its pods' writes; do not force-detach volumes of a running node", "kernel", kernel)
+	}
+	if g := d.opts.StartupFence; g != nil {
+		// This process's time without a renewal counts from its start,
+		// not from here: a start that hung on a pool must not delay the
+		// fence.
+		d.leases.mu.Lock()
+		d.leases.started = g.at
+		d.leases.mu.Unlock()
+		g.Started()
+	}
+	d.dropStaleRecords(ctx)
+	for _, p := range d.sharedPools() {
+		go d.adoptDevices(ctx, p) // on its own: a pool may hang
 	}
 	t := d.leases.timing
 	renew := time.NewTicker(t.Interval)
@@ -169,18 +187,11 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 				err = write(p, rec)
 			}
 		}
-		var root string
-		if err == nil {
-			root, _ = filepath.EvalSymlinks(p.Path())
-		}
 		ls.mu.Lock()
 		pl.inFlight = false
 		pl.lastErr = err
 		if err == nil {
 			pl.last, pl.counter = start, rec.Counter
-			if root != "" {
-				pl.root = root
-			}
 		}
 		ls.mu.Unlock()
 		if err != nil {
@@ -289,44 +300,146 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
 		}
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
-		root, lastErr := pl.root, pl.failure(ls.now(), ls.timing.Interval)
+		lastErr := pl.failure(ls.now(), ls.timing.Interval)
 		if must {
 			pl.fenced = ls.now()
 			pl.fenceCause = describeFailure(lastErr)
 		}
 		ls.mu.Unlock()
 		if must {
-			d.fence(ctx, p, pl, root, since, lastErr)
+			d.fence(ctx, p, pl, since, lastErr)
 		}
 	}
 }
 
-// fence stops I/O through every loop device backed by an image of p.
-func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, root string, since time.Time, cause error) {
-	log := klog.FromContext(ctx).WithValues("pool", p.Name())
-	if root == "" {
-		root = p.Path()
+// fence stops I/O through every loop device of this node's images of p, found
+// from the kernel and this node's records, never from the pool's path (a node
+// that lost its pool cannot resolve it): see planFence. It never blocks on the
+// pool: the kernel's answers are waited for a bounded time, and each device is
+// fenced on its own goroutine.
+func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since time.Time, cause error) {
+	log := klog.FromContext(ctx).WithValues("node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
+	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, p.Name(), min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
+		d.leases.mu.Lock()
+		pl.fence = plan
+		d.leases.mu.Unlock()
+	})
+}
+
+// StartupFence covers the start of a node plugin, before its lease keeper
+// runs: opening a pool whose filesystem hangs hangs the start itself, and a
+// process that never reaches its lease keeper would never fence. Unless
+// Started is called first, it fences at half the margin after it was made
+// (when a started node plugin that cannot renew fences) every pool this
+// node's records name, from the records alone: the previous process's last
+// renewal cannot be known.
+type StartupFence struct {
+	at      time.Time
+	started chan struct{}
+	once    sync.Once
+}
+
+// NewStartupFence starts the guard over the records in state, with the
+// node's lease timing t.
+func NewStartupFence(ctx context.Context, state *nodestate.Store, t lease.Timing) *StartupFence {
+	g := &StartupFence{at: time.Now(), started: make(chan struct{})}
+	go func() {
+		select {
+		case <-g.started:
+			return
+		case <-ctx.Done():
+			return
+		case <-time.After(min(t.Margin/2, t.Duration)):
+		}
+		deps := &layoutDeps{state: state, loops: new(mount.Loops)}
+		keys, err := state.Keys(stagesKind)
+		if err != nil {
+			klog.FromContext(ctx).Error(err, "The node plugin has not started its lease keeper within half the lease margin and cannot read its stage records to fence")
+		}
+		var pools []string
+		for _, k := range keys {
+			var r stageRecord
+			if ok, err := state.Get(stagesKind, k, &r); err == nil && ok && !slices.Contains(pools, r.Pool) {
+				pools = append(pools, r.Pool)
+			}
+		}
+		for _, name := range pools {
+			fencePool(ctx, deps, name, min(identifyWait, t.Margin/4),
+				errors.New("the node plugin has not started its lease keeper within half the lease margin (a pool that hangs at start), so it cannot renew"), nil)
+		}
+	}()
+	return g
+}
+
+// Started tells the guard the lease keeper runs; nil does nothing.
+func (g *StartupFence) Started() {
+	if g != nil {
+		g.once.Do(func() { close(g.started) })
 	}
-	devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes"))
-	if err != nil {
-		log.Error(err, "Listing the loop devices to fence")
+}
+
+// fencePool fences pool name off this node, from the node's records and the
+// kernel's loop devices (planFence), waiting at most wait for the kernel to
+// identify them; planned gets the plan before any device is fenced.
+func fencePool(ctx context.Context, deps *layoutDeps, name string, wait time.Duration, cause error, planned func(fencePlan)) {
+	log := klog.FromContext(ctx).WithValues("pool", name)
+	recs, rerr := deps.poolRecords(name)
+	if rerr != nil {
+		log.Error(rerr, "Reading this node's stage records for the fence: failing closed")
 	}
-	d.leases.mu.Lock()
-	pl.devices = devs
-	d.leases.mu.Unlock()
-	log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
-		"node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration, "devices", devs)
-	for _, dev := range devs {
+	devs, lerr := deps.loops.List(wait)
+	if lerr != nil {
+		rerr = errors.Join(rerr, lerr)
+	}
+	plan := planFence(devs, recs, deps.poolDevs(name), rerr != nil)
+	if lerr != nil {
+		// Not even the kernel's list: nothing can be fenced, and no record
+		// is accounted for.
+		plan.failedClosed = true
+		for _, r := range recs {
+			if !r.ReadOnly && !slices.Contains(plan.unmatched, r.Volume) {
+				plan.unmatched = append(plan.unmatched, r.Volume)
+			}
+		}
+	}
+	if planned != nil {
+		planned(plan)
+	}
+	switch {
+	case plan.failedClosed:
+		log.Error(errors.Join(cause, rerr), "FENCE FAILED CLOSED: this node's lease in the pool was not renewed for the lease duration, and its records say it holds images of the pool read-write whose loop devices the fence did not find (or its records or the kernel's list could not be read). Fencing every loop device it cannot rule out: every one whose backing file is on the pool's filesystem, and every one whose backing file the kernel cannot identify. Check the node: another node may take these volumes",
+			"unmatched", plan.unmatched, "devices", plan.devices, "matched", plan.matched, "unidentified", unidentified(devs))
+	case len(plan.devices) == 0 && len(plan.matched) == 0:
+		log.Info("This node's lease in the pool was not renewed for the lease duration, so another node may take its volumes; this node holds no loop device of the pool (by its own records), so there is nothing to fence", "cause", fmt.Sprint(cause))
+	case len(plan.devices) == 0:
+		log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration; its loop devices there were fenced already", "devices", plan.matched)
+	default:
+		log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
+			"devices", plan.devices)
+	}
+	for _, dev := range plan.devices {
 		// Each on its own: the kernel flushes what a device has queued
 		// before it changes it, which on a hung filesystem waits for it.
 		go func() {
-			if err := d.loops.Fence(dev); err != nil {
+			if err := deps.loops.Fence(dev); err != nil {
 				log.Error(err, "Fencing a loop device failed", "device", dev)
 				return
 			}
 			log.Info("Fenced a loop device", "device", dev)
 		}()
 	}
+}
+
+// unidentified lists the devices whose backing file the kernel did not
+// identify.
+func unidentified(devs []mount.LoopDevice) []string {
+	var out []string
+	for _, ld := range devs {
+		if ld.Err != nil {
+			out = append(out, ld.Device+": "+ld.Err.Error())
+		}
+	}
+	return out
 }
 
 // fenceIfTaken fences this node's loop device of an image volume of a shared
@@ -432,19 +545,21 @@ func (d *Driver) stageDevice(staging, image string) (string, error) {
 }
 
 // releaseLeases marks released the leases of the pools where this node holds
-// no loop device: a controller may then take their volumes at once. A node
-// that still holds one leaves its lease to expire.
+// no loop device by its own records (a record goes only once the kernel shows
+// its device detached): a controller may then take their volumes at once. A
+// node that still holds one, or cannot read its records, leaves its lease to
+// expire.
 func (d *Driver) releaseLeases() {
 	ls := d.leases
 	for _, p := range d.sharedPools() {
 		ls.mu.Lock()
 		pl := ls.state(p.Name())
-		root, renewed := pl.root, !pl.last.IsZero() && pl.fenced.IsZero()
+		renewed := !pl.last.IsZero() && pl.fenced.IsZero()
 		ls.mu.Unlock()
-		if !renewed || root == "" {
+		if !renewed {
 			continue
 		}
-		if devs, err := d.loops.BackedUnder(filepath.Join(root, "volumes")); err != nil || len(devs) > 0 {
+		if recs, err := d.poolRecords(p.Name()); err != nil || len(recs) > 0 {
 			continue
 		}
 		rec := pool.Lease{Node: d.opts.NodeID, Instance: ls.instance, Counter: pl.counter + 1, DurationSeconds: int64(ls.timing.Duration / time.Second), Released: true}
@@ -500,9 +615,39 @@ func (d *Driver) fencedIssue(p *pool.Pool) *health.Issue {
 	if !ok || pl.fenced.IsZero() {
 		return nil
 	}
-	return &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
+	is := &health.Issue{Status: health.Inaccessible, Reason: health.ReasonNodeFenced, Message: fmt.Sprintf(
 		"node %s could not renew its lease in pool %s for %s and fenced itself off at %s (%s): the volume's loop device takes no I/O any more, and another node may have the volume; unstage it (delete the pod)",
 		d.opts.NodeID, p.Name(), d.leases.timing.Duration, pl.fenced.Format(time.RFC3339), pl.fenceCause)}
+	if pl.fence.failedClosed {
+		is.Reason = health.ReasonFenceFailedClosed
+		is.Message += fmt.Sprintf("; the fence failed closed: this node's records name read-write stages of volume(s) %s whose loop devices it did not find, so it fenced every device it could not rule out (%s); check the node",
+			strings.Join(pl.fence.unmatched, ", "), strings.Join(pl.fence.devices, ", "))
+	}
+	return is
+}
+
+// fencedPools describes, for NodeGetStorageHealth, the pools this node fenced
+// itself off, and separately those whose fence failed closed.
+func (d *Driver) fencedPools() (fenced, failedClosed []string) {
+	if d.leases == nil {
+		return nil, nil
+	}
+	d.leases.mu.Lock()
+	defer d.leases.mu.Unlock()
+	for name, pl := range d.leases.pools {
+		switch {
+		case pl.fenced.IsZero():
+		case pl.fence.failedClosed:
+			failedClosed = append(failedClosed, fmt.Sprintf("pool %s: node %s fenced itself off at %s and failed closed: its records name read-write stages of %s whose loop devices it did not find; it fenced every device it could not rule out (%s)",
+				name, d.opts.NodeID, pl.fenced.Format(time.RFC3339), strings.Join(pl.fence.unmatched, ", "), strings.Join(pl.fence.devices, ", ")))
+		default:
+			fenced = append(fenced, fmt.Sprintf("pool %s: node %s could not renew its lease and fenced itself off at %s (loop devices %s)",
+				name, d.opts.NodeID, pl.fenced.Format(time.RFC3339), strings.Join(pl.fence.matched, ", ")))
+		}
+	}
+	sort.Strings(fenced)
+	sort.Strings(failedClosed)
+	return fenced, failedClosed
 }
 
 // LeaseState is this node's lease in one pool, for metrics.
@@ -511,6 +656,10 @@ type LeaseState struct {
 	// Age is how long ago the last successful renewal started (-1: never).
 	Age    time.Duration
 	Fenced bool
+	// FailedClosed: the fence did not find the loop device of a read-write
+	// stage this node's records hold in the pool (or could not read them),
+	// and fenced every device it could not rule out. An alarm.
+	FailedClosed bool
 }
 
 // LeaseStates reports this node's leases, by pool name.
@@ -527,7 +676,7 @@ func (d *Driver) LeaseStates() []LeaseState {
 		if !pl.last.IsZero() {
 			age = ls.now().Sub(pl.last)
 		}
-		out = append(out, LeaseState{Pool: name, Age: age, Fenced: !pl.fenced.IsZero()})
+		out = append(out, LeaseState{Pool: name, Age: age, Fenced: !pl.fenced.IsZero(), FailedClosed: pl.fence.failedClosed})
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Pool < out[j].Pool })
 	return out

@@ -3,8 +3,12 @@ package driver
 import (
 	"context"
 	"errors"
+	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -14,6 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -289,7 +294,7 @@ func TestRejoiningNodeFencesATakenVolume(t *testing.T) {
 	if !fencedAtUnmount {
 		t.Fatal("node A unmounted the filesystem of a volume node B holds before fencing its loop device")
 	}
-	if left, _ := a.host.BackedUnder(dir); len(left) != 0 {
+	if left := backedUnder(a.host, dir); len(left) != 0 {
 		t.Fatalf("node A kept loop devices of the pool: %v", left)
 	}
 	vid, _ := pool.ParseVolumeID(id)
@@ -309,9 +314,22 @@ func TestRejoiningNodeFencesATakenVolume(t *testing.T) {
 	}
 }
 
+// backedUnder lists the fake loop devices, fenced or not, whose backing file is
+// below dir.
+func backedUnder(h *fake.Host, dir string) []string {
+	all, _ := h.List(time.Second)
+	var out []string
+	for _, d := range all {
+		if strings.HasPrefix(d.Backing, dir+"/") {
+			out = append(out, d.Device)
+		}
+	}
+	return out
+}
+
 func mustFind(t *testing.T, h *fake.Host, dir string) string {
 	t.Helper()
-	devs, _ := h.BackedUnder(dir)
+	devs := backedUnder(h, dir)
 	if len(devs) != 1 {
 		t.Fatalf("loop devices under %s: %v", dir, devs)
 	}
@@ -370,4 +388,339 @@ func TestStageAfterForceDetachStartsAnew(t *testing.T) {
 	if shown != fresh {
 		t.Fatalf("the staging path shows %q, the volume's device is %s", shown, fresh)
 	}
+}
+
+// restartNode is node A's node plugin started again (a crash, an upgrade) on
+// the same kernel and the same node-local records, its pool at path.
+func restartNode(t *testing.T, old *leaseNode, path string) *leaseNode {
+	t.Helper()
+	p, err := pool.Open(pool.Config{Name: "shared", Path: path, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: old.opts.NodeID, Mode: ModeAll, Pools: []*pool.Pool{p},
+		Host: Host{Mounts: old.host, Loops: old.host, Devices: old.host, FS: old.host}, State: old.opts.State})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &clock{t: old.clock.now()}
+	d.leases.now = c.now
+	return &leaseNode{Driver: d, host: old.host, clock: c, root: old.root}
+}
+
+// TestFenceFindsDevicesWithoutThePool: the fence finds this node's devices by
+// its own records and the kernel's identity of their backing files, whatever
+// the pool's path shows: a path the kernel no longer shows (a lazy unmount, a
+// torn-down NFS client), a filesystem that fails the kernel's getattr (a FUSE
+// daemon gone) or hangs, and the same after a restart of the node plugin while
+// the pool is lost. With the old rule (the backing file's path under the
+// pool's path) the lost path fenced nothing.
+func TestFenceFindsDevicesWithoutThePool(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		lose    func(h *fake.Host, dir string)
+		restart bool
+	}{
+		{"path gone", func(h *fake.Host, dir string) { h.LosePath(dir) }, false},
+		{"path gone, plugin restarted", func(h *fake.Host, dir string) { h.LosePath(dir) }, true},
+		{"backing file unidentified", func(h *fake.Host, dir string) {
+			h.LosePath(dir)
+			h.SetUnidentified(dir, errors.New("transport endpoint is not connected"))
+		}, false},
+		{"backing file unidentified, plugin restarted", func(h *fake.Host, dir string) {
+			h.SetUnidentified(dir, mount.ErrNotIdentified)
+		}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir, a, _, _, id, staging := stagedOnA(t)
+			dev := mustFind(t, a.host, dir)
+			if err := a.renew(t); err != nil {
+				t.Fatal(err)
+			}
+			a.cut()
+			tc.lose(a.host, dir)
+			if tc.restart {
+				// The new process's pool path does not answer at all.
+				a = restartNode(t, a, filepath.Join(t.TempDir(), "gone"))
+				a.cut()
+				_ = a.renew(t) // fails: the process's first try
+				a.clock.add(lease.Default.Margin / 2)
+			} else {
+				a.clock.add(lease.Default.Duration)
+			}
+			a.fenceExpired(ctx)
+			waitFenced(t, a.host, dev)
+			st := a.LeaseStates()
+			if len(st) != 1 || !st[0].Fenced || st[0].FailedClosed {
+				t.Fatalf("lease state after the fence: %+v", st)
+			}
+			if !tc.restart {
+				vid, _ := pool.ParseVolumeID(id)
+				issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+				if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonNodeFenced {
+					t.Fatalf("node health after the fence: %+v %v", issues, err)
+				}
+			}
+		})
+	}
+}
+
+// TestFenceFailsClosed: a fence that does not find the device of a read-write
+// stage its records hold fences every device it cannot rule out (those on the
+// pool's filesystem, those it cannot identify), and says so in the metric
+// state, the volume's health and the storage health. A device of another
+// filesystem that the kernel identifies is left alone.
+func TestFenceFailsClosed(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, id, staging := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	// Another filesystem's image (/dev/shm: a tmpfs), attached on the node
+	// by someone else.
+	shm, err := os.MkdirTemp("/dev/shm", "poolcsi-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	other := filepath.Join(shm, "other.img")
+	if err := os.WriteFile(other, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	otherDev, err := a.host.Attach(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The record names the device otherwise than the kernel shows it now
+	// (records from before the device was renumbered, say), and the kernel
+	// cannot identify the image.
+	vid, _ := pool.ParseVolumeID(id)
+	recs, err := a.volumeRecords(vid)
+	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
+		t.Fatalf("node A's records of the stage: %+v %v", recs, err)
+	}
+	r := recs[0]
+	r.Device = "/dev/fakeloop99"
+	if err := a.opts.State.Put(stagesKind, r.key(), r); err != nil {
+		t.Fatal(err)
+	}
+	a.host.SetUnidentified(dir, mount.ErrNotIdentified)
+	a.cut()
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+	if f, _ := a.host.Fenced(otherDev); f {
+		t.Fatal("the fence took a device of another filesystem that the kernel identified")
+	}
+	if st := a.LeaseStates(); len(st) != 1 || !st[0].FailedClosed {
+		t.Fatalf("lease state after a fence that failed closed: %+v", st)
+	}
+	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+	if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonFenceFailedClosed {
+		t.Fatalf("node health after a fence that failed closed: %+v %v", issues, err)
+	}
+	sh, err := a.NodeGetStorageHealth(ctx, &csi.NodeGetStorageHealthRequest{})
+	if err != nil || !slices.ContainsFunc(sh.GetBackendHealth(), func(b *csi.NodeGetStorageHealthResponse_StorageBackendHealth) bool {
+		return b.GetReason() == health.ReasonFenceFailedClosed
+	}) {
+		t.Fatalf("storage health after a fence that failed closed: %+v %v", sh, err)
+	}
+}
+
+// TestFenceOfNothing: a node whose records hold no stage of the pool fences
+// nothing, fails nothing closed, and does not claim to have stopped I/O.
+func TestFenceOfNothing(t *testing.T) {
+	ctx := context.Background()
+	a := newLeaseNode(t, newLeasePool(t), "node-a")
+	other := filepath.Join(t.TempDir(), "other.img")
+	if err := os.WriteFile(other, make([]byte, 4096), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	otherDev, err := a.host.Attach(ctx, other)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.cut()
+	_ = a.renew(t)
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	time.Sleep(20 * time.Millisecond)
+	if f, _ := a.host.Fenced(otherDev); f {
+		t.Fatal("a fence with nothing staged took a device")
+	}
+	if st := a.LeaseStates(); len(st) != 1 || !st[0].Fenced || st[0].FailedClosed {
+		t.Fatalf("lease state: %+v", st)
+	}
+}
+
+// TestStageRecords: a stage of a shared pool's image records it before it
+// attaches (a failed attach leaves no record), with the device once attached;
+// the record stays while the device does (a detach that fails) and keeps the
+// node from releasing its lease; it goes with the detach.
+func TestStageRecords(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a := newLeaseNode(t, dir, "node-a")
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	vid, _ := pool.ParseVolumeID(id)
+	staging := filepath.Join(a.root, "s")
+	records := func() []stageRecord {
+		t.Helper()
+		recs, err := a.volumeRecords(vid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return recs
+	}
+
+	var atAttach []stageRecord
+	a.host.Faults.OnCall("Attach", func() { atAttach = records() })
+	a.host.Faults.FailNth("Attach", 1, errors.New("no free loop device"))
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err == nil {
+		t.Fatal("the stage went through a failed attach")
+	}
+	if len(atAttach) != 1 || atAttach[0].Device != "" || atAttach[0].ReadOnly {
+		t.Fatalf("records when the attach began: %+v", atAttach)
+	}
+	if recs := records(); len(recs) != 0 {
+		t.Fatalf("records after a failed attach: %+v", recs)
+	}
+
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	dev := mustFind(t, a.host, dir)
+	recs := records()
+	if len(recs) != 1 || recs[0].Device != dev {
+		t.Fatalf("records after the stage: %+v", recs)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(a.pool("shared").ImagePath(vid), &st); err != nil || recs[0].FileDev != st.Dev || recs[0].FileIno != st.Ino {
+		t.Fatalf("record %+v, image %d:%d %v", recs[0], st.Dev, st.Ino, err)
+	}
+	if keys, _ := a.opts.State.Keys(poolsKind); len(keys) != 1 {
+		t.Fatalf("pool records: %v", keys)
+	}
+
+	// A detach that fails keeps the record, and the lease unreleased.
+	a.host.Faults.FailNth("Detach", 1, errors.New("device busy"))
+	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err == nil {
+		t.Fatal("the unstage went through a failed detach")
+	}
+	if recs := records(); len(recs) != 1 {
+		t.Fatalf("records after a failed detach: %+v", recs)
+	}
+	a.releaseLeases()
+	if l, ok, err := a.pool("shared").ReadLease("node-a"); err != nil || !ok || l.Released {
+		t.Fatalf("lease released while a recorded device is attached: %+v %v %v", l, ok, err)
+	}
+	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Fatal(err)
+	}
+	if recs := records(); len(recs) != 0 {
+		t.Fatalf("records after the unstage: %+v", recs)
+	}
+	a.releaseLeases()
+	if l, ok, err := a.pool("shared").ReadLease("node-a"); err != nil || !ok || !l.Released {
+		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
+	}
+
+	// A record whose device is gone (a crash between a detach and the
+	// record's deletion) goes when the lease keeper starts.
+	if err := a.opts.State.Put(stagesKind, recs[0].key(), recs[0]); err != nil {
+		t.Fatal(err)
+	}
+	a.dropStaleRecords(ctx)
+	if recs := records(); len(recs) != 0 {
+		t.Fatalf("stale records after the lease keeper's start: %+v", recs)
+	}
+}
+
+// TestPlanFence: which devices a fence takes, from the kernel's devices and
+// the node's records.
+func TestPlanFence(t *testing.T) {
+	const poolFS, otherFS = 40, 41
+	rw := stageRecord{Volume: "shared.a", FileDev: poolFS, FileIno: 7, Device: "/dev/loop1"}
+	ro := stageRecord{Volume: "shared.b", FileDev: poolFS, FileIno: 8, Device: "/dev/loop2", ReadOnly: true}
+	ours := mount.LoopDevice{Device: "/dev/loop1", Dev: poolFS, Ino: 7}
+	oursRO := mount.LoopDevice{Device: "/dev/loop2", Dev: poolFS, Ino: 8}
+	samePoolOther := mount.LoopDevice{Device: "/dev/loop3", Dev: poolFS, Ino: 9}
+	elsewhere := mount.LoopDevice{Device: "/dev/loop4", Dev: otherFS, Ino: 7}
+	hung := mount.LoopDevice{Device: "/dev/loop5", Err: mount.ErrNotIdentified}
+	for _, tc := range []struct {
+		name       string
+		devs       []mount.LoopDevice
+		recs       []stageRecord
+		unreadable bool
+		want       []string
+		closed     bool
+	}{
+		{"nothing recorded", []mount.LoopDevice{ours, elsewhere, hung}, nil, false, nil, false},
+		{"by identity", []mount.LoopDevice{ours, oursRO, samePoolOther, elsewhere, hung}, []stageRecord{rw, ro}, false, []string{"/dev/loop1", "/dev/loop2"}, false},
+		{"renumbered", []mount.LoopDevice{{Device: "/dev/loop9", Dev: poolFS, Ino: 7}, elsewhere}, []stageRecord{rw}, false, []string{"/dev/loop9"}, false},
+		{"unidentified, named by the record", []mount.LoopDevice{{Device: "/dev/loop1", Err: mount.ErrNotIdentified}, elsewhere, hung}, []stageRecord{rw}, false, []string{"/dev/loop1"}, false},
+		{"fenced already", []mount.LoopDevice{{Device: "/dev/loop1", Dev: poolFS, Ino: 7, Fenced: true}}, []stageRecord{rw}, false, nil, false},
+		{"read-write record unmatched", []mount.LoopDevice{oursRO, samePoolOther, elsewhere, hung}, []stageRecord{rw, ro}, false, []string{"/dev/loop2", "/dev/loop3", "/dev/loop5"}, true},
+		{"read-only record unmatched", []mount.LoopDevice{samePoolOther, elsewhere}, []stageRecord{ro}, false, nil, false},
+		{"records unreadable", []mount.LoopDevice{samePoolOther, elsewhere, hung}, nil, true, []string{"/dev/loop5"}, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			plan := planFence(tc.devs, tc.recs, nil, tc.unreadable)
+			if !slices.Equal(plan.devices, tc.want) || plan.failedClosed != tc.closed {
+				t.Fatalf("fence takes %v (failed closed %t), want %v (%t)", plan.devices, plan.failedClosed, tc.want, tc.closed)
+			}
+		})
+	}
+	// The pool's filesystem as remembered counts when failing closed.
+	plan := planFence([]mount.LoopDevice{samePoolOther, elsewhere}, nil, []uint64{poolFS}, true)
+	if !slices.Equal(plan.devices, []string{"/dev/loop3"}) {
+		t.Fatalf("failing closed with the pool's filesystem remembered: %v", plan.devices)
+	}
+}
+
+// TestAdoptDevicesStagedBeforeRecords: a device staged by a node plugin from
+// before the node kept records (an upgrade with volumes staged) is recorded
+// when the lease keeper starts, while the pool answers, so a later fence
+// finds it; a device whose volume's record does not name this node is not.
+func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, id, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	vid, _ := pool.ParseVolumeID(id)
+	recs, err := a.volumeRecords(vid)
+	if err != nil || len(recs) != 1 {
+		t.Fatalf("records: %+v %v", recs, err)
+	}
+	if err := a.opts.State.Delete(stagesKind, recs[0].key()); err != nil {
+		t.Fatal(err)
+	}
+	// Another node's plugin on the same kernel and path (as in tests) does
+	// not take A's device for its own.
+	other, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-c", Mode: ModeAll, Pools: a.opts.Pools,
+		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	other.adoptDevices(ctx, other.pool("shared"))
+	if keys, _ := other.opts.State.Keys(stagesKind); len(keys) != 0 {
+		t.Fatalf("node C adopted %v", keys)
+	}
+	a.adoptDevices(ctx, a.pool("shared"))
+	recs, err = a.volumeRecords(vid)
+	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
+		t.Fatalf("records after the adoption: %+v %v", recs, err)
+	}
+	a.host.LosePath(dir)
+	a.cut()
+	_ = a.renew(t)
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
 }

@@ -154,6 +154,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		if claimed {
 			d.unclaimStage(ctx, nv)
 		}
+		d.forgetStages(ctx, nv.id) // those whose device went with the failure
 		return nil, err
 	}
 	if !claimed {
@@ -196,6 +197,12 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 	// A device this node fenced is no attachment of the image any more, but
 	// what is mounted from it is still this volume's.
 	if d.loops.Backs(info.Source, image) {
+		return true
+	}
+	// A device of the volume this node recorded, whose backing file can be
+	// found neither by path nor by identity any more (its filesystem is
+	// gone for good: a FUSE daemon killed, a client evicted).
+	if d.recordedDevice(vid, info.Source) {
 		return true
 	}
 	return d.mounts.SameDir(path, p.DataPath(vid))
@@ -283,6 +290,8 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
 		return nil, err
 	}
+	// Only now: a record goes once the kernel shows its device gone.
+	d.forgetStages(ctx, vid)
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)

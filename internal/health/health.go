@@ -73,6 +73,11 @@ const (
 	// ReasonNodeFenced: the node could not renew its lease in the volume's
 	// shared pool and fenced itself off (docs/fencing.md).
 	ReasonNodeFenced = "NodeFenced"
+	// ReasonFenceFailedClosed: the node fenced itself off the volume's pool
+	// but did not find the loop device of a read-write stage its own
+	// records hold, so it fenced every device it could not rule out
+	// (docs/fencing.md): the node needs looking at.
+	ReasonFenceFailedClosed = "NodeFenceFailedClosed"
 )
 
 // Options are the thresholds of the checks, as fractions (0.9 = 90%).

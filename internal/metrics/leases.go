@@ -13,6 +13,9 @@ type LeaseState struct {
 	// never renewed by this process.
 	Age    time.Duration
 	Fenced bool
+	// FailedClosed: the fence did not find a device its node's records
+	// hold, and fenced all it could not rule out (docs/fencing.md).
+	FailedClosed bool
 }
 
 // leaseCollector reports the node's leases on each scrape.
@@ -20,6 +23,7 @@ type leaseCollector struct {
 	states func() []LeaseState
 	age    *prometheus.Desc
 	fenced *prometheus.Desc
+	closed *prometheus.Desc
 }
 
 // WatchLeases adds poolcsi_lease_age_seconds and poolcsi_lease_fenced, per
@@ -33,12 +37,16 @@ func (m *Metrics) WatchLeases(states func() []LeaseState) {
 		fenced: prometheus.NewDesc("poolcsi_lease_fenced",
 			"1 when this node could not renew its lease in a shared pool for the lease duration and fenced itself off: its loop devices there take no I/O any more.",
 			[]string{"pool"}, nil),
+		closed: prometheus.NewDesc("poolcsi_lease_fence_failed_closed",
+			"1 when this node's fence of a shared pool did not find the loop device of a read-write stage its own records hold (or could not read them) and fenced every device it could not rule out: an alarm, the node needs looking at.",
+			[]string{"pool"}, nil),
 	})
 }
 
 func (c *leaseCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.age
 	ch <- c.fenced
+	ch <- c.closed
 }
 
 func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
@@ -53,6 +61,11 @@ func (c *leaseCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(c.age, prometheus.GaugeValue, age, s.Pool)
 		ch <- prometheus.MustNewConstMetric(c.fenced, prometheus.GaugeValue, fenced, s.Pool)
+		closed := 0.0
+		if s.FailedClosed {
+			closed = 1
+		}
+		ch <- prometheus.MustNewConstMetric(c.closed, prometheus.GaugeValue, closed, s.Pool)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -80,36 +81,34 @@ func NewLoops() (*Loops, error) {
 	return l, nil
 }
 
+// rescanWait bounds how long a rescan waits for the kernel to identify the
+// devices' backing files: a device whose filesystem hangs is left out rather
+// than hanging the rescan (and with it a node plugin's start).
+const rescanWait = 2 * time.Second
+
 // rescan rebuilds the map from the kernel. Caller holds l.mu (or owns l).
 func (l *Loops) rescan() error {
-	names, err := filepath.Glob(filepath.Join(sysBlock, "loop*"))
+	devs, err := l.List(rescanWait)
 	if err != nil {
-		return fmt.Errorf("list loop devices: %w", err)
+		return err
 	}
-	byID := make(map[fileID]string, len(names))
-	paths := make(map[string]string, len(names))
+	byID := make(map[fileID]string, len(devs))
+	paths := make(map[string]string, len(devs))
 	fenced := map[fileID][]string{}
-	for _, sys := range names {
-		name := filepath.Base(sys)
-		backing, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
-		if err != nil {
-			// Unbound devices have no loop/ directory; that is the common case.
+	for _, d := range devs {
+		if d.Err != nil {
+			// Its backing file's filesystem does not answer, or the node is
+			// missing (no udev).
+			klog.V(4).InfoS("Skipping loop device during scan", "device", d.Device, "err", d.Err)
 			continue
 		}
-		dev := "/dev/" + name
-		info, err := loopStatus(dev)
-		if err != nil {
-			// Detached between the two reads, or the node is missing (no udev).
-			klog.V(4).InfoS("Skipping loop device during scan", "device", dev, "err", err)
+		id := fileID{d.Dev, d.Ino}
+		if d.Fenced {
+			fenced[id] = append(fenced[id], d.Device)
 			continue
 		}
-		id := fileID{info.Device, info.Inode}
-		if info.Sizelimit == fenceSizeLimit {
-			fenced[id] = append(fenced[id], dev)
-			continue
-		}
-		byID[id] = dev
-		paths[dev] = strings.TrimSuffix(strings.TrimSpace(string(backing)), deletedSuffix)
+		byID[id] = d.Device
+		paths[d.Device] = d.Backing
 	}
 	l.byID, l.paths, l.fenced = byID, paths, fenced
 	return nil
@@ -453,6 +452,21 @@ func (l *Loops) detachFenced(backingFile string) {
 	}
 }
 
+// DetachFenced detaches device if sysfs shows it fenced and nothing mounts
+// it; ErrDeviceBusy if something does. Not fenced, or not attached, is left
+// alone. It needs nothing of the backing file: the filesystem of a fenced
+// device's file may be gone for good (a FUSE daemon killed, an evicted
+// client), where the file can be found neither by path nor by identity.
+func (l *Loops) DetachFenced(device string) error {
+	if !strings.HasPrefix(filepath.Base(device), "loop") || !sysFenced(device) {
+		return nil
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	_, err := l.detachDevice(device)
+	return err
+}
+
 // Backs tells whether device is a loop device (fenced or not) whose backing
 // file is backingFile, by the kernel's own record of the file; by the path the
 // kernel shows for it when the file's filesystem does not answer.
@@ -669,27 +683,96 @@ func SetReadOnly(device string, readOnly bool) error {
 	return nil
 }
 
-// BackedUnder lists the loop devices whose backing file's path, as the kernel
-// reports it in sysfs, is below dir. It never touches dir itself: a pool whose
-// filesystem hangs is exactly when its devices must be found.
-func (l *Loops) BackedUnder(dir string) ([]string, error) {
+// LoopDevice is one bound loop device as the kernel reports it.
+type LoopDevice struct {
+	Device string
+	// Backing is the path sysfs shows for the backing file: the kernel's
+	// d_path, which for a file on a mount that was detached (a lazy unmount,
+	// a torn-down NFS or CephFS client) has lost the mount's prefix. It
+	// identifies nothing; Dev and Ino do.
+	Backing string
+	// Dev and Ino are the backing file's st_dev and st_ino, as
+	// LOOP_GET_STATUS64 reports them (lo_device, lo_inode): valid when Err
+	// is nil.
+	Dev, Ino uint64
+	// Err says why the device could not be identified: the kernel asks the
+	// backing file's filesystem for the file's attributes to answer
+	// LOOP_GET_STATUS64, and that filesystem failed (a FUSE daemon gone, an
+	// evicted client) or did not answer within the wait (it hangs).
+	Err error
+	// Fenced: sysfs shows the fence's size limit (read without the backing
+	// filesystem).
+	Fenced bool
+}
+
+// ErrNotIdentified is the Err of a loop device whose backing file's
+// filesystem did not answer in time.
+var ErrNotIdentified = errors.New("the backing file's filesystem did not answer in time")
+
+// List enumerates every bound loop device from sysfs and identifies each
+// one's backing file by LOOP_GET_STATUS64, all at once, waiting at most wait
+// for the answers: the ioctl makes the kernel ask the backing file's
+// filesystem (vfs_getattr), and a filesystem that hangs must not hang the
+// caller. An ioctl still under way at the end of the wait is left to end on
+// its own. It never resolves a path: a pool whose path is gone, covered or
+// hung is exactly when its devices must be found.
+func (l *Loops) List(wait time.Duration) ([]LoopDevice, error) {
 	names, err := filepath.Glob(filepath.Join(sysBlock, "loop*"))
 	if err != nil {
 		return nil, fmt.Errorf("list loop devices: %w", err)
 	}
-	prefix := strings.TrimSuffix(dir, "/") + "/"
-	var out []string
+	var out []LoopDevice
 	for _, sys := range names {
 		b, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
 		if err != nil {
 			continue // not bound
 		}
-		if strings.HasPrefix(strings.TrimSuffix(strings.TrimSpace(string(b)), deletedSuffix), prefix) {
-			out = append(out, "/dev/"+filepath.Base(sys))
+		dev := "/dev/" + filepath.Base(sys)
+		out = append(out, LoopDevice{Device: dev, Backing: strings.TrimSuffix(strings.TrimSpace(string(b)), deletedSuffix),
+			Fenced: sysFenced(dev), Err: ErrNotIdentified})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Device < out[j].Device })
+	type answer struct {
+		i    int
+		info *unix.LoopInfo64
+		err  error
+	}
+	answers := make(chan answer, len(out)) // buffered: a late answer never blocks
+	for i := range out {
+		go func() {
+			info, err := loopStatus(out[i].Device)
+			answers <- answer{i, info, err}
+		}()
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	for pending := len(out); pending > 0; pending-- {
+		select {
+		case a := <-answers:
+			switch {
+			case a.err == nil:
+				out[a.i].Dev, out[a.i].Ino, out[a.i].Err = a.info.Device, a.info.Inode, nil
+			case errors.Is(a.err, unix.ENXIO):
+				out[a.i].Err = a.err // detached meanwhile: dropped below
+			default:
+				out[a.i].Err = a.err
+			}
+		case <-timer.C:
+			pending = 0
 		}
 	}
-	sort.Strings(out)
-	return out, nil
+	return slices.DeleteFunc(out, func(d LoopDevice) bool { return errors.Is(d.Err, unix.ENXIO) }), nil
+}
+
+// FileID is a file's st_dev and st_ino, as LOOP_GET_STATUS64 reports those of
+// a loop device's backing file (both come from the kernel's getattr of the
+// file, encoded the same way).
+func FileID(f *os.File) (dev, ino uint64, err error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return 0, 0, &os.PathError{Op: "fstat", Path: f.Name(), Err: err}
+	}
+	return st.Dev, st.Ino, nil
 }
 
 // fenceSizeLimit is the size limit a fenced loop device maps its backing file
@@ -718,6 +801,13 @@ func (l *Loops) Fence(device string) error {
 	defer unix.Close(fd)
 	_ = unix.IoctlSetPointerInt(fd, unix.BLKROSET, 1)
 	info, err := unix.IoctlLoopGetStatus64(fd)
+	if err != nil && !errors.Is(err, unix.ENXIO) {
+		// The kernel stats the backing file to answer LOOP_GET_STATUS64, and
+		// its filesystem failed (a FUSE daemon gone, an evicted client).
+		// LOOP_SET_STATUS64 does not need it: the device's own settings are
+		// read from sysfs instead.
+		info, err = sysStatus(device)
+	}
 	if err != nil {
 		return fmt.Errorf("fence: %w", &os.PathError{Op: "LOOP_GET_STATUS64", Path: device, Err: err})
 	}
@@ -729,6 +819,34 @@ func (l *Loops) Fence(device string) error {
 	l.forget(device)
 	l.mu.Unlock()
 	return nil
+}
+
+// sysStatus is what LOOP_SET_STATUS64 needs of a device's current settings,
+// read from sysfs: its offset, size limit and the flags the ioctl keeps.
+func sysStatus(device string) (*unix.LoopInfo64, error) {
+	dir := filepath.Join(sysBlock, filepath.Base(device), "loop")
+	num := func(name string) (uint64, error) {
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			return 0, err
+		}
+		return strconv.ParseUint(strings.TrimSpace(string(b)), 10, 64)
+	}
+	info := &unix.LoopInfo64{}
+	var err error
+	if info.Offset, err = num("offset"); err != nil {
+		return nil, fmt.Errorf("read the settings of %s from sysfs: %w", device, err)
+	}
+	if info.Sizelimit, err = num("sizelimit"); err != nil {
+		return nil, fmt.Errorf("read the settings of %s from sysfs: %w", device, err)
+	}
+	for name, flag := range map[string]uint32{"autoclear": unix.LO_FLAGS_AUTOCLEAR, "partscan": unix.LO_FLAGS_PARTSCAN, "dio": unix.LO_FLAGS_DIRECT_IO} {
+		if v, err := num(name); err == nil && v == 1 {
+			info.Flags |= flag
+		}
+	}
+	copy(info.File_name[:len(info.File_name)-1], backingPath(device))
+	return info, nil
 }
 
 // Fenced tells whether a loop device was fenced (Fence): it maps nothing of

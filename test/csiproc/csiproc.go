@@ -84,6 +84,7 @@ type Driver struct {
 	Conn     *grpc.ClientConn
 	opts     Options
 	stateDir string // the node plugin's --state-dir, kept across Restart
+	spawn    bool   // launch returns without waiting (Spawn)
 	cmd      *exec.Cmd
 	log      *bytes.Buffer
 	logMu    sync.Mutex
@@ -258,6 +259,26 @@ func (d *Driver) launch(t testing.TB) {
 		t.Fatal(err)
 	}
 	go func() { d.cmd.Wait(); close(done) }()
+	d.WaitReady(t)
+}
+
+// Spawn starts the driver again after Kill or Stop without waiting until it
+// is ready: a start that hangs (on a pool that does not answer) is what a
+// test may want to see. WaitReady waits for it.
+func (d *Driver) Spawn(t testing.TB) {
+	t.Helper()
+	d.spawn = true
+	defer func() { d.spawn = false }()
+	d.launch(t)
+}
+
+// WaitReady waits until the driver answers Probe, 30 s at most.
+func (d *Driver) WaitReady(t testing.TB) {
+	t.Helper()
+	if d.spawn {
+		return
+	}
+	done := d.done
 	deadline := time.Now().Add(30 * time.Second)
 	// Probe only once the socket is there: a dial that fails puts the
 	// connection into gRPC's reconnect backoff (a second at first).

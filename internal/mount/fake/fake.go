@@ -21,6 +21,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -46,7 +47,14 @@ type Host struct {
 }
 
 type device struct {
-	backing  string
+	backing string
+	// id is the backing file's identity when attached; shown, if set, the
+	// path the kernel shows for it now; unidentified, if set, why it cannot
+	// be identified.
+	id           struct{ dev, ino uint64 }
+	shown        string
+	unidentified error
+
 	size     int64
 	readOnly bool
 	fenced   bool
@@ -209,6 +217,9 @@ func (h *Host) Attach(ctx context.Context, backingFile string) (string, error) {
 	h.next++
 	h.loops[file] = dev
 	h.devices[dev] = &device{backing: file, size: fi.Size()}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		h.devices[dev].id.dev, h.devices[dev].id.ino = st.Dev, st.Ino
+	}
 	return dev, nil
 }
 
@@ -282,22 +293,63 @@ func (h *Host) Status(dev string) (mount.LoopStatus, error) {
 	return mount.LoopStatus{Device: dev, BackingFile: d.backing, BackingDeleted: err != nil, DirectIO: true, SizeBytes: d.size}, nil
 }
 
-// BackedUnder lists the fake loop devices whose backing file is below dir.
-func (h *Host) BackedUnder(dir string) ([]string, error) {
-	if err := h.Faults.hit("BackedUnder"); err != nil {
+// List reports the fake loop devices as the kernel would: each backing
+// file's identity as it was when attached (the kernel keeps the file open),
+// the path the test made it show (LosePath) and whether it answers
+// (SetUnidentified).
+func (h *Host) List(time.Duration) ([]mount.LoopDevice, error) {
+	if err := h.Faults.hit("List"); err != nil {
 		return nil, err
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	prefix := strings.TrimSuffix(dir, "/") + "/"
-	var out []string
+	out := make([]mount.LoopDevice, 0, len(h.devices))
 	for dev, d := range h.devices {
+		ld := mount.LoopDevice{Device: dev, Backing: d.backing, Dev: d.id.dev, Ino: d.id.ino, Fenced: d.fenced}
+		if d.shown != "" {
+			ld.Backing = d.shown
+		}
+		if d.unidentified != nil {
+			ld.Dev, ld.Ino, ld.Err = 0, 0, d.unidentified
+		}
+		out = append(out, ld)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Device < out[j].Device })
+	return out, nil
+}
+
+// LosePath makes the fake loop devices whose backing file is below dir show
+// it without dir, as the kernel shows a file of a mount that was detached (a
+// lazy unmount, a torn-down NFS client).
+func (h *Host) LosePath(dir string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	prefix := strings.TrimSuffix(dir, "/") + "/"
+	for _, d := range h.devices {
 		if strings.HasPrefix(d.backing, prefix) {
-			out = append(out, dev)
+			d.shown = "/" + strings.TrimPrefix(d.backing, prefix)
 		}
 	}
-	sort.Strings(out)
-	return out, nil
+}
+
+// SetUnidentified makes List unable to identify the backing file of the
+// fake loop devices below dir, as when its filesystem fails or hangs.
+func (h *Host) SetUnidentified(dir string, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	prefix := strings.TrimSuffix(dir, "/") + "/"
+	for _, d := range h.devices {
+		if strings.HasPrefix(d.backing, prefix) {
+			d.unidentified = err
+		}
+	}
+}
+
+// Devices lists the fake loop devices, fenced or not, sorted.
+func (h *Host) Devices() []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Sorted(maps.Keys(h.devices))
 }
 
 // Fence makes a fake loop device map nothing, as the real one does.
@@ -315,6 +367,23 @@ func (h *Host) Fence(dev string) error {
 	if h.loops[d.backing] == dev {
 		delete(h.loops, d.backing) // no attachment of the file any more
 	}
+	return nil
+}
+
+// DetachFenced detaches a fenced fake loop device that nothing mounts.
+func (h *Host) DetachFenced(dev string) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	d, ok := h.devices[dev]
+	if !ok || !d.fenced {
+		return nil
+	}
+	for _, m := range h.mounts {
+		if m.Device == dev {
+			return fmt.Errorf("detach %s: mounted at %s: %w", dev, m.Target, mount.ErrDeviceBusy)
+		}
+	}
+	delete(h.devices, dev)
 	return nil
 }
 
