@@ -69,7 +69,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			if !lockHeld(p.cfg.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}
-			e, listed := p.loadListed(id)
+			e, listed := p.loadListed(nil, id)
 			v, err := e.Volume, e.Err
 			switch {
 			case !listed: // deleted since, or a create under way

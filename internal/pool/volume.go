@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // SchemaVersion is the version of volume.json this code writes. Readers refuse a
@@ -109,6 +111,23 @@ func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), i
 // Load reads volume.json. A missing volume is ErrNotFound.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	return p.parseVolume(id, raw, err)
+}
+
+// loadIn is Load through a tree of the pool opened once for a batch of reads
+// (nil: Load).
+func (p *Pool) loadIn(t *fsx.Tree, id VolumeID) (*Volume, error) {
+	if t == nil {
+		return p.Load(id)
+	}
+	raw, err := t.ReadFile(volumeRel(id, metadataFile), maxVolumeMeta)
+	if err != nil {
+		err = p.classify(err)
+	}
+	return p.parseVolume(id, raw, err)
+}
+
+func (p *Pool) parseVolume(id VolumeID, raw []byte, err error) (*Volume, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of volume %s: %w", id, notFound(err))
 	}
