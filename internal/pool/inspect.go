@@ -256,6 +256,7 @@ func (p *Pool) damagedFiles() []Leftover {
 	check(poolMeta, maxPoolMeta)
 	check(poolLock, maxLockFile)
 	check(ledgerFile, maxLedger)
+	check(reserveFile, reserveBytes)
 	check(filepath.Join(quotaIDsDir, quotaIndexDone), maxMarker)
 	if kinds, err := p.readDir(quotaIDsDir); err == nil {
 		for _, k := range kinds {

@@ -234,6 +234,7 @@ func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err e
 	if err != nil {
 		return nil, nil, err
 	}
+	p.keepReserve()
 	tx = &ledgerTx{p: p}
 	if err := tx.load(); err != nil {
 		unlock()

@@ -68,6 +68,8 @@ type Pool struct {
 	meta sync.Map
 	// capacity caches what GetCapacity measures of the images (capacity.go).
 	capacity capacityCache
+	// reserve is this process's view of the pool's reserve file (reserve.go).
+	reserve reserveState
 	// indexed is set once the per-node publish index is known to exist
 	// (EnsurePublishIndex).
 	indexed atomic.Bool

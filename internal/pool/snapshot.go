@@ -330,11 +330,20 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 		return err
 	}
 	s, lerr := p.LoadSnapshot(id)
-	moved, ours, err := p.toTrash(snapshotsDir, id.Key, "s-")
+	var moved bool
+	var ours []string
+	err = p.freeing(func() (err error) {
+		var more []string
+		moved, more, err = p.toTrash(snapshotsDir, id.Key, "s-")
+		ours = append(ours, more...)
+		return err
+	})
 	if err == nil && moved && lerr == nil {
-		err = tx.apply(func(l *ledger) {
-			l.Snapshots--
-			l.ReflinkedBytes -= reflinked(s)
+		err = p.freeing(func() error {
+			return tx.apply(func(l *ledger) {
+				l.Snapshots--
+				l.ReflinkedBytes -= reflinked(s)
+			})
 		})
 	}
 	end()

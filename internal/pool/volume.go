@@ -271,7 +271,8 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 		return err
 	}
 	defer unlock()
-	v, err := p.Load(id)
+	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	v, err := p.parseVolume(id, raw, err)
 	if err != nil {
 		return err
 	}
@@ -279,5 +280,17 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 	if err != nil || !changed {
 		return err
 	}
+	if !v.grows(len(raw)) {
+		// A record that does not grow (an unstage, an unpublish) takes no
+		// room for good: on a full pool it may spend the reserve, so that
+		// a volume can always be let go.
+		return p.freeing(func() error { return p.save(v, true) })
+	}
 	return p.save(v, true)
+}
+
+// grows tells whether v's record is larger than size bytes, as save writes it.
+func (v *Volume) grows(size int) bool {
+	raw, err := json.MarshalIndent(v, "", "  ")
+	return err != nil || len(raw)+1 > size
 }
