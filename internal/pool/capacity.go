@@ -236,7 +236,7 @@ func (p *Pool) Capacity() (int64, error) {
 // whether they came from the ledger (else from a measurement of the pool).
 func (p *Pool) capacityUsage() (Usage, bool, error) {
 	l, err := p.readLedger()
-	if err != nil {
+	if err != nil || !p.ledgerDecides() {
 		u, err := p.Usage()
 		return u, false, err
 	}

@@ -70,6 +70,10 @@ type Pool struct {
 	capacity capacityCache
 	// reserve is this process's view of the pool's reserve file (reserve.go).
 	reserve reserveState
+	// ledgerKeysP signs the ledger (SetLedgerKeys); ledgerSeq is the
+	// highest ledger write seen here (ledger.go).
+	ledgerKeysP atomic.Pointer[[][]byte]
+	ledgerSeq   atomic.Uint64
 	// indexed is set once the per-node publish index is known to exist
 	// (EnsurePublishIndex).
 	indexed atomic.Bool
