@@ -5,7 +5,7 @@ COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_DATE ?= $(shell date -u +%Y-%m-%dT%H:%M:%SZ)
 LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT) -X main.buildDate=$(BUILD_DATE)
 
-.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock
+.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock bench bench-check
 
 build:
 	CGO_ENABLED=0 go build -ldflags "$(LDFLAGS)" -o $(BIN) ./cmd/poolcsi
@@ -27,6 +27,19 @@ fuzz:
 # golangci-lint (built once from the Go module proxy, cached in ~/.cache/poolcsi-tools), zero findings.
 lint:
 	hack/lint.sh
+
+# The headline benchmarks (root; 10-20 minutes a run): life vs the raw commands,
+# ListVolumes and GetCapacity at 10,000 volumes, create/delete at 0 and 10,000, start
+# at 10,000 with RSS. Writes their table (medians of BENCH_RUNS runs, with each figure's
+# noise band) into docs/performance.md. Not part of make test: timings are noisy.
+BENCH_RUNS ?= 3
+bench:
+	go run ./hack/bench -write -runs $(BENCH_RUNS)
+
+# One run of the same benchmarks against the committed table: fails naming every
+# figure that moved past its noise band.
+bench-check:
+	go run ./hack/bench -check
 
 # Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
 run: build
