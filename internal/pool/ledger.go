@@ -230,7 +230,15 @@ func (p *Pool) readLedger() (ledger, error) {
 
 // writeLedger stamps l with the pool's directories as they are now and writes
 // it durably: a growth it counts must not be lost while the record survives.
-func (p *Pool) writeLedger(l *ledger) error {
+func (p *Pool) writeLedger(l *ledger) error { return p.writeLedgerAs(l, true) }
+
+// writeLedgerAs is writeLedger, durable or not. A write that follows a change
+// of volumes/ or snapshots/ (a create, a delete) need not be durable: a crash
+// that loses it, or the directory change, or both, leaves either the state
+// before the change or a ledger whose stamp does not match the directory (or
+// whose content did not survive), which is rebuilt. Only a change the stamps do
+// not see (a growth, a filled snapshot) needs the fsync of the pool's root.
+func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	vols, snaps, err := p.stamps()
 	if err != nil {
 		return err
@@ -246,7 +254,7 @@ func (p *Pool) writeLedger(l *ledger) error {
 	if err != nil {
 		return err
 	}
-	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), true); err != nil {
+	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
 		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
 	}
 	p.seenLedger(l.Seq)
@@ -393,11 +401,11 @@ func (tx *ledgerTx) settle() error {
 	return nil
 }
 
-func (tx *ledgerTx) write(l ledger) error {
+func (tx *ledgerTx) write(l ledger, durable bool) error {
 	if tx.degraded {
 		return nil
 	}
-	err := tx.p.writeLedger(&l)
+	err := tx.p.writeLedgerAs(&l, durable)
 	if err != nil {
 		if fi, lerr := os.Lstat(filepath.Join(tx.p.cfg.Path, ledgerFile)); lerr == nil && fi.IsDir() {
 			// Not ours to remove; admission measures the pool instead,
@@ -413,10 +421,17 @@ func (tx *ledgerTx) write(l ledger) error {
 // apply makes change to a copy of the ledger and writes it; only once it is
 // written does the transaction hold it, so a failed write leaves nothing
 // counted that the caller then does not make.
-func (tx *ledgerTx) apply(change func(l *ledger)) error {
+func (tx *ledgerTx) apply(change func(l *ledger)) error { return tx.applyAs(change, true) }
+
+// applyStamped is apply for a change that has just created, renamed or
+// removed an entry of volumes/ or snapshots/: its ledger write need not be
+// durable (writeLedgerAs).
+func (tx *ledgerTx) applyStamped(change func(l *ledger)) error { return tx.applyAs(change, false) }
+
+func (tx *ledgerTx) applyAs(change func(l *ledger), durable bool) error {
 	l := tx.l
 	change(&l)
-	if err := tx.write(l); err != nil {
+	if err := tx.write(l, durable); err != nil {
 		return err
 	}
 	tx.l = l

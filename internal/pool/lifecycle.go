@@ -105,7 +105,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	// record and takes the count back); a crash before this write leaves the
 	// volumes directory changed after the ledger's stamp, and the ledger is
 	// rebuilt. Either way it never counts less than the records hold.
-	if err := tx.apply(func(l *ledger) {
+	if err := tx.applyStamped(func(l *ledger) {
 		l.Volumes++
 		l.ProvisionedBytes += v.CapacityBytes
 		l.Pending = pending{Kind: pendingVolume, Key: id.Key, Bytes: v.CapacityBytes}
@@ -289,7 +289,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 		// The volumes directory changed, so a crash before this write
 		// leaves an outdated ledger, which is rebuilt.
 		err = p.freeing(func() error {
-			return tx.apply(func(l *ledger) {
+			return tx.applyStamped(func(l *ledger) {
 				l.Volumes--
 				l.ProvisionedBytes -= v.CapacityBytes
 			})

@@ -296,7 +296,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 		return nil, fmt.Errorf("create snapshot %s: %w", id, err)
 	}
 	// Counted before its record, as Reserve counts a volume.
-	if err := tx.apply(func(l *ledger) {
+	if err := tx.applyStamped(func(l *ledger) {
 		l.Snapshots++
 		l.Pending = pending{Kind: pendingSnapshot, Key: id.Key}
 	}); err != nil {
@@ -340,7 +340,7 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 	})
 	if err == nil && moved && lerr == nil {
 		err = p.freeing(func() error {
-			return tx.apply(func(l *ledger) {
+			return tx.applyStamped(func(l *ledger) {
 				l.Snapshots--
 				l.ReflinkedBytes -= reflinked(s)
 			})
