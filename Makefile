@@ -33,13 +33,14 @@ lint:
 # at 10,000 with RSS. Writes their table (medians of BENCH_RUNS runs, with each figure's
 # noise band) into docs/performance.md. Not part of make test: timings are noisy.
 BENCH_RUNS ?= 3
+BENCH_FLAGS ?=
 bench:
-	go run ./hack/bench -write -runs $(BENCH_RUNS)
+	go run ./hack/bench -write -runs $(BENCH_RUNS) $(BENCH_FLAGS)
 
 # One run of the same benchmarks against the committed table: fails naming every
 # figure that moved past its noise band.
 bench-check:
-	go run ./hack/bench -check
+	go run ./hack/bench -check $(BENCH_FLAGS)
 
 # Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
 run: build

@@ -14,9 +14,13 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"time"
 )
+
+// rawDir keeps the benchmarks' outputs (-raw).
+var rawDir string
 
 // bench is one `go test -bench` command.
 type bench struct {
@@ -74,6 +78,7 @@ func main() {
 	runs := flag.Int("runs", 1, "runs to take medians and noise bands of (-write)")
 	doc := flag.String("doc", "docs/performance.md", "the document holding the table")
 	minBand := flag.Float64("min-band", 0.10, "the least noise band written, as a fraction")
+	flag.StringVar(&rawDir, "raw", "", "keep each go test's output in this directory")
 	flag.Parse()
 	if err := run(*write, *check, *runs, *doc, *minBand); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
@@ -99,6 +104,9 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 		rows, err := rowsOf(res)
 		if err != nil {
 			return err
+		}
+		for _, r := range rows {
+			fmt.Fprintf(os.Stderr, "bench: run %d: %s = %s\n", i+1, r.Name, formatValue(r.Value))
 		}
 		all = append(all, rows)
 	}
@@ -150,6 +158,17 @@ func runBench(b bench) (string, error) {
 	cmd.Stderr = &out
 	if err := cmd.Run(); err != nil {
 		return "", fmt.Errorf("go test %s -bench %s: %w\n%s", b.pkg, b.pattern, err, tail(out.String(), 4000))
+	}
+	if rawDir != "" {
+		name := fmt.Sprintf("%s-%s.txt", time.Now().UTC().Format("150405"), strings.NewReplacer("/", "_", ".", "").Replace(b.pkg))
+		_ = os.WriteFile(filepath.Join(rawDir, name), out.Bytes(), 0o644)
+	}
+	// A benchmark that skips (a missing mkfs, no root) must not pass as a
+	// figure: its prerequisite is missing.
+	for _, line := range strings.Split(out.String(), "\n") {
+		if strings.Contains(line, "--- SKIP") || strings.Contains(line, "prerequisite missing") {
+			return "", fmt.Errorf("go test %s -bench %s skipped: %s", b.pkg, b.pattern, strings.TrimSpace(line))
+		}
 	}
 	return out.String(), nil
 }
