@@ -489,7 +489,7 @@ func (t *Tree) ReadFile(rel string, max int64) ([]byte, error) {
 			buf = append(buf, 0)[:len(buf)]
 		}
 		n, err := unix.Read(fd, buf[len(buf):min(cap(buf), int(max)+1)])
-		if err == unix.EINTR {
+		if errors.Is(err, unix.EINTR) {
 			continue
 		}
 		if err != nil {

@@ -11,6 +11,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -54,6 +55,11 @@ const (
 
 // errLedgerStale marks a ledger older than the pool's directories.
 var errLedgerStale = errors.New("ledger is older than the pool's records")
+
+// errLedgerKeyed marks a ledger signed with a share key this process does not
+// have (pool check run without --share-key-file): not verifiable here, so never
+// trusted, but not damage either.
+var errLedgerKeyed = errors.New("ledger is signed with a share key this process does not have")
 
 // dirStamp identifies one state of a directory's entries.
 type dirStamp struct {
@@ -115,6 +121,9 @@ func tallyOf(u Usage) Tally {
 	return Tally{int64(u.Volumes), u.ProvisionedBytes, int64(u.Snapshots), u.ReflinkedBytes}
 }
 
+// keyedSum starts a checksum made with a share key.
+const keyedSum = "hmac-sha256:"
+
 // checksum is l's sum under key (nil: unkeyed).
 func (l ledger) checksum(key []byte) string {
 	l.Sum = ""
@@ -125,7 +134,7 @@ func (l ledger) checksum(key []byte) string {
 	}
 	m := hmac.New(sha256.New, key)
 	m.Write(raw)
-	return "hmac-sha256:" + hex.EncodeToString(m.Sum(nil)[:16])
+	return keyedSum + hex.EncodeToString(m.Sum(nil)[:16])
 }
 
 // sumMatches tells whether l's sum is its checksum under one of keys (none:
@@ -210,6 +219,9 @@ func (p *Pool) readLedger() (ledger, error) {
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
 	if err := l.validate(p.ledgerKeys()); err != nil {
+		if len(p.ledgerKeys()) == 0 && strings.HasPrefix(l.Sum, keyedSum) {
+			return l, fmt.Errorf("%s: %w", ledgerFile, errLedgerKeyed)
+		}
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
 	vols, snaps, err := p.stamps()
@@ -545,6 +557,10 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 	case missing(lerr):
 		// No ledger yet (a pool an older version made): the first create
 		// builds it. Not a problem.
+		return r, nil
+	case errors.Is(lerr, errLedgerKeyed):
+		// Signed with the cluster's key, which this check lacks: the driver
+		// verifies it; nothing to report or repair from here.
 		return r, nil
 	case lerr != nil && !errors.Is(lerr, errLedgerStale):
 		r.Problem = "damaged: " + lerr.Error()

@@ -1,6 +1,7 @@
 package pool
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -471,5 +472,32 @@ func TestReplayedLedgerIsNotTrusted(t *testing.T) {
 	putLedgerFile(t, p, old)
 	if _, err := p.readLedger(); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a ledger put back from an earlier copy: %v, want ErrCorrupt", err)
+	}
+}
+
+// pool check without the cluster's key does not call a keyed ledger damaged,
+// nor rewrite it; a driver with the key keeps trusting it.
+func TestKeyedLedgerIsNotDamageToACheckWithoutTheKey(t *testing.T) {
+	ctx := context.Background()
+	dir := filepath.Join(t.TempDir(), "pool")
+	p, err := Open(Config{Name: "k", Path: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetLedgerKeys([][]byte{[]byte("0123456789abcdef0123456789abcdef")})
+	reserveBlock(t, p, "a", 8*MiB)
+	before := readLedgerFile(t, p)
+	check, err := Open(Config{Name: "k", Path: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := check.CheckLedger(ctx, true); err != nil || r.Problem != "" {
+		t.Fatalf("pool check without the key: %+v, %v", r, err)
+	}
+	if !bytes.Equal(before, readLedgerFile(t, p)) {
+		t.Fatal("pool check without the key rewrote the keyed ledger")
+	}
+	if _, err := p.readLedger(); err != nil {
+		t.Fatalf("the keyed driver no longer trusts its ledger: %v", err)
 	}
 }
