@@ -130,7 +130,7 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 		fmt.Fprintln(os.Stderr, "bench: every figure is within its noise band of the committed table")
 	}
 	if write {
-		return os.WriteFile(doc, []byte(Splice(string(raw), table)), 0o644)
+		return os.WriteFile(doc, []byte(Splice(string(raw), table)), 0o644) //nolint:gosec // the developer names the document (-doc)
 	}
 	return nil
 }

@@ -396,8 +396,8 @@ func OpenTree(root string) (*Tree, error) {
 	return &Tree{fd: fd, root: root}, nil
 }
 
-// Close releases the root's descriptor.
-func (t *Tree) Close() error { return unix.Close(t.fd) }
+// Close releases the root's descriptor (an O_PATH one: nothing to flush).
+func (t *Tree) Close() { _ = unix.Close(t.fd) }
 
 // pathFD opens rel O_PATH below the tree (no side effect whatever it is) and
 // returns the descriptor and what fstat says of it.
