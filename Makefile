@@ -10,7 +10,7 @@ COMMIT ?= $(shell git rev-parse HEAD 2>/dev/null)
 BUILD_DATE ?= $(shell TZ=UTC git log -1 --format=%cd --date=format-local:%Y-%m-%dT%H:%M:%SZ 2>/dev/null)
 LDFLAGS := -X main.version=$(VERSION) -X main.commit=$(COMMIT) -X main.buildDate=$(BUILD_DATE)
 
-.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock release
+.PHONY: build test unit lint fuzz run demo clean e2e conformance conformance-stop image image-debs image-lock release bench bench-check
 
 # Prints a variable as make sees it (make -s print-IMAGE_TAG): the version test reads them.
 print-%:
@@ -36,6 +36,20 @@ fuzz:
 # golangci-lint (built once from the Go module proxy, cached in ~/.cache/poolcsi-tools), zero findings.
 lint:
 	hack/lint.sh
+
+# The headline benchmarks (root; 10-20 minutes a run): life vs the raw commands,
+# ListVolumes and GetCapacity at 10,000 volumes, create/delete at 0 and 10,000, start
+# at 10,000 with RSS. Writes their table (medians of BENCH_RUNS runs, with each figure's
+# noise band) into docs/performance.md. Not part of make test: timings are noisy.
+BENCH_RUNS ?= 3
+BENCH_FLAGS ?=
+bench:
+	go run ./hack/bench -write -runs $(BENCH_RUNS) $(BENCH_FLAGS)
+
+# One run of the same benchmarks against the committed table: fails naming every
+# figure that moved past its noise band.
+bench-check:
+	go run ./hack/bench -check $(BENCH_FLAGS)
 
 # Runs the driver on a local pool under /var/lib/poolcsi, socket in /run/poolcsi.
 run: build

@@ -597,11 +597,12 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	if seg := req.GetAccessibleTopology().GetSegments(); isLocal(p) && seg != nil && seg[TopologyKey] != d.opts.NodeID {
 		return &csi.GetCapacityResponse{}, nil // the pool is not on that node
 	}
-	u, err := p.Usage()
+	// From the capacity ledger, not a walk of the pool, unless the ledger
+	// cannot be trusted (pool.Capacity).
+	avail, err := p.Capacity()
 	if err != nil {
 		return nil, err
 	}
-	avail := p.AvailableBytes(u)
 	return &csi.GetCapacityResponse{
 		AvailableCapacity: avail,
 		MaximumVolumeSize: wrapInt64(min(avail, pool.MaxCapacity)),

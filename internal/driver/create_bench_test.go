@@ -84,7 +84,10 @@ func newBenchPool(b *testing.B) *benchPool {
 		}
 		h := fake.New()
 		d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: fmt.Sprintf("node-%d", i+1), Mode: ModeController,
-			Pools: []*pool.Pool{p}, Host: Host{Mounts: h, Loops: h, Devices: h, FS: h}})
+			Pools: []*pool.Pool{p}, Host: Host{Mounts: h, Loops: h, Devices: h, FS: h},
+			// The cluster's share key, as the chart deploys it: it signs the
+			// shared pool's ledger, which then admits without a scan.
+			ShareKeys: [][]byte{[]byte("bench share key, 32 bytes or more")}})
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -253,6 +253,7 @@ func New(opts Options) (*Driver, error) {
 		if p.Config().Share != nil || pool.IsSharePoolName(p.Name()) {
 			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name())
 		}
+		p.SetLedgerKeys(opts.ShareKeys)
 		d.pools[p.Name()] = p
 		d.poolNames = append(d.poolNames, p.Name())
 	}
@@ -399,6 +400,7 @@ func (d *Driver) addPool(p *pool.Pool) *pool.Pool {
 	if old, ok := d.pools[p.Name()]; ok {
 		return old
 	}
+	p.SetLedgerKeys(d.opts.ShareKeys)
 	d.pools[p.Name()] = p
 	names := append(append([]string(nil), d.poolNames...), p.Name())
 	sort.Strings(names)

@@ -230,12 +230,12 @@ func OpenRegular(root, rel string, flags int, mode uint32) (*os.File, error) {
 // ReadFile reads the regular file rel below root, at most max bytes: a larger
 // file is ErrUnsafe, read no further than max+1 bytes.
 func ReadFile(root, rel string, max int64) ([]byte, error) {
-	f, err := OpenRegular(root, rel, unix.O_RDONLY, 0)
+	t, err := OpenTree(root)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	return readCapped(f, max)
+	defer t.Close()
+	return t.ReadFile(rel, max)
 }
 
 // ReadFileAt is ReadFile for a path outside any tree (a node-local record, a
@@ -375,4 +375,133 @@ func sweepTemps(d *os.File, base string) {
 // pool's root.
 func WriteFilePath(path string, data []byte, durable bool) error {
 	return WriteFileAtomic(filepath.Dir(path), filepath.Base(path), data, durable)
+}
+
+// Tree is a root opened once for many reads below it (a page of a listing, a
+// whole-pool measurement): the same resolution and checks as ReadFile and
+// OpenPath, without opening the root again for every file. A Tree is used by
+// one goroutine and closed when that batch is done; it is never kept, so a
+// pool remounted meanwhile is seen by the next batch.
+type Tree struct {
+	fd   int
+	root string
+}
+
+// OpenTree opens root (following links: the operator chose it) for reads below it.
+func OpenTree(root string) (*Tree, error) {
+	fd, err := openRoot(root)
+	if err != nil {
+		return nil, err
+	}
+	return &Tree{fd: fd, root: root}, nil
+}
+
+// Close releases the root's descriptor (an O_PATH one: nothing to flush).
+func (t *Tree) Close() { _ = unix.Close(t.fd) }
+
+// pathFD opens rel O_PATH below the tree (no side effect whatever it is) and
+// returns the descriptor and what fstat says of it.
+func (t *Tree) pathFD(rel string, dir bool) (int, unix.Stat_t, error) {
+	var st unix.Stat_t
+	fd, err := unix.Openat2(t.fd, rel, &unix.OpenHow{Flags: uint64(unix.O_PATH | unix.O_CLOEXEC), Resolve: resolve})
+	if err != nil {
+		name := filepath.Join(t.root, rel)
+		if errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV) {
+			return -1, st, fmt.Errorf("%w: %s is reached through a symbolic link, or leaves %s: links are never followed there; remove the link",
+				ErrUnsafe, name, t.root)
+		}
+		return -1, st, &os.PathError{Op: "open", Path: name, Err: err}
+	}
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, st, fmt.Errorf("stat %s: %w", filepath.Join(t.root, rel), err)
+	}
+	isDir := st.Mode&unix.S_IFMT == unix.S_IFDIR
+	if dir && isDir || !dir && st.Mode&unix.S_IFMT == unix.S_IFREG {
+		return fd, st, nil
+	}
+	unix.Close(fd)
+	want := "a regular file"
+	if dir {
+		want = "a directory"
+	}
+	return -1, st, fmt.Errorf("%w: %s is not %s but %s: remove it (and restore the file from a backup if it held data)",
+		ErrUnsafe, filepath.Join(t.root, rel), want, kind(fileMode(st.Mode)))
+}
+
+// fileMode is the fs.FileMode type bits of a stat mode, for kind.
+func fileMode(m uint32) fs.FileMode {
+	switch m & unix.S_IFMT {
+	case unix.S_IFDIR:
+		return fs.ModeDir
+	case unix.S_IFIFO:
+		return fs.ModeNamedPipe
+	case unix.S_IFSOCK:
+		return fs.ModeSocket
+	case unix.S_IFCHR:
+		return fs.ModeDevice | fs.ModeCharDevice
+	case unix.S_IFBLK:
+		return fs.ModeDevice
+	case unix.S_IFLNK:
+		return fs.ModeSymlink
+	case unix.S_IFREG:
+		return 0
+	}
+	return fs.ModeIrregular
+}
+
+// Stat is what fstat says of rel below the tree, which must be a regular file
+// (dir false) or a directory (dir true), reached without a link; it is never
+// opened for I/O.
+func (t *Tree) Stat(rel string, dir bool) (unix.Stat_t, error) {
+	fd, st, err := t.pathFD(rel, dir)
+	if err != nil {
+		return st, err
+	}
+	unix.Close(fd)
+	return st, nil
+}
+
+// ReadFile is ReadFile below the tree: a regular file of at most max bytes,
+// reached without a link, opened for reading only through its checked O_PATH
+// descriptor, without blocking.
+func (t *Tree) ReadFile(rel string, max int64) ([]byte, error) {
+	h, st, err := t.pathFD(rel, false)
+	if err != nil {
+		return nil, err
+	}
+	name := filepath.Join(t.root, rel)
+	if st.Size > max {
+		unix.Close(h)
+		return nil, tooLarge(name, st.Size, max)
+	}
+	fd, err := unix.Open("/proc/self/fd/"+strconv.Itoa(h), unix.O_RDONLY|unix.O_NONBLOCK|unix.O_CLOEXEC|unix.O_NOCTTY, 0)
+	unix.Close(h)
+	if err != nil {
+		return nil, &os.PathError{Op: "reopen", Path: name, Err: err}
+	}
+	defer unix.Close(fd)
+	// One read fills a buffer of the stat's size, one more sees the end: a
+	// file that grew since the stat is read on, up to the cap.
+	buf := make([]byte, 0, st.Size+1)
+	for {
+		if len(buf) == cap(buf) {
+			buf = append(buf, 0)[:len(buf)]
+		}
+		n, err := unix.Read(fd, buf[len(buf):min(cap(buf), int(max)+1)])
+		if errors.Is(err, unix.EINTR) {
+			continue
+		}
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", name, err)
+		}
+		if n == 0 {
+			break
+		}
+		buf = buf[:len(buf)+n]
+		if int64(len(buf)) > max { // it grew since the stat
+			return nil, tooLarge(name, int64(len(buf)), max)
+		}
+	}
+	return buf, nil
 }

@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"math"
 	"sort"
+	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -193,4 +195,87 @@ func (p *Pool) pruneMeta(keys []string) {
 		}
 		return true
 	})
+}
+
+// capacityTTL is how long GetCapacity reuses its measurement of the images'
+// allocated blocks while the ledger shows no change. csi-provisioner asks for
+// every topology segment and StorageClass in one poll (every minute by
+// default): the calls of one poll share one measurement.
+const capacityTTL = 10 * time.Second
+
+// capacityCache is the images' allocated bytes as last measured, with the
+// ledger state they were measured against.
+type capacityCache struct {
+	mu        sync.Mutex
+	ledger    ledger // its tally, pending entry and stamps; Sum cleared
+	at        time.Time
+	allocated int64 // Σ over volumes of min(allocated, capacity)
+}
+
+// Capacity is what GetCapacity reports: AvailableBytes of the pool, computed
+// from the capacity ledger when it can be trusted (no volume.json or
+// snapshot.json read: the counts are the ledger's), with the blocks the images
+// already hold measured at most once per capacityTTL while the ledger does not
+// change. A ledger that is missing, damaged or older than the pool's
+// directories is not trusted, and the pool is measured exactly (Usage), as
+// every admission the ledger cannot decide does.
+//
+// Between measurements, writes inside a volume only lower the figure against
+// the truth (the free space they take is seen at once, the blocks they fill
+// only at the next measurement); a create, growth, snapshot or delete changes
+// the ledger and so measures again.
+func (p *Pool) Capacity() (int64, error) {
+	u, _, err := p.capacityUsage()
+	if err != nil {
+		return 0, err
+	}
+	return p.AvailableBytes(u), nil
+}
+
+// capacityUsage is the free and unbacked bytes Capacity decides from, and
+// whether they came from the ledger (else from a measurement of the pool).
+func (p *Pool) capacityUsage() (Usage, bool, error) {
+	l, err := p.readLedger()
+	if err != nil || !p.ledgerDecides() {
+		u, err := p.Usage()
+		return u, false, err
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
+		return Usage{}, false, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	allocated, err := p.allocatedFor(l)
+	if err != nil {
+		return Usage{}, false, err
+	}
+	unbacked := max(l.ProvisionedBytes-allocated, 0) + l.ReflinkedBytes
+	return Usage{FreeBytes: int64(st.Bavail) * st.Bsize, UnbackedBytes: unbacked}, true, nil
+}
+
+// allocatedFor is Σ min(allocated, capacity) over the pool's volumes, reused
+// while the ledger is l and the measurement is younger than capacityTTL.
+func (p *Pool) allocatedFor(l ledger) (int64, error) {
+	l.Sum = ""
+	c := &p.capacity
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ledger == l && time.Since(c.at) < capacityTTL {
+		return c.allocated, nil
+	}
+	keys, err := p.volumeKeys()
+	if err != nil {
+		return 0, err
+	}
+	at := time.Now()
+	var sum int64
+	for _, key := range keys {
+		id := p.IDOf(key)
+		v, err := p.loadForUsage(id)
+		if err != nil {
+			continue // as Usage: deleted meanwhile, or damaged
+		}
+		sum += min(p.allocatedBytes(id, v.layout), v.capacity)
+	}
+	c.ledger, c.at, c.allocated = l, at, sum
+	return sum, nil
 }

@@ -1,9 +1,14 @@
 package pool
 
 import (
+	"bytes"
+	"context"
 	"errors"
 	"math"
+	"os"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestCapacity(t *testing.T) {
@@ -72,4 +77,52 @@ func TestCapacityNeverOverflows(t *testing.T) {
 	if got, err := Capacity(MaxCapacity, 0, 0); err != nil || got != MaxCapacity {
 		t.Errorf("Capacity(MaxCapacity) = %d, %v", got, err)
 	}
+}
+
+// GetCapacity's figure from the ledger (no record read) is the exact
+// measurement's: the same unbacked bytes, with images that hold data and a
+// dir volume; a ledger that cannot be trusted is not used, the pool is
+// measured instead.
+func TestCapacityFromLedgerIsTheMeasurement(t *testing.T) {
+	ctx := context.Background()
+	p := openTemp(t)
+	a := reserveBlock(t, p, "a", 8*MiB)
+	reserveBlock(t, p, "b", 16*MiB)
+	if _, err := p.Reserve(ctx, Spec{Name: "d", Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: 4 * MiB}); err != nil {
+		t.Fatal(err)
+	}
+	aid, _ := ParseVolumeID(a.ID)
+	// Some of a's promise is backed by blocks now.
+	if err := os.WriteFile(p.ImagePath(aid), bytes.Repeat([]byte{1}, int(2*MiB)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(p.ImagePath(aid), 8*MiB); err != nil {
+		t.Fatal(err)
+	}
+	unix.Sync()
+	p.capacity = capacityCache{} // a new measurement
+	check := func(wantLedger bool) {
+		t.Helper()
+		got, fromLedger, err := p.capacityUsage()
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := p.Usage()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fromLedger != wantLedger || got.UnbackedBytes != want.UnbackedBytes {
+			t.Fatalf("capacity from ledger %v (want %v): unbacked %d, measured %d", fromLedger, wantLedger, got.UnbackedBytes, want.UnbackedBytes)
+		}
+	}
+	check(true)
+	check(true) // the cached measurement
+	if err := p.Delete(ctx, aid); err != nil {
+		t.Fatal(err)
+	}
+	check(true) // a change to the ledger: measured again
+	// An untrusted ledger (damaged, or older than the directories) is
+	// never the answer.
+	putLedgerFile(t, p, []byte(`{"version":1,"volumes":0,"provisionedBytes":0,"sum":"x"}`))
+	check(false)
 }

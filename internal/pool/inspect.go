@@ -69,7 +69,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			if !lockHeld(p.cfg.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}
-			e, listed := p.loadListed(id)
+			e, listed := p.loadListed(nil, id)
 			v, err := e.Volume, e.Err
 			switch {
 			case !listed: // deleted since, or a create under way
@@ -256,6 +256,7 @@ func (p *Pool) damagedFiles() []Leftover {
 	check(poolMeta, maxPoolMeta)
 	check(poolLock, maxLockFile)
 	check(ledgerFile, maxLedger)
+	check(reserveFile, reserveBytes)
 	check(filepath.Join(quotaIDsDir, quotaIndexDone), maxMarker)
 	if kinds, err := p.readDir(quotaIDsDir); err == nil {
 		for _, k := range kinds {

@@ -2,6 +2,7 @@ package pool
 
 import (
 	"context"
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
@@ -10,6 +11,7 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -54,6 +56,11 @@ const (
 // errLedgerStale marks a ledger older than the pool's directories.
 var errLedgerStale = errors.New("ledger is older than the pool's records")
 
+// errLedgerKeyed marks a ledger signed with a share key this process does not
+// have (pool check run without --share-key-file): not verifiable here, so never
+// trusted, but not damage either.
+var errLedgerKeyed = errors.New("ledger is signed with a share key this process does not have")
+
 // dirStamp identifies one state of a directory's entries.
 type dirStamp struct {
 	Ino   uint64 `json:"ino,omitempty"`
@@ -87,8 +94,13 @@ type ledger struct {
 	Pending          pending  `json:"pending"`
 	VolumesDir       dirStamp `json:"volumesDir"`
 	SnapshotsDir     dirStamp `json:"snapshotsDir"`
+	// Seq counts the ledger's writes: a ledger older than one this process
+	// has read or written (an old copy put back) is not trusted.
+	Seq uint64 `json:"seq,omitempty"`
 	// Sum is a checksum of the rest: a hand edit or a stray write that does
-	// not recompute it is damage.
+	// not recompute it is damage. With the cluster's share keys it is an
+	// HMAC-SHA256 under the first key (any key verifies), so only a holder
+	// of the key can write a ledger the driver trusts.
 	Sum string `json:"sum"`
 }
 
@@ -109,20 +121,44 @@ func tallyOf(u Usage) Tally {
 	return Tally{int64(u.Volumes), u.ProvisionedBytes, int64(u.Snapshots), u.ReflinkedBytes}
 }
 
-func (l ledger) checksum() string {
+// keyedSum starts a checksum made with a share key.
+const keyedSum = "hmac-sha256:"
+
+// checksum is l's sum under key (nil: unkeyed).
+func (l ledger) checksum(key []byte) string {
 	l.Sum = ""
 	raw, _ := json.Marshal(l)
-	s := sha256.Sum256(raw)
-	return hex.EncodeToString(s[:12])
+	if key == nil {
+		s := sha256.Sum256(raw)
+		return hex.EncodeToString(s[:12])
+	}
+	m := hmac.New(sha256.New, key)
+	m.Write(raw)
+	return keyedSum + hex.EncodeToString(m.Sum(nil)[:16])
+}
+
+// sumMatches tells whether l's sum is its checksum under one of keys (none:
+// the unkeyed one). A keyed driver never accepts an unkeyed sum: anyone who
+// can write the pool can compute that one.
+func (l *ledger) sumMatches(keys [][]byte) bool {
+	if len(keys) == 0 {
+		return l.Sum == l.checksum(nil)
+	}
+	for _, k := range keys {
+		if hmac.Equal([]byte(l.Sum), []byte(l.checksum(k))) {
+			return true
+		}
+	}
+	return false
 }
 
 // validate checks what admission relies on: a value no driver writes is damage.
-func (l *ledger) validate() error {
+func (l *ledger) validate(keys [][]byte) error {
 	switch {
 	case l.Version != ledgerVersion:
 		return fmt.Errorf("version %d, want %d", l.Version, ledgerVersion)
-	case l.Sum != l.checksum():
-		return errors.New("checksum does not match")
+	case !l.sumMatches(keys):
+		return errors.New("checksum does not match (or was not made with the cluster's share key)")
 	case l.Volumes < 0 || l.Snapshots < 0 || l.ProvisionedBytes < 0 || l.ReflinkedBytes < 0:
 		return errors.New("a negative count")
 	case float64(l.ProvisionedBytes) > float64(l.Volumes)*MaxCapacity:
@@ -182,7 +218,10 @@ func (p *Pool) readLedger() (ledger, error) {
 	if err := json.Unmarshal(raw, &l); err != nil {
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
-	if err := l.validate(); err != nil {
+	if err := l.validate(p.ledgerKeys()); err != nil {
+		if len(p.ledgerKeys()) == 0 && strings.HasPrefix(l.Sum, keyedSum) {
+			return l, fmt.Errorf("%s: %w", ledgerFile, errLedgerKeyed)
+		}
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
 	vols, snaps, err := p.stamps()
@@ -192,26 +231,79 @@ func (p *Pool) readLedger() (ledger, error) {
 	if vols != l.VolumesDir || snaps != l.SnapshotsDir {
 		return l, fmt.Errorf("%s: %w (a create or delete it does not count: a crash, or an older driver)", ledgerFile, errLedgerStale)
 	}
+	// Checked after the stamps: an older copy whose stamps no longer match
+	// is outdated, and rebuilt, either way.
+	if seen := p.ledgerSeq.Load(); l.Seq < seen {
+		return l, fmt.Errorf("%w: %s: write %d, older than write %d already seen here: an old copy put back", ErrCorrupt, ledgerFile, l.Seq, seen)
+	}
+	p.seenLedger(l.Seq)
 	return l, nil
 }
 
 // writeLedger stamps l with the pool's directories as they are now and writes
 // it durably: a growth it counts must not be lost while the record survives.
-func (p *Pool) writeLedger(l *ledger) error {
+func (p *Pool) writeLedger(l *ledger) error { return p.writeLedgerAs(l, true) }
+
+// writeLedgerAs is writeLedger, durable or not. A write that follows a change
+// of volumes/ or snapshots/ (a create, a delete) need not be durable: a crash
+// that loses it, or the directory change, or both, leaves either the state
+// before the change or a ledger whose stamp does not match the directory (or
+// whose content did not survive), which is rebuilt. Only a change the stamps do
+// not see (a growth, a filled snapshot) needs the fsync of the pool's root.
+func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	vols, snaps, err := p.stamps()
 	if err != nil {
 		return err
 	}
 	l.Version, l.VolumesDir, l.SnapshotsDir = ledgerVersion, vols, snaps
-	l.Sum = l.checksum()
+	l.Seq = max(l.Seq, p.ledgerSeq.Load()) + 1
+	var key []byte
+	if keys := p.ledgerKeys(); len(keys) > 0 {
+		key = keys[0]
+	}
+	l.Sum = l.checksum(key)
 	raw, err := json.Marshal(l)
 	if err != nil {
 		return err
 	}
-	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), true); err != nil {
+	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
 		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
 	}
+	p.seenLedger(l.Seq)
 	return nil
+}
+
+// SetLedgerKeys gives the pool the cluster's share keys (--share-key-file),
+// which sign its ledger. Called before the pool is used.
+func (p *Pool) SetLedgerKeys(keys [][]byte) {
+	if len(keys) > 0 {
+		p.ledgerKeysP.Store(&keys)
+	}
+}
+
+func (p *Pool) ledgerKeys() [][]byte {
+	if k := p.ledgerKeysP.Load(); k != nil {
+		return *k
+	}
+	return nil
+}
+
+// seenLedger records that the ledger's write seq was read or written here.
+func (p *Pool) seenLedger(seq uint64) {
+	for {
+		old := p.ledgerSeq.Load()
+		if seq <= old || p.ledgerSeq.CompareAndSwap(old, seq) {
+			return
+		}
+	}
+}
+
+// ledgerDecides tells whether the ledger alone may admit: not on a shared
+// pool whose ledger is unkeyed (no share key), which anyone who can write
+// the share can rewrite to count less than the records hold. There every
+// admission measures the pool first (a confirmation scan).
+func (p *Pool) ledgerDecides() bool {
+	return !p.cfg.Shared || len(p.ledgerKeys()) > 0
 }
 
 // ledgerTx is the ledger of a pool whose lock is held.
@@ -234,6 +326,7 @@ func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err e
 	if err != nil {
 		return nil, nil, err
 	}
+	p.keepReserve()
 	tx = &ledgerTx{p: p}
 	if err := tx.load(); err != nil {
 		unlock()
@@ -320,11 +413,11 @@ func (tx *ledgerTx) settle() error {
 	return nil
 }
 
-func (tx *ledgerTx) write(l ledger) error {
+func (tx *ledgerTx) write(l ledger, durable bool) error {
 	if tx.degraded {
 		return nil
 	}
-	err := tx.p.writeLedger(&l)
+	err := tx.p.writeLedgerAs(&l, durable)
 	if err != nil {
 		if fi, lerr := os.Lstat(filepath.Join(tx.p.cfg.Path, ledgerFile)); lerr == nil && fi.IsDir() {
 			// Not ours to remove; admission measures the pool instead,
@@ -340,10 +433,17 @@ func (tx *ledgerTx) write(l ledger) error {
 // apply makes change to a copy of the ledger and writes it; only once it is
 // written does the transaction hold it, so a failed write leaves nothing
 // counted that the caller then does not make.
-func (tx *ledgerTx) apply(change func(l *ledger)) error {
+func (tx *ledgerTx) apply(change func(l *ledger)) error { return tx.applyAs(change, true) }
+
+// applyStamped is apply for a change that has just created, renamed or
+// removed an entry of volumes/ or snapshots/: its ledger write need not be
+// durable (writeLedgerAs).
+func (tx *ledgerTx) applyStamped(change func(l *ledger)) error { return tx.applyAs(change, false) }
+
+func (tx *ledgerTx) applyAs(change func(l *ledger), durable bool) error {
 	l := tx.l
 	change(&l)
-	if err := tx.write(l); err != nil {
+	if err := tx.write(l, durable); err != nil {
 		return err
 	}
 	tx.l = l
@@ -357,7 +457,7 @@ func (tx *ledgerTx) apply(change func(l *ledger)) error {
 // pool (and checks the ledger against it) before the answer.
 func (tx *ledgerTx) admit(need int64, what string) error {
 	p := tx.p
-	if !tx.degraded {
+	if !tx.degraded && p.ledgerDecides() {
 		var st unix.Statfs_t
 		if err := unix.Statfs(p.cfg.Path, &st); err != nil {
 			return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
@@ -403,7 +503,7 @@ func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
 	fits := func(free, unbacked int64) bool {
 		return float64(free-need)*p.cfg.Overcommit >= float64(unbacked-promised)
 	}
-	if !tx.degraded && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
+	if !tx.degraded && p.ledgerDecides() && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
 		return nil
 	}
 	u, err := p.Usage()
@@ -457,6 +557,10 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 	case missing(lerr):
 		// No ledger yet (a pool an older version made): the first create
 		// builds it. Not a problem.
+		return r, nil
+	case errors.Is(lerr, errLedgerKeyed):
+		// Signed with the cluster's key, which this check lacks: the driver
+		// verifies it; nothing to report or repair from here.
 		return r, nil
 	case lerr != nil && !errors.Is(lerr, errLedgerStale):
 		r.Problem = "damaged: " + lerr.Error()

@@ -1,7 +1,9 @@
 package pool
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
@@ -381,5 +383,121 @@ func TestQuotaIDClaims(t *testing.T) {
 		if got := s.do(); got != s.want {
 			t.Fatalf("%s: %t, want %t", s.name, got, s.want)
 		}
+	}
+}
+
+// forgeLedger rewrites the pool's ledger as anyone who can write a shared pool
+// can: it counts nothing, with the stamps kept and the unkeyed checksum
+// recomputed.
+func forgeLedger(t *testing.T, p *Pool) {
+	t.Helper()
+	var l ledger
+	if err := json.Unmarshal(readLedgerFile(t, p), &l); err != nil {
+		t.Fatal(err)
+	}
+	l.Volumes, l.ProvisionedBytes, l.Pending = 0, 0, pending{}
+	l.Sum = l.checksum(nil)
+	raw, _ := json.Marshal(l)
+	putLedgerFile(t, p, raw)
+}
+
+// A ledger rewritten by a pool writer never admits what the pool cannot back:
+// with the cluster's share key its checksum is keyed (a forged one is damage,
+// rebuilt from the records), and a shared pool without a key measures the pool
+// before every admission. A local pool without a key is the node's own.
+func TestForgedLedgerAdmitsNothing(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		shared bool
+		keys   [][]byte
+	}{
+		{"keyed shared pool", true, [][]byte{[]byte("0123456789abcdef0123456789abcdef")}},
+		{"keyed by the second key", true, [][]byte{[]byte("another key of thirty-two bytes!"), []byte("0123456789abcdef0123456789abcdef")}},
+		{"shared pool without a key", true, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "pool")
+			if _, err := Initialise(Config{Name: "s", Path: dir, Shared: true}); err != nil {
+				t.Fatal(err)
+			}
+			p, err := Open(Config{Name: "s", Path: dir, Shared: tt.shared})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p.SetLedgerKeys(tt.keys)
+			var st unix.Statfs_t
+			if err := unix.Statfs(dir, &st); err != nil {
+				t.Fatal(err)
+			}
+			// Each of the two is 60% of the free space: both never fit.
+			size := min(int64(st.Bavail)*st.Bsize*6/10/MiB*MiB, MaxCapacity)
+			ctx := context.Background()
+			if _, err := p.Reserve(ctx, Spec{Name: "a", Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: size}); err != nil {
+				t.Fatal(err)
+			}
+			forgeLedger(t, p)
+			// A second controller, started after the forgery, knows nothing
+			// of the ledger but the key.
+			p2, err := Open(Config{Name: "s", Path: dir, Shared: tt.shared})
+			if err != nil {
+				t.Fatal(err)
+			}
+			p2.SetLedgerKeys(tt.keys)
+			if _, err := p2.Reserve(ctx, Spec{Name: "b", Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: size}); !errors.Is(err, ErrNoSpace) {
+				t.Fatalf("after a forged ledger, a create the pool cannot back = %v, want ErrNoSpace", err)
+			}
+			if got, err := p2.Capacity(); err != nil || got > int64(st.Bavail)*st.Bsize-size/2 {
+				t.Fatalf("GetCapacity after a forged ledger = %d, %v: counts a's promise as free", got, err)
+			}
+		})
+	}
+}
+
+// A ledger put back from an earlier copy (every field valid, the directories
+// unchanged since: a growth happened in between) is not trusted by a driver
+// that has seen a later one.
+func TestReplayedLedgerIsNotTrusted(t *testing.T) {
+	ctx := context.Background()
+	p := openTemp(t)
+	reserveBlock(t, p, "a", 8*MiB)
+	old := readLedgerFile(t, p)
+	tx, end, err := p.beginLedger(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.apply(func(l *ledger) { l.ProvisionedBytes += 64 * MiB }); err != nil {
+		t.Fatal(err)
+	}
+	end()
+	putLedgerFile(t, p, old)
+	if _, err := p.readLedger(); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("a ledger put back from an earlier copy: %v, want ErrCorrupt", err)
+	}
+}
+
+// pool check without the cluster's key does not call a keyed ledger damaged,
+// nor rewrite it; a driver with the key keeps trusting it.
+func TestKeyedLedgerIsNotDamageToACheckWithoutTheKey(t *testing.T) {
+	ctx := context.Background()
+	dir := filepath.Join(t.TempDir(), "pool")
+	p, err := Open(Config{Name: "k", Path: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.SetLedgerKeys([][]byte{[]byte("0123456789abcdef0123456789abcdef")})
+	reserveBlock(t, p, "a", 8*MiB)
+	before := readLedgerFile(t, p)
+	check, err := Open(Config{Name: "k", Path: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := check.CheckLedger(ctx, true); err != nil || r.Problem != "" {
+		t.Fatalf("pool check without the key: %+v, %v", r, err)
+	}
+	if !bytes.Equal(before, readLedgerFile(t, p)) {
+		t.Fatal("pool check without the key rewrote the keyed ledger")
+	}
+	if _, err := p.readLedger(); err != nil {
+		t.Fatalf("the keyed driver no longer trusts its ledger: %v", err)
 	}
 }

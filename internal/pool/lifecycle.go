@@ -105,7 +105,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	// record and takes the count back); a crash before this write leaves the
 	// volumes directory changed after the ledger's stamp, and the ledger is
 	// rebuilt. Either way it never counts less than the records hold.
-	if err := tx.apply(func(l *ledger) {
+	if err := tx.applyStamped(func(l *ledger) {
 		l.Volumes++
 		l.ProvisionedBytes += v.CapacityBytes
 		l.Pending = pending{Kind: pendingVolume, Key: id.Key, Bytes: v.CapacityBytes}
@@ -276,13 +276,23 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 		return err
 	}
 	v, lerr := p.Load(id)
-	moved, ours, err := p.toTrash(volumesDir, id.Key, "v-")
+	// A delete gives room back: on a full pool it may spend the reserve.
+	var moved bool
+	var ours []string
+	err = p.freeing(func() (err error) {
+		var more []string
+		moved, more, err = p.toTrash(volumesDir, id.Key, "v-")
+		ours = append(ours, more...)
+		return err
+	})
 	if err == nil && moved && lerr == nil {
 		// The volumes directory changed, so a crash before this write
 		// leaves an outdated ledger, which is rebuilt.
-		err = tx.apply(func(l *ledger) {
-			l.Volumes--
-			l.ProvisionedBytes -= v.CapacityBytes
+		err = p.freeing(func() error {
+			return tx.applyStamped(func(l *ledger) {
+				l.Volumes--
+				l.ProvisionedBytes -= v.CapacityBytes
+			})
 		})
 	}
 	end()

@@ -93,8 +93,14 @@ func (p *Pool) ListPage(from string, limit int, keep func(Entry) bool) ([]Entry,
 	if err != nil {
 		return nil, "", err
 	}
+	// The pool's root is opened once for the page, not once per file.
+	t, err := fsx.OpenTree(p.cfg.Path)
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	defer t.Close()
 	entries, next := page(keys, from, limit, func(key string) (Entry, bool) {
-		return p.loadListed(p.IDOf(key))
+		return p.loadListed(t, p.IDOf(key))
 	}, keep)
 	return entries, next, nil
 }

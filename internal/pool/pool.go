@@ -15,6 +15,8 @@ import (
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 const (
@@ -64,6 +66,14 @@ type Pool struct {
 	// meta caches parsed volume.json files for capacity accounting, by key
 	// (loadForUsage).
 	meta sync.Map
+	// capacity caches what GetCapacity measures of the images (capacity.go).
+	capacity capacityCache
+	// reserve is this process's view of the pool's reserve file (reserve.go).
+	reserve reserveState
+	// ledgerKeysP signs the ledger (SetLedgerKeys); ledgerSeq is the
+	// highest ledger write seen here (ledger.go).
+	ledgerKeysP atomic.Pointer[[][]byte]
+	ledgerSeq   atomic.Uint64
 	// indexed is set once the per-node publish index is known to exist
 	// (EnsurePublishIndex).
 	indexed atomic.Bool
@@ -311,22 +321,54 @@ type Entry struct {
 	ID     VolumeID
 	Volume *Volume
 	Err    error
+	// image is the image's stat, taken with the listing's other reads (a
+	// health check per listed volume then costs no open of the pool's root);
+	// nil when not taken.
+	image *imageStat
+}
+
+type imageStat struct {
+	size, allocated int64
+	err             error
+}
+
+// EntryImageStat is ImageStat of a listed volume: the stat the listing took
+// with its record, or a new one.
+func (p *Pool) EntryImageStat(e Entry) (size, allocated int64, err error) {
+	if e.image != nil {
+		return e.image.size, e.image.allocated, e.image.err
+	}
+	return p.ImageStat(e.ID)
 }
 
 // loadListed loads a volume found in the volumes directory. A directory
 // without volume.json is left out while it is on its way in or out: deleted
 // since the directory was read, or made by a create, here or on another node,
 // that has not written its metadata yet (changing). Otherwise it is listed
+// (with its image's stat when read through a tree t, which may be nil)
 // with the error: metadata that is gone is damage an operator must hear of.
-func (p *Pool) loadListed(id VolumeID) (Entry, bool) {
-	v, err := p.Load(id)
+func (p *Pool) loadListed(t *fsx.Tree, id VolumeID) (Entry, bool) {
+	v, err := p.loadIn(t, id)
 	if missing(err) {
 		if !p.VolumeExists(id) || p.changing() {
 			return Entry{}, false
 		}
-		v, err = p.Load(id) // the create may have finished between the two looks
+		v, err = p.loadIn(t, id) // the create may have finished between the two looks
 	}
-	return Entry{ID: id, Volume: v, Err: err}, true
+	e := Entry{ID: id, Volume: v, Err: err}
+	if t != nil && err == nil && v.Layout == LayoutImage {
+		e.image = p.imageStatIn(t, id)
+	}
+	return e, true
+}
+
+// imageStatIn is ImageStat through a tree of the pool opened for a batch.
+func (p *Pool) imageStatIn(t *fsx.Tree, id VolumeID) *imageStat {
+	st, err := t.Stat(volumeRel(id, imageFile), false)
+	if err != nil {
+		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(p.classify(err)))}
+	}
+	return &imageStat{size: st.Size, allocated: st.Blocks * 512}
 }
 
 // List returns the pool's volumes sorted by ID.
@@ -335,12 +377,20 @@ func (p *Pool) List() ([]Entry, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}
+	t, err := fsx.OpenTree(p.cfg.Path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	defer t.Close()
 	var out []Entry
 	for _, de := range des {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue // temp files and volumes being deleted
 		}
-		if e, ok := p.loadListed(p.IDOf(de.Name())); ok {
+		if e, ok := p.loadListed(t, p.IDOf(de.Name())); ok {
+			// Callers check entries at their own pace: an image is looked
+			// at when it is checked, not when it was listed.
+			e.image = nil
 			out = append(out, e)
 		}
 	}

@@ -296,7 +296,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 		return nil, fmt.Errorf("create snapshot %s: %w", id, err)
 	}
 	// Counted before its record, as Reserve counts a volume.
-	if err := tx.apply(func(l *ledger) {
+	if err := tx.applyStamped(func(l *ledger) {
 		l.Snapshots++
 		l.Pending = pending{Kind: pendingSnapshot, Key: id.Key}
 	}); err != nil {
@@ -330,11 +330,20 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 		return err
 	}
 	s, lerr := p.LoadSnapshot(id)
-	moved, ours, err := p.toTrash(snapshotsDir, id.Key, "s-")
+	var moved bool
+	var ours []string
+	err = p.freeing(func() (err error) {
+		var more []string
+		moved, more, err = p.toTrash(snapshotsDir, id.Key, "s-")
+		ours = append(ours, more...)
+		return err
+	})
 	if err == nil && moved && lerr == nil {
-		err = tx.apply(func(l *ledger) {
-			l.Snapshots--
-			l.ReflinkedBytes -= reflinked(s)
+		err = p.freeing(func() error {
+			return tx.applyStamped(func(l *ledger) {
+				l.Snapshots--
+				l.ReflinkedBytes -= reflinked(s)
+			})
 		})
 	}
 	end()

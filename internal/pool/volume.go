@@ -7,6 +7,8 @@ import (
 	"os"
 	"path/filepath"
 	"time"
+
+	"github.com/poolcsi/poolcsi/internal/fsx"
 )
 
 // SchemaVersion is the version of volume.json this code writes. Readers refuse a
@@ -109,6 +111,23 @@ func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), i
 // Load reads volume.json. A missing volume is ErrNotFound.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	return p.parseVolume(id, raw, err)
+}
+
+// loadIn is Load through a tree of the pool opened once for a batch of reads
+// (nil: Load).
+func (p *Pool) loadIn(t *fsx.Tree, id VolumeID) (*Volume, error) {
+	if t == nil {
+		return p.Load(id)
+	}
+	raw, err := t.ReadFile(volumeRel(id, metadataFile), maxVolumeMeta)
+	if err != nil {
+		err = p.classify(err)
+	}
+	return p.parseVolume(id, raw, err)
+}
+
+func (p *Pool) parseVolume(id VolumeID, raw []byte, err error) (*Volume, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of volume %s: %w", id, notFound(err))
 	}
@@ -252,7 +271,8 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 		return err
 	}
 	defer unlock()
-	v, err := p.Load(id)
+	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	v, err := p.parseVolume(id, raw, err)
 	if err != nil {
 		return err
 	}
@@ -260,5 +280,17 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 	if err != nil || !changed {
 		return err
 	}
+	if !v.grows(len(raw)) {
+		// A record that does not grow (an unstage, an unpublish) takes no
+		// room for good: on a full pool it may spend the reserve, so that
+		// a volume can always be let go.
+		return p.freeing(func() error { return p.save(v, true) })
+	}
 	return p.save(v, true)
+}
+
+// grows tells whether v's record is larger than size bytes, as save writes it.
+func (v *Volume) grows(size int) bool {
+	raw, err := json.MarshalIndent(v, "", "  ")
+	return err != nil || len(raw)+1 > size
 }

@@ -1,0 +1,205 @@
+// Command bench runs the benchmarks behind docs/performance.md's headline
+// figures and writes their table (make bench), or compares a run with the
+// committed table and names every figure that moved past its noise band
+// (make bench-check). Needs root (loop devices, mounts), like the benchmarks.
+//
+//	go run ./hack/bench -write -runs 3   # measure 3 times: medians and noise bands
+//	go run ./hack/bench -check           # one run against the committed table
+package main
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// rawDir keeps the benchmarks' outputs (-raw).
+var rawDir string
+
+// bench is one `go test -bench` command.
+type bench struct {
+	pkg, pattern, benchtime, timeout string
+	env                              []string
+}
+
+var benches = []bench{
+	{pkg: "./test/e2e", pattern: "^BenchmarkLifecycle$/^xfs$", benchtime: "10x", timeout: "20m"},
+	{pkg: "./internal/driver", pattern: "^BenchmarkListVolumes10k$/^per-page-(100|0)$", benchtime: "3x", timeout: "20m"},
+	{pkg: "./internal/driver", pattern: "^BenchmarkGetCapacity10k$", benchtime: "400x", timeout: "20m"},
+	{pkg: "./internal/driver", pattern: "^BenchmarkCreateDelete$/^existing=(0|10000)/layout=image/callers=1/drivers=1$", benchtime: "1x", timeout: "40m"},
+	{pkg: "./test/observe", pattern: "^BenchmarkServeStart10k$", benchtime: "3x", timeout: "20m"},
+}
+
+// figure is how one row is read from the results.
+type figure struct {
+	name, budget, from string
+	value              func(Results) (float64, bool)
+}
+
+func metric(bench, unit string, scale float64) func(Results) (float64, bool) {
+	return func(r Results) (float64, bool) {
+		v, ok := r[bench][unit]
+		return v * scale, ok
+	}
+}
+
+func ratio(benchA, benchB, unit string) func(Results) (float64, bool) {
+	return func(r Results) (float64, bool) {
+		a, ok1 := r[benchA][unit]
+		b, ok2 := r[benchB][unit]
+		return a / b, ok1 && ok2 && b != 0
+	}
+}
+
+const createBench = "BenchmarkCreateDelete/existing=%d/layout=image/callers=1/drivers=1"
+
+var figures = []figure{
+	{"life of a 1 GiB xfs volume: poolcsi / raw commands", "≤ 0.55", "Lifecycle/xfs poolcsi/raw", metric("BenchmarkLifecycle/xfs", "poolcsi/raw", 1)},
+	{"life of a 1 GiB xfs volume: CSI floor (rpc-durable) / raw commands", "", "Lifecycle/xfs rpc-durable/raw", metric("BenchmarkLifecycle/xfs", "rpc-durable/raw", 1)},
+	{"ListVolumes walk of 10,000 at 100 a page, s", "< 0.5", "ListVolumes10k/per-page-100", metric("BenchmarkListVolumes10k/per-page-100", "ns/op", 1e-9)},
+	{"ListVolumes of 10,000 unpaged, s", "< 0.5", "ListVolumes10k/per-page-0", metric("BenchmarkListVolumes10k/per-page-0", "ns/op", 1e-9)},
+	{"GetCapacity at 10,000 volumes / empty pool", "≤ 1.5", "GetCapacity10k 10k/empty", metric("BenchmarkGetCapacity10k", "10k/empty", 1)},
+	{"image creates/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete creates/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "creates/s")},
+	{"image deletes/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete deletes/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "deletes/s")},
+	{"start at 10,000 volumes: VmRSS after an unpaged ListVolumes, MiB", "< 50", "ServeStart10k MiB-RSS", metric("BenchmarkServeStart10k", "MiB-RSS", 1)},
+	{"start at 10,000 volumes: unpaged ListVolumes over gRPC, s", "< 1", "ServeStart10k ms-list-max", metric("BenchmarkServeStart10k", "ms-list-max", 1e-3)},
+	{"start at 10,000 volumes: exec → ready Probe, s", "< 1", "ServeStart10k ms-to-ready", metric("BenchmarkServeStart10k", "ms-to-ready", 1e-3)},
+}
+
+func main() {
+	write := flag.Bool("write", false, "write the table into -doc")
+	check := flag.Bool("check", false, "compare with the table in -doc; exit 1 if a figure moved past its band")
+	runs := flag.Int("runs", 1, "runs to take medians and noise bands of (-write)")
+	doc := flag.String("doc", "docs/performance.md", "the document holding the table")
+	minBand := flag.Float64("min-band", 0.10, "the least noise band written, as a fraction")
+	flag.StringVar(&rawDir, "raw", "", "keep each go test's output in this directory")
+	flag.Parse()
+	if err := run(*write, *check, *runs, *doc, *minBand); err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(write, check bool, runs int, doc string, minBand float64) error {
+	load := loadAverage()
+	var all [][]Row
+	for i := range max(runs, 1) {
+		fmt.Fprintf(os.Stderr, "bench: run %d of %d (load %s)\n", i+1, max(runs, 1), loadAverage())
+		res := Results{}
+		for _, b := range benches {
+			out, err := runBench(b)
+			if err != nil {
+				return err
+			}
+			for k, v := range ParseBench(out) {
+				res[k] = v
+			}
+		}
+		rows, err := rowsOf(res)
+		if err != nil {
+			return err
+		}
+		for _, r := range rows {
+			fmt.Fprintf(os.Stderr, "bench: run %d: %s = %s\n", i+1, r.Name, formatValue(r.Value))
+		}
+		all = append(all, rows)
+	}
+	rows := Combine(all, minBand)
+	header := fmt.Sprintf("Generated by `make bench` on %s at commit %s: %d run(s) on this machine, load average %s at the start; the value is the median of the runs and the noise band twice the largest deviation of a run from it (at least ±%.0f %%).",
+		time.Now().UTC().Format("2006-01-02 15:04 MST"), commit(), len(all), load, minBand*100)
+	table := Render(header, rows)
+	fmt.Println(table)
+	raw, err := os.ReadFile(doc)
+	if err != nil {
+		return err
+	}
+	if check {
+		base, err := ParseTable(string(raw))
+		if err != nil {
+			return err
+		}
+		if moved := Moved(base, rows); len(moved) > 0 {
+			return fmt.Errorf("moved past the noise band of the committed table:\n  %s", strings.Join(moved, "\n  "))
+		}
+		fmt.Fprintln(os.Stderr, "bench: every figure is within its noise band of the committed table")
+	}
+	if write {
+		return os.WriteFile(doc, []byte(Splice(string(raw), table)), 0o644) //nolint:gosec // the developer names the document (-doc)
+	}
+	return nil
+}
+
+func rowsOf(res Results) ([]Row, error) {
+	var rows []Row
+	for _, f := range figures {
+		v, ok := f.value(res)
+		if !ok {
+			return nil, fmt.Errorf("%s: no result (from %s)", f.name, f.from)
+		}
+		rows = append(rows, Row{Name: f.name, Value: v, Budget: f.budget, From: f.from})
+	}
+	return rows, nil
+}
+
+func runBench(b bench) (string, error) {
+	ctx := context.Background()
+	args := []string{"test", b.pkg, "-run", "^$", "-bench", b.pattern, "-benchtime", b.benchtime, "-timeout", b.timeout, "-count", "1"}
+	fmt.Fprintf(os.Stderr, "bench: go %s\n", strings.Join(args, " "))
+	cmd := exec.CommandContext(ctx, "go", args...)
+	cmd.Env = append(os.Environ(), b.env...)
+	var out bytes.Buffer
+	cmd.Stdout = &out
+	cmd.Stderr = &out
+	if err := cmd.Run(); err != nil {
+		return "", fmt.Errorf("go test %s -bench %s: %w\n%s", b.pkg, b.pattern, err, tail(out.String(), 4000))
+	}
+	if rawDir != "" {
+		name := fmt.Sprintf("%s-%s.txt", time.Now().UTC().Format("150405"), strings.NewReplacer("/", "_", ".", "").Replace(b.pkg))
+		_ = os.WriteFile(filepath.Join(rawDir, name), out.Bytes(), 0o644)
+	}
+	// A benchmark that skips (a missing mkfs, no root) must not pass as a
+	// figure: its prerequisite is missing.
+	for _, line := range strings.Split(out.String(), "\n") {
+		if strings.Contains(line, "--- SKIP") || strings.Contains(line, "prerequisite missing") {
+			return "", fmt.Errorf("go test %s -bench %s skipped: %s", b.pkg, b.pattern, strings.TrimSpace(line))
+		}
+	}
+	return out.String(), nil
+}
+
+func tail(s string, n int) string {
+	if len(s) > n {
+		return s[len(s)-n:]
+	}
+	return s
+}
+
+func commit() string {
+	out, err := exec.Command("git", "rev-parse", "--short", "HEAD").Output()
+	if err != nil {
+		return "unknown"
+	}
+	c := strings.TrimSpace(string(out))
+	if st, _ := exec.Command("git", "status", "--porcelain", "--untracked-files=no").Output(); len(bytes.TrimSpace(st)) > 0 {
+		c += " (with uncommitted changes)"
+	}
+	return c
+}
+
+func loadAverage() string {
+	raw, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		return "unknown"
+	}
+	f := strings.Fields(string(raw))
+	if len(f) < 3 {
+		return "unknown"
+	}
+	return strings.Join(f[:3], " ")
+}
