@@ -19,6 +19,7 @@ func registeredNames(t *testing.T) map[string]bool {
 	t.Helper()
 	m := New("poolcsi.io", nil, health.Options{})
 	m.WatchLeases(func() []LeaseState { return []LeaseState{{Pool: "shared"}} })
+	m.WatchPeerLeases(func() []PeerLeaseState { return []PeerLeaseState{{Pool: "shared", Node: "n"}} })
 	m.calls.WithLabelValues("poolcsi.io", "/csi.v1.Identity/Probe", "OK").Observe(0)
 	names := map[string]bool{}
 	families, err := m.Registry.Gather()
