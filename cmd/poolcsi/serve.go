@@ -107,7 +107,7 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Float64Var(&o.VolumeFullPercent, "volume-full-threshold", o.VolumeFullPercent, "percent of a volume's filesystem (bytes or inodes) in use above which it reports VolumeNearlyFull")
 	fs.DurationVar(&o.MountRetry, "mount-retry", o.MountRetry, "how often a pool whose mount: stanza failed is mounted again")
 	fs.StringVar(&o.PathPrefix, "allowed-path-prefix", o.PathPrefix, "the only directory staging and target paths may be strictly below (the chart sets kubelet's root directory, whose own path may go through links); below it no path component may be a symbolic link, and each path is resolved once and used through what was resolved; / allows any path (docs/format.md#what-the-driver-trusts-and-what-it-does-not)")
-	fs.StringVar(&o.StateDir, "state-dir", o.StateDir, "where the node plugin keeps its own records, outside every pool (what it staged and froze: the self-fence and freeze recovery read them when a pool no longer answers or after a restart); on the node's own disk, kept across restarts of the plugin (docs/fencing.md); empty: in memory only")
+	fs.StringVar(&o.StateDir, "state-dir", o.StateDir, "where the node plugin keeps its own records, outside every pool (what it staged and froze: the self-fence and freeze recovery read them when a pool no longer answers or after a restart); on the node's own disk, kept across restarts of the plugin (docs/fencing.md); empty: in memory only, which a node plugin with shared pools or --share-dir refuses (a restart would fence nothing)")
 	fs.StringVar(&o.RegistrationDir, "registration-dir", o.RegistrationDir, "kubelet's plugins_registry directory: register the node plugin with kubelet there (replaces node-driver-registrar); empty: off")
 	fs.StringVar(&o.KubeletEndpoint, "kubelet-registration-path", o.KubeletEndpoint, "the CSI socket as kubelet sees it on the host, given to kubelet at registration (default: the --endpoint path)")
 	fs.DurationVar(&o.StatsHealthTTL, "stats-health-ttl", o.StatsHealthTTL, "how long NodeGetVolumeStats reuses a volume's node-side health condition (kubelet asks every minute); 0: recompute every call")
@@ -274,6 +274,9 @@ func (o *serveOptions) run(ctx context.Context) error {
 	// Only a node plugin keeps node-local records; a controller's pod has
 	// no directory of the node's for them. Opened first: a pool that hangs
 	// hangs openPools, and the node must still fence from its records.
+	if err := o.checkStateDir(mode); err != nil {
+		return err
+	}
 	state := nodestate.Memory()
 	var guard *driver.StartupFence
 	if mode != driver.ModeController && o.StateDir != "" {
@@ -341,6 +344,37 @@ func (o *serveOptions) run(ctx context.Context) error {
 		klog.Background().Info("The kubelet registration did not stop within 5 s; exiting without it")
 	}
 	return err
+}
+
+// checkStateDir refuses a node plugin without --state-dir that has shared
+// pools or takes volumes on shares: its records of what it staged there would
+// be in memory only, so after a restart its self-fence would find none of its
+// devices while another node takes the volumes.
+func (o *serveOptions) checkStateDir(mode driver.Mode) error {
+	if mode == driver.ModeController || o.StateDir != "" {
+		return nil
+	}
+	const why = "a node plugin keeps its records of what it staged there (which its self-fence fences when it loses its lease) in --state-dir; empty, they live in memory only and a restarted plugin would fence nothing. Give --state-dir a directory on the node's own disk, kept across restarts (docs/fencing.md)"
+	if o.ShareDir != "" {
+		return fmt.Errorf("--state-dir is empty but --share-dir is set (volumes on shares): %s", why)
+	}
+	var file config.File
+	if o.ConfigFile != "" {
+		var err error
+		if file, err = config.Load(o.ConfigFile); err != nil {
+			return err
+		}
+	}
+	var shared []string
+	for _, c := range config.Pools(file, o.Pools) {
+		if c.Shared {
+			shared = append(shared, c.Name)
+		}
+	}
+	if len(shared) > 0 {
+		return fmt.Errorf("--state-dir is empty but pool(s) %s are shared: %s", strings.Join(shared, ", "), why)
+	}
+	return nil
 }
 
 // openPools opens the configured pools, mounting those with a mount stanza

@@ -1,11 +1,16 @@
 package main
 
 import (
+	"context"
 	"flag"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/poolcsi/poolcsi/internal/driver"
 )
 
 func TestServeOptionsValidate(t *testing.T) {
@@ -94,5 +99,58 @@ func TestServeOptionsDefaults(t *testing.T) {
 	o = parseServeFlags(t, "--pool", "a=/srv/a,shared", "--pool", "b=/srv/b")
 	if len(o.Pools) != 2 || !o.Pools[0].Shared || o.Pools[1].Shared || o.Pools[1].Path != "/srv/b" {
 		t.Fatalf("--pool twice: %+v", o.Pools)
+	}
+}
+
+// TestServeRefusesNodeWithoutStateDir: a node plugin (mode node or all) with
+// a shared pool, from a flag or the config file, or with share support, does
+// not start with --state-dir empty: its stage records would live in memory,
+// and a restart would leave its self-fence nothing to fence. A controller, or
+// a node with local pools only, may.
+func TestServeRefusesNodeWithoutStateDir(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "config.yaml")
+	if err := os.WriteFile(cfg, []byte("pools:\n- name: fromfile\n  path: "+filepath.Join(dir, "f")+"\n  shared: true\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	shared := "--pool=s=" + filepath.Join(dir, "s") + ",shared"
+	local := "--pool=l=" + filepath.Join(dir, "l")
+	const noShares = "--share-dir="
+	tests := []struct {
+		name string
+		args []string
+		want string // a part of the error; empty: allowed
+	}{
+		{name: "node, shared pool", args: []string{"--mode=node", "--state-dir=", noShares, shared}, want: "pool(s) s are shared"},
+		{name: "all, shared pool", args: []string{"--mode=all", "--state-dir=", noShares, local, shared}, want: "--state-dir is empty"},
+		{name: "node, shared pool in the config", args: []string{"--mode=node", "--state-dir=", noShares, "--config=" + cfg}, want: "pool(s) fromfile are shared"},
+		{name: "node, shares (the default)", args: []string{"--mode=node", "--state-dir=", local}, want: "--share-dir"},
+		{name: "node, local pools only", args: []string{"--mode=node", "--state-dir=", noShares, local}},
+		{name: "controller, shared pool", args: []string{"--mode=controller", "--state-dir=", shared}},
+		{name: "node with a state dir", args: []string{"--mode=node", "--state-dir=" + dir, shared}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			o := parseServeFlags(t, tt.args...)
+			if err := o.Validate(); err != nil {
+				t.Fatal(err)
+			}
+			if tt.want == "" {
+				mode, err := driver.ParseMode(o.Mode)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := o.checkStateDir(mode); err != nil {
+					t.Fatalf("refused: %v", err)
+				}
+				return
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			cancel() // should it start after all, it stops at once
+			err := o.run(ctx)
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("run: %v, want an error with %q", err, tt.want)
+			}
+		})
 	}
 }

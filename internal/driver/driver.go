@@ -151,6 +151,8 @@ type Driver struct {
 	// (see Probe); probeMu guards it.
 	probeMu sync.Mutex
 	probing chan struct{}
+	// poolChecks are NodeGetStorageHealth's pool checks under way (health.go).
+	poolChecks poolChecks
 	// conditions caches the node-side health NodeGetVolumeStats reports,
 	// for Options.StatsHealthTTL (see statsCondition).
 	conditions conditionCache

@@ -360,3 +360,137 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 	}
 	noFreezeRecord(t, p, a)
 }
+
+// TestFreezeIgnoresAliasedImages: a pool writer who makes a volume's image a
+// link (symbolic or hard) to another volume's image attached on node A, and
+// names A among its stages, gets no freeze of the other volume: A freezes
+// only a device its own stage records name for the volume asked, never the
+// device the pool's image path resolves to. Before, A found the device by
+// the image path's identity (links followed) and froze the other volume,
+// and the budget, kept by volume ID, gave every alias a hold of its own.
+func TestFreezeIgnoresAliasedImages(t *testing.T) {
+	ctx := context.Background()
+	for _, kind := range []string{"symlink", "hard link"} {
+		t.Run(kind, func(t *testing.T) {
+			a, _, _, _ := freezePair(t, false)
+			p := a.pool("shared")
+			otherID, other := stageOther(t, a)
+			resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "alias", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			alias := mustVolumeID(resp.GetVolume().GetVolumeId())
+			target := p.ImagePath(mustVolumeID(otherID))
+			if err := os.Remove(p.ImagePath(alias)); err != nil {
+				t.Fatal(err)
+			}
+			link := os.Link
+			if kind == "symlink" {
+				link = os.Symlink
+			}
+			if err := link(target, p.ImagePath(alias)); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.Update(ctx, alias, func(v *pool.Volume) (bool, error) {
+				v.Staged = []pool.StageRecord{{Node: "node-a", Path: other, At: time.Now()}}
+				return true, nil
+			}); err != nil {
+				t.Fatal(err)
+			}
+			if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: alias.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
+				t.Fatal(err)
+			}
+			a.freezeTick(ctx)
+			if a.host.Frozen(other) {
+				t.Fatal("the other volume's filesystem was frozen through an alias of its image")
+			}
+			if got, ok, err := p.ReadFreezeAck("node-a", alias); err != nil || !ok || got.State != pool.FreezeNotStaged {
+				t.Fatalf("answer %+v %v %v, want %s", got, ok, err, pool.FreezeNotStaged)
+			}
+			noFreezeRecord(t, p, a)
+		})
+	}
+}
+
+// TestFreezeBudgetKeptByDevice: volumes whose node records name one device
+// (an image that was a hard link to another when it was staged) share that
+// device's budget: right after a hold of the device for one volume, a
+// request for the other is refused by the cool-down, and a device held for
+// one volume is never frozen again for another. Before, the budget was kept
+// by volume ID: every alias got a fresh one.
+func TestFreezeBudgetKeptByDevice(t *testing.T) {
+	ctx := context.Background()
+	a, _, _, _ := freezePair(t, false)
+	p := a.pool("shared")
+	otherID, other := stageOther(t, a)
+	ovid := mustVolumeID(otherID)
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "alias", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	alias := mustVolumeID(resp.GetVolume().GetVolumeId())
+	if err := os.Remove(p.ImagePath(alias)); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Link(p.ImagePath(ovid), p.ImagePath(alias)); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := a.volumeRecords(ovid)
+	if err != nil || len(recs) != 1 || recs[0].Device == "" {
+		t.Fatalf("records of the other volume: %+v %v", recs, err)
+	}
+	rec := recs[0]
+	rec.Volume = alias.String()
+	if err := a.opts.State.Put(stagesKind, rec.key(), rec); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Update(ctx, alias, func(v *pool.Volume) (bool, error) {
+		v.Staged = []pool.StageRecord{{Node: "node-a", Path: other, At: time.Now()}}
+		return true, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	ask := func(vid pool.VolumeID) {
+		t.Helper()
+		if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: vid.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
+			t.Fatal(err)
+		}
+		a.freezeTick(ctx)
+	}
+	answer := func(vid pool.VolumeID) pool.FreezeAck {
+		t.Helper()
+		got, ok, err := p.ReadFreezeAck("node-a", vid)
+		if err != nil || !ok {
+			t.Fatalf("no answer for %s: %v", vid, err)
+		}
+		return got
+	}
+	ask(ovid)
+	if !a.host.Frozen(other) {
+		t.Fatalf("the volume's own request: not frozen (%+v)", answer(ovid))
+	}
+	// Held for the other volume: not frozen again for the alias.
+	ask(alias)
+	if got := answer(alias); got.State != pool.FreezeFailed {
+		t.Fatalf("a request for the alias while the device is held: %+v", got)
+	}
+	if err := p.RemoveFreezeRequest("node-a", alias); err != nil {
+		t.Fatal(err)
+	}
+	a.clock.add(10 * time.Second)
+	if err := p.RemoveFreezeRequest("node-a", ovid); err != nil {
+		t.Fatal(err)
+	}
+	a.freezeTick(ctx)
+	if a.host.Frozen(other) {
+		t.Fatal("not thawed after the request went")
+	}
+	// Within the cool-down of the device's hold: refused for the alias too.
+	ask(alias)
+	if a.host.Frozen(other) {
+		t.Fatal("the alias got a budget of its own: frozen again within the cool-down")
+	}
+	if got := answer(alias); got.State != pool.FreezeFailed || !strings.Contains(got.Reason, "budget") {
+		t.Fatalf("answer %+v, want a refusal for the budget", got)
+	}
+}

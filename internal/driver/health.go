@@ -3,8 +3,11 @@ package driver
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -201,35 +204,99 @@ type nodeHost struct {
 
 var _ health.Node = nodeHost{}
 
+// checkPoolReady is health.CheckPoolReady; tests make it hang.
+var checkPoolReady = health.CheckPoolReady
+
+// poolCheckTimeout bounds how long NodeGetStorageHealth waits for one pool's
+// check: a pool's filesystem that hangs must not hold up the report of the
+// others, nor of the fence.
+var poolCheckTimeout = 5 * time.Second
+
+// poolChecks are the pool checks of NodeGetStorageHealth under way, at most
+// one per pool: a check of a hung pool never returns, and calls after the
+// first wait for that one rather than start another.
+type poolChecks struct {
+	mu      sync.Mutex
+	running map[*pool.Pool]*poolCheck
+}
+
+// poolCheck is one check of a pool; space and err are set before done closes.
+type poolCheck struct {
+	done  chan struct{}
+	space health.PoolSpace
+	err   error
+}
+
+// start returns p's check under way, or starts one.
+func (c *poolChecks) start(p *pool.Pool) *poolCheck {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if pc, ok := c.running[p]; ok {
+		return pc
+	}
+	if c.running == nil {
+		c.running = map[*pool.Pool]*poolCheck{}
+	}
+	pc := &poolCheck{done: make(chan struct{})}
+	c.running[p] = pc
+	go func() {
+		pc.space, pc.err = checkPoolReady(p)
+		c.mu.Lock()
+		delete(c.running, p)
+		c.mu.Unlock()
+		close(pc.done)
+	}()
+	return pc
+}
+
 // NodeGetStorageHealth reports the pools as seen from this node: one entry per
-// (status, reason), naming every pool it concerns.
+// (status, reason), naming every pool it concerns. The fence is reported
+// first and without touching the pools (a node fences itself when a pool
+// stops answering), a fenced pool is not checked, and each other pool's
+// check is given poolCheckTimeout: one that does not answer by then is
+// reported so.
 func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
 	defer toStatus(&err)
-	var unreachable, nearlyFull []string
+	resp := &csi.NodeGetStorageHealthResponse{}
+	fenced, failedClosed := d.fencedPools()
+	if len(failedClosed) > 0 {
+		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+			Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonFenceFailedClosed, Message: strings.Join(failedClosed, "; "),
+		})
+	}
+	if len(fenced) > 0 {
+		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
+			Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonNodeFenced, Message: strings.Join(fenced, "; "),
+		})
+	}
+	type check struct {
+		p  *pool.Pool
+		pc *poolCheck
+	}
+	var checks []check
 	for _, pn := range d.names() {
 		p := d.pool(pn)
-		s, err := health.CheckPoolReady(p)
-		if err != nil {
-			unreachable = append(unreachable, err.Error())
+		if p == nil || d.fencedIssue(p) != nil {
+			continue // reported above
+		}
+		checks = append(checks, check{p, d.poolChecks.start(p)})
+	}
+	wait, cancel := context.WithTimeout(ctx, poolCheckTimeout)
+	defer cancel()
+	var unreachable, nearlyFull []string
+	for _, c := range checks {
+		select {
+		case <-c.pc.done:
+		case <-wait.Done():
+			unreachable = append(unreachable, fmt.Sprintf("pool %s does not answer: its check (of %s) has not returned within %s; is its filesystem hung?", c.p.Name(), c.p.Path(), poolCheckTimeout))
 			continue
 		}
-		if s.UsedFraction() >= d.opts.Health.PoolFullThreshold {
-			nearlyFull = append(nearlyFull, health.PoolFullMessage(s, d.opts.Health))
+		if c.pc.err != nil {
+			unreachable = append(unreachable, c.pc.err.Error())
+			continue
 		}
-	}
-	resp := &csi.NodeGetStorageHealthResponse{}
-	// Said without touching the pools: a node fences itself when a pool
-	// stops answering.
-	if fenced, failedClosed := d.fencedPools(); len(fenced)+len(failedClosed) > 0 {
-		if len(failedClosed) > 0 {
-			resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
-				Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonFenceFailedClosed, Message: strings.Join(failedClosed, "; "),
-			})
-		}
-		if len(fenced) > 0 {
-			resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
-				Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonNodeFenced, Message: strings.Join(fenced, "; "),
-			})
+		if c.pc.space.UsedFraction() >= d.opts.Health.PoolFullThreshold {
+			nearlyFull = append(nearlyFull, health.PoolFullMessage(c.pc.space, d.opts.Health))
 		}
 	}
 	if len(unreachable) > 0 {

@@ -20,14 +20,19 @@ import (
 //
 // The pool is hostile: anyone on any node may write it. So nothing a pool
 // record says is opened as a path. The node finds the volume's filesystem
-// itself (freezeVolumeHere): the loop device attached to the volume's image,
-// that device's mounts in the kernel's table, and of those a mount root
+// itself (ownDevice, freezeVolumeHere): in a shared pool the loop device its
+// own stage records name for the volume and the kernel shows holding the
+// recorded file (never the device the pool's image path resolves to: a
+// writer may make that a link to another image attached here), that
+// device's mounts in the kernel's table, and of those a mount root
 // opened once below --allowed-path-prefix without following links and
 // checked on its descriptor, which is the descriptor frozen and thawed. What
 // a restart must thaw is written in this node's own records (nodestate),
 // never read from a pool. A freeze's thaw is armed before the freeze and
 // does nothing a frozen filesystem could block, and each volume has a budget
-// of frozen time whatever the requests say (freezeBudget).
+// of frozen time whatever the requests say (freezeBudget), kept by the
+// identity of the device's backing file, so that no alias of a volume gets
+// a budget of its own.
 
 // freezeKind is the node-local records of freezes (nodestate), by volume ID:
 // written before a freeze, removed after its thaw, read by the next start.
@@ -50,8 +55,9 @@ var freezeRecoveryTimeout = 30 * time.Second
 type freezer struct {
 	mu   sync.Mutex
 	held map[string]*heldFreeze // by volume ID
-	// spent are the holds of each volume that ended within the last hour,
-	// oldest first: the budget (allowance).
+	// spent are the holds of each device that ended within the last hour,
+	// oldest first, by the identity of its backing file (ownDevice): the
+	// budget (allowance).
 	spent map[string][]span
 	// warned holds the inbox entries already reported as unusable, so a
 	// planted file is logged once, not every poll.
@@ -70,8 +76,10 @@ type span struct{ start, end time.Time }
 
 // heldFreeze is a filesystem this node froze for a request.
 type heldFreeze struct {
-	pool  *pool.Pool
-	id    pool.VolumeID
+	pool *pool.Pool
+	id   pool.VolumeID
+	// key is the frozen device's budget key (ownDevice).
+	key   string
 	nonce string
 	local *localHold
 	since time.Time
@@ -107,18 +115,54 @@ func (f *freezer) isRecovered() bool {
 	}
 }
 
-// freezeVolumeHere freezes the filesystem of volume id of p as this node
-// mounted it, for at most bound, and records the freeze in this node's own
-// records first. why says, when h is nil and err is nil, why there is
-// nothing here to freeze. Nothing in the pool but the image's place (the
-// pool's root, which the operator configured, and the parsed key) is used.
-func (d *Driver) freezeVolumeHere(ctx context.Context, p *pool.Pool, id pool.VolumeID, bound time.Duration) (h *localHold, why string, err error) {
-	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+// ownDevice is the loop device of volume id of p that this node attached, and
+// the identity of its backing file as the kernel keeps it (dev:ino), the key
+// of the device's freeze budget; dev is "" when there is none. In a shared
+// pool anyone may make the volume's image a link (symbolic or hard) to
+// another image attached here, so the device comes from this node's own
+// stage records, and only while the kernel shows it holding the recorded
+// file; the pool's image path is not used. A local pool is written by this
+// node's driver alone and its stages are not recorded: its image path is
+// used, and only for calls of this node's own CSI socket (the agent reads
+// only shared pools' inboxes).
+func (d *Driver) ownDevice(p *pool.Pool, id pool.VolumeID) (dev, key string, err error) {
+	devs, err := d.loops.List(identifyWait)
 	if err != nil {
-		return nil, "", err
+		return "", "", failf(pool.ErrUnavailable, "list the loop devices: %w", err)
 	}
-	if !ok {
-		return nil, "no loop device of the volume on this node", nil
+	if p.Shared() {
+		recs, err := d.volumeRecords(id)
+		if err != nil {
+			return "", "", failf(pool.ErrUnavailable, "read this node's stage records: %w", err)
+		}
+		for _, r := range recs {
+			for _, ld := range devs {
+				if r.Device != "" && ld.Device == r.Device && !ld.Fenced && r.holds(ld) {
+					return ld.Device, fmt.Sprintf("%d:%d", ld.Dev, ld.Ino), nil
+				}
+			}
+		}
+		return "", "", nil
+	}
+	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	if err != nil || !ok {
+		return "", "", err
+	}
+	for _, ld := range devs {
+		if ld.Device == dev && ld.Err == nil {
+			return dev, fmt.Sprintf("%d:%d", ld.Dev, ld.Ino), nil
+		}
+	}
+	return dev, dev, nil
+}
+
+// freezeVolumeHere freezes the filesystem on dev, this node's loop device of
+// volume id (ownDevice), as this node mounted it, for at most bound, and
+// records the freeze in this node's own records first. why says, when h is
+// nil and err is nil, why there is nothing here to freeze.
+func (d *Driver) freezeVolumeHere(ctx context.Context, id pool.VolumeID, dev string, bound time.Duration) (h *localHold, why string, err error) {
+	if dev == "" {
+		return nil, "no loop device this node staged the volume on", nil
 	}
 	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
@@ -159,13 +203,19 @@ func (d *Driver) thawHere(ctx context.Context, h *localHold) error {
 	return nil
 }
 
-// allowance is how long volume id may be frozen now, or why not: after a hold
-// the volume is not frozen again for as long as that hold lasted, and within
-// any hour it is frozen for at most the budget. Requests cannot change
-// either: a pool writer that rotates nonces gets no more.
+// allowance is how long the device whose budget key is id (ownDevice) may be
+// frozen now, or why not: after a hold it is not frozen again for as long as
+// that hold lasted, and within any hour it is frozen for at most the budget.
+// Requests cannot change either: a pool writer that rotates nonces, or names
+// the device through other volumes, gets no more.
 func (f *freezer) allowance(id string, now time.Time, t FreezeTiming) (time.Duration, string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	for _, h := range f.held {
+		if h.key == id {
+			return 0, fmt.Sprintf("the volume's device is frozen already, for volume %s", h.id)
+		}
+	}
 	var used time.Duration
 	var keep []span
 	for _, s := range f.spent[id] {
@@ -346,7 +396,7 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	if err := p.WriteFreezeAck(ack); err != nil {
 		if h != nil {
 			d.thawNow(ctx, h)
-			d.freezer.spend(id.String(), h.since, d.freezer.now())
+			d.freezer.spend(h.key, h.since, d.freezer.now())
 		}
 		release()
 		log.Error(err, "Cannot answer a freeze request; not keeping the filesystem frozen")
@@ -386,19 +436,26 @@ func (d *Driver) freezeForRequest(ctx context.Context, p *pool.Pool, id pool.Vol
 	if !staged {
 		return nil, pool.FreezeNotStaged, "no read-write stage of this node"
 	}
+	dev, key, err := d.ownDevice(p, id)
+	switch {
+	case err != nil:
+		return nil, pool.FreezeFailed, fmt.Sprintf("find the volume's loop device: %v", err)
+	case dev == "":
+		return nil, pool.FreezeNotStaged, "no loop device this node staged the volume on"
+	}
 	now := d.freezer.now()
-	bound, refused := d.freezer.allowance(id.String(), now, d.freezeTiming)
+	bound, refused := d.freezer.allowance(key, now, d.freezeTiming)
 	if refused != "" {
 		return nil, pool.FreezeFailed, refused
 	}
-	local, why, err := d.freezeVolumeHere(ctx, p, id, bound)
+	local, why, err := d.freezeVolumeHere(ctx, id, dev, bound)
 	switch {
 	case err != nil:
 		return nil, pool.FreezeFailed, fmt.Sprintf("freeze: %v", err)
 	case local == nil:
 		return nil, pool.FreezeNotStaged, why
 	}
-	return &heldFreeze{pool: p, id: id, nonce: r.Nonce, local: local, since: now, bound: bound}, pool.FreezeFrozen, ""
+	return &heldFreeze{pool: p, id: id, key: key, nonce: r.Nonce, local: local, since: now, bound: bound}, pool.FreezeFrozen, ""
 }
 
 // thawHeld thaws a hold. early, when not empty, says why it ends while the
@@ -423,7 +480,7 @@ func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
 	d.freezer.mu.Lock()
 	delete(d.freezer.held, h.id.String())
 	d.freezer.mu.Unlock()
-	d.freezer.spend(h.id.String(), h.since, d.freezer.now())
+	d.freezer.spend(h.key, h.since, d.freezer.now())
 	if h.release != nil {
 		h.release()
 	}

@@ -167,8 +167,8 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 // copied, and returns the thaw, which fails (ABORTED, retried) if the freeze's
 // bound (--freeze-max-hold) thawed it first. Other nodes are asked through
 // their freeze inboxes (quiesce.go). The filesystem is found as the agent
-// finds it (freezeVolumeHere): this node's own mount of the volume's loop
-// device, never the staging path the pool records. A stage it cannot tell is
+// finds it (ownDevice, freezeVolumeHere): this node's own mount of the loop
+// device it staged the volume on, never the staging path the pool records. A stage it cannot tell is
 // the volume's mount is not frozen, never a wrong filesystem. Callers hold
 // the volume's in-process lock, so no unstage runs meanwhile.
 func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error) {
@@ -182,7 +182,12 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 		return noop
 	}
 	start := time.Now()
-	h, why, err := d.freezeVolumeHere(ctx, p, vid, d.freezeTiming.MaxHold)
+	dev, _, err := d.ownDevice(p, vid)
+	if err != nil {
+		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "err", err)
+		return noop
+	}
+	h, why, err := d.freezeVolumeHere(ctx, vid, dev, d.freezeTiming.MaxHold)
 	if err != nil || h == nil {
 		// Not known to be the volume's mount: not frozen (the snapshot is
 		// then crash-consistent), never a wrong filesystem frozen.
@@ -461,10 +466,10 @@ func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (p
 }
 
 // thawVolumeHere thaws this node's own mount of volume id of p, found as
-// freezeVolumeHere finds it; "" when the volume has none here.
+// freezeVolumeHere finds it (ownDevice); "" when the volume has none here.
 func (d *Driver) thawVolumeHere(p *pool.Pool, id pool.VolumeID) (string, error) {
-	dev, ok, err := d.attachedDevice(p.ImagePath(id))
-	if err != nil || !ok {
+	dev, _, err := d.ownDevice(p, id)
+	if err != nil || dev == "" {
 		return "", err
 	}
 	points, err := d.mounts.MountPoints(dev)

@@ -227,8 +227,19 @@ func (h *Host) Find(backingFile string) (string, bool, error) {
 	if err := h.Faults.hit("Find"); err != nil {
 		return "", false, err
 	}
+	// As mount.Loops.Find: by the identity of the file the path resolves
+	// to (links followed), else, for a file gone, by the path.
+	var st syscall.Stat_t
+	statErr := syscall.Stat(resolveProc(backingFile), &st)
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if statErr == nil {
+		for _, dev := range h.loops {
+			if d := h.devices[dev]; d != nil && !d.fenced && d.id.dev == st.Dev && d.id.ino == st.Ino {
+				return dev, true, nil
+			}
+		}
+	}
 	dev, ok := h.loops[resolveProc(backingFile)]
 	return dev, ok, nil
 }
