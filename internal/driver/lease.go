@@ -192,6 +192,13 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		pl.lastErr = err
 		if err == nil {
 			pl.last, pl.counter = start, rec.Counter
+			if !pl.fenced.IsZero() && !start.Before(pl.fenced) {
+				// A renewal that started after the fence: the episode
+				// is over, and the pool lost again fences again. The
+				// devices it fenced stay fenced until they are unstaged
+				// (attach refuses them, dropStaleStage replaces them).
+				pl.fenced, pl.fenceCause, pl.fence = time.Time{}, "", fencePlan{}
+			}
 		}
 		ls.mu.Unlock()
 		if err != nil {
@@ -301,13 +308,14 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 		}
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
 		lastErr := pl.failure(ls.now(), ls.timing.Interval)
+		at := ls.now()
 		if must {
-			pl.fenced = ls.now()
+			pl.fenced = at
 			pl.fenceCause = describeFailure(lastErr)
 		}
 		ls.mu.Unlock()
 		if must {
-			d.fence(ctx, p, pl, since, lastErr)
+			d.fence(ctx, p, pl, at, since, lastErr)
 		}
 	}
 }
@@ -317,11 +325,14 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 // that lost its pool cannot resolve it): see planFence. It never blocks on the
 // pool: the kernel's answers are waited for a bounded time, and each device is
 // fenced on its own goroutine.
-func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since time.Time, cause error) {
+func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, at, since time.Time, cause error) {
 	log := klog.FromContext(ctx).WithValues("node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
 	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, p.Name(), min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
 		d.leases.mu.Lock()
-		pl.fence = plan
+		if pl.fenced.Equal(at) {
+			// Still this episode: a renewal may have ended it meanwhile.
+			pl.fence = plan
+		}
 		d.leases.mu.Unlock()
 	})
 }
@@ -585,7 +596,10 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	ls := d.leases
 	ls.mu.Lock()
 	pl := ls.state(p.Name())
-	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2
+	// A pool fenced and not renewed since (by a renewal that started after
+	// the fence, which ends the episode) is not fresh, whatever its last
+	// renewal says.
+	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2 && pl.fenced.IsZero()
 	ls.mu.Unlock()
 	if fresh {
 		return nil
@@ -596,6 +610,12 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	case err := <-done:
 		if err != nil {
 			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name(), err)
+		}
+		ls.mu.Lock()
+		fenced := !pl.fenced.IsZero()
+		ls.mu.Unlock()
+		if fenced {
+			return failf(pool.ErrUnavailable, "node %s fenced itself off pool %s and has not renewed its lease since: not taking a volume read-write", d.opts.NodeID, p.Name())
 		}
 		return nil
 	case <-ctx.Done():

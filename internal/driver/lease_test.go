@@ -724,3 +724,78 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	a.fenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 }
+
+// TestFenceFiresAgainAfterThePoolCameBack: a fence episode ends with the
+// first renewal that started after the fence; the pool lost again fences
+// again, so a volume staged read-write between the two losses does not go on
+// writing after another node takes it. While fenced and not renewed since, no
+// volume is taken read-write.
+func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, vc, _, _ := stagedOnA(t)
+	v1 := mustFind(t, a.host, dir)
+	restore := func() {
+		a.leases.mu.Lock()
+		a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) }
+		a.leases.mu.Unlock()
+	}
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	a.cut()
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, v1)
+
+	// A renewal that started before the fence and succeeds after it does
+	// not end the episode: no volume is taken read-write meanwhile.
+	a.leases.mu.Lock()
+	pl := a.leases.pools["shared"]
+	pl.last = a.clock.now().Add(-time.Second)
+	a.leases.mu.Unlock()
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc2", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id2 := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id2, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	staging2 := filepath.Join(a.root, "staging2")
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id2, StagingTargetPath: staging2, VolumeCapability: vc})
+	wantCode(t, err, codes.Unavailable)
+
+	// The pool is back: a renewal ends the episode, and V2 is staged.
+	restore()
+	a.clock.add(time.Second)
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	if st := a.LeaseStates(); len(st) != 1 || st[0].Fenced {
+		t.Fatalf("lease state after a renewal that started after the fence: %+v", st)
+	}
+	if f, _ := a.host.Fenced(v1); !f {
+		t.Fatal("the fence of V1's device was lifted")
+	}
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id2, StagingTargetPath: staging2, VolumeCapability: vc}); err != nil {
+		t.Fatalf("staging V2 once the pool renews again: %v", err)
+	}
+	var v2 string
+	for _, d := range backedUnder(a.host, dir) {
+		if d != v1 {
+			v2 = d
+		}
+	}
+	if v2 == "" {
+		t.Fatal("V2 has no loop device")
+	}
+
+	// The pool is lost again: V2's device is fenced too.
+	a.cut()
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, v2)
+	if st := a.LeaseStates(); len(st) != 1 || !st[0].Fenced {
+		t.Fatalf("lease state after the second fence: %+v", st)
+	}
+}
