@@ -47,9 +47,6 @@ type leases struct {
 	write func(p *pool.Pool, l pool.Lease) error
 	// repair removes a damaged lease entry of this node (pool.RepairLease).
 	repair func(p *pool.Pool, node string) error
-	// started, if set, is when this process started (StartupFence): a
-	// pool's time without a renewal counts from there.
-	started time.Time
 }
 
 // poolLease is this node's lease in one pool.
@@ -85,9 +82,6 @@ func (ls *leases) state(name string) *poolLease {
 	pl, ok := ls.pools[name]
 	if !ok {
 		pl = &poolLease{first: ls.now()}
-		if !ls.started.IsZero() && ls.started.Before(pl.first) {
-			pl.first = ls.started
-		}
 		ls.pools[name] = pl
 	}
 	return pl
@@ -104,9 +98,7 @@ func (d *Driver) keepLeases(ctx context.Context) {
 		// This process's time without a renewal counts from its start,
 		// not from here: a start that hung on a pool must not delay the
 		// fence.
-		d.leases.mu.Lock()
-		d.leases.started = g.at
-		d.leases.mu.Unlock()
+		d.startLeases(ctx, g.at)
 		g.Started()
 	}
 	d.dropStaleRecords(ctx)
@@ -128,6 +120,31 @@ func (d *Driver) keepLeases(ctx context.Context) {
 			d.renewAll(ctx)
 		case <-watch.C:
 			d.fenceExpired(ctx)
+		}
+	}
+}
+
+// startLeases makes this process's time without a renewal count from at, its
+// start (StartupFence), for the pools it answers for at start: those it
+// serves now and those its stage records name (their devices may be an
+// earlier process's). A pool added later (a share's) counts from when it is
+// added: counted from the start, it would fence at the first tick after half
+// the margin, with nothing staged yet, and stay fenced for nothing.
+func (d *Driver) startLeases(ctx context.Context, at time.Time) {
+	var names []string
+	for _, p := range d.sharedPools() {
+		names = append(names, p.Name())
+	}
+	recorded, err := d.recordedPools(false)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading this node's stage records for the pools it answers for at start")
+	}
+	ls := d.leases
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, name := range append(names, recorded...) {
+		if pl := ls.state(name); at.Before(pl.first) {
+			pl.first = at
 		}
 	}
 }

@@ -799,3 +799,40 @@ func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
 		t.Fatalf("lease state after the second fence: %+v", st)
 	}
 }
+
+// TestPoolAddedLaterCountsFromItsAddition: the startup allowance (a pool's
+// time without a renewal counted from the process's start) applies to the
+// pools served at start and those the node's records name; a share's pool
+// added later counts from when it was added, and is not fenced at the next
+// tick (which set it fenced, with nothing to fence, and disarmed its fence).
+func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, _, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	a = restartNode(t, a, dir)
+	a.cut()
+	a.startLeases(ctx, a.clock.now())
+	a.clock.add(lease.Default.Margin / 2)
+	dir2 := filepath.Join(t.TempDir(), "share2")
+	if _, err := pool.Initialise(pool.Config{Name: "share2", Path: dir2, Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	p2, err := pool.Open(pool.Config{Name: "share2", Path: dir2, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.addPool(p2)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+	st := a.LeaseStates()
+	if len(st) != 2 || st[0].Pool != "share2" || st[0].Fenced || st[1].Pool != "shared" || !st[1].Fenced {
+		t.Fatalf("lease states half the margin after the start, share2 just added: %+v", st)
+	}
+	// share2 keeps its own allowance: not renewed for half the margin
+	// since it was added, it fences.
+	a.clock.add(lease.Default.Margin / 2)
+	a.fenceExpired(ctx)
+	if st := a.LeaseStates(); !st[0].Fenced {
+		t.Fatalf("lease states half the margin after share2 was added: %+v", st)
+	}
+}
