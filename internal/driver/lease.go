@@ -309,12 +309,28 @@ func describeFailure(err error) string {
 }
 
 // fenceExpired fences every pool whose lease this node has not renewed for the
-// lease's duration.
+// lease's duration. That includes the pools this node's records name
+// read-write stages of but that it does not serve (a share whose mount was
+// gone when this process started is never served, yet its devices may still
+// write): never renewed, they fence after the startup allowance.
 func (d *Driver) fenceExpired(ctx context.Context) {
 	ls := d.leases
+	var names []string
 	for _, p := range d.sharedPools() {
+		names = append(names, p.Name())
+	}
+	recorded, err := d.recordedPools(true)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading this node's stage records for the pools it does not serve")
+	}
+	for _, name := range recorded {
+		if !slices.Contains(names, name) {
+			names = append(names, name)
+		}
+	}
+	for _, name := range names {
 		ls.mu.Lock()
-		pl := ls.state(p.Name())
+		pl := ls.state(name)
 		since := pl.last
 		if since.IsZero() {
 			// Never renewed by this process. Its devices may be a previous
@@ -332,19 +348,19 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 		}
 		ls.mu.Unlock()
 		if must {
-			d.fence(ctx, p, pl, at, since, lastErr)
+			d.fence(ctx, name, pl, at, since, lastErr)
 		}
 	}
 }
 
-// fence stops I/O through every loop device of this node's images of p, found
+// fence stops I/O through every loop device of this node's images of pool name, found
 // from the kernel and this node's records, never from the pool's path (a node
 // that lost its pool cannot resolve it): see planFence. It never blocks on the
 // pool: the kernel's answers are waited for a bounded time, and each device is
 // fenced on its own goroutine.
-func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, at, since time.Time, cause error) {
+func (d *Driver) fence(ctx context.Context, name string, pl *poolLease, at, since time.Time, cause error) {
 	log := klog.FromContext(ctx).WithValues("node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
-	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, p.Name(), min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
+	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, name, min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
 		d.leases.mu.Lock()
 		if pl.fenced.Equal(at) {
 			// Still this episode: a renewal may have ended it meanwhile.

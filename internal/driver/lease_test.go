@@ -836,3 +836,43 @@ func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
 		t.Fatalf("lease states half the margin after share2 was added: %+v", st)
 	}
 }
+
+// TestFenceOfAPoolNotServed: a node plugin restarted while a share's pool is
+// lost does not serve it (recoverShares skips a share whose mount is gone),
+// yet its records name read-write stages of it whose devices still write:
+// the lease keeper fences it by name, after the same startup allowance.
+func TestFenceOfAPoolNotServed(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, _, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	a.host.LosePath(dir)
+	// The restarted process serves another pool only.
+	other := filepath.Join(t.TempDir(), "other")
+	if _, err := pool.Initialise(pool.Config{Name: "other", Path: other}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := pool.Open(pool.Config{Name: "other", Path: other})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-a", Mode: ModeAll, Pools: []*pool.Pool{p},
+		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}, State: a.opts.State})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &clock{t: a.clock.now()}
+	d.leases.now = c.now
+	d.startLeases(ctx, c.now())
+	c.add(lease.Default.Margin/2 - time.Second)
+	d.fenceExpired(ctx)
+	time.Sleep(20 * time.Millisecond)
+	if f, _ := a.host.Fenced(dev); f {
+		t.Fatal("fenced before the startup allowance ran out")
+	}
+	c.add(time.Second)
+	d.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+	if st := d.LeaseStates(); len(st) != 1 || st[0].Pool != "shared" || !st[0].Fenced {
+		t.Fatalf("lease states: %+v", st)
+	}
+}
