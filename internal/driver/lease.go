@@ -331,14 +331,7 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 	for _, name := range names {
 		ls.mu.Lock()
 		pl := ls.state(name)
-		since := pl.last
-		if since.IsZero() {
-			// Never renewed by this process. Its devices may be a previous
-			// process's, whose last renewal this one cannot know: it gives
-			// itself half the margin to renew, so that a restart within the
-			// lease's duration still fences before any reader's expiry.
-			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
-		}
+		since := ls.since(pl)
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
 		lastErr := pl.failure(ls.now(), ls.timing.Interval)
 		at := ls.now()
@@ -351,6 +344,32 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 			d.fence(ctx, name, pl, at, since, lastErr)
 		}
 	}
+}
+
+// since is when pl's time without a renewal counts from, for the fence.
+// Callers hold ls.mu.
+func (ls *leases) since(pl *poolLease) time.Time {
+	if pl.last.IsZero() {
+		// Never renewed by this process. Its devices may be a previous
+		// process's, whose last renewal this one cannot know: it gives
+		// itself half the margin to renew, so that a restart within the
+		// lease's duration still fences before any reader's expiry.
+		return pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
+	}
+	return pl.last
+}
+
+// lost tells whether this node's lease in pool name is fenced or past its
+// duration (the fence is due): a device attached now may have been missed
+// by the fence's enumeration. A nil ls (no leases) loses nothing.
+func (ls *leases) lost(name string) bool {
+	if ls == nil {
+		return false
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	pl := ls.state(name)
+	return !pl.fenced.IsZero() || ls.timing.MustFence(ls.since(pl), ls.now())
 }
 
 // fence stops I/O through every loop device of this node's images of pool name, found

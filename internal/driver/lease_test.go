@@ -876,3 +876,40 @@ func TestFenceOfAPoolNotServed(t *testing.T) {
 		t.Fatalf("lease states: %+v", st)
 	}
 }
+
+// TestStageRacingTheFence: a stage whose lease was fresh when it began, but
+// which stalled before its attach for longer than the lease's duration (the
+// fence ran meanwhile, before the device existed), does not leave the new
+// device writing: it fences and detaches it and answers UNAVAILABLE.
+func TestStageRacingTheFence(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a := newLeaseNode(t, dir, "node-a")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	a.host.Faults.OnCall("Attach", func() {
+		a.host.Faults.OnCall("Attach", nil)
+		a.cut()
+		a.clock.add(lease.Default.Duration)
+		a.fenceExpired(ctx)
+	})
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc})
+	wantCode(t, err, codes.Unavailable)
+	time.Sleep(20 * time.Millisecond)
+	all, _ := a.host.List(time.Second)
+	for _, ld := range all {
+		if !ld.Fenced {
+			t.Fatalf("a loop device the stage attached after the fence takes I/O: %+v", ld)
+		}
+	}
+}
