@@ -324,7 +324,7 @@ func (d *Driver) fenceExpired(ctx context.Context) {
 		klog.FromContext(ctx).Error(err, "Reading this node's stage records for the pools it does not serve")
 	}
 	for _, name := range recorded {
-		if !slices.Contains(names, name) {
+		if d.pool(name) == nil && !slices.Contains(names, name) {
 			names = append(names, name)
 		}
 	}
