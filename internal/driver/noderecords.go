@@ -234,7 +234,7 @@ func (d *layoutDeps) recordedPools(readWrite bool) ([]string, error) {
 		var r stageRecord
 		if ok, err := d.state.Get(stagesKind, k, &r); err != nil {
 			errs = append(errs, err)
-		} else if ok && !(readWrite && r.ReadOnly) && !slices.Contains(out, r.Pool) {
+		} else if ok && (!readWrite || !r.ReadOnly) && !slices.Contains(out, r.Pool) {
 			out = append(out, r.Pool)
 		}
 	}
