@@ -239,6 +239,7 @@ func New(opts Options) (*Driver, error) {
 		freezer:      newFreezer(),
 		cgroups:      host.Cgroups,
 	}
+	d.leaseState = d.leases
 	d.quiesceCopy = d.quiesce
 	// A clone freezes its source as a snapshot does; read late, so a test's
 	// wrapper of quiesceCopy sees clones too.

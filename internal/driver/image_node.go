@@ -222,6 +222,23 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 	if err := d.noteDevice(ctx, rec, dev); err != nil {
 		return "", err
 	}
+	if rec.Pool != "" && !rec.ReadOnly && d.leaseState.lost(rec.Pool) {
+		// The lease was fresh when the stage began (ensureLease), but the
+		// stage stalled: the fence may have listed the kernel's devices
+		// before this one existed. Now that it is recorded, any later
+		// fence finds it; this one is fenced here.
+		log := klog.FromContext(ctx).WithValues("volume", nv.id, "device", dev)
+		log.Info("This node's lease in the pool expired or was fenced while the volume was being attached: fencing and detaching its new loop device")
+		if err := d.loops.Fence(dev); err != nil {
+			log.Error(err, "Fencing the loop device of a stage that raced the fence")
+		}
+		// Nothing mounts it yet: detached, it takes no I/O either way.
+		if err := d.loops.Detach(ctx, image); err != nil {
+			log.Error(err, "Detaching the fenced loop device of a stage that raced the fence")
+		}
+		d.forgetStages(ctx, nv.id)
+		return "", failf(pool.ErrUnavailable, "node %s: its lease in pool %s expired or was fenced while volume %s was being attached; not taking it read-write (retry once the lease is renewed)", d.nodeID, nv.pool.Name(), nv.id)
+	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
 		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name())
 	}

@@ -93,6 +93,10 @@ type layoutDeps struct {
 	freeze func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
 	// state is the node's own record store (noderecords.go).
 	state *nodestate.Store
+	// leaseState is the driver's lease state (lease.go), for a stage to
+	// check after it recorded its device that no fence has run or is due
+	// meanwhile; nil: no such check.
+	leaseState *leases
 }
 
 // dirLayout is a subdirectory of the pool, bind-mounted into pods: many

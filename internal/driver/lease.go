@@ -47,9 +47,6 @@ type leases struct {
 	write func(p *pool.Pool, l pool.Lease) error
 	// repair removes a damaged lease entry of this node (pool.RepairLease).
 	repair func(p *pool.Pool, node string) error
-	// started, if set, is when this process started (StartupFence): a
-	// pool's time without a renewal counts from there.
-	started time.Time
 }
 
 // poolLease is this node's lease in one pool.
@@ -85,9 +82,6 @@ func (ls *leases) state(name string) *poolLease {
 	pl, ok := ls.pools[name]
 	if !ok {
 		pl = &poolLease{first: ls.now()}
-		if !ls.started.IsZero() && ls.started.Before(pl.first) {
-			pl.first = ls.started
-		}
 		ls.pools[name] = pl
 	}
 	return pl
@@ -104,9 +98,7 @@ func (d *Driver) keepLeases(ctx context.Context) {
 		// This process's time without a renewal counts from its start,
 		// not from here: a start that hung on a pool must not delay the
 		// fence.
-		d.leases.mu.Lock()
-		d.leases.started = g.at
-		d.leases.mu.Unlock()
+		d.startLeases(ctx, g.at)
 		g.Started()
 	}
 	d.dropStaleRecords(ctx)
@@ -128,6 +120,31 @@ func (d *Driver) keepLeases(ctx context.Context) {
 			d.renewAll(ctx)
 		case <-watch.C:
 			d.fenceExpired(ctx)
+		}
+	}
+}
+
+// startLeases makes this process's time without a renewal count from at, its
+// start (StartupFence), for the pools it answers for at start: those it
+// serves now and those its stage records name (their devices may be an
+// earlier process's). A pool added later (a share's) counts from when it is
+// added: counted from the start, it would fence at the first tick after half
+// the margin, with nothing staged yet, and stay fenced for nothing.
+func (d *Driver) startLeases(ctx context.Context, at time.Time) {
+	var names []string
+	for _, p := range d.sharedPools() {
+		names = append(names, p.Name())
+	}
+	recorded, err := d.recordedPools(false)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading this node's stage records for the pools it answers for at start")
+	}
+	ls := d.leases
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	for _, name := range append(names, recorded...) {
+		if pl := ls.state(name); at.Before(pl.first) {
+			pl.first = at
 		}
 	}
 }
@@ -192,6 +209,13 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		pl.lastErr = err
 		if err == nil {
 			pl.last, pl.counter = start, rec.Counter
+			if !pl.fenced.IsZero() && !start.Before(pl.fenced) {
+				// A renewal that started after the fence: the episode
+				// is over, and the pool lost again fences again. The
+				// devices it fenced stay fenced until they are unstaged
+				// (attach refuses them, dropStaleStage replaces them).
+				pl.fenced, pl.fenceCause, pl.fence = time.Time{}, "", fencePlan{}
+			}
 		}
 		ls.mu.Unlock()
 		if err != nil {
@@ -285,43 +309,82 @@ func describeFailure(err error) string {
 }
 
 // fenceExpired fences every pool whose lease this node has not renewed for the
-// lease's duration.
+// lease's duration. That includes the pools this node's records name
+// read-write stages of but that it does not serve (a share whose mount was
+// gone when this process started is never served, yet its devices may still
+// write): never renewed, they fence after the startup allowance.
 func (d *Driver) fenceExpired(ctx context.Context) {
 	ls := d.leases
+	var names []string
 	for _, p := range d.sharedPools() {
-		ls.mu.Lock()
-		pl := ls.state(p.Name())
-		since := pl.last
-		if since.IsZero() {
-			// Never renewed by this process. Its devices may be a previous
-			// process's, whose last renewal this one cannot know: it gives
-			// itself half the margin to renew, so that a restart within the
-			// lease's duration still fences before any reader's expiry.
-			since = pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
+		names = append(names, p.Name())
+	}
+	recorded, err := d.recordedPools(true)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Reading this node's stage records for the pools it does not serve")
+	}
+	for _, name := range recorded {
+		if d.pool(name) == nil && !slices.Contains(names, name) {
+			names = append(names, name)
 		}
+	}
+	for _, name := range names {
+		ls.mu.Lock()
+		pl := ls.state(name)
+		since := ls.since(pl)
 		must := pl.fenced.IsZero() && ls.timing.MustFence(since, ls.now())
 		lastErr := pl.failure(ls.now(), ls.timing.Interval)
+		at := ls.now()
 		if must {
-			pl.fenced = ls.now()
+			pl.fenced = at
 			pl.fenceCause = describeFailure(lastErr)
 		}
 		ls.mu.Unlock()
 		if must {
-			d.fence(ctx, p, pl, since, lastErr)
+			d.fence(ctx, name, pl, at, since, lastErr)
 		}
 	}
 }
 
-// fence stops I/O through every loop device of this node's images of p, found
+// since is when pl's time without a renewal counts from, for the fence.
+// Callers hold ls.mu.
+func (ls *leases) since(pl *poolLease) time.Time {
+	if pl.last.IsZero() {
+		// Never renewed by this process. Its devices may be a previous
+		// process's, whose last renewal this one cannot know: it gives
+		// itself half the margin to renew, so that a restart within the
+		// lease's duration still fences before any reader's expiry.
+		return pl.first.Add(min(ls.timing.Margin/2, ls.timing.Duration) - ls.timing.Duration)
+	}
+	return pl.last
+}
+
+// lost tells whether this node's lease in pool name is fenced or past its
+// duration (the fence is due): a device attached now may have been missed
+// by the fence's enumeration. A nil ls (no leases) loses nothing.
+func (ls *leases) lost(name string) bool {
+	if ls == nil {
+		return false
+	}
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	pl := ls.state(name)
+	return !pl.fenced.IsZero() || ls.timing.MustFence(ls.since(pl), ls.now())
+}
+
+// fence stops I/O through every loop device of this node's images of pool name, found
 // from the kernel and this node's records, never from the pool's path (a node
 // that lost its pool cannot resolve it): see planFence. It never blocks on the
 // pool: the kernel's answers are waited for a bounded time, and each device is
 // fenced on its own goroutine.
-func (d *Driver) fence(ctx context.Context, p *pool.Pool, pl *poolLease, since time.Time, cause error) {
+func (d *Driver) fence(ctx context.Context, name string, pl *poolLease, at, since time.Time, cause error) {
 	log := klog.FromContext(ctx).WithValues("node", d.opts.NodeID, "lastRenewal", since, "duration", d.leases.timing.Duration)
-	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, p.Name(), min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
+	fencePool(klog.NewContext(ctx, log), &d.layoutDeps, name, min(identifyWait, d.leases.timing.Margin/4), cause, func(plan fencePlan) {
 		d.leases.mu.Lock()
-		pl.fence = plan
+		if pl.fenced.Equal(at) {
+			// Still this episode: a renewal may have ended it meanwhile.
+			pl.fence = plan
+		}
 		d.leases.mu.Unlock()
 	})
 }
@@ -585,7 +648,10 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	ls := d.leases
 	ls.mu.Lock()
 	pl := ls.state(p.Name())
-	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2
+	// A pool fenced and not renewed since (by a renewal that started after
+	// the fence, which ends the episode) is not fresh, whatever its last
+	// renewal says.
+	fresh := !pl.last.IsZero() && ls.now().Sub(pl.last) < ls.timing.Duration/2 && pl.fenced.IsZero()
 	ls.mu.Unlock()
 	if fresh {
 		return nil
@@ -596,6 +662,12 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	case err := <-done:
 		if err != nil {
 			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name(), err)
+		}
+		ls.mu.Lock()
+		fenced := !pl.fenced.IsZero()
+		ls.mu.Unlock()
+		if fenced {
+			return failf(pool.ErrUnavailable, "node %s fenced itself off pool %s and has not renewed its lease since: not taking a volume read-write", d.opts.NodeID, p.Name())
 		}
 		return nil
 	case <-ctx.Done():

@@ -724,3 +724,192 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	a.fenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 }
+
+// TestFenceFiresAgainAfterThePoolCameBack: a fence episode ends with the
+// first renewal that started after the fence; the pool lost again fences
+// again, so a volume staged read-write between the two losses does not go on
+// writing after another node takes it. While fenced and not renewed since, no
+// volume is taken read-write.
+func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, vc, _, _ := stagedOnA(t)
+	v1 := mustFind(t, a.host, dir)
+	restore := func() {
+		a.leases.mu.Lock()
+		a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) }
+		a.leases.mu.Unlock()
+	}
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	a.cut()
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, v1)
+
+	// A renewal that started before the fence and succeeds after it does
+	// not end the episode: no volume is taken read-write meanwhile.
+	a.leases.mu.Lock()
+	pl := a.leases.pools["shared"]
+	pl.last = a.clock.now().Add(-time.Second)
+	a.leases.mu.Unlock()
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc2", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id2 := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id2, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	staging2 := filepath.Join(a.root, "staging2")
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id2, StagingTargetPath: staging2, VolumeCapability: vc})
+	wantCode(t, err, codes.Unavailable)
+
+	// The pool is back: a renewal ends the episode, and V2 is staged.
+	restore()
+	a.clock.add(time.Second)
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	if st := a.LeaseStates(); len(st) != 1 || st[0].Fenced {
+		t.Fatalf("lease state after a renewal that started after the fence: %+v", st)
+	}
+	if f, _ := a.host.Fenced(v1); !f {
+		t.Fatal("the fence of V1's device was lifted")
+	}
+	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id2, StagingTargetPath: staging2, VolumeCapability: vc}); err != nil {
+		t.Fatalf("staging V2 once the pool renews again: %v", err)
+	}
+	var v2 string
+	for _, d := range backedUnder(a.host, dir) {
+		if d != v1 {
+			v2 = d
+		}
+	}
+	if v2 == "" {
+		t.Fatal("V2 has no loop device")
+	}
+
+	// The pool is lost again: V2's device is fenced too.
+	a.cut()
+	a.clock.add(lease.Default.Duration)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, v2)
+	if st := a.LeaseStates(); len(st) != 1 || !st[0].Fenced {
+		t.Fatalf("lease state after the second fence: %+v", st)
+	}
+}
+
+// TestPoolAddedLaterCountsFromItsAddition: the startup allowance (a pool's
+// time without a renewal counted from the process's start) applies to the
+// pools served at start and those the node's records name; a share's pool
+// added later counts from when it was added, and is not fenced at the next
+// tick (which set it fenced, with nothing to fence, and disarmed its fence).
+func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, _, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	a = restartNode(t, a, dir)
+	a.cut()
+	a.startLeases(ctx, a.clock.now())
+	a.clock.add(lease.Default.Margin / 2)
+	dir2 := filepath.Join(t.TempDir(), "share2")
+	if _, err := pool.Initialise(pool.Config{Name: "share2", Path: dir2, Shared: true}); err != nil {
+		t.Fatal(err)
+	}
+	p2, err := pool.Open(pool.Config{Name: "share2", Path: dir2, Shared: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a.addPool(p2)
+	a.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+	st := a.LeaseStates()
+	if len(st) != 2 || st[0].Pool != "share2" || st[0].Fenced || st[1].Pool != "shared" || !st[1].Fenced {
+		t.Fatalf("lease states half the margin after the start, share2 just added: %+v", st)
+	}
+	// share2 keeps its own allowance: not renewed for half the margin
+	// since it was added, it fences.
+	a.clock.add(lease.Default.Margin / 2)
+	a.fenceExpired(ctx)
+	if st := a.LeaseStates(); !st[0].Fenced {
+		t.Fatalf("lease states half the margin after share2 was added: %+v", st)
+	}
+}
+
+// TestFenceOfAPoolNotServed: a node plugin restarted while a share's pool is
+// lost does not serve it (recoverShares skips a share whose mount is gone),
+// yet its records name read-write stages of it whose devices still write:
+// the lease keeper fences it by name, after the same startup allowance.
+func TestFenceOfAPoolNotServed(t *testing.T) {
+	ctx := context.Background()
+	dir, a, _, _, _, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	a.host.LosePath(dir)
+	// The restarted process serves another pool only.
+	other := filepath.Join(t.TempDir(), "other")
+	if _, err := pool.Initialise(pool.Config{Name: "other", Path: other}); err != nil {
+		t.Fatal(err)
+	}
+	p, err := pool.Open(pool.Config{Name: "other", Path: other})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-a", Mode: ModeAll, Pools: []*pool.Pool{p},
+		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}, State: a.opts.State})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := &clock{t: a.clock.now()}
+	d.leases.now = c.now
+	d.startLeases(ctx, c.now())
+	c.add(lease.Default.Margin/2 - time.Second)
+	d.fenceExpired(ctx)
+	time.Sleep(20 * time.Millisecond)
+	if f, _ := a.host.Fenced(dev); f {
+		t.Fatal("fenced before the startup allowance ran out")
+	}
+	c.add(time.Second)
+	d.fenceExpired(ctx)
+	waitFenced(t, a.host, dev)
+	if st := d.LeaseStates(); len(st) != 1 || st[0].Pool != "shared" || !st[0].Fenced {
+		t.Fatalf("lease states: %+v", st)
+	}
+}
+
+// TestStageRacingTheFence: a stage whose lease was fresh when it began, but
+// which stalled before its attach for longer than the lease's duration (the
+// fence ran meanwhile, before the device existed), does not leave the new
+// device writing: it fences and detaches it and answers UNAVAILABLE.
+func TestStageRacingTheFence(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a := newLeaseNode(t, dir, "node-a")
+	vc := mountCap(rwo, "ext4")
+	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	a.host.Faults.OnCall("Attach", func() {
+		a.host.Faults.OnCall("Attach", nil)
+		a.cut()
+		a.clock.add(lease.Default.Duration)
+		a.fenceExpired(ctx)
+	})
+	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc})
+	wantCode(t, err, codes.Unavailable)
+	time.Sleep(20 * time.Millisecond)
+	all, _ := a.host.List(time.Second)
+	for _, ld := range all {
+		if !ld.Fenced {
+			t.Fatalf("a loop device the stage attached after the fence takes I/O: %+v", ld)
+		}
+	}
+}

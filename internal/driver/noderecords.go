@@ -220,6 +220,31 @@ func (d *layoutDeps) poolRecords(name string) ([]stageRecord, error) {
 	return out, nil
 }
 
+// recordedPools are the pools this node's stage records name (only those of
+// read-write stages if readWrite), sorted; with an error, those of the
+// records it could read.
+func (d *layoutDeps) recordedPools(readWrite bool) ([]string, error) {
+	keys, err := d.state.Keys(stagesKind)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	var errs []error
+	for _, k := range keys {
+		var r stageRecord
+		if ok, err := d.state.Get(stagesKind, k, &r); err != nil {
+			errs = append(errs, err)
+		} else if ok && (!readWrite || !r.ReadOnly) && !slices.Contains(out, r.Pool) {
+			out = append(out, r.Pool)
+		}
+	}
+	slices.Sort(out)
+	if len(errs) > 0 {
+		return out, fmt.Errorf("%d of this node's stage records unreadable: %w", len(errs), errs[0])
+	}
+	return out, nil
+}
+
 // forgetStages drops this node's records of volume vid whose device is gone
 // from the kernel: detached, or bound to another file. A record whose device
 // the kernel cannot rule out (its backing file does not answer) stays.
