@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
@@ -257,6 +258,39 @@ func TestThawAfterCrash(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestThawAfterCrashWaitsForBusyVolume: a volume another start-up task holds
+// (the lease keeper's dropStaleRecords takes each recorded volume's lock while
+// the kernel lists its loop devices) is thawed once that task lets go, never
+// skipped. A skipped thaw left the filesystem frozen for good: the next freeze
+// failed on it and dropped its record, the unstage unmounted it frozen, its
+// superblock kept the loop device open, and the next stage fenced that device
+// as a stale one and left it attached.
+func TestThawAfterCrashWaitsForBusyVolume(t *testing.T) {
+	td := newTestDriver(t, testOpts{})
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	staging := filepath.Join(td.root, "staging", id)
+	vid, _ := pool.ParseVolumeID(id)
+	dev, _, _ := td.loops.Find(td.pool.ImagePath(vid))
+	if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+		t.Fatal(err)
+	}
+	td.host.FreezeDevice(dev)
+	release, err := td.locks.acquire(id, "dropStaleRecords")
+	if err != nil {
+		t.Fatal(err)
+	}
+	td.thawAfterCrash(context.Background())
+	time.Sleep(100 * time.Millisecond) // the recovery finds the volume busy
+	release()
+	waitFor(t, "the filesystem is thawed", func() bool { return !td.host.Frozen(staging) })
+	waitFor(t, "the recovery is done", td.freezer.isRecovered)
+	waitFor(t, "the freeze record is dropped", func() bool { keys, _ := td.opts.State.Keys(freezeKind); return len(keys) == 0 })
 }
 
 func TestExpandOnline(t *testing.T) {

@@ -323,16 +323,34 @@ func (d *layoutDeps) recordedDevice(vid pool.VolumeID, dev string) bool {
 // whose device the kernel shows gone (forgetStages): a crash between a detach
 // and the record's deletion leaves one, which would make a later fence fail
 // closed for nothing. A volume with a call under way is left to that call.
+// The kernel's devices are looked at once first, under no lock: only a volume
+// with a record they do not show held is locked and looked at again. A listing
+// waits up to identifyWait for a hung backing file (any on the node, not only
+// the pool's), and each lock held meanwhile turns the volume's calls away, and
+// kept a restart's thaw of the volume from running (snapshot.go).
 func (d *Driver) dropStaleRecords(ctx context.Context) {
 	keys, err := d.opts.State.Keys(stagesKind)
 	if err != nil {
 		klog.FromContext(ctx).Error(err, "Reading this node's stage records")
 		return
 	}
+	if len(keys) == 0 {
+		return
+	}
+	devs, err := d.loops.List(identifyWait)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Listing the loop devices to drop this node's stale stage records; they stay")
+		return
+	}
+	held := func(r stageRecord) bool {
+		return slices.ContainsFunc(devs, func(ld mount.LoopDevice) bool {
+			return r.holds(ld) || ld.Err != nil && (r.Device == "" || ld.Device == r.Device)
+		})
+	}
 	seen := map[string]bool{}
 	for _, k := range keys {
 		var r stageRecord
-		if ok, err := d.opts.State.Get(stagesKind, k, &r); err != nil || !ok || seen[r.Volume] {
+		if ok, err := d.opts.State.Get(stagesKind, k, &r); err != nil || !ok || seen[r.Volume] || held(r) {
 			continue
 		}
 		seen[r.Volume] = true

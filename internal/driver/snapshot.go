@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -438,13 +439,30 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 	}
 }
 
+// recoveryLockPoll is how often a recovery thaw tries a busy volume's lock.
+const recoveryLockPoll = 20 * time.Millisecond
+
 // recoveryThaw is one thaw of recoverFreezes, under the volume's lock.
 func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (path string, err error)) func() {
 	return func() {
 		log := klog.FromContext(ctx).WithValues("volume", volume)
-		release, err := d.locks.acquire(volume, "a thaw after a crash")
-		if err != nil {
-			log.Error(err, "Not thawing a filesystem left frozen by a crash now")
+		// Waited for, never skipped: other start-up work (the lease keeper's
+		// dropStaleRecords) or a call may hold the volume a moment. A thaw
+		// skipped leaves the filesystem frozen for good (the next freeze
+		// fails on it and drops the record), and an unstage then unmounts it
+		// frozen: its superblock keeps the loop device open, attached.
+		var release func()
+		busy := false
+		_ = wait.PollUntilContextCancel(ctx, recoveryLockPoll, true, func(context.Context) (bool, error) {
+			r, err := d.locks.acquire(volume, "a thaw after a crash")
+			if err != nil && !busy {
+				busy = true
+				log.Info("Waiting to thaw a filesystem left frozen by a crash: the volume is busy", "reason", err.Error())
+			}
+			release = r
+			return err == nil, nil
+		})
+		if release == nil {
 			return
 		}
 		defer release()

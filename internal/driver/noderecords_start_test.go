@@ -1,0 +1,76 @@
+package driver
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// TestDropStaleRecordsLocksOnlyStale: the lease keeper's start-up pass over
+// the stage records locks no volume whose recorded device the kernel shows
+// attached. The kernel's listing may wait for a hung backing file anywhere on
+// the node; a staged volume locked meanwhile turned its calls away (ABORTED
+// for seconds after each restart) and kept the restart's thaw of a filesystem
+// left frozen by a crash from running. A stale record still goes.
+func TestDropStaleRecordsLocksOnlyStale(t *testing.T) {
+	ctx := context.Background()
+	dir := newLeasePool(t)
+	a := newLeaseNode(t, dir, "node-a")
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	vc := mountCap(rwo, "ext4")
+	var ids []string
+	for _, name := range []string{"staged", "gone"} {
+		resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: name, VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		id := resp.GetVolume().GetVolumeId()
+		ids = append(ids, id)
+		if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, name), VolumeCapability: vc}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	staged, gone := ids[0], ids[1]
+	goneVID, _ := pool.ParseVolumeID(gone)
+	recs, err := a.volumeRecords(goneVID)
+	if err != nil || len(recs) != 1 {
+		t.Fatalf("records of %s: %+v %v", gone, recs, err)
+	}
+	// A crash between the detach and the record's deletion.
+	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: gone, StagingTargetPath: filepath.Join(a.root, "gone")}); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.opts.State.Put(stagesKind, recs[0].key(), recs[0]); err != nil {
+		t.Fatal(err)
+	}
+
+	var lockedWhileListing []string
+	a.host.Faults.OnCall("List", func() {
+		for _, id := range []string{staged, gone} {
+			if release, err := a.locks.acquire(id, "probe"); err != nil {
+				lockedWhileListing = append(lockedWhileListing, id)
+			} else {
+				release()
+			}
+		}
+	})
+	a.dropStaleRecords(ctx)
+	for _, id := range lockedWhileListing {
+		if id == staged {
+			t.Errorf("the staged volume %s was locked while the kernel's devices were listed", staged)
+		}
+	}
+	if recs, _ := a.volumeRecords(goneVID); len(recs) != 0 {
+		t.Errorf("stale record kept: %+v", recs)
+	}
+	stagedVID, _ := pool.ParseVolumeID(staged)
+	if recs, _ := a.volumeRecords(stagedVID); len(recs) != 1 {
+		t.Errorf("records of the staged volume: %+v", recs)
+	}
+}
