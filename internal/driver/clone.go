@@ -7,6 +7,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -54,7 +55,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 			return nil, err
 		}
 		if !known {
-			return nil, failf(pool.ErrNotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
+			return nil, csierr.Failf(pool.ErrNotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
 		}
 		p, s, err := d.loadSnapshot(ctx, sid, acc)
 		if err != nil {
@@ -124,7 +125,7 @@ func (c *contentSource) sourceSize(r *csi.CapacityRange, minimum int64) (int64, 
 		required = c.size
 	}
 	if required != 0 && required < c.size {
-		return 0, failf(pool.ErrOutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
+		return 0, csierr.Failf(pool.ErrOutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
 	}
 	size, err := pool.Capacity(required, r.GetLimitBytes(), max(minimum, c.size))
 	if err != nil {

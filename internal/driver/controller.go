@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -129,7 +130,7 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 }
 
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	name := req.GetName()
 	if err := checkRequestName("volume", name); err != nil {
 		return nil, err
@@ -214,10 +215,10 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 		return nil, err
 	}
 	if err := d.createCompatible(v, caps, req.GetCapacityRange(), fresh); err != nil {
-		return nil, failf(pool.ErrExists, "volume %q exists with other attributes: %w", name, err)
+		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with other attributes: %w", name, err)
 	}
 	if !sameSource(v.Source, source) {
-		return nil, failf(pool.ErrExists, "volume %q exists with another content source", name)
+		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with another content source", name)
 	}
 	if v.State == pool.StateCreating {
 		var made error // make's own error: a source it cannot find is no deleted volume
@@ -230,7 +231,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return made
 		})
 		if made == nil && errors.Is(err, pool.ErrNotFound) {
-			return nil, failf(pool.ErrBusy, "volume %q was deleted while it was being created; retry", name)
+			return nil, csierr.Failf(pool.ErrBusy, "volume %q was deleted while it was being created; retry", name)
 		}
 		if err != nil {
 			return nil, err
@@ -248,7 +249,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 			continue
 		}
 		if p.VolumeExists(p.NewID(name)) {
-			return failf(pool.ErrExists, "volume %q already exists in pool %s", name, pn)
+			return csierr.Failf(pool.ErrExists, "volume %q already exists in pool %s", name, pn)
 		}
 	}
 	return nil
@@ -287,7 +288,7 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 			return mine, nil
 		}
 	}
-	return nil, failf(errTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name(), d.opts.NodeID, requisite)
+	return nil, csierr.Failf(csierr.ErrTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name(), d.opts.NodeID, requisite)
 }
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
@@ -314,13 +315,13 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 }
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
 	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, errNoPool) {
+	if errors.Is(err, csierr.ErrNoPool) {
 		// Not a pool of this driver, or a share without one: nothing of the
 		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
 		// the provisioner retries, nothing is said deleted that was not.
@@ -345,19 +346,19 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	v, err := p.Load(vid)
 	switch {
 	case err == nil && v.Ephemeral != nil:
-		return nil, failf(errInUse, "volume %s is the ephemeral inline volume %s of pod %s on node %s: only that node's NodeUnpublishVolume (or its sweep) removes it", vid, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node)
+		return nil, csierr.Failf(csierr.ErrInUse, "volume %s is the ephemeral inline volume %s of pod %s on node %s: only that node's NodeUnpublishVolume (or its sweep) removes it", vid, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node)
 	case err == nil && v.IsStaged():
 		var where []string
 		for _, s := range v.Staged {
 			where = append(where, s.Node+":"+s.Path)
 		}
-		return nil, failf(errInUse, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
+		return nil, csierr.Failf(csierr.ErrInUse, "volume %s is still staged on %s; unstage it before deleting", vid, strings.Join(where, ", "))
 	case err == nil && len(v.Published) > 0:
 		return nil, publishedError(v)
 	case err != nil && !errors.Is(err, pool.ErrNotFound):
 		// Damaged, or written by a newer driver: it may record nodes that still
 		// hold the volume, so nothing is deleted on a guess.
-		return nil, failf(errState,
+		return nil, csierr.Failf(csierr.ErrState,
 			"volume %s: %v. poolcsi does not delete a volume whose metadata it cannot read: it may still be staged or published. "+
 				"Repair %s (poolcsi pool check names the fault) or, if the data is no longer wanted, remove the volume's directory by hand",
 			vid, err, p.MetadataPath(vid))
@@ -378,7 +379,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 }
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -482,7 +483,7 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 // from the rest of the listing. Ready volumes are listed, and volumes whose
 // metadata is damaged (so the CO still sees they exist; the condition says why).
 func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (_ *csi.ListVolumesResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
@@ -566,7 +567,7 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 }
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -585,7 +586,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 }
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	params, err := d.parseCreateParams(req.GetParameters())
 	if err != nil {
 		return nil, err

@@ -11,6 +11,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -72,7 +73,7 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 // but it is no block device.
 func (dirLayout) allowed(s capsSpec) error {
 	if s.access == pool.AccessBlock {
-		return failf(errInvalid, "layout dir volumes are directories: block access needs layout image")
+		return csierr.Failf(csierr.ErrInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
 }
@@ -139,7 +140,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	if points, err := d.mounts.MountsBelow(p.Dir(vid)); err != nil {
 		return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 	} else if len(points) > 0 {
-		return failf(errInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
+		return csierr.Failf(csierr.ErrInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
 	}
 	// A bind mount of the data elsewhere (a target left behind) shows the same
 	// files: removing them would empty a volume a pod still uses.
@@ -147,7 +148,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		if other, err := d.mounts.MountedElsewhere(p.DataPath(vid)); err != nil {
 			return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 		} else if other != "" {
-			return failf(errInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
+			return csierr.Failf(csierr.ErrInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
 		}
 	}
 	// A link in place of the data directory is removed as a link; nothing is
@@ -205,7 +206,7 @@ func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 			return err
 		}
 		if b.Kind() != v.Quota.Kind {
-			return failf(errState, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
+			return csierr.Failf(csierr.ErrState, "volume %s is limited by %s but the pool's filesystem now offers %s", vid, v.Quota.Kind, b.Kind())
 		}
 		if err := b.SetLimit(ctx, p.DataPath(vid), v.Quota.ID, size); err != nil {
 			return fmt.Errorf("raise limit of volume %s: %w", vid, err)

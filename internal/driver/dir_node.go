@@ -9,6 +9,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -19,7 +20,7 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 	// in place of the data directory never exposes anything outside the pool.
 	h, err := nv.pool.OpenData(nv.id)
 	if errors.Is(err, pool.ErrNotFound) {
-		return failf(pool.ErrNotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
+		return csierr.Failf(pool.ErrNotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
 	} else if err != nil {
 		return err
 	}
@@ -27,7 +28,7 @@ func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc 
 	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
 	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
-			return failf(errPathTaken, "staging path %s: %w", staging, err)
+			return csierr.Failf(csierr.ErrPathTaken, "staging path %s: %w", staging, err)
 		}
 		return fmt.Errorf("stage volume %s at %s: %w", nv.id, staging, err)
 	}
@@ -41,18 +42,18 @@ func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target s
 	if _, mounted, err := d.mounts.Info(staging); err != nil {
 		return fmt.Errorf("inspect %s: %w", staging, err)
 	} else if !mounted || !d.mounts.SameDir(staging, data) {
-		return failf(errNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
+		return csierr.Failf(csierr.ErrNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 	}
 	if vc.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
 		if other, err := d.mounts.MountedElsewhere(data, staging, target); err != nil {
 			return fmt.Errorf("list mounts of volume %s: %w", nv.id, err)
 		} else if other != "" {
-			return failf(errInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
+			return csierr.Failf(csierr.ErrInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
 		}
 	}
 	if err := d.mounts.Bind(ctx, staging, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
-			return failf(errPathTaken, "target path %s: %w", target, err)
+			return csierr.Failf(csierr.ErrPathTaken, "target path %s: %w", target, err)
 		}
 		return fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err)
 	}
@@ -67,7 +68,7 @@ func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 	if _, mounted, err := d.mounts.Info(path); err != nil {
 		return nil, fmt.Errorf("inspect %s: %w", path, err)
 	} else if !mounted || !d.mounts.SameDir(path, p.DataPath(vid)) {
-		return nil, failf(errNotAtPath, "volume %s is not mounted at %s", vid, path)
+		return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not mounted at %s", vid, path)
 	}
 	var st unix.Statfs_t
 	if err := d.fs.Statfs(path, &st); err != nil {

@@ -14,6 +14,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -195,7 +196,7 @@ func parseEphemeralSize(v string) (int64, error) {
 		return 0, status.Errorf(codes.InvalidArgument, "volume attribute size=%q: must be positive", v)
 	}
 	if q.CmpInt64(pool.MaxCapacity) > 0 {
-		return 0, failf(pool.ErrOutOfRange, "volume attribute size=%q is above the largest volume, %d bytes", v, int64(pool.MaxCapacity))
+		return 0, csierr.Failf(pool.ErrOutOfRange, "volume attribute size=%q is above the largest volume, %d bytes", v, int64(pool.MaxCapacity))
 	}
 	return q.Value(), nil
 }
@@ -219,7 +220,7 @@ func (d *Driver) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.
 			return nil, vid, nil, fmt.Errorf("look for ephemeral volume %s in pool %s: %w", handle, pn, err)
 		}
 		if v.Ephemeral == nil || v.Ephemeral.Handle != handle {
-			return nil, vid, nil, failf(errState, "volume %s of pool %s has the key of ephemeral volume %s but is not it", vid, pn, handle)
+			return nil, vid, nil, csierr.Failf(csierr.ErrState, "volume %s of pool %s has the key of ephemeral volume %s but is not it", vid, pn, handle)
 		}
 		return p, vid, v, nil
 	}
@@ -244,7 +245,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		return err
 	}
 	if found != nil && found != s.pool {
-		return failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name(), s.pool.Name())
+		return csierr.Failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name(), s.pool.Name())
 	}
 	p := s.pool
 	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
@@ -281,13 +282,13 @@ func sameEphemeral(v *pool.Volume, s ephemeralSpec, node, target string) error {
 	e := v.Ephemeral
 	switch {
 	case e == nil || e.Handle != s.handle:
-		return failf(errState, "volume %s has the key of ephemeral volume %s but is not it", v.ID, s.handle)
+		return csierr.Failf(csierr.ErrState, "volume %s has the key of ephemeral volume %s but is not it", v.ID, s.handle)
 	case e.Node != node:
-		return failf(errInUse, "ephemeral volume %s belongs to node %s", s.handle, e.Node)
+		return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s belongs to node %s", s.handle, e.Node)
 	case e.Target != target:
-		return failf(pool.ErrExists, "ephemeral volume %s is published at %s, not %s", s.handle, e.Target, target)
+		return csierr.Failf(pool.ErrExists, "ephemeral volume %s is published at %s, not %s", s.handle, e.Target, target)
 	case v.CapacityBytes != s.size || v.FSType != s.fsType:
-		return failf(pool.ErrExists, "ephemeral volume %s exists with size %d and fsType %s; the request asks %d and %s", s.handle, v.CapacityBytes, v.FSType, s.size, s.fsType)
+		return csierr.Failf(pool.ErrExists, "ephemeral volume %s exists with size %d and fsType %s; the request asks %d and %s", s.handle, v.CapacityBytes, v.FSType, s.size, s.fsType)
 	}
 	return nil
 }
@@ -330,10 +331,10 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 	}
 	if mounted {
 		if !d.showsVolume(p, vid, target, info) {
-			return failf(errPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
+			return csierr.Failf(csierr.ErrPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
 		}
 		if info.ReadOnly != readOnly {
-			return failf(errPathTaken, "ephemeral volume %s is published at %s with read-only=%v, the request asks read-only=%v", s.handle, target, info.ReadOnly, readOnly)
+			return csierr.Failf(csierr.ErrPathTaken, "ephemeral volume %s is published at %s with read-only=%v, the request asks read-only=%v", s.handle, target, info.ReadOnly, readOnly)
 		}
 		return nil
 	}
@@ -355,7 +356,7 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 		return fmt.Errorf("inspect %s: %w", dev, err)
 	}
 	if found != v.FSType {
-		return failf(errState, "ephemeral volume %s should hold %s but %s holds %q; refusing to mount it", s.handle, v.FSType, dev, found)
+		return csierr.Failf(csierr.ErrState, "ephemeral volume %s should hold %s but %s holds %q; refusing to mount it", s.handle, v.FSType, dev, found)
 	}
 	opts := slices.Clone(s.flags)
 	if readOnly {
@@ -399,11 +400,11 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
 	case err != nil:
-		return failf(errState, "volume %s: %v; not removing a volume whose metadata cannot be read (poolcsi pool check names the fault)", vid, err)
+		return csierr.Failf(csierr.ErrState, "volume %s: %v; not removing a volume whose metadata cannot be read (poolcsi pool check names the fault)", vid, err)
 	case v.Ephemeral == nil:
-		return failf(errState, "volume %s is not an ephemeral inline volume", vid)
+		return csierr.Failf(csierr.ErrState, "volume %s is not an ephemeral inline volume", vid)
 	case v.Ephemeral.Node != d.opts.NodeID:
-		return failf(errInUse, "ephemeral volume %s belongs to node %s", v.Ephemeral.Handle, v.Ephemeral.Node)
+		return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s belongs to node %s", v.Ephemeral.Handle, v.Ephemeral.Node)
 	}
 	if target != "" {
 		if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
@@ -413,7 +414,7 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 	image := p.ImagePath(vid)
 	if err := d.loops.Detach(ctx, image); err != nil {
 		if errors.Is(err, mount.ErrDeviceBusy) {
-			return failf(errInUse, "ephemeral volume %s is still mounted elsewhere on this node: %v", vid, err)
+			return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s is still mounted elsewhere on this node: %v", vid, err)
 		}
 		return fmt.Errorf("detach loop device of %s: %w", image, err)
 	}
@@ -464,7 +465,7 @@ func (d *Driver) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) 
 		return nil, vid, err
 	}
 	if p == nil {
-		return nil, vid, failf(pool.ErrNotFound, "ephemeral volume %s does not exist on node %s", handle, d.opts.NodeID)
+		return nil, vid, csierr.Failf(pool.ErrNotFound, "ephemeral volume %s does not exist on node %s", handle, d.opts.NodeID)
 	}
 	return p, vid, nil
 }
@@ -474,7 +475,7 @@ func notEphemeral(v *pool.Volume, what string) error {
 	if v == nil || v.Ephemeral == nil {
 		return nil
 	}
-	return failf(errInvalid, "volume %s is the ephemeral inline volume %s of pod %s on node %s: it cannot %s (it lives as long as its pod; its size is the pod's size attribute)",
+	return csierr.Failf(csierr.ErrInvalid, "volume %s is the ephemeral inline volume %s of pod %s on node %s: it cannot %s (it lives as long as its pod; its size is the pod's size attribute)",
 		v.ID, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node, what)
 }
 

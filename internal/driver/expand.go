@@ -7,6 +7,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -22,7 +23,7 @@ const growSlack = 4 * pool.MiB
 // NodeStageVolume — because only the node can refresh its loop device and grow
 // the filesystem on it.
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if _, err := parseVolumeID(req.GetVolumeId()); err != nil {
 		return nil, err
 	}
@@ -54,7 +55,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		// Never shrink: a smaller request is already satisfied — unless a
 		// limit says the volume is too large, which only shrinking could fix.
 		if limit > 0 && v.CapacityBytes > limit {
-			return nil, failf(pool.ErrOutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
+			return nil, csierr.Failf(pool.ErrOutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
 		}
 		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: lay.nodeExpansionRequired()}, nil
 	}
@@ -73,7 +74,7 @@ func minSizeOf(v *pool.Volume) int64 {
 // loop device first, then the filesystem, online. It accepts the staging path
 // or any publish path of the volume, as kubelet may pass either.
 func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
@@ -81,7 +82,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
 	}
 	if pool.IsEphemeralHandle(req.GetVolumeId()) {
-		return nil, failf(errInvalid, "volume %s is an ephemeral inline volume: it cannot be expanded (it lives as long as its pod; its size is the pod's size attribute)", req.GetVolumeId())
+		return nil, csierr.Failf(csierr.ErrInvalid, "volume %s is an ephemeral inline volume: it cannot be expanded (it lives as long as its pod; its size is the pod's size attribute)", req.GetVolumeId())
 	}
 	// The volume is staged here, so its share (if it has one) is served: no mount.
 	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", shareAccess{})

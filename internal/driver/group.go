@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -67,14 +68,14 @@ func (d *Driver) csiGroup(p *pool.Pool, g *pool.GroupSnapshot, members []*pool.S
 // damage (only DeleteVolumeGroupSnapshot removes members, and the record last).
 func groupMembers(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) ([]*pool.Snapshot, error) {
 	if !g.ReadyToUse {
-		return nil, failf(pool.ErrNotReady, "group snapshot %s is still being cut", gid)
+		return nil, csierr.Failf(pool.ErrNotReady, "group snapshot %s is still being cut", gid)
 	}
 	out := make([]*pool.Snapshot, 0, len(g.Members))
 	for _, m := range g.Members {
 		sid := p.GroupMemberID(gid, m.SourceVolumeID)
 		s, err := p.LoadSnapshot(sid)
 		if errors.Is(err, pool.ErrNotFound) {
-			return nil, failf(errState, "group snapshot %s: its member %s (of volume %s) is missing; delete the group", gid, sid, m.SourceVolumeID)
+			return nil, csierr.Failf(csierr.ErrState, "group snapshot %s: its member %s (of volume %s) is missing; delete the group", gid, sid, m.SourceVolumeID)
 		} else if err != nil {
 			return nil, fmt.Errorf("group snapshot %s: %w", gid, err)
 		}
@@ -146,7 +147,7 @@ type groupSource struct {
 // first copy starts. A member that fails rolls the whole group back: no member
 // and no record is left.
 func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	name := req.GetName()
 	if err := checkRequestName("group snapshot", name); err != nil {
 		return nil, err
@@ -162,7 +163,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
 			if g, err := other.LoadGroupSnapshot(other.NewGroupSnapshotID(name)); err == nil && g.Name == name {
-				return nil, failf(pool.ErrExists, "group snapshot %q already exists in pool %s", name, pn)
+				return nil, csierr.Failf(pool.ErrExists, "group snapshot %q already exists in pool %s", name, pn)
 			}
 		}
 	}
@@ -180,7 +181,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	// volumes may be busy, or deleted since.
 	if g, err := p.LoadGroupSnapshot(gid); err == nil && g.Name == name {
 		if !slices.Equal(g.Sources(), sources) {
-			return nil, failf(pool.ErrExists, "group snapshot %q already exists of volumes %s", name, strings.Join(g.Sources(), ", "))
+			return nil, csierr.Failf(pool.ErrExists, "group snapshot %q already exists of volumes %s", name, strings.Join(g.Sources(), ", "))
 		}
 		if g.ReadyToUse {
 			members, err := groupMembers(p, gid, g)
@@ -289,7 +290,7 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 		need, err := p.VolumeAllocated(vid, v)
 		switch {
 		case errors.Is(err, pool.ErrNotFound):
-			return nil, nil, failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
+			return nil, nil, csierr.Failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
 		case err != nil:
 			return nil, nil, fmt.Errorf("volume %s: measure its data: %w", vid, err)
 		}
@@ -334,7 +335,7 @@ func checkOneInstant(name string, srcs []groupSource) error {
 	if len(written) == 0 {
 		return nil
 	}
-	return failf(errInUse, "group snapshot %q would not be one instant (its members are copied one after another): %s; stop its writers (unstage it, e.g. scale its workload down) and retry, or snapshot it on its own with CreateSnapshot",
+	return csierr.Failf(csierr.ErrInUse, "group snapshot %q would not be one instant (its members are copied one after another): %s; stop its writers (unstage it, e.g. scale its workload down) and retry, or snapshot it on its own with CreateSnapshot",
 		name, strings.Join(written, "; "))
 }
 
@@ -416,7 +417,7 @@ func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, 
 // already deleted group is success. The snapshot IDs the call names must be
 // the group's members.
 func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteVolumeGroupSnapshotRequest) (_ *csi.DeleteVolumeGroupSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
 	if err != nil {
 		return nil, err
@@ -425,7 +426,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	}
 	p, err := d.snapshotPool(ctx, gid.SnapshotID, dataAccess(req.GetSecrets()))
-	if errors.Is(err, errNoPool) {
+	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	} else if err != nil {
 		return nil, err
@@ -452,13 +453,13 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 }
 
 func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeGroupSnapshotRequest) (_ *csi.GetVolumeGroupSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
 	if err != nil {
 		return nil, err
 	}
 	if !known {
-		return nil, failf(pool.ErrNotFound, "group snapshot %q does not exist (not a poolcsi group snapshot ID)", req.GetGroupSnapshotId())
+		return nil, csierr.Failf(pool.ErrNotFound, "group snapshot %q does not exist (not a poolcsi group snapshot ID)", req.GetGroupSnapshotId())
 	}
 	p, err := d.snapshotPool(ctx, gid.SnapshotID, shareAccess{})
 	if err != nil {
@@ -466,7 +467,7 @@ func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeG
 	}
 	g, err := p.LoadGroupSnapshot(gid)
 	if errors.Is(err, pool.ErrNotFound) {
-		return nil, failf(pool.ErrNotFound, "group snapshot %s does not exist", gid)
+		return nil, csierr.Failf(pool.ErrNotFound, "group snapshot %s does not exist", gid)
 	} else if err != nil {
 		return nil, err
 	}

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -59,21 +60,21 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 	v, err := p.Load(vid)
 	switch {
 	case err == nil && v.State != pool.StateReady:
-		return pool.Entry{}, failf(pool.ErrNotReady, "volume %s is still being created", vid)
+		return pool.Entry{}, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
 	case err == nil:
 		return pool.Entry{ID: vid, Volume: v}, nil
 	case errors.Is(err, pool.ErrNotFound):
 		if p.VolumeExists(vid) {
 			return pool.Entry{ID: vid, Err: err}, nil // directory without metadata
 		}
-		return pool.Entry{}, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
+		return pool.Entry{}, csierr.Failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
 	default:
 		return pool.Entry{ID: vid, Err: err}, nil
 	}
 }
 
 func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -94,7 +95,7 @@ func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Iss
 	}
 	r := health.CheckVolume(p, e, health.StatPool(p), d.opts.Health)
 	if r.Gone {
-		return nil, failf(pool.ErrNotFound, "volume %s was deleted", vid)
+		return nil, csierr.Failf(pool.ErrNotFound, "volume %s was deleted", vid)
 	}
 	return r.Issues, nil
 }
@@ -102,7 +103,7 @@ func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Iss
 // ControllerListVolumeHealth lists the volumes with an adverse condition, damaged
 // metadata included, paged by volume ID like ListVolumes.
 func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (_ *csi.ControllerListVolumeHealthResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}
@@ -135,7 +136,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
 	if err != nil {
 		return nil, err
@@ -256,7 +257,7 @@ func (c *poolChecks) start(p *pool.Pool) *poolCheck {
 // check is given poolCheckTimeout: one that does not answer by then is
 // reported so.
 func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	resp := &csi.NodeGetStorageHealthResponse{}
 	fenced, failedClosed := d.fencedPools()
 	if len(failedClosed) > 0 {

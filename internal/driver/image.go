@@ -8,6 +8,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -29,7 +30,7 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 func (imageLayout) allowed(s capsSpec) error {
 	for _, m := range s.modes {
 		if !imageModes[m] {
-			return failf(errInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
+			return csierr.Failf(csierr.ErrInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
 		}
 	}
 	return nil
@@ -66,7 +67,7 @@ func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 		return fmt.Errorf("volume %s is not deleted: %w", vid, err)
 	}
 	if ok {
-		return failf(errInUse, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
+		return csierr.Failf(csierr.ErrInUse, "volume %s is attached on this node as %s; unstage it before deleting", vid, dev)
 	}
 	return p.Delete(ctx, vid)
 }
@@ -82,7 +83,7 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 			continue
 		}
 		if !r.ReadOnly || !readOnly {
-			return failf(errInUse,
+			return csierr.Failf(csierr.ErrInUse,
 				"volume %s is published to node %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unpublish it there first (for a dead node see docs/fencing.md)",
 				v.ID, r.Node, r.ReadOnly, r.At.Format(time.RFC3339))
 		}
@@ -92,7 +93,7 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 			continue
 		}
 		if !s.ReadOnly || !readOnly {
-			return failf(errInUse,
+			return csierr.Failf(csierr.ErrInUse,
 				"volume %s is staged on node %s at %s (read-only=%t) since %s; an image volume held read-write can be on one node only. Unstage it there first (for a dead node see docs/fencing.md)",
 				v.ID, s.Node, s.Path, s.ReadOnly, s.At.Format(time.RFC3339))
 		}

@@ -8,6 +8,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -50,7 +51,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 			return err
 		}
 		if !ok {
-			return failf(errNotStaged, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
+			return csierr.Failf(csierr.ErrNotStaged, "volume %s is not staged on this node (no loop device for %s)", nv.id, image)
 		}
 		source = dev
 	} else {
@@ -65,7 +66,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 			}
 		}
 		if !ours {
-			return failf(errNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
+			return csierr.Failf(csierr.ErrNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
 		}
 		source = staging
 	}
@@ -107,10 +108,10 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 			return err
 		}
 		if !ours {
-			return failf(errPathTaken, "staging path %s already holds another mount (%s)", staging, info.Source)
+			return csierr.Failf(csierr.ErrPathTaken, "staging path %s already holds another mount (%s)", staging, info.Source)
 		}
 		if info.ReadOnly != readOnly {
-			return failf(errPathTaken, "volume %s is staged at %s with read-only=%v, the request asks read-only=%v", nv.id, staging, info.ReadOnly, readOnly)
+			return csierr.Failf(csierr.ErrPathTaken, "volume %s is staged at %s with read-only=%v, the request asks read-only=%v", nv.id, staging, info.ReadOnly, readOnly)
 		}
 		return nil
 	}
@@ -131,7 +132,7 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 		}
 	case nv.vol.FSType:
 	default:
-		return failf(errState, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
+		return csierr.Failf(csierr.ErrState, "volume %s should hold %s but %s holds %s; refusing to mount or format it", nv.id, nv.vol.FSType, dev, found)
 	}
 	growth, err := d.growBeforeMount(ctx, nv, dev, readOnly)
 	if err != nil {
@@ -164,7 +165,7 @@ func (d imageLayout) stageFilesystem(ctx context.Context, nv nodeVolume, image, 
 func (d imageLayout) singleWriterFree(nv nodeVolume, image, staging, target string) error {
 	dev, ok, err := d.loops.Find(image)
 	if err != nil || !ok {
-		return failf(errNotStaged, "volume %s is not attached on this node", nv.id)
+		return csierr.Failf(csierr.ErrNotStaged, "volume %s is not attached on this node", nv.id)
 	}
 	points, err := d.mounts.MountPoints(dev)
 	if err != nil {
@@ -172,7 +173,7 @@ func (d imageLayout) singleWriterFree(nv nodeVolume, image, staging, target stri
 	}
 	for _, p := range points {
 		if p != staging && p != target {
-			return failf(errInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, p)
+			return csierr.Failf(csierr.ErrInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, p)
 		}
 	}
 	return nil
@@ -195,10 +196,10 @@ func (d imageLayout) alreadyPublished(nv nodeVolume, image, target string, readO
 	}
 	same := ok && (info.Source == dev || d.mounts.IsDevice(info.Target, dev))
 	if !same {
-		return false, failf(errPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
+		return false, csierr.Failf(csierr.ErrPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
 	}
 	if info.ReadOnly != readOnly {
-		return false, failf(errPathTaken, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
+		return false, csierr.Failf(csierr.ErrPathTaken, "volume %s is published at %s with read-only=%v, the request asks read-only=%v", nv.id, target, info.ReadOnly, readOnly)
 	}
 	return true, nil
 }
@@ -237,10 +238,10 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 			log.Error(err, "Detaching the fenced loop device of a stage that raced the fence")
 		}
 		d.forgetStages(ctx, nv.id)
-		return "", failf(pool.ErrUnavailable, "node %s: its lease in pool %s expired or was fenced while volume %s was being attached; not taking it read-write (retry once the lease is renewed)", d.nodeID, nv.pool.Name(), nv.id)
+		return "", csierr.Failf(pool.ErrUnavailable, "node %s: its lease in pool %s expired or was fenced while volume %s was being attached; not taking it read-write (retry once the lease is renewed)", d.nodeID, nv.pool.Name(), nv.id)
 	}
 	if fenced, err := d.loops.Fenced(dev); err == nil && fenced {
-		return "", failf(errFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name())
+		return "", csierr.Failf(csierr.ErrFenced, "volume %s: its loop device %s on node %s was fenced when the node could not renew its lease in pool %s; unstage it (delete the pod using it) before it can be staged again", nv.id, dev, d.nodeID, nv.pool.Name())
 	}
 	return dev, nil
 }
@@ -252,7 +253,7 @@ func (d imageLayout) attach(ctx context.Context, nv nodeVolume, image string) (s
 func (d *layoutDeps) attachedDevice(image string) (string, bool, error) {
 	dev, ok, err := d.loops.Find(image)
 	if err != nil {
-		return "", false, failf(pool.ErrUnavailable, "cannot tell which loop device holds %s (retry): %w", image, err)
+		return "", false, csierr.Failf(pool.ErrUnavailable, "cannot tell which loop device holds %s (retry): %w", image, err)
 	}
 	return dev, ok, nil
 }
@@ -267,7 +268,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, fmt.Errorf("find loop device of %s: %w", image, err)
 	}
 	if !attached {
-		return nil, failf(errNotAtPath, "volume %s is not staged on this node", nv.id)
+		return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not staged on this node", nv.id)
 	}
 	if r := req.GetCapacityRange(); d.expandOnNode && isLocal(nv.pool) && r.GetRequiredBytes() > v.CapacityBytes {
 		// Local pools deployed with one cluster-wide resizer: the resizer cannot
@@ -287,7 +288,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		holds = slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.nodeID && s.Path == path })
 	}
 	if !holds {
-		return nil, failf(errNotAtPath, "volume %s is not mounted at %s", nv.id, path)
+		return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not mounted at %s", nv.id, path)
 	}
 
 	size, err := d.refreshLoop(ctx, nv.pool, nv.id, dev, v)
@@ -295,7 +296,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 		return nil, err
 	}
 	if req := req.GetCapacityRange().GetRequiredBytes(); req > size {
-		return nil, failf(errState, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
+		return nil, csierr.Failf(csierr.ErrState, "volume %s is %d bytes, %d were asked: ControllerExpandVolume has not grown it yet", nv.id, size, req)
 	}
 	if v.AccessType == pool.AccessFilesystem {
 		if info.ReadOnly {
@@ -307,7 +308,7 @@ func (d imageLayout) expandNode(ctx context.Context, nv nodeVolume, req *csi.Nod
 			// resized while the filesystem keeps its old size: answer an error
 			// kubelet retries (and shows as an event) instead; the next
 			// read-write stage grows the filesystem.
-			return nil, failf(errState,
+			return nil, csierr.Failf(csierr.ErrState,
 				"volume %s is mounted read-only at %s: its filesystem cannot grow to %d bytes until the volume is staged read-write, which grows it", nv.id, path, size)
 		}
 		need, err := d.devs.NeedResize(dev, path)
@@ -360,7 +361,7 @@ func (d *layoutDeps) refreshLoop(ctx context.Context, p *pool.Pool, vid pool.Vol
 		return 0, err
 	}
 	if imageSize < v.CapacityBytes {
-		return 0, failf(errState, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, p.ImagePath(vid), imageSize, v.CapacityBytes)
+		return 0, csierr.Failf(csierr.ErrState, "volume %s: image %s is %d bytes but %d are recorded; the image was truncated", v.ID, p.ImagePath(vid), imageSize, v.CapacityBytes)
 	}
 	size, err := d.devs.Size(dev)
 	if err != nil {
@@ -426,7 +427,7 @@ func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 		return nil, err
 	}
 	if !attached {
-		return nil, failf(errNotAtPath, "volume %s is not attached on this node, so not mounted at %s", vid, path)
+		return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not attached on this node, so not mounted at %s", vid, path)
 	}
 	if !d.mounts.OnDevice(path, dev) {
 		info, mounted, err := d.mounts.Info(path)
@@ -434,7 +435,7 @@ func (d imageLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID,
 			return nil, fmt.Errorf("inspect %s: %w", path, err)
 		}
 		if !mounted || (info.Source != dev && !d.mounts.IsDevice(info.Target, dev)) {
-			return nil, failf(errNotAtPath, "volume %s is not mounted at %s", vid, path)
+			return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not mounted at %s", vid, path)
 		}
 	}
 	if v.AccessType == pool.AccessBlock {
@@ -475,7 +476,7 @@ func (d *layoutDeps) setBlockReadOnly(dev, target string, readOnly bool) error {
 			return nil // every publish on this node is read-only already
 		}
 		if len(points) > 0 {
-			return failf(errInUse, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, points[0])
+			return csierr.Failf(csierr.ErrInUse, "block device %s is published read-write at %s; a read-only publish on the same node cannot be enforced beside it", dev, points[0])
 		}
 		if err := d.devs.SetReadOnly(dev, true); err != nil {
 			return err
@@ -486,7 +487,7 @@ func (d *layoutDeps) setBlockReadOnly(dev, target string, readOnly bool) error {
 		return nil
 	}
 	if len(points) > 0 {
-		return failf(errInUse, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
+		return csierr.Failf(csierr.ErrInUse, "block device %s is published read-only at %s; a read-write publish on the same node would make that one writable", dev, points[0])
 	}
 	if err := d.devs.SetReadOnly(dev, false); err != nil {
 		return err

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/mount"
@@ -536,7 +537,7 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 	}
 	klog.FromContext(ctx).Info("Fencing the loop device of a volume this node no longer holds before unmounting it: a controller force-detached it from this node, and another node may have it", "volume", vid, "device", dev)
 	if err := d.loops.Fence(dev); err != nil {
-		return failf(pool.ErrUnavailable, "fencing %s, the loop device of volume %s that another node may hold, before unmounting it: %w", dev, vid, err)
+		return csierr.Failf(pool.ErrUnavailable, "fencing %s, the loop device of volume %s that another node may hold, before unmounting it: %w", dev, vid, err)
 	}
 	return nil
 }
@@ -565,7 +566,7 @@ func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging stri
 	log := klog.FromContext(ctx).WithValues("volume", nv.id, "device", dev, "path", staging)
 	log.Info("A loop device of the volume was attached on this node before this stage claimed it (a stage a controller force-detached, or one that failed half way): fencing it and staging anew")
 	if err := d.loops.Fence(dev); err != nil {
-		return failf(pool.ErrUnavailable, "fencing %s, a stale loop device of volume %s: %w", dev, nv.id, err)
+		return csierr.Failf(pool.ErrUnavailable, "fencing %s, a stale loop device of volume %s: %w", dev, nv.id, err)
 	}
 	if info, mounted, err := d.mounts.Info(staging); err == nil && mounted && d.loops.Backs(info.Source, image) {
 		if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(nv.pool, nv.id, "staging path", staging)); err != nil {
@@ -661,17 +662,17 @@ func (d *Driver) ensureLease(ctx context.Context, p *pool.Pool) error {
 	select {
 	case err := <-done:
 		if err != nil {
-			return failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name(), err)
+			return csierr.Failf(pool.ErrUnavailable, "node %s cannot renew its lease in pool %s, so it would not be fenced if cut off: not taking a volume read-write: %w", d.opts.NodeID, p.Name(), err)
 		}
 		ls.mu.Lock()
 		fenced := !pl.fenced.IsZero()
 		ls.mu.Unlock()
 		if fenced {
-			return failf(pool.ErrUnavailable, "node %s fenced itself off pool %s and has not renewed its lease since: not taking a volume read-write", d.opts.NodeID, p.Name())
+			return csierr.Failf(pool.ErrUnavailable, "node %s fenced itself off pool %s and has not renewed its lease since: not taking a volume read-write", d.opts.NodeID, p.Name())
 		}
 		return nil
 	case <-ctx.Done():
-		return failf(pool.ErrUnavailable, "node %s: renewing its lease in pool %s did not finish in time: %w", d.opts.NodeID, p.Name(), ctx.Err())
+		return csierr.Failf(pool.ErrUnavailable, "node %s: renewing its lease in pool %s did not finish in time: %w", d.opts.NodeID, p.Name(), ctx.Err())
 	}
 }
 
@@ -795,7 +796,7 @@ func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) e
 		}
 	}
 	if len(waits) > 0 {
-		return failf(pool.ErrUnavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
+		return csierr.Failf(pool.ErrUnavailable, "volume %s is still staged read-write on node(s) %s, which never unstaged it; it goes to another node only once their lease in pool %s has expired by this controller's clock, so that a node that is still running has fenced itself off first (docs/fencing.md): retry later",
 			v.ID, strings.Join(waits, "; "), p.Name())
 	}
 	return nil

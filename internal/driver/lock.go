@@ -3,6 +3,7 @@ package driver
 import (
 	"sync"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -22,7 +23,7 @@ func (l *volumeLocks) acquire(id, method string) (release func(), err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if holder, ok := l.busy[id]; ok {
-		return nil, failf(pool.ErrBusy, "volume %s is busy with %s; retry later", id, holder)
+		return nil, csierr.Failf(pool.ErrBusy, "volume %s is busy with %s; retry later", id, holder)
 	}
 	l.busy[id] = method
 	return func() {

@@ -6,6 +6,8 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/csierr"
 )
 
 func TestVolumeLocks(t *testing.T) {
@@ -15,7 +17,7 @@ func TestVolumeLocks(t *testing.T) {
 		t.Fatal(err)
 	}
 	_, err = l.acquire("v1", "NodePublishVolume")
-	err = grpcError(err) // what the handler answers
+	err = csierr.GRPCError(err) // what the handler answers
 	if status.Code(err) != codes.Aborted {
 		t.Fatalf("second call on a busy volume = %v, want Aborted", err)
 	}

@@ -12,6 +12,7 @@ import (
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -179,13 +180,13 @@ func parseVolumeRef(raw string) (pool.VolumeID, bool, error) {
 // using it (iolimits.go), and preallocation of its image. Only the keys given
 // change; the whole request is checked before anything does.
 func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	_, known, err := parseVolumeRef(req.GetVolumeId())
 	if err != nil {
 		return nil, err
 	}
 	if !known {
-		return nil, failf(pool.ErrNotFound, "volume %q does not exist (not a poolcsi volume ID)", req.GetVolumeId())
+		return nil, csierr.Failf(pool.ErrNotFound, "volume %q does not exist (not a poolcsi volume ID)", req.GetVolumeId())
 	}
 	m, err := parseMutableParams(req.GetMutableParameters())
 	if err != nil {

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -108,7 +109,7 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 		return nv, err
 	}
 	if err := d.compatible(caps, nv.vol); err != nil {
-		return nv, failf(errState, "%w", err)
+		return nv, csierr.Failf(csierr.ErrState, "%w", err)
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
@@ -119,7 +120,7 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -165,9 +166,6 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
-// errForeignMount is the class of an unmount refused by onlyVolume.
-var errForeignMount = errors.New("refusing to unmount what is not this volume")
-
 // onlyVolume is the check before each unmount of a path the CO named (what
 // says which): only the volume's own mount is taken down, so a wrong or
 // hostile call cannot unmount another volume's mount or anything else mounted
@@ -177,7 +175,7 @@ func (d *Driver) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) 
 		if d.showsVolume(p, vid, path, info) {
 			return nil
 		}
-		return fmt.Errorf("%s %s holds %s, not volume %s: %w", what, path, info.Source, vid, errForeignMount)
+		return fmt.Errorf("%s %s holds %s, not volume %s: %w", what, path, info.Source, vid, csierr.ErrForeignMount)
 	}
 }
 
@@ -224,7 +222,7 @@ func (d *layoutDeps) isVolumeMount(info mount.MountInfo, image string) (bool, er
 func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
 	err = d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
 		if err := d.layoutOf(v.Layout).fence(v, d.opts.NodeID, readOnly); err != nil {
-			return false, failf(errInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
+			return false, csierr.Failf(csierr.ErrInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
 		}
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID {
@@ -270,7 +268,7 @@ func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeI
 }
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -297,7 +295,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 		v.ClearStaged(d.opts.NodeID)
 		return len(v.Staged) != before, nil
 	})
-	if err != nil && !gone(err) {
+	if err != nil && !csierr.Gone(err) {
 		if cerr := p.Check(); cerr == nil || !p.Shared() {
 			return nil, err
 		}
@@ -339,7 +337,7 @@ func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.Volume
 }
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
@@ -358,7 +356,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, err
 	}
 	if how := nestedIn(target, staging); how != "" {
-		return nil, failf(errInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
+		return nil, csierr.Failf(csierr.ErrInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
 	podUID := podUIDOf(ctx, req.GetVolumeContext())
 	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
@@ -375,7 +373,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 }
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	target, err := d.requestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err

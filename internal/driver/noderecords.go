@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -99,7 +100,7 @@ func (d *layoutDeps) noteStage(nv nodeVolume, image string) (stageRecord, error)
 	}
 	var st unix.Stat_t
 	if err := unix.Stat(image, &st); err != nil {
-		return stageRecord{}, failf(pool.ErrUnavailable, "volume %s: identify its image for this node's records: %w", nv.id, err)
+		return stageRecord{}, csierr.Failf(pool.ErrUnavailable, "volume %s: identify its image for this node's records: %w", nv.id, err)
 	}
 	rec := stageRecord{Pool: nv.pool.Name(), Volume: nv.id.String(), FileDev: st.Dev, FileIno: st.Ino, ReadOnly: readOnlyCaps(nv.caps), At: time.Now().UTC()}
 	var old stageRecord
@@ -113,7 +114,7 @@ func (d *layoutDeps) noteStage(nv nodeVolume, image string) (stageRecord, error)
 		return stageRecord{}, err
 	}
 	if err := d.state.Put(stagesKind, rec.key(), rec); err != nil {
-		return stageRecord{}, failf(pool.ErrUnavailable, "volume %s: this node cannot record its stage, so its fence could not find the device: %w", nv.id, err)
+		return stageRecord{}, csierr.Failf(pool.ErrUnavailable, "volume %s: this node cannot record its stage, so its fence could not find the device: %w", nv.id, err)
 	}
 	return rec, nil
 }
@@ -144,7 +145,7 @@ func (d *layoutDeps) notePool(p *pool.Pool, dev uint64) error {
 	}
 	slices.Sort(rec.Devs)
 	if err := d.state.Put(poolsKind, p.Name(), rec); err != nil {
-		return failf(pool.ErrUnavailable, "pool %s: this node cannot record its filesystem: %w", p.Name(), err)
+		return csierr.Failf(pool.ErrUnavailable, "pool %s: this node cannot record its filesystem: %w", p.Name(), err)
 	}
 	return nil
 }
@@ -166,13 +167,13 @@ func (d *layoutDeps) noteDevice(ctx context.Context, rec stageRecord, dev string
 				other := rec
 				other.FileDev, other.FileIno = ld.Dev, ld.Ino
 				if err := d.state.Put(stagesKind, other.key(), other); err != nil {
-					return failf(pool.ErrUnavailable, "volume %s: record its loop device: %w", rec.Volume, err)
+					return csierr.Failf(pool.ErrUnavailable, "volume %s: record its loop device: %w", rec.Volume, err)
 				}
 			}
 		}
 	}
 	if err := d.state.Put(stagesKind, rec.key(), rec); err != nil {
-		return failf(pool.ErrUnavailable, "volume %s: record its loop device: %w", rec.Volume, err)
+		return csierr.Failf(pool.ErrUnavailable, "volume %s: record its loop device: %w", rec.Volume, err)
 	}
 	return nil
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -48,7 +49,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	if owner, ok := v.Topology[TopologyKey]; ok && owner != node {
-		return failf(errNoNode, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name(), owner)
+		return csierr.Failf(csierr.ErrNoNode, "node %s cannot reach volume %s: it lives in pool %s, local to node %s", node, v.ID, p.Name(), owner)
 	}
 	if p.Config().Share != nil {
 		// A node registers with a share's pool when it first mounts the share,
@@ -61,13 +62,13 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		return err
 	}
 	if !known {
-		return failf(errNoNode, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name())
+		return csierr.Failf(csierr.ErrNoNode, "node %s is unknown to pool %s: no poolcsi node plugin with that --node-id has registered there (is the node plugin running on it and does it see the pool?)", node, p.Name())
 	}
 	return nil
 }
 
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
 	}
@@ -97,7 +98,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	err = d.updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
 		v = cur
 		if v.State != pool.StateReady {
-			return false, failf(pool.ErrNotReady, "volume %s is still being created", vid)
+			return false, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
 		}
 		if err := notEphemeral(v, "be published by a controller"); err != nil {
 			return false, err
@@ -110,7 +111,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		}
 		if r, ok := v.PublishedTo(node); ok {
 			if r.ReadOnly != readOnly {
-				return false, failf(pool.ErrExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
+				return false, csierr.Failf(pool.ErrExists, "volume %s is already published to node %s with read-only=%t, the request asks read-only=%t", vid, node, r.ReadOnly, readOnly)
 			}
 			return false, nil
 		}
@@ -138,7 +139,7 @@ func publishContext(v *pool.Volume) map[string]string {
 // node is named, as the spec asks). A volume or record that is already gone is
 // success: the volume is then certainly not published there.
 func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	vid, err := parseVolumeID(req.GetVolumeId())
 	if err != nil {
 		return nil, err
@@ -150,7 +151,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		}
 	}
 	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, errNoPool) {
+	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
 	} else if err != nil {
 		return nil, err
@@ -187,10 +188,10 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		}
 		return true, nil
 	})
-	if err != nil && !gone(err) {
+	if err != nil && !csierr.Gone(err) {
 		return nil, err
 	}
-	if gone(err) && node != "" {
+	if csierr.Gone(err) && node != "" {
 		cleared = append(cleared, node) // a marker the volume's deletion left, if any
 	}
 	// The index entries go after the records they stand for (attach.go).
@@ -213,7 +214,7 @@ func publishedError(v *pool.Volume) error {
 	if len(v.Published) == 0 {
 		return nil
 	}
-	return failf(errInUse, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
+	return csierr.Failf(csierr.ErrInUse, "volume %s is still published to node(s) %s; unpublish it before deleting", v.ID, strings.Join(v.PublishedNodes(), ", "))
 }
 
 // reserveAttachSlot enters volume vid in node's publish index of its pool
@@ -275,7 +276,7 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 		return err
 	}
 	if held >= rec.MaxVolumes {
-		return failf(errNodeFull, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
+		return csierr.Failf(csierr.ErrNodeFull, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
 	}
 	return p.MarkPublished(node, vid)
 }

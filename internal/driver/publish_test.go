@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -33,7 +34,7 @@ func TestPublishFence(t *testing.T) {
 	d := &Driver{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
-		if got := status.Code(grpcError(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly))); got != tt.want {
+		if got := status.Code(csierr.GRPCError(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly))); got != tt.want {
 			t.Errorf("%s: %s, want %s", tt.name, got, tt.want)
 		}
 	}
@@ -68,7 +69,7 @@ func TestAccessModesByLayout(t *testing.T) {
 		if (err == nil) != tt.ok {
 			t.Errorf("%s: allowed = %v, want ok=%t", tt.name, err, tt.ok)
 		}
-		if code := status.Code(grpcError(err)); err != nil && code != codes.InvalidArgument {
+		if code := status.Code(csierr.GRPCError(err)); err != nil && code != codes.InvalidArgument {
 			t.Errorf("%s: code %s", tt.name, code)
 		}
 	}

@@ -9,6 +9,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -220,7 +221,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 				r.answered = true
 				log.Info("Node has nothing of the volume mounted read-write where it is recorded: nothing to freeze there", "volume", r.id, "node", r.node, "reason", a.Reason)
 			default:
-				return false, failf(pool.ErrUnavailable, "node %s could not freeze volume %s for a consistent copy (%s: %s): retry later", r.node, r.id, a.State, a.Reason)
+				return false, csierr.Failf(pool.ErrUnavailable, "node %s could not freeze volume %s for a consistent copy (%s: %s): retry later", r.node, r.id, a.State, a.Reason)
 			}
 		}
 		return pending == 0, nil
@@ -252,7 +253,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 		live = append(live, fmt.Sprintf("node %s for volume %s (%s)", r.node, r.id, why))
 	}
 	if len(live) > 0 {
-		return failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
+		return csierr.Failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
 			d.freezeTiming.AckTimeout, strings.Join(live, "; "))
 	}
 	return nil
@@ -319,7 +320,7 @@ func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
 		}
 	}
 	if len(thawed) > 0 {
-		return failf(pool.ErrBusy, "a filesystem was thawed before the copy ended, so the copy is not of one point in time: %s; the copy is discarded, retry (a copy that outlasts --freeze-max-hold never succeeds)", strings.Join(thawed, "; "))
+		return csierr.Failf(pool.ErrBusy, "a filesystem was thawed before the copy ended, so the copy is not of one point in time: %s; the copy is discarded, retry (a copy that outlasts --freeze-max-hold never succeeds)", strings.Join(thawed, "; "))
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -128,12 +129,12 @@ func (f *freezer) isRecovered() bool {
 func (d *Driver) ownDevice(p *pool.Pool, id pool.VolumeID) (dev, key string, err error) {
 	devs, err := d.loops.List(identifyWait)
 	if err != nil {
-		return "", "", failf(pool.ErrUnavailable, "list the loop devices: %w", err)
+		return "", "", csierr.Failf(pool.ErrUnavailable, "list the loop devices: %w", err)
 	}
 	if p.Shared() {
 		recs, err := d.volumeRecords(id)
 		if err != nil {
-			return "", "", failf(pool.ErrUnavailable, "read this node's stage records: %w", err)
+			return "", "", csierr.Failf(pool.ErrUnavailable, "read this node's stage records: %w", err)
 		}
 		for _, r := range recs {
 			for _, ld := range devs {

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
@@ -165,7 +166,7 @@ func (s *shareState) lock(ctx context.Context, name string) (func(), error) {
 	case ch <- struct{}{}:
 		return func() { <-ch }, nil
 	case <-ctx.Done():
-		return nil, failf(pool.ErrBusy, "share pool %s: another call is mounting the share: %w", name, ctx.Err())
+		return nil, csierr.Failf(pool.ErrBusy, "share pool %s: another call is mounting the share: %w", name, ctx.Err())
 	}
 }
 
@@ -212,12 +213,12 @@ func secretOptions(secrets map[string]string) []string {
 func checkAccess(typ string, acc shareAccess) error {
 	for _, o := range acc.options {
 		if err := poolmount.CheckOption(typ, o, false); err != nil {
-			return failf(errInvalid, "%w", err)
+			return csierr.Failf(csierr.ErrInvalid, "%w", err)
 		}
 	}
 	for _, o := range acc.sensitive {
 		if err := poolmount.CheckOption(typ, o, true); err != nil {
-			return failf(errInvalid, "secret key %s: %w", SecretMountOptions, err)
+			return csierr.Failf(csierr.ErrInvalid, "secret key %s: %w", SecretMountOptions, err)
 		}
 	}
 	return nil
@@ -303,7 +304,7 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 	}
 	sp.options = splitOptions(opts)
 	if err := checkAccess(sp.ref.Type, shareAccess{options: sp.options}); err != nil {
-		return nil, failf(errInvalid, "parameter %s: %w", ParamShareOptions, err)
+		return nil, csierr.Failf(csierr.ErrInvalid, "parameter %s: %w", ParamShareOptions, err)
 	}
 	return &sp, nil
 }
@@ -316,13 +317,13 @@ func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error
 func (d *Driver) mayMount(r pool.ShareRef, tag string, acc shareAccess) error {
 	switch {
 	case !acc.mount:
-		return failf(pool.ErrUnavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, d.opts.NodeID)
+		return csierr.Failf(pool.ErrUnavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, d.opts.NodeID)
 	case acc.fromStorageClass, d.shares.m.Recorded(r), d.shares.verified(r, tag):
 		return nil
 	case tag != "":
 		return status.Errorf(codes.InvalidArgument, "the tag of the ID naming share %s does not verify under this driver's share keys (serve --share-key-file): the ID was not made by this cluster's poolcsi; nothing is mounted", r)
 	}
-	return failf(errShareUnknown, "share %s is not known on node %s (never mounted here) and the volume ID carries no share tag to prove a StorageClass named it: nothing is mounted. IDs made before the share key was set are served where their share is mounted", r, d.opts.NodeID)
+	return csierr.Failf(csierr.ErrShareUnknown, "share %s is not known on node %s (never mounted here) and the volume ID carries no share tag to prove a StorageClass named it: nothing is mounted. IDs made before the share key was set are served where their share is mounted", r, d.opts.NodeID)
 }
 
 // sharePool returns the pool on share r, mounting the share on this node when
@@ -344,7 +345,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 		return p, nil
 	}
 	if d.shares.m == nil {
-		return nil, failf(errNoPool, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
+		return nil, csierr.Failf(csierr.ErrNoPool, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
 	}
 	if err := d.shares.allowed(r); err != nil {
 		return nil, err
@@ -359,7 +360,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 	defer unlock()
 	path, mountedNow, err := d.shares.m.Ensure(ctx, poolmount.Share{Ref: r, Options: acc.options, Sensitive: acc.sensitive, FromStorageClass: acc.fromStorageClass})
 	if err != nil {
-		return nil, failf(pool.ErrUnavailable, "share %s cannot be mounted on node %s: %w", r, d.opts.NodeID, err)
+		return nil, csierr.Failf(pool.ErrUnavailable, "share %s cannot be mounted on node %s: %w", r, d.opts.NodeID, err)
 	}
 	p := d.pool(name)
 	if p == nil {
@@ -374,7 +375,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 					klog.FromContext(ctx).Error(err, "Unmounting a share that holds no pool", "share", r.String())
 				}
 			}
-			return nil, failf(errNoPool, "share %s holds no poolcsi pool (%s): no volume was ever created on it", r, name)
+			return nil, csierr.Failf(csierr.ErrNoPool, "share %s holds no poolcsi pool (%s): no volume was ever created on it", r, name)
 		}
 		if err := p.LayOut(); err != nil {
 			return nil, err
@@ -415,7 +416,7 @@ func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.Share
 	}
 	p := d.pool(poolName)
 	if p == nil {
-		return nil, failf(errNoPool, "%s: pool %q is not configured on this driver (pools: %s)", what, poolName, joinNames(d.configured))
+		return nil, csierr.Failf(csierr.ErrNoPool, "%s: pool %q is not configured on this driver (pools: %s)", what, poolName, joinNames(d.configured))
 	}
 	return p, nil
 }

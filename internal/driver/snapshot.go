@@ -16,6 +16,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -79,7 +80,7 @@ func checkSnapshotParams(params map[string]string) error {
 // filesystem is frozen around the copy on whichever node has it staged
 // (quiesce.go), which makes it a clean filesystem image.
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	name := req.GetName()
 	if err := checkRequestName("snapshot", name); err != nil {
 		return nil, err
@@ -98,7 +99,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
 			if other.SnapshotExists(other.NewSnapshotID(name)) {
-				return nil, failf(pool.ErrExists, "snapshot %q already exists in pool %s", name, pn)
+				return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists in pool %s", name, pn)
 			}
 		}
 	}
@@ -111,10 +112,10 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	// source may be busy, or deleted since.
 	if s, err := p.LoadSnapshot(sid); err == nil && s.Name == name {
 		if s.SourceVolumeID != vid.String() {
-			return nil, failf(pool.ErrExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
+			return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
 		}
 		if s.GroupSnapshotID != "" {
-			return nil, failf(pool.ErrExists, "snapshot %q already exists, a member of group snapshot %s", name, s.GroupSnapshotID)
+			return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists, a member of group snapshot %s", name, s.GroupSnapshotID)
 		}
 		if s.ReadyToUse {
 			return &csi.CreateSnapshotResponse{Snapshot: d.csiSnapshot(p, s)}, nil
@@ -134,7 +135,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	need, err := p.VolumeAllocated(vid, v)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
-		return nil, failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
+		return nil, csierr.Failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)
 	case err != nil:
 		// An I/O error or a pool gone is not a missing volume: its own code.
 		return nil, fmt.Errorf("volume %s: measure its data: %w", vid, err)
@@ -204,7 +205,7 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 			log.Info("Thawed filesystem", "volume", vid, "path", h.path)
 		}
 		if expired {
-			return failf(pool.ErrBusy, "the filesystem of volume %s was thawed at its bound of %s (--freeze-max-hold) before the copy ended (it took %s), so the copy is not of one point in time: retry (raise --freeze-max-hold for copies this long)",
+			return csierr.Failf(pool.ErrBusy, "the filesystem of volume %s was thawed at its bound of %s (--freeze-max-hold) before the copy ended (it took %s), so the copy is not of one point in time: retry (raise --freeze-max-hold for copies this long)",
 				vid, d.freezeTiming.MaxHold, time.Since(start).Round(time.Millisecond))
 		}
 		return nil
@@ -216,7 +217,7 @@ func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.
 // except that a member of a group snapshot that still exists is deleted only
 // with its group: INVALID_ARGUMENT, as CSI says (the snapshotter never asks).
 func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (_ *csi.DeleteSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
 		return nil, err
@@ -225,7 +226,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
 	p, err := d.snapshotPool(ctx, sid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, errNoPool) {
+	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
 	} else if err != nil {
 		return nil, err
@@ -241,7 +242,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 			return nil, fmt.Errorf("snapshot %s: its group snapshot: %w", sid, err)
 		}
 		if group != "" {
-			return nil, failf(errInvalid, "snapshot %s is a member of group snapshot %s; delete the group (DeleteVolumeGroupSnapshot), which deletes its members", sid, group)
+			return nil, csierr.Failf(csierr.ErrInvalid, "snapshot %s is a member of group snapshot %s; delete the group (DeleteVolumeGroupSnapshot), which deletes its members", sid, group)
 		}
 	}
 	if err := p.DeleteSnapshot(ctx, sid); err != nil {
@@ -260,23 +261,23 @@ func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shar
 	s, err := p.LoadSnapshot(sid)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
-		return nil, nil, failf(pool.ErrNotFound, "snapshot %s does not exist", sid)
+		return nil, nil, csierr.Failf(pool.ErrNotFound, "snapshot %s does not exist", sid)
 	case err != nil:
 		return nil, nil, fmt.Errorf("snapshot %s: %w", sid, err)
 	case !s.ReadyToUse:
-		return nil, nil, failf(pool.ErrNotReady, "snapshot %s is still being cut", sid)
+		return nil, nil, csierr.Failf(pool.ErrNotReady, "snapshot %s is still being cut", sid)
 	}
 	return p, s, nil
 }
 
 func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (_ *csi.GetSnapshotResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
 		return nil, err
 	}
 	if !known {
-		return nil, failf(pool.ErrNotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
+		return nil, csierr.Failf(pool.ErrNotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
 	}
 	p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
 	if err != nil {
@@ -288,7 +289,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 // ListSnapshots pages by snapshot ID, like ListVolumes: the token is the ID of the
 // first snapshot of the next page.
 func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (_ *csi.ListSnapshotsResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
 	}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -20,7 +21,7 @@ import (
 // volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
 func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (_ *csi.NodeGetVolumeStatsResponse, err error) {
-	defer toStatus(&err)
+	defer csierr.ToStatus(&err)
 	if pool.IsEphemeralHandle(req.GetVolumeId()) {
 		if req.GetVolumePath() == "" {
 			return nil, status.Error(codes.InvalidArgument, "volume_path is required")

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -62,11 +63,11 @@ func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	v, err := p.Load(vid)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
-		return nil, failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
+		return nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
 	case err != nil:
 		return nil, err
 	case v.State != pool.StateReady:
-		return nil, failf(pool.ErrNotReady, "volume %s is still being created", vid)
+		return nil, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
 	}
 	return v, nil
 }
@@ -155,31 +156,31 @@ func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
 func (d *layoutDeps) requestPath(field, p string) (string, error) {
 	switch {
 	case p == "":
-		return "", failf(errInvalid, "%s is required", field)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s is required", field)
 	case !filepath.IsAbs(p):
-		return "", failf(errInvalid, "%s %q must be absolute", field, p)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s %q must be absolute", field, p)
 	case strings.ContainsRune(p, 0):
-		return "", failf(errInvalid, "%s contains a NUL byte", field)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s contains a NUL byte", field)
 	case len(p) > 4096:
-		return "", failf(errInvalid, "%s is longer than PATH_MAX", field)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s is longer than PATH_MAX", field)
 	}
 	for _, part := range strings.Split(p, "/") {
 		if part == ".." {
-			return "", failf(errInvalid, "%s %q contains '..'", field, p)
+			return "", csierr.Failf(csierr.ErrInvalid, "%s %q contains '..'", field, p)
 		}
 	}
 	clean := filepath.Clean(p)
 	base := "/"
 	if prefix := d.pathPrefix; prefix != "" && prefix != "/" {
 		if !strings.HasPrefix(clean, prefix+"/") {
-			return "", failf(errInvalid, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
+			return "", csierr.Failf(csierr.ErrInvalid, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
 		}
 		base = prefix
 	} else if clean == "/" {
-		return "", failf(errInvalid, "%s is /", field)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s is /", field)
 	}
 	if link := firstLink(base, clean); link != "" {
-		return "", failf(errInvalid, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
+		return "", csierr.Failf(csierr.ErrInvalid, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
 	}
 	return clean, nil
 }
@@ -222,7 +223,7 @@ func (d *Driver) checkNesting(field, path string) error {
 			continue
 		}
 		if d.volumeMount(table, e) {
-			return failf(errInvalid, "%s %q is %s %s, where a volume is mounted (%s): a staging or target path is never inside another volume's mount, nor over one", field, path, how, m, e.Source)
+			return csierr.Failf(csierr.ErrInvalid, "%s %q is %s %s, where a volume is mounted (%s): a staging or target path is never inside another volume's mount, nor over one", field, path, how, m, e.Source)
 		}
 	}
 	return nil
@@ -303,7 +304,7 @@ func firstLink(base, path string) string {
 func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
 	path, err := d.requestPath("volume_path", raw)
 	if err != nil {
-		return "", failf(errNotAtPath, "volume %s is not at %q: %w", vid, raw, err)
+		return "", csierr.Failf(csierr.ErrNotAtPath, "volume %s is not at %q: %w", vid, raw, err)
 	}
 	return path, nil
 }
@@ -329,7 +330,7 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
 	unlock, err = p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
-		return nil, nil, failf(pool.ErrNotFound, "volume %s does not exist", vid)
+		return nil, nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist", vid)
 	} else if err != nil {
 		return nil, nil, err
 	}

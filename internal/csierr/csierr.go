@@ -1,4 +1,6 @@
-package driver
+// Package csierr holds the driver's error classes and the one ordered table that
+// turns them into gRPC codes, applied once per handler (ToStatus).
+package csierr
 
 import (
 	"context"
@@ -22,38 +24,41 @@ var (
 	// cannot do, found by a helper whose answer a caller may re-word (a
 	// path, an access mode, a share option). The handlers' own checks of a
 	// request make INVALID_ARGUMENT statuses directly.
-	errInvalid = errors.New("invalid argument")
+	ErrInvalid = errors.New("invalid argument")
 	// errNoPool: the pool an ID names is not one of this driver's (not
 	// configured, or a share that holds no pool), so nothing of it is here.
-	errNoPool = errors.New("no such pool")
+	ErrNoPool = errors.New("no such pool")
 	// errNoNode: the node a call names cannot reach the volume's pool.
-	errNoNode = errors.New("node cannot reach the pool")
+	ErrNoNode = errors.New("node cannot reach the pool")
 	// errNotAtPath: the volume is not staged or published at the path a node
 	// call names (NodeGetVolumeStats, NodeExpandVolume).
-	errNotAtPath = errors.New("volume is not at that path")
+	ErrNotAtPath = errors.New("volume is not at that path")
 	// errNotStaged: a call that needs the volume staged on this node first.
-	errNotStaged = errors.New("volume is not staged here")
+	ErrNotStaged = errors.New("volume is not staged here")
 	// errInUse: the volume is staged, published or mounted where the call
 	// would have to take it away (delete, a second writer), or is written
 	// where a group snapshot cannot freeze it.
-	errInUse = errors.New("volume is in use")
+	ErrInUse = errors.New("volume is in use")
 	// errFenced: the volume, or this node, is fenced off (docs/fencing.md).
-	errFenced = errors.New("fenced")
+	ErrFenced = errors.New("fenced")
 	// errPathTaken: a staging or target path holds something else, or this
 	// volume with other attributes.
-	errPathTaken = errors.New("path holds another mount")
+	ErrPathTaken = errors.New("path holds another mount")
 	// errState: the volume is in a state the call must not act on (its
 	// metadata damaged, its image truncated, another filesystem on it, a size
 	// the controller has not granted yet).
-	errState = errors.New("volume is not in a state for this call")
+	ErrState = errors.New("volume is not in a state for this call")
 	// errShareUnknown: a share this node never mounted, named by an ID that
 	// carries no tag to prove a StorageClass named it: nothing is mounted.
-	errShareUnknown = errors.New("share is not known here")
+	ErrShareUnknown = errors.New("share is not known here")
 	// errNodeFull: the node has as many volumes published as it may hold.
-	errNodeFull = errors.New("node is at its volume limit")
+	ErrNodeFull = errors.New("node is at its volume limit")
 	// errTopology: the volume cannot be made where the request's topology
 	// asks.
-	errTopology = errors.New("topology cannot be satisfied")
+	ErrTopology = errors.New("topology cannot be satisfied")
+	// ErrForeignMount: an unmount refused because what is mounted at the
+	// path is not this volume.
+	ErrForeignMount = errors.New("refusing to unmount what is not this volume")
 )
 
 // errorCodes is the one table from an error's class to its gRPC code, in order:
@@ -75,29 +80,29 @@ var errorCodes = []struct {
 	{pool.ErrBusy, codes.Aborted},
 	{pool.ErrInvalidID, codes.InvalidArgument},
 	{pool.ErrBadRange, codes.InvalidArgument},
-	{errInvalid, codes.InvalidArgument},
+	{ErrInvalid, codes.InvalidArgument},
 	{pool.ErrOutOfRange, codes.OutOfRange},
 	{pool.ErrNoSpace, codes.ResourceExhausted},
-	{errNodeFull, codes.ResourceExhausted},
-	{errTopology, codes.ResourceExhausted},
+	{ErrNodeFull, codes.ResourceExhausted},
+	{ErrTopology, codes.ResourceExhausted},
 	{pool.ErrExists, codes.AlreadyExists},
-	{errPathTaken, codes.AlreadyExists},
+	{ErrPathTaken, codes.AlreadyExists},
 	{pool.ErrNotReady, codes.NotFound},
 	{pool.ErrNotFound, codes.NotFound},
-	{errNoPool, codes.NotFound},
-	{errNoNode, codes.NotFound},
-	{errNotAtPath, codes.NotFound},
+	{ErrNoPool, codes.NotFound},
+	{ErrNoNode, codes.NotFound},
+	{ErrNotAtPath, codes.NotFound},
 	{pool.ErrCorrupt, codes.Internal},
-	{errForeignMount, codes.FailedPrecondition},
-	{errNotStaged, codes.FailedPrecondition},
-	{errInUse, codes.FailedPrecondition},
-	{errFenced, codes.FailedPrecondition},
-	{errState, codes.FailedPrecondition},
-	{errShareUnknown, codes.FailedPrecondition},
+	{ErrForeignMount, codes.FailedPrecondition},
+	{ErrNotStaged, codes.FailedPrecondition},
+	{ErrInUse, codes.FailedPrecondition},
+	{ErrFenced, codes.FailedPrecondition},
+	{ErrState, codes.FailedPrecondition},
+	{ErrShareUnknown, codes.FailedPrecondition},
 }
 
-// driverSentinels lists the driver's own classes, for the table test.
-var driverSentinels = []error{errInvalid, errForeignMount, errNoPool, errNoNode, errNotAtPath, errNotStaged, errInUse, errFenced, errPathTaken, errState, errShareUnknown, errNodeFull, errTopology}
+// Sentinels lists the driver's own classes, for the table test.
+var Sentinels = []error{ErrInvalid, ErrForeignMount, ErrNoPool, ErrNoNode, ErrNotAtPath, ErrNotStaged, ErrInUse, ErrFenced, ErrPathTaken, ErrState, ErrShareUnknown, ErrNodeFull, ErrTopology}
 
 // classed is an error the driver gave a class: its message is exactly the
 // format's (what the caller is told), and its class decides its code.
@@ -109,35 +114,35 @@ type classed struct {
 func (e *classed) Error() string   { return e.err.Error() }
 func (e *classed) Unwrap() []error { return []error{e.class, e.err} }
 
-// failf is fmt.Errorf with a class: errors.Is(err, class) holds, the message
+// Failf is fmt.Errorf with a class: errors.Is(err, class) holds, the message
 // is the format's alone, and the class decides the code even when a cause
 // wrapped with %w belongs to another.
-func failf(class error, format string, args ...any) error {
+func Failf(class error, format string, args ...any) error {
 	return &classed{class: class, err: fmt.Errorf(format, args...)}
 }
 
-// toStatus is deferred by every RPC handler: the error it returns becomes the
+// ToStatus is deferred by every RPC handler: the error it returns becomes the
 // status its caller gets, here and nowhere else.
-func toStatus(err *error) { *err = grpcError(*err) }
+func ToStatus(err *error) { *err = GRPCError(*err) }
 
-// grpcError turns an error into a gRPC status. A status passes through
+// GRPCError turns an error into a gRPC status. A status passes through
 // unchanged; anything else gets the code of its class, INTERNAL when it has
 // none, and keeps its message, which says what to do.
-func grpcError(err error) error {
+func GRPCError(err error) error {
 	if err == nil {
 		return nil
 	}
 	var c *classed
 	if errors.As(err, &c) {
-		return status.Error(codeOf(c.class), err.Error())
+		return status.Error(CodeOf(c.class), err.Error())
 	}
 	if _, ok := status.FromError(err); ok {
 		return err
 	}
-	return status.Error(codeOf(err), err.Error())
+	return status.Error(CodeOf(err), err.Error())
 }
 
-func codeOf(err error) codes.Code {
+func CodeOf(err error) codes.Code {
 	for _, c := range errorCodes {
 		if errors.Is(err, c.class) {
 			return c.code
@@ -146,12 +151,12 @@ func codeOf(err error) codes.Code {
 	return codes.Internal
 }
 
-// classOf is the class that decides what err means: the one the driver gave it
+// ClassOf is the class that decides what err means: the one the driver gave it
 // (failf), else the first class of errorCodes it belongs to; nil for none.
 // A handler that must tell "gone" from "failed" asks this, not errors.Is, so
 // that it agrees with the code its caller would see: a volume that cannot be
 // looked up because the pool is unavailable or busy is not gone.
-func classOf(err error) error {
+func ClassOf(err error) error {
 	var c *classed
 	if errors.As(err, &c) {
 		return c.class
@@ -164,9 +169,9 @@ func classOf(err error) error {
 	return nil
 }
 
-// gone tells whether err says that the volume is not there (or not made
+// Gone tells whether err says that the volume is not there (or not made
 // yet): what an idempotent delete or unpublish takes as done.
-func gone(err error) bool {
-	c := classOf(err)
+func Gone(err error) bool {
+	c := ClassOf(err)
 	return errors.Is(c, pool.ErrNotFound) || errors.Is(c, pool.ErrNotReady) // c is a bare class
 }

@@ -1,4 +1,4 @@
-package driver
+package csierr
 
 import (
 	"context"
@@ -30,23 +30,23 @@ func TestGRPCErrorTable(t *testing.T) {
 	}
 	// The driver's own classes, with the codes the statuses they replace had.
 	for s, c := range map[error]codes.Code{
-		errInvalid:      codes.InvalidArgument,
-		errForeignMount: codes.FailedPrecondition,
-		errNoPool:       codes.NotFound,
-		errNoNode:       codes.NotFound,
-		errNotAtPath:    codes.NotFound,
-		errNotStaged:    codes.FailedPrecondition,
-		errInUse:        codes.FailedPrecondition,
-		errFenced:       codes.FailedPrecondition,
-		errPathTaken:    codes.AlreadyExists,
-		errState:        codes.FailedPrecondition,
-		errShareUnknown: codes.FailedPrecondition,
-		errNodeFull:     codes.ResourceExhausted,
-		errTopology:     codes.ResourceExhausted,
+		ErrInvalid:      codes.InvalidArgument,
+		ErrForeignMount: codes.FailedPrecondition,
+		ErrNoPool:       codes.NotFound,
+		ErrNoNode:       codes.NotFound,
+		ErrNotAtPath:    codes.NotFound,
+		ErrNotStaged:    codes.FailedPrecondition,
+		ErrInUse:        codes.FailedPrecondition,
+		ErrFenced:       codes.FailedPrecondition,
+		ErrPathTaken:    codes.AlreadyExists,
+		ErrState:        codes.FailedPrecondition,
+		ErrShareUnknown: codes.FailedPrecondition,
+		ErrNodeFull:     codes.ResourceExhausted,
+		ErrTopology:     codes.ResourceExhausted,
 	} {
 		want[s] = c
 	}
-	for _, s := range append(append([]error(nil), pool.Sentinels...), driverSentinels...) {
+	for _, s := range append(append([]error(nil), pool.Sentinels...), Sentinels...) {
 		if _, ok := want[s]; !ok {
 			t.Errorf("sentinel %q has no expected code in this test: add it here and to errorCodes", s)
 		}
@@ -70,10 +70,10 @@ func TestGRPCErrorTable(t *testing.T) {
 		// The class the driver gave decides, whatever its causes are: a
 		// refusal that says why with an interrupted or unavailable cause is
 		// still that refusal, as the status it replaces was.
-		{"failf class decides", failf(errInUse, "in use: %w", context.Canceled), codes.FailedPrecondition},
-		{"failf over a pool class", failf(errState, "damaged: %w", fmt.Errorf("%w: x", pool.ErrUnavailable)), codes.FailedPrecondition},
-		{"outer failf decides", failf(errInUse, "refusing: %w", failf(pool.ErrNotFound, "gone")), codes.FailedPrecondition},
-		{"failf wrapped", fmt.Errorf("publish: %w", failf(errNotStaged, "stage first")), codes.FailedPrecondition},
+		{"failf class decides", Failf(ErrInUse, "in use: %w", context.Canceled), codes.FailedPrecondition},
+		{"failf over a pool class", Failf(ErrState, "damaged: %w", fmt.Errorf("%w: x", pool.ErrUnavailable)), codes.FailedPrecondition},
+		{"outer failf decides", Failf(ErrInUse, "refusing: %w", Failf(pool.ErrNotFound, "gone")), codes.FailedPrecondition},
+		{"failf wrapped", fmt.Errorf("publish: %w", Failf(ErrNotStaged, "stage first")), codes.FailedPrecondition},
 	}
 	for s, c := range want {
 		cases = append(cases, struct {
@@ -84,7 +84,7 @@ func TestGRPCErrorTable(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			got := grpcError(tc.err)
+			got := GRPCError(tc.err)
 			if status.Code(got) != tc.code {
 				t.Errorf("grpcError(%v) = %v, want %v", tc.err, status.Code(got), tc.code)
 			}
@@ -93,12 +93,12 @@ func TestGRPCErrorTable(t *testing.T) {
 			}
 		})
 	}
-	if grpcError(nil) != nil {
+	if GRPCError(nil) != nil {
 		t.Error("grpcError(nil) is not nil")
 	}
 	// failf's message is the format's alone: what the caller reads.
-	err := fmt.Errorf("ctx: %w", failf(pool.ErrNotFound, "volume %s does not exist", "v"))
-	if msg := status.Convert(grpcError(err)).Message(); msg != "ctx: volume v does not exist" {
+	err := fmt.Errorf("ctx: %w", Failf(pool.ErrNotFound, "volume %s does not exist", "v"))
+	if msg := status.Convert(GRPCError(err)).Message(); msg != "ctx: volume v does not exist" {
 		t.Errorf("message %q", msg)
 	}
 	if !errors.Is(err, pool.ErrNotFound) {
@@ -115,14 +115,14 @@ func TestGone(t *testing.T) {
 		want bool
 	}{
 		{fmt.Errorf("load: %w", pool.ErrNotFound), true},
-		{failf(pool.ErrNotReady, "still being created"), true},
+		{Failf(pool.ErrNotReady, "still being created"), true},
 		{fmt.Errorf("lock: %w: %w", pool.ErrBusy, pool.ErrNotFound), false},
 		{fmt.Errorf("%w: %w", context.Canceled, pool.ErrNotFound), false},
-		{failf(errInUse, "refusing: %w", pool.ErrNotFound), false},
+		{Failf(ErrInUse, "refusing: %w", pool.ErrNotFound), false},
 		{fmt.Errorf("open /dev/loop-control: %w", os.ErrNotExist), false},
 		{errors.New("EIO"), false},
 	} {
-		if got := gone(tc.err); got != tc.want {
+		if got := Gone(tc.err); got != tc.want {
 			t.Errorf("gone(%v) = %v, want %v", tc.err, got, tc.want)
 		}
 	}
@@ -146,7 +146,7 @@ func TestUnavailablePoolCodes(t *testing.T) {
 				t.Fatal(err)
 			}
 			_, err = p.Reserve(context.Background(), pool.Spec{Name: "v", Layout: pool.LayoutImage, AccessType: pool.AccessBlock, CapacityBytes: pool.MiB})
-			got := grpcError(err)
+			got := GRPCError(err)
 			if status.Code(got) != codes.Unavailable {
 				t.Fatalf("code %v, want Unavailable: %v", status.Code(got), got)
 			}
