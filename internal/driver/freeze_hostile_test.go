@@ -119,7 +119,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 			hostile := tt.path(t, t.TempDir(), other)
 			setStagePath(t, p, id, "node-a", hostile)
 			vid, _ := pool.ParseVolumeID(id)
-			if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: hostile, Nonce: pool.NewFreezeNonce()}); err != nil {
+			if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: hostile, Nonce: pool.NewFreezeNonce()}); err != nil {
 				t.Fatal(err)
 			}
 			done := make(chan struct{})
@@ -138,12 +138,12 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 			if fi, err := os.Lstat(hostile); err == nil && fi.Mode()&os.ModeNamedPipe != 0 && !noReader(t, hostile) {
 				t.Fatal("the FIFO was opened")
 			}
-			got, ok, err := p.ReadFreezeAck("node-a", vid)
+			got, ok, err := p.Freezes().ReadAck("node-a", vid)
 			want := map[bool]pool.FreezeState{true: pool.FreezeFrozen, false: pool.FreezeNotStaged}[tt.frozen]
 			if err != nil || !ok || got.State != want {
 				t.Fatalf("answer %+v %v %v, want %s", got, ok, err, want)
 			}
-			if err := p.RemoveFreezeRequest("node-a", vid); err != nil {
+			if err := p.Freezes().RemoveRequest("node-a", vid); err != nil {
 				t.Fatal(err)
 			}
 			a.freezeTick(ctx)
@@ -171,7 +171,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	nonce := ""
 	rotate := func() {
 		nonce = pool.NewFreezeNonce()
-		if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: nonce}); err != nil {
+		if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: nonce}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -181,7 +181,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	for range int(2 * time.Hour / step) {
 		a.freezeTick(ctx)
 		frozenAt = append(frozenAt, a.host.Frozen(staging))
-		if ack, ok, err := p.ReadFreezeAck("node-a", vid); err == nil && ok && ack.Nonce == nonce && ack.State != pool.FreezeFrozen {
+		if ack, ok, err := p.Freezes().ReadAck("node-a", vid); err == nil && ok && ack.Nonce == nonce && ack.State != pool.FreezeFrozen {
 			if ack.State == pool.FreezeFailed && strings.Contains(ack.Reason, "budget") {
 				refusals++
 			}
@@ -237,7 +237,7 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 	}
 	// An older version's record in the pool naming the FIFO, and a "frozen"
 	// record of another volume that is itself a FIFO.
-	if err := p.RecordFreeze(vid, "node-a", fifo); err != nil {
+	if err := p.Freezes().WriteRecord(vid, "node-a", fifo); err != nil {
 		t.Fatal(err)
 	}
 	otherID, _ := stageOther(t, a)
@@ -272,11 +272,11 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 		t.Fatal("the FIFO a pool record names was opened")
 	}
 	// No freeze while a thaw of the recovery is pending.
-	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
+	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
 	a.freezeTick(ctx)
-	if _, ok, _ := p.ReadFreezeAck("node-a", vid); ok {
+	if _, ok, _ := p.Freezes().ReadAck("node-a", vid); ok {
 		t.Fatal("a request was answered before the recovery was done")
 	}
 	close(unblock)
@@ -288,7 +288,7 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 		t.Fatalf("node records left: %v", keys)
 	}
 	a.freezeTick(ctx)
-	if ack, ok, err := p.ReadFreezeAck("node-a", vid); err != nil || !ok || ack.State != pool.FreezeFrozen {
+	if ack, ok, err := p.Freezes().ReadAck("node-a", vid); err != nil || !ok || ack.State != pool.FreezeFrozen {
 		t.Fatalf("after the recovery: %+v %v %v", ack, ok, err)
 	}
 }
@@ -330,7 +330,7 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 		defer close(answered)
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
 			a.freezeTick(ctx)
-			if ack, ok, _ := p.ReadFreezeAck("node-a", vid); ok && ack.State == pool.FreezeFrozen {
+			if ack, ok, _ := p.Freezes().ReadAck("node-a", vid); ok && ack.State == pool.FreezeFrozen {
 				return
 			}
 		}
@@ -343,7 +343,7 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 		}
 		<-answered
 		waitFor(t, "the bound thaws A without its agent", func() bool { return !a.host.Frozen(staging) })
-		if ack, ok, _ := p.ReadFreezeAck("node-a", vid); !ok || ack.State != pool.FreezeFrozen || ack.HoldMillis != 200 {
+		if ack, ok, _ := p.Freezes().ReadAck("node-a", vid); !ok || ack.State != pool.FreezeFrozen || ack.HoldMillis != 200 {
 			t.Errorf("A's answer: %+v", ack)
 		}
 		return thaw, nil
@@ -397,14 +397,14 @@ func TestFreezeIgnoresAliasedImages(t *testing.T) {
 			}); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: alias.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
+			if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: alias.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
 				t.Fatal(err)
 			}
 			a.freezeTick(ctx)
 			if a.host.Frozen(other) {
 				t.Fatal("the other volume's filesystem was frozen through an alias of its image")
 			}
-			if got, ok, err := p.ReadFreezeAck("node-a", alias); err != nil || !ok || got.State != pool.FreezeNotStaged {
+			if got, ok, err := p.Freezes().ReadAck("node-a", alias); err != nil || !ok || got.State != pool.FreezeNotStaged {
 				t.Fatalf("answer %+v %v %v, want %s", got, ok, err, pool.FreezeNotStaged)
 			}
 			noFreezeRecord(t, p, a)
@@ -452,14 +452,14 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 	}
 	ask := func(vid pool.VolumeID) {
 		t.Helper()
-		if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: vid.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
+		if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: vid.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
 			t.Fatal(err)
 		}
 		a.freezeTick(ctx)
 	}
 	answer := func(vid pool.VolumeID) pool.FreezeAck {
 		t.Helper()
-		got, ok, err := p.ReadFreezeAck("node-a", vid)
+		got, ok, err := p.Freezes().ReadAck("node-a", vid)
 		if err != nil || !ok {
 			t.Fatalf("no answer for %s: %v", vid, err)
 		}
@@ -474,11 +474,11 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 	if got := answer(alias); got.State != pool.FreezeFailed {
 		t.Fatalf("a request for the alias while the device is held: %+v", got)
 	}
-	if err := p.RemoveFreezeRequest("node-a", alias); err != nil {
+	if err := p.Freezes().RemoveRequest("node-a", alias); err != nil {
 		t.Fatal(err)
 	}
 	a.clock.add(10 * time.Second)
-	if err := p.RemoveFreezeRequest("node-a", ovid); err != nil {
+	if err := p.Freezes().RemoveRequest("node-a", ovid); err != nil {
 		t.Fatal(err)
 	}
 	a.freezeTick(ctx)

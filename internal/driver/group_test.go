@@ -106,7 +106,7 @@ func (f *groupFixture) assertNothingLeft(t *testing.T) {
 	if g, err := f.pool.ListGroupSnapshots(); err != nil || len(g) != 0 {
 		t.Errorf("group snapshots left: %v %v", g, err)
 	}
-	if fr, _ := f.pool.Freezes(); len(fr) != 0 {
+	if fr, _ := f.pool.Freezes().Records(); len(fr) != 0 {
 		t.Errorf("freeze records left: %v", fr)
 	}
 	for _, st := range f.staging {
@@ -280,7 +280,7 @@ func (f *groupFixture) assertThawed(t *testing.T) {
 			t.Errorf("%s left frozen", st)
 		}
 	}
-	if fr, _ := f.pool.Freezes(); len(fr) != 0 {
+	if fr, _ := f.pool.Freezes().Records(); len(fr) != 0 {
 		t.Errorf("freeze records left: %v", fr)
 	}
 	if n, m := f.host.Faults.Calls("Freeze"), f.host.Faults.Calls("Thaw"); n != 2 || m != 2 {

@@ -238,7 +238,7 @@ func TestThawAfterCrash(t *testing.T) {
 			dev, _, _ := td.loops.Find(td.pool.ImagePath(vid))
 			if legacy {
 				// The path it names is not even looked at.
-				if err := td.pool.RecordFreeze(vid, "node-1", "/nonexistent"); err != nil {
+				if err := td.pool.Freezes().WriteRecord(vid, "node-1", "/nonexistent"); err != nil {
 					t.Fatal(err)
 				}
 			} else if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
@@ -250,7 +250,7 @@ func TestThawAfterCrash(t *testing.T) {
 			if td.host.Frozen(staging) {
 				t.Error("still frozen after restart")
 			}
-			if f, _ := td.pool.Freezes(); len(f) != 0 {
+			if f, _ := td.pool.Freezes().Records(); len(f) != 0 {
 				t.Errorf("pool records left: %v", f)
 			}
 			if keys, _ := td.opts.State.Keys(freezeKind); len(keys) != 0 {

@@ -119,7 +119,7 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 	var remote []*remoteFreeze
 	release := func() error {
 		for _, r := range remote {
-			if err := r.pool.RemoveFreezeRequest(r.node, r.id); err != nil {
+			if err := r.pool.Freezes().RemoveRequest(r.node, r.id); err != nil {
 				// The node thaws at its maximum hold anyway.
 				log.Error(err, "Withdrawing a freeze request failed", "volume", r.id, "node", r.node)
 			}
@@ -151,7 +151,7 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 				continue
 			}
 			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce(), asked: time.Now()}
-			if err := m.pool.WriteFreezeRequest(pool.FreezeRequest{Volume: m.id.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
+			if err := m.pool.Freezes().WriteRequest(pool.FreezeRequest{Volume: m.id.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
 				return nil, fmt.Errorf("ask node %s to freeze volume %s: %w", st.Node, m.id, err)
 			}
 			remote = append(remote, r)
@@ -208,7 +208,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 			if r.answered {
 				continue
 			}
-			a, ok, err := r.pool.ReadFreezeAck(r.node, r.id)
+			a, ok, err := r.pool.Freezes().ReadAck(r.node, r.id)
 			if err != nil || !ok || a.Nonce != r.nonce {
 				pending++ // not (yet) an answer to this request
 				continue
@@ -277,7 +277,7 @@ func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 	if done, _ := d.pollNodes(ctx, func() (bool, error) {
 		pending := held[:0]
 		for _, r := range held {
-			if a, ok, err := r.pool.ReadFreezeAck(r.node, r.id); err != nil || (ok && a.Nonce == r.nonce) {
+			if a, ok, err := r.pool.Freezes().ReadAck(r.node, r.id); err != nil || (ok && a.Nonce == r.nonce) {
 				pending = append(pending, r)
 			}
 		}
@@ -301,7 +301,7 @@ func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
 		if !r.frozen {
 			continue
 		}
-		a, ok, err := r.pool.ReadFreezeAck(r.node, r.id)
+		a, ok, err := r.pool.Freezes().ReadAck(r.node, r.id)
 		switch {
 		case err != nil:
 			thawed = append(thawed, fmt.Sprintf("volume %s on node %s (its answer cannot be read: %v)", r.id, r.node, err))

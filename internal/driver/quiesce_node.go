@@ -283,7 +283,7 @@ func (d *Driver) freezeTick(ctx context.Context) {
 		if p == nil || !p.Shared() {
 			continue
 		}
-		entries, acked, listErr := p.Inbox(node)
+		entries, acked, listErr := p.Freezes().Inbox(node)
 		if listErr != nil {
 			log.V(2).Info("Cannot read this node's freeze inbox", "pool", pn, "err", listErr)
 		}
@@ -315,7 +315,7 @@ func (d *Driver) freezeTick(ctx context.Context) {
 		}
 		for _, id := range acked {
 			if _, ok := requests[id.String()]; !ok && !d.freezer.holds(id) {
-				if err := p.RemoveFreezeAck(node, id); err != nil {
+				if err := p.Freezes().RemoveAck(node, id); err != nil {
 					log.Error(err, "Removing an answer to a withdrawn freeze request", "volume", id)
 				}
 			}
@@ -378,7 +378,7 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	node := d.opts.NodeID
 	id := mustVolumeID(r.Volume)
 	log := klog.FromContext(ctx).WithValues("volume", id)
-	if prev, ok, err := p.ReadFreezeAck(node, id); err == nil && ok && prev.Nonce == r.Nonce {
+	if prev, ok, err := p.Freezes().ReadAck(node, id); err == nil && ok && prev.Nonce == r.Nonce {
 		return // answered; a request thawed early is not frozen again
 	}
 	// Held while frozen: an unstage (its unmount) meanwhile is ABORTED and
@@ -394,7 +394,7 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	if h != nil {
 		ack.HoldMillis = h.bound.Milliseconds()
 	}
-	if err := p.WriteFreezeAck(ack); err != nil {
+	if err := p.Freezes().WriteAck(ack); err != nil {
 		if h != nil {
 			d.thawNow(ctx, h)
 			d.freezer.spend(h.key, h.since, d.freezer.now())
@@ -471,7 +471,7 @@ func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
 	if why == "" {
 		why = "the request was withdrawn"
 	}
-	ackErr := h.pool.WriteFreezeAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: why})
+	ackErr := h.pool.Freezes().WriteAck(pool.FreezeAck{Volume: h.id.String(), Node: node, Nonce: h.nonce, State: pool.FreezeThawed, Reason: why})
 	// Thawed all the same if the answer cannot be written: a frozen
 	// filesystem hangs every writer (and the bound thaws it anyway).
 	d.thawNow(ctx, h)
@@ -490,7 +490,7 @@ func (d *Driver) thawHeld(ctx context.Context, h *heldFreeze, early string) {
 	}
 	// Last: an inbox without the answer means the volume is free again.
 	if early == "" {
-		if err := h.pool.RemoveFreezeAck(node, h.id); err != nil {
+		if err := h.pool.Freezes().RemoveAck(node, h.id); err != nil {
 			log.Error(err, "Removing the answer to a withdrawn freeze request")
 		}
 		log.Info("Thawed filesystem after another node's snapshot")
@@ -522,17 +522,17 @@ func (d *Driver) thawAllHeld(ctx context.Context, why string) {
 // controller must not take a thaw it was not told of for a freeze.
 func (d *Driver) abandonFreezeAnswers(ctx context.Context, p *pool.Pool) {
 	node := d.opts.NodeID
-	_, acked, err := p.Inbox(node)
+	_, acked, err := p.Freezes().Inbox(node)
 	if err != nil {
 		return
 	}
 	for _, id := range acked {
-		a, ok, err := p.ReadFreezeAck(node, id)
+		a, ok, err := p.Freezes().ReadAck(node, id)
 		if err != nil || !ok || a.State != pool.FreezeFrozen {
 			continue
 		}
 		a.State, a.Reason = pool.FreezeThawed, "the node plugin of node "+node+" restarted while the filesystem was frozen"
-		if err := p.WriteFreezeAck(a); err != nil {
+		if err := p.Freezes().WriteAck(a); err != nil {
 			klog.FromContext(ctx).Error(err, "Cannot write down the thaw of a freeze a crash interrupted", "volume", id)
 		}
 	}

@@ -62,7 +62,7 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // inboxEmpty tells whether node's inbox holds neither request nor answer.
 func inboxEmpty(t *testing.T, p *pool.Pool, node string) bool {
 	t.Helper()
-	reqs, acked, err := p.Inbox(node)
+	reqs, acked, err := p.Freezes().Inbox(node)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -73,7 +73,7 @@ func inboxEmpty(t *testing.T, p *pool.Pool, node string) bool {
 // (older versions wrote them there) nor in any node's own records.
 func noFreezeRecord(t *testing.T, p *pool.Pool, nodes ...*leaseNode) {
 	t.Helper()
-	fs, err := p.Freezes()
+	fs, err := p.Freezes().Records()
 	if err != nil || len(fs) != 0 {
 		t.Fatalf("freeze records left in the pool: %+v %v", fs, err)
 	}
@@ -215,12 +215,12 @@ func TestFreezeControllerDies(t *testing.T) {
 	p := a.pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	nonce := pool.NewFreezeNonce()
-	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: nonce}); err != nil {
+	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: nonce}); err != nil {
 		t.Fatal(err)
 	}
 	ack := func() pool.FreezeAck {
 		t.Helper()
-		a, ok, err := p.ReadFreezeAck("node-a", vid)
+		a, ok, err := p.Freezes().ReadAck("node-a", vid)
 		if err != nil || !ok {
 			t.Fatalf("answer: %+v %v %v", a, ok, err)
 		}
@@ -250,7 +250,7 @@ func TestFreezeControllerDies(t *testing.T) {
 	// refused, as failed (the controller fails UNAVAILABLE and retries);
 	// after it, frozen. Then the node plugin dies while frozen: the next
 	// start writes the thaw down before it thaws.
-	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
+	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
 	a.freezeTick(ctx)
@@ -258,7 +258,7 @@ func TestFreezeControllerDies(t *testing.T) {
 		t.Fatalf("a retry right after a whole hold: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
 	a.clock.add(testFreeze.MaxHold)
-	if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
+	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
 	a.freezeTick(ctx)
@@ -278,7 +278,7 @@ func TestFreezeControllerDies(t *testing.T) {
 		t.Fatal("the restarted plugin froze an answered request again")
 	}
 	// The controller's retry withdraws it: the answer goes too.
-	if err := p.RemoveFreezeRequest("node-a", vid); err != nil {
+	if err := p.Freezes().RemoveRequest("node-a", vid); err != nil {
 		t.Fatal(err)
 	}
 	a.freezeTick(ctx)
@@ -377,7 +377,7 @@ func TestFreezeInboxHostile(t *testing.T) {
 				noFreezeRecord(t, p, a)
 			}
 			key, _ := strings.CutSuffix(name, ".request")
-			got, ok, err := p.ReadFreezeAck("node-a", p.IDOf(key))
+			got, ok, err := p.Freezes().ReadAck("node-a", p.IDOf(key))
 			switch {
 			case tt.want == "" && (ok || err != nil) && key != "..":
 				t.Fatalf("answered: %+v %v", got, err)

@@ -419,7 +419,7 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 			continue
 		}
 		thaws = append(thaws, func() {
-			freezes, err := p.Freezes()
+			freezes, err := p.Freezes().Records()
 			if err != nil {
 				log.V(2).Info("Cannot look for freezes an older version recorded in the pool", "pool", pn, "err", err)
 				return
@@ -429,7 +429,7 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 					continue // another node's freeze, on a shared pool
 				}
 				d.recoveryThaw(ctx, f.Volume.String(), func() (string, error) { return d.thawVolumeHere(p, f.Volume) })()
-				if err := p.ClearFreeze(f.Volume); err != nil {
+				if err := p.Freezes().ClearRecord(f.Volume); err != nil {
 					log.Error(err, "Removing an older version's freeze record failed", "volume", f.Volume)
 				}
 			}

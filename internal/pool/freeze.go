@@ -41,6 +41,16 @@ const (
 	maxFreezeReason  = 1 << 10
 )
 
+// Freezes is the pool's view for the freeze protocol between nodes: the
+// inboxes of requests and answers, and the freeze records older versions
+// wrote. Like every view of the pool it is a narrow store over the one Pool
+// (as containerd's metadata stores are over one database): the format keeps
+// one owner, and Pool's own verbs stay the volume lifecycle.
+type Freezes struct{ p *Pool }
+
+// Freezes is the pool's freeze inboxes and records.
+func (p *Pool) Freezes() Freezes { return Freezes{p} }
+
 var nonceRE = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
 // FreezeRequest asks Node to freeze the filesystem of Volume staged at Path.
@@ -94,14 +104,14 @@ func freezeRel(node string, id VolumeID, suffix string) string {
 	return filepath.Join(freezeDir, node, id.Key+suffix)
 }
 
-// validate checks what a request must be before it is written or acted on.
-func (p *Pool) validateRequest(r FreezeRequest) (VolumeID, error) {
+// validateRequest checks what a request must be before it is written or acted on.
+func (fr Freezes) validateRequest(r FreezeRequest) (VolumeID, error) {
 	id, err := ParseVolumeID(r.Volume)
 	if err != nil {
 		return id, err
 	}
-	if id.Pool != p.cfg.Name || id.String() != p.IDOf(id.Key).String() {
-		return id, fmt.Errorf("%w: freeze request names volume %s of another pool than %s", ErrInvalidID, r.Volume, p.cfg.Name)
+	if id.Pool != fr.p.cfg.Name || id.String() != fr.p.IDOf(id.Key).String() {
+		return id, fmt.Errorf("%w: freeze request names volume %s of another pool than %s", ErrInvalidID, r.Volume, fr.p.cfg.Name)
 	}
 	if err := ValidateNodeID(r.Node); err != nil {
 		return id, err
@@ -115,65 +125,65 @@ func (p *Pool) validateRequest(r FreezeRequest) (VolumeID, error) {
 	return id, nil
 }
 
-// inbox makes freeze/<node>/ if it is missing, each level through a
+// makeInbox makes freeze/<node>/ if it is missing, each level through a
 // descriptor of its parent opened below the pool's root without links, so a
 // link planted in its place makes nothing outside the pool.
-func (p *Pool) inbox(node string) error {
+func (fr Freezes) makeInbox(node string) error {
 	for _, rel := range []string{freezeDir, filepath.Join(freezeDir, node)} {
-		parent, err := fsx.OpenDir(p.cfg.Path, filepath.Clean("./"+filepath.Dir(rel)))
+		parent, err := fsx.OpenDir(fr.p.cfg.Path, filepath.Clean("./"+filepath.Dir(rel)))
 		if err != nil {
-			return p.classify(err)
+			return fr.p.classify(err)
 		}
 		err = unix.Mkdirat(int(parent.Fd()), filepath.Base(rel), 0o750)
 		parent.Close()
 		if err != nil && !errors.Is(err, unix.EEXIST) {
-			return fmt.Errorf("pool %s: make %s: %w", p.cfg.Name, rel, err)
+			return fmt.Errorf("pool %s: make %s: %w", fr.p.cfg.Name, rel, err)
 		}
-		if err := p.checkDir(rel); err != nil {
+		if err := fr.p.checkDir(rel); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// WriteFreezeRequest puts r into its node's inbox (the controller's side).
-func (p *Pool) WriteFreezeRequest(r FreezeRequest) error {
-	id, err := p.validateRequest(r)
+// WriteRequest puts r into its node's inbox (the controller's side).
+func (fr Freezes) WriteRequest(r FreezeRequest) error {
+	id, err := fr.validateRequest(r)
 	if err != nil {
 		return err
 	}
-	if err := p.inbox(r.Node); err != nil {
+	if err := fr.makeInbox(r.Node); err != nil {
 		return err
 	}
 	raw, _ := json.Marshal(r)
-	return p.writeBeneath(freezeRel(r.Node, id, requestSuffix), append(raw, '\n'), true)
+	return fr.p.writeBeneath(freezeRel(r.Node, id, requestSuffix), append(raw, '\n'), true)
 }
 
-// RemoveFreezeRequest withdraws the request for volume id from node's inbox;
+// RemoveRequest withdraws the request for volume id from node's inbox;
 // nil when it is not there.
-func (p *Pool) RemoveFreezeRequest(node string, id VolumeID) error {
-	return p.removeInInbox(node, id, requestSuffix)
+func (fr Freezes) RemoveRequest(node string, id VolumeID) error {
+	return fr.removeInInbox(node, id, requestSuffix)
 }
 
-// RemoveFreezeAck removes the node's answer about volume id (the node's side).
-func (p *Pool) RemoveFreezeAck(node string, id VolumeID) error {
-	return p.removeInInbox(node, id, ackSuffix)
+// RemoveAck removes the node's answer about volume id (the node's side).
+func (fr Freezes) RemoveAck(node string, id VolumeID) error {
+	return fr.removeInInbox(node, id, ackSuffix)
 }
 
-func (p *Pool) removeInInbox(node string, id VolumeID, suffix string) error {
+func (fr Freezes) removeInInbox(node string, id VolumeID, suffix string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	d, err := fsx.OpenDir(p.cfg.Path, filepath.Join(freezeDir, node))
+	d, err := fsx.OpenDir(fr.p.cfg.Path, filepath.Join(freezeDir, node))
 	if missing(err) {
 		return nil
 	}
 	if err != nil {
-		return p.classify(err)
+		return fr.p.classify(err)
 	}
 	defer d.Close()
 	if err := unix.Unlinkat(int(d.Fd()), id.Key+suffix, 0); err != nil && !errors.Is(err, unix.ENOENT) {
-		return fmt.Errorf("pool %s: remove %s: %w", p.cfg.Name, freezeRel(node, id, suffix), err)
+		return fmt.Errorf("pool %s: remove %s: %w", fr.p.cfg.Name, freezeRel(node, id, suffix), err)
 	}
 	return nil
 }
@@ -190,16 +200,16 @@ type InboxEntry struct {
 
 // Inbox lists node's inbox: its requests, and the volumes it has answered
 // about (acks). A missing inbox is empty.
-func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err error) {
+func (fr Freezes) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return nil, nil, err
 	}
-	des, err := p.readDir(filepath.Join(freezeDir, node))
+	des, err := fr.p.readDir(filepath.Join(freezeDir, node))
 	if missing(err) {
 		return nil, nil, nil
 	}
 	if err != nil {
-		return nil, nil, fmt.Errorf("%w: pool %s: freeze inbox of node %s: %w", ErrUnavailable, p.cfg.Name, node, err)
+		return nil, nil, fmt.Errorf("%w: pool %s: freeze inbox of node %s: %w", ErrUnavailable, fr.p.cfg.Name, node, err)
 	}
 	for _, de := range des {
 		name := de.Name()
@@ -207,18 +217,18 @@ func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err 
 			continue
 		}
 		if key, ok := strings.CutSuffix(name, ackSuffix); ok && keyRE.MatchString(key) {
-			acked = append(acked, p.IDOf(key))
+			acked = append(acked, fr.p.IDOf(key))
 			continue
 		}
 		e := InboxEntry{Name: name}
 		key, ok := strings.CutSuffix(name, requestSuffix)
 		if !ok || !keyRE.MatchString(key) {
-			e.Err = fmt.Errorf("%w: %s is not a freeze request poolcsi writes", ErrCorrupt, filepath.Join(p.cfg.Path, freezeDir, node, name))
+			e.Err = fmt.Errorf("%w: %s is not a freeze request poolcsi writes", ErrCorrupt, filepath.Join(fr.p.cfg.Path, freezeDir, node, name))
 			requests = append(requests, e)
 			continue
 		}
-		e.Volume = p.IDOf(key)
-		e.Request, e.Err = p.readRequest(node, e.Volume)
+		e.Volume = fr.p.IDOf(key)
+		e.Request, e.Err = fr.readRequest(node, e.Volume)
 		requests = append(requests, e)
 	}
 	return requests, acked, nil
@@ -226,16 +236,16 @@ func (p *Pool) Inbox(node string) (requests []InboxEntry, acked []VolumeID, err 
 
 // readRequest reads and checks one request: it must name the volume its
 // file is named after, in this pool, for this node.
-func (p *Pool) readRequest(node string, id VolumeID) (FreezeRequest, error) {
+func (fr Freezes) readRequest(node string, id VolumeID) (FreezeRequest, error) {
 	var r FreezeRequest
-	raw, err := p.readBeneath(freezeRel(node, id, requestSuffix), maxFreezeRequest)
+	raw, err := fr.p.readBeneath(freezeRel(node, id, requestSuffix), maxFreezeRequest)
 	if err != nil {
 		return r, err
 	}
 	if err := json.Unmarshal(raw, &r); err != nil {
 		return r, fmt.Errorf("%w: freeze request for volume %s: %w", ErrCorrupt, id, err)
 	}
-	rid, err := p.validateRequest(r)
+	rid, err := fr.validateRequest(r)
 	if err != nil {
 		return r, fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
@@ -245,9 +255,9 @@ func (p *Pool) readRequest(node string, id VolumeID) (FreezeRequest, error) {
 	return r, nil
 }
 
-// WriteFreezeAck writes the node's answer about a volume, in place, padded
+// WriteAck writes the node's answer about a volume, in place, padded
 // to a fixed size so that no tail of an earlier answer is left, and fsynced.
-func (p *Pool) WriteFreezeAck(a FreezeAck) error {
+func (fr Freezes) WriteAck(a FreezeAck) error {
 	id, err := ParseVolumeID(a.Volume)
 	if err != nil {
 		return err
@@ -262,31 +272,31 @@ func (p *Pool) WriteFreezeAck(a FreezeAck) error {
 	if len(raw) >= freezeAckSize {
 		return fmt.Errorf("freeze ack of volume %s is %d bytes, over %d", a.Volume, len(raw), freezeAckSize-1)
 	}
-	if err := p.inbox(a.Node); err != nil {
+	if err := fr.makeInbox(a.Node); err != nil {
 		return err
 	}
 	line := append(raw, []byte(strings.Repeat(" ", freezeAckSize-1-len(raw))+"\n")...)
-	f, err := fsx.OpenRegular(p.cfg.Path, freezeRel(a.Node, id, ackSuffix), unix.O_RDWR|unix.O_CREAT, 0o640)
+	f, err := fsx.OpenRegular(fr.p.cfg.Path, freezeRel(a.Node, id, ackSuffix), unix.O_RDWR|unix.O_CREAT, 0o640)
 	if err != nil {
-		return fmt.Errorf("pool %s: freeze ack of volume %s: %w", p.cfg.Name, id, unsafe(err))
+		return fmt.Errorf("pool %s: freeze ack of volume %s: %w", fr.p.cfg.Name, id, unsafe(err))
 	}
 	defer f.Close()
 	if _, err := f.WriteAt(line, 0); err != nil {
-		return fmt.Errorf("pool %s: write freeze ack of volume %s: %w", p.cfg.Name, id, err)
+		return fmt.Errorf("pool %s: write freeze ack of volume %s: %w", fr.p.cfg.Name, id, err)
 	}
 	if err := f.Sync(); err != nil {
-		return fmt.Errorf("pool %s: fsync freeze ack of volume %s: %w", p.cfg.Name, id, err)
+		return fmt.Errorf("pool %s: fsync freeze ack of volume %s: %w", fr.p.cfg.Name, id, err)
 	}
 	return nil
 }
 
-// ReadFreezeAck reads node's answer about volume id; ok is false when there
+// ReadAck reads node's answer about volume id; ok is false when there
 // is none.
-func (p *Pool) ReadFreezeAck(node string, id VolumeID) (a FreezeAck, ok bool, err error) {
+func (fr Freezes) ReadAck(node string, id VolumeID) (a FreezeAck, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return a, false, err
 	}
-	raw, err := p.readBeneath(freezeRel(node, id, ackSuffix), freezeAckSize)
+	raw, err := fr.p.readBeneath(freezeRel(node, id, ackSuffix), freezeAckSize)
 	switch {
 	case missing(err):
 		return a, false, nil
@@ -318,29 +328,29 @@ type Freeze struct {
 	Path   string
 }
 
-// RecordFreeze writes the freeze record of a volume as older versions did
+// WriteRecord writes the freeze record of a volume as older versions did
 // before a freeze (tests and tools make such records with it).
-func (p *Pool) RecordFreeze(id VolumeID, node, path string) error {
+func (fr Freezes) WriteRecord(id VolumeID, node, path string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := fr.p.checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	return p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
+	return fr.p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
 }
 
-// ClearFreeze removes a volume's freeze record (an older version's).
+// ClearRecord removes a volume's freeze record (an older version's).
 // The volume's directory is opened below the pool's root without links and
 // the record unlinked relative to it, so a link swapped in for the directory
 // removes nothing outside the pool.
-func (p *Pool) ClearFreeze(id VolumeID) error {
-	d, err := fsx.OpenDir(p.cfg.Path, volumeRel(id))
+func (fr Freezes) ClearRecord(id VolumeID) error {
+	d, err := fsx.OpenDir(fr.p.cfg.Path, volumeRel(id))
 	if missing(err) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("volume %s: clear freeze record: %w", id, p.classify(err))
+		return fmt.Errorf("volume %s: clear freeze record: %w", id, fr.p.classify(err))
 	}
 	defer d.Close()
 	if err := unix.Unlinkat(int(d.Fd()), freezeFile, 0); err != nil && !errors.Is(err, unix.ENOENT) {
@@ -349,19 +359,19 @@ func (p *Pool) ClearFreeze(id VolumeID) error {
 	return nil
 }
 
-// Freezes lists the pool's freeze records. One that cannot be read or parsed is
+// Records lists the pool's freeze records. One that cannot be read or parsed is
 // skipped: it names nothing this node could safely thaw.
-func (p *Pool) Freezes() ([]Freeze, error) {
-	des, err := p.readDir(volumesDir)
+func (fr Freezes) Records() ([]Freeze, error) {
+	des, err := fr.p.readDir(volumesDir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, fr.p.cfg.Name, err)
 	}
 	var out []Freeze
 	for _, de := range des {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		raw, err := p.readBeneath(volumeRel(p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
+		raw, err := fr.p.readBeneath(volumeRel(fr.p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
 		if err != nil {
 			continue
 		}
@@ -369,7 +379,7 @@ func (p *Pool) Freezes() ([]Freeze, error) {
 		if !ok || ValidateNodeID(node) != nil || !filepath.IsAbs(path) {
 			continue
 		}
-		out = append(out, Freeze{Volume: p.IDOf(de.Name()), Node: node, Path: path})
+		out = append(out, Freeze{Volume: fr.p.IDOf(de.Name()), Node: node, Path: path})
 	}
 	return out, nil
 }

@@ -113,7 +113,7 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 		}
 		return now.Sub(fi.ModTime()), true
 	}
-	if fs, err := p.Freezes(); err == nil {
+	if fs, err := p.Freezes().Records(); err == nil {
 		for _, f := range fs {
 			rel := volumeRel(f.Volume, freezeFile)
 			if a, ok := age(rel); ok && a > StaleFreeze {
@@ -137,7 +137,7 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 			continue
 		}
 		node := de.Name()
-		reqs, acked, err := p.Inbox(node)
+		reqs, acked, err := p.Freezes().Inbox(node)
 		if err != nil {
 			out = append(out, Leftover{path, "damaged: " + err.Error()})
 			continue

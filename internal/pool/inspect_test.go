@@ -145,13 +145,13 @@ func TestFreezeLeftovers(t *testing.T) {
 		ids = append(ids, NewVolumeID(p.Name(), name))
 	}
 	frozen, asked, answered := ids[0], ids[1], ids[2]
-	if err := p.RecordFreeze(frozen, "node-a", "/var/lib/kubelet/staging/x"); err != nil {
+	if err := p.Freezes().WriteRecord(frozen, "node-a", "/var/lib/kubelet/staging/x"); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.WriteFreezeRequest(FreezeRequest{Volume: asked.String(), Node: "node-a", Path: "/var/lib/kubelet/staging/y", Nonce: NewFreezeNonce()}); err != nil {
+	if err := p.Freezes().WriteRequest(FreezeRequest{Volume: asked.String(), Node: "node-a", Path: "/var/lib/kubelet/staging/y", Nonce: NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.WriteFreezeAck(FreezeAck{Volume: answered.String(), Node: "node-b", Nonce: NewFreezeNonce(), State: FreezeThawed}); err != nil {
+	if err := p.Freezes().WriteAck(FreezeAck{Volume: answered.String(), Node: "node-b", Nonce: NewFreezeNonce(), State: FreezeThawed}); err != nil {
 		t.Fatal(err)
 	}
 	stray := filepath.Join(p.cfg.Path, "freeze", "node-a", "notes.txt")

@@ -398,12 +398,12 @@ func TestFreezeLinkFlipNeverFreezesAnotherFilesystem(t *testing.T) {
 	ack := filepath.Join(p.Path(), "freeze", "node-1", id.Key+".ack")
 	for range rounds {
 		nonce := pool.NewFreezeNonce()
-		if err := p.WriteFreezeRequest(pool.FreezeRequest{Volume: id.String(), Node: "node-1", Path: link, Nonce: nonce}); err != nil {
+		if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id.String(), Node: "node-1", Path: link, Nonce: nonce}); err != nil {
 			t.Fatal(err)
 		}
 		var a pool.FreezeAck
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
-			got, ok, err := p.ReadFreezeAck("node-1", id)
+			got, ok, err := p.Freezes().ReadAck("node-1", id)
 			if err == nil && ok && got.Nonce == nonce {
 				a = got
 				break
@@ -421,7 +421,7 @@ func TestFreezeLinkFlipNeverFreezesAnotherFilesystem(t *testing.T) {
 		case pool.FreezeFailed:
 			refused++
 		}
-		if err := p.RemoveFreezeRequest("node-1", id); err != nil {
+		if err := p.Freezes().RemoveRequest("node-1", id); err != nil {
 			t.Fatal(err)
 		}
 		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(2 * time.Millisecond) {
@@ -457,7 +457,7 @@ func TestFreezeFIFORecordDoesNotBlockStart(t *testing.T) {
 	if err := unix.Mkfifo(fifo, 0o600); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.RecordFreeze(id, "node-1", fifo); err != nil {
+	if err := p.Freezes().WriteRecord(id, "node-1", fifo); err != nil {
 		t.Fatal(err)
 	}
 	d.Restart(t) // fails the test unless Probe answers within 30 s
@@ -477,7 +477,7 @@ func TestFreezeFIFORecordDoesNotBlockStart(t *testing.T) {
 	// The record only said which volume: this node's own mount of it is
 	// thawed (it was not frozen), and the record goes.
 	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
-		if fs, err := p.Freezes(); err == nil && len(fs) == 0 {
+		if fs, err := p.Freezes().Records(); err == nil && len(fs) == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
