@@ -437,7 +437,7 @@ func leasesExpired(ctx context.Context, out io.Writer, p *pool.Pool, id pool.Vol
 	for n, staged := range held {
 		var first *pool.Lease
 		for {
-			rec, ok, err := p.ReadLease(n)
+			rec, ok, err := p.Leases().Read(n)
 			if err != nil {
 				return err
 			}

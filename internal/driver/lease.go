@@ -46,7 +46,7 @@ type leases struct {
 	now func() time.Time
 	// write renews a lease; tests replace it to make a pool hang or fail.
 	write func(p *pool.Pool, l pool.Lease) error
-	// repair removes a damaged lease entry of this node (pool.RepairLease).
+	// repair removes a damaged lease entry of this node (pool.Leases().Repair).
 	repair func(p *pool.Pool, node string) error
 }
 
@@ -71,8 +71,8 @@ func newLeases(t lease.Timing) *leases {
 	ls := &leases{
 		timing: t, instance: hex.EncodeToString(b[:]),
 		pools: map[string]*poolLease{}, now: time.Now,
-		write:  func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) },
-		repair: func(p *pool.Pool, node string) error { return p.RepairLease(node) },
+		write:  func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) },
+		repair: func(p *pool.Pool, node string) error { return p.Leases().Repair(node) },
 	}
 	ls.observer = lease.NewObserverClock(func() time.Time { return ls.now() })
 	ls.peers = newPeerWatch(func() time.Time { return ls.now() })
@@ -761,7 +761,7 @@ func (d *Driver) LeaseStates() []LeaseState {
 // nothing (lease.Observer.Observe). A damaged record is waited for, as for
 // the longest lease; only a pool that cannot be read is an error.
 func (d *Driver) leaseVerdict(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
-	rec, ok, err := p.ReadLease(node)
+	rec, ok, err := p.Leases().Read(node)
 	if err != nil {
 		return lease.Verdict{}, err
 	}

@@ -185,7 +185,7 @@ func TestDamagedLeaseFileIsRepaired(t *testing.T) {
 			if f, _ := a.host.Fenced(dev); f {
 				t.Fatal("node A fenced itself although the pool answered")
 			}
-			rec, ok, err := b.pool("shared").ReadLease("node-a")
+			rec, ok, err := b.pool("shared").Leases().Read("node-a")
 			if err != nil || !ok || rec.Node != "node-a" || rec.Counter == 0 {
 				t.Fatalf("node A's lease as another node reads it: %+v %t %v", rec, ok, err)
 			}

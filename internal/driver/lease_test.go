@@ -144,7 +144,7 @@ func TestFenceAndForceDetach(t *testing.T) {
 	// A's pool comes back: it renews again, its device stays fenced, and
 	// staging the volume there again is refused.
 	a.leases.mu.Lock()
-	a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) }
+	a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }
 	a.leases.mu.Unlock()
 	if err := a.renew(t); err != nil {
 		t.Fatal(err)
@@ -220,7 +220,7 @@ func TestForceDetachWaitsForALiveNode(t *testing.T) {
 	// A released lease is no proof while the node still holds a read-write
 	// stage record of the volume (anyone who can write the pool can write
 	// "released"): still waited for.
-	if err := b.pool("shared").WriteLease(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
+	if err := b.pool("shared").Leases().Write(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
 		t.Fatal(err)
 	}
 	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
@@ -618,7 +618,7 @@ func TestStageRecords(t *testing.T) {
 		t.Fatalf("records after a failed detach: %+v", recs)
 	}
 	a.releaseLeases()
-	if l, ok, err := a.pool("shared").ReadLease("node-a"); err != nil || !ok || l.Released {
+	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || l.Released {
 		t.Fatalf("lease released while a recorded device is attached: %+v %v %v", l, ok, err)
 	}
 	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
@@ -628,7 +628,7 @@ func TestStageRecords(t *testing.T) {
 		t.Fatalf("records after the unstage: %+v", recs)
 	}
 	a.releaseLeases()
-	if l, ok, err := a.pool("shared").ReadLease("node-a"); err != nil || !ok || !l.Released {
+	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || !l.Released {
 		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
 	}
 
@@ -736,7 +736,7 @@ func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
 	v1 := mustFind(t, a.host, dir)
 	restore := func() {
 		a.leases.mu.Lock()
-		a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.WriteLease(l) }
+		a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }
 		a.leases.mu.Unlock()
 	}
 	if err := a.renew(t); err != nil {

@@ -64,7 +64,7 @@ func (d *Driver) watchPeers(ctx context.Context) {
 	var all []PeerLease
 	for _, p := range d.sharedPools() {
 		stages := d.peerStages(ctx, p)
-		nodes, err := p.LeaseNodes()
+		nodes, err := p.Leases().Nodes()
 		if err != nil {
 			log.V(2).Info("Listing the leases of a shared pool", "pool", p.Name(), "err", err)
 			continue
@@ -80,7 +80,7 @@ func (d *Driver) watchPeers(ctx context.Context) {
 				continue
 			}
 			seen[n] = true
-			rec, ok, err := p.ReadLease(n)
+			rec, ok, err := p.Leases().Read(n)
 			if err != nil {
 				log.V(2).Info("Reading a node's lease", "pool", p.Name(), "node", n, "err", err)
 				continue

@@ -46,13 +46,13 @@ type Lease struct {
 	// Released: the holder stopped renewing and holds nothing read-write in
 	// the pool (a clean stop).
 	Released bool `json:"released,omitempty"`
-	// Damaged, set by ReadLease and never written, says that what the pool
+	// Damaged, set by Leases().Read and never written, says that what the pool
 	// holds for the node is no lease record (a directory, a link, a FIFO, a
 	// file too large, garbage, another node's name) and fingerprints it, so
 	// that a reader notices when it changes. A reader waits for a damaged
 	// record as for one declaring the longest lease (internal/lease).
 	Damaged string `json:"-"`
-	// Stamp, set by ReadLease and never written, is the lease file's inode
+	// Stamp, set by Leases().Read and never written, is the lease file's inode
 	// and change time (ctime, which only the kernel sets, on every write).
 	// A reader counts any change of it as a renewal: someone who rewrites a
 	// live node's lease with a constant record, faster than the node renews,
@@ -60,18 +60,25 @@ type Lease struct {
 	Stamp string `json:"-"`
 }
 
+// Leases is the pool's view for the nodes' lease records (leases/<node>),
+// a narrow store over the one Pool as Freezes is.
+type Leases struct{ p *Pool }
+
+// Leases is the pool's lease records.
+func (p *Pool) Leases() Leases { return Leases{p} }
+
 func leaseRel(node string) string { return filepath.Join(leasesDir, node) }
 
 // ErrLeaseDamaged marks a node's own lease entry that is not a lease file it
 // can rewrite in place: a directory, a link (symbolic or hard), a FIFO, a
 // device, a file far too large. It wraps ErrCorrupt. The node repairs it
-// (RepairLease): the pool answers, only its file is wrong.
+// (Leases().Repair): the pool answers, only its file is wrong.
 var ErrLeaseDamaged = fmt.Errorf("%w: lease entry damaged", ErrCorrupt)
 
-// WriteLease rewrites node's lease record in place and makes it durable. A
+// Write rewrites node's lease record in place and makes it durable. A
 // pool that does not answer, or whose root is not this pool any more, is
 // ErrUnavailable; a lease entry that is not a lease file is ErrLeaseDamaged.
-func (p *Pool) WriteLease(l Lease) error {
+func (ls Leases) Write(l Lease) error {
 	if err := ValidateNodeID(l.Node); err != nil {
 		return err
 	}
@@ -83,50 +90,50 @@ func (p *Pool) WriteLease(l Lease) error {
 	// Only into the pool itself: where its filesystem is not mounted (any
 	// more), the mount point is an empty directory of this node's own disk,
 	// and a lease written there would renew nothing another node sees.
-	if err := p.readMeta(); err != nil {
+	if err := ls.p.readMeta(); err != nil {
 		if !errors.Is(err, ErrUnavailable) {
-			err = fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+			err = fmt.Errorf("%w: pool %s: %w", ErrUnavailable, ls.p.cfg.Name, err)
 		}
 		return err
 	}
-	if err := os.Mkdir(filepath.Join(p.cfg.Path, leasesDir), 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
-		return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
+	if err := os.Mkdir(filepath.Join(ls.p.cfg.Path, leasesDir), 0o750); err != nil && !errors.Is(err, fs.ErrExist) {
+		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, err)
 	}
-	f, err := fsx.OpenRegular(p.cfg.Path, leaseRel(l.Node), unix.O_RDWR|unix.O_CREAT, 0o640)
+	f, err := fsx.OpenRegular(ls.p.cfg.Path, leaseRel(l.Node), unix.O_RDWR|unix.O_CREAT, 0o640)
 	if err != nil {
 		if errors.Is(err, fsx.ErrUnsafe) || errors.Is(err, unix.ENOTDIR) {
-			return fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrLeaseDamaged, p.cfg.Name, l.Node, err)
+			return fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrLeaseDamaged, ls.p.cfg.Name, l.Node, err)
 		}
-		return fmt.Errorf("pool %s: lease of node %s: %w", p.cfg.Name, l.Node, p.classify(err))
+		return fmt.Errorf("pool %s: lease of node %s: %w", ls.p.cfg.Name, l.Node, ls.p.classify(err))
 	}
 	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return fmt.Errorf("pool %s: stat lease of node %s: %w", p.cfg.Name, l.Node, err)
+		return fmt.Errorf("pool %s: stat lease of node %s: %w", ls.p.cfg.Name, l.Node, err)
 	}
 	// A second name for the file (a hard link from another node's lease, or
 	// from anywhere in the pool) would carry this node's renewals there.
 	if st.Nlink > 1 {
-		return fmt.Errorf("%w: pool %s: the lease file of node %s has %d names", ErrLeaseDamaged, p.cfg.Name, l.Node, st.Nlink)
+		return fmt.Errorf("%w: pool %s: the lease file of node %s has %d names", ErrLeaseDamaged, ls.p.cfg.Name, l.Node, st.Nlink)
 	}
 	if _, err := f.WriteAt(line, 0); err != nil {
-		return fmt.Errorf("pool %s: write lease of node %s: %w", p.cfg.Name, l.Node, err)
+		return fmt.Errorf("pool %s: write lease of node %s: %w", ls.p.cfg.Name, l.Node, err)
 	}
 	// Whatever someone appended beyond the record goes: a reader would take
 	// the file for damage.
 	if st.Size > leaseSize {
 		if err := f.Truncate(leaseSize); err != nil {
-			return fmt.Errorf("pool %s: truncate lease of node %s: %w", p.cfg.Name, l.Node, err)
+			return fmt.Errorf("pool %s: truncate lease of node %s: %w", ls.p.cfg.Name, l.Node, err)
 		}
 	}
 	if err := f.Sync(); err != nil {
-		return fmt.Errorf("pool %s: fsync lease of node %s: %w", p.cfg.Name, l.Node, err)
+		return fmt.Errorf("pool %s: fsync lease of node %s: %w", ls.p.cfg.Name, l.Node, err)
 	}
 	return nil
 }
 
-// RepairLease removes node's lease entry when it is not a lease file the node
-// can rewrite (ErrLeaseDamaged), so that the next WriteLease creates it anew;
+// Repair removes node's lease entry when it is not a lease file the node
+// can rewrite (ErrLeaseDamaged), so that the next Leases().Write creates it anew;
 // the leases directory too, when it is not a directory. Nothing is followed:
 // entries are looked at and removed relative to a descriptor of their
 // directory, opened below the pool's root without links, so a link is removed
@@ -134,36 +141,36 @@ func (p *Pool) WriteLease(l Lease) error {
 // aside first (the lease can be written at once) and then removed, at most
 // maxRepairEntries entries deep: a huge tree planted there is left, renamed,
 // for an operator, and says so.
-func (p *Pool) RepairLease(node string) error {
+func (ls Leases) Repair(node string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	if err := p.readMeta(); err != nil {
-		return err // only in the pool itself, as WriteLease
+	if err := ls.p.readMeta(); err != nil {
+		return err // only in the pool itself, as Leases().Write
 	}
-	root, err := fsx.OpenDir(p.cfg.Path, ".")
+	root, err := fsx.OpenDir(ls.p.cfg.Path, ".")
 	if err != nil {
-		return fmt.Errorf("pool %s: %w", p.cfg.Name, p.classify(err))
+		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.classify(err))
 	}
 	defer root.Close()
 	if err := removeEntry(int(root.Fd()), leasesDir, false); err != nil {
-		return fmt.Errorf("pool %s: repair %s: %w", p.cfg.Name, leasesDir, err)
+		return fmt.Errorf("pool %s: repair %s: %w", ls.p.cfg.Name, leasesDir, err)
 	}
-	dir, err := fsx.OpenDir(p.cfg.Path, leasesDir)
+	dir, err := fsx.OpenDir(ls.p.cfg.Path, leasesDir)
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("pool %s: %w", p.cfg.Name, p.classify(err))
+		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.classify(err))
 	}
 	defer dir.Close()
 	if err := removeEntry(int(dir.Fd()), node, true); err != nil {
-		return fmt.Errorf("pool %s: repair the lease of node %s: %w", p.cfg.Name, node, err)
+		return fmt.Errorf("pool %s: repair the lease of node %s: %w", ls.p.cfg.Name, node, err)
 	}
 	return dir.Sync()
 }
 
-// maxRepairEntries bounds what RepairLease removes of a directory planted
+// maxRepairEntries bounds what Leases().Repair removes of a directory planted
 // where a lease belongs.
 const maxRepairEntries = 1000
 
@@ -246,17 +253,17 @@ func unlinkat(dirfd int, name string, flags int) error {
 	return nil
 }
 
-// ReadLease reads node's lease record; ok is false when it has none. What
+// Read reads node's lease record; ok is false when it has none. What
 // stands in its place and is no lease record (a link, a directory, a FIFO, a
 // file too large, garbage, another node's name) is returned with ok and
 // Damaged set, not as an error: anyone who can write the pool can put it
 // there, and a reader waits for it as for the longest lease (internal/lease)
 // instead of refusing for good. An error is a pool that cannot be read.
-func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
+func (ls Leases) Read(node string) (l Lease, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return l, false, err
 	}
-	raw, stamp, err := p.readLeaseFile(node)
+	raw, stamp, err := ls.readFile(node)
 	switch {
 	case missing(err):
 		return l, false, nil
@@ -272,32 +279,32 @@ func (p *Pool) ReadLease(node string) (l Lease, ok bool, err error) {
 		return Lease{Node: node, Damaged: fmt.Sprintf("%s; content sha256 %s", why, hex.EncodeToString(sum[:8])), Stamp: stamp}, true, nil
 	}
 	if err := json.Unmarshal([]byte(strings.TrimSpace(string(raw))), &l); err != nil {
-		return damaged(fmt.Sprintf("pool %s: the lease of node %s is not a lease record: %v", p.cfg.Name, node, err))
+		return damaged(fmt.Sprintf("pool %s: the lease of node %s is not a lease record: %v", ls.p.cfg.Name, node, err))
 	}
 	if l.Node != node {
-		return damaged(fmt.Sprintf("pool %s: the lease file of node %s names node %q", p.cfg.Name, node, l.Node))
+		return damaged(fmt.Sprintf("pool %s: the lease file of node %s names node %q", ls.p.cfg.Name, node, l.Node))
 	}
 	l.Damaged, l.Stamp = "", stamp
 	return l, true, nil
 }
 
-// readLeaseFile reads node's lease file through the bounded reader's rules
+// readFile reads node's lease file through the bounded reader's rules
 // (below the pool's root without links, a regular file only, at most
 // maxLease bytes) and stamps it with its inode and change time.
-func (p *Pool) readLeaseFile(node string) (raw []byte, stamp string, err error) {
-	f, err := fsx.OpenRegular(p.cfg.Path, leaseRel(node), unix.O_RDONLY, 0)
+func (ls Leases) readFile(node string) (raw []byte, stamp string, err error) {
+	f, err := fsx.OpenRegular(ls.p.cfg.Path, leaseRel(node), unix.O_RDONLY, 0)
 	if err != nil {
-		return nil, "", p.classify(err)
+		return nil, "", ls.p.classify(err)
 	}
 	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, "", fmt.Errorf("pool %s: stat lease of node %s: %w", p.cfg.Name, node, err)
+		return nil, "", fmt.Errorf("pool %s: stat lease of node %s: %w", ls.p.cfg.Name, node, err)
 	}
 	stamp = fmt.Sprintf("ino %d ctime %d.%09d", st.Ino, st.Ctim.Sec, st.Ctim.Nsec)
 	raw, err = io.ReadAll(io.LimitReader(f, maxLease+1))
 	if err != nil {
-		return nil, stamp, fmt.Errorf("pool %s: read lease of node %s: %w", p.cfg.Name, node, err)
+		return nil, stamp, fmt.Errorf("pool %s: read lease of node %s: %w", ls.p.cfg.Name, node, err)
 	}
 	if len(raw) > maxLease {
 		return nil, stamp, fmt.Errorf("%w: %w: %s is over %d bytes", ErrCorrupt, fsx.ErrUnsafe, f.Name(), maxLease)
@@ -305,11 +312,11 @@ func (p *Pool) readLeaseFile(node string) (raw []byte, stamp string, err error) 
 	return raw, stamp, nil
 }
 
-// LeaseNodes lists the nodes that have an entry in the pool's leases
-// directory (whatever it is: ReadLease says), sorted; names that are no node
-// ID (an entry RepairLease renamed aside, a temp file) are left out.
-func (p *Pool) LeaseNodes() ([]string, error) {
-	des, err := p.readDir(leasesDir)
+// Nodes lists the nodes that have an entry in the pool's leases
+// directory (whatever it is: Leases().Read says), sorted; names that are no node
+// ID (an entry Leases().Repair renamed aside, a temp file) are left out.
+func (ls Leases) Nodes() ([]string, error) {
+	des, err := ls.p.readDir(leasesDir)
 	switch {
 	case missing(err):
 		return nil, nil

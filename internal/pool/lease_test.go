@@ -14,7 +14,7 @@ import (
 // belongs (anyone who can write the pool can put it there) is read as a
 // damaged record, never as an error that refuses for good nor as a record;
 // the node's own write either overwrites it in place (garbage, another
-// node's name, a tail) or reports ErrLeaseDamaged, and RepairLease then lets
+// node's name, a tail) or reports ErrLeaseDamaged, and Leases().Repair then lets
 // the write succeed, removing links themselves and never their targets.
 func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 	const node = "node-a"
@@ -22,7 +22,7 @@ func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 		name string
 		// plant damages the pool at root; outside is a directory outside it.
 		plant func(t *testing.T, root, outside string)
-		// repair: the write fails with ErrLeaseDamaged until RepairLease.
+		// repair: the write fails with ErrLeaseDamaged until Leases().Repair.
 		repair bool
 	}{
 		{"directory", func(t *testing.T, root, _ string) {
@@ -67,29 +67,29 @@ func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 			outside := t.TempDir()
 			must(t, os.WriteFile(filepath.Join(outside, "victim"), []byte("keep"), 0o644))
 			tt.plant(t, p.Path(), outside)
-			got, ok, err := p.ReadLease(node)
+			got, ok, err := p.Leases().Read(node)
 			if err != nil || !ok || got.Damaged == "" {
-				t.Fatalf("ReadLease of the damage: %+v ok=%t %v; want a damaged record", got, ok, err)
+				t.Fatalf("Leases().Read of the damage: %+v ok=%t %v; want a damaged record", got, ok, err)
 			}
 			rec := Lease{Node: node, Instance: "i", Counter: 3, DurationSeconds: 60}
-			err = p.WriteLease(rec)
+			err = p.Leases().Write(rec)
 			if tt.repair {
 				if !errors.Is(err, ErrLeaseDamaged) || errors.Is(err, ErrUnavailable) {
-					t.Fatalf("WriteLease over the damage: %v, want ErrLeaseDamaged", err)
+					t.Fatalf("Leases().Write over the damage: %v, want ErrLeaseDamaged", err)
 				}
-				must(t, p.RepairLease(node))
-				err = p.WriteLease(rec)
+				must(t, p.Leases().Repair(node))
+				err = p.Leases().Write(rec)
 			}
 			if err != nil {
-				t.Fatalf("WriteLease after the repair: %v", err)
+				t.Fatalf("Leases().Write after the repair: %v", err)
 			}
-			got, ok, err = p.ReadLease(node)
+			got, ok, err = p.Leases().Read(node)
 			if got.Stamp == "" {
-				t.Fatalf("ReadLease gave no stamp: %+v", got)
+				t.Fatalf("Leases().Read gave no stamp: %+v", got)
 			}
 			got.Stamp = ""
 			if err != nil || !ok || got != rec {
-				t.Fatalf("ReadLease after the repair: %+v ok=%t %v, want %+v", got, ok, err, rec)
+				t.Fatalf("Leases().Read after the repair: %+v ok=%t %v, want %+v", got, ok, err, rec)
 			}
 			if b, err := os.ReadFile(filepath.Join(outside, "victim")); err != nil || string(b) != "keep" {
 				t.Fatalf("the link's target outside the pool: %q %v", b, err)
@@ -106,12 +106,12 @@ func TestLeaseDamageIsReadAndRepaired(t *testing.T) {
 func TestLeaseStampChangesWithEveryWrite(t *testing.T) {
 	p := openTemp(t)
 	rec := Lease{Node: "node-a", Instance: "i", Counter: 1, DurationSeconds: 60}
-	must(t, p.WriteLease(rec))
-	first, _, err := p.ReadLease("node-a")
+	must(t, p.Leases().Write(rec))
+	first, _, err := p.Leases().Read("node-a")
 	must(t, err)
 	time.Sleep(20 * time.Millisecond) // past the filesystem's timestamp granularity
-	must(t, p.WriteLease(rec))
-	second, _, err := p.ReadLease("node-a")
+	must(t, p.Leases().Write(rec))
+	second, _, err := p.Leases().Read("node-a")
 	must(t, err)
 	if first.Stamp == "" || first == second {
 		t.Fatalf("the same record written twice reads the same: %+v", first)
@@ -124,12 +124,12 @@ func TestLeaseStampChangesWithEveryWrite(t *testing.T) {
 func TestWriteLeaseOutsideThePool(t *testing.T) {
 	p := openTemp(t)
 	must(t, os.Remove(filepath.Join(p.Path(), poolMeta)))
-	err := p.WriteLease(Lease{Node: "node-a", Instance: "i", Counter: 1})
+	err := p.Leases().Write(Lease{Node: "node-a", Instance: "i", Counter: 1})
 	if !errors.Is(err, ErrUnavailable) || errors.Is(err, ErrLeaseDamaged) {
-		t.Fatalf("WriteLease into a root without pool.json: %v", err)
+		t.Fatalf("Leases().Write into a root without pool.json: %v", err)
 	}
-	if err := p.RepairLease("node-a"); err == nil {
-		t.Fatal("RepairLease worked in a root without pool.json")
+	if err := p.Leases().Repair("node-a"); err == nil {
+		t.Fatal("Leases().Repair worked in a root without pool.json")
 	}
 }
 
