@@ -240,7 +240,7 @@ func poolUnfence(ctx context.Context, out, stderr io.Writer, args []string) erro
 	if err := leasesExpired(ctx, out, p, id, *node, *wait); err != nil {
 		return err
 	}
-	gone, err := p.Unfence(ctx, id, *node)
+	gone, err := p.Publications().Unfence(ctx, id, *node)
 	if err != nil {
 		return err
 	}

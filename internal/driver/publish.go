@@ -32,7 +32,7 @@ func (d *Driver) registerNode(ctx context.Context) {
 		if p.Check() != nil {
 			continue // not mounted yet: Probe tries again
 		}
-		if err := p.RegisterNode(d.opts.NodeID, d.nodeTopology(), d.opts.MaxVolumesPerNode); err != nil {
+		if err := p.Publications().RegisterNode(d.opts.NodeID, d.nodeTopology(), d.opts.MaxVolumesPerNode); err != nil {
 			klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", pn)
 			continue
 		}
@@ -57,7 +57,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 		// cannot know it yet.
 		return nil
 	}
-	known, err := p.NodeRegistered(node)
+	known, err := p.Publications().NodeRegistered(node)
 	if err != nil {
 		return err
 	}
@@ -196,7 +196,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 	}
 	// The index entries go after the records they stand for (attach.go).
 	for _, n := range cleared {
-		if err := p.UnmarkPublished(n, vid); err != nil {
+		if err := p.Publications().Unmark(n, vid); err != nil {
 			klog.FromContext(ctx).Error(err, "Removing a publish index entry; the next count at the node's limit removes it", "volume", vid, "node", n)
 		}
 	}
@@ -229,14 +229,14 @@ func publishedError(v *pool.Volume) error {
 // slot. The caller holds vid's volume lock file until the record is saved,
 // which is what keeps the entry from being taken for a stale one meanwhile.
 func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, node string) error {
-	rec, ok, err := p.Node(node)
+	rec, ok, err := p.Publications().Node(node)
 	if err != nil {
 		return err
 	}
 	if !ok || rec.MaxVolumes <= 0 {
 		// No limit to hold: the entry only keeps the index whole, for a limit
 		// set later.
-		return p.MarkPublished(node, vid)
+		return p.Publications().Mark(node, vid)
 	}
 	// One set of pools for the locks and the count: a share's pool joining
 	// meanwhile is not counted unlocked.
@@ -246,10 +246,10 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 		if err := q.Check(); err != nil {
 			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
-		if err := q.EnsurePublishIndex(); err != nil {
+		if err := q.Publications().EnsureIndex(); err != nil {
 			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
-		unlock, err := q.LockNode(ctx, node)
+		unlock, err := q.Publications().LockNode(ctx, node)
 		if err != nil {
 			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
@@ -258,7 +258,7 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	count := func(verify bool) (int64, error) {
 		var held int64
 		for _, pn := range names {
-			n, err := d.pool(pn).CountPublished(node, vid, verify)
+			n, err := d.pool(pn).Publications().Count(node, vid, verify)
 			if err != nil {
 				return 0, fmt.Errorf("count volumes published to node %s: %w", node, err)
 			}
@@ -278,5 +278,5 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	if held >= rec.MaxVolumes {
 		return csierr.Failf(csierr.ErrNodeFull, "node %s already has %d volumes published, its limit (--max-volumes-per-node); unpublish one first", node, held)
 	}
-	return p.MarkPublished(node, vid)
+	return p.Publications().Mark(node, vid)
 }

@@ -40,39 +40,39 @@ const (
 	publishIndexDone = ".published-index-v1"
 )
 
-func (p *Pool) publishedDir(node string) string {
-	return filepath.Join(p.cfg.Path, nodesDir, node+publishedSuffix)
+func (pb Publications) publishedDir(node string) string {
+	return filepath.Join(pb.p.cfg.Path, nodesDir, node+publishedSuffix)
 }
 
 // LockNode takes node's attach-count lock in this pool: on a shared pool the
 // other counter is another controller, so it is a lock file. Lock order: a
 // volume's lock file, then node locks in pool-name order, then the pool lock.
-func (p *Pool) LockNode(ctx context.Context, node string) (unlock func(), err error) {
+func (pb Publications) LockNode(ctx context.Context, node string) (unlock func(), err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
-		return nil, fmt.Errorf("pool %s: lock node %s: %w", p.cfg.Name, node, err)
+	if err := os.MkdirAll(filepath.Join(pb.p.cfg.Path, nodesDir), 0o750); err != nil {
+		return nil, fmt.Errorf("pool %s: lock node %s: %w", pb.p.cfg.Name, node, err)
 	}
-	return p.lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
+	return pb.p.lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
 }
 
-// MarkPublished adds volume id to node's index, durably: it must be on disk
+// Mark adds volume id to node's index, durably: it must be on disk
 // before the publish record it stands for.
-func (p *Pool) MarkPublished(node string, id VolumeID) error {
-	return p.markPublished(node, id, true)
+func (pb Publications) Mark(node string, id VolumeID) error {
+	return pb.mark(node, id, true)
 }
 
-func (p *Pool) markPublished(node string, id VolumeID, durable bool) error {
+func (pb Publications) mark(node string, id VolumeID, durable bool) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	dir := p.publishedDir(node)
+	dir := pb.publishedDir(node)
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.cfg.Name, id, node, err)
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", pb.p.cfg.Name, id, node, err)
 	}
-	if err := p.touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
-		return fmt.Errorf("pool %s: index volume %s on node %s: %w", p.cfg.Name, id, node, err)
+	if err := pb.p.touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
+		return fmt.Errorf("pool %s: index volume %s on node %s: %w", pb.p.cfg.Name, id, node, err)
 	}
 	if !durable {
 		return nil
@@ -80,44 +80,44 @@ func (p *Pool) markPublished(node string, id VolumeID, durable bool) error {
 	return syncDir(dir)
 }
 
-// UnmarkPublished removes volume id from node's index, after its publish
+// Unmark removes volume id from node's index, after its publish
 // record is gone. Not fsynced: a removal a crash undoes leaves a stale marker,
 // which the count repairs.
-func (p *Pool) UnmarkPublished(node string, id VolumeID) error {
+func (pb Publications) Unmark(node string, id VolumeID) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	err := os.Remove(filepath.Join(p.publishedDir(node), id.Key))
+	err := os.Remove(filepath.Join(pb.publishedDir(node), id.Key))
 	if err != nil && !missing(err) {
-		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", p.cfg.Name, id, node, err)
+		return fmt.Errorf("pool %s: unindex volume %s on node %s: %w", pb.p.cfg.Name, id, node, err)
 	}
 	return nil
 }
 
-// CountPublished counts the volumes of this pool node's index holds, leaving
+// Count counts the volumes of this pool node's index holds, leaving
 // out except (the volume being published, which may have a stale marker).
 // With verify, each marker is checked against its volume.json first and stale
 // ones are removed. The caller holds node's lock (LockNode).
-func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64, error) {
+func (pb Publications) Count(node string, except VolumeID, verify bool) (int64, error) {
 	if err := ValidateNodeID(node); err != nil {
 		return 0, err
 	}
-	dir := p.publishedDir(node)
+	dir := pb.publishedDir(node)
 	names, err := readNames(dir)
 	if missing(err) {
 		return 0, nil
 	}
 	if err != nil {
-		return 0, fmt.Errorf("pool %s: count volumes published to node %s: %w", p.cfg.Name, node, err)
+		return 0, fmt.Errorf("pool %s: count volumes published to node %s: %w", pb.p.cfg.Name, node, err)
 	}
 	var n int64
 	for _, name := range names {
 		if name == except.Key || !keyRE.MatchString(name) {
 			continue
 		}
-		if verify && p.staleMarker(node, VolumeID{Pool: p.cfg.Name, Key: name}) {
+		if verify && pb.staleMarker(node, VolumeID{Pool: pb.p.cfg.Name, Key: name}) {
 			if err := os.Remove(filepath.Join(dir, name)); err != nil && !missing(err) {
-				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", p.cfg.Name, name, node, err)
+				return 0, fmt.Errorf("pool %s: remove stale index entry %s of node %s: %w", pb.p.cfg.Name, name, node, err)
 			}
 			continue
 		}
@@ -130,11 +130,11 @@ func (p *Pool) CountPublished(node string, except VolumeID, verify bool) (int64,
 // the volume is gone or not published to node, and no call holds its lock
 // (a publish holds it from before it makes the marker until its record is
 // saved). Anything unclear (a damaged volume.json) counts as published.
-func (p *Pool) staleMarker(node string, id VolumeID) bool {
-	if lockHeld(p.cfg.Path, volumeRel(id, lockFile)) {
+func (pb Publications) staleMarker(node string, id VolumeID) bool {
+	if lockHeld(pb.p.cfg.Path, volumeRel(id, lockFile)) {
 		return false
 	}
-	v, err := p.Load(id)
+	v, err := pb.p.Load(id)
 	switch {
 	case missing(err):
 		return true
@@ -145,23 +145,23 @@ func (p *Pool) staleMarker(node string, id VolumeID) bool {
 	return !published
 }
 
-// EnsurePublishIndex builds the per-node publish index from every volume.json
+// EnsureIndex builds the per-node publish index from every volume.json
 // if this pool does not have it yet (a pool an older version made), once per
 // pool and process. Markers are only ever added here, so it may run beside
 // publishes (which add their marker before their record) and beside another
 // controller's rebuild.
-func (p *Pool) EnsurePublishIndex() error {
-	if p.indexed.Load() {
+func (pb Publications) EnsureIndex() error {
+	if pb.p.indexed.Load() {
 		return nil
 	}
-	done := filepath.Join(p.cfg.Path, nodesDir, publishIndexDone)
+	done := filepath.Join(pb.p.cfg.Path, nodesDir, publishIndexDone)
 	if _, err := os.Stat(done); err == nil {
-		p.indexed.Store(true)
+		pb.p.indexed.Store(true)
 		return nil
 	}
-	entries, err := p.List()
+	entries, err := pb.p.List()
 	if err != nil {
-		return fmt.Errorf("pool %s: build the publish index: %w", p.cfg.Name, err)
+		return fmt.Errorf("pool %s: build the publish index: %w", pb.p.cfg.Name, err)
 	}
 	dirs := map[string]bool{}
 	for _, e := range entries {
@@ -169,10 +169,10 @@ func (p *Pool) EnsurePublishIndex() error {
 			continue
 		}
 		for _, r := range e.Volume.Published {
-			if err := p.markPublished(r.Node, e.ID, false); err != nil {
+			if err := pb.mark(r.Node, e.ID, false); err != nil {
 				return err
 			}
-			dirs[p.publishedDir(r.Node)] = true
+			dirs[pb.publishedDir(r.Node)] = true
 		}
 	}
 	for d := range dirs {
@@ -180,12 +180,12 @@ func (p *Pool) EnsurePublishIndex() error {
 			return err
 		}
 	}
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: build the publish index: %w", p.cfg.Name, err)
+	if err := os.MkdirAll(filepath.Join(pb.p.cfg.Path, nodesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: build the publish index: %w", pb.p.cfg.Name, err)
 	}
 	if err := fsx.WriteFilePath(done, []byte("1\n"), true); err != nil {
 		return err
 	}
-	p.indexed.Store(true)
+	pb.p.indexed.Store(true)
 	return nil
 }

@@ -75,7 +75,7 @@ type Pool struct {
 	ledgerKeysP atomic.Pointer[[][]byte]
 	ledgerSeq   atomic.Uint64
 	// indexed is set once the per-node publish index is known to exist
-	// (EnsurePublishIndex).
+	// (Publications().EnsureIndex).
 	indexed atomic.Bool
 	// quotaIndexed is set once the quota ID index is known to exist
 	// (ensureQuotaIndex).

@@ -100,6 +100,16 @@ func ValidateNodeID(node string) error {
 	return nil
 }
 
+// Publications is the pool's view for where its volumes are published: the
+// registry of the nodes that serve the pool (nodes/<node>.json), the per-node
+// publish index and attach-count locks (attach.go), and the operator's
+// Unfence. A narrow store over the one Pool, as Freezes is; the publish
+// records themselves stay in volume.json (Volume.SetPublished, Pool.Update).
+type Publications struct{ p *Pool }
+
+// Publications is the pool's node registry and publish index.
+func (p *Pool) Publications() Publications { return Publications{p} }
+
 // NodeRecord is <pool>/nodes/<node>.json: the node plugin of node serves this pool.
 type NodeRecord struct {
 	Node     string            `json:"node"`
@@ -110,56 +120,58 @@ type NodeRecord struct {
 	RegisteredAt time.Time `json:"registeredAt"`
 }
 
-func (p *Pool) nodeRel(node string) string { return filepath.Join(nodesDir, node+".json") }
+func (pb Publications) nodeRel(node string) string { return filepath.Join(nodesDir, node+".json") }
 
-func (p *Pool) nodePath(node string) string { return filepath.Join(p.cfg.Path, p.nodeRel(node)) }
+func (pb Publications) nodePath(node string) string {
+	return filepath.Join(pb.p.cfg.Path, pb.nodeRel(node))
+}
 
 // RegisterNode records that node's node plugin serves this pool. Nodes are known
 // nowhere else (poolcsi talks to no API server), and a controller must be able to
 // tell a node that can reach the pool from a typo: the registry in the pool itself
 // answers that for every controller replica that shares it.
-func (p *Pool) RegisterNode(node string, topology map[string]string, maxVolumes int64) error {
+func (pb Publications) RegisterNode(node string, topology map[string]string, maxVolumes int64) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, nodesDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: register node %s: %w", p.cfg.Name, node, err)
+	if err := os.MkdirAll(filepath.Join(pb.p.cfg.Path, nodesDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: register node %s: %w", pb.p.cfg.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
-	return p.writeBeneath(p.nodeRel(node), append(raw, '\n'), true)
+	return pb.p.writeBeneath(pb.nodeRel(node), append(raw, '\n'), true)
 }
 
 // Node reads node's registration; ok is false when it never registered.
-func (p *Pool) Node(node string) (rec NodeRecord, ok bool, err error) {
+func (pb Publications) Node(node string) (rec NodeRecord, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return rec, false, err
 	}
-	raw, err := p.readBeneath(p.nodeRel(node), maxNodeRecord)
+	raw, err := pb.p.readBeneath(pb.nodeRel(node), maxNodeRecord)
 	switch {
 	case missing(err):
 		return rec, false, nil
 	case err != nil:
-		return rec, false, fmt.Errorf("pool %s: read node %s: %w", p.cfg.Name, node, err)
+		return rec, false, fmt.Errorf("pool %s: read node %s: %w", pb.p.cfg.Name, node, err)
 	}
 	if err := json.Unmarshal(raw, &rec); err != nil {
-		return rec, false, fmt.Errorf("pool %s: node record %s is damaged: %w", p.cfg.Name, node, err)
+		return rec, false, fmt.Errorf("pool %s: node record %s is damaged: %w", pb.p.cfg.Name, node, err)
 	}
 	return rec, true, nil
 }
 
 // NodeRegistered tells whether node has registered with the pool.
-func (p *Pool) NodeRegistered(node string) (bool, error) {
+func (pb Publications) NodeRegistered(node string) (bool, error) {
 	if err := ValidateNodeID(node); err != nil {
 		return false, err
 	}
-	_, err := os.Lstat(p.nodePath(node))
+	_, err := os.Lstat(pb.nodePath(node))
 	switch {
 	case err == nil:
 		return true, nil
 	case missing(err):
 		return false, nil
 	default:
-		return false, fmt.Errorf("pool %s: look up node %s: %w", p.cfg.Name, node, err)
+		return false, fmt.Errorf("pool %s: look up node %s: %w", pb.p.cfg.Name, node, err)
 	}
 }
 
@@ -167,14 +179,14 @@ func (p *Pool) NodeRegistered(node string) (bool, error) {
 // empty) under the volume's lock, and returns the nodes it forgot. It is the
 // operator's way out when a node died holding an image volume read-write and
 // Kubernetes cannot unpublish it (see docs/fencing.md).
-func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string, error) {
+func (pb Publications) Unfence(ctx context.Context, id VolumeID, node string) ([]string, error) {
 	if node != "" {
 		if err := ValidateNodeID(node); err != nil {
 			return nil, err
 		}
 	}
 	var gone, unpublished []string
-	err := p.Update(ctx, id, func(v *Volume) (bool, error) {
+	err := pb.p.Update(ctx, id, func(v *Volume) (bool, error) {
 		for _, r := range v.Published {
 			if node == "" || r.Node == node {
 				gone = append(gone, r.Node)
@@ -202,7 +214,7 @@ func (p *Pool) Unfence(ctx context.Context, id VolumeID, node string) ([]string,
 	}
 	// After the records, as ControllerUnpublishVolume does (attach.go).
 	for _, n := range unpublished {
-		if err := p.UnmarkPublished(n, id); err != nil {
+		if err := pb.Unmark(n, id); err != nil {
 			return gone, err
 		}
 	}

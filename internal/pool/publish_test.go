@@ -64,19 +64,19 @@ func TestNodeRegistry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := p.NodeRegistered("node-1"); ok || err != nil {
+	if ok, err := p.Publications().NodeRegistered("node-1"); ok || err != nil {
 		t.Fatalf("unregistered node: %t %v", ok, err)
 	}
-	if err := p.RegisterNode("node-1", map[string]string{"k": "v"}, 0); err != nil {
+	if err := p.Publications().RegisterNode("node-1", map[string]string{"k": "v"}, 0); err != nil {
 		t.Fatal(err)
 	}
-	if ok, err := p.NodeRegistered("node-1"); !ok || err != nil {
+	if ok, err := p.Publications().NodeRegistered("node-1"); !ok || err != nil {
 		t.Fatalf("registered node: %t %v", ok, err)
 	}
-	if _, err := p.NodeRegistered("../pool"); !errors.Is(err, ErrInvalidID) {
+	if _, err := p.Publications().NodeRegistered("../pool"); !errors.Is(err, ErrInvalidID) {
 		t.Fatalf("a path-like node ID was looked up: %v", err)
 	}
-	if err := p.RegisterNode("../../etc", nil, 0); !errors.Is(err, ErrInvalidID) {
+	if err := p.Publications().RegisterNode("../../etc", nil, 0); !errors.Is(err, ErrInvalidID) {
 		t.Fatalf("a path-like node ID was registered: %v", err)
 	}
 }
