@@ -124,7 +124,7 @@ func poolList(out, stderr io.Writer, args []string) error {
 	if err := w.Flush(); err != nil {
 		return err
 	}
-	groups, err := p.ListGroupSnapshots()
+	groups, err := p.Groups().List()
 	if err != nil {
 		return err
 	}

@@ -72,7 +72,7 @@ func groupMembers(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot)
 	}
 	out := make([]*pool.Snapshot, 0, len(g.Members))
 	for _, m := range g.Members {
-		sid := p.GroupMemberID(gid, m.SourceVolumeID)
+		sid := p.Groups().MemberID(gid, m.SourceVolumeID)
 		s, err := p.LoadSnapshot(sid)
 		if errors.Is(err, pool.ErrNotFound) {
 			return nil, csierr.Failf(csierr.ErrState, "group snapshot %s: its member %s (of volume %s) is missing; delete the group", gid, sid, m.SourceVolumeID)
@@ -159,10 +159,10 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	if err != nil {
 		return nil, err
 	}
-	gid := p.NewGroupSnapshotID(name)
+	gid := p.Groups().NewID(name)
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
-			if g, err := other.LoadGroupSnapshot(other.NewGroupSnapshotID(name)); err == nil && g.Name == name {
+			if g, err := other.Groups().Load(other.Groups().NewID(name)); err == nil && g.Name == name {
 				return nil, csierr.Failf(pool.ErrExists, "group snapshot %q already exists in pool %s", name, pn)
 			}
 		}
@@ -179,7 +179,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	sort.Strings(sources)
 	// A retry of a finished group answers from its records alone: its
 	// volumes may be busy, or deleted since.
-	if g, err := p.LoadGroupSnapshot(gid); err == nil && g.Name == name {
+	if g, err := p.Groups().Load(gid); err == nil && g.Name == name {
 		if !slices.Equal(g.Sources(), sources) {
 			return nil, csierr.Failf(pool.ErrExists, "group snapshot %q already exists of volumes %s", name, strings.Join(g.Sources(), ", "))
 		}
@@ -202,7 +202,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 	if err := checkOneInstant(name, srcs); err != nil {
 		return nil, err
 	}
-	g, err := p.ReserveGroupSnapshot(ctx, name, vids)
+	g, err := p.Groups().Reserve(ctx, name, vids)
 	if err != nil {
 		return nil, err
 	}
@@ -347,7 +347,7 @@ func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnaps
 	}
 	snaps := make([]*pool.Snapshot, len(srcs))
 	for i, src := range srcs {
-		s, err := p.ReserveGroupMember(ctx, gid, g, src.vol, src.need)
+		s, err := p.Groups().ReserveMember(ctx, gid, g, src.vol, src.need)
 		if err != nil {
 			return fmt.Errorf("group snapshot %s: volume %s: %w", gid, src.id, err)
 		}
@@ -356,7 +356,7 @@ func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnaps
 	if err := d.copyFrozen(ctx, p, srcs, snaps); err != nil {
 		return fmt.Errorf("group snapshot %s: %w", gid, err)
 	}
-	if err := p.MarkGroupReady(gid, g); err != nil {
+	if err := p.Groups().MarkReady(gid, g); err != nil {
 		return err
 	}
 	klog.FromContext(ctx).Info("Created group snapshot", "groupSnapshot", gid, "name", g.Name, "members", len(snaps))
@@ -396,13 +396,13 @@ func (d *Driver) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSn
 	if err := removeMembers(ctx, p, gid, g); err != nil {
 		return err
 	}
-	return p.DeleteGroupRecord(ctx, gid)
+	return p.Groups().Delete(ctx, gid)
 }
 
 // removeMembers deletes the group's member snapshots that exist.
 func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
 	for _, m := range g.Members {
-		sid := p.GroupMemberID(gid, m.SourceVolumeID)
+		sid := p.Groups().MemberID(gid, m.SourceVolumeID)
 		if !p.SnapshotExists(sid) {
 			continue
 		}
@@ -436,7 +436,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 		return nil, err
 	}
 	defer release()
-	g, err := p.LoadGroupSnapshot(gid)
+	g, err := p.Groups().Load(gid)
 	if errors.Is(err, pool.ErrNotFound) {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	} else if err != nil {
@@ -465,7 +465,7 @@ func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeG
 	if err != nil {
 		return nil, err
 	}
-	g, err := p.LoadGroupSnapshot(gid)
+	g, err := p.Groups().Load(gid)
 	if errors.Is(err, pool.ErrNotFound) {
 		return nil, csierr.Failf(pool.ErrNotFound, "group snapshot %s does not exist", gid)
 	} else if err != nil {
@@ -493,7 +493,7 @@ func liveGroupOf(p *pool.Pool, s *pool.Snapshot) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if _, err := p.LoadGroupSnapshot(gid); errors.Is(err, pool.ErrNotFound) {
+	if _, err := p.Groups().Load(gid); errors.Is(err, pool.ErrNotFound) {
 		return "", nil
 	} else if err != nil {
 		return "", err

@@ -103,7 +103,7 @@ func (f *groupFixture) assertNothingLeft(t *testing.T) {
 	if s, err := f.pool.ListSnapshots(); err != nil || len(s) != 0 {
 		t.Errorf("snapshots left: %v %v", s, err)
 	}
-	if g, err := f.pool.ListGroupSnapshots(); err != nil || len(g) != 0 {
+	if g, err := f.pool.Groups().List(); err != nil || len(g) != 0 {
 		t.Errorf("group snapshots left: %v %v", g, err)
 	}
 	if fr, _ := f.pool.Freezes().Records(); len(fr) != 0 {
@@ -297,16 +297,16 @@ func TestInterruptedGroupIsCutAgain(t *testing.T) {
 	for i, id := range f.ids {
 		vids[i], _ = pool.ParseVolumeID(id)
 	}
-	g, err := f.pool.ReserveGroupSnapshot(ctx, "db", vids)
+	g, err := f.pool.Groups().Reserve(ctx, "db", vids)
 	if err != nil {
 		t.Fatal(err)
 	}
-	gid := f.pool.NewGroupSnapshotID("db")
+	gid := f.pool.Groups().NewID("db")
 	v, err := f.pool.Load(vids[0])
 	if err != nil {
 		t.Fatal(err)
 	}
-	stale, err := f.pool.ReserveGroupMember(ctx, gid, g, v, 0)
+	stale, err := f.pool.Groups().ReserveMember(ctx, gid, g, v, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -419,7 +419,7 @@ func TestGroupRefusesAWrittenMemberItCannotFreeze(t *testing.T) {
 					t.Errorf("refusal %q should name volume %s and no other", err, id)
 				}
 				f.assertNothingLeft(t)
-				if _, err := f.pool.LoadGroupSnapshot(f.pool.NewGroupSnapshotID("db")); !errors.Is(err, pool.ErrNotFound) {
+				if _, err := f.pool.Groups().Load(f.pool.Groups().NewID("db")); !errors.Is(err, pool.ErrNotFound) {
 					t.Errorf("group record after a refusal: %v", err)
 				}
 				list, err := f.ListSnapshots(ctx, &csi.ListSnapshotsRequest{})

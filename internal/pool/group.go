@@ -28,6 +28,15 @@ const (
 // GroupSnapshotSchemaVersion is the version of group.json this code writes.
 const GroupSnapshotSchemaVersion = 1
 
+// Groups is the pool's view for volume group snapshots: their records
+// (groupsnapshots/<key>/group.json) and the IDs of their members. The
+// members are ordinary snapshots (Snapshots). A narrow store over the one
+// Pool, as Freezes is.
+type Groups struct{ p *Pool }
+
+// Groups is the pool's group snapshot records.
+func (p *Pool) Groups() Groups { return Groups{p} }
+
 // GroupSnapshotID is the handle of a volume group snapshot: "<pool>@g-<key>",
 // or on a share "<pool>@g-<key>.<share>", the rest as in a SnapshotID.
 type GroupSnapshotID struct{ SnapshotID }
@@ -56,9 +65,9 @@ func ParseGroupSnapshotID(s string) (GroupSnapshotID, error) {
 	return GroupSnapshotID{sid}, nil
 }
 
-// NewGroupSnapshotID is the ID of the group snapshot named name in this pool.
-func (p *Pool) NewGroupSnapshotID(name string) GroupSnapshotID {
-	return GroupSnapshotID{p.SnapshotIDOf(KeyForName(name))}
+// NewID is the ID of the group snapshot named name in this pool.
+func (gs Groups) NewID(name string) GroupSnapshotID {
+	return GroupSnapshotID{gs.p.SnapshotIDOf(KeyForName(name))}
 }
 
 // GroupMember is one volume of a group snapshot and the snapshot of it.
@@ -93,26 +102,26 @@ func (g *GroupSnapshot) Sources() []string {
 
 // memberSnapshotName is the snapshot name of a group's member: derived from
 // the group's key and the volume, so a retried create finds its members, and
-// a record can name no other snapshot (LoadGroupSnapshot checks it).
+// a record can name no other snapshot (Groups().Load checks it).
 func memberSnapshotName(gid GroupSnapshotID, vid string) string {
 	return gid.Key + "/" + vid
 }
 
-// GroupMemberID is the ID of the snapshot of volume vid in group gid.
-func (p *Pool) GroupMemberID(gid GroupSnapshotID, vid string) SnapshotID {
-	return p.NewSnapshotID(memberSnapshotName(gid, vid))
+// MemberID is the ID of the snapshot of volume vid in group gid.
+func (gs Groups) MemberID(gid GroupSnapshotID, vid string) SnapshotID {
+	return gs.p.NewSnapshotID(memberSnapshotName(gid, vid))
 }
 
 func groupRel(id GroupSnapshotID, name ...string) string {
 	return filepath.Join(append([]string{groupsDir, id.Key}, name...)...)
 }
 
-// LoadGroupSnapshot reads group.json; a missing group is ErrNotFound. A record
+// Load reads group.json; a missing group is ErrNotFound. A record
 // is refused (ErrCorrupt) unless each member is a volume and the snapshot
 // derived from it: a record planted in a shared pool cannot make a delete of
 // the group remove any other snapshot.
-func (p *Pool) LoadGroupSnapshot(id GroupSnapshotID) (*GroupSnapshot, error) {
-	raw, err := p.readBeneath(groupRel(id, groupMetaFile), maxGroupMeta)
+func (gs Groups) Load(id GroupSnapshotID) (*GroupSnapshot, error) {
+	raw, err := gs.p.readBeneath(groupRel(id, groupMetaFile), maxGroupMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of group snapshot %s: %w", id, notFound(err))
 	}
@@ -123,20 +132,20 @@ func (p *Pool) LoadGroupSnapshot(id GroupSnapshotID) (*GroupSnapshot, error) {
 	if g.SchemaVersion > GroupSnapshotSchemaVersion {
 		return nil, fmt.Errorf("%w: group snapshot %s has schema version %d, this driver understands up to %d", ErrCorrupt, id, g.SchemaVersion, GroupSnapshotSchemaVersion)
 	}
-	if g.ID != id.String() || g.Pool != p.cfg.Name || len(g.Members) == 0 || len(g.Members) > MaxGroupMembers {
-		return nil, fmt.Errorf("%w: %s: ID, pool or members are not what a driver writes", ErrCorrupt, filepath.Join(p.cfg.Path, groupRel(id, groupMetaFile)))
+	if g.ID != id.String() || g.Pool != gs.p.cfg.Name || len(g.Members) == 0 || len(g.Members) > MaxGroupMembers {
+		return nil, fmt.Errorf("%w: %s: ID, pool or members are not what a driver writes", ErrCorrupt, filepath.Join(gs.p.cfg.Path, groupRel(id, groupMetaFile)))
 	}
 	for i, m := range g.Members {
-		if _, err := ParseVolumeID(m.SourceVolumeID); err != nil || m.SnapshotID != p.GroupMemberID(id, m.SourceVolumeID).String() ||
+		if _, err := ParseVolumeID(m.SourceVolumeID); err != nil || m.SnapshotID != gs.MemberID(id, m.SourceVolumeID).String() ||
 			(i > 0 && g.Members[i-1].SourceVolumeID >= m.SourceVolumeID) {
-			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(p.cfg.Path, groupRel(id, groupMetaFile)), i)
+			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(gs.p.cfg.Path, groupRel(id, groupMetaFile)), i)
 		}
 	}
 	return &g, nil
 }
 
-func (p *Pool) saveGroupSnapshot(id GroupSnapshotID, g *GroupSnapshot) error {
-	if err := p.checkDir(groupRel(id)); err != nil {
+func (gs Groups) save(id GroupSnapshotID, g *GroupSnapshot) error {
+	if err := gs.p.checkDir(groupRel(id)); err != nil {
 		return err
 	}
 	g.SchemaVersion = GroupSnapshotSchemaVersion
@@ -144,27 +153,27 @@ func (p *Pool) saveGroupSnapshot(id GroupSnapshotID, g *GroupSnapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of group snapshot %s: %w", id, err)
 	}
-	return p.writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
+	return gs.p.writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
 }
 
-// ReserveGroupSnapshot finds or starts the group snapshot named name of the
+// Reserve finds or starts the group snapshot named name of the
 // volumes sources: its directory and a group.json with readyToUse false,
 // under the pool lock, so two controllers of a shared pool agree on one
 // record. A group of that name with other volumes is ErrExists.
-func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []VolumeID) (*GroupSnapshot, error) {
+func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (*GroupSnapshot, error) {
 	if err := ValidateVolumeName(name); err != nil {
 		return nil, err
 	}
 	if len(sources) == 0 || len(sources) > MaxGroupMembers {
 		return nil, fmt.Errorf("%w: a group snapshot takes 1 to %d volumes, not %d", ErrInvalidID, MaxGroupMembers, len(sources))
 	}
-	id := p.NewGroupSnapshotID(name)
+	id := gs.NewID(name)
 	members := make([]GroupMember, len(sources))
 	for i, vid := range sources {
-		if vid.Pool != p.cfg.Name {
-			return nil, fmt.Errorf("%w: volume %s is not in pool %s", ErrInvalidID, vid, p.cfg.Name)
+		if vid.Pool != gs.p.cfg.Name {
+			return nil, fmt.Errorf("%w: volume %s is not in pool %s", ErrInvalidID, vid, gs.p.cfg.Name)
 		}
-		members[i] = GroupMember{SourceVolumeID: vid.String(), SnapshotID: p.GroupMemberID(id, vid.String()).String()}
+		members[i] = GroupMember{SourceVolumeID: vid.String(), SnapshotID: gs.MemberID(id, vid.String()).String()}
 	}
 	sort.Slice(members, func(i, j int) bool { return members[i].SourceVolumeID < members[j].SourceVolumeID })
 	for i := 1; i < len(members); i++ {
@@ -172,15 +181,15 @@ func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []
 			return nil, fmt.Errorf("%w: volume %s is named twice", ErrInvalidID, members[i].SourceVolumeID)
 		}
 	}
-	if err := p.Check(); err != nil {
+	if err := gs.p.Check(); err != nil {
 		return nil, err
 	}
-	unlock, err := p.LockPool(ctx)
+	unlock, err := gs.p.LockPool(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	if g, err := p.LoadGroupSnapshot(id); err == nil {
+	if g, err := gs.Load(id); err == nil {
 		switch {
 		case g.Name != name:
 			return nil, fmt.Errorf("%w: group snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, g.Name)
@@ -191,40 +200,40 @@ func (p *Pool) ReserveGroupSnapshot(ctx context.Context, name string, sources []
 	} else if !missing(err) {
 		return nil, err
 	}
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, groupRel(id)), 0o750); err != nil {
+	if err := os.MkdirAll(filepath.Join(gs.p.cfg.Path, groupRel(id)), 0o750); err != nil {
 		return nil, fmt.Errorf("create group snapshot %s: %w", id, err)
 	}
-	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: p.cfg.Name, Members: members, CreatedAt: time.Now().UTC()}
-	if err := p.saveGroupSnapshot(id, g); err != nil {
+	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: gs.p.cfg.Name, Members: members, CreatedAt: time.Now().UTC()}
+	if err := gs.save(id, g); err != nil {
 		return nil, err
 	}
 	return g, nil
 }
 
-// MarkGroupReady records that every member of the group is copied.
-func (p *Pool) MarkGroupReady(id GroupSnapshotID, g *GroupSnapshot) error {
+// MarkReady records that every member of the group is copied.
+func (gs Groups) MarkReady(id GroupSnapshotID, g *GroupSnapshot) error {
 	g.ReadyToUse = true
-	return p.saveGroupSnapshot(id, g)
+	return gs.save(id, g)
 }
 
-// ReserveGroupMember reserves the snapshot of src as a member of group g, as
+// ReserveMember reserves the snapshot of src as a member of group g, as
 // ReserveSnapshot does for an independent one; its record names the group and
 // carries the group's creation time.
-func (p *Pool) ReserveGroupMember(ctx context.Context, gid GroupSnapshotID, g *GroupSnapshot, src *Volume, needBytes int64) (*Snapshot, error) {
-	return p.reserveSnapshot(ctx, memberSnapshotName(gid, src.ID), gid.String(), g.CreatedAt, src, needBytes)
+func (gs Groups) ReserveMember(ctx context.Context, gid GroupSnapshotID, g *GroupSnapshot, src *Volume, needBytes int64) (*Snapshot, error) {
+	return gs.p.reserveSnapshot(ctx, memberSnapshotName(gid, src.ID), gid.String(), g.CreatedAt, src, needBytes)
 }
 
-// DeleteGroupRecord removes a group's record, after its members; nil when it
+// Delete removes a group's record, after its members; nil when it
 // does not exist. Like a snapshot, it goes through the trash under the pool
 // lock.
-func (p *Pool) DeleteGroupRecord(ctx context.Context, id GroupSnapshotID) error {
-	unlock, err := p.LockPool(ctx)
+func (gs Groups) Delete(ctx context.Context, id GroupSnapshotID) error {
+	unlock, err := gs.p.LockPool(ctx)
 	if err != nil {
 		return err
 	}
 	var ours []string
-	if err = p.checkDir(groupsDir); err == nil {
-		_, ours, err = p.toTrash(groupsDir, id.Key, "g-")
+	if err = gs.p.checkDir(groupsDir); err == nil {
+		_, ours, err = gs.p.toTrash(groupsDir, id.Key, "g-")
 	} else if missing(err) {
 		err = nil
 	}
@@ -232,7 +241,7 @@ func (p *Pool) DeleteGroupRecord(ctx context.Context, id GroupSnapshotID) error 
 	if err != nil {
 		return fmt.Errorf("delete group snapshot %s: %w", id, err)
 	}
-	if err := p.emptyTrash("g-"+id.Key, ours, nil); err != nil {
+	if err := gs.p.emptyTrash("g-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete group snapshot %s: %w", id, err)
 	}
 	return nil
@@ -246,22 +255,22 @@ type GroupSnapshotEntry struct {
 	Err   error
 }
 
-// ListGroupSnapshots returns the pool's group snapshots sorted by ID.
-func (p *Pool) ListGroupSnapshots() ([]GroupSnapshotEntry, error) {
-	des, err := p.readDir(groupsDir)
+// List returns the pool's group snapshots sorted by ID.
+func (gs Groups) List() ([]GroupSnapshotEntry, error) {
+	des, err := gs.p.readDir(groupsDir)
 	if missing(err) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list group snapshots of pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		return nil, fmt.Errorf("%w: list group snapshots of pool %s: %w", ErrUnavailable, gs.p.cfg.Name, err)
 	}
 	var out []GroupSnapshotEntry
 	for _, de := range des {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		id := GroupSnapshotID{p.SnapshotIDOf(de.Name())}
-		g, err := p.LoadGroupSnapshot(id)
+		id := GroupSnapshotID{gs.p.SnapshotIDOf(de.Name())}
+		g, err := gs.Load(id)
 		if missing(err) {
 			continue // a create or delete under way
 		}

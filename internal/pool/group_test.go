@@ -51,18 +51,18 @@ func TestLoadGroupSnapshotRefusesForeignMembers(t *testing.T) {
 	}
 	ctx := context.Background()
 	vids := []VolumeID{p.NewID("b"), p.NewID("a")}
-	g, err := p.ReserveGroupSnapshot(ctx, "db", vids)
+	g, err := p.Groups().Reserve(ctx, "db", vids)
 	if err != nil {
 		t.Fatal(err)
 	}
-	gid := p.NewGroupSnapshotID("db")
-	if got, err := p.LoadGroupSnapshot(gid); err != nil || len(got.Members) != 2 || got.Members[0].SourceVolumeID >= got.Members[1].SourceVolumeID {
+	gid := p.Groups().NewID("db")
+	if got, err := p.Groups().Load(gid); err != nil || len(got.Members) != 2 || got.Members[0].SourceVolumeID >= got.Members[1].SourceVolumeID {
 		t.Fatalf("load: %v, %v", got, err)
 	}
-	if _, err := p.ReserveGroupSnapshot(ctx, "db", vids[:1]); !errors.Is(err, ErrExists) {
+	if _, err := p.Groups().Reserve(ctx, "db", vids[:1]); !errors.Is(err, ErrExists) {
 		t.Errorf("same name, other volumes: %v, want ErrExists", err)
 	}
-	if _, err := p.ReserveGroupSnapshot(ctx, "x", []VolumeID{vids[0], vids[0]}); !errors.Is(err, ErrInvalidID) {
+	if _, err := p.Groups().Reserve(ctx, "x", []VolumeID{vids[0], vids[0]}); !errors.Is(err, ErrInvalidID) {
 		t.Errorf("a volume twice: %v, want ErrInvalidID", err)
 	}
 	path := filepath.Join(p.cfg.Path, groupsDir, gid.Key, groupMetaFile)
@@ -80,18 +80,18 @@ func TestLoadGroupSnapshotRefusesForeignMembers(t *testing.T) {
 			if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := p.LoadGroupSnapshot(gid); !errors.Is(err, ErrCorrupt) {
+			if _, err := p.Groups().Load(gid); !errors.Is(err, ErrCorrupt) {
 				t.Errorf("load: %v, want ErrCorrupt", err)
 			}
 		})
 	}
-	if err := p.DeleteGroupRecord(ctx, gid); err != nil {
+	if err := p.Groups().Delete(ctx, gid); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := p.LoadGroupSnapshot(gid); !errors.Is(err, ErrNotFound) {
+	if _, err := p.Groups().Load(gid); !errors.Is(err, ErrNotFound) {
 		t.Errorf("after delete: %v, want ErrNotFound", err)
 	}
-	if err := p.DeleteGroupRecord(ctx, gid); err != nil {
+	if err := p.Groups().Delete(ctx, gid); err != nil {
 		t.Errorf("second delete: %v", err)
 	}
 }

@@ -186,7 +186,7 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 		}
 		out = append(out, tempLeftovers(path)...)
 		id := GroupSnapshotID{p.SnapshotIDOf(de.Name())}
-		g, err := p.LoadGroupSnapshot(id)
+		g, err := p.Groups().Load(id)
 		switch {
 		case missing(err):
 			out = append(out, Leftover{path, "group snapshot directory without group.json (a create interrupted before its record was written): remove it"})
@@ -199,7 +199,7 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 			out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q has been creating since %s; its next create cuts it again, or DeleteVolumeGroupSnapshot removes it", g.Name, g.CreatedAt.Format(time.RFC3339))})
 		case g.ReadyToUse:
 			for _, m := range g.Members {
-				if !p.SnapshotExists(p.GroupMemberID(id, m.SourceVolumeID)) {
+				if !p.SnapshotExists(p.Groups().MemberID(id, m.SourceVolumeID)) {
 					out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q lacks its member %s (of volume %s): delete the group", g.Name, m.SnapshotID, m.SourceVolumeID)})
 				}
 			}
@@ -217,7 +217,7 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 		if err != nil {
 			continue // LoadSnapshot refuses such a record
 		}
-		if _, err := p.LoadGroupSnapshot(gid); missing(err) {
+		if _, err := p.Groups().Load(gid); missing(err) {
 			out = append(out, Leftover{p.SnapshotDir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
 		}
 	}

@@ -186,7 +186,7 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	}
 	if s.GroupSnapshotID != "" {
 		if gid, err := ParseGroupSnapshotID(s.GroupSnapshotID); err != nil || gid.Pool != id.Pool || gid.Share != id.Share ||
-			p.GroupMemberID(gid, s.SourceVolumeID) != p.SnapshotIDOf(id.Key) {
+			p.Groups().MemberID(gid, s.SourceVolumeID) != p.SnapshotIDOf(id.Key) {
 			return nil, fmt.Errorf("%w: %s: group snapshot %q is not one a driver writes", ErrCorrupt, path, s.GroupSnapshotID)
 		}
 	}
