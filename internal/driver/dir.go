@@ -231,7 +231,7 @@ func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, 
 	var from *pool.Handle
 	var err error
 	if src.isSnapshot() {
-		from, err = p.OpenSnapshotData(src.snapID)
+		from, err = p.Snapshots().OpenData(src.snapID)
 	} else {
 		from, err = p.OpenData(src.volID)
 	}

@@ -247,7 +247,7 @@ func New(opts Options) (*Driver, error) {
 		return d.quiesceCopy(ctx, p, vid, v)
 	}
 	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
-		return p.FillSnapshot(ctx, s, v, nil)
+		return p.Snapshots().Fill(ctx, s, v, nil)
 	}
 	for _, p := range opts.Pools {
 		if _, dup := d.pools[p.Name()]; dup {

@@ -73,7 +73,7 @@ func groupMembers(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot)
 	out := make([]*pool.Snapshot, 0, len(g.Members))
 	for _, m := range g.Members {
 		sid := p.Groups().MemberID(gid, m.SourceVolumeID)
-		s, err := p.LoadSnapshot(sid)
+		s, err := p.Snapshots().Load(sid)
 		if errors.Is(err, pool.ErrNotFound) {
 			return nil, csierr.Failf(csierr.ErrState, "group snapshot %s: its member %s (of volume %s) is missing; delete the group", gid, sid, m.SourceVolumeID)
 		} else if err != nil {
@@ -403,10 +403,10 @@ func (d *Driver) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSn
 func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
 	for _, m := range g.Members {
 		sid := p.Groups().MemberID(gid, m.SourceVolumeID)
-		if !p.SnapshotExists(sid) {
+		if !p.Snapshots().Exists(sid) {
 			continue
 		}
-		if err := p.DeleteSnapshot(ctx, sid); err != nil {
+		if err := p.Snapshots().Delete(ctx, sid); err != nil {
 			return err
 		}
 	}

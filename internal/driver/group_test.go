@@ -100,7 +100,7 @@ func (f *groupFixture) readImage(t *testing.T, id string, n int) string {
 // snapshot, no group record, no freeze record and nothing frozen.
 func (f *groupFixture) assertNothingLeft(t *testing.T) {
 	t.Helper()
-	if s, err := f.pool.ListSnapshots(); err != nil || len(s) != 0 {
+	if s, err := f.pool.Snapshots().List(); err != nil || len(s) != 0 {
 		t.Errorf("snapshots left: %v %v", s, err)
 	}
 	if g, err := f.pool.Groups().List(); err != nil || len(g) != 0 {
@@ -257,7 +257,7 @@ func TestVolumeGroupSnapshotLifecycle(t *testing.T) {
 			t.Run("delete "+tc.name, func(t *testing.T) { wantCode(t, del(tc.ids), tc.want) })
 		}
 	}
-	if s, _ := f.pool.ListSnapshots(); len(s) != 2 {
+	if s, _ := f.pool.Snapshots().List(); len(s) != 2 {
 		t.Fatalf("a refused delete removed members: %v", s)
 	}
 	for range 2 {
@@ -315,7 +315,7 @@ func TestInterruptedGroupIsCutAgain(t *testing.T) {
 	if err != nil || !resp.GetGroupSnapshot().GetReadyToUse() || len(f.copies) != 2 {
 		t.Fatalf("%v, %v, copies %v", resp, err, f.copies)
 	}
-	if s, err := f.pool.LoadSnapshot(pool.SnapshotID{Pool: "local", Key: stale.ID[len("local@"):]}); err != nil || !s.ReadyToUse {
+	if s, err := f.pool.Snapshots().Load(pool.SnapshotID{Pool: "local", Key: stale.ID[len("local@"):]}); err != nil || !s.ReadyToUse {
 		t.Errorf("member after the retry: %v, %v", s, err)
 	}
 	if !slices.Contains(f.copies, fmt.Sprintf("copy %s with 2 frozen", f.ids[0])) {

@@ -167,7 +167,7 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 	var err error
 	thaw := func() error { return nil }
 	if src.isSnapshot() {
-		from, err = p.OpenSnapshotImage(src.snapID)
+		from, err = p.Snapshots().OpenImage(src.snapID)
 	} else if thaw, err = d.freeze(ctx, p, src.volID, src.vol); err == nil {
 		if from, err = p.OpenImage(src.volID); err != nil {
 			_ = thaw()

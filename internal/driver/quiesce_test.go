@@ -91,7 +91,7 @@ func noFreezeRecord(t *testing.T, p *pool.Pool, nodes ...*leaseNode) {
 func TestRemoteFreezeAroundCopy(t *testing.T) {
 	a, b, id, staging := freezePair(t, true)
 	p := b.pool("shared")
-	image := p.SnapshotImagePath(p.NewSnapshotID("snap"))
+	image := p.Snapshots().ImagePath(p.Snapshots().NewID("snap"))
 	var events []string
 	quiesce := b.quiesceCopy
 	b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
@@ -149,7 +149,7 @@ func TestRemoteFreezeNodeSilent(t *testing.T) {
 	if !inboxEmpty(t, p, "node-a") {
 		t.Fatal("the request was left in A's inbox")
 	}
-	if _, err := os.Stat(p.SnapshotImagePath(p.NewSnapshotID("snap"))); !os.IsNotExist(err) {
+	if _, err := os.Stat(p.Snapshots().ImagePath(p.Snapshots().NewID("snap"))); !os.IsNotExist(err) {
 		t.Fatalf("a copy was made: %v", err)
 	}
 	if a.host.Frozen(staging) {
@@ -193,7 +193,7 @@ func TestRemoteFreezeEarlyThaw(t *testing.T) {
 	if msg := status.Convert(err).Message(); !strings.Contains(msg, "thawed") || !strings.Contains(msg, "node-a") {
 		t.Fatalf("message: %s", msg)
 	}
-	if _, err := os.Stat(p.SnapshotImagePath(p.NewSnapshotID("snap"))); !os.IsNotExist(err) {
+	if _, err := os.Stat(p.Snapshots().ImagePath(p.Snapshots().NewID("snap"))); !os.IsNotExist(err) {
 		t.Fatalf("the copy was kept: %v", err)
 	}
 	waitFor(t, "A clears its inbox", func() bool { return inboxEmpty(t, p, "node-a") })

@@ -527,7 +527,7 @@ func TestShareImageVolume(t *testing.T) {
 	if _, err := other.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid.String()}); err != nil {
 		t.Fatal(err)
 	}
-	if other.Driver.pool(sid.Pool).SnapshotExists(sid) {
+	if other.Driver.pool(sid.Pool).Snapshots().Exists(sid) {
 		t.Fatal("snapshot still there")
 	}
 	if _, err := td.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging}); err != nil {

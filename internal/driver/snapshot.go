@@ -95,10 +95,10 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err != nil {
 		return nil, err
 	}
-	sid := p.NewSnapshotID(name)
+	sid := p.Snapshots().NewID(name)
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
-			if other.SnapshotExists(other.NewSnapshotID(name)) {
+			if other.Snapshots().Exists(other.Snapshots().NewID(name)) {
 				return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists in pool %s", name, pn)
 			}
 		}
@@ -110,7 +110,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	defer release()
 	// A retry of a finished snapshot answers from snapshot.json alone: its
 	// source may be busy, or deleted since.
-	if s, err := p.LoadSnapshot(sid); err == nil && s.Name == name {
+	if s, err := p.Snapshots().Load(sid); err == nil && s.Name == name {
 		if s.SourceVolumeID != vid.String() {
 			return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists of volume %s", name, s.SourceVolumeID)
 		}
@@ -140,7 +140,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		// An I/O error or a pool gone is not a missing volume: its own code.
 		return nil, fmt.Errorf("volume %s: measure its data: %w", vid, err)
 	}
-	s, err := p.ReserveSnapshot(ctx, name, v, need)
+	s, err := p.Snapshots().Reserve(ctx, name, v, need)
 	if err != nil {
 		return nil, err
 	}
@@ -157,7 +157,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 // node has it staged (quiesce.go).
 func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
 	quiesce := func() (func() error, error) { return d.quiesceCopy(ctx, p, vid, v) }
-	if err := p.FillSnapshot(ctx, s, v, quiesce); err != nil {
+	if err := p.Snapshots().Fill(ctx, s, v, quiesce); err != nil {
 		return err
 	}
 	klog.FromContext(ctx).Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", s.AllocatedBytes, "copy", s.CopyMethod)
@@ -236,7 +236,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 		return nil, err
 	}
 	defer release()
-	if s, err := p.LoadSnapshot(sid); err == nil {
+	if s, err := p.Snapshots().Load(sid); err == nil {
 		group, err := liveGroupOf(p, s)
 		if err != nil {
 			return nil, fmt.Errorf("snapshot %s: its group snapshot: %w", sid, err)
@@ -245,7 +245,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 			return nil, csierr.Failf(csierr.ErrInvalid, "snapshot %s is a member of group snapshot %s; delete the group (DeleteVolumeGroupSnapshot), which deletes its members", sid, group)
 		}
 	}
-	if err := p.DeleteSnapshot(ctx, sid); err != nil {
+	if err := p.Snapshots().Delete(ctx, sid); err != nil {
 		return nil, err
 	}
 	klog.FromContext(ctx).Info("Deleted snapshot", "snapshot", sid)
@@ -258,7 +258,7 @@ func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shar
 	if err != nil {
 		return nil, nil, err
 	}
-	s, err := p.LoadSnapshot(sid)
+	s, err := p.Snapshots().Load(sid)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
 		return nil, nil, csierr.Failf(pool.ErrNotFound, "snapshot %s does not exist", sid)
@@ -319,7 +319,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	source = volumeIdentity(source)
 	// Paged like ListVolumes, reading only the page's snapshot.json files.
 	all, next, err := walkPools(d, start.Pool, start.Key, int(req.GetMaxEntries()), func(p *pool.Pool, from string, limit int) ([]*pool.Snapshot, string, error) {
-		page, next, err := p.ListSnapshotsPage(from, limit, func(e pool.SnapshotEntry) bool {
+		page, next, err := p.Snapshots().ListPage(from, limit, func(e pool.SnapshotEntry) bool {
 			if e.Err != nil {
 				klog.FromContext(ctx).Error(e.Err, "Snapshot metadata unreadable", "snapshot", e.ID)
 				return false
@@ -331,7 +331,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 			out[i] = e.Snapshot
 		}
 		if next != "" {
-			next = p.SnapshotIDOf(next).String()
+			next = p.Snapshots().IDOf(next).String()
 		}
 		return out, next, err
 	}, func(s *pool.Snapshot) string { return s.ID })

@@ -115,7 +115,7 @@ func (p *Pool) Usage() (Usage, error) {
 		u.UnbackedBytes += max(v.capacity-p.allocatedBytes(id, v.layout), 0)
 	}
 	p.pruneMeta(keys)
-	snaps, err := p.ListSnapshots()
+	snaps, err := p.Snapshots().List()
 	if err != nil {
 		return Usage{}, err
 	}

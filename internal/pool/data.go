@@ -24,9 +24,9 @@ func (p *Pool) VolumeExists(id VolumeID) bool {
 	return err == nil
 }
 
-// SnapshotExists tells whether the snapshot's directory exists, ready or not.
-func (p *Pool) SnapshotExists(id SnapshotID) bool {
-	_, err := os.Lstat(p.SnapshotDir(id))
+// Exists tells whether the snapshot's directory exists, ready or not.
+func (ss Snapshots) Exists(id SnapshotID) bool {
+	_, err := os.Lstat(ss.Dir(id))
 	return err == nil
 }
 

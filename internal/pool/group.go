@@ -67,7 +67,7 @@ func ParseGroupSnapshotID(s string) (GroupSnapshotID, error) {
 
 // NewID is the ID of the group snapshot named name in this pool.
 func (gs Groups) NewID(name string) GroupSnapshotID {
-	return GroupSnapshotID{gs.p.SnapshotIDOf(KeyForName(name))}
+	return GroupSnapshotID{gs.p.Snapshots().IDOf(KeyForName(name))}
 }
 
 // GroupMember is one volume of a group snapshot and the snapshot of it.
@@ -109,7 +109,7 @@ func memberSnapshotName(gid GroupSnapshotID, vid string) string {
 
 // MemberID is the ID of the snapshot of volume vid in group gid.
 func (gs Groups) MemberID(gid GroupSnapshotID, vid string) SnapshotID {
-	return gs.p.NewSnapshotID(memberSnapshotName(gid, vid))
+	return gs.p.Snapshots().NewID(memberSnapshotName(gid, vid))
 }
 
 func groupRel(id GroupSnapshotID, name ...string) string {
@@ -217,10 +217,10 @@ func (gs Groups) MarkReady(id GroupSnapshotID, g *GroupSnapshot) error {
 }
 
 // ReserveMember reserves the snapshot of src as a member of group g, as
-// ReserveSnapshot does for an independent one; its record names the group and
+// Snapshots().Reserve does for an independent one; its record names the group and
 // carries the group's creation time.
 func (gs Groups) ReserveMember(ctx context.Context, gid GroupSnapshotID, g *GroupSnapshot, src *Volume, needBytes int64) (*Snapshot, error) {
-	return gs.p.reserveSnapshot(ctx, memberSnapshotName(gid, src.ID), gid.String(), g.CreatedAt, src, needBytes)
+	return gs.p.Snapshots().reserve(ctx, memberSnapshotName(gid, src.ID), gid.String(), g.CreatedAt, src, needBytes)
 }
 
 // Delete removes a group's record, after its members; nil when it
@@ -269,7 +269,7 @@ func (gs Groups) List() ([]GroupSnapshotEntry, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		id := GroupSnapshotID{gs.p.SnapshotIDOf(de.Name())}
+		id := GroupSnapshotID{gs.p.Snapshots().IDOf(de.Name())}
 		g, err := gs.Load(id)
 		if missing(err) {
 			continue // a create or delete under way

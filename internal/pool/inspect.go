@@ -185,7 +185,7 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 			continue
 		}
 		out = append(out, tempLeftovers(path)...)
-		id := GroupSnapshotID{p.SnapshotIDOf(de.Name())}
+		id := GroupSnapshotID{p.Snapshots().IDOf(de.Name())}
 		g, err := p.Groups().Load(id)
 		switch {
 		case missing(err):
@@ -199,13 +199,13 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 			out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q has been creating since %s; its next create cuts it again, or DeleteVolumeGroupSnapshot removes it", g.Name, g.CreatedAt.Format(time.RFC3339))})
 		case g.ReadyToUse:
 			for _, m := range g.Members {
-				if !p.SnapshotExists(p.Groups().MemberID(id, m.SourceVolumeID)) {
+				if !p.Snapshots().Exists(p.Groups().MemberID(id, m.SourceVolumeID)) {
 					out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q lacks its member %s (of volume %s): delete the group", g.Name, m.SnapshotID, m.SourceVolumeID)})
 				}
 			}
 		}
 	}
-	snaps, err := p.ListSnapshots()
+	snaps, err := p.Snapshots().List()
 	if err != nil {
 		return out
 	}
@@ -215,10 +215,10 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 		}
 		gid, err := ParseGroupSnapshotID(e.Snapshot.GroupSnapshotID)
 		if err != nil {
-			continue // LoadSnapshot refuses such a record
+			continue // Snapshots().Load refuses such a record
 		}
 		if _, err := p.Groups().Load(gid); missing(err) {
-			out = append(out, Leftover{p.SnapshotDir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
+			out = append(out, Leftover{p.Snapshots().Dir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
 		}
 	}
 	return out

@@ -116,9 +116,9 @@ func TestHalfDoneChangesOfAnotherNode(t *testing.T) {
 		if err != nil || len(page) != want {
 			t.Fatalf("ListPage = %+v, %v; want %d entries", page, err, want)
 		}
-		snaps, err := p.ListSnapshots()
+		snaps, err := p.Snapshots().List()
 		if err != nil || len(snaps) != want {
-			t.Fatalf("ListSnapshots = %+v, %v; want %d entries", snaps, err, want)
+			t.Fatalf("Snapshots().List = %+v, %v; want %d entries", snaps, err, want)
 		}
 		left, err := p.Leftovers(time.Now())
 		if err != nil || len(left) != 3*want {

@@ -370,7 +370,7 @@ func (p *Pool) recorded(pd pending) (int64, int64, error) {
 		}
 	case pendingSnapshot:
 		var s *Snapshot
-		if s, err = p.LoadSnapshot(p.SnapshotIDOf(pd.Key)); err == nil {
+		if s, err = p.Snapshots().Load(p.Snapshots().IDOf(pd.Key)); err == nil {
 			n, b = 1, reflinked(s)
 		}
 	}

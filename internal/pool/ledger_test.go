@@ -137,28 +137,28 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 		}, ""},
 		{"snapshot: after the ledger, before snapshot.json", func(t *testing.T, p *Pool) {
 			src, _ := p.Load(p.NewID("a"))
-			s, err := p.ReserveSnapshot(ctx, "snap", src, 0)
+			s, err := p.Snapshots().Reserve(ctx, "snap", src, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
 			sid, _ := ParseSnapshotID(s.ID)
-			if err := os.Remove(filepath.Join(p.SnapshotDir(sid), snapshotMetaFile)); err != nil {
+			if err := os.Remove(filepath.Join(p.Snapshots().Dir(sid), snapshotMetaFile)); err != nil {
 				t.Fatal(err)
 			}
 		}, ""},
 		{"snapshot fill: reflinked bytes counted, record not written", func(t *testing.T, p *Pool) {
 			src, _ := p.Load(p.NewID("a"))
-			s, err := p.ReserveSnapshot(ctx, "snap", src, 0)
+			s, err := p.Snapshots().Reserve(ctx, "snap", src, 0)
 			if err != nil {
 				t.Fatal(err)
 			}
 			sid, _ := ParseSnapshotID(s.ID)
 			filled := *s
 			filled.CopyMethod, filled.AllocatedBytes, filled.ReadyToUse = CopyReflink, 3*MiB, true
-			if err := p.saveFilled(ctx, sid, &filled); err != nil {
+			if err := p.Snapshots().saveFilled(ctx, sid, &filled); err != nil {
 				t.Fatal(err)
 			}
-			if err := p.saveSnapshot(s); err != nil { // the record as it was
+			if err := p.Snapshots().save(s); err != nil { // the record as it was
 				t.Fatal(err)
 			}
 		}, ""},

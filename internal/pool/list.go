@@ -122,14 +122,14 @@ func page[E any](keys []string, from string, limit int, load func(key string) (E
 	return out, ""
 }
 
-// ListSnapshotsPage is ListPage for snapshots.
-func (p *Pool) ListSnapshotsPage(from string, limit int, keep func(SnapshotEntry) bool) ([]SnapshotEntry, string, error) {
-	keys, err := p.snapshotKeys()
+// ListPage is Pool.ListPage for snapshots.
+func (ss Snapshots) ListPage(from string, limit int, keep func(SnapshotEntry) bool) ([]SnapshotEntry, string, error) {
+	keys, err := ss.p.snapshotKeys()
 	if err != nil {
 		return nil, "", err
 	}
 	entries, next := page(keys, from, limit, func(key string) (SnapshotEntry, bool) {
-		return p.loadListedSnapshot(p.SnapshotIDOf(key))
+		return ss.loadListed(ss.IDOf(key))
 	}, keep)
 	return entries, next, nil
 }

@@ -247,8 +247,8 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if _, err := p.LockVolume(ctx, gone); !errors.Is(err, ErrNotFound) {
 		t.Errorf("LockVolume of a missing volume: %v, want ErrNotFound", err)
 	}
-	if _, err := p.LoadSnapshot(p.NewSnapshotID("s")); !errors.Is(err, ErrNotFound) {
-		t.Errorf("LoadSnapshot of a missing snapshot: %v, want ErrNotFound", err)
+	if _, err := p.Snapshots().Load(p.Snapshots().NewID("s")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Snapshots().Load of a missing snapshot: %v, want ErrNotFound", err)
 	}
 	if _, err := p.ImageSize(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("ImageSize of a volume without its image: %v, want ErrNotFound", err)

@@ -103,14 +103,14 @@ func (p *Pool) OpenData(id VolumeID) (*Handle, error) {
 	return p.openKind(volumeRel(id, dataDir), true)
 }
 
-// OpenSnapshotImage opens an image snapshot's copy.
-func (p *Pool) OpenSnapshotImage(id SnapshotID) (*Handle, error) {
-	return p.openKind(snapshotRel(id, snapshotImage), false)
+// OpenImage opens an image snapshot's copy.
+func (ss Snapshots) OpenImage(id SnapshotID) (*Handle, error) {
+	return ss.p.openKind(snapshotRel(id, snapshotImage), false)
 }
 
-// OpenSnapshotData opens a dir snapshot's copied tree.
-func (p *Pool) OpenSnapshotData(id SnapshotID) (*Handle, error) {
-	return p.openKind(snapshotRel(id, dataDir), true)
+// OpenData opens a dir snapshot's copied tree.
+func (ss Snapshots) OpenData(id SnapshotID) (*Handle, error) {
+	return ss.p.openKind(snapshotRel(id, dataDir), true)
 }
 
 // readBeneath reads one of the pool's small files (at most max bytes) through

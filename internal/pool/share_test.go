@@ -154,7 +154,7 @@ func TestParseShareSnapshotID(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	good := p.NewSnapshotID("snap").String()
+	good := p.Snapshots().NewID("snap").String()
 	key := KeyForName("snap")
 	enc := func(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
 	for _, tt := range []struct {

@@ -40,6 +40,15 @@ const (
 	CopyFull = fsx.CopyFull
 )
 
+// Snapshots is the pool's view for volume snapshots: their IDs, records
+// (snapshots/<key>/snapshot.json), copies and their place in the ledger.
+// A narrow store over the one Pool, as Freezes is; a group snapshot's
+// members are snapshots too (Groups).
+type Snapshots struct{ p *Pool }
+
+// Snapshots is the pool's snapshots.
+func (p *Pool) Snapshots() Snapshots { return Snapshots{p} }
+
 // SnapshotID is the handle Kubernetes stores in a VolumeSnapshotContent:
 // "<pool>@<key>", or for a snapshot on a share a StorageClass names
 // "<pool>@<key>.<share>", the share part as in a VolumeID (share.go).
@@ -64,13 +73,13 @@ func (id SnapshotID) Wire() string { return withTag(id.String(), id.Tag) }
 // ShareRef returns the share an ID names, if it names one.
 func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
 
-// SnapshotIDOf is the ID of the snapshot with key in this pool.
-func (p *Pool) SnapshotIDOf(key string) SnapshotID {
-	return SnapshotID{Pool: p.cfg.Name, Key: key, Share: p.share}
+// IDOf is the ID of the snapshot with key in this pool.
+func (ss Snapshots) IDOf(key string) SnapshotID {
+	return SnapshotID{Pool: ss.p.cfg.Name, Key: key, Share: ss.p.share}
 }
 
-// NewSnapshotID is the ID of the snapshot named name in this pool.
-func (p *Pool) NewSnapshotID(name string) SnapshotID { return p.SnapshotIDOf(KeyForName(name)) }
+// NewID is the ID of the snapshot named name in this pool.
+func (ss Snapshots) NewID(name string) SnapshotID { return ss.IDOf(KeyForName(name)) }
 
 // NewSnapshotID builds the ID of the snapshot named name in pool poolName. The key
 // is a hash of the name, so a retried CreateSnapshot finds its snapshot.
@@ -148,25 +157,25 @@ type Snapshot struct {
 	GroupSnapshotID string `json:"groupSnapshotId,omitempty"`
 }
 
-// SnapshotDir is the directory holding one snapshot.
-func (p *Pool) SnapshotDir(id SnapshotID) string {
-	return filepath.Join(p.cfg.Path, snapshotsDir, id.Key)
+// Dir is the directory holding one snapshot.
+func (ss Snapshots) Dir(id SnapshotID) string {
+	return filepath.Join(ss.p.cfg.Path, snapshotsDir, id.Key)
 }
 
-// SnapshotImagePath is the copied disk image of an image-layout snapshot.
-func (p *Pool) SnapshotImagePath(id SnapshotID) string {
-	return filepath.Join(p.SnapshotDir(id), snapshotImage)
+// ImagePath is the copied disk image of an image-layout snapshot.
+func (ss Snapshots) ImagePath(id SnapshotID) string {
+	return filepath.Join(ss.Dir(id), snapshotImage)
 }
 
-// SnapshotDataPath is the copied directory tree of a dir-layout snapshot.
-func (p *Pool) SnapshotDataPath(id SnapshotID) string {
-	return filepath.Join(p.SnapshotDir(id), dataDir)
+// DataPath is the copied directory tree of a dir-layout snapshot.
+func (ss Snapshots) DataPath(id SnapshotID) string {
+	return filepath.Join(ss.Dir(id), dataDir)
 }
 
-// LoadSnapshot reads snapshot.json; a missing snapshot is ErrNotFound.
-func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
-	path := filepath.Join(p.SnapshotDir(id), snapshotMetaFile)
-	raw, err := p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
+// Load reads snapshot.json; a missing snapshot is ErrNotFound.
+func (ss Snapshots) Load(id SnapshotID) (*Snapshot, error) {
+	path := filepath.Join(ss.Dir(id), snapshotMetaFile)
+	raw, err := ss.p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, notFound(err))
 	}
@@ -186,20 +195,20 @@ func (p *Pool) LoadSnapshot(id SnapshotID) (*Snapshot, error) {
 	}
 	if s.GroupSnapshotID != "" {
 		if gid, err := ParseGroupSnapshotID(s.GroupSnapshotID); err != nil || gid.Pool != id.Pool || gid.Share != id.Share ||
-			p.Groups().MemberID(gid, s.SourceVolumeID) != p.SnapshotIDOf(id.Key) {
+			ss.p.Groups().MemberID(gid, s.SourceVolumeID) != ss.IDOf(id.Key) {
 			return nil, fmt.Errorf("%w: %s: group snapshot %q is not one a driver writes", ErrCorrupt, path, s.GroupSnapshotID)
 		}
 	}
 	return &s, nil
 }
 
-// saveSnapshot writes snapshot.json atomically.
-func (p *Pool) saveSnapshot(s *Snapshot) error {
+// save writes snapshot.json atomically.
+func (ss Snapshots) save(s *Snapshot) error {
 	id, err := ParseSnapshotID(s.ID)
 	if err != nil {
 		return err
 	}
-	if err := p.checkDir(snapshotRel(id)); err != nil {
+	if err := ss.p.checkDir(snapshotRel(id)); err != nil {
 		return err
 	}
 	s.SchemaVersion = SnapshotSchemaVersion
@@ -207,7 +216,7 @@ func (p *Pool) saveSnapshot(s *Snapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
 	}
-	return p.writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
+	return ss.p.writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
 }
 
 // SnapshotEntry is one listed snapshot, or the error that kept it from loading.
@@ -217,33 +226,33 @@ type SnapshotEntry struct {
 	Err      error
 }
 
-// loadListedSnapshot is loadListed for a snapshot directory.
-func (p *Pool) loadListedSnapshot(id SnapshotID) (SnapshotEntry, bool) {
-	s, err := p.LoadSnapshot(id)
+// loadListed is loadListed for a snapshot directory.
+func (ss Snapshots) loadListed(id SnapshotID) (SnapshotEntry, bool) {
+	s, err := ss.Load(id)
 	if missing(err) {
-		if !p.SnapshotExists(id) || p.changing() {
+		if !ss.Exists(id) || ss.p.changing() {
 			return SnapshotEntry{}, false
 		}
-		s, err = p.LoadSnapshot(id)
+		s, err = ss.Load(id)
 	}
 	return SnapshotEntry{ID: id, Snapshot: s, Err: err}, true
 }
 
-// ListSnapshots returns the pool's snapshots sorted by ID.
-func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
-	des, err := p.readDir(snapshotsDir)
+// List returns the pool's snapshots sorted by ID.
+func (ss Snapshots) List() ([]SnapshotEntry, error) {
+	des, err := ss.p.readDir(snapshotsDir)
 	if missing(err) {
 		return nil, nil // no snapshot was ever taken
 	}
 	if err != nil {
-		return nil, fmt.Errorf("%w: list snapshots of pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		return nil, fmt.Errorf("%w: list snapshots of pool %s: %w", ErrUnavailable, ss.p.cfg.Name, err)
 	}
 	var out []SnapshotEntry
 	for _, de := range des {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		if e, ok := p.loadListedSnapshot(p.SnapshotIDOf(de.Name())); ok {
+		if e, ok := ss.loadListed(ss.IDOf(de.Name())); ok {
 			out = append(out, e)
 		}
 	}
@@ -251,32 +260,32 @@ func (p *Pool) ListSnapshots() ([]SnapshotEntry, error) {
 	return out, nil
 }
 
-// ReserveSnapshot finds or starts the snapshot named name of volume src: its
+// Reserve finds or starts the snapshot named name of volume src: its
 // directory and a snapshot.json with readyToUse false. A snapshot of that name
 // from another source is ErrExists. needBytes is what the copy may allocate; the
 // pool must be able to hold it under its overcommit policy (ErrNoSpace). The
-// caller copies the data and then calls saveSnapshot with ReadyToUse set.
-func (p *Pool) ReserveSnapshot(ctx context.Context, name string, src *Volume, needBytes int64) (*Snapshot, error) {
-	return p.reserveSnapshot(ctx, name, "", time.Now().UTC(), src, needBytes)
+// caller copies the data and then calls save with ReadyToUse set.
+func (ss Snapshots) Reserve(ctx context.Context, name string, src *Volume, needBytes int64) (*Snapshot, error) {
+	return ss.reserve(ctx, name, "", time.Now().UTC(), src, needBytes)
 }
 
-// reserveSnapshot is ReserveSnapshot of a snapshot that is a member of group
+// reserve is Reserve of a snapshot that is a member of group
 // (or of none, ""); a snapshot of that name in another group, or in none, is
 // ErrExists.
-func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created time.Time, src *Volume, needBytes int64) (*Snapshot, error) {
+func (ss Snapshots) reserve(ctx context.Context, name, group string, created time.Time, src *Volume, needBytes int64) (*Snapshot, error) {
 	if err := ValidateVolumeName(name); err != nil {
 		return nil, err
 	}
-	id := p.NewSnapshotID(name)
-	if err := p.Check(); err != nil {
+	id := ss.NewID(name)
+	if err := ss.p.Check(); err != nil {
 		return nil, err
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := ss.p.beginLedger(ctx)
 	if err != nil {
 		return nil, err
 	}
 	defer end()
-	if s, err := p.LoadSnapshot(id); err == nil {
+	if s, err := ss.Load(id); err == nil {
 		switch {
 		case s.Name != name:
 			return nil, fmt.Errorf("%w: snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, s.Name)
@@ -292,7 +301,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 	if err := tx.admit(needBytes, "a snapshot of volume "+src.ID); err != nil {
 		return nil, err
 	}
-	if err := os.MkdirAll(p.SnapshotDir(id), 0o750); err != nil {
+	if err := os.MkdirAll(ss.Dir(id), 0o750); err != nil {
 		return nil, fmt.Errorf("create snapshot %s: %w", id, err)
 	}
 	// Counted before its record, as Reserve counts a volume.
@@ -305,7 +314,7 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 	s := &Snapshot{
 		ID:              id.String(),
 		Name:            name,
-		Pool:            p.cfg.Name,
+		Pool:            ss.p.cfg.Name,
 		SourceVolumeID:  src.ID,
 		Layout:          src.Layout,
 		AccessType:      src.AccessType,
@@ -314,32 +323,32 @@ func (p *Pool) reserveSnapshot(ctx context.Context, name, group string, created 
 		CreatedAt:       created,
 		GroupSnapshotID: group,
 	}
-	if err := p.saveSnapshot(s); err != nil {
+	if err := ss.save(s); err != nil {
 		return nil, err
 	}
 	return s, nil
 }
 
-// DeleteSnapshot removes a snapshot; nil when it does not exist. Like a volume,
+// Delete removes a snapshot; nil when it does not exist. Like a volume,
 // it is renamed into the pool's trash first, under the pool lock, so a crash
 // never leaves a half-deleted snapshot that lists as present; the copy is
 // removed after the lock is released, and a retry finishes the removal.
-func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
-	tx, end, err := p.beginLedger(ctx)
+func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
+	tx, end, err := ss.p.beginLedger(ctx)
 	if err != nil {
 		return err
 	}
-	s, lerr := p.LoadSnapshot(id)
+	s, lerr := ss.Load(id)
 	var moved bool
 	var ours []string
-	err = p.freeing(func() (err error) {
+	err = ss.p.freeing(func() (err error) {
 		var more []string
-		moved, more, err = p.toTrash(snapshotsDir, id.Key, "s-")
+		moved, more, err = ss.p.toTrash(snapshotsDir, id.Key, "s-")
 		ours = append(ours, more...)
 		return err
 	})
 	if err == nil && moved && lerr == nil {
-		err = p.freeing(func() error {
+		err = ss.p.freeing(func() error {
 			return tx.applyStamped(func(l *ledger) {
 				l.Snapshots--
 				l.ReflinkedBytes -= reflinked(s)
@@ -350,7 +359,7 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 	if err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
-	if err := p.emptyTrash("s-"+id.Key, ours, nil); err != nil {
+	if err := ss.p.emptyTrash("s-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
 	return nil
@@ -359,14 +368,14 @@ func (p *Pool) DeleteSnapshot(ctx context.Context, id SnapshotID) error {
 // saveFilled records a filled snapshot, counting what a reflinked copy shares
 // with its source in the ledger first (as its pending entry), so that the
 // record never holds more than the ledger counts.
-func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) error {
+func (ss Snapshots) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) error {
 	if reflinked(s) > 0 {
-		tx, end, err := p.beginLedger(ctx)
+		tx, end, err := ss.p.beginLedger(ctx)
 		if err != nil {
 			return err
 		}
 		var before int64
-		if old, err := p.LoadSnapshot(sid); err == nil {
+		if old, err := ss.Load(sid); err == nil {
 			before = reflinked(old)
 		}
 		err = tx.apply(func(l *ledger) {
@@ -374,23 +383,23 @@ func (p *Pool) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) erro
 			l.Pending = pending{Kind: pendingSnapshot, Key: sid.Key, Bytes: reflinked(s)}
 		})
 		if err == nil {
-			err = p.saveSnapshot(s)
+			err = ss.save(s)
 		}
 		end()
 		return err
 	}
-	return p.saveSnapshot(s)
+	return ss.save(s)
 }
 
-// SnapshotAllocated measures what a snapshot's data holds on the pool's
+// Allocated measures what a snapshot's data holds on the pool's
 // filesystem; data that is missing is ErrNotFound.
-func (p *Pool) SnapshotAllocated(id SnapshotID, s *Snapshot) (int64, error) {
+func (ss Snapshots) Allocated(id SnapshotID, s *Snapshot) (int64, error) {
 	if s.Layout == LayoutDir {
-		n, err := TreeAllocated(p.SnapshotDataPath(id))
+		n, err := TreeAllocated(ss.DataPath(id))
 		return n, notFound(err)
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(p.SnapshotImagePath(id), &st); err != nil {
+	if err := unix.Stat(ss.ImagePath(id), &st); err != nil {
 		return 0, fmt.Errorf("snapshot %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
@@ -428,13 +437,13 @@ func TreeAllocated(root string) (int64, error) {
 	return total, err
 }
 
-// FillSnapshot copies volume src's data into the reserved snapshot s, measures
+// Fill copies volume src's data into the reserved snapshot s, measures
 // what the copy holds and marks the snapshot ready. Whatever an interrupted
 // attempt copied is thrown away first. quiesce, if not nil, runs just before an
 // image is copied and the function it returns just after (the driver freezes
 // the filesystem staged on a node there); an error of either fails the fill,
 // and a copy that resume says was not quiesced throughout is removed.
-func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func() error, err error)) error {
+func (ss Snapshots) Fill(ctx context.Context, s *Snapshot, src *Volume, quiesce func() (resume func() error, err error)) error {
 	sid, err := ParseSnapshotID(s.ID)
 	if err != nil {
 		return err
@@ -443,17 +452,17 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 	if err != nil {
 		return err
 	}
-	if err := p.checkDir(snapshotRel(sid)); err != nil {
+	if err := ss.p.checkDir(snapshotRel(sid)); err != nil {
 		return err
 	}
 	var method string
 	if src.Layout == LayoutDir {
-		from, err := p.OpenData(vid)
+		from, err := ss.p.OpenData(vid)
 		if err != nil {
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
 		}
 		defer from.Close()
-		data := p.SnapshotDataPath(sid)
+		data := ss.DataPath(sid)
 		if err := os.RemoveAll(data); err != nil {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
 		}
@@ -465,12 +474,12 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 		}
 		method = CopyFull
 	} else {
-		from, err := p.OpenImage(vid)
+		from, err := ss.p.OpenImage(vid)
 		if err != nil {
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
 		}
 		defer from.Close()
-		image := p.SnapshotImagePath(sid)
+		image := ss.ImagePath(sid)
 		if err := os.Remove(image); err != nil && !missing(err) {
 			return fmt.Errorf("snapshot %s: remove half-made copy: %w", sid, err)
 		}
@@ -498,10 +507,10 @@ func (p *Pool) FillSnapshot(ctx context.Context, s *Snapshot, src *Volume, quies
 			return fmt.Errorf("snapshot %s of volume %s: %w", sid, vid, err)
 		}
 	}
-	alloc, err := p.SnapshotAllocated(sid, s)
+	alloc, err := ss.Allocated(sid, s)
 	if err != nil {
 		return fmt.Errorf("snapshot %s: %w", sid, err)
 	}
 	s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = method, alloc, true
-	return p.saveFilled(ctx, sid, s)
+	return ss.saveFilled(ctx, sid, s)
 }

@@ -140,36 +140,36 @@ func TestSnapshotReserveListDelete(t *testing.T) {
 	}
 	ctx := context.Background()
 	src := &Volume{ID: NewVolumeID("t", "v1").String(), Layout: LayoutImage, AccessType: AccessFilesystem, FSType: "ext4", CapacityBytes: 64 << 20}
-	s, err := p.ReserveSnapshot(ctx, "snap", src, 0)
+	s, err := p.Snapshots().Reserve(ctx, "snap", src, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if s.ReadyToUse || s.ID != NewSnapshotID("t", "snap").String() || s.SizeBytes != 64<<20 {
 		t.Fatalf("reserved %+v", s)
 	}
-	again, err := p.ReserveSnapshot(ctx, "snap", src, 0)
+	again, err := p.Snapshots().Reserve(ctx, "snap", src, 0)
 	if err != nil || again.ID != s.ID {
 		t.Fatalf("retry: %+v, %v", again, err)
 	}
 	other := *src
 	other.ID = NewVolumeID("t", "v2").String()
-	if _, err := p.ReserveSnapshot(ctx, "snap", &other, 0); !errors.Is(err, ErrExists) {
+	if _, err := p.Snapshots().Reserve(ctx, "snap", &other, 0); !errors.Is(err, ErrExists) {
 		t.Fatalf("same name, other source: %v, want ErrExists", err)
 	}
-	if _, err := p.ReserveSnapshot(ctx, "big", src, 1<<60); !errors.Is(err, ErrNoSpace) {
+	if _, err := p.Snapshots().Reserve(ctx, "big", src, 1<<60); !errors.Is(err, ErrNoSpace) {
 		t.Fatalf("snapshot larger than the pool: %v, want ErrNoSpace", err)
 	}
-	list, err := p.ListSnapshots()
+	list, err := p.Snapshots().List()
 	if err != nil || len(list) != 1 || list[0].Snapshot == nil || list[0].Snapshot.Name != "snap" {
 		t.Fatalf("list: %+v, %v", list, err)
 	}
 	id, _ := ParseSnapshotID(s.ID)
 	for range 2 {
-		if err := p.DeleteSnapshot(ctx, id); err != nil {
+		if err := p.Snapshots().Delete(ctx, id); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if list, _ := p.ListSnapshots(); len(list) != 0 {
+	if list, _ := p.Snapshots().List(); len(list) != 0 {
 		t.Fatalf("after delete: %+v", list)
 	}
 }
@@ -226,12 +226,12 @@ func TestUsageCountsSnapshots(t *testing.T) {
 		name, method string
 		unbacked     int64
 	}{{"copied", CopyFull, 0}, {"reflinked", CopyReflink, 5 << 20}} {
-		s, err := p.ReserveSnapshot(context.Background(), tt.name, src, 0)
+		s, err := p.Snapshots().Reserve(context.Background(), tt.name, src, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
 		s.CopyMethod, s.AllocatedBytes, s.ReadyToUse = tt.method, 5<<20, true
-		if err := p.saveSnapshot(s); err != nil {
+		if err := p.Snapshots().save(s); err != nil {
 			t.Fatal(err)
 		}
 	}
