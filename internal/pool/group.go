@@ -181,10 +181,7 @@ func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (
 			return nil, fmt.Errorf("%w: volume %s is named twice", ErrInvalidID, members[i].SourceVolumeID)
 		}
 	}
-	if err := gs.p.Check(); err != nil {
-		return nil, err
-	}
-	unlock, err := gs.p.LockPool(ctx)
+	unlock, err := gs.p.lockToCreate(ctx)
 	if err != nil {
 		return nil, err
 	}

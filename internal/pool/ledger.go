@@ -322,7 +322,18 @@ type ledgerTx struct {
 // (refused, or a no-op) leaves the pool's files as they were, and the next
 // change redoes the repair.
 func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err error) {
-	unlock, err := p.LockPool(ctx)
+	return p.ledgerUnder(p.LockPool(ctx))
+}
+
+// beginCreate is beginLedger for a call that makes a record: the pool is
+// checked first (lockToCreate).
+func (p *Pool) beginCreate(ctx context.Context) (tx *ledgerTx, end func(), err error) {
+	return p.ledgerUnder(p.lockToCreate(ctx))
+}
+
+// ledgerUnder loads the ledger under the pool lock just taken (unlock, or
+// the error of taking it).
+func (p *Pool) ledgerUnder(unlock func(), err error) (tx *ledgerTx, end func(), _ error) {
 	if err != nil {
 		return nil, nil, err
 	}

@@ -43,13 +43,9 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 		return nil, err
 	}
 	id := p.NewID(spec.Name)
-	// An unmounted shared pool must not grow a volumes/ tree on the root disk.
-	if err := p.Check(); err != nil {
-		return nil, err
-	}
 	// The pool lock covers the decision and the few system calls that
 	// record it (a mkdir, the ledger, a volume.json): no scan, no mkfs.
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}

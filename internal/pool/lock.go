@@ -22,6 +22,17 @@ func (p *Pool) LockPool(ctx context.Context) (unlock func(), err error) {
 	return p.lockFileAt(ctx, poolLock, true)
 }
 
+// lockToCreate is the preamble of every call that makes a record under the
+// pool lock (a volume, a snapshot, a group): the pool is checked first, so an
+// unmounted shared pool never grows a tree (or a lock file) on the root disk,
+// then the pool lock is taken.
+func (p *Pool) lockToCreate(ctx context.Context) (unlock func(), err error) {
+	if err := p.Check(); err != nil {
+		return nil, err
+	}
+	return p.LockPool(ctx)
+}
+
 // LockVolume takes the lock of one volume's metadata. It fails with
 // ErrNotFound when the volume does not exist (or is deleted while waiting), so
 // no caller ever acts on a volume that vanished under it.

@@ -277,10 +277,7 @@ func (ss Snapshots) reserve(ctx context.Context, name, group string, created tim
 		return nil, err
 	}
 	id := ss.NewID(name)
-	if err := ss.p.Check(); err != nil {
-		return nil, err
-	}
-	tx, end, err := ss.p.beginLedger(ctx)
+	tx, end, err := ss.p.beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}
