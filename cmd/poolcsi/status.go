@@ -22,7 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
-	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/csilegacy"
 )
 
 const statusSynopsis = `status [--endpoint unix:///path/csi.sock] [--timeout D] [-o text|json]
@@ -388,7 +388,7 @@ func (g *gatherer) listVolumes(cc csi.ControllerClient) {
 				vs.Topology = append(vs.Topology, t.GetSegments())
 			}
 			if st := e.GetStatus(); st != nil {
-				if abnormal, msg, ok := driver.LegacyCondition(st); ok {
+				if abnormal, msg, ok := csilegacy.Condition(st); ok {
 					vs.Abnormal, vs.Condition = abnormal, msg
 				}
 			}
