@@ -308,3 +308,47 @@ func checkOutput(t *testing.T, out string, want, notWant []string) {
 		}
 	}
 }
+
+// Without --endpoint, status asks the default sockets in order and shows the
+// first that answers; when none does, it says what each one did.
+func TestStatusDefaultEndpoints(t *testing.T) {
+	dir := t.TempDir()
+	missing := "unix://" + filepath.Join(dir, "missing.sock")
+	dead := filepath.Join(dir, "dead.sock") // a socket no process listens on any more
+	l, err := net.Listen("unix", dead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	serving := statusDriver(t, driver.ModeAll, "web")
+	tests := []struct {
+		name      string
+		endpoints []string
+		code      int
+		stdout    []string
+		stderr    []string
+	}{
+		{"the second answers", []string{missing, "unix://" + dead, serving}, 0,
+			[]string{"Plugin status.test v-test at " + serving + "\n", "1 volume (1 GiB)"}, nil},
+		{"none answers", []string{missing, "unix://" + dead}, 1, nil, []string{
+			"no driver answers on the default sockets (is the driver running? Name its socket with --endpoint):\n",
+			"  " + missing + ": no socket there\n",
+			"  unix://" + dead + ": Unavailable: ", "connection refused",
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			defer func(old []string) { statusEndpoints = old }(statusEndpoints)
+			statusEndpoints = tt.endpoints
+			code, out, errOut := runCLI("status", "--timeout", "5s")
+			if code != tt.code {
+				t.Fatalf("exit %d, want %d; stdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
+			}
+			checkOutput(t, out, tt.stdout, nil)
+			checkOutput(t, errOut, tt.stderr, nil)
+		})
+	}
+}
