@@ -124,9 +124,9 @@ type panicky struct {
 }
 
 func (p *panicky) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
-	if p.calls.Add(1) == 1 {
-		var m map[string]int
-		m["boom"]++ // a nil map: the kind of bug the recovery is for
+	if n := p.calls.Add(1); n == 1 {
+		var pools []string
+		_ = pools[n-1] // an index out of range: the kind of bug the recovery is for
 	}
 	return &csi.GetPluginInfoResponse{Name: "poolcsi.test", VendorVersion: "v0"}, nil
 }
