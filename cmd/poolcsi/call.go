@@ -17,6 +17,8 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/dynamicpb"
+
+	"github.com/poolcsi/poolcsi/internal/report"
 )
 
 const callSynopsis = `call [--endpoint unix:///path/csi.sock] METHOD ['{json}']
@@ -65,9 +67,9 @@ func callCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := conn.Invoke(ctx, full, req, resp); err != nil {
 		// The driver's message is untrusted text bound for a terminal.
 		if s, ok := status.FromError(err); ok {
-			return fmt.Errorf("call %s: %s: %s", m.Name(), s.Code(), printable(s.Message()))
+			return fmt.Errorf("call %s: %s: %s", m.Name(), s.Code(), report.Printable(s.Message()))
 		}
-		return fmt.Errorf("call %s: %s", m.Name(), printable(err.Error()))
+		return fmt.Errorf("call %s: %s", m.Name(), report.Printable(err.Error()))
 	}
 	raw, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(resp)
 	if err != nil {
@@ -79,7 +81,7 @@ func callCmd(ctx context.Context, args []string, stdout, stderr io.Writer) error
 	if err := json.Indent(&out, raw, "", "  "); err != nil {
 		return fmt.Errorf("call %s: answer: %w", m.Name(), err)
 	}
-	_, err = fmt.Fprintf(stdout, "%s\n", escapeJSON(out.Bytes()))
+	_, err = fmt.Fprintf(stdout, "%s\n", report.EscapeJSON(out.Bytes()))
 	return err
 }
 

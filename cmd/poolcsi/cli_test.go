@@ -163,28 +163,6 @@ func TestServeAcceptsKlogFlags(t *testing.T) {
 	}
 }
 
-func TestHumanBytes(t *testing.T) {
-	tests := []struct {
-		n    int64
-		want string
-	}{
-		{0, "0 B"},
-		{1023, "1023 B"},
-		{1024, "1 KiB"},
-		{1536, "1.5 KiB"},
-		{300 << 20, "300 MiB"},
-		{10 << 30, "10 GiB"},
-		{10<<30 + 100<<20, "10.1 GiB"},
-		{3 << 40, "3 TiB"},
-		{-2048, "-2 KiB"},
-	}
-	for _, tt := range tests {
-		if got := humanBytes(tt.n); got != tt.want {
-			t.Errorf("humanBytes(%d) = %q, want %q", tt.n, got, tt.want)
-		}
-	}
-}
-
 func TestSizeEnforced(t *testing.T) {
 	tests := []struct {
 		name string

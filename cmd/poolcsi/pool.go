@@ -21,6 +21,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/report"
 )
 
 const poolUsage = `Usage:
@@ -117,9 +118,9 @@ func poolList(out, stderr io.Writer, args []string) error {
 		for _, s := range v.Staged {
 			staged = append(staged, s.Node)
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, orDash(kind),
-			humanBytes(v.CapacityBytes), sizeEnforced(v), humanBytes(r.AllocatedBytes), orDash(attributes(v)), orDash(strings.Join(staged, ",")),
-			orDash(strings.Join(v.PublishedNodes(), ",")), health.Summary(r.Issues))
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", r.ID, v.Name, v.Layout, report.OrDash(kind),
+			report.HumanBytes(v.CapacityBytes), sizeEnforced(v), report.HumanBytes(r.AllocatedBytes), report.OrDash(attributes(v)), report.OrDash(strings.Join(staged, ",")),
+			report.OrDash(strings.Join(v.PublishedNodes(), ",")), health.Summary(r.Issues))
 	}
 	if err := w.Flush(); err != nil {
 		return err
@@ -145,7 +146,7 @@ func poolList(out, stderr io.Writer, args []string) error {
 		}
 	}
 	s := scan.Space
-	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes, %d group snapshots\n", p.Name(), p.Path(), humanBytes(s.Free), humanBytes(s.Total), len(scan.Volumes), len(groups))
+	fmt.Fprintf(out, "pool %s at %s: %s of %s free, %d volumes, %d group snapshots\n", p.Name(), p.Path(), report.HumanBytes(s.Free), report.HumanBytes(s.Total), len(scan.Volumes), len(groups))
 	return nil
 }
 
@@ -252,8 +253,6 @@ func poolUnfence(ctx context.Context, out, stderr io.Writer, args []string) erro
 	return nil
 }
 
-// humanBytes is n in binary units, as `df -h` and kubectl's Mi/Gi count:
-// whole numbers stay whole (a 10 GiB volume is "10 GiB"), others get one decimal.
 // attributes is a volume's mutable parameters (its VolumeAttributesClass) in
 // one column: I/O limits (bytes per second, binary units) and preallocation.
 func attributes(v *pool.Volume) string {
@@ -279,22 +278,6 @@ func attributes(v *pool.Volume) string {
 	return strings.Join(out, ",")
 }
 
-func humanBytes(n int64) string {
-	const unit = 1024
-	if n < unit && n > -unit {
-		return fmt.Sprintf("%d B", n)
-	}
-	div, exp := int64(unit), 0
-	for m := n / unit; m >= unit || m <= -unit; m /= unit {
-		div *= unit
-		exp++
-	}
-	if n%div == 0 {
-		return fmt.Sprintf("%d %ciB", n/div, "KMGTPE"[exp])
-	}
-	return fmt.Sprintf("%.1f %ciB", float64(n)/float64(div), "KMGTPE"[exp])
-}
-
 // sizeEnforced says whether the volume's capacity is a limit: always for an
 // image (its file is the size), for a dir volume only where the pool's
 // filesystem has a quota for it; otherwise the size is a promise.
@@ -306,13 +289,6 @@ func sizeEnforced(v *pool.Volume) string {
 		return "NO"
 	}
 	return "yes (" + v.Quota.Kind + ")"
-}
-
-func orDash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
 }
 
 func poolInit(out, stderr io.Writer, args []string) error {

@@ -19,6 +19,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/report"
 )
 
 // statusDriver serves a real driver in mode on a throw-away local pool "local",
@@ -114,7 +115,7 @@ func TestStatusJSON(t *testing.T) {
 	if code != 2 {
 		t.Fatalf("exit %d, want 2 (one volume abnormal): %s", code, errOut)
 	}
-	var r statusReport
+	var r report.Report
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
 		t.Fatalf("not JSON: %v\n%s", err, out)
 	}
@@ -125,7 +126,7 @@ func TestStatusJSON(t *testing.T) {
 	if vols[0].Abnormal || !vols[1].Abnormal || vols[1].Health[0].Reason != "ImageTruncated" || vols[1].Condition == "" || vols[1].CapacityBytes != 1<<30 {
 		t.Fatalf("volumes (the abnormal one last, with its v1.13 health and its legacy condition): %+v", vols)
 	}
-	if r.Summary != (statusSummary{Volumes: 2, Abnormal: 1, ProvisionedBytes: 2 << 30, Pools: 1, Problems: 1}) || len(r.Problems) != 1 {
+	if r.Summary != (report.Summary{Volumes: 2, Abnormal: 1, ProvisionedBytes: 2 << 30, Pools: 1, Problems: 1}) || len(r.Problems) != 1 {
 		t.Fatalf("summary %+v, problems %q", r.Summary, r.Problems)
 	}
 	if len(r.Controller.Pools) != 1 || r.Controller.Pools[0].Pool != "local" || r.Controller.Pools[0].AvailableBytes <= 0 {
@@ -143,7 +144,7 @@ func TestStatusPages(t *testing.T) {
 	if code != 2 {
 		t.Fatalf("exit %d: %s", code, errOut)
 	}
-	var r statusReport
+	var r report.Report
 	if err := json.Unmarshal([]byte(out), &r); err != nil {
 		t.Fatal(err)
 	}
@@ -157,95 +158,6 @@ func TestStatusUnreachable(t *testing.T) {
 	code, out, errOut := runCLI("status", "--endpoint", sock, "--timeout", "2s")
 	if code != 1 || out != "" || !strings.Contains(errOut, "cannot reach the driver at "+sock) {
 		t.Fatalf("exit %d, want 1 with nothing on stdout; stdout:\n%s\nstderr:\n%s", code, out, errOut)
-	}
-}
-
-// statusFixture is a report as gathered from an all-in-one poolcsi with two
-// pools, for the rendering's table tests to change.
-func statusFixture() *statusReport {
-	max := int64(20 << 30)
-	return &statusReport{
-		Endpoint: "unix:///csi/csi.sock",
-		Plugin: pluginStatus{Name: "local.poolcsi.io", Version: "v1.2.3", Services: []string{"Identity", "Node", "Controller"},
-			Capabilities: []string{"CONTROLLER_SERVICE"}, Ready: true},
-		Node: nodeStatus{NodeID: "node-a", Topology: map[string]string{driver.TopologyKey: "node-a"},
-			Capabilities: []string{"STAGE_UNSTAGE_VOLUME"}, StorageHealth: []healthEntry{}, VolumeHealthNote: nodeVolumeHealthNote},
-		Controller: controllerStatus{Capabilities: []string{"LIST_VOLUMES"},
-			Pools: []poolCapacity{{Pool: "fast", AvailableBytes: 20 << 30, MaximumVolumeBytes: &max}, {Pool: "slow", AvailableBytes: 3<<40 + 512<<30}},
-			Volumes: []volumeStatus{
-				{ID: "fast.b", CapacityBytes: 10<<30 + 100<<20, Context: map[string]string{"pool": "fast", "layout": "image"},
-					Topology: []map[string]string{{driver.TopologyKey: "node-a"}}},
-				{ID: "slow.a", CapacityBytes: 1 << 30, Context: map[string]string{"pool": "slow", "layout": "dir", "quota": "none", "sizeEnforced": "false"},
-					Published: []string{"node-b", "node-c"}},
-			}},
-	}
-}
-
-func TestWriteStatusText(t *testing.T) {
-	tests := []struct {
-		name    string
-		change  func(r *statusReport)
-		want    []string // in this order
-		notWant []string
-	}{
-		{"healthy, human units", func(*statusReport) {}, []string{
-			"Plugin local.poolcsi.io v1.2.3 at unix:///csi/csi.sock",
-			"max volumes:     no limit",
-			"  fast  20 GiB     20 GiB              -\n",
-			"  slow  3.5 TiB    -                   -\n",
-			"  fast.b  fast  image   10.1 GiB  node-a           -              -                              ok\n",
-			"  slow.a  slow  dir     1 GiB     any node         node-b,node-c  quota=none sizeEnforced=false  ok\n",
-			"2 volumes (11.1 GiB), 0 abnormal; available: fast 20 GiB, slow 3.5 TiB; no problems\n",
-		}, []string{"Problems", "!"}},
-		{"an abnormal volume, listed last", func(r *statusReport) {
-			r.Controller.Volumes = append([]volumeStatus{{ID: "fast.a", CapacityBytes: 1 << 20, Abnormal: true,
-				Health: []healthEntry{{"DATA_LOSS", "ImageMissing", "gone"}, {"DEGRADED", "PoolNearlyFull", "95%"}}}}, r.Controller.Volumes...)
-		}, []string{
-			"  fast.b ", "  slow.a ", "! fast.a  -     -       1 MiB     any node         -              -                              ABNORMAL: ImageMissing, PoolNearlyFull\n",
-			"Problems (2)\n  ! volume fast.a: DATA_LOSS ImageMissing: gone\n  ! volume fast.a: DEGRADED PoolNearlyFull: 95%\n",
-			"3 volumes (11.1 GiB), 1 abnormal; available: fast 20 GiB, slow 3.5 TiB; 2 problems\n",
-		}, nil},
-		{"abnormal by the v1.12 condition alone", func(r *statusReport) {
-			r.Controller.Volumes[1].Abnormal, r.Controller.Volumes[1].Condition = true, "ImageTruncated: cut"
-		}, []string{"! slow.a", "ABNORMAL\n", "  ! volume slow.a: ImageTruncated: cut\n", "1 abnormal"}, nil},
-		{"a node plugin's socket", func(r *statusReport) {
-			r.Plugin.Services = r.Plugin.Services[:2]
-			r.Controller = controllerStatus{NotServed: "this socket serves no Controller service (no CONTROLLER_SERVICE capability)"}
-		}, []string{"Node\n  node ID:", "Controller\n  this socket serves no Controller service (no CONTROLLER_SERVICE capability)\n",
-			"\nno volumes or capacity on this socket (no Controller service); no problems\n"}, []string{"Volumes", "Pools"}},
-		{"a controller's socket", func(r *statusReport) {
-			r.Node = nodeStatus{NotServed: "this socket serves no Node service (NodeGetInfo: Unimplemented)"}
-		}, []string{"Node\n  this socket serves no Node service (NodeGetInfo: Unimplemented)\n\nController\n"}, []string{"node ID", "storage health"}},
-		{"not ready, storage unreachable, a pool that fails, a call that failed", func(r *statusReport) {
-			r.Plugin.Ready = false
-			r.Node.StorageHealth = []healthEntry{{"STORAGE_UNREACHABLE", "PoolUnavailable", "pool slow: not mounted"}}
-			r.Controller.Pools[1] = poolCapacity{Pool: "slow", Error: "Unavailable: not mounted"}
-			r.Errors = []string{"ControllerListVolumeHealth: Internal: boom"}
-		}, []string{
-			"probe:         ! not ready", "storage health:  ! STORAGE_UNREACHABLE PoolUnavailable", "! slow  ?",
-			"Problems (4)\n  ! ControllerListVolumeHealth: Internal: boom\n  ! Probe: the plugin says it is not ready\n" +
-				"  ! storage STORAGE_UNREACHABLE PoolUnavailable: pool slow: not mounted\n  ! pool slow: GetCapacity: Unavailable: not mounted\n",
-			"available: fast 20 GiB; 4 problems\n",
-		}, nil},
-		{"the only pool, unnamed; no capacity capability", func(r *statusReport) {
-			r.Controller.Pools = []poolCapacity{{AvailableBytes: 1536}}
-		}, []string{"(the only pool)  1.5 KiB", "available: 1.5 KiB; no problems"}, nil},
-		{"capacity unknown", func(r *statusReport) {
-			r.Controller.Pools, r.Controller.PoolsNote = nil, "not known: the controller offers no GET_CAPACITY"
-		}, []string{"Pools (GetCapacity)\n  not known: the controller offers no GET_CAPACITY\n", "; capacity unknown; no problems"}, []string{"POOL  AVAILABLE"}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			r := statusFixture()
-			tt.change(r)
-			r.finish()
-			var b strings.Builder
-			if err := writeStatusText(&b, r); err != nil {
-				t.Fatal(err)
-			}
-			out := b.String()
-			checkOutput(t, out, tt.want, tt.notWant)
-		})
 	}
 }
 
@@ -394,5 +306,49 @@ func checkOutput(t *testing.T, out string, want, notWant []string) {
 		if strings.Contains(out, nw) {
 			t.Errorf("output has %q:\n%s", nw, out)
 		}
+	}
+}
+
+// Without --endpoint, status asks the default sockets in order and shows the
+// first that answers; when none does, it says what each one did.
+func TestStatusDefaultEndpoints(t *testing.T) {
+	dir := t.TempDir()
+	missing := "unix://" + filepath.Join(dir, "missing.sock")
+	dead := filepath.Join(dir, "dead.sock") // a socket no process listens on any more
+	l, err := net.Listen("unix", dead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.(*net.UnixListener).SetUnlinkOnClose(false)
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	serving := statusDriver(t, driver.ModeAll, "web")
+	tests := []struct {
+		name      string
+		endpoints []string
+		code      int
+		stdout    []string
+		stderr    []string
+	}{
+		{"the second answers", []string{missing, "unix://" + dead, serving}, 0,
+			[]string{"Plugin status.test v-test at " + serving + "\n", "1 volume (1 GiB)"}, nil},
+		{"none answers", []string{missing, "unix://" + dead}, 1, nil, []string{
+			"no driver answers on the default sockets (is the driver running? Name its socket with --endpoint):\n",
+			"  " + missing + ": no socket there\n",
+			"  unix://" + dead + ": Unavailable: ", "connection refused",
+		}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			defer func(old []string) { statusEndpoints = old }(statusEndpoints)
+			statusEndpoints = tt.endpoints
+			code, out, errOut := runCLI("status", "--timeout", "5s")
+			if code != tt.code {
+				t.Fatalf("exit %d, want %d; stdout:\n%s\nstderr:\n%s", code, tt.code, out, errOut)
+			}
+			checkOutput(t, out, tt.stdout, nil)
+			checkOutput(t, errOut, tt.stderr, nil)
+		})
 	}
 }

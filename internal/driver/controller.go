@@ -13,6 +13,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -41,7 +42,7 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csi.ControllerServiceCapability_RPC_PUBLISH_READONLY,
 	csi.ControllerServiceCapability_RPC_LIST_VOLUMES_PUBLISHED_NODES,
 	csi.ControllerServiceCapability_RPC_MODIFY_VOLUME,
-	legacyControllerVolumeCondition,
+	csilegacy.ControllerVolumeCondition,
 }
 
 func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
@@ -514,7 +515,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 			spaces[l.pool] = space
 		}
 		st := &csi.ListVolumesResponse_VolumeStatus{}
-		setLegacyCondition(st, health.CheckVolume(l.pool, l.entry, space, d.opts.Health).Issues)
+		csilegacy.SetCondition(st, health.CheckVolume(l.pool, l.entry, space, d.opts.Health).Issues)
 		if l.entry.Volume == nil {
 			// Capacity 0 means unknown; the condition says why.
 			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
@@ -581,7 +582,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	if err != nil {
 		return nil, err
 	}
-	setLegacyCondition(st, issues)
+	csilegacy.SetCondition(st, issues)
 	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: st}, nil
 }
 

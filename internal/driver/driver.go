@@ -280,8 +280,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if err != nil {
 		return err
 	}
-	interceptors := append([]grpc.UnaryServerInterceptor{logCalls, answerInTime}, extra...)
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(interceptors...))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(serverInterceptors(extra)...))
 	csi.RegisterIdentityServer(srv, d)
 	if d.opts.Mode.controller() {
 		csi.RegisterControllerServer(srv, d)

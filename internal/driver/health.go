@@ -20,7 +20,7 @@ import (
 
 // Volume health is served twice from one computation: the CSI 1.13
 // VolumeHealth RPCs here, and the v1.12 volume_condition fields that kubelet
-// and the health monitor still read (legacy.go). Every answer is computed from
+// and the health monitor still read (internal/csilegacy). Every answer is computed from
 // the pool and the node as they are now, so a repaired volume reports healthy
 // on the next call; only NodeGetVolumeStats reuses a node-side answer, for
 // Options.StatsHealthTTL (stats.go).

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -28,7 +29,7 @@ func readLegacyCondition(t *testing.T, m proto.Message) (abnormal bool, message 
 			t.Fatalf("bad unknown fields: %v", protowire.ParseError(n))
 		}
 		raw = raw[n:]
-		if num != legacyVolumeConditionField || typ != protowire.BytesType {
+		if num != csilegacy.VolumeConditionField || typ != protowire.BytesType {
 			n = protowire.ConsumeFieldValue(num, typ, raw)
 			raw = raw[n:]
 			continue

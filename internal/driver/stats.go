@@ -12,6 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -69,7 +70,7 @@ func (d *Driver) statsOf(ctx context.Context, p *pool.Pool, vid pool.VolumeID, r
 		klog.FromContext(ctx).V(2).Info("Volume health not computed for the stats", "volume", vid, "err", err)
 		return resp, nil
 	}
-	setLegacyCondition(resp, issues)
+	csilegacy.SetCondition(resp, issues)
 	return resp, nil
 }
 

@@ -1,4 +1,4 @@
-package main
+package report
 
 import (
 	"bytes"
@@ -23,9 +23,9 @@ func unprintable(r rune) bool {
 	return unicode.IsControl(r) || unicode.In(r, unicode.Cf, unicode.Zl, unicode.Zp)
 }
 
-// printable is s with every unprintable rune written as a Go escape (\n, \x1b, \u202e)
+// Printable is s with every unprintable rune written as a Go escape (\n, \x1b, \u202e)
 // and every byte that is not UTF-8 as \xNN: one line, showing all it holds.
-func printable(s string) string {
+func Printable(s string) string {
 	clean := true
 	for i, r := range s {
 		if unprintable(r) || (r == utf8.RuneError && !strings.HasPrefix(s[i:], "\uFFFD")) {
@@ -66,7 +66,7 @@ func printableValue(v reflect.Value) reflect.Value {
 	switch v.Kind() {
 	case reflect.String:
 		out := reflect.New(v.Type()).Elem()
-		out.SetString(printable(v.String()))
+		out.SetString(Printable(v.String()))
 		return out
 	case reflect.Pointer:
 		if v.IsNil() {
@@ -105,10 +105,10 @@ func printableValue(v reflect.Value) reflect.Value {
 	return v
 }
 
-// escapeJSON is JSON text b with every unprintable rune that encoders leave as it is
+// EscapeJSON is JSON text b with every unprintable rune that encoders leave as it is
 // (C1 controls, bidi overrides; they can only be inside strings) written as a \u escape:
 // the same JSON to a parser, nothing a terminal acts on.
-func escapeJSON(b []byte) []byte {
+func EscapeJSON(b []byte) []byte {
 	if !bytes.ContainsFunc(b, func(r rune) bool { return r >= 0x80 && unprintable(r) }) {
 		return b
 	}

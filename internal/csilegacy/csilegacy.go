@@ -1,4 +1,8 @@
-package driver
+// Package csilegacy writes and reads the CSI v1.12 volume health fields on
+// the v1.13 messages poolcsi is built on: the driver sets them, and
+// `poolcsi status` reads them. It depends on the spec and protobuf alone (and
+// the health issues it folds), so a client need not import the driver.
+package csilegacy
 
 import (
 	"strings"
@@ -25,14 +29,14 @@ import (
 // that is exactly what a v1.12 message with the field set encodes to; a v1.13
 // client skips it, a v1.12 client decodes it (test/legacy proves both).
 const (
-	legacyControllerVolumeCondition = csi.ControllerServiceCapability_RPC_Type(11) // VOLUME_CONDITION, spec ≤ v1.12
-	legacyNodeVolumeCondition       = csi.NodeServiceCapability_RPC_Type(4)        // VOLUME_CONDITION, spec ≤ v1.12
-	legacyVolumeConditionField      = protowire.Number(2)                          // volume_condition in the three messages
+	ControllerVolumeCondition = csi.ControllerServiceCapability_RPC_Type(11) // VOLUME_CONDITION, spec ≤ v1.12
+	NodeVolumeCondition       = csi.NodeServiceCapability_RPC_Type(4)        // VOLUME_CONDITION, spec ≤ v1.12
+	VolumeConditionField      = protowire.Number(2)                          // volume_condition in the three messages
 )
 
-// legacyCondition folds health issues into the v1.12 condition: abnormal when
+// fold folds health issues into the v1.12 condition: abnormal when
 // there is any, with every issue's reason and message.
-func legacyCondition(issues []health.Issue) (abnormal bool, message string) {
+func fold(issues []health.Issue) (abnormal bool, message string) {
 	if len(issues) == 0 {
 		return false, "volume is healthy"
 	}
@@ -43,11 +47,11 @@ func legacyCondition(issues []health.Issue) (abnormal bool, message string) {
 	return true, strings.Join(parts, "; ")
 }
 
-// setLegacyCondition writes volume_condition onto m (a v1.13
+// SetCondition writes volume_condition onto m (a v1.13
 // NodeGetVolumeStatsResponse, ListVolumesResponse_VolumeStatus or
 // ControllerGetVolumeResponse_VolumeStatus) as spec v1.12 encodes it.
-func setLegacyCondition(m proto.Message, issues []health.Issue) {
-	abnormal, message := legacyCondition(issues)
+func SetCondition(m proto.Message, issues []health.Issue) {
+	abnormal, message := fold(issues)
 	var cond []byte
 	cond = protowire.AppendTag(cond, 1, protowire.VarintType)
 	cond = protowire.AppendVarint(cond, protowire.EncodeBool(abnormal))
@@ -55,18 +59,18 @@ func setLegacyCondition(m proto.Message, issues []health.Issue) {
 	cond = protowire.AppendString(cond, message)
 	r := m.ProtoReflect()
 	raw := r.GetUnknown()
-	raw = protowire.AppendTag(raw, legacyVolumeConditionField, protowire.BytesType)
+	raw = protowire.AppendTag(raw, VolumeConditionField, protowire.BytesType)
 	raw = protowire.AppendBytes(raw, cond)
 	r.SetUnknown(raw)
 }
 
-// LegacyCondition reads the volume_condition setLegacyCondition writes (or a
+// Condition reads the volume_condition SetCondition writes (or a
 // v1.12 driver sends) from a v1.13 status message, where it is a field the
 // generated code does not know. ok is false when m has none or it is
 // malformed.
-func LegacyCondition(m proto.Message) (abnormal bool, message string, ok bool) {
+func Condition(m proto.Message) (abnormal bool, message string, ok bool) {
 	wellFormed := eachField(m.ProtoReflect().GetUnknown(), func(num protowire.Number, typ protowire.Type, v []byte) {
-		if num != legacyVolumeConditionField || typ != protowire.BytesType {
+		if num != VolumeConditionField || typ != protowire.BytesType {
 			return
 		}
 		cond, _ := protowire.ConsumeBytes(v)

@@ -1,4 +1,4 @@
-package driver
+package csilegacy
 
 import (
 	"testing"
@@ -9,9 +9,9 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 )
 
-// LegacyCondition reads the v1.12 volume_condition from a message's unknown
+// Condition reads the v1.12 volume_condition from a message's unknown
 // fields, past others, and refuses a cut one.
-func TestLegacyVolumeCondition(t *testing.T) {
+func TestVolumeCondition(t *testing.T) {
 	cond := func(abnormal bool, msg string) []byte {
 		var b []byte
 		b = protowire.AppendTag(b, 1, protowire.VarintType)
@@ -35,19 +35,19 @@ func TestLegacyVolumeCondition(t *testing.T) {
 		{"abnormal, after another unknown field", append(other, field(cond(true, "ImageMissing: gone"))...), true, true, "ImageMissing: gone"},
 		{"cut short", field(cond(true, "x"))[:3], false, false, ""},
 	}
-	// What setLegacyCondition writes reads back.
+	// What SetCondition writes reads back.
 	written := &csi.ListVolumesResponse_VolumeStatus{}
-	setLegacyCondition(written, []health.Issue{{Reason: "ImageMissing", Message: "gone"}})
+	SetCondition(written, []health.Issue{{Reason: "ImageMissing", Message: "gone"}})
 	tests = append(tests, struct {
 		name         string
 		unknown      []byte
 		abnormal, ok bool
 		message      string
-	}{"written by setLegacyCondition", written.ProtoReflect().GetUnknown(), true, true, "ImageMissing: gone"})
+	}{"written by SetCondition", written.ProtoReflect().GetUnknown(), true, true, "ImageMissing: gone"})
 	for _, tt := range tests {
 		st := &csi.ListVolumesResponse_VolumeStatus{}
 		st.ProtoReflect().SetUnknown(tt.unknown)
-		abnormal, msg, ok := LegacyCondition(st)
+		abnormal, msg, ok := Condition(st)
 		if abnormal != tt.abnormal || msg != tt.message || ok != tt.ok {
 			t.Errorf("%s: %v %q %v, want %v %q %v", tt.name, abnormal, msg, ok, tt.abnormal, tt.message, tt.ok)
 		}
