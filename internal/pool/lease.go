@@ -84,6 +84,10 @@ func (p *Pool) WriteLease(l Lease) error {
 	// more), the mount point is an empty directory of this node's own disk,
 	// and a lease written there would renew nothing another node sees.
 	if err := p.readMeta(); err != nil {
+		if missing(err) && p.cfg.Shared {
+			return fmt.Errorf("%w: shared pool %s: %s has no %s: the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s): %w",
+				ErrUnavailable, p.cfg.Name, p.cfg.Path, poolMeta, p.cfg.Path, p.cfg.Name, err)
+		}
 		if !errors.Is(err, ErrUnavailable) {
 			err = fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 		}
