@@ -2,6 +2,8 @@ package harness
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -90,14 +92,15 @@ func TestDefaultInstall(t *testing.T) {
 		if err != nil {
 			return err
 		}
-		for _, p := range pods.Items {
-			if p.Status.Phase == corev1.PodRunning && podReady(&p) {
-				pod = p.Name
-				return nil
-			}
-			return &waitErr{podSummary(&p) + "; events: " + env.events("default", p.Name)}
+		if len(pods.Items) == 0 {
+			return errors.New("no pod yet")
 		}
-		return &waitErr{"no pod yet"}
+		p := pods.Items[0]
+		if p.Status.Phase != corev1.PodRunning || !podReady(&p) {
+			return fmt.Errorf("%s; events: %s", podSummary(&p), env.events("default", p.Name))
+		}
+		pod = p.Name
+		return nil
 	})
 	pvc := env.pvc(t, "default", "poolcsi-demo")
 	if pvc.Status.Phase != corev1.ClaimBound || pvc.Status.Capacity.Storage().String() != "1Gi" {
@@ -140,10 +143,6 @@ func TestDefaultInstall(t *testing.T) {
 		if apierrors.IsNotFound(err) {
 			return nil
 		}
-		return &waitErr{"PV " + pv.Name + " still there"}
+		return fmt.Errorf("PV %s still there", pv.Name)
 	})
 }
-
-type waitErr struct{ s string }
-
-func (e *waitErr) Error() string { return e.s }
