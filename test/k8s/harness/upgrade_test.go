@@ -159,6 +159,14 @@ func TestUpgrade(t *testing.T) {
 	if len(loopsBefore) != 2 {
 		t.Fatalf("loop devices of the image volumes before the upgrade: %v, want 2", loopsBefore)
 	}
+	// The node-local stage record of the shared image volume (docs/fencing.md): 0.1.0
+	// wrote none; the new release must adopt the stage it finds, or its fence would not
+	// know the device.
+	stageRecords := filepath.Join("/var/lib/poolcsi/state", sharedDrv, env.node.Name, "stages",
+		env.volumeHandle(t, ns, "shared-image")+"@*.json")
+	if recs, _ := filepath.Glob(stageRecords); len(recs) > 0 {
+		t.Fatalf("stage records before the upgrade, which 0.1.0 does not write: %v", recs)
+	}
 	nodeBefore, err := env.nodePodName(t)
 	if err != nil {
 		t.Fatal(err)
@@ -215,6 +223,12 @@ func TestUpgrade(t *testing.T) {
 	if after := sortedKeys(ourLoops(KubeletDir, localPoolPath, sharedPoolPath)); strings.Join(after, " ") != strings.Join(loopsBefore, " ") {
 		t.Fatalf("loop devices of the image volumes: %v before the upgrade, %v after", loopsBefore, after)
 	}
+	waitFor(t, 30*time.Second, "the new release's record of the stage it adopted", func() error {
+		if recs, _ := filepath.Glob(stageRecords); len(recs) != 1 {
+			return fmt.Errorf("%s: %v", stageRecords, recs)
+		}
+		return nil
+	})
 	// Every volume still served: a new pod mounts each (a publish by the new release over
 	// the old one's stage) and reads what the writer wrote.
 	env.pod(t, ns, podSpec{name: "reader", claims: names})
