@@ -420,7 +420,7 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 	done := make(chan struct{})
 	registered = done
 	if o.MetricsAddr != "" {
-		mx := metrics.New(o.DriverName, opened, o.healthOptions())
+		mx := metrics.New(o.DriverName, nodeID, opened, o.healthOptions())
 		if mode == driver.ModeNode || mode == driver.ModeAll {
 			mx.WatchLeases(func() []metrics.LeaseState { return leaseStates(d) })
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
+	"github.com/poolcsi/poolcsi/internal/logrepeat"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -58,7 +59,10 @@ type poolLease struct {
 	inFlight bool
 	started  time.Time // when the renewal under way (inFlight) began
 	lastErr  error
-	fenced   time.Time // when it fenced itself (zero: not)
+	// logged spaces out the log lines of a failure that repeats at every
+	// renewal (a pool never laid out: forever)
+	logged logrepeat.Failures
+	fenced time.Time // when it fenced itself (zero: not)
 	// fenceCause says why the renewals failed, for the health reason.
 	fenceCause string
 	// fence is what the fence found and did (planFence).
@@ -208,6 +212,13 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		ls.mu.Lock()
 		pl.inFlight = false
 		pl.lastErr = err
+		var logIt bool
+		var suppressed, recovered int
+		if err != nil {
+			logIt, suppressed = pl.logged.Failed(err.Error(), ls.now())
+		} else {
+			recovered = pl.logged.Succeeded()
+		}
 		if err == nil {
 			pl.last, pl.counter = start, rec.Counter
 			if !pl.fenced.IsZero() && !start.Before(pl.fenced) {
@@ -219,8 +230,15 @@ func (d *Driver) renewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 			}
 		}
 		ls.mu.Unlock()
-		if err != nil {
-			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name(), "cause", renewalCause(err).String())
+		switch {
+		case logIt && suppressed > 0:
+			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name(), "cause", renewalCause(err).String(),
+				"failedUnloggedSinceLastLine", suppressed, "nextLineIn", logrepeat.Interval.String())
+		case logIt:
+			klog.FromContext(ctx).Error(err, "Renewing this node's lease failed", "pool", p.Name(), "cause", renewalCause(err).String(),
+				"sameFailureLoggedAgainIn", logrepeat.Interval.String())
+		case recovered > 0:
+			klog.FromContext(ctx).Info("Renewed this node's lease after failed renewals", "pool", p.Name(), "failures", recovered)
 		}
 		if done != nil {
 			done <- err

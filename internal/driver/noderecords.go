@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -372,26 +371,27 @@ func (d *Driver) dropStaleRecords(ctx context.Context) {
 // that this node holds without a record: those staged by a node plugin from
 // before the records existed (an upgrade with volumes staged), whose fence
 // would otherwise miss them. A device is adopted when the kernel shows its
-// backing file under the pool's path, the file at that path is the device's
-// (same st_dev and st_ino), and the volume's record in the pool names this
-// node among its stages. Read-only or not cannot be told: it is recorded
+// backing file as a volume's image (…/volumes/<key>/disk.img: with the pool's
+// path, or, attached from a container that is gone, relative to the pool's
+// filesystem), the pool's image of that key is the device's file (same st_dev
+// and st_ino), and the volume's record in the pool names this node among its
+// stages. Read-only or not cannot be told: it is recorded
 // read-write (a fence that misses it then fails closed).
 func (d *Driver) adoptDevices(ctx context.Context, p *pool.Pool) {
-	root, err := filepath.EvalSymlinks(p.Path())
-	if err != nil {
-		return
-	}
 	devs, err := d.loops.List(identifyWait)
 	if err != nil {
 		return
 	}
-	prefix := filepath.Join(root, "volumes") + "/"
 	for _, ld := range devs {
-		rel, ok := strings.CutPrefix(ld.Backing, prefix)
-		key, file, _ := strings.Cut(rel, "/")
-		if !ok || ld.Err != nil || ld.Fenced || file != "disk.img" {
+		// The path shown names the volume, not the pool: a device attached by
+		// the plugin of an earlier container (an upgrade) shows its file
+		// relative to the pool's filesystem, as that container's mounts are
+		// gone. Which pool and image it is, is the st_dev/st_ino check below.
+		parts := strings.Split(ld.Backing, "/")
+		if len(parts) < 3 || ld.Err != nil || ld.Fenced || parts[len(parts)-1] != "disk.img" || parts[len(parts)-3] != "volumes" {
 			continue
 		}
+		key := parts[len(parts)-2]
 		vid, err := pool.ParseVolumeID(p.Name() + "." + key)
 		if err != nil {
 			continue

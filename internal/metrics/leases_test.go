@@ -10,7 +10,7 @@ import (
 // TestPeerLeaseMetrics: the controller's watch of a node's lease is exported
 // per pool and node.
 func TestPeerLeaseMetrics(t *testing.T) {
-	m := New("poolcsi.test", nil, health.DefaultOptions)
+	m := New("poolcsi.test", "node-1", nil, health.DefaultOptions)
 	m.WatchPeerLeases(func() []PeerLeaseState {
 		return []PeerLeaseState{{Pool: "shared", Node: "node-a", Unchanged: 42 * time.Second, Stages: 2}}
 	})

@@ -43,8 +43,9 @@ type Metrics struct {
 }
 
 // New registers the call histogram, the pool collector and the Go/process
-// collectors. Pools are measured on each scrape with the given health thresholds.
-func New(driverName string, pools []*pool.Pool, o health.Options) *Metrics {
+// collectors. Pools are measured on each scrape with the given health thresholds;
+// their series carry node, this process's node ID.
+func New(driverName, node string, pools []*pool.Pool, o health.Options) *Metrics {
 	m := &Metrics{Registry: prometheus.NewRegistry(), driver: driverName}
 	m.calls = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 		Subsystem: "csi_plugin",
@@ -52,7 +53,7 @@ func New(driverName string, pools []*pool.Pool, o health.Options) *Metrics {
 		Help:      "Duration of CSI calls served, by method and gRPC status code.",
 		Buckets:   Buckets,
 	}, []string{"driver_name", "method_name", "grpc_status_code"})
-	m.Registry.MustRegister(m.calls, newPoolCollector(pools, o),
+	m.Registry.MustRegister(m.calls, newPoolCollector(node, pools, o),
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }

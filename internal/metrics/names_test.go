@@ -17,7 +17,7 @@ import (
 // the pool gauges, the lease gauges and the Go and process collectors.
 func registeredNames(t *testing.T) map[string]bool {
 	t.Helper()
-	m := New("poolcsi.io", nil, health.Options{})
+	m := New("poolcsi.io", "node-1", nil, health.Options{})
 	m.WatchLeases(func() []LeaseState { return []LeaseState{{Pool: "shared"}} })
 	m.WatchPeerLeases(func() []PeerLeaseState { return []PeerLeaseState{{Pool: "shared", Node: "n"}} })
 	m.calls.WithLabelValues("poolcsi.io", "/csi.v1.Identity/Probe", "OK").Observe(0)
@@ -31,7 +31,7 @@ func registeredNames(t *testing.T) map[string]bool {
 	}
 	// The pool gauges are only gathered with a pool: their descriptions name them all.
 	ch := make(chan *prometheus.Desc, 64)
-	newPoolCollector(nil, health.Options{}).Describe(ch)
+	newPoolCollector("node-1", nil, health.Options{}).Describe(ch)
 	close(ch)
 	fq := regexp.MustCompile(`fqName: "([^"]+)"`)
 	for d := range ch {

@@ -17,19 +17,24 @@ type poolCollector struct {
 	up, size, free, allocated, provisioned, volumes, byCondition, issues *prometheus.Desc
 }
 
-func newPoolCollector(pools []*pool.Pool, o health.Options) *poolCollector {
+// newPoolCollector labels every series with node, the reporting process's node: a
+// shared pool is reported by the controller and by every node plugin, a local pool of
+// one name by every node, and without it their series would differ by the scrape's
+// target labels only (docs/metrics.md).
+func newPoolCollector(node string, pools []*pool.Pool, o health.Options) *poolCollector {
 	l := []string{"pool"}
+	c := prometheus.Labels{"node": node}
 	return &poolCollector{
 		pools:       pools,
 		opts:        o,
-		up:          prometheus.NewDesc("poolcsi_pool_up", "1 when the pool is present, writable and not out of space, else 0 (Probe runs this check but answers ready either way).", l, nil),
-		size:        prometheus.NewDesc("poolcsi_pool_size_bytes", "Size of the pool's filesystem.", l, nil),
-		free:        prometheus.NewDesc("poolcsi_pool_free_bytes", "Bytes of the pool's filesystem still free for the driver.", l, nil),
-		allocated:   prometheus.NewDesc("poolcsi_pool_allocated_bytes", "Bytes the pool's volume images hold on its filesystem (sparse images hold less than their capacity).", l, nil),
-		provisioned: prometheus.NewDesc("poolcsi_pool_provisioned_bytes", "Sum of the capacities of the pool's volumes.", l, nil),
-		volumes:     prometheus.NewDesc("poolcsi_pool_volumes", "Volumes in the pool, damaged ones included.", l, nil),
-		byCondition: prometheus.NewDesc("poolcsi_pool_volumes_by_condition", "Volumes in the pool by controller-side condition (normal or abnormal).", []string{"pool", "condition"}, nil),
-		issues:      prometheus.NewDesc("poolcsi_volume_health_issues", "Controller-side health issues of the pool's volumes, by status and reason.", []string{"pool", "status", "reason"}, nil),
+		up:          prometheus.NewDesc("poolcsi_pool_up", "1 when the pool is present, writable and not out of space, else 0 (Probe runs this check but answers ready either way).", l, c),
+		size:        prometheus.NewDesc("poolcsi_pool_size_bytes", "Size of the pool's filesystem.", l, c),
+		free:        prometheus.NewDesc("poolcsi_pool_free_bytes", "Bytes of the pool's filesystem still free for the driver.", l, c),
+		allocated:   prometheus.NewDesc("poolcsi_pool_allocated_bytes", "Bytes the pool's volume images hold on its filesystem (sparse images hold less than their capacity).", l, c),
+		provisioned: prometheus.NewDesc("poolcsi_pool_provisioned_bytes", "Sum of the capacities of the pool's volumes.", l, c),
+		volumes:     prometheus.NewDesc("poolcsi_pool_volumes", "Volumes in the pool, damaged ones included.", l, c),
+		byCondition: prometheus.NewDesc("poolcsi_pool_volumes_by_condition", "Volumes in the pool by controller-side condition (normal or abnormal).", []string{"pool", "condition"}, c),
+		issues:      prometheus.NewDesc("poolcsi_volume_health_issues", "Controller-side health issues of the pool's volumes, by status and reason.", []string{"pool", "status", "reason"}, c),
 	}
 }
 

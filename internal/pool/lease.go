@@ -91,6 +91,10 @@ func (ls Leases) Write(l Lease) error {
 	// more), the mount point is an empty directory of this node's own disk,
 	// and a lease written there would renew nothing another node sees.
 	if err := ls.p.readMeta(); err != nil {
+		if missing(err) && ls.p.cfg.Shared {
+			return fmt.Errorf("%w: shared pool %s: %s has no %s: the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s): %w",
+				ErrUnavailable, ls.p.cfg.Name, ls.p.cfg.Path, poolMeta, ls.p.cfg.Path, ls.p.cfg.Name, err)
+		}
 		if !errors.Is(err, ErrUnavailable) {
 			err = fmt.Errorf("%w: pool %s: %w", ErrUnavailable, ls.p.cfg.Name, err)
 		}

@@ -160,14 +160,14 @@ func TestMetricsAfterCalls(t *testing.T) {
 		`csi_plugin_operations_seconds_count{driver_name="poolcsi.io",grpc_status_code="OK",method_name="/csi.v1.Controller/CreateVolume"} 1`,
 		`csi_plugin_operations_seconds_count{driver_name="poolcsi.io",grpc_status_code="NotFound",method_name="/csi.v1.Controller/ControllerGetVolume"} 1`,
 		`csi_plugin_operations_seconds_bucket{driver_name="poolcsi.io",grpc_status_code="OK",method_name="/csi.v1.Controller/ListVolumes",le="0.1"} 1`,
-		`poolcsi_pool_up{pool="p"} 1`,
-		`poolcsi_pool_volumes{pool="p"} 1`,
-		`poolcsi_pool_provisioned_bytes{pool="p"} 6.7108864e+07`,
-		`poolcsi_pool_volumes_by_condition{condition="normal",pool="p"} 1`,
-		`poolcsi_pool_volumes_by_condition{condition="abnormal",pool="p"} 0`,
-		`poolcsi_pool_size_bytes{pool="p"}`,
-		`poolcsi_pool_free_bytes{pool="p"}`,
-		`poolcsi_pool_allocated_bytes{pool="p"}`,
+		`poolcsi_pool_up{node="node-1",pool="p"} 1`,
+		`poolcsi_pool_volumes{node="node-1",pool="p"} 1`,
+		`poolcsi_pool_provisioned_bytes{node="node-1",pool="p"} 6.7108864e+07`,
+		`poolcsi_pool_volumes_by_condition{condition="normal",node="node-1",pool="p"} 1`,
+		`poolcsi_pool_volumes_by_condition{condition="abnormal",node="node-1",pool="p"} 0`,
+		`poolcsi_pool_size_bytes{node="node-1",pool="p"}`,
+		`poolcsi_pool_free_bytes{node="node-1",pool="p"}`,
+		`poolcsi_pool_allocated_bytes{node="node-1",pool="p"}`,
 	} {
 		if !strings.Contains(body, want) {
 			t.Errorf("/metrics lacks %s", want)

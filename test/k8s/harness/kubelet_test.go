@@ -47,6 +47,21 @@ type kubeletEnv struct {
 	nodes   []*Node // every node
 	poolcsi string  // host binary (pool init, inspection)
 	log     *envLog // what the environment made, for the next run to reclaim if this one is killed
+	// localOnly: the chart runs the local driver only (no shared pool: no controller, no
+	// shared driver to register)
+	localOnly bool
+	// overrides are the chart values the environment renders this tree's chart with
+	overrides func() map[string]any
+}
+
+// imageOverrides are the chart values that set the images: poolcsi's and the sidecars'
+// (key: the chart's sidecars key), the ones imported into the nodes.
+func imageOverrides(sidecars map[string]string) map[string]any {
+	sc := map[string]any{}
+	for k, ref := range sidecars {
+		sc[k] = map[string]any{"image": ref}
+	}
+	return map[string]any{"image": map[string]any{"repository": poolcsiImage, "tag": poolcsiTag}, "sidecars": sc}
 }
 
 // envOptions change the environment startEnv brings up.
@@ -62,6 +77,14 @@ type envOptions struct {
 	// cephFS, with nodes: the shared pool is a directory of test/support/cephfs's CephFS, each
 	// node mounting it through a ceph-fuse client of its own; else a btrfs filesystem.
 	cephFS bool
+	// defaults: the chart with its default values, only the images set (this machine has
+	// no registry), on a node prepared with nothing, as docs/install.md promises: no
+	// shared pool, no shares, the local pool a directory the chart makes on the node's
+	// disk. values, nodes and cephFS are ignored.
+	defaults bool
+	// prev installs an earlier release instead of this tree's chart and image (see
+	// TestUpgrade); the environment's overrides are still this tree's, for the upgrade.
+	prev *prevRelease
 }
 
 // startKubeletEnv brings up the control plane, a real node and the chart, rendered with
@@ -122,28 +145,41 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	if extra != nil {
 		images = append(images, extra(t)...)
 	}
-	overrides := map[string]any{"image": map[string]any{"repository": poolcsiImage, "tag": poolcsiTag}}
-	sidecars := map[string]any{}
+	sidecars := map[string]string{}
 	for key, tl := range map[string]tools.Tool{"provisioner": tools.Provisioner, "attacher": tools.Attacher, "resizer": tools.Resizer, "snapshotter": tools.Snapshotter} {
 		ref := localImagePrefix + tl.Name + ":" + tl.Version
 		images = append(images, BinaryImage(ref, tl.Path(t)))
-		sidecars[key] = map[string]any{"image": ref}
+		sidecars[key] = ref
 	}
-	overrides["sidecars"] = sidecars
-	// The shared pool the node is prepared with: opt-in since the chart's defaults install
-	// the local pool only (values may set pools of their own). Its share key comes from a
-	// Secret made before the chart is applied, as docs/install.md tells an operator.
-	for k, v := range chart.SharedPoolValues() {
-		overrides[k] = v
+	if opts.defaults {
+		return startDefaultEnv(t, c, log, ip, bin, images, imageOverrides(sidecars), total)
 	}
-	for k, v := range values {
-		overrides[k] = v
+	if opts.prev != nil {
+		images = append(images, PoolcsiImage(t, poolcsiImage+":"+opts.prev.tag(), opts.prev.bin))
 	}
-	// bind is the one share type this machine can mount (no NFS or CephFS kernel client):
-	// the share test names a directory of the shared pool's filesystem, which both the
-	// controller and the node plugin see.
-	overrides["shares"] = map[string]any{"enabled": true, "hostDir": sharesDir,
-		"types": []any{"bind", "nfs", "nfs4", "ceph", "fuse.ceph"}}
+	// The chart values of this environment, fresh each call.
+	envOverrides := func() map[string]any {
+		overrides := imageOverrides(sidecars)
+		// The shared pool the node is prepared with: opt-in since the chart's defaults install
+		// the local pool only (values may set pools of their own). Its share key comes from a
+		// Secret made before the chart is applied, as docs/install.md tells an operator.
+		for k, v := range chart.SharedPoolValues() {
+			overrides[k] = v
+		}
+		for k, v := range values {
+			overrides[k] = v
+		}
+		// bind is the one share type this machine can mount (no NFS or CephFS kernel client):
+		// the share test names a directory of the shared pool's filesystem, which both the
+		// controller and the node plugin see.
+		overrides["shares"] = map[string]any{"enabled": true, "hostDir": sharesDir,
+			"types": []any{"bind", "nfs", "nfs4", "ceph", "fuse.ceph"}}
+		return overrides
+	}
+	overrides, chartDir := envOverrides(), chart.ChartDir()
+	if opts.prev != nil {
+		overrides, chartDir = opts.prev.values(envOverrides()), opts.prev.chartDir()
+	}
 
 	// Pools: xfs for the local one, btrfs for the shared one (dir volumes get btrfs quota
 	// groups); the shared pool is laid out once with `poolcsi pool init`, as docs/pools.md
@@ -177,7 +213,11 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 		if out, err := exec.Command("btrfs", "quota", "enable", sharedPoolPath).CombinedOutput(); err != nil {
 			t.Fatalf("btrfs quota enable: %v\n%s", err, out)
 		}
-		if out, err := exec.Command(bin, "pool", "init", "--path", sharedPoolPath, "--name", "shared").CombinedOutput(); err != nil {
+		initBin := bin // an upgrade starts from the pool the earlier release laid out
+		if opts.prev != nil {
+			initBin = opts.prev.bin
+		}
+		if out, err := exec.Command(initBin, "pool", "init", "--path", sharedPoolPath, "--name", "shared").CombinedOutput(); err != nil {
 			t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 		}
 	}
@@ -204,13 +244,12 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	for _, n := range nodes {
 		t.Logf("node %s Ready after %s", n.Name, time.Since(total).Round(time.Second))
 	}
-	env := &kubeletEnv{c: c, node: nodes[0], nodes: nodes, poolcsi: bin, log: log}
+	env := &kubeletEnv{c: c, node: nodes[0], nodes: nodes, poolcsi: bin, log: log, overrides: envOverrides}
 
-	docs, err := chart.Render(chart.ChartDir(), "", overrides)
+	docs, err := chart.Render(chartDir, "", overrides)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ap := c.Applier()
 	ctx := context.Background()
 	// helm install --create-namespace
 	if _, err := c.Client.CoreV1().Namespaces().Create(ctx, &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}}, metav1.CreateOptions{}); err != nil {
@@ -227,6 +266,20 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 	}, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
+	env.applyChart(t, docs)
+	// Graceful teardown first (runs before the node stops): claims deleted, pods gone, the
+	// driver has unpublished, unstaged and deleted every volume.
+	t.Cleanup(func() { env.deleteAll(t) })
+	env.waitChartReady(t)
+	t.Logf("chart running as pods after %s", time.Since(total).Round(time.Second))
+	return env
+}
+
+// applyChart applies a rendered chart as helm install or helm upgrade does: each object
+// server-side applied into the release's namespace.
+func (e *kubeletEnv) applyChart(t testing.TB, docs []chart.Doc) {
+	t.Helper()
+	ap := e.c.Applier()
 	for _, d := range docs {
 		objs, err := ParseObjects([]byte(d.YAML))
 		if err != nil {
@@ -236,17 +289,11 @@ func startEnv(t testing.TB, opts envOptions) *kubeletEnv {
 			if o.GetNamespace() == "" && o.GetKind() != "Namespace" && isNamespaced(o) {
 				o.SetNamespace(chart.Namespace)
 			}
-			if err := ap.Apply(ctx, o, false); err != nil {
+			if err := ap.Apply(context.Background(), o, false); err != nil {
 				t.Fatal(err)
 			}
 		}
 	}
-	// Graceful teardown first (runs before the node stops): claims deleted, pods gone, the
-	// driver has unpublished, unstaged and deleted every volume.
-	t.Cleanup(func() { env.deleteAll(t) })
-	env.waitChartReady(t)
-	t.Logf("chart running as pods after %s", time.Since(total).Round(time.Second))
-	return env
 }
 
 func isNamespaced(o *unstructured.Unstructured) bool {
@@ -383,7 +430,11 @@ func (e *kubeletEnv) waitChartReady(t testing.TB) {
 		if err != nil {
 			return err
 		}
-		if len(pods.Items) < 2+len(e.nodes) { // the node DaemonSet's pods and two controller replicas
+		want := 2 + len(e.nodes) // the node DaemonSet's pods and two controller replicas
+		if e.localOnly {
+			want = len(e.nodes)
+		}
+		if len(pods.Items) < want {
 			return fmt.Errorf("%d pods", len(pods.Items))
 		}
 		for _, p := range pods.Items {
@@ -406,7 +457,7 @@ func (e *kubeletEnv) waitChartReady(t testing.TB) {
 				}
 				found[d.Name] = true
 			}
-			if !found[localDriver] || !found[sharedDrv] {
+			if !found[localDriver] || (!found[sharedDrv] && !e.localOnly) {
 				return fmt.Errorf("CSINode lists %v", cn.Spec.Drivers)
 			}
 			return nil
@@ -485,8 +536,14 @@ func (e *kubeletEnv) namespace(t testing.TB, name string) string {
 // kubelet's streaming server, as kubectl exec does.
 func (e *kubeletEnv) exec(t testing.TB, ns, pod, script string) (string, error) {
 	t.Helper()
+	return e.execIn(t, ns, pod, "", "sh", "-c", script)
+}
+
+// execIn runs a command in the named container ("": the first).
+func (e *kubeletEnv) execIn(t testing.TB, ns, pod, container string, command ...string) (string, error) {
+	t.Helper()
 	req := e.c.Client.CoreV1().RESTClient().Post().Resource("pods").Namespace(ns).Name(pod).SubResource("exec").
-		VersionedParams(&corev1.PodExecOptions{Command: []string{"sh", "-c", script}, Stdout: true, Stderr: true}, scheme.ParameterCodec)
+		VersionedParams(&corev1.PodExecOptions{Container: container, Command: command, Stdout: true, Stderr: true}, scheme.ParameterCodec)
 	ex, err := remotecommand.NewSPDYExecutor(e.c.Config, "POST", req.URL())
 	if err != nil {
 		return "", err

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"os"
 	"strings"
 
@@ -93,6 +94,27 @@ func (a *Applier) Apply(ctx context.Context, obj *unstructured.Unstructured, dry
 		opts.DryRun = []string{metav1.DryRunAll}
 	}
 	if _, err := ri.Patch(ctx, obj.GetName(), types.ApplyPatchType, data, opts); err != nil {
+		return fmt.Errorf("%s %s/%s: %w", gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
+	}
+	return nil
+}
+
+// Delete deletes obj (namespaced: in its namespace, else default); gone already is no error.
+func (a *Applier) Delete(ctx context.Context, obj *unstructured.Unstructured) error {
+	gvk := obj.GroupVersionKind()
+	m, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return fmt.Errorf("%s %s: %w", gvk.Kind, obj.GetName(), err)
+	}
+	var ri dynamic.ResourceInterface = a.dyn.Resource(m.Resource)
+	if m.Scope.Name() == meta.RESTScopeNameNamespace {
+		ns := obj.GetNamespace()
+		if ns == "" {
+			ns = "default"
+		}
+		ri = a.dyn.Resource(m.Resource).Namespace(ns)
+	}
+	if err := ri.Delete(ctx, obj.GetName(), metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("%s %s/%s: %w", gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
 	}
 	return nil
