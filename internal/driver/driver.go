@@ -296,35 +296,28 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
-	if d.opts.Mode.controller() && d.leases != nil {
-		// What the lease cannot cover, made visible (peers.go).
-		defer background(ctx, func(ctx context.Context) { every(ctx, d.opts.Lease.Interval, d.leases.WatchPeers) })()
-	}
-	if d.opts.Mode.node() {
-		// The leases stop after the server: a call under way at the stop
-		// may still stage a volume.
-		defer background(context.WithoutCancel(ctx), func(ctx context.Context) { _ = d.leases.Run(ctx) })()
-		// Stopped after the server too, and thawing what it holds.
-		defer background(context.WithoutCancel(ctx), d.runFreezeAgent)()
-		// Before the first reconcile and before any publish: a restarted
-		// node plugin knows its pods again only from the mount table.
-		d.throttle.Rebuild(ctx)
-		defer background(ctx, func(ctx context.Context) { _ = d.throttle.Run(ctx) })()
-		defer background(ctx, func(ctx context.Context) {
-			d.sweepEphemeral(ctx)
-			if d.opts.EphemeralSweepInterval > 0 {
-				every(ctx, d.opts.EphemeralSweepInterval, func(ctx context.Context) { d.sweepEphemeral(ctx) })
-			}
-		})()
-	}
-	go func() {
-		<-ctx.Done()
-		srv.GracefulStop()
-	}()
+	// The socket goes last: the deferred stops below run before this one,
+	// so every loop has returned before the socket is removed.
 	defer func() {
 		if err := lis.Remove(); err != nil {
 			klog.ErrorS(err, "Not removing the CSI socket")
 		}
+	}()
+	if d.opts.Mode.node() {
+		// Before the first reconcile and before any publish: a restarted
+		// node plugin knows its pods again only from the mount table.
+		d.throttle.Rebuild(ctx)
+	}
+	// The loops of the server's life stop with ctx, beside the server; the
+	// lease keeper and the freeze agent stop only once the server has
+	// stopped (a call under way at the stop may still stage a volume, or
+	// freeze one), and the freeze agent thaws what it holds as it stops.
+	withServer, afterServer := d.runners()
+	defer logStop(start(context.WithoutCancel(ctx), afterServer...))
+	defer logStop(start(ctx, withServer...))
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
 	}()
 	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
 		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.names(), "shareTypes", d.shares.typeList())
@@ -334,26 +327,25 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	return nil
 }
 
-// background runs f on a goroutine of its own, with a context of its own below
-// parent, and returns what cancels it and waits until f has returned.
-func background(parent context.Context, f func(context.Context)) (stop func()) {
-	ctx, cancel := context.WithCancel(parent)
-	done := make(chan struct{})
-	go func() { defer close(done); f(ctx) }()
-	return func() { cancel(); <-done }
+// runners are the driver's long-running loops: those that stop with the
+// server's context, and those that stop only after the server has stopped.
+func (d *Driver) runners() (withServer, afterServer []Runner) {
+	if d.opts.Mode.controller() && d.leases != nil {
+		// What the lease cannot cover, made visible (internal/fence, peers.go).
+		withServer = append(withServer, Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
+	}
+	if d.opts.Mode.node() {
+		withServer = append(withServer, d.throttle,
+			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.sweepEphemeral(ctx) }})
+		afterServer = append(afterServer, d.leases, RunFunc(d.runFreezeAgent))
+	}
+	return withServer, afterServer
 }
 
-// every runs f every interval until ctx ends.
-func every(ctx context.Context, interval time.Duration, f func(context.Context)) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			f(ctx)
-		}
+// logStop stops runners and logs what one of them returned.
+func logStop(stop func() error) {
+	if err := stop(); err != nil {
+		klog.ErrorS(err, "A loop of the driver failed")
 	}
 }
 

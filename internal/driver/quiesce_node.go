@@ -258,18 +258,10 @@ func (f *freezer) spend(id string, start, end time.Time) {
 
 // runFreezeAgent answers freeze requests every poll interval until ctx ends,
 // then thaws whatever it still holds.
-func (d *Driver) runFreezeAgent(ctx context.Context) {
-	tick := time.NewTicker(d.freezeTiming.Poll)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			d.thawAllHeld(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
-			return
-		case <-tick.C:
-			d.freezeTick(ctx)
-		}
-	}
+func (d *Driver) runFreezeAgent(ctx context.Context) error {
+	_ = Every{Interval: d.freezeTiming.Poll, F: d.freezeTick}.Run(ctx)
+	d.thawAllHeld(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
+	return nil
 }
 
 // freezeTick reads every shared pool's inbox once: thaws what was withdrawn
