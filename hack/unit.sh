@@ -2,14 +2,23 @@
 # The fast inner loop: every test that needs no root (POOLCSI_UNIT_ONLY=1 makes
 # the tests that need root, loop devices or mkfs skip, even as root and in CI;
 # `make test` runs them), with the race detector, then internal/driver's
-# coverage including the CSI sanity suite that runs over the fake kernel.
+# coverage including the CSI sanity suite that runs over the fake kernel, with
+# the packages the driver's tests drive (the layouts, the lease keeper and
+# fence, the I/O limits): their code moved out of internal/driver and is still
+# covered by the same tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export POOLCSI_UNIT_ONLY=1
 cov=$(mktemp -d)
 trap 'rm -rf "$cov"' EXIT
 go test -race -count=1 ./internal/... ./cmd/...
-POOLCSI_COVER_DIR="$cov" go test -count=1 -coverprofile="$cov/unit.out" ./internal/driver >/dev/null
+pkgs=(driver layout fence iolimits)
+coverpkg=$(printf './internal/%s,' "${pkgs[@]}")
+POOLCSI_COVER_DIR="$cov" go test -count=1 -coverpkg="${coverpkg%,}" -coverprofile="$cov/unit.out" ./internal/driver >/dev/null
 { echo "mode: set"; for f in "$cov"/*.out; do tail -n +2 "$f"; done; } >"$cov/all"
-echo "internal/driver coverage without root (unit tests + sanity over fakes):"
-go tool cover -func="$cov/all" | tail -n 1
+echo "coverage without root (internal/driver's unit tests + sanity over fakes):"
+for p in "${pkgs[@]}"; do
+	{ echo "mode: set"; grep "/internal/$p/" "$cov/all"; } >"$cov/$p.pkg"
+	printf '  internal/%-9s %s\n' "$p" "$(go tool cover -func="$cov/$p.pkg" | tail -n 1 | awk '{print $NF}')"
+done
+printf '  %-18s %s\n' "all four" "$(go tool cover -func="$cov/all" | tail -n 1 | awk '{print $NF}')"

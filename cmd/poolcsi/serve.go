@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/fence"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/lease"
@@ -278,12 +279,12 @@ func (o *serveOptions) run(ctx context.Context) error {
 		return err
 	}
 	state := nodestate.Memory()
-	var guard *driver.StartupFence
+	var guard *fence.StartupFence
 	if mode != driver.ModeController && o.StateDir != "" {
 		if state, err = nodestate.Open(o.StateDir, nodeID); err != nil {
 			return fmt.Errorf("--state-dir: %w", err)
 		}
-		guard = driver.NewStartupFence(ctx, state, o.Lease)
+		guard = fence.NewStartupFence(ctx, state, o.Lease)
 		defer guard.Started()
 	}
 	opened, readiness, err := o.openPools(ctx, nodeID)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"testing"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -19,16 +20,16 @@ func TestAdoptDevicesAfterPluginRestart(t *testing.T) {
 	dir, a, _, _, id, _ := stagedOnA(t)
 	dev := mustFind(t, a.host, dir)
 	vid, _ := pool.ParseVolumeID(id)
-	recs, err := a.volumeRecords(vid)
+	recs, err := a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 {
 		t.Fatalf("records: %+v %v", recs, err)
 	}
-	if err := a.opts.State.Delete(stagesKind, recs[0].key()); err != nil {
+	if err := a.opts.State.Delete(layout.StagesKind, recs[0].Key()); err != nil {
 		t.Fatal(err)
 	}
 	a.host.LosePath(dir) // the kernel now shows /volumes/<key>/disk.img
-	a.adoptDevices(ctx, a.pool("shared"))
-	recs, err = a.volumeRecords(vid)
+	a.leases.AdoptDevices(ctx, a.pool("shared"))
+	recs, err = a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 || recs[0].Device != dev {
 		t.Fatalf("records after the adoption: %+v %v, want one of %s", recs, err, dev)
 	}

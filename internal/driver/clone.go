@@ -11,23 +11,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// contentSource is a resolved volume_content_source: a ready snapshot or a ready
-// volume, and what a volume made from it must match.
-type contentSource struct {
-	pool   *pool.Pool
-	record pool.ContentSource
-	layout pool.Layout
-	access pool.AccessType
-	fsType string
-	size   int64 // the smallest volume it fits in
-	// snapshot or volume, whichever it is
-	snapID pool.SnapshotID
-	volID  pool.VolumeID
-	vol    *pool.Volume
-}
-
-func (c *contentSource) isSnapshot() bool { return c.record.Snapshot != "" }
-
 // csiContentSource is a volume's recorded source as the CO knows it: in the
 // volume's own pool, so with that pool's share tag.
 func (d *Driver) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.VolumeContentSource {
@@ -61,7 +44,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		if err != nil {
 			return nil, err
 		}
-		return &contentSource{pool: p, record: pool.ContentSource{Snapshot: s.ID}, layout: s.Layout, access: s.AccessType, fsType: s.FSType, size: s.SizeBytes, snapID: sid}, nil
+		return &contentSource{Pool: p, Record: pool.ContentSource{Snapshot: s.ID}, Layout: s.Layout, Access: s.AccessType, FSType: s.FSType, Size: s.SizeBytes, SnapID: sid}, nil
 	case src.GetVolume() != nil:
 		vid, p, err := d.volumeRef(ctx, src.GetVolume().GetVolumeId(), acc)
 		if err != nil {
@@ -71,7 +54,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		if err != nil {
 			return nil, err
 		}
-		return &contentSource{pool: p, record: pool.ContentSource{Volume: v.ID}, layout: v.Layout, access: v.AccessType, fsType: v.FSType, size: v.CapacityBytes, volID: vid, vol: v}, nil
+		return &contentSource{Pool: p, Record: pool.ContentSource{Volume: v.ID}, Layout: v.Layout, Access: v.AccessType, FSType: v.FSType, Size: v.CapacityBytes, VolID: vid, Vol: v}, nil
 	}
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
 }
@@ -82,8 +65,8 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 	if src == nil {
 		return params
 	}
-	out := map[string]string{ParamPool: src.pool.Name(), ParamLayout: string(src.layout)}
-	if r := src.pool.Config().Share; r != nil {
+	out := map[string]string{ParamPool: src.Pool.Name(), ParamLayout: string(src.Layout)}
+	if r := src.Pool.Config().Share; r != nil {
 		// A copy stays on its source's share: named by the share, as a
 		// StorageClass names it, unless the parameters name it themselves.
 		delete(out, ParamPool)
@@ -97,43 +80,6 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 	return out
 }
 
-// check refuses a copy the source cannot give: another pool, another
-// layout, access type or filesystem (INVALID_ARGUMENT).
-func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps capsSpec) error {
-	what := "volume " + c.record.Volume
-	if c.isSnapshot() {
-		what = "snapshot " + c.record.Snapshot
-	}
-	switch {
-	case p != c.pool:
-		return status.Errorf(codes.InvalidArgument, "%s is in pool %s; a copy is made in its source's pool, not %s", what, c.pool.Name(), p.Name())
-	case layout != c.layout:
-		return status.Errorf(codes.InvalidArgument, "%s has layout %s, the request asks for layout %s", what, c.layout, layout)
-	case caps.access != c.access:
-		return status.Errorf(codes.InvalidArgument, "%s has %s access, the request asks for %s", what, c.access, caps.access)
-	case !lay.sameFS(caps, c.fsType):
-		return status.Errorf(codes.InvalidArgument, "%s holds %s, the request asks for %s", what, c.fsType, caps.fsType)
-	}
-	return nil
-}
-
-// sourceSize is the size of a copy: what was asked, or the source's size when
-// nothing was; smaller than the source is OUT_OF_RANGE (poolcsi never shrinks).
-func (c *contentSource) sourceSize(r *csi.CapacityRange, minimum int64) (int64, error) {
-	required := r.GetRequiredBytes()
-	if required == 0 && r.GetLimitBytes() == 0 {
-		required = c.size
-	}
-	if required != 0 && required < c.size {
-		return 0, csierr.Failf(pool.ErrOutOfRange, "required_bytes %d is below the source's size %d; a copy cannot be smaller than its source", required, c.size)
-	}
-	size, err := pool.Capacity(required, r.GetLimitBytes(), max(minimum, c.size))
-	if err != nil {
-		return 0, err
-	}
-	return size, nil
-}
-
 func sameSource(a, b *pool.ContentSource) bool {
 	if a == nil || b == nil {
 		return a == b
@@ -145,19 +91,19 @@ func sameSource(a, b *pool.ContentSource) bool {
 // marks it ready. An image copy is grown to the volume's size; its filesystem
 // grows at the next NodeStageVolume, like any volume expanded while unstaged.
 func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
-	if !src.isSnapshot() {
+	if !src.IsSnapshot() {
 		// Copying a volume: hold it against concurrent grow, stage and delete.
-		release, err := d.locks.acquire(src.volID.String(), "CreateVolume (clone source)")
+		release, err := d.locks.acquire(src.VolID.String(), "CreateVolume (clone source)")
 		if err != nil {
 			return err
 		}
 		defer release()
-		sv, unlock, err := lockVolume(ctx, p, src.volID)
+		sv, unlock, err := lockVolume(ctx, p, src.VolID)
 		if err != nil {
 			return err
 		}
 		defer unlock()
-		src.vol = sv
+		src.Vol = sv
 	}
-	return d.layoutOf(v.Layout).cloneFrom(ctx, p, v, src)
+	return d.layoutOf(v.Layout).CloneFrom(ctx, p, v, src)
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -100,8 +101,8 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
 		case k == ParamLayout:
-			if !slices.Contains(layouts, pool.Layout(v)) {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image and dir", v)
+			if !slices.Contains(layout.Layouts, pool.Layout(v)) {
+				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layout.Layouts are image and dir", v)
 			}
 			cp.layout = pool.Layout(v)
 		case k == ParamFSType, k == k8sPrefix+"fstype":
@@ -154,17 +155,17 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	}
 	var srcFS string
 	if src != nil {
-		srcFS = src.fsType
+		srcFS = src.FSType
 	}
 	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, srcFS, DefaultFSType))
 	if err != nil {
 		return nil, err
 	}
-	if params.fsType != "" && caps.access == pool.AccessFilesystem && caps.fsType != params.fsType {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.fsType)
+	if params.fsType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != params.fsType {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.FSType)
 	}
 	lay := d.layoutOf(params.layout)
-	if err := lay.allowed(caps); err != nil {
+	if err := lay.Allowed(caps); err != nil {
 		return nil, err
 	}
 	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), acc)
@@ -175,17 +176,17 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	minimum := lay.minSize(caps)
+	minimum := lay.MinSize(caps)
 	var size int64
 	var source *pool.ContentSource
 	if src != nil {
-		if err := src.check(p, params.layout, lay, caps); err != nil {
+		if err := src.Check(p, params.layout, lay, caps); err != nil {
 			return nil, err
 		}
-		if size, err = src.sourceSize(req.GetCapacityRange(), minimum); err != nil {
+		if size, err = src.SourceSize(req.GetCapacityRange(), minimum); err != nil {
 			return nil, err
 		}
-		source = &src.record
+		source = &src.Record
 	} else if size, err = pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum); err != nil {
 		return nil, err
 	}
@@ -203,8 +204,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          name,
 		Layout:        params.layout,
-		AccessType:    caps.access,
-		FSType:        lay.fsType(caps),
+		AccessType:    caps.Access,
+		FSType:        lay.FSType(caps),
 		CapacityBytes: size,
 		Parameters:    params.keep,
 		Topology:      topology,
@@ -227,7 +228,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			if src != nil {
 				made = d.finishClone(ctx, p, v, src)
 			} else {
-				made = lay.finishCreate(ctx, p, v)
+				made = lay.FinishCreate(ctx, p, v)
 			}
 			return made
 		})
@@ -307,7 +308,7 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 			out.VolumeContext[ParamShareOptions] = o
 		}
 	}
-	d.layoutOf(v.Layout).volumeContext(v, out.VolumeContext)
+	d.layoutOf(v.Layout).VolumeContext(v, out.VolumeContext)
 	out.ContentSource = d.csiContentSource(p, v.Source)
 	if len(v.Topology) > 0 {
 		out.AccessibleTopology = []*csi.Topology{{Segments: v.Topology}}
@@ -372,7 +373,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	} else {
 		v = nil
 	}
-	if err := lay.delete(ctx, p, vid, v); err != nil {
+	if err := lay.Delete(ctx, p, vid, v); err != nil {
 		return nil, err
 	}
 	klog.FromContext(ctx).Info("Deleted volume", "volume", vid)

@@ -235,7 +235,7 @@ func benchPerRound() int {
 	return 200
 }
 
-// BenchmarkCreateDelete creates and deletes 1 MiB volumes of both layouts in
+// BenchmarkCreateDelete creates and deletes 1 MiB volumes of both layout.Layouts in
 // a shared pool that already holds 0, 1,000 and 10,000 volumes, with 1 and 8
 // concurrent callers through one driver, and with 8 callers through two
 // drivers on two mounts of the pool (as root). Each op is one round of 200

@@ -20,7 +20,10 @@ import (
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/fence"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/iolimits"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -121,7 +124,7 @@ type Options struct {
 	State *nodestate.Store
 	// StartupFence, if set, is the guard over this process's start: its
 	// lease keeper stops it, and counts from its start (lease.go).
-	StartupFence *StartupFence
+	StartupFence *fence.StartupFence
 }
 
 // Driver serves the CSI services over one pool set.
@@ -141,7 +144,7 @@ type Driver struct {
 	configured []string
 	shares     shareState
 	locks      *volumeLocks
-	layoutDeps
+	layout.Deps
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
 	// poolState holds each pool's last seen fault ("" when usable), so Probe
@@ -158,7 +161,7 @@ type Driver struct {
 	conditions conditionCache
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
-	leases *leases
+	leases *fence.Keeper
 	// freezeTiming and freezer: freezes across nodes (quiesce.go,
 	// quiesce_node.go). quiesceCopy is the quiesce of a snapshot's copy;
 	// tests wrap it to look at the copy between freeze and thaw.
@@ -168,10 +171,8 @@ type Driver struct {
 	// fill copies a group snapshot's member, its source already frozen
 	// (group.go); a field so the tests see each copy's moment.
 	fill func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error
-	// cgroups and throttle hold pods to their volumes' I/O limits
-	// (iolimits.go).
-	cgroups  Cgroups
-	throttle ioLimits
+	// throttle holds pods to their volumes' I/O limits (internal/iolimits).
+	throttle *iolimits.Throttle
 	// ephemeralPool is where inline volumes go whose attributes name no
 	// pool; nil when no pool takes them by default.
 	ephemeralPool *pool.Pool
@@ -224,7 +225,7 @@ func New(opts Options) (*Driver, error) {
 	if opts.IOLimitsInterval < 0 {
 		return nil, fmt.Errorf("I/O limits interval %s must be positive", opts.IOLimitsInterval)
 	}
-	host, err := opts.Host.withDefaults(opts.PathPrefix, opts.CgroupRoot)
+	host, err := opts.Host.WithDefaults(opts.PathPrefix, opts.CgroupRoot)
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
@@ -232,18 +233,19 @@ func New(opts Options) (*Driver, error) {
 		opts:  opts,
 		pools: map[string]*pool.Pool{},
 		locks: newVolumeLocks(),
-		layoutDeps: layoutDeps{mounts: host.Mounts, loops: host.Loops, devs: host.Devices, fs: host.FS,
-			nodeID: opts.NodeID, expandOnNode: opts.ExpandOnNode, pathPrefix: opts.PathPrefix, state: opts.State},
-		leases:       newLeases(opts.Lease),
+		Deps: layout.Deps{Mounts: host.Mounts, Loops: host.Loops, Devs: host.Devices, FS: host.FS,
+			NodeID: opts.NodeID, ExpandOnNode: opts.ExpandOnNode, PathPrefix: opts.PathPrefix, State: opts.State},
 		freezeTiming: opts.Freeze,
 		freezer:      newFreezer(),
-		cgroups:      host.Cgroups,
 	}
-	d.leaseState = d.leases
+	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.names, Pool: d.pool, Interval: opts.IOLimitsInterval})
+	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.names, Pool: d.pool,
+		Node: &d.Deps, Lock: d.locks.acquire, Startup: opts.StartupFence})
+	d.LeaseLost = d.leases.Lost
 	d.quiesceCopy = d.quiesce
 	// A clone freezes its source as a snapshot does; read late, so a test's
 	// wrapper of quiesceCopy sees clones too.
-	d.freeze = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+	d.Freeze = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
 		return d.quiesceCopy(ctx, p, vid, v)
 	}
 	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
@@ -293,35 +295,28 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
-	if d.opts.Mode.controller() && d.leases != nil {
-		// What the lease cannot cover, made visible (peers.go).
-		defer background(ctx, func(ctx context.Context) { every(ctx, d.leases.timing.Interval, d.watchPeers) })()
-	}
-	if d.opts.Mode.node() {
-		// The leases stop after the server: a call under way at the stop
-		// may still stage a volume.
-		defer background(context.WithoutCancel(ctx), d.keepLeases)()
-		// Stopped after the server too, and thawing what it holds.
-		defer background(context.WithoutCancel(ctx), d.runFreezeAgent)()
-		// Before the first reconcile and before any publish: a restarted
-		// node plugin knows its pods again only from the mount table.
-		d.rebuildIOLimits(ctx)
-		defer background(ctx, func(ctx context.Context) { every(ctx, d.opts.IOLimitsInterval, d.reconcileIOLimits) })()
-		defer background(ctx, func(ctx context.Context) {
-			d.sweepEphemeral(ctx)
-			if d.opts.EphemeralSweepInterval > 0 {
-				every(ctx, d.opts.EphemeralSweepInterval, func(ctx context.Context) { d.sweepEphemeral(ctx) })
-			}
-		})()
-	}
-	go func() {
-		<-ctx.Done()
-		srv.GracefulStop()
-	}()
+	// The socket goes last: the deferred stops below run before this one,
+	// so every loop has returned before the socket is removed.
 	defer func() {
 		if err := lis.Remove(); err != nil {
 			klog.ErrorS(err, "Not removing the CSI socket")
 		}
+	}()
+	if d.opts.Mode.node() {
+		// Before the first reconcile and before any publish: a restarted
+		// node plugin knows its pods again only from the mount table.
+		d.throttle.Rebuild(ctx)
+	}
+	// The loops of the server's life stop with ctx, beside the server; the
+	// lease keeper and the freeze agent stop only once the server has
+	// stopped (a call under way at the stop may still stage a volume, or
+	// freeze one), and the freeze agent thaws what it holds as it stops.
+	withServer, afterServer := d.runners()
+	defer logStop(start(context.WithoutCancel(ctx), afterServer...))
+	defer logStop(start(ctx, withServer...))
+	go func() {
+		<-ctx.Done()
+		srv.GracefulStop()
 	}()
 	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
 		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.names(), "shareTypes", d.shares.typeList())
@@ -331,26 +326,25 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	return nil
 }
 
-// background runs f on a goroutine of its own, with a context of its own below
-// parent, and returns what cancels it and waits until f has returned.
-func background(parent context.Context, f func(context.Context)) (stop func()) {
-	ctx, cancel := context.WithCancel(parent)
-	done := make(chan struct{})
-	go func() { defer close(done); f(ctx) }()
-	return func() { cancel(); <-done }
+// runners are the driver's long-running loops: those that stop with the
+// server's context, and those that stop only after the server has stopped.
+func (d *Driver) runners() (withServer, afterServer []Runner) {
+	if d.opts.Mode.controller() && d.leases != nil {
+		// What the lease cannot cover, made visible (internal/fence, peers.go).
+		withServer = append(withServer, Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
+	}
+	if d.opts.Mode.node() {
+		withServer = append(withServer, d.throttle,
+			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.sweepEphemeral(ctx) }})
+		afterServer = append(afterServer, d.leases, RunFunc(d.runFreezeAgent))
+	}
+	return withServer, afterServer
 }
 
-// every runs f every interval until ctx ends.
-func every(ctx context.Context, interval time.Duration, f func(context.Context)) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			f(ctx)
-		}
+// logStop stops runners and logs what one of them returned.
+func logStop(stop func() error) {
+	if err := stop(); err != nil {
+		klog.ErrorS(err, "A loop of the driver failed")
 	}
 }
 
@@ -418,3 +412,20 @@ func (d *Driver) nodeTopology() map[string]string {
 }
 
 func joinNames(names []string) string { return strings.Join(names, ", ") }
+
+// detectQuotas runs detection for every pool present at start-up, so the log
+// says at once what dir volumes will get.
+func (d *Driver) detectQuotas(ctx context.Context) {
+	for _, pn := range d.names() {
+		if _, err := d.QuotaFor(ctx, d.pool(pn)); err != nil {
+			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
+		}
+	}
+}
+
+// layoutOf returns the implementation of l; an unknown layout (a volume.json
+// written by a newer driver) is treated as an image, whose checks refuse
+// anything they do not recognise.
+func (d *Driver) layoutOf(l pool.Layout) layout.Layout {
+	return layout.Of(&d.Deps, l)
+}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -97,7 +98,7 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if err != nil {
 		return s, err
 	}
-	for _, m := range caps.modes {
+	for _, m := range caps.Modes {
 		if m != csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER &&
 			m != csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
 			return s, status.Errorf(codes.InvalidArgument, "access mode %s: an ephemeral inline volume is one pod's, on one node", m)
@@ -108,11 +109,11 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if err != nil {
 		return s, err
 	}
-	if attrFS != "" && caps.fsType != "" && attrFS != caps.fsType {
-		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.fsType)
+	if attrFS != "" && caps.FSType != "" && attrFS != caps.FSType {
+		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.FSType)
 	}
-	s.fsType = firstNonEmpty(attrFS, caps.fsType, DefaultFSType)
-	s.caps.fsType = s.fsType
+	s.fsType = firstNonEmpty(attrFS, caps.FSType, DefaultFSType)
+	s.caps.FSType = s.fsType
 	if err := d.ephemeralPoolOf(&s); err != nil {
 		return s, err
 	}
@@ -248,7 +249,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 		return csierr.Failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name(), s.pool.Name())
 	}
 	p := s.pool
-	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	var topology map[string]string
 	if isLocal(p) {
 		topology = d.nodeTopology()
@@ -296,17 +297,17 @@ func sameEphemeral(v *pool.Volume, s ephemeralSpec, node, target string) error {
 // makeEphemeral converges a reserved inline volume to "formatted, recorded
 // as this node's, mounted at target".
 func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
-	lay := imageLayout{&d.layoutDeps}
+	lay := layout.Of(&d.Deps, pool.LayoutImage)
 	var err error
 	if v.State == pool.StateCreating {
-		if v, err = p.Finish(ctx, vid, func(v *pool.Volume) error { return lay.finishCreate(ctx, p, v) }); err != nil {
+		if v, err = p.Finish(ctx, vid, func(v *pool.Volume) error { return lay.FinishCreate(ctx, p, v) }); err != nil {
 			return err
 		}
 	}
 	// The stage record says this node holds the volume: the controller's
 	// DeleteVolume refuses it, and on a shared pool it fences other nodes.
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
-		if err := lay.fence(v, d.opts.NodeID, readOnly); err != nil {
+		if err := lay.Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, err
 		}
 		for _, r := range v.Staged {
@@ -325,7 +326,7 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 		return err
 	}
 	defer h.Close()
-	info, mounted, err := d.mounts.Info(target)
+	info, mounted, err := d.Mounts.Info(target)
 	if err != nil {
 		return fmt.Errorf("inspect %s: %w", target, err)
 	}
@@ -342,16 +343,16 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 		// As for a stage: a node that cannot renew its lease in a shared
 		// pool would not fence itself if cut off, so it takes no image
 		// read-write meanwhile.
-		if err := d.ensureLease(ctx, p); err != nil {
+		if err := d.leases.EnsureLease(ctx, p); err != nil {
 			return err
 		}
 	}
-	nv := nodeVolume{id: vid, pool: p, vol: v, caps: s.caps}
-	dev, err := lay.attach(ctx, nv, h.Path())
+	nv := nodeVolume{ID: vid, Pool: p, Vol: v, Caps: s.caps}
+	dev, err := d.AttachImage(ctx, nv, h.Path())
 	if err != nil {
 		return err
 	}
-	found, err := d.devs.DiskFormat(ctx, dev)
+	found, err := d.Devs.DiskFormat(ctx, dev)
 	if err != nil {
 		return fmt.Errorf("inspect %s: %w", dev, err)
 	}
@@ -365,7 +366,7 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 	if v.FSType == "xfs" && !slices.Contains(opts, "nouuid") {
 		opts = append(opts, "nouuid")
 	}
-	if err := d.mounts.Mount(ctx, dev, target, v.FSType, opts); err != nil {
+	if err := d.Mounts.Mount(ctx, dev, target, v.FSType, opts); err != nil {
 		return fmt.Errorf("mount %s at %s: %w", dev, target, err)
 	}
 	klog.FromContext(ctx).Info("Published ephemeral volume", "handle", s.handle, "volume", vid, "pod", s.pod,
@@ -376,7 +377,7 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 // rollbackEphemeral undoes a failed publish: unless the target shows the
 // volume (an earlier publish a pod may use), the volume goes entirely.
 func (d *Driver) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
-	if info, mounted, err := d.mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+	if info, mounted, err := d.Mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
 		return
 	}
 	if err := d.removeEphemeral(ctx, p, vid, ""); err != nil {
@@ -407,18 +408,18 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 		return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s belongs to node %s", v.Ephemeral.Handle, v.Ephemeral.Node)
 	}
 	if target != "" {
-		if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
+		if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 	}
 	image := p.ImagePath(vid)
-	if err := d.loops.Detach(ctx, image); err != nil {
+	if err := d.Loops.Detach(ctx, image); err != nil {
 		if errors.Is(err, mount.ErrDeviceBusy) {
 			return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s is still mounted elsewhere on this node: %v", vid, err)
 		}
 		return fmt.Errorf("detach loop device of %s: %w", image, err)
 	}
-	d.forgetStages(ctx, vid)
+	d.ForgetStages(ctx, vid)
 	if err := p.Delete(ctx, vid); err != nil {
 		return err
 	}
@@ -441,14 +442,14 @@ func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) 
 	if p == nil {
 		// Nothing of it is here: only a mount of nothing poolcsi knows could
 		// be at target, and it is not ours to take down.
-		if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(nil, vid, "target path", target)); err != nil {
+		if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(nil, vid, "target path", target)); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 		return nil
 	}
 	if v.Ephemeral.Target != target {
 		// Another path of the same pod volume: take down only that mount.
-		return d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target))
+		return d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target))
 	}
 	if err := d.removeEphemeral(ctx, p, vid, target); err != nil {
 		return err
@@ -521,8 +522,8 @@ func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	defer release()
 	// The recorded target is pool content: checked like a request's path
 	// before it is looked at.
-	if target, err := d.requestPath("target", rec.Target); err == nil {
-		if info, mounted, err := d.mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+	if target, err := d.RequestPath("target", rec.Target); err == nil {
+		if info, mounted, err := d.Mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
 			return false // in use (or unknown): kubelet unpublishes it
 		}
 	}

@@ -8,15 +8,8 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
-
-// growSlack is how far a filesystem may stay below its device before stage
-// grows it. resize2fs drops a last block group too small for its own metadata
-// (about 2 MiB with 4 KiB blocks) and xfs_growfs a last allocation group under
-// 64 blocks, so a smaller gap is what a finished resize leaves, not a pending one.
-const growSlack = 4 * pool.MiB
 
 // ControllerExpandVolume grows a volume's image file and records the new size.
 // The node catches up later — NodeExpandVolume online, or the next
@@ -57,17 +50,9 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 		if limit > 0 && v.CapacityBytes > limit {
 			return nil, csierr.Failf(pool.ErrOutOfRange, "volume %s is %d bytes, above limit_bytes %d; poolcsi never shrinks a volume", vid, v.CapacityBytes, limit)
 		}
-		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: lay.nodeExpansionRequired()}, nil
+		return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: lay.NodeExpansionRequired()}, nil
 	}
-	return lay.expand(ctx, p, vid, v, r)
-}
-
-// minSizeOf is the smallest size CreateVolume would have given v.
-func minSizeOf(v *pool.Volume) int64 {
-	if v.AccessType == pool.AccessBlock {
-		return mount.MinSize("")
-	}
-	return mount.MinSize(v.FSType)
+	return lay.Expand(ctx, p, vid, v, r)
 }
 
 // NodeExpandVolume brings a staged volume to the size its image file has: the
@@ -104,9 +89,5 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
-	return d.layoutOf(v.Layout).expandNode(ctx, nodeVolume{id: vid, pool: p, vol: v}, req, path)
+	return d.layoutOf(v.Layout).ExpandNode(ctx, nodeVolume{ID: vid, Pool: p, Vol: v}, req, path)
 }
-
-// stageGrowth is what NodeStageVolume still owes a volume expanded while it was
-// not staged, found before mounting.
-type stageGrowth struct{ afterMount bool }

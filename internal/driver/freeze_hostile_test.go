@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -435,13 +436,13 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 	if err := os.Link(p.ImagePath(ovid), p.ImagePath(alias)); err != nil {
 		t.Fatal(err)
 	}
-	recs, err := a.volumeRecords(ovid)
+	recs, err := a.VolumeRecords(ovid)
 	if err != nil || len(recs) != 1 || recs[0].Device == "" {
 		t.Fatalf("records of the other volume: %+v %v", recs, err)
 	}
 	rec := recs[0]
 	rec.Volume = alias.String()
-	if err := a.opts.State.Put(stagesKind, rec.key(), rec); err != nil {
+	if err := a.opts.State.Put(layout.StagesKind, rec.Key(), rec); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.Update(ctx, alias, func(v *pool.Volume) (bool, error) {

@@ -235,7 +235,7 @@ func TestThawAfterCrash(t *testing.T) {
 			}
 			staging := filepath.Join(td.root, "staging", id)
 			vid, _ := pool.ParseVolumeID(id)
-			dev, _, _ := td.loops.Find(td.pool.ImagePath(vid))
+			dev, _, _ := td.Loops.Find(td.pool.ImagePath(vid))
 			if legacy {
 				// The path it names is not even looked at.
 				if err := td.pool.Freezes().WriteRecord(vid, "node-1", "/nonexistent"); err != nil {
@@ -276,7 +276,7 @@ func TestThawAfterCrashWaitsForBusyVolume(t *testing.T) {
 	}
 	staging := filepath.Join(td.root, "staging", id)
 	vid, _ := pool.ParseVolumeID(id)
-	dev, _, _ := td.loops.Find(td.pool.ImagePath(vid))
+	dev, _, _ := td.Loops.Find(td.pool.ImagePath(vid))
 	if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
 		t.Fatal(err)
 	}

@@ -146,7 +146,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 		if f.v == "" {
 			continue
 		}
-		if paths[i], err = d.requestPath(f.name, f.v); err != nil {
+		if paths[i], err = d.RequestPath(f.name, f.v); err != nil {
 			return nil, err
 		}
 	}
@@ -161,7 +161,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 // may be empty), for NodeGetVolumeHealth and the legacy volume_condition of
 // NodeGetVolumeStats alike.
 func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish string) ([]health.Issue, error) {
-	if is := d.fencedIssue(p); is != nil {
+	if is := d.leases.FencedIssue(p); is != nil {
 		// Said without touching the pool: a node fences itself when the
 		// pool stops answering.
 		return []health.Issue{*is}, nil
@@ -180,14 +180,14 @@ func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish st
 		nv.Block = e.Volume.AccessType == pool.AccessBlock
 		nv.FSType = e.Volume.FSType
 	}
-	dev, ok, err := d.attachedDevice(nv.Image)
+	dev, ok, err := d.AttachedDevice(nv.Image)
 	if err != nil {
 		return nil, err // not "detached": unknown
 	}
 	if ok {
 		nv.Device = dev
 	}
-	for _, is := range health.CheckNode(nodeHost{d.mounts, d.loops, d.fs}, nv, d.opts.Health) {
+	for _, is := range health.CheckNode(nodeHost{d.Mounts, d.Loops, d.FS}, nv, d.opts.Health) {
 		if !slices.ContainsFunc(issues, func(o health.Issue) bool { return o.Reason == is.Reason }) {
 			issues = append(issues, is)
 		}
@@ -259,7 +259,7 @@ func (c *poolChecks) start(p *pool.Pool) *poolCheck {
 func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
 	resp := &csi.NodeGetStorageHealthResponse{}
-	fenced, failedClosed := d.fencedPools()
+	fenced, failedClosed := d.leases.FencedPools()
 	if len(failedClosed) > 0 {
 		resp.BackendHealth = append(resp.BackendHealth, &csi.NodeGetStorageHealthResponse_StorageBackendHealth{
 			Status: csi.StorageHealthErrorType_STORAGE_UNREACHABLE, Reason: health.ReasonFenceFailedClosed, Message: strings.Join(failedClosed, "; "),
@@ -277,7 +277,7 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 	var checks []check
 	for _, pn := range d.names() {
 		p := d.pool(pn)
-		if p == nil || d.fencedIssue(p) != nil {
+		if p == nil || d.leases.FencedIssue(p) != nil {
 			continue // reported above
 		}
 		checks = append(checks, check{p, d.poolChecks.start(p)})

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 
 	"github.com/poolcsi/poolcsi/internal/cgroup"
+	"github.com/poolcsi/poolcsi/internal/iolimits"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -20,7 +21,7 @@ func (td *testDriver) publishPod(id string, vc *csi.VolumeCapability, pod string
 	_, err := td.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{
 		VolumeId: id, StagingTargetPath: filepath.Join(td.root, "staging", id),
 		TargetPath: filepath.Join(td.root, "target", id), VolumeCapability: vc,
-		VolumeContext: map[string]string{podUIDKey: pod},
+		VolumeContext: map[string]string{iolimits.PodUIDKey: pod},
 	})
 	return err
 }
@@ -35,7 +36,7 @@ func (td *testDriver) modify(t *testing.T, id string, params map[string]string) 
 func (td *testDriver) device(t *testing.T, id string) string {
 	t.Helper()
 	vid, _ := pool.ParseVolumeID(id)
-	dev, ok, err := td.loops.Find(td.pool.ImagePath(vid))
+	dev, ok, err := td.Loops.Find(td.pool.ImagePath(vid))
 	if err != nil || !ok {
 		t.Fatalf("no loop device for %s: %v", id, err)
 	}
@@ -114,11 +115,11 @@ func TestIOLimitsReachPods(t *testing.T) {
 			}
 			check("after publish", tt.atPublish)
 			td.host.AddPod(testPod)
-			td.reconcileIOLimits(ctx)
+			td.throttle.Reconcile(ctx)
 			check("after a reconcile", tt.afterReconcile)
 			if tt.change != nil {
 				td.modify(t, id, tt.change)
-				td.reconcileIOLimits(ctx)
+				td.throttle.Reconcile(ctx)
 				check("after a modify", tt.afterChange)
 			}
 			// Unpublished, the pod is forgotten: nothing more is written.
@@ -127,7 +128,7 @@ func TestIOLimitsReachPods(t *testing.T) {
 				t.Fatal(err)
 			}
 			td.modify(t, id, map[string]string{"readIOPS": "7"})
-			td.reconcileIOLimits(ctx)
+			td.throttle.Reconcile(ctx)
 			if n := td.host.Faults.Calls("Apply"); n != calls {
 				t.Errorf("%d cgroup writes after the unpublish", n-calls)
 			}
@@ -163,13 +164,13 @@ func TestIOLimitsReachRestartedContainers(t *testing.T) {
 		t.Fatalf("after publish the pod holds %+v (%t), want %+v", got, ok, want)
 	}
 	td.host.RestartContainers(testPod)
-	td.reconcileIOLimits(ctx)
+	td.throttle.Reconcile(ctx)
 	if got, ok := td.host.PodLimits(testPod, dev); !ok || got != want {
 		t.Fatalf("after a container restart and a reconcile the pod holds %+v (%t), want %+v", got, ok, want)
 	}
 	// Nothing changed since: the next reconcile reads, and writes nothing.
 	calls := td.host.Faults.Calls("Apply")
-	td.reconcileIOLimits(ctx)
+	td.throttle.Reconcile(ctx)
 	if n := td.host.Faults.Calls("Apply"); n != calls {
 		t.Fatalf("%d cgroup writes by a reconcile with nothing to change", n-calls)
 	}
@@ -266,7 +267,7 @@ func TestIOLimitsFoundAgainAfterRestart(t *testing.T) {
 		if _, err := td.NodePublishVolume(ctx, &csi.NodePublishVolumeRequest{
 			VolumeId: ids[i], StagingTargetPath: filepath.Join(td.root, "staging", ids[i]),
 			TargetPath: filepath.Join(td.root, tt.target), VolumeCapability: tt.vc,
-			VolumeContext: map[string]string{podUIDKey: tt.pod},
+			VolumeContext: map[string]string{iolimits.PodUIDKey: tt.pod},
 		}); err != nil {
 			t.Fatalf("%s: publish: %v", tt.name, err)
 		}
@@ -276,18 +277,18 @@ func TestIOLimitsFoundAgainAfterRestart(t *testing.T) {
 	}
 
 	rd := td.restart(t)
-	rd.rebuildIOLimits(ctx)
+	rd.throttle.Rebuild(ctx)
 	writes := td.host.Faults.Calls("Apply")
-	rd.reconcileIOLimits(ctx)
+	rd.throttle.Reconcile(ctx)
 	if n := td.host.Faults.Calls("Apply") - writes; n != 0 {
 		t.Errorf("the first reconcile after the restart wrote %d cgroups, want none: the kernel already holds their limits", n)
 	}
 	for _, id := range ids {
 		rd.modify(t, id, map[string]string{"readBytesPerSecond": "1Mi", "writeIOPS": "200"})
 	}
-	rd.reconcileIOLimits(ctx)
+	rd.throttle.Reconcile(ctx)
 
-	throttled := rd.ThrottledPods()
+	throttled := rd.throttle.Pods()
 	for i, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			want := created
@@ -301,31 +302,5 @@ func TestIOLimitsFoundAgainAfterRestart(t *testing.T) {
 				t.Errorf("tracked %t, want %t", ok, tt.tracked)
 			}
 		})
-	}
-}
-
-func TestPodUIDOfTarget(t *testing.T) {
-	const uid = "0d7d9a9e-3c1b-4d7e-9a55-1b2c3d4e5f60"
-	tests := []struct {
-		path string
-		ok   bool
-	}{
-		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount", true},
-		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/" + uid, true},
-		{"/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount", true},
-		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi/pvc-1/mount/sub", false},
-		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~nfs/pvc-1/mount", false},
-		{"/var/lib/kubelet/pods/" + uid + "/volumes/kubernetes.io~csi//mount", false},
-		{"/var/lib/kubelet/pods/../volumes/kubernetes.io~csi/pvc-1/mount", false},
-		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/pvc-1/dev/" + uid, false},
-		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/staging/pvc-1", false},
-		{"/var/lib/kubelet/plugins/kubernetes.io/csi/volumeDevices/publish/pvc-1/" + uid + "x", false},
-		{"/var/lib/kubelet/plugins/kubernetes.io/csi/poolcsi.io/0123abcd/globalmount", false},
-	}
-	for _, tt := range tests {
-		got, ok := podUIDOfTarget(tt.path)
-		if ok != tt.ok || (ok && got != uid) {
-			t.Errorf("%s: %q, %t; want ok=%t", tt.path, got, ok, tt.ok)
-		}
 	}
 }

@@ -180,7 +180,7 @@ func TestDamagedLeaseFileIsRepaired(t *testing.T) {
 					t.Fatalf("renewing %s after the damage: %v", elapsed, err)
 				}
 				a.clock.add(lease.Default.Interval)
-				a.fenceExpired(ctx)
+				a.leases.FenceExpired(ctx)
 			}
 			if f, _ := a.host.Fenced(dev); f {
 				t.Fatal("node A fenced itself although the pool answered")
@@ -233,22 +233,20 @@ func TestFenceSaysWhy(t *testing.T) {
 			dev := mustFind(t, a.host, dir)
 			hang := make(chan struct{})
 			t.Cleanup(func() { close(hang) })
-			a.leases.mu.Lock()
-			a.leases.write = tt.write
+			write := tt.write
 			if tt.write == nil {
-				a.leases.write = func(*pool.Pool, pool.Lease) error { <-hang; return errors.New("hung") }
+				write = func(*pool.Pool, pool.Lease) error { <-hang; return errors.New("hung") }
 			}
-			a.leases.repair = func(*pool.Pool, string) error { return errors.New("cannot remove it") }
-			a.leases.mu.Unlock()
+			a.leases.SetRenewal(write, func(*pool.Pool, string) error { return errors.New("cannot remove it") })
 			if tt.write == nil {
-				for _, p := range a.sharedPools() {
-					a.renewAsync(ctx, p, nil) // never returns
+				for _, p := range a.leases.SharedPools() {
+					a.leases.RenewAsync(ctx, p, nil) // never returns
 				}
 			} else if err := a.renew(t); err == nil {
 				t.Fatal("the renewal worked")
 			}
 			a.clock.add(lease.Default.Duration)
-			a.fenceExpired(ctx)
+			a.leases.FenceExpired(ctx)
 			waitFenced(t, a.host, dev)
 			vid, _ := pool.ParseVolumeID(id)
 			issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")

@@ -34,7 +34,7 @@ func TestUninitialisedPoolLogsOnce(t *testing.T) {
 	}, funcr.Options{}))
 	renew := func() error {
 		done := make(chan error, 1)
-		n.renewAsync(ctx, n.sharedPools()[0], done)
+		n.leases.RenewAsync(ctx, n.leases.SharedPools()[0], done)
 		return <-done
 	}
 	logged := func() []string {

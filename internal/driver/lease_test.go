@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
@@ -58,7 +59,7 @@ func newLeaseNode(t *testing.T, dir, node string) *leaseNode {
 		t.Fatal(err)
 	}
 	c := &clock{t: time.Unix(100000, 0)}
-	d.leases.now = c.now
+	d.leases.SetClock(c.now)
 	d.registerNode(context.Background())
 	return &leaseNode{Driver: d, host: h, clock: c, root: t.TempDir()}
 }
@@ -67,9 +68,9 @@ func newLeaseNode(t *testing.T, dir, node string) *leaseNode {
 func (n *leaseNode) renew(t *testing.T) error {
 	t.Helper()
 	var errs []error
-	for _, p := range n.sharedPools() {
+	for _, p := range n.leases.SharedPools() {
 		done := make(chan error, 1)
-		n.renewAsync(context.Background(), p, done)
+		n.leases.RenewAsync(context.Background(), p, done)
 		errs = append(errs, <-done)
 	}
 	return errors.Join(errs...)
@@ -77,9 +78,7 @@ func (n *leaseNode) renew(t *testing.T) error {
 
 // cut makes every renewal of the node fail, as a pool cut off does.
 func (n *leaseNode) cut() {
-	n.leases.mu.Lock()
-	defer n.leases.mu.Unlock()
-	n.leases.write = func(*pool.Pool, pool.Lease) error { return errors.New("the pool does not answer") }
+	n.leases.SetRenewal(func(*pool.Pool, pool.Lease) error { return errors.New("the pool does not answer") }, nil)
 }
 
 func newLeasePool(t *testing.T) string {
@@ -109,12 +108,12 @@ func TestFenceAndForceDetach(t *testing.T) {
 		t.Fatal("a renewal through a cut pool succeeded")
 	}
 	a.clock.add(lease.Default.Duration - time.Second)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	if f, _ := a.host.Fenced(devs[0]); f {
 		t.Fatal("fenced before the lease's duration")
 	}
 	a.clock.add(time.Second)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, devs[0])
 	vid, _ := pool.ParseVolumeID(id)
 	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
@@ -143,9 +142,7 @@ func TestFenceAndForceDetach(t *testing.T) {
 	}
 	// A's pool comes back: it renews again, its device stays fenced, and
 	// staging the volume there again is refused.
-	a.leases.mu.Lock()
-	a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }
-	a.leases.mu.Unlock()
+	a.leases.SetRenewal(func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }, nil)
 	if err := a.renew(t); err != nil {
 		t.Fatal(err)
 	}
@@ -404,7 +401,7 @@ func restartNode(t *testing.T, old *leaseNode, path string) *leaseNode {
 		t.Fatal(err)
 	}
 	c := &clock{t: old.clock.now()}
-	d.leases.now = c.now
+	d.leases.SetClock(c.now)
 	return &leaseNode{Driver: d, host: old.host, clock: c, root: old.root}
 }
 
@@ -449,9 +446,9 @@ func TestFenceFindsDevicesWithoutThePool(t *testing.T) {
 			} else {
 				a.clock.add(lease.Default.Duration)
 			}
-			a.fenceExpired(ctx)
+			a.leases.FenceExpired(ctx)
 			waitFenced(t, a.host, dev)
-			st := a.LeaseStates()
+			st := a.leases.States()
 			if len(st) != 1 || !st[0].Fenced || st[0].FailedClosed {
 				t.Fatalf("lease state after the fence: %+v", st)
 			}
@@ -494,24 +491,24 @@ func TestFenceFailsClosed(t *testing.T) {
 	// (records from before the device was renumbered, say), and the kernel
 	// cannot identify the image.
 	vid, _ := pool.ParseVolumeID(id)
-	recs, err := a.volumeRecords(vid)
+	recs, err := a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
 		t.Fatalf("node A's records of the stage: %+v %v", recs, err)
 	}
 	r := recs[0]
 	r.Device = "/dev/fakeloop99"
-	if err := a.opts.State.Put(stagesKind, r.key(), r); err != nil {
+	if err := a.opts.State.Put(layout.StagesKind, r.Key(), r); err != nil {
 		t.Fatal(err)
 	}
 	a.host.SetUnidentified(dir, mount.ErrNotIdentified)
 	a.cut()
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 	if f, _ := a.host.Fenced(otherDev); f {
 		t.Fatal("the fence took a device of another filesystem that the kernel identified")
 	}
-	if st := a.LeaseStates(); len(st) != 1 || !st[0].FailedClosed {
+	if st := a.leases.States(); len(st) != 1 || !st[0].FailedClosed {
 		t.Fatalf("lease state after a fence that failed closed: %+v", st)
 	}
 	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
@@ -542,12 +539,12 @@ func TestFenceOfNothing(t *testing.T) {
 	a.cut()
 	_ = a.renew(t)
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	time.Sleep(20 * time.Millisecond)
 	if f, _ := a.host.Fenced(otherDev); f {
 		t.Fatal("a fence with nothing staged took a device")
 	}
-	if st := a.LeaseStates(); len(st) != 1 || !st[0].Fenced || st[0].FailedClosed {
+	if st := a.leases.States(); len(st) != 1 || !st[0].Fenced || st[0].FailedClosed {
 		t.Fatalf("lease state: %+v", st)
 	}
 }
@@ -571,16 +568,16 @@ func TestStageRecords(t *testing.T) {
 	id := resp.GetVolume().GetVolumeId()
 	vid, _ := pool.ParseVolumeID(id)
 	staging := filepath.Join(a.root, "s")
-	records := func() []stageRecord {
+	records := func() []layout.StageRecord {
 		t.Helper()
-		recs, err := a.volumeRecords(vid)
+		recs, err := a.VolumeRecords(vid)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return recs
 	}
 
-	var atAttach []stageRecord
+	var atAttach []layout.StageRecord
 	a.host.Faults.OnCall("Attach", func() { atAttach = records() })
 	a.host.Faults.FailNth("Attach", 1, errors.New("no free loop device"))
 	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err == nil {
@@ -605,7 +602,7 @@ func TestStageRecords(t *testing.T) {
 	if err := syscall.Stat(a.pool("shared").ImagePath(vid), &st); err != nil || recs[0].FileDev != st.Dev || recs[0].FileIno != st.Ino {
 		t.Fatalf("record %+v, image %d:%d %v", recs[0], st.Dev, st.Ino, err)
 	}
-	if keys, _ := a.opts.State.Keys(poolsKind); len(keys) != 1 {
+	if keys, _ := a.opts.State.Keys(layout.PoolsKind); len(keys) != 1 {
 		t.Fatalf("pool records: %v", keys)
 	}
 
@@ -617,7 +614,7 @@ func TestStageRecords(t *testing.T) {
 	if recs := records(); len(recs) != 1 {
 		t.Fatalf("records after a failed detach: %+v", recs)
 	}
-	a.releaseLeases()
+	a.leases.ReleaseLeases()
 	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || l.Released {
 		t.Fatalf("lease released while a recorded device is attached: %+v %v %v", l, ok, err)
 	}
@@ -627,61 +624,19 @@ func TestStageRecords(t *testing.T) {
 	if recs := records(); len(recs) != 0 {
 		t.Fatalf("records after the unstage: %+v", recs)
 	}
-	a.releaseLeases()
+	a.leases.ReleaseLeases()
 	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || !l.Released {
 		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
 	}
 
 	// A record whose device is gone (a crash between a detach and the
 	// record's deletion) goes when the lease keeper starts.
-	if err := a.opts.State.Put(stagesKind, recs[0].key(), recs[0]); err != nil {
+	if err := a.opts.State.Put(layout.StagesKind, recs[0].Key(), recs[0]); err != nil {
 		t.Fatal(err)
 	}
-	a.dropStaleRecords(ctx)
+	a.leases.DropStaleRecords(ctx)
 	if recs := records(); len(recs) != 0 {
 		t.Fatalf("stale records after the lease keeper's start: %+v", recs)
-	}
-}
-
-// TestPlanFence: which devices a fence takes, from the kernel's devices and
-// the node's records.
-func TestPlanFence(t *testing.T) {
-	const poolFS, otherFS = 40, 41
-	rw := stageRecord{Volume: "shared.a", FileDev: poolFS, FileIno: 7, Device: "/dev/loop1"}
-	ro := stageRecord{Volume: "shared.b", FileDev: poolFS, FileIno: 8, Device: "/dev/loop2", ReadOnly: true}
-	ours := mount.LoopDevice{Device: "/dev/loop1", Dev: poolFS, Ino: 7}
-	oursRO := mount.LoopDevice{Device: "/dev/loop2", Dev: poolFS, Ino: 8}
-	samePoolOther := mount.LoopDevice{Device: "/dev/loop3", Dev: poolFS, Ino: 9}
-	elsewhere := mount.LoopDevice{Device: "/dev/loop4", Dev: otherFS, Ino: 7}
-	hung := mount.LoopDevice{Device: "/dev/loop5", Err: mount.ErrNotIdentified}
-	for _, tc := range []struct {
-		name       string
-		devs       []mount.LoopDevice
-		recs       []stageRecord
-		unreadable bool
-		want       []string
-		closed     bool
-	}{
-		{"nothing recorded", []mount.LoopDevice{ours, elsewhere, hung}, nil, false, nil, false},
-		{"by identity", []mount.LoopDevice{ours, oursRO, samePoolOther, elsewhere, hung}, []stageRecord{rw, ro}, false, []string{"/dev/loop1", "/dev/loop2"}, false},
-		{"renumbered", []mount.LoopDevice{{Device: "/dev/loop9", Dev: poolFS, Ino: 7}, elsewhere}, []stageRecord{rw}, false, []string{"/dev/loop9"}, false},
-		{"unidentified, named by the record", []mount.LoopDevice{{Device: "/dev/loop1", Err: mount.ErrNotIdentified}, elsewhere, hung}, []stageRecord{rw}, false, []string{"/dev/loop1"}, false},
-		{"fenced already", []mount.LoopDevice{{Device: "/dev/loop1", Dev: poolFS, Ino: 7, Fenced: true}}, []stageRecord{rw}, false, nil, false},
-		{"read-write record unmatched", []mount.LoopDevice{oursRO, samePoolOther, elsewhere, hung}, []stageRecord{rw, ro}, false, []string{"/dev/loop2", "/dev/loop3", "/dev/loop5"}, true},
-		{"read-only record unmatched", []mount.LoopDevice{samePoolOther, elsewhere}, []stageRecord{ro}, false, nil, false},
-		{"records unreadable", []mount.LoopDevice{samePoolOther, elsewhere, hung}, nil, true, []string{"/dev/loop5"}, true},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			plan := planFence(tc.devs, tc.recs, nil, tc.unreadable)
-			if !slices.Equal(plan.devices, tc.want) || plan.failedClosed != tc.closed {
-				t.Fatalf("fence takes %v (failed closed %t), want %v (%t)", plan.devices, plan.failedClosed, tc.want, tc.closed)
-			}
-		})
-	}
-	// The pool's filesystem as remembered counts when failing closed.
-	plan := planFence([]mount.LoopDevice{samePoolOther, elsewhere}, nil, []uint64{poolFS}, true)
-	if !slices.Equal(plan.devices, []string{"/dev/loop3"}) {
-		t.Fatalf("failing closed with the pool's filesystem remembered: %v", plan.devices)
 	}
 }
 
@@ -694,11 +649,11 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	dir, a, _, _, id, _ := stagedOnA(t)
 	dev := mustFind(t, a.host, dir)
 	vid, _ := pool.ParseVolumeID(id)
-	recs, err := a.volumeRecords(vid)
+	recs, err := a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 {
 		t.Fatalf("records: %+v %v", recs, err)
 	}
-	if err := a.opts.State.Delete(stagesKind, recs[0].key()); err != nil {
+	if err := a.opts.State.Delete(layout.StagesKind, recs[0].Key()); err != nil {
 		t.Fatal(err)
 	}
 	// Another node's plugin on the same kernel and path (as in tests) does
@@ -708,12 +663,12 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	other.adoptDevices(ctx, other.pool("shared"))
-	if keys, _ := other.opts.State.Keys(stagesKind); len(keys) != 0 {
+	other.leases.AdoptDevices(ctx, other.pool("shared"))
+	if keys, _ := other.opts.State.Keys(layout.StagesKind); len(keys) != 0 {
 		t.Fatalf("node C adopted %v", keys)
 	}
-	a.adoptDevices(ctx, a.pool("shared"))
-	recs, err = a.volumeRecords(vid)
+	a.leases.AdoptDevices(ctx, a.pool("shared"))
+	recs, err = a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
 		t.Fatalf("records after the adoption: %+v %v", recs, err)
 	}
@@ -721,7 +676,7 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	a.cut()
 	_ = a.renew(t)
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 }
 
@@ -735,24 +690,19 @@ func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
 	dir, a, _, vc, _, _ := stagedOnA(t)
 	v1 := mustFind(t, a.host, dir)
 	restore := func() {
-		a.leases.mu.Lock()
-		a.leases.write = func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }
-		a.leases.mu.Unlock()
+		a.leases.SetRenewal(func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) }, nil)
 	}
 	if err := a.renew(t); err != nil {
 		t.Fatal(err)
 	}
 	a.cut()
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, v1)
 
 	// A renewal that started before the fence and succeeds after it does
 	// not end the episode: no volume is taken read-write meanwhile.
-	a.leases.mu.Lock()
-	pl := a.leases.pools["shared"]
-	pl.last = a.clock.now().Add(-time.Second)
-	a.leases.mu.Unlock()
+	a.leases.SetLastRenewal("shared", a.clock.now().Add(-time.Second))
 	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc2", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
 	if err != nil {
 		t.Fatal(err)
@@ -771,7 +721,7 @@ func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
 	if err := a.renew(t); err != nil {
 		t.Fatal(err)
 	}
-	if st := a.LeaseStates(); len(st) != 1 || st[0].Fenced {
+	if st := a.leases.States(); len(st) != 1 || st[0].Fenced {
 		t.Fatalf("lease state after a renewal that started after the fence: %+v", st)
 	}
 	if f, _ := a.host.Fenced(v1); !f {
@@ -793,9 +743,9 @@ func TestFenceFiresAgainAfterThePoolCameBack(t *testing.T) {
 	// The pool is lost again: V2's device is fenced too.
 	a.cut()
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, v2)
-	if st := a.LeaseStates(); len(st) != 1 || !st[0].Fenced {
+	if st := a.leases.States(); len(st) != 1 || !st[0].Fenced {
 		t.Fatalf("lease state after the second fence: %+v", st)
 	}
 }
@@ -811,7 +761,7 @@ func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
 	dev := mustFind(t, a.host, dir)
 	a = restartNode(t, a, dir)
 	a.cut()
-	a.startLeases(ctx, a.clock.now())
+	a.leases.StartLeases(ctx, a.clock.now())
 	a.clock.add(lease.Default.Margin / 2)
 	dir2 := filepath.Join(t.TempDir(), "share2")
 	if _, err := pool.Initialise(pool.Config{Name: "share2", Path: dir2, Shared: true}); err != nil {
@@ -822,17 +772,17 @@ func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.addPool(p2)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
-	st := a.LeaseStates()
+	st := a.leases.States()
 	if len(st) != 2 || st[0].Pool != "share2" || st[0].Fenced || st[1].Pool != "shared" || !st[1].Fenced {
 		t.Fatalf("lease states half the margin after the start, share2 just added: %+v", st)
 	}
 	// share2 keeps its own allowance: not renewed for half the margin
 	// since it was added, it fences.
 	a.clock.add(lease.Default.Margin / 2)
-	a.fenceExpired(ctx)
-	if st := a.LeaseStates(); !st[0].Fenced {
+	a.leases.FenceExpired(ctx)
+	if st := a.leases.States(); !st[0].Fenced {
 		t.Fatalf("lease states half the margin after share2 was added: %+v", st)
 	}
 }
@@ -861,18 +811,18 @@ func TestFenceOfAPoolNotServed(t *testing.T) {
 		t.Fatal(err)
 	}
 	c := &clock{t: a.clock.now()}
-	d.leases.now = c.now
-	d.startLeases(ctx, c.now())
+	d.leases.SetClock(c.now)
+	d.leases.StartLeases(ctx, c.now())
 	c.add(lease.Default.Margin/2 - time.Second)
-	d.fenceExpired(ctx)
+	d.leases.FenceExpired(ctx)
 	time.Sleep(20 * time.Millisecond)
 	if f, _ := a.host.Fenced(dev); f {
 		t.Fatal("fenced before the startup allowance ran out")
 	}
 	c.add(time.Second)
-	d.fenceExpired(ctx)
+	d.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
-	if st := d.LeaseStates(); len(st) != 1 || st[0].Pool != "shared" || !st[0].Fenced {
+	if st := d.leases.States(); len(st) != 1 || st[0].Pool != "shared" || !st[0].Fenced {
 		t.Fatalf("lease states: %+v", st)
 	}
 }
@@ -901,7 +851,7 @@ func TestStageRacingTheFence(t *testing.T) {
 		a.host.Faults.OnCall("Attach", nil)
 		a.cut()
 		a.clock.add(lease.Default.Duration)
-		a.fenceExpired(ctx)
+		a.leases.FenceExpired(ctx)
 	})
 	_, err = a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc})
 	wantCode(t, err, codes.Unavailable)

@@ -213,7 +213,7 @@ func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.Controller
 	v, err = p.Modify(ctx, vid, func(v *pool.Volume) error {
 		m.apply(v)
 		return nil
-	}, d.fs.Allocate)
+	}, d.FS.Allocate)
 	if err != nil {
 		return nil, err
 	}

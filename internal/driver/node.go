@@ -13,6 +13,8 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
+	"github.com/poolcsi/poolcsi/internal/iolimits"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -43,21 +45,6 @@ func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.Nod
 		MaxVolumesPerNode:  d.opts.MaxVolumesPerNode,
 		AccessibleTopology: &csi.Topology{Segments: d.nodeTopology()},
 	}, nil
-}
-
-// readOnlyMode tells whether an access mode only ever reads.
-func readOnlyMode(m csi.VolumeCapability_AccessMode_Mode) bool {
-	return m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY ||
-		m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
-}
-
-// nodeVolume is what every node call resolves first: the volume, its pool and its
-// parsed capability.
-type nodeVolume struct {
-	id   pool.VolumeID
-	pool *pool.Pool
-	vol  *pool.Volume
-	caps capsSpec
 }
 
 // beginNodeCall checks the ID and capability every stage and publish carries,
@@ -99,30 +86,30 @@ func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi
 	if err != nil {
 		return nv, err
 	}
-	nv.caps = caps
-	if nv.id, nv.pool, err = d.volumeRef(ctx, volumeID, acc); err != nil {
+	nv.Caps = caps
+	if nv.ID, nv.Pool, err = d.volumeRef(ctx, volumeID, acc); err != nil {
 		return nv, err
 	}
-	if nv.vol, err = loadVolume(nv.pool, nv.id); err != nil {
+	if nv.Vol, err = loadVolume(nv.Pool, nv.ID); err != nil {
 		return nv, err
 	}
-	if err := notEphemeral(nv.vol, "be staged or published by its pool ID"); err != nil {
+	if err := notEphemeral(nv.Vol, "be staged or published by its pool ID"); err != nil {
 		return nv, err
 	}
-	if err := d.compatible(caps, nv.vol); err != nil {
+	if err := d.compatible(caps, nv.Vol); err != nil {
 		return nv, csierr.Failf(csierr.ErrState, "%w", err)
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
-	if err := mount.CheckOptions(d.layoutOf(nv.vol.Layout).mountFS(nv.vol), volumeFlags(nv.pool, nv.vol, vc)); err != nil {
-		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.id, err)
+	if err := mount.CheckOptions(d.layoutOf(nv.Vol.Layout).MountFS(nv.Vol), volumeFlags(nv.Pool, nv.Vol, vc)); err != nil {
+		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.ID, err)
 	}
 	return nv, nil
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -134,11 +121,11 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	defer release()
-	readOnly := readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
-	if !readOnly && nv.vol.Layout == pool.LayoutImage {
+	readOnly := layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	if !readOnly && nv.Vol.Layout == pool.LayoutImage {
 		// A node that cannot renew its lease would not fence itself if cut
 		// off: it takes no image read-write meanwhile.
-		if err := d.ensureLease(ctx, nv.pool); err != nil {
+		if err := d.leases.EnsureLease(ctx, nv.Pool); err != nil {
 			return nil, err
 		}
 	}
@@ -152,11 +139,11 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 			return nil, err
 		}
 	}
-	if err := d.layoutOf(nv.vol.Layout).stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
+	if err := d.layoutOf(nv.Vol.Layout).Stage(ctx, nv, staging, req.GetVolumeCapability()); err != nil {
 		if claimed {
 			d.unclaimStage(ctx, nv)
 		}
-		d.forgetStages(ctx, nv.id) // those whose device went with the failure
+		d.ForgetStages(ctx, nv.ID) // those whose device went with the failure
 		return nil, err
 	}
 	if !claimed {
@@ -189,29 +176,22 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 		return false
 	}
 	image := p.ImagePath(vid)
-	if dev, ok, err := d.loops.Find(image); err == nil && ok &&
-		(info.Source == dev || d.mounts.OnDevice(path, dev) || d.mounts.IsDevice(path, dev)) {
+	if dev, ok, err := d.Loops.Find(image); err == nil && ok &&
+		(info.Source == dev || d.Mounts.OnDevice(path, dev) || d.Mounts.IsDevice(path, dev)) {
 		return true
 	}
 	// A device this node fenced is no attachment of the image any more, but
 	// what is mounted from it is still this volume's.
-	if d.loops.Backs(info.Source, image) {
+	if d.Loops.Backs(info.Source, image) {
 		return true
 	}
 	// A device of the volume this node recorded, whose backing file can be
 	// found neither by path nor by identity any more (its filesystem is
 	// gone for good: a FUSE daemon killed, a client evicted).
-	if d.recordedDevice(vid, info.Source) {
+	if d.RecordedDevice(vid, info.Source) {
 		return true
 	}
-	return d.mounts.SameDir(path, p.DataPath(vid))
-}
-
-// isVolumeMount tells whether a mount comes from the loop device backed by
-// image; UNAVAILABLE when the loop devices cannot be looked up.
-func (d *layoutDeps) isVolumeMount(info mount.MountInfo, image string) (bool, error) {
-	dev, ok, err := d.attachedDevice(image)
-	return ok && dev == info.Source, err
+	return d.Mounts.SameDir(path, p.DataPath(vid))
 }
 
 // claimStage records in volume.json, before anything is attached or mounted,
@@ -221,8 +201,8 @@ func (d *layoutDeps) isVolumeMount(info mount.MountInfo, image string) (bool, er
 // tells whether this call added the record (a retried stage finds it there).
 // The record also makes the controller refuse to delete the volume meanwhile.
 func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
-	err = d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
-		if err := d.layoutOf(v.Layout).fence(v, d.opts.NodeID, readOnly); err != nil {
+	err = d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
+		if err := d.layoutOf(v.Layout).Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, csierr.Failf(csierr.ErrInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
 		}
 		for _, s := range v.Staged {
@@ -240,7 +220,7 @@ func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, 
 // recordStage makes this node's stage record say staging and readOnly, after a
 // stage that found an older record of this node.
 func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
-	return d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
+	return d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID && s.Path == staging && s.ReadOnly == readOnly {
 				return false, nil
@@ -253,13 +233,13 @@ func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string,
 
 // unclaimStage takes back a claim whose stage failed, so it fences nothing.
 func (d *Driver) unclaimStage(ctx context.Context, nv nodeVolume) {
-	err := d.updateVolume(ctx, nv.pool, nv.id, func(v *pool.Volume) (bool, error) {
+	err := d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
 		return len(v.Staged) != before, nil
 	})
 	if err != nil {
-		klog.FromContext(ctx).Error(err, "Taking back the stage record of a failed stage", "volume", nv.id)
+		klog.FromContext(ctx).Error(err, "Taking back the stage record of a failed stage", "volume", nv.ID)
 	}
 }
 
@@ -270,7 +250,7 @@ func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeI
 
 func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -283,14 +263,14 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err := d.fenceIfTaken(ctx, p, vid, image, staging); err != nil {
 		return nil, err
 	}
-	if err := d.mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
+	if err := d.Mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", staging, err)
 	}
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
 		return nil, err
 	}
 	// Only now: a record goes once the kernel shows its device gone.
-	d.forgetStages(ctx, vid)
+	d.ForgetStages(ctx, vid)
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
@@ -319,7 +299,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
 	// Detach itself refuses a device that is still mounted (it reads the mount
 	// table for that, so this does not read it again first).
-	err := d.loops.Detach(ctx, image)
+	err := d.Loops.Detach(ctx, image)
 	if errors.Is(err, mount.ErrDeviceBusy) {
 		v, lerr := p.Load(vid)
 		recorded := lerr != nil // unreadable metadata: act as before, fail the detach
@@ -339,7 +319,7 @@ func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.Volume
 
 func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	target, err := d.requestPath("target_path", req.GetTargetPath())
+	target, err := d.RequestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -352,30 +332,30 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 		return &csi.NodePublishVolumeResponse{}, nil
 	}
-	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
+	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
 	}
 	if how := nestedIn(target, staging); how != "" {
 		return nil, csierr.Failf(csierr.ErrInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
-	podUID := podUIDOf(ctx, req.GetVolumeContext())
+	podUID := iolimits.PodUIDOf(ctx, req.GetVolumeContext())
 	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	readOnly := req.GetReadonly() || readOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
-	if err := d.layoutOf(nv.vol.Layout).publish(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
+	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	if err := d.layoutOf(nv.Vol.Layout).Publish(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
-	d.trackPublish(ctx, nv, target, podUID)
+	d.throttle.Track(ctx, nv, target, podUID)
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
 func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	target, err := d.requestPath("target_path", req.GetTargetPath())
+	target, err := d.RequestPath("target_path", req.GetTargetPath())
 	if err != nil {
 		return nil, err
 	}
@@ -397,11 +377,11 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	// The volume's pool, to tell its mounts from others: a volume whose pool
 	// is unknown here (nil) has none.
 	p, _ := d.poolOf(ctx, vid, shareAccess{})
-	if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
+	if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}
 	d.conditions.forget(vid.String())
-	d.untrackPublish(target)
+	d.throttle.Untrack(target)
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -38,7 +39,7 @@ func TestDropStaleRecordsLocksOnlyStale(t *testing.T) {
 	}
 	staged, gone := ids[0], ids[1]
 	goneVID, _ := pool.ParseVolumeID(gone)
-	recs, err := a.volumeRecords(goneVID)
+	recs, err := a.VolumeRecords(goneVID)
 	if err != nil || len(recs) != 1 {
 		t.Fatalf("records of %s: %+v %v", gone, recs, err)
 	}
@@ -46,7 +47,7 @@ func TestDropStaleRecordsLocksOnlyStale(t *testing.T) {
 	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: gone, StagingTargetPath: filepath.Join(a.root, "gone")}); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.opts.State.Put(stagesKind, recs[0].key(), recs[0]); err != nil {
+	if err := a.opts.State.Put(layout.StagesKind, recs[0].Key(), recs[0]); err != nil {
 		t.Fatal(err)
 	}
 
@@ -60,17 +61,17 @@ func TestDropStaleRecordsLocksOnlyStale(t *testing.T) {
 			}
 		}
 	})
-	a.dropStaleRecords(ctx)
+	a.leases.DropStaleRecords(ctx)
 	for _, id := range lockedWhileListing {
 		if id == staged {
 			t.Errorf("the staged volume %s was locked while the kernel's devices were listed", staged)
 		}
 	}
-	if recs, _ := a.volumeRecords(goneVID); len(recs) != 0 {
+	if recs, _ := a.VolumeRecords(goneVID); len(recs) != 0 {
 		t.Errorf("stale record kept: %+v", recs)
 	}
 	stagedVID, _ := pool.ParseVolumeID(staged)
-	if recs, _ := a.volumeRecords(stagedVID); len(recs) != 1 {
+	if recs, _ := a.VolumeRecords(stagedVID); len(recs) != 1 {
 		t.Errorf("records of the staged volume: %+v", recs)
 	}
 }

@@ -15,7 +15,7 @@ func TestSilentNodeIsVisible(t *testing.T) {
 	_, a, b, _, _, _ := stagedOnA(t)
 	peer := func() PeerLease {
 		t.Helper()
-		b.watchPeers(ctx)
+		b.leases.WatchPeers(ctx)
 		for _, pl := range b.PeerLeases() {
 			if pl.Pool == "shared" && pl.Node == "node-a" {
 				return pl

@@ -13,6 +13,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -93,7 +94,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	// Update holds the pool's volume lock, a lock file: controllers of other
 	// nodes sharing the pool wait on the same one, so two of them cannot both
 	// grant a writer.
-	readOnly := req.GetReadonly() || readOnlyMode(vc.GetAccessMode().GetMode())
+	readOnly := req.GetReadonly() || layout.ReadOnlyMode(vc.GetAccessMode().GetMode())
 	var v *pool.Volume
 	err = d.updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
 		v = cur
@@ -115,7 +116,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 			}
 			return false, nil
 		}
-		if err := d.layoutOf(v.Layout).fence(v, node, readOnly); err != nil {
+		if err := d.layoutOf(v.Layout).Fence(v, node, readOnly); err != nil {
 			return false, err
 		}
 		if err := d.reserveAttachSlot(ctx, p, vid, node); err != nil {
@@ -167,7 +168,7 @@ func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.Control
 		// it: the CO is force-detaching (a node out of service). Its records
 		// go only once its lease has expired, by this controller's clock.
 		if p.Shared() && v.Layout == pool.LayoutImage {
-			if forced = writers(v, node); len(forced) > 0 {
+			if forced = layout.Writers(v, node); len(forced) > 0 {
 				if err := d.forceDetachable(p, v, forced); err != nil {
 					return false, err
 				}

@@ -34,7 +34,7 @@ func TestPublishFence(t *testing.T) {
 	d := &Driver{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
-		if got := status.Code(csierr.GRPCError(d.layoutOf(tt.layout).fence(v, "n2", tt.readOnly))); got != tt.want {
+		if got := status.Code(csierr.GRPCError(d.layoutOf(tt.layout).Fence(v, "n2", tt.readOnly))); got != tt.want {
 			t.Errorf("%s: %s, want %s", tt.name, got, tt.want)
 		}
 	}
@@ -65,7 +65,7 @@ func TestAccessModesByLayout(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: parseCaps: %v", tt.name, err)
 		}
-		err = d.layoutOf(tt.layout).allowed(caps)
+		err = d.layoutOf(tt.layout).Allowed(caps)
 		if (err == nil) != tt.ok {
 			t.Errorf("%s: allowed = %v, want ok=%t", tt.name, err, tt.ok)
 		}

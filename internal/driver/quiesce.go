@@ -240,7 +240,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 		if r.answered {
 			continue
 		}
-		verdict, err := d.leaseVerdict(r.pool, r.node, true)
+		verdict, err := d.leases.Verdict(r.pool, r.node, true)
 		if err == nil && verdict.Expired {
 			log.Info("Node did not answer the freeze request, and its lease has expired: it has fenced itself off the pool, so nothing of it writes to the volume; copying without its freeze", "volume", r.id, "node", r.node, "lease", verdict.Why)
 			r.answered = true

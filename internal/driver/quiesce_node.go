@@ -10,6 +10,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -127,25 +128,25 @@ func (f *freezer) isRecovered() bool {
 // used, and only for calls of this node's own CSI socket (the agent reads
 // only shared pools' inboxes).
 func (d *Driver) ownDevice(p *pool.Pool, id pool.VolumeID) (dev, key string, err error) {
-	devs, err := d.loops.List(identifyWait)
+	devs, err := d.Loops.List(layout.IdentifyWait)
 	if err != nil {
 		return "", "", csierr.Failf(pool.ErrUnavailable, "list the loop devices: %w", err)
 	}
 	if p.Shared() {
-		recs, err := d.volumeRecords(id)
+		recs, err := d.VolumeRecords(id)
 		if err != nil {
 			return "", "", csierr.Failf(pool.ErrUnavailable, "read this node's stage records: %w", err)
 		}
 		for _, r := range recs {
 			for _, ld := range devs {
-				if r.Device != "" && ld.Device == r.Device && !ld.Fenced && r.holds(ld) {
+				if r.Device != "" && ld.Device == r.Device && !ld.Fenced && r.Holds(ld) {
 					return ld.Device, fmt.Sprintf("%d:%d", ld.Dev, ld.Ino), nil
 				}
 			}
 		}
 		return "", "", nil
 	}
-	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	dev, ok, err := d.AttachedDevice(p.ImagePath(id))
 	if err != nil || !ok {
 		return "", "", err
 	}
@@ -165,7 +166,7 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, id pool.VolumeID, dev str
 	if dev == "" {
 		return nil, "no loop device this node staged the volume on", nil
 	}
-	points, err := d.mounts.MountPoints(dev)
+	points, err := d.Mounts.MountPoints(dev)
 	if err != nil {
 		return nil, "", fmt.Errorf("read the mount table: %w", err)
 	}
@@ -176,7 +177,7 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, id pool.VolumeID, dev str
 		if err := d.opts.State.Put(freezeKind, id.String(), freezeRecord{Volume: id.String(), Path: path, Device: dev}); err != nil {
 			return nil, "", fmt.Errorf("record the freeze: %w", err)
 		}
-		fz, err := d.fs.FreezeMount(d.opts.PathPrefix, path, dev, bound)
+		fz, err := d.FS.FreezeMount(d.opts.PathPrefix, path, dev, bound)
 		if err == nil {
 			return &localHold{id: id, path: path, dev: dev, fs: fz}, "", nil
 		}
@@ -257,18 +258,10 @@ func (f *freezer) spend(id string, start, end time.Time) {
 
 // runFreezeAgent answers freeze requests every poll interval until ctx ends,
 // then thaws whatever it still holds.
-func (d *Driver) runFreezeAgent(ctx context.Context) {
-	tick := time.NewTicker(d.freezeTiming.Poll)
-	defer tick.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			d.thawAllHeld(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
-			return
-		case <-tick.C:
-			d.freezeTick(ctx)
-		}
-	}
+func (d *Driver) runFreezeAgent(ctx context.Context) error {
+	_ = Every{Interval: d.freezeTiming.Poll, F: d.freezeTick}.Run(ctx)
+	d.thawAllHeld(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
+	return nil
 }
 
 // freezeTick reads every shared pool's inbox once: thaws what was withdrawn

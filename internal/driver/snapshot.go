@@ -408,7 +408,7 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 			continue
 		}
 		thaws = append(thaws, d.recoveryThaw(ctx, key, func() (string, error) {
-			return rec.Path, d.fs.ThawMount(d.opts.PathPrefix, rec.Path, rec.Device)
+			return rec.Path, d.FS.ThawMount(d.opts.PathPrefix, rec.Path, rec.Device)
 		}))
 	}
 	// Older versions recorded freezes in the pool: only which volume is
@@ -491,12 +491,12 @@ func (d *Driver) thawVolumeHere(p *pool.Pool, id pool.VolumeID) (string, error) 
 	if err != nil || dev == "" {
 		return "", err
 	}
-	points, err := d.mounts.MountPoints(dev)
+	points, err := d.Mounts.MountPoints(dev)
 	if err != nil {
 		return "", fmt.Errorf("read the mount table: %w", err)
 	}
 	for _, path := range points {
-		if err := d.fs.ThawMount(d.opts.PathPrefix, path, dev); !errors.Is(err, mount.ErrNotTheMount) {
+		if err := d.FS.ThawMount(d.opts.PathPrefix, path, dev); !errors.Is(err, mount.ErrNotTheMount) {
 			return path, err
 		}
 	}

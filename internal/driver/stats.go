@@ -6,7 +6,6 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
-	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
@@ -63,7 +62,7 @@ func (d *Driver) statsOf(ctx context.Context, p *pool.Pool, vid pool.VolumeID, r
 	// kubelet_volume_stats_health_status_abnormal and a pod event.
 	staging := ""
 	if req.GetStagingTargetPath() != "" {
-		staging, _ = d.requestPath("staging_target_path", req.GetStagingTargetPath())
+		staging, _ = d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	}
 	issues, err := d.statsCondition(p, vid, staging, path)
 	if err != nil {
@@ -165,25 +164,12 @@ func (d *Driver) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeI
 	// the loop device backed by this volume's image, which proves everything the
 	// call needs without reading volume.json or mountinfo.
 	image := p.ImagePath(vid)
-	if dev, ok, _ := d.loops.Find(image); ok && d.mounts.OnDevice(path, dev) {
-		return d.filesystemStats(path)
+	if dev, ok, _ := d.Loops.Find(image); ok && d.Mounts.OnDevice(path, dev) {
+		return d.FilesystemStats(path)
 	}
 	v, err := loadVolume(p, vid)
 	if err != nil {
 		return nil, err
 	}
-	return d.layoutOf(v.Layout).stats(ctx, p, vid, v, path)
-}
-
-// filesystemStats is the usage of the filesystem mounted at path.
-func (d *layoutDeps) filesystemStats(path string) (*csi.NodeGetVolumeStatsResponse, error) {
-	var st unix.Statfs_t
-	if err := d.fs.Statfs(path, &st); err != nil {
-		return nil, err
-	}
-	bs := st.Bsize
-	return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{
-		{Unit: csi.VolumeUsage_BYTES, Total: int64(st.Blocks) * bs, Available: int64(st.Bavail) * bs, Used: int64(st.Blocks-st.Bfree) * bs},
-		{Unit: csi.VolumeUsage_INODES, Total: int64(st.Files), Available: int64(st.Ffree), Used: int64(st.Files - st.Ffree)},
-	}}, nil
+	return d.layoutOf(v.Layout).Stats(ctx, p, vid, v, path)
 }

@@ -75,7 +75,7 @@ func TestStorageHealthReportsFenceWithoutThePool(t *testing.T) {
 	dev := mustFind(t, a.host, dir)
 	a.cut()
 	a.clock.add(lease.Default.Duration)
-	a.fenceExpired(ctx)
+	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 	old := poolCheckTimeout
 	poolCheckTimeout = 50 * time.Millisecond

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"strings"
 
@@ -72,13 +71,6 @@ func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
 	return v, nil
 }
 
-// capsSpec is what a set of volume capabilities asks of a volume.
-type capsSpec struct {
-	access pool.AccessType
-	fsType string
-	modes  []csi.VolumeCapability_AccessMode_Mode
-}
-
 // parseCaps checks a capability list and folds it into one spec; which access
 // modes a volume allows depends on its layout (layout.allowed). defaultFS
 // applies when no capability names a filesystem.
@@ -102,18 +94,18 @@ func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error)
 				if !mount.SupportedFS(fs) {
 					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: fs_type %q is not supported (ext4, xfs, btrfs)", i, fs)
 				}
-				if s.fsType != "" && s.fsType != fs {
-					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities ask for two filesystems, %s and %s", s.fsType, fs)
+				if s.FSType != "" && s.FSType != fs {
+					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities ask for two filesystems, %s and %s", s.FSType, fs)
 				}
-				s.fsType = fs
+				s.FSType = fs
 			}
 		default:
 			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access type (mount or block)", i)
 		}
-		if s.access != "" && s.access != access {
+		if s.Access != "" && s.Access != access {
 			return s, status.Error(codes.InvalidArgument, "volume_capabilities mix block and mount access; a volume is one or the other")
 		}
-		s.access = access
+		s.Access = access
 		mode := c.GetAccessMode().GetMode()
 		if mode == csi.VolumeCapability_AccessMode_UNKNOWN {
 			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access mode", i)
@@ -121,68 +113,27 @@ func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error)
 		if _, known := csi.VolumeCapability_AccessMode_Mode_name[int32(mode)]; !known {
 			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: unknown access mode %d", i, mode)
 		}
-		s.modes = append(s.modes, mode)
+		s.Modes = append(s.Modes, mode)
 	}
-	if s.access == pool.AccessFilesystem && s.fsType == "" {
-		s.fsType = defaultFS
+	if s.Access == pool.AccessFilesystem && s.FSType == "" {
+		s.FSType = defaultFS
 	}
 	return s, nil
 }
 
 // compatible tells whether an existing volume satisfies a capability spec.
 func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
-	if s.access != v.AccessType {
-		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.access)
+	if s.Access != v.AccessType {
+		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
 	}
 	lay := d.layoutOf(v.Layout)
-	if !lay.sameFS(s, v.FSType) {
-		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
+	if !lay.SameFS(s, v.FSType) {
+		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.FSType)
 	}
-	if err := lay.allowed(s); err != nil {
+	if err := lay.Allowed(s); err != nil {
 		return fmt.Errorf("volume %s: %w", v.ID, err)
 	}
 	return nil
-}
-
-// requestPath validates a staging or target path sent by the CO: absolute,
-// clean of "..", strictly below the allowed prefix (never the prefix itself:
-// a volume mounted over kubelet's whole directory would hide every pod's
-// volumes), and with no symbolic link in any component below it. Kubelet
-// never sends a link; a path through one could make a mount or unmount act
-// somewhere else. This is the early, readable refusal: the mounter resolves
-// the path once more, without links, and acts on what it resolved
-// (internal/mount/beneath.go), so a link swapped in after this check moves
-// nothing.
-func (d *layoutDeps) requestPath(field, p string) (string, error) {
-	switch {
-	case p == "":
-		return "", csierr.Failf(csierr.ErrInvalid, "%s is required", field)
-	case !filepath.IsAbs(p):
-		return "", csierr.Failf(csierr.ErrInvalid, "%s %q must be absolute", field, p)
-	case strings.ContainsRune(p, 0):
-		return "", csierr.Failf(csierr.ErrInvalid, "%s contains a NUL byte", field)
-	case len(p) > 4096:
-		return "", csierr.Failf(csierr.ErrInvalid, "%s is longer than PATH_MAX", field)
-	}
-	for _, part := range strings.Split(p, "/") {
-		if part == ".." {
-			return "", csierr.Failf(csierr.ErrInvalid, "%s %q contains '..'", field, p)
-		}
-	}
-	clean := filepath.Clean(p)
-	base := "/"
-	if prefix := d.pathPrefix; prefix != "" && prefix != "/" {
-		if !strings.HasPrefix(clean, prefix+"/") {
-			return "", csierr.Failf(csierr.ErrInvalid, "%s %q is not below %s, the only directory this driver mounts in (--allowed-path-prefix)", field, p, prefix)
-		}
-		base = prefix
-	} else if clean == "/" {
-		return "", csierr.Failf(csierr.ErrInvalid, "%s is /", field)
-	}
-	if link := firstLink(base, clean); link != "" {
-		return "", csierr.Failf(csierr.ErrInvalid, "%s %q goes through the symbolic link %s; staging and target paths must not", field, p, link)
-	}
-	return clean, nil
 }
 
 // loopMajor is the block device major number of loop devices.
@@ -212,7 +163,7 @@ func nestedIn(a, b string) string {
 // node's mount table shows it (node-local, trusted); the mount at the path
 // itself is left to the layout (a retried call finds its own mount there).
 func (d *Driver) checkNesting(field, path string) error {
-	table, err := d.mounts.Table()
+	table, err := d.Mounts.Table()
 	if err != nil {
 		return fmt.Errorf("%s %s: read the mount table: %w", field, path, err)
 	}
@@ -232,7 +183,7 @@ func (d *Driver) checkNesting(field, path string) error {
 // belowPrefix says whether m is strictly below --allowed-path-prefix (any
 // path but / without one).
 func (d *Driver) belowPrefix(m string) bool {
-	prefix := d.pathPrefix
+	prefix := d.PathPrefix
 	if prefix == "" || prefix == "/" {
 		return m != "/"
 	}
@@ -277,32 +228,11 @@ func (d *Driver) volumeMount(table []mount.MountEntry, e mount.MountEntry) bool 
 	return false
 }
 
-// firstLink returns the first component of path below base that is a
-// symbolic link, "" if none (components that do not exist yet are fine).
-func firstLink(base, path string) string {
-	rest := strings.TrimPrefix(strings.TrimPrefix(path, base), "/")
-	cur := base
-	for _, part := range strings.Split(rest, "/") {
-		if part == "" {
-			continue
-		}
-		cur = filepath.Join(cur, part)
-		fi, err := os.Lstat(cur)
-		if err != nil {
-			return ""
-		}
-		if fi.Mode()&os.ModeSymlink != 0 {
-			return cur
-		}
-	}
-	return ""
-}
-
 // volumePath validates the volume_path of NodeGetVolumeStats and NodeExpandVolume.
 // Kubelet only sends absolute paths, so any other path cannot hold the volume:
 // NOT_FOUND, as the CSI sanity suite expects, rather than INVALID_ARGUMENT.
 func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
-	path, err := d.requestPath("volume_path", raw)
+	path, err := d.RequestPath("volume_path", raw)
 	if err != nil {
 		return "", csierr.Failf(csierr.ErrNotAtPath, "volume %s is not at %q: %w", vid, raw, err)
 	}

@@ -17,6 +17,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/poolcsi/poolcsi/internal/fsx"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 )
@@ -212,7 +213,7 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 		return "", fmt.Errorf("open backing file: %w", &os.PathError{Op: "open", Path: backingFile, Err: err})
 	}
 	defer unix.Close(lockFD)
-	if err := flockContext(ctx, lockFD); errors.Is(err, unix.ENOLCK) || errors.Is(err, unix.EOPNOTSUPP) {
+	if err := fsx.Flock(ctx, lockFD); errors.Is(err, unix.ENOLCK) || errors.Is(err, unix.EOPNOTSUPP) {
 		// NFS mounted with nolock: the in-process mutex still protects us.
 		klog.FromContext(ctx).Info("Backing file cannot be locked; relying on in-process locking", "file", backingFile, "err", err)
 	} else if err != nil {
@@ -274,23 +275,6 @@ func (l *Loops) Attach(ctx context.Context, backingFile string) (string, error) 
 	}
 	klog.FromContext(ctx).V(2).Info("Attached loop device", "device", dev, "file", backingFile, "blockSize", blockSize)
 	return dev, nil
-}
-
-// flockContext takes an exclusive flock, giving up when ctx ends. Polling
-// keeps it simple: contention only happens when two attaches of one file race.
-func flockContext(ctx context.Context, fd int) error {
-	for {
-		err := unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			return nil
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
-			return err
-		}
-		if err := sleepContext(ctx); err != nil {
-			return err
-		}
-	}
 }
 
 // attachFree binds fd to a free loop device and returns its path.

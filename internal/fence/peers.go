@@ -1,4 +1,4 @@
-package driver
+package fence
 
 import (
 	"context"
@@ -8,6 +8,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -55,15 +56,15 @@ func newPeerWatch(now func() time.Time) *peerWatch {
 	return &peerWatch{observer: lease.NewObserverClock(now), warned: map[[2]string]bool{}, stages: map[string]map[string]int{}, scanned: map[string]time.Time{}}
 }
 
-// watchPeers reads every node's lease in every shared pool once, and logs the
+// WatchPeers reads every node's lease in every shared pool once, and logs the
 // nodes whose lease has stopped changing while they hold read-write stages.
-func (d *Driver) watchPeers(ctx context.Context) {
+func (k *Keeper) WatchPeers(ctx context.Context) {
 	log := klog.FromContext(ctx)
-	ls, w := d.leases, d.leases.peers
+	ls, w := k, k.peers
 	silentAfter := ls.timing.Duration / 2
 	var all []PeerLease
-	for _, p := range d.sharedPools() {
-		stages := d.peerStages(ctx, p)
+	for _, p := range k.SharedPools() {
+		stages := k.peerStages(ctx, p)
 		nodes, err := p.Leases().Nodes()
 		if err != nil {
 			log.V(2).Info("Listing the leases of a shared pool", "pool", p.Name(), "err", err)
@@ -110,9 +111,9 @@ func (d *Driver) watchPeers(ctx context.Context) {
 
 // peerStages counts, per node, the image volumes of p staged read-write,
 // rescanning the pool at most every stageScanPeriod.
-func (d *Driver) peerStages(ctx context.Context, p *pool.Pool) map[string]int {
-	w := d.leases.peers
-	now := d.leases.now()
+func (k *Keeper) peerStages(ctx context.Context, p *pool.Pool) map[string]int {
+	w := k.peers
+	now := k.now()
 	w.mu.Lock()
 	counts, at := w.stages[p.Name()], w.scanned[p.Name()]
 	w.mu.Unlock()
@@ -129,7 +130,7 @@ func (d *Driver) peerStages(ctx context.Context, p *pool.Pool) map[string]int {
 		if e.Err != nil || e.Volume.Layout != pool.LayoutImage {
 			continue
 		}
-		for _, n := range writers(e.Volume, "") {
+		for _, n := range layout.Writers(e.Volume, "") {
 			counts[n]++
 		}
 	}
@@ -140,11 +141,11 @@ func (d *Driver) peerStages(ctx context.Context, p *pool.Pool) map[string]int {
 }
 
 // PeerLeases is what the last watch saw of every node's lease, for metrics.
-func (d *Driver) PeerLeases() []PeerLease {
-	if d.leases == nil || d.leases.peers == nil {
+func (k *Keeper) PeerLeases() []PeerLease {
+	if k == nil || k.peers == nil {
 		return nil
 	}
-	w := d.leases.peers
+	w := k.peers
 	w.mu.Lock()
 	defer w.mu.Unlock()
 	return append([]PeerLease(nil), w.leases...)

@@ -1,4 +1,4 @@
-package driver
+package layout
 
 import (
 	"context"
@@ -33,20 +33,20 @@ type quotaBackends struct {
 	m  map[string]quota.Backend
 }
 
-func (d *layoutDeps) quotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, error) {
-	d.quotas.mu.Lock()
-	defer d.quotas.mu.Unlock()
-	if b, ok := d.quotas.m[p.Name()]; ok {
+func (d *Deps) QuotaFor(ctx context.Context, p *pool.Pool) (quota.Backend, error) {
+	d.Quotas.mu.Lock()
+	defer d.Quotas.mu.Unlock()
+	if b, ok := d.Quotas.m[p.Name()]; ok {
 		return b, nil
 	}
 	if err := p.Check(); err != nil {
 		return nil, err
 	}
 	b := quota.Detect(ctx, p.Path())
-	if d.quotas.m == nil {
-		d.quotas.m = map[string]quota.Backend{}
+	if d.Quotas.m == nil {
+		d.Quotas.m = map[string]quota.Backend{}
 	}
-	d.quotas.m[p.Name()] = b
+	d.Quotas.m[p.Name()] = b
 	logQuota(ctx, p, b)
 	return b, nil
 }
@@ -59,20 +59,10 @@ func logQuota(ctx context.Context, p *pool.Pool, b quota.Backend) {
 	klog.FromContext(ctx).Info("Dir volumes of this pool will NOT have their size enforced", "pool", p.Name(), "reason", b.Reason())
 }
 
-// detectQuotas runs detection for every pool present at start-up, so the log
-// says at once what dir volumes will get.
-func (d *Driver) detectQuotas(ctx context.Context) {
-	for _, pn := range d.names() {
-		if _, err := d.quotaFor(ctx, d.pool(pn)); err != nil {
-			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
-		}
-	}
-}
-
 // allowed: a directory is shared by bind mounts, so every access mode works,
 // but it is no block device.
-func (dirLayout) allowed(s capsSpec) error {
-	if s.access == pool.AccessBlock {
+func (dirLayout) Allowed(s Caps) error {
+	if s.Access == pool.AccessBlock {
 		return csierr.Failf(csierr.ErrInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
@@ -81,15 +71,15 @@ func (dirLayout) allowed(s capsSpec) error {
 // finishCreate makes the data directory of a dir volume still in state
 // creating, with its quota, and marks it ready. A half-made data directory from
 // an interrupted attempt holds no user data and is made again.
-func (d dirLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
-	return d.finishCreateDirWith(ctx, p, v, nil)
+func (d dirLayout) FinishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+	return d.FinishCreateDirWith(ctx, p, v, nil)
 }
 
 // finishCreateDirWith is finishCreateDir with a step that fills the new data
 // directory (a clone's copy) before the volume is marked ready.
-func (d *layoutDeps) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.Volume, fill func(data string) error) error {
+func (d *Deps) FinishCreateDirWith(ctx context.Context, p *pool.Pool, v *pool.Volume, fill func(data string) error) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
-	b, err := d.quotaFor(ctx, p)
+	b, err := d.QuotaFor(ctx, p)
 	if err != nil {
 		return err
 	}
@@ -125,7 +115,7 @@ func (d *layoutDeps) finishCreateDirWith(ctx context.Context, p *pool.Pool, v *p
 }
 
 // volumeContext says whether the size is enforced.
-func (dirLayout) volumeContext(v *pool.Volume, ctx map[string]string) {
+func (dirLayout) VolumeContext(v *pool.Volume, ctx map[string]string) {
 	enforced, kind := false, quota.KindNone
 	if v.Quota != nil {
 		enforced, kind = v.Quota.Enforced, v.Quota.Kind
@@ -136,8 +126,8 @@ func (dirLayout) volumeContext(v *pool.Volume, ctx map[string]string) {
 
 // delete removes exactly one dir volume: its subvolume or quota, then its
 // directory, never anything above it (the pool, the volumes directory, siblings).
-func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
-	if points, err := d.mounts.MountsBelow(p.Dir(vid)); err != nil {
+func (d dirLayout) Delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) error {
+	if points, err := d.Mounts.MountsBelow(p.Dir(vid)); err != nil {
 		return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 	} else if len(points) > 0 {
 		return csierr.Failf(csierr.ErrInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, strings.Join(points, ", "))
@@ -145,7 +135,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	// A bind mount of the data elsewhere (a target left behind) shows the same
 	// files: removing them would empty a volume a pod still uses.
 	if p.DataExists(vid) {
-		if other, err := d.mounts.MountedElsewhere(p.DataPath(vid)); err != nil {
+		if other, err := d.Mounts.MountedElsewhere(p.DataPath(vid)); err != nil {
 			return fmt.Errorf("inspect mounts of volume %s: %w", vid, err)
 		} else if other != "" {
 			return csierr.Failf(csierr.ErrInUse, "volume %s is mounted on this node at %s; unpublish and unstage it before deleting", vid, other)
@@ -166,7 +156,7 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		if q.Kind == "" || q.Kind == quota.KindNone {
 			return nil
 		}
-		b, err := d.quotaFor(ctx, p)
+		b, err := d.QuotaFor(ctx, p)
 		if err != nil || b.Kind() != q.Kind {
 			return nil // the files still go; a stale quota entry is harmless
 		}
@@ -177,20 +167,20 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	})
 }
 
-func (dirLayout) minSize(capsSpec) int64 { return mount.MinSize("") }
+func (dirLayout) MinSize(Caps) int64 { return mount.MinSize("") }
 
-func (dirLayout) mountFS(*pool.Volume) string { return "" }
+func (dirLayout) MountFS(*pool.Volume) string { return "" }
 
 // fsType: a dir volume has the pool's filesystem, whatever the CO names.
-func (dirLayout) fsType(capsSpec) string                 { return "" }
-func (dirLayout) sameFS(capsSpec, string) bool           { return true }
-func (dirLayout) fence(*pool.Volume, string, bool) error { return nil }
+func (dirLayout) FSType(Caps) string                     { return "" }
+func (dirLayout) SameFS(Caps, string) bool               { return true }
+func (dirLayout) Fence(*pool.Volume, string, bool) error { return nil }
 
 // expand raises a dir volume's quota limit. Nothing changes on the nodes (a
 // bind mount of a directory has no size of its own), so node expansion is never
 // required. Shrinking is refused by returning the current, larger size, as the
 // spec asks of a request already satisfied.
-func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
+func (d dirLayout) Expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
 	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), pool.MiB)
 	if err != nil {
 		return nil, err
@@ -201,7 +191,7 @@ func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 		if v.Quota == nil || !v.Quota.Enforced {
 			return nil
 		}
-		b, err := d.quotaFor(ctx, p)
+		b, err := d.QuotaFor(ctx, p)
 		if err != nil {
 			return err
 		}
@@ -223,23 +213,23 @@ func (d dirLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	return &csi.ControllerExpandVolumeResponse{CapacityBytes: v.CapacityBytes, NodeExpansionRequired: false}, nil
 }
 
-func (dirLayout) nodeExpansionRequired() bool { return false }
+func (dirLayout) NodeExpansionRequired() bool { return false }
 
 // cloneFrom makes the new dir volume's data directory and copies the source's
 // tree into it.
-func (d dirLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+func (d dirLayout) CloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *ContentSource) error {
 	var from *pool.Handle
 	var err error
-	if src.isSnapshot() {
-		from, err = p.Snapshots().OpenData(src.snapID)
+	if src.IsSnapshot() {
+		from, err = p.Snapshots().OpenData(src.SnapID)
 	} else {
-		from, err = p.OpenData(src.volID)
+		from, err = p.OpenData(src.VolID)
 	}
 	if err != nil {
 		return fmt.Errorf("source of volume %s: %w", v.ID, err)
 	}
 	defer from.Close()
-	return d.finishCreateDirWith(ctx, p, v, func(data string) error {
+	return d.FinishCreateDirWith(ctx, p, v, func(data string) error {
 		if err := fsx.CopyTree(ctx, from.Path(), data); err != nil {
 			return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 		}

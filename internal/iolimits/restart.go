@@ -1,4 +1,4 @@
-package driver
+package iolimits
 
 import (
 	"context"
@@ -44,17 +44,17 @@ func podUIDOfTarget(target string) (string, bool) {
 	return uid, true
 }
 
-// rebuildIOLimits finds again, after a restart, the publications of image
+// Rebuild finds again, after a restart, the publications of image
 // volumes this node staged, from the mount table: the tracking is in memory
 // only, and without it a class changed later never reaches pods already
 // running. It writes nothing: it records what each pod's cgroup already
 // holds, so the reconcile writes only what differs. It runs before the
 // server serves; a publication a handler tracked first is kept.
-func (d *Driver) rebuildIOLimits(ctx context.Context) {
+func (th *Throttle) Rebuild(ctx context.Context) {
 	logger := klog.FromContext(ctx)
 	found := 0
-	for _, name := range d.names() {
-		p := d.pool(name)
+	for _, name := range th.deps.Names() {
+		p := th.deps.Pool(name)
 		if p == nil {
 			continue
 		}
@@ -70,7 +70,7 @@ func (d *Driver) rebuildIOLimits(ctx context.Context) {
 			if e.Err != nil || e.Volume == nil || e.Volume.Layout != pool.LayoutImage {
 				continue
 			}
-			found += d.rediscoverPublishes(ctx, p, e.ID, e.Volume)
+			found += th.rediscoverPublishes(ctx, p, e.ID, e.Volume)
 		}
 	}
 	logger.Info("I/O limits: found the publications of this node again", "count", found)
@@ -80,10 +80,10 @@ func (d *Driver) rebuildIOLimits(ctx context.Context) {
 // of its loop device that are kubelet target paths, below the allowed path
 // prefix, other than this node's staging paths (an inline volume is staged at
 // its target and never tracked). It returns how many it tracked.
-func (d *Driver) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.VolumeID, v *pool.Volume) int {
+func (th *Throttle) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.VolumeID, v *pool.Volume) int {
 	var staging []string
 	for _, s := range v.Staged {
-		if s.Node == d.opts.NodeID {
+		if s.Node == th.deps.Node.NodeID {
 			staging = append(staging, s.Path, filepath.Clean(s.Path))
 		}
 	}
@@ -91,12 +91,12 @@ func (d *Driver) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.
 		return 0
 	}
 	logger := klog.FromContext(ctx).WithValues("volume", id)
-	dev, ok, err := d.attachedDevice(p.ImagePath(id))
+	dev, ok, err := th.deps.Node.AttachedDevice(p.ImagePath(id))
 	if err != nil || !ok {
 		logger.V(2).Info("I/O limits: a volume staged here has no loop device", "err", err)
 		return 0
 	}
-	points, err := d.mounts.MountPoints(dev)
+	points, err := th.deps.Node.Mounts.MountPoints(dev)
 	if err != nil {
 		logger.Error(err, "I/O limits: cannot list the mounts of a volume's loop device", "device", dev)
 		return 0
@@ -108,7 +108,7 @@ func (d *Driver) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.
 		}
 		// The same check a request's target path passes: below the prefix,
 		// clean, through no link.
-		target, err := d.requestPath("target_path", m)
+		target, err := th.deps.Node.RequestPath("target_path", m)
 		if err != nil || target != m {
 			logger.V(2).Info("I/O limits: not a target path this driver publishes to", "path", m, "err", err)
 			continue
@@ -119,20 +119,20 @@ func (d *Driver) rediscoverPublishes(ctx context.Context, p *pool.Pool, id pool.
 			continue
 		}
 		t := &throttled{pool: p, id: id, podUID: uid}
-		held, _, err := d.cgroups.Held(uid, dev)
+		held, _, err := th.deps.Cgroups.Held(uid, dev)
 		if err == nil && !held.IsZero() {
 			t.device = dev
 			t.applied = pool.IOLimits{ReadBytesPerSecond: held.ReadBPS, WriteBytesPerSecond: held.WriteBPS, ReadIOPS: held.ReadIOPS, WriteIOPS: held.WriteIOPS}
 		}
-		d.throttle.mu.Lock()
-		if _, dup := d.throttle.pub[target]; !dup {
-			if d.throttle.pub == nil {
-				d.throttle.pub = map[string]*throttled{}
+		th.mu.Lock()
+		if _, dup := th.pub[target]; !dup {
+			if th.pub == nil {
+				th.pub = map[string]*throttled{}
 			}
-			d.throttle.pub[target] = t
+			th.pub[target] = t
 			n++
 		}
-		d.throttle.mu.Unlock()
+		th.mu.Unlock()
 		logger.V(2).Info("I/O limits: tracking a publication found again", "target", target, "pod", uid, "device", dev, "held", held, "err", err)
 	}
 	return n

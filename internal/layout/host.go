@@ -1,4 +1,4 @@
-package driver
+package layout
 
 import (
 	"context"
@@ -101,10 +101,10 @@ type Host struct {
 	Cgroups Cgroups
 }
 
-// withDefaults fills the nil fields with the real implementations, which
+// WithDefaults fills the nil fields with the real implementations, which
 // mount only below pathPrefix ("" for anywhere) and find pods' cgroups below
 // cgroupRoot.
-func (h Host) withDefaults(pathPrefix, cgroupRoot string) (Host, error) {
+func (h Host) WithDefaults(pathPrefix, cgroupRoot string) (Host, error) {
 	m := mount.NewMounterBeneath(pathPrefix)
 	if h.Mounts == nil {
 		h.Mounts = m

@@ -1,4 +1,4 @@
-package driver
+package layout
 
 import (
 	"context"
@@ -15,7 +15,7 @@ import (
 
 // imageLayout is a sparse image file attached through a loop device: exact
 // size, one writer node, Filesystem or Block access.
-type imageLayout struct{ *layoutDeps }
+type imageLayout struct{ *Deps }
 
 // imageModes are the access modes an image volume can honour: one writer node, or
 // read-only on many. Two nodes writing one filesystem image would corrupt it.
@@ -27,8 +27,8 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
 }
 
-func (imageLayout) allowed(s capsSpec) error {
-	for _, m := range s.modes {
+func (imageLayout) Allowed(s Caps) error {
+	for _, m := range s.Modes {
 		if !imageModes[m] {
 			return csierr.Failf(csierr.ErrInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
 		}
@@ -36,31 +36,31 @@ func (imageLayout) allowed(s capsSpec) error {
 	return nil
 }
 
-func (imageLayout) minSize(s capsSpec) int64 {
-	if s.access == pool.AccessBlock {
+func (imageLayout) MinSize(s Caps) int64 {
+	if s.Access == pool.AccessBlock {
 		return mount.MinSize("")
 	}
-	return mount.MinSize(s.fsType)
+	return mount.MinSize(s.FSType)
 }
 
-func (imageLayout) fsType(s capsSpec) string {
-	if s.access == pool.AccessBlock {
+func (imageLayout) FSType(s Caps) string {
+	if s.Access == pool.AccessBlock {
 		return ""
 	}
-	return s.fsType
+	return s.FSType
 }
 
-func (imageLayout) sameFS(s capsSpec, fsType string) bool {
-	return s.access != pool.AccessFilesystem || s.fsType == "" || s.fsType == fsType
+func (imageLayout) SameFS(s Caps, fsType string) bool {
+	return s.Access != pool.AccessFilesystem || s.FSType == "" || s.FSType == fsType
 }
 
-func (imageLayout) volumeContext(*pool.Volume, map[string]string) {}
+func (imageLayout) VolumeContext(*pool.Volume, map[string]string) {}
 
-func (imageLayout) mountFS(v *pool.Volume) string { return v.FSType }
+func (imageLayout) MountFS(v *pool.Volume) string { return v.FSType }
 
 // delete removes an image volume that is not attached on this node.
-func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume) error {
-	dev, ok, err := d.attachedDevice(p.ImagePath(vid))
+func (d imageLayout) Delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, _ *pool.Volume) error {
+	dev, ok, err := d.AttachedDevice(p.ImagePath(vid))
 	if err != nil {
 		// Not knowing whether a loop device holds the image is not knowing
 		// whether a pod still writes to it: nothing is deleted on a guess.
@@ -77,7 +77,7 @@ func (d imageLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 // writing sees it corrupt.
 // Publish records and stage records both hold a node: a node that staged the
 // volume without ControllerPublishVolume (a CO that skips it) fences it too.
-func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
+func (imageLayout) Fence(v *pool.Volume, node string, readOnly bool) error {
 	for _, r := range v.Published {
 		if r.Node == node {
 			continue
@@ -103,8 +103,8 @@ func (imageLayout) fence(v *pool.Volume, node string, readOnly bool) error {
 
 // expand grows the image file and records the new size; the node grows the
 // loop device and the filesystem.
-func (d imageLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
-	v, err := d.growImage(ctx, p, vid, v, r)
+func (d imageLayout) Expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*csi.ControllerExpandVolumeResponse, error) {
+	v, err := d.GrowImage(ctx, p, vid, v, r)
 	if err != nil {
 		return nil, err
 	}
@@ -113,12 +113,12 @@ func (d imageLayout) expand(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 
 // nodeExpansionRequired: an image volume's loop device (and filesystem) only
 // grow on the node.
-func (imageLayout) nodeExpansionRequired() bool { return true }
+func (imageLayout) NodeExpansionRequired() bool { return true }
 
 // finishCreate makes the image and formats it. Formatting the file before any node
 // attaches it is faster (no loop device, ext4 skips zeroing inode tables) and
 // means NodeStageVolume never formats a volume that should already hold data.
-func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
+func (d imageLayout) FinishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
 	if err := p.PrepareImage(v); err != nil {
 		return err
@@ -132,7 +132,7 @@ func (d imageLayout) finishCreate(ctx context.Context, p *pool.Pool, v *pool.Vol
 		}
 	}
 	if v.Preallocate {
-		if err := p.AllocateImage(ctx, v, d.fs.Allocate); err != nil {
+		if err := p.AllocateImage(ctx, v, d.FS.Allocate); err != nil {
 			return err
 		}
 	}
@@ -154,7 +154,7 @@ func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 		return err
 	}
 	defer h.Close()
-	return d.devs.Format(ctx, h.Path(), fsType)
+	return d.Devs.Format(ctx, h.Path(), fsType)
 }
 
 // cloneFrom copies an image (a snapshot's, or a volume's, frozen on whichever
@@ -162,14 +162,14 @@ func (d imageLayout) format(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 // image, grown to its size. A source some node could not keep frozen for the
 // whole copy fails the clone (retried): a copy of a filesystem being written
 // is no filesystem anyone can trust.
-func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+func (d imageLayout) CloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume, src *ContentSource) error {
 	var from *pool.Handle
 	var err error
 	thaw := func() error { return nil }
-	if src.isSnapshot() {
-		from, err = p.Snapshots().OpenImage(src.snapID)
-	} else if thaw, err = d.freeze(ctx, p, src.volID, src.vol); err == nil {
-		if from, err = p.OpenImage(src.volID); err != nil {
+	if src.IsSnapshot() {
+		from, err = p.Snapshots().OpenImage(src.SnapID)
+	} else if thaw, err = d.Freeze(ctx, p, src.VolID, src.Vol); err == nil {
+		if from, err = p.OpenImage(src.VolID); err != nil {
 			_ = thaw()
 		}
 	}
@@ -185,26 +185,26 @@ func (d imageLayout) cloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 	}
 	if v.Preallocate {
-		if err := p.AllocateImage(ctx, v, d.fs.Allocate); err != nil {
+		if err := p.AllocateImage(ctx, v, d.FS.Allocate); err != nil {
 			return err
 		}
 	}
 	if err := p.MarkReady(v); err != nil {
 		return err
 	}
-	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.record, "capacity", v.CapacityBytes, "copy", method)
+	klog.FromContext(ctx).Info("Created volume from a copy", "volume", v.ID, "name", v.Name, "source", src.Record, "capacity", v.CapacityBytes, "copy", method)
 	return nil
 }
 
 // growImage grows an image volume's file to the range asked (rounded as
 // CreateVolume rounds) and records the new size.
-func (d *layoutDeps) growImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
-	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), minSizeOf(v))
+func (d *Deps) GrowImage(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, r *csi.CapacityRange) (*pool.Volume, error) {
+	size, err := pool.Capacity(r.GetRequiredBytes(), r.GetLimitBytes(), MinSizeOf(v))
 	if err != nil {
 		return nil, err
 	}
 	before := v.CapacityBytes
-	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes(), d.fs.Allocate)
+	v, err = p.Grow(ctx, vid, size, r.GetLimitBytes(), d.FS.Allocate)
 	if err != nil {
 		return nil, err
 	}

@@ -1,4 +1,4 @@
-package driver
+package layout
 
 import (
 	"context"
@@ -15,63 +15,63 @@ import (
 )
 
 // stage bind-mounts the volume's data directory at the staging path.
-func (d dirLayout) stage(ctx context.Context, nv nodeVolume, staging string, vc *csi.VolumeCapability) error {
+func (d dirLayout) Stage(ctx context.Context, nv NodeVolume, staging string, vc *csi.VolumeCapability) error {
 	// Bound through a descriptor opened without following links: a link put
 	// in place of the data directory never exposes anything outside the pool.
-	h, err := nv.pool.OpenData(nv.id)
+	h, err := nv.Pool.OpenData(nv.ID)
 	if errors.Is(err, pool.ErrNotFound) {
-		return csierr.Failf(pool.ErrNotFound, "volume %s: data directory %s is missing", nv.id, nv.pool.DataPath(nv.id))
+		return csierr.Failf(pool.ErrNotFound, "volume %s: data directory %s is missing", nv.ID, nv.Pool.DataPath(nv.ID))
 	} else if err != nil {
 		return err
 	}
 	defer h.Close()
-	readOnly := readOnlyMode(vc.GetAccessMode().GetMode())
-	if err := d.mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
+	readOnly := ReadOnlyMode(vc.GetAccessMode().GetMode())
+	if err := d.Mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return csierr.Failf(csierr.ErrPathTaken, "staging path %s: %w", staging, err)
 		}
-		return fmt.Errorf("stage volume %s at %s: %w", nv.id, staging, err)
+		return fmt.Errorf("stage volume %s at %s: %w", nv.ID, staging, err)
 	}
-	klog.FromContext(ctx).Info("Staged dir volume", "volume", nv.id, "path", staging, "readOnly", readOnly)
+	klog.FromContext(ctx).Info("Staged dir volume", "volume", nv.ID, "path", staging, "readOnly", readOnly)
 	return nil
 }
 
 // publish bind-mounts the staged directory at the target.
-func (d dirLayout) publish(ctx context.Context, nv nodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
-	data := nv.pool.DataPath(nv.id)
-	if _, mounted, err := d.mounts.Info(staging); err != nil {
+func (d dirLayout) Publish(ctx context.Context, nv NodeVolume, staging, target string, readOnly bool, vc *csi.VolumeCapability) error {
+	data := nv.Pool.DataPath(nv.ID)
+	if _, mounted, err := d.Mounts.Info(staging); err != nil {
 		return fmt.Errorf("inspect %s: %w", staging, err)
-	} else if !mounted || !d.mounts.SameDir(staging, data) {
-		return csierr.Failf(csierr.ErrNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.id, staging)
+	} else if !mounted || !d.Mounts.SameDir(staging, data) {
+		return csierr.Failf(csierr.ErrNotStaged, "volume %s is not staged at %s; call NodeStageVolume first", nv.ID, staging)
 	}
 	if vc.GetAccessMode().GetMode() == csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER {
-		if other, err := d.mounts.MountedElsewhere(data, staging, target); err != nil {
-			return fmt.Errorf("list mounts of volume %s: %w", nv.id, err)
+		if other, err := d.Mounts.MountedElsewhere(data, staging, target); err != nil {
+			return fmt.Errorf("list mounts of volume %s: %w", nv.ID, err)
 		} else if other != "" {
-			return csierr.Failf(csierr.ErrInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.id, other)
+			return csierr.Failf(csierr.ErrInUse, "volume %s has access mode SINGLE_NODE_SINGLE_WRITER and is already published at %s", nv.ID, other)
 		}
 	}
-	if err := d.mounts.Bind(ctx, staging, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
+	if err := d.Mounts.Bind(ctx, staging, target, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return csierr.Failf(csierr.ErrPathTaken, "target path %s: %w", target, err)
 		}
-		return fmt.Errorf("publish volume %s at %s: %w", nv.id, target, err)
+		return fmt.Errorf("publish volume %s at %s: %w", nv.ID, target, err)
 	}
-	klog.FromContext(ctx).Info("Published dir volume", "volume", nv.id, "target", target, "readOnly", readOnly)
+	klog.FromContext(ctx).Info("Published dir volume", "volume", nv.ID, "target", target, "readOnly", readOnly)
 	return nil
 }
 
 // stats reports a dir volume's usage against its limit. With an enforced
 // quota the numbers are the quota's; without one they are the pool filesystem's,
 // which is what a writer in the pod will really run into.
-func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
-	if _, mounted, err := d.mounts.Info(path); err != nil {
+func (d dirLayout) Stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+	if _, mounted, err := d.Mounts.Info(path); err != nil {
 		return nil, fmt.Errorf("inspect %s: %w", path, err)
-	} else if !mounted || !d.mounts.SameDir(path, p.DataPath(vid)) {
+	} else if !mounted || !d.Mounts.SameDir(path, p.DataPath(vid)) {
 		return nil, csierr.Failf(csierr.ErrNotAtPath, "volume %s is not mounted at %s", vid, path)
 	}
 	var st unix.Statfs_t
-	if err := d.fs.Statfs(path, &st); err != nil {
+	if err := d.FS.Statfs(path, &st); err != nil {
 		return nil, err
 	}
 	bs := st.Bsize
@@ -80,7 +80,7 @@ func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 	if v.Quota == nil || !v.Quota.Enforced {
 		return &csi.NodeGetVolumeStatsResponse{Usage: []*csi.VolumeUsage{fsUsage, inodes}}, nil
 	}
-	b, err := d.quotaFor(ctx, p)
+	b, err := d.QuotaFor(ctx, p)
 	if err != nil {
 		return nil, err
 	}
@@ -101,6 +101,6 @@ func (d dirLayout) stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v
 
 // expandNode: a directory has no size of its own to grow; the quota limit,
 // raised by the controller, is all there is.
-func (dirLayout) expandNode(_ context.Context, nv nodeVolume, _ *csi.NodeExpandVolumeRequest, _ string) (*csi.NodeExpandVolumeResponse, error) {
-	return &csi.NodeExpandVolumeResponse{CapacityBytes: nv.vol.CapacityBytes}, nil
+func (dirLayout) ExpandNode(_ context.Context, nv NodeVolume, _ *csi.NodeExpandVolumeRequest, _ string) (*csi.NodeExpandVolumeResponse, error) {
+	return &csi.NodeExpandVolumeResponse{CapacityBytes: nv.Vol.CapacityBytes}, nil
 }
