@@ -47,7 +47,8 @@ type SnapshotID struct {
 	Pool  string
 	Key   string
 	Share string
-	Tag   string // as in VolumeID
+	Tag   string   // as in VolumeID
+	ref   ShareRef // as in VolumeID
 }
 
 // String is the snapshot's identity, never with the tag (see VolumeID).
@@ -62,11 +63,11 @@ func (id SnapshotID) String() string {
 func (id SnapshotID) Wire() string { return withTag(id.String(), id.Tag) }
 
 // ShareRef returns the share an ID names, if it names one.
-func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
+func (id SnapshotID) ShareRef() (ShareRef, bool) { return refOf(id.ref, id.Share) }
 
 // SnapshotIDOf is the ID of the snapshot with key in this pool.
 func (p *Pool) SnapshotIDOf(key string) SnapshotID {
-	return SnapshotID{Pool: p.cfg.Name, Key: key, Share: p.share}
+	return SnapshotID{Pool: p.cfg.Name, Key: key, Share: p.share, ref: p.shareRef()}
 }
 
 // NewSnapshotID is the ID of the snapshot named name in this pool.
@@ -102,10 +103,11 @@ func ParseSnapshotID(s string) (SnapshotID, error) {
 		if err != nil {
 			return SnapshotID{}, err
 		}
-		if err := checkSharePart(s, poolName, share); err != nil {
+		ref, err := checkSharePart(s, poolName, share)
+		if err != nil {
 			return SnapshotID{}, err
 		}
-		id.Share, id.Tag = share, tag
+		id.Share, id.Tag, id.ref = share, tag, ref
 	}
 	return id, nil
 }
