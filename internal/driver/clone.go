@@ -63,14 +63,11 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		}
 		return &contentSource{pool: p, record: pool.ContentSource{Snapshot: s.ID}, layout: s.Layout, access: s.AccessType, fsType: s.FSType, size: s.SizeBytes, snapID: sid}, nil
 	case src.GetVolume() != nil:
-		vid, p, err := d.volumeRef(ctx, src.GetVolume().GetVolumeId(), acc)
+		rq, err := d.resolve(ctx, rpcCloneSource, src.GetVolume().GetVolumeId(), acc, nil)
 		if err != nil {
 			return nil, err
 		}
-		v, err := loadVolume(p, vid)
-		if err != nil {
-			return nil, err
-		}
+		vid, p, v := rq.id, rq.pool, rq.vol
 		return &contentSource{pool: p, record: pool.ContentSource{Volume: v.ID}, layout: v.Layout, access: v.AccessType, fsType: v.FSType, size: v.CapacityBytes, volID: vid, vol: v}, nil
 	}
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
@@ -147,16 +144,11 @@ func sameSource(a, b *pool.ContentSource) bool {
 func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
 	if !src.isSnapshot() {
 		// Copying a volume: hold it against concurrent grow, stage and delete.
-		release, err := d.locks.acquire(src.volID.String(), "CreateVolume (clone source)")
+		sv, release, err := d.holdVolume(ctx, holdCloneSource, p, src.volID)
 		if err != nil {
 			return err
 		}
 		defer release()
-		sv, unlock, err := lockVolume(ctx, p, src.volID)
-		if err != nil {
-			return err
-		}
-		defer unlock()
 		src.vol = sv
 	}
 	return d.layoutOf(v.Layout).cloneFrom(ctx, p, v, src)

@@ -190,7 +190,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	}
 
 	id := p.NewID(name)
-	release, err := d.locks.acquire(id.String(), "CreateVolume")
+	release, err := d.hold(id.String(), holdCreateVolume)
 	if err != nil {
 		return nil, err
 	}
@@ -316,24 +316,18 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, err := parseVolumeID(req.GetVolumeId())
+	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, csierr.ErrNoPool) {
+	defer rq.release()
+	vid, p := rq.id, rq.pool
+	if p == nil {
 		// Not a pool of this driver, or a share without one: nothing of the
 		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
 		// the provisioner retries, nothing is said deleted that was not.
 		return &csi.DeleteVolumeResponse{}, nil
-	} else if err != nil {
-		return nil, err
 	}
-	release, err := d.locks.acquire(vid.String(), "DeleteVolume")
-	if err != nil {
-		return nil, err
-	}
-	defer release()
 	unlock, err := p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
 		// Gone, or renamed away by a delete that crashed before removing it:
@@ -380,17 +374,16 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcValidateVolumeCapabilities, req.GetVolumeId(), shareAccess{}, func() error {
+		if len(req.GetVolumeCapabilities()) == 0 {
+			return status.Error(codes.InvalidArgument, "volume_capabilities are required")
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	if len(req.GetVolumeCapabilities()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "volume_capabilities are required")
-	}
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	v := rq.vol
 	if _, err := d.parseCreateParams(req.GetParameters()); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
@@ -568,14 +561,11 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcControllerGetVolume, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	vid, p, v := rq.id, rq.pool, rq.vol
 	st := &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}
 	issues, err := d.controllerIssues(p, vid)
 	if err != nil {

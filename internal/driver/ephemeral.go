@@ -235,7 +235,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if err != nil {
 		return err
 	}
-	release, err := d.locks.acquire(s.handle, "NodePublishVolume")
+	release, err := d.hold(s.handle, holdEphemeralPublish)
 	if err != nil {
 		return err
 	}
@@ -429,7 +429,7 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 // unpublishEphemeral is NodeUnpublishVolume of an inline volume's handle:
 // unmount, detach, delete; nothing found is done.
 func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) error {
-	release, err := d.locks.acquire(handle, "NodeUnpublishVolume")
+	release, err := d.hold(handle, holdEphemeralUnpublish)
 	if err != nil {
 		return err
 	}
@@ -514,7 +514,7 @@ func (d *Driver) sweepEphemeral(ctx context.Context) int {
 
 func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
 	logger := klog.FromContext(ctx)
-	release, err := d.locks.acquire(rec.Handle, "sweep")
+	release, err := d.hold(rec.Handle, holdSweep)
 	if err != nil {
 		return false // a publish or unpublish is under way: it decides
 	}

@@ -158,49 +158,22 @@ func (m mutableParams) apply(v *pool.Volume) {
 	}
 }
 
-// parseVolumeRef is parseVolumeID for calls that must answer NOT_FOUND for an
-// ID of another format (it names no volume of this driver); a hostile one is
-// still INVALID_ARGUMENT.
-func parseVolumeRef(raw string) (pool.VolumeID, bool, error) {
-	if raw == "" {
-		return pool.VolumeID{}, false, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	vid, err := pool.ParseVolumeID(raw)
-	if err == nil {
-		return vid, true, nil
-	}
-	if pool.HostileID(raw) {
-		return vid, false, status.Errorf(codes.InvalidArgument, "volume_id: %v", err)
-	}
-	return vid, false, nil
-}
-
 // ControllerModifyVolume sets a volume's mutable parameters (a
 // VolumeAttributesClass): its I/O limits, which the nodes apply to the pods
 // using it (iolimits.go), and preallocation of its image. Only the keys given
 // change; the whole request is checked before anything does.
 func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	_, known, err := parseVolumeRef(req.GetVolumeId())
+	var m mutableParams
+	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() (err error) {
+		m, err = parseMutableParams(req.GetMutableParameters())
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	if !known {
-		return nil, csierr.Failf(pool.ErrNotFound, "volume %q does not exist (not a poolcsi volume ID)", req.GetVolumeId())
-	}
-	m, err := parseMutableParams(req.GetMutableParameters())
-	if err != nil {
-		return nil, err
-	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerModifyVolume", dataAccess(req.GetSecrets()))
-	if err != nil {
-		return nil, err
-	}
-	defer release()
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	defer rq.release()
+	vid, p, v := rq.id, rq.pool, rq.vol
 	if err := m.forLayout(v.Layout); err != nil {
 		return nil, err
 	}

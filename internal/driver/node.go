@@ -59,64 +59,38 @@ type nodeVolume struct {
 	caps capsSpec
 }
 
-// beginNodeCall checks the ID and capability every stage and publish carries,
-// takes the volume's in-process lock and resolves the volume. The caller defers
-// release.
-func (d *Driver) beginNodeCall(ctx context.Context, method, volumeID string, vc *csi.VolumeCapability, volumeContext, secrets map[string]string) (nodeVolume, func(), error) {
-	if volumeID == "" {
-		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	if vc == nil {
-		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	var acc shareAccess // NodePublishVolume: its stage mounted the share
-	if method == "NodeStageVolume" {
-		acc = contextAccess(volumeContext, secrets, vc.GetMount().GetMountFlags())
-	}
-	vid, err := parseVolumeID(volumeID)
+// nodeVolume resolves the volume of a stage or publish (call): the ID, the
+// capability every one carries (checked before anything is locked), then the
+// front hall (request.go), then what the volume must be for the capability.
+// The caller defers release.
+func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, func(), error) {
+	var caps capsSpec
+	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
+		if vc == nil {
+			return status.Error(codes.InvalidArgument, "volume_capability is required")
+		}
+		caps, err = parseCaps([]*csi.VolumeCapability{vc}, "")
+		return err
+	})
 	if err != nil {
 		return nodeVolume{}, nil, err
 	}
-	release, err := d.locks.acquire(vid.String(), method)
-	if err != nil {
-		return nodeVolume{}, nil, err
-	}
-	nv, err := d.resolveNodeVolume(ctx, volumeID, vc, acc)
-	if err != nil {
-		release()
-		return nodeVolume{}, nil, err
-	}
-	return nv, release, nil
-}
-
-func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, error) {
-	var nv nodeVolume
-	if vc == nil {
-		return nv, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
-	if err != nil {
-		return nv, err
-	}
-	nv.caps = caps
-	if nv.id, nv.pool, err = d.volumeRef(ctx, volumeID, acc); err != nil {
-		return nv, err
-	}
-	if nv.vol, err = loadVolume(nv.pool, nv.id); err != nil {
-		return nv, err
-	}
+	nv := nodeVolume{id: rq.id, pool: rq.pool, vol: rq.vol, caps: caps}
 	if err := notEphemeral(nv.vol, "be staged or published by its pool ID"); err != nil {
-		return nv, err
+		rq.release()
+		return nv, nil, err
 	}
 	if err := d.compatible(caps, nv.vol); err != nil {
-		return nv, csierr.Failf(csierr.ErrState, "%w", err)
+		rq.release()
+		return nv, nil, csierr.Failf(csierr.ErrState, "%w", err)
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
 	if err := mount.CheckOptions(d.layoutOf(nv.vol.Layout).mountFS(nv.vol), volumeFlags(nv.pool, nv.vol, vc)); err != nil {
-		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.id, err)
+		rq.release()
+		return nv, nil, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.id, err)
 	}
-	return nv, nil
+	return nv, rq.release, nil
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
@@ -128,7 +102,8 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err := d.checkNesting("staging_target_path", staging); err != nil {
 		return nil, err
 	}
-	nv, release, err := d.beginNodeCall(ctx, "NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
+	vc := req.GetVolumeCapability()
+	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags()))
 	if err != nil {
 		return nil, err
 	}
@@ -273,11 +248,12 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, err
 	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeUnstageVolume", shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeUnstageVolume, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	defer rq.release()
+	vid, p := rq.id, rq.pool
 	image := p.ImagePath(vid)
 	if err := d.fenceIfTaken(ctx, p, vid, image, staging); err != nil {
 		return nil, err
@@ -359,7 +335,8 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, csierr.Failf(csierr.ErrInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
 	podUID := podUIDOf(ctx, req.GetVolumeContext())
-	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
+	// Its stage mounted the share: the front hall mounts nothing here.
+	nv, release, err := d.nodeVolume(ctx, rpcNodePublishVolume, req.GetVolumeId(), req.GetVolumeCapability(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -384,18 +361,14 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
-	vid, err := parseVolumeID(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "NodeUnpublishVolume")
-	if err != nil {
-		return nil, err
-	}
-	defer release()
 	// The volume's pool, to tell its mounts from others: a volume whose pool
 	// is unknown here (nil) has none.
-	p, _ := d.poolOf(ctx, vid, shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeUnpublishVolume, req.GetVolumeId(), shareAccess{}, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer rq.release()
+	vid, p := rq.id, rq.pool
 	if err := d.mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}

@@ -359,7 +359,7 @@ func (d *Driver) dropStaleRecords(ctx context.Context) {
 		if err != nil {
 			continue
 		}
-		release, err := d.locks.acquire(vid.String(), "dropStaleRecords")
+		release, err := d.hold(vid.String(), holdDropStaleRecords)
 		if err != nil {
 			continue
 		}
@@ -409,7 +409,7 @@ func (d *Driver) adoptDevices(ctx context.Context, p *pool.Pool) {
 		if err != nil || !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == d.opts.NodeID }) {
 			continue
 		}
-		release, err := d.locks.acquire(vid.String(), "adoptDevices")
+		release, err := d.hold(vid.String(), holdAdoptDevices)
 		if err != nil {
 			continue
 		}

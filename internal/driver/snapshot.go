@@ -91,10 +91,11 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()))
+	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
+	vid, p := src.id, src.pool
 	sid := p.NewSnapshotID(name)
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
@@ -103,7 +104,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 			}
 		}
 	}
-	release, err := d.locks.acquire(sid.String(), "CreateSnapshot")
+	release, err := d.hold(sid.String(), holdCreateSnapshot)
 	if err != nil {
 		return nil, err
 	}
@@ -122,16 +123,11 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		}
 	}
 
-	releaseSrc, err := d.locks.acquire(vid.String(), "CreateSnapshot")
+	v, releaseSrc, err := d.holdVolume(ctx, holdCreateSnapshot, p, vid)
 	if err != nil {
 		return nil, err
 	}
 	defer releaseSrc()
-	v, unlock, err := lockVolume(ctx, p, vid)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	need, err := p.VolumeAllocated(vid, v)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
@@ -231,7 +227,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	} else if err != nil {
 		return nil, err
 	}
-	release, err := d.locks.acquire(sid.String(), "DeleteSnapshot")
+	release, err := d.hold(sid.String(), holdDeleteSnapshot)
 	if err != nil {
 		return nil, err
 	}
@@ -455,7 +451,7 @@ func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (p
 		var release func()
 		busy := false
 		_ = wait.PollUntilContextCancel(ctx, recoveryLockPoll, true, func(context.Context) (bool, error) {
-			r, err := d.locks.acquire(volume, "a thaw after a crash")
+			r, err := d.hold(volume, holdThaw)
 			if err != nil && !busy {
 				busy = true
 				log.Info("Waiting to thaw a filesystem left frozen by a crash: the volume is busy", "reason", err.Error())

@@ -1,8 +1,6 @@
 package driver
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -19,58 +17,6 @@ import (
 
 // DefaultFSType is used when neither the capability nor the parameters name one.
 const DefaultFSType = "ext4"
-
-// parseVolumeID turns a wire ID into a pool and key, or INVALID_ARGUMENT.
-func parseVolumeID(id string) (pool.VolumeID, error) {
-	if id == "" {
-		return pool.VolumeID{}, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	vid, err := pool.ParseVolumeID(id)
-	if err != nil {
-		return pool.VolumeID{}, status.Error(codes.InvalidArgument, err.Error())
-	}
-	return vid, nil
-}
-
-// volumeRef is a parsed ID whose pool is configured here, or whose share is
-// mounted here (with what acc brings, if it must be mounted).
-func (d *Driver) volumeRef(ctx context.Context, id string, acc shareAccess) (pool.VolumeID, *pool.Pool, error) {
-	vid, err := parseVolumeID(id)
-	if err != nil {
-		return vid, nil, err
-	}
-	p, err := d.poolOf(ctx, vid, acc)
-	return vid, p, err
-}
-
-// lockVolumeRef is volumeRef followed by the volume's in-process lock for
-// method; the caller defers release.
-func (d *Driver) lockVolumeRef(ctx context.Context, id, method string, acc shareAccess) (pool.VolumeID, *pool.Pool, func(), error) {
-	vid, p, err := d.volumeRef(ctx, id, acc)
-	if err != nil {
-		return vid, nil, nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), method)
-	if err != nil {
-		return vid, nil, nil, err
-	}
-	return vid, p, release, nil
-}
-
-// loadVolume reads a ready volume's volume.json; a volume still being created
-// is NOT_FOUND, like one that does not exist.
-func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
-	v, err := p.Load(vid)
-	switch {
-	case errors.Is(err, pool.ErrNotFound):
-		return nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
-	case err != nil:
-		return nil, err
-	case v.State != pool.StateReady:
-		return nil, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
-	}
-	return v, nil
-}
 
 // capsSpec is what a set of volume capabilities asks of a volume.
 type capsSpec struct {
@@ -323,22 +269,6 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	return nil
-}
-
-// lockVolume takes a volume's cross-process lock and loads it; NOT_FOUND when it
-// does not exist. The caller defers unlock.
-func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
-	unlock, err = p.LockVolume(ctx, vid)
-	if errors.Is(err, pool.ErrNotFound) {
-		return nil, nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist", vid)
-	} else if err != nil {
-		return nil, nil, err
-	}
-	if v, err = loadVolume(p, vid); err != nil {
-		unlock()
-		return nil, nil, err
-	}
-	return v, unlock, nil
 }
 
 // checkRequestName checks the name of a CreateVolume, CreateSnapshot or
