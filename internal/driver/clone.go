@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -75,20 +76,20 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 
 // sourceParams defaults the pool and layout of a volume made from src to src's:
 // a copy stays in its source's pool, and a StorageClass need not repeat them.
-func sourceParams(params map[string]string, src *contentSource) map[string]string {
+func sourceParams(scParams map[string]string, src *contentSource) map[string]string {
 	if src == nil {
-		return params
+		return scParams
 	}
 	out := map[string]string{ParamPool: src.pool.Name(), ParamLayout: string(src.layout)}
 	if r := src.pool.Config().Share; r != nil {
 		// A copy stays on its source's share: named by the share, as a
 		// StorageClass names it, unless the parameters name it themselves.
 		delete(out, ParamPool)
-		if !namesShare(params) {
+		if !namesShare(scParams) {
 			out[ParamShareType], out[ParamShareSource] = r.Type, r.Source
 		}
 	}
-	for k, v := range params {
+	for k, v := range scParams {
 		out[k] = v
 	}
 	return out
@@ -96,7 +97,7 @@ func sourceParams(params map[string]string, src *contentSource) map[string]strin
 
 // check refuses a copy the source cannot give: another pool, another
 // layout, access type or filesystem (INVALID_ARGUMENT).
-func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps capsSpec) error {
+func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps params.Caps) error {
 	what := "volume " + c.record.Volume
 	if c.isSnapshot() {
 		what = "snapshot " + c.record.Snapshot
@@ -106,10 +107,10 @@ func (c *contentSource) check(p *pool.Pool, layout pool.Layout, lay layout, caps
 		return status.Errorf(codes.InvalidArgument, "%s is in pool %s; a copy is made in its source's pool, not %s", what, c.pool.Name(), p.Name())
 	case layout != c.layout:
 		return status.Errorf(codes.InvalidArgument, "%s has layout %s, the request asks for layout %s", what, c.layout, layout)
-	case caps.access != c.access:
-		return status.Errorf(codes.InvalidArgument, "%s has %s access, the request asks for %s", what, c.access, caps.access)
+	case caps.Access != c.access:
+		return status.Errorf(codes.InvalidArgument, "%s has %s access, the request asks for %s", what, c.access, caps.Access)
 	case !lay.sameFS(caps, c.fsType):
-		return status.Errorf(codes.InvalidArgument, "%s holds %s, the request asks for %s", what, c.fsType, caps.fsType)
+		return status.Errorf(codes.InvalidArgument, "%s holds %s, the request asks for %s", what, c.fsType, caps.FSType)
 	}
 	return nil
 }

@@ -15,6 +15,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -132,7 +133,7 @@ func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("volume", name); err != nil {
+	if err := params.CheckRequestName("volume", name); err != nil {
 		return nil, err
 	}
 	if strings.HasPrefix(name, pool.EphemeralPrefix) {
@@ -143,11 +144,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	params, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
+	sc, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
 	if err != nil {
 		return nil, err
 	}
-	fresh, err := createMutable(req.GetMutableParameters(), params.layout)
+	fresh, err := createMutable(req.GetMutableParameters(), sc.layout)
 	if err != nil {
 		return nil, err
 	}
@@ -155,18 +156,18 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if src != nil {
 		srcFS = src.fsType
 	}
-	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, srcFS, DefaultFSType))
+	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), firstNonEmpty(sc.fsType, srcFS, params.DefaultFSType))
 	if err != nil {
 		return nil, err
 	}
-	if params.fsType != "" && caps.access == pool.AccessFilesystem && caps.fsType != params.fsType {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.fsType)
+	if sc.fsType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != sc.fsType {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", sc.fsType, caps.FSType)
 	}
-	lay := d.layoutOf(params.layout)
+	lay := d.layoutOf(sc.layout)
 	if err := lay.allowed(caps); err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), acc)
+	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), acc)
 	if err != nil {
 		return nil, err
 	}
@@ -178,7 +179,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	var size int64
 	var source *pool.ContentSource
 	if src != nil {
-		if err := src.check(p, params.layout, lay, caps); err != nil {
+		if err := src.check(p, sc.layout, lay, caps); err != nil {
 			return nil, err
 		}
 		if size, err = src.sourceSize(req.GetCapacityRange(), minimum); err != nil {
@@ -201,11 +202,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          name,
-		Layout:        params.layout,
-		AccessType:    caps.access,
+		Layout:        sc.layout,
+		AccessType:    caps.Access,
 		FSType:        lay.fsType(caps),
 		CapacityBytes: size,
-		Parameters:    params.keep,
+		Parameters:    sc.keep,
 		Topology:      topology,
 		Source:        source,
 		IOLimits:      fresh.IOLimits,
@@ -255,7 +256,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 	return nil
 }
 
-func (d *Driver) createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange, mutable pool.Volume) error {
+func (d *Driver) createCompatible(v *pool.Volume, caps params.Caps, r *csi.CapacityRange, mutable pool.Volume) error {
 	if err := d.compatible(caps, v); err != nil {
 		return err
 	}
@@ -387,7 +388,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	if _, err := d.parseCreateParams(req.GetParameters()); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
-	caps, err := parseCaps(req.GetVolumeCapabilities(), "")
+	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), "")
 	if err == nil {
 		err = d.compatible(caps, v)
 	}
@@ -577,11 +578,11 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
 	defer csierr.ToStatus(&err)
-	params, err := d.parseCreateParams(req.GetParameters())
+	sc, err := d.parseCreateParams(req.GetParameters())
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), shareAccess{})
+	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -613,24 +614,24 @@ func firstNonEmpty(s ...string) string {
 // resolvePool is the pool parsed parameters name: a configured one, or the
 // share's, mounted (with the StorageClass's options and mount flags and what
 // the request's secrets brought, acc) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
-	if params.share == nil {
-		return params.pool, nil
+func (d *Driver) resolvePool(ctx context.Context, sc createParams, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
+	if sc.share == nil {
+		return sc.pool, nil
 	}
 	acc.mount, acc.fromStorageClass = true, true
-	acc.options = append(acc.options, params.share.options...)
-	if params.layout == pool.LayoutDir && len(caps) > 0 {
+	acc.options = append(acc.options, sc.share.options...)
+	if sc.layout == pool.LayoutDir && len(caps) > 0 {
 		// Every capability of a CreateVolume carries the StorageClass's
 		// mountOptions; the first one's are the share's.
 		acc.options = append(acc.options, shareFlags(caps[0].GetMount().GetMountFlags())...)
 	}
-	return d.sharePool(ctx, params.share.ref, "", acc)
+	return d.sharePool(ctx, sc.share.ref, "", acc)
 }
 
 // namesShare tells whether StorageClass parameters name a share.
-func namesShare(params map[string]string) bool {
+func namesShare(scParams map[string]string) bool {
 	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare} {
-		if _, ok := params[k]; ok {
+		if _, ok := scParams[k]; ok {
 			return true
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/quota"
 )
@@ -71,8 +72,8 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 
 // allowed: a directory is shared by bind mounts, so every access mode works,
 // but it is no block device.
-func (dirLayout) allowed(s capsSpec) error {
-	if s.access == pool.AccessBlock {
+func (dirLayout) allowed(s params.Caps) error {
+	if s.Access == pool.AccessBlock {
 		return csierr.Failf(csierr.ErrInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
 	return nil
@@ -177,13 +178,13 @@ func (d dirLayout) delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	})
 }
 
-func (dirLayout) minSize(capsSpec) int64 { return mount.MinSize("") }
+func (dirLayout) minSize(params.Caps) int64 { return mount.MinSize("") }
 
 func (dirLayout) mountFS(*pool.Volume) string { return "" }
 
 // fsType: a dir volume has the pool's filesystem, whatever the CO names.
-func (dirLayout) fsType(capsSpec) string                 { return "" }
-func (dirLayout) sameFS(capsSpec, string) bool           { return true }
+func (dirLayout) fsType(params.Caps) string              { return "" }
+func (dirLayout) sameFS(params.Caps, string) bool        { return true }
 func (dirLayout) fence(*pool.Volume, string, bool) error { return nil }
 
 // expand raises a dir volume's quota limit. Nothing changes on the nodes (a

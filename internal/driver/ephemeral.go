@@ -16,6 +16,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -48,7 +49,7 @@ type ephemeralSpec struct {
 	pool   *pool.Pool
 	size   int64
 	fsType string
-	caps   capsSpec
+	caps   params.Caps
 	flags  []string
 	pod    string
 }
@@ -93,11 +94,11 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if vc.GetMount() == nil {
 		return s, status.Error(codes.InvalidArgument, "an ephemeral inline volume is a filesystem: volume_capability must be a mount")
 	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	caps, err := params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 	if err != nil {
 		return s, err
 	}
-	for _, m := range caps.modes {
+	for _, m := range caps.Modes {
 		if m != csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_MULTI_WRITER &&
 			m != csi.VolumeCapability_AccessMode_SINGLE_NODE_SINGLE_WRITER && m != csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY {
 			return s, status.Errorf(codes.InvalidArgument, "access mode %s: an ephemeral inline volume is one pod's, on one node", m)
@@ -108,11 +109,11 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if err != nil {
 		return s, err
 	}
-	if attrFS != "" && caps.fsType != "" && attrFS != caps.fsType {
-		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.fsType)
+	if attrFS != "" && caps.FSType != "" && attrFS != caps.FSType {
+		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.FSType)
 	}
-	s.fsType = firstNonEmpty(attrFS, caps.fsType, DefaultFSType)
-	s.caps.fsType = s.fsType
+	s.fsType = firstNonEmpty(attrFS, caps.FSType, params.DefaultFSType)
+	s.caps.FSType = s.fsType
 	if err := d.ephemeralPoolOf(&s); err != nil {
 		return s, err
 	}

@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -149,7 +150,7 @@ type groupSource struct {
 func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("group snapshot", name); err != nil {
+	if err := params.CheckRequestName("group snapshot", name); err != nil {
 		return nil, err
 	}
 	if err := checkGroupSnapshotParams(req.GetParameters()); err != nil {

@@ -10,6 +10,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -27,8 +28,8 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
 }
 
-func (imageLayout) allowed(s capsSpec) error {
-	for _, m := range s.modes {
+func (imageLayout) allowed(s params.Caps) error {
+	for _, m := range s.Modes {
 		if !imageModes[m] {
 			return csierr.Failf(csierr.ErrInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
 		}
@@ -36,22 +37,22 @@ func (imageLayout) allowed(s capsSpec) error {
 	return nil
 }
 
-func (imageLayout) minSize(s capsSpec) int64 {
-	if s.access == pool.AccessBlock {
+func (imageLayout) minSize(s params.Caps) int64 {
+	if s.Access == pool.AccessBlock {
 		return mount.MinSize("")
 	}
-	return mount.MinSize(s.fsType)
+	return mount.MinSize(s.FSType)
 }
 
-func (imageLayout) fsType(s capsSpec) string {
-	if s.access == pool.AccessBlock {
+func (imageLayout) fsType(s params.Caps) string {
+	if s.Access == pool.AccessBlock {
 		return ""
 	}
-	return s.fsType
+	return s.FSType
 }
 
-func (imageLayout) sameFS(s capsSpec, fsType string) bool {
-	return s.access != pool.AccessFilesystem || s.fsType == "" || s.fsType == fsType
+func (imageLayout) sameFS(s params.Caps, fsType string) bool {
+	return s.Access != pool.AccessFilesystem || s.FSType == "" || s.FSType == fsType
 }
 
 func (imageLayout) volumeContext(*pool.Volume, map[string]string) {}

@@ -25,7 +25,7 @@ func (d imageLayout) stage(ctx context.Context, nv nodeVolume, staging string, v
 	}
 	defer h.Close()
 	image := h.Path()
-	if nv.caps.access == pool.AccessBlock {
+	if nv.caps.Access == pool.AccessBlock {
 		dev, err := d.attach(ctx, nv, image)
 		if err != nil {
 			return err
@@ -45,7 +45,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 	image := nv.pool.ImagePath(nv.id)
 
 	var source string
-	if nv.caps.access == pool.AccessBlock {
+	if nv.caps.Access == pool.AccessBlock {
 		dev, ok, err := d.attachedDevice(image)
 		if err != nil {
 			return err
@@ -79,7 +79,7 @@ func (d imageLayout) publish(ctx context.Context, nv nodeVolume, staging, target
 		}
 	}
 	var err error
-	if nv.caps.access == pool.AccessBlock {
+	if nv.caps.Access == pool.AccessBlock {
 		if err := d.setBlockReadOnly(source, target, readOnly); err != nil {
 			return err
 		}

@@ -6,6 +6,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/poolcsi/poolcsi/internal/nodestate"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -22,13 +23,13 @@ type layout interface {
 // layoutFacts are what a layout is: answers that act on nothing.
 type layoutFacts interface {
 	// allowed refuses capabilities the layout cannot honour (INVALID_ARGUMENT).
-	allowed(s capsSpec) error
+	allowed(s params.Caps) error
 	// minSize is the smallest volume of the layout for s.
-	minSize(s capsSpec) int64
+	minSize(s params.Caps) int64
 	// fsType is the filesystem volume.json records for a volume made for s.
-	fsType(s capsSpec) string
+	fsType(s params.Caps) string
 	// sameFS refuses a request whose fs_type the volume does not have.
-	sameFS(s capsSpec, fsType string) bool
+	sameFS(s params.Caps, fsType string) bool
 	// mountFS is the filesystem whose mount options a stage or publish of v
 	// may carry ("" for a bind of a directory).
 	mountFS(v *pool.Volume) string

@@ -13,6 +13,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -56,7 +57,7 @@ type nodeVolume struct {
 	id   pool.VolumeID
 	pool *pool.Pool
 	vol  *pool.Volume
-	caps capsSpec
+	caps params.Caps
 }
 
 // nodeVolume resolves the volume of a stage or publish (call): the ID, the
@@ -64,12 +65,12 @@ type nodeVolume struct {
 // front hall (request.go), then what the volume must be for the capability.
 // The caller defers release.
 func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, func(), error) {
-	var caps capsSpec
+	var caps params.Caps
 	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
 		if vc == nil {
 			return status.Error(codes.InvalidArgument, "volume_capability is required")
 		}
-		caps, err = parseCaps([]*csi.VolumeCapability{vc}, "")
+		caps, err = params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 		return err
 	})
 	if err != nil {

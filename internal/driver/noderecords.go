@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -87,8 +88,8 @@ type poolRecord struct {
 var recordsMu sync.Mutex
 
 // readOnlyCaps tells whether a node call's capability only ever reads.
-func readOnlyCaps(c capsSpec) bool {
-	return len(c.modes) > 0 && !slices.ContainsFunc(c.modes, func(m csi.VolumeCapability_AccessMode_Mode) bool { return !readOnlyMode(m) })
+func readOnlyCaps(c params.Caps) bool {
+	return len(c.Modes) > 0 && !slices.ContainsFunc(c.Modes, func(m csi.VolumeCapability_AccessMode_Mode) bool { return !readOnlyMode(m) })
 }
 
 // noteStage writes the record of image before it is attached, so that no

@@ -12,6 +12,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -69,7 +70,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	node, vc := req.GetNodeId(), req.GetVolumeCapability()
-	var caps capsSpec
+	var caps params.Caps
 	acc := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
 	rq, err := d.resolve(ctx, rpcControllerPublishVolume, req.GetVolumeId(), acc, func() (err error) {
 		if node == "" {
@@ -78,7 +79,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if vc == nil {
 			return status.Error(codes.InvalidArgument, "volume_capability is required")
 		}
-		caps, err = parseCaps([]*csi.VolumeCapability{vc}, "")
+		caps, err = params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 		return err
 	})
 	if err != nil {

@@ -148,7 +148,7 @@ func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc sha
 		case pool.HostileID(rawID):
 			return rq, status.Errorf(codes.InvalidArgument, "volume_id: %v", err)
 		}
-		return rq, csierr.Failf(pool.ErrNotFound, "volume %q does not exist (not a poolcsi volume ID)", rawID)
+		return rq, status.Errorf(codes.NotFound, "volume %q does not exist (not a poolcsi volume ID)", rawID)
 	}
 	if check != nil {
 		if err := check(); err != nil {

@@ -18,6 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -82,7 +83,7 @@ func checkSnapshotParams(params map[string]string) error {
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("snapshot", name); err != nil {
+	if err := params.CheckRequestName("snapshot", name); err != nil {
 		return nil, err
 	}
 	if req.GetSourceVolumeId() == "" {

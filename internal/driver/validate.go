@@ -12,77 +12,18 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// DefaultFSType is used when neither the capability nor the parameters name one.
-const DefaultFSType = "ext4"
-
-// capsSpec is what a set of volume capabilities asks of a volume.
-type capsSpec struct {
-	access pool.AccessType
-	fsType string
-	modes  []csi.VolumeCapability_AccessMode_Mode
-}
-
-// parseCaps checks a capability list and folds it into one spec; which access
-// modes a volume allows depends on its layout (layout.allowed). defaultFS
-// applies when no capability names a filesystem.
-func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error) {
-	var s capsSpec
-	if len(caps) == 0 {
-		return s, status.Error(codes.InvalidArgument, "volume_capabilities are required")
-	}
-	for i, c := range caps {
-		if c == nil {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] is empty", i)
-		}
-		var access pool.AccessType
-		switch {
-		case c.GetBlock() != nil:
-			access = pool.AccessBlock
-		case c.GetMount() != nil:
-			access = pool.AccessFilesystem
-			fs := strings.ToLower(c.GetMount().GetFsType())
-			if fs != "" {
-				if !mount.SupportedFS(fs) {
-					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: fs_type %q is not supported (ext4, xfs, btrfs)", i, fs)
-				}
-				if s.fsType != "" && s.fsType != fs {
-					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities ask for two filesystems, %s and %s", s.fsType, fs)
-				}
-				s.fsType = fs
-			}
-		default:
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access type (mount or block)", i)
-		}
-		if s.access != "" && s.access != access {
-			return s, status.Error(codes.InvalidArgument, "volume_capabilities mix block and mount access; a volume is one or the other")
-		}
-		s.access = access
-		mode := c.GetAccessMode().GetMode()
-		if mode == csi.VolumeCapability_AccessMode_UNKNOWN {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access mode", i)
-		}
-		if _, known := csi.VolumeCapability_AccessMode_Mode_name[int32(mode)]; !known {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: unknown access mode %d", i, mode)
-		}
-		s.modes = append(s.modes, mode)
-	}
-	if s.access == pool.AccessFilesystem && s.fsType == "" {
-		s.fsType = defaultFS
-	}
-	return s, nil
-}
-
 // compatible tells whether an existing volume satisfies a capability spec.
-func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
-	if s.access != v.AccessType {
-		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.access)
+func (d *Driver) compatible(s params.Caps, v *pool.Volume) error {
+	if s.Access != v.AccessType {
+		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
 	}
 	lay := d.layoutOf(v.Layout)
 	if !lay.sameFS(s, v.FSType) {
-		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.fsType)
+		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.FSType)
 	}
 	if err := lay.allowed(s); err != nil {
 		return fmt.Errorf("volume %s: %w", v.ID, err)
@@ -261,25 +202,12 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 	if vc == nil {
 		return nil
 	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	caps, err := params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 	if err != nil {
 		return err
 	}
 	if err := d.compatible(caps, v); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	return nil
-}
-
-// checkRequestName checks the name of a CreateVolume, CreateSnapshot or
-// CreateVolumeGroupSnapshot request: required, and a name the pool can key
-// (kind says whose, in the message).
-func checkRequestName(kind, name string) error {
-	if name == "" {
-		return status.Error(codes.InvalidArgument, "name is required")
-	}
-	if err := pool.ValidateVolumeName(name); err != nil {
-		return status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", kind+" name", 1))
 	}
 	return nil
 }
