@@ -148,7 +148,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	fresh, err := createMutable(req.GetMutableParameters(), sc.layout)
+	fresh, err := params.CreateMutable(req.GetMutableParameters(), sc.layout)
 	if err != nil {
 		return nil, err
 	}
