@@ -85,7 +85,7 @@ func sourceParams(scParams map[string]string, src *contentSource) map[string]str
 		// A copy stays on its source's share: named by the share, as a
 		// StorageClass names it, unless the parameters name it themselves.
 		delete(out, ParamPool)
-		if !namesShare(scParams) {
+		if !params.NamesShare(scParams) {
 			out[ParamShareType], out[ParamShareSource] = r.Type, r.Source
 		}
 	}

@@ -14,7 +14,6 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -22,11 +21,11 @@ import (
 // StorageClass parameters poolcsi understands. Kubernetes' own csi.storage.k8s.io/*
 // keys are accepted as sent; any other key is refused so a typo in a StorageClass
 // fails loudly instead of silently giving the default.
+// They are parsed in internal/params.
 const (
-	ParamPool   = "pool"
-	ParamLayout = "layout"
-	ParamFSType = "fsType"
-	k8sPrefix   = "csi.storage.k8s.io/"
+	ParamPool   = params.ParamPool
+	ParamLayout = params.ParamLayout
+	ParamFSType = params.ParamFSType
 )
 
 var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
@@ -58,78 +57,6 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 	return &csi.ControllerGetCapabilitiesResponse{Capabilities: out}, nil
 }
 
-// createParams are the parsed StorageClass parameters of a CreateVolume.
-type createParams struct {
-	pool   *pool.Pool
-	layout pool.Layout
-	fsType string
-	keep   map[string]string // recorded in volume.json for operators
-	// share is the share the parameters name; pool is then nil until
-	// resolvePool mounts it.
-	share *shareParams
-}
-
-// parseCreateParams checks StorageClass parameters. It mounts nothing: a share
-// they name is resolved by resolvePool.
-func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
-	cp := createParams{layout: pool.LayoutImage, keep: map[string]string{}}
-	params := make(map[string]string, len(in))
-	for k, v := range in {
-		params[k] = v
-	}
-	share, err := d.parseShareParams(params)
-	if err != nil {
-		return cp, err
-	}
-	if share != nil {
-		if _, ok := params[ParamPool]; ok {
-			return cp, status.Errorf(codes.InvalidArgument, "parameter pool names a configured pool, the share parameters a share: give one or the other")
-		}
-		cp.share = share
-		cp.layout = pool.LayoutDir // like every shared pool's RWX volumes; layout: image for an image
-		cp.keep[ParamShareType] = share.ref.Type
-		cp.keep[ParamShareSource] = share.ref.Source
-		if len(share.options) > 0 {
-			cp.keep[ParamShareOptions] = strings.Join(share.options, ",")
-		}
-	}
-	for k, v := range params {
-		switch {
-		case k == ParamPool:
-			if cp.pool = d.pool(v); cp.pool == nil || cp.pool.Config().Share != nil {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
-			}
-		case k == ParamLayout:
-			if !slices.Contains(layouts, pool.Layout(v)) {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layouts are image and dir", v)
-			}
-			cp.layout = pool.Layout(v)
-		case k == ParamFSType, k == k8sPrefix+"fstype":
-			fs := strings.ToLower(v)
-			if !mount.SupportedFS(fs) {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter %s=%q: supported filesystems are ext4, xfs, btrfs", k, v)
-			}
-			cp.fsType = fs
-			continue
-		case strings.HasPrefix(k, k8sPrefix):
-			if strings.HasPrefix(k, k8sPrefix+"pv") { // pv/name, pvc/name, pvc/namespace
-				cp.keep[k] = v
-			}
-			continue
-		default:
-			return cp, status.Errorf(codes.InvalidArgument, "unknown parameter %q (known: pool, layout, fsType, shareType, shareSource, shareOptions, server, share, %s*)", k, k8sPrefix)
-		}
-		cp.keep[k] = v
-	}
-	if cp.pool == nil && cp.share == nil {
-		if len(d.configured) != 1 {
-			return cp, status.Errorf(codes.InvalidArgument, "parameter pool is required when several pools are configured (pools: %s)", joinNames(d.configured))
-		}
-		cp.pool = d.pool(d.configured[0])
-	}
-	return cp, nil
-}
-
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
@@ -144,11 +71,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	sc, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
+	sc, err := params.ParseCreate(sourceParams(req.GetParameters(), src), d.paramConfig())
 	if err != nil {
 		return nil, err
 	}
-	fresh, err := params.CreateMutable(req.GetMutableParameters(), sc.layout)
+	fresh, err := params.CreateMutable(req.GetMutableParameters(), sc.Layout)
 	if err != nil {
 		return nil, err
 	}
@@ -156,14 +83,14 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if src != nil {
 		srcFS = src.fsType
 	}
-	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), firstNonEmpty(sc.fsType, srcFS, params.DefaultFSType))
+	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), firstNonEmpty(sc.FSType, srcFS, params.DefaultFSType))
 	if err != nil {
 		return nil, err
 	}
-	if sc.fsType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != sc.fsType {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", sc.fsType, caps.FSType)
+	if sc.FSType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != sc.FSType {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", sc.FSType, caps.FSType)
 	}
-	lay := d.layoutOf(sc.layout)
+	lay := d.layoutOf(sc.Layout)
 	if err := lay.allowed(caps); err != nil {
 		return nil, err
 	}
@@ -179,7 +106,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	var size int64
 	var source *pool.ContentSource
 	if src != nil {
-		if err := src.check(p, sc.layout, lay, caps); err != nil {
+		if err := src.check(p, sc.Layout, lay, caps); err != nil {
 			return nil, err
 		}
 		if size, err = src.sourceSize(req.GetCapacityRange(), minimum); err != nil {
@@ -202,11 +129,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          name,
-		Layout:        sc.layout,
+		Layout:        sc.Layout,
 		AccessType:    caps.Access,
 		FSType:        lay.fsType(caps),
 		CapacityBytes: size,
-		Parameters:    sc.keep,
+		Parameters:    sc.Keep,
 		Topology:      topology,
 		Source:        source,
 		IOLimits:      fresh.IOLimits,
@@ -385,7 +312,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 		return nil, err
 	}
 	v := rq.vol
-	if _, err := d.parseCreateParams(req.GetParameters()); err != nil {
+	if _, err := params.ParseCreate(req.GetParameters(), d.paramConfig()); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
 	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), "")
@@ -578,7 +505,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
 	defer csierr.ToStatus(&err)
-	sc, err := d.parseCreateParams(req.GetParameters())
+	sc, err := params.ParseCreate(req.GetParameters(), d.paramConfig())
 	if err != nil {
 		return nil, err
 	}
@@ -614,26 +541,16 @@ func firstNonEmpty(s ...string) string {
 // resolvePool is the pool parsed parameters name: a configured one, or the
 // share's, mounted (with the StorageClass's options and mount flags and what
 // the request's secrets brought, acc) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, sc createParams, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
-	if sc.share == nil {
-		return sc.pool, nil
+func (d *Driver) resolvePool(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
+	if sc.Share == nil {
+		return d.pool(sc.Pool), nil
 	}
 	acc.mount, acc.fromStorageClass = true, true
-	acc.options = append(acc.options, sc.share.options...)
-	if sc.layout == pool.LayoutDir && len(caps) > 0 {
+	acc.options = append(acc.options, sc.Share.Options...)
+	if sc.Layout == pool.LayoutDir && len(caps) > 0 {
 		// Every capability of a CreateVolume carries the StorageClass's
 		// mountOptions; the first one's are the share's.
-		acc.options = append(acc.options, shareFlags(caps[0].GetMount().GetMountFlags())...)
+		acc.options = append(acc.options, params.ShareFlags(caps[0].GetMount().GetMountFlags())...)
 	}
-	return d.sharePool(ctx, sc.share.ref, "", acc)
-}
-
-// namesShare tells whether StorageClass parameters name a share.
-func namesShare(scParams map[string]string) bool {
-	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare} {
-		if _, ok := scParams[k]; ok {
-			return true
-		}
-	}
-	return false
+	return d.sharePool(ctx, sc.Share.Ref, "", acc)
 }

@@ -23,6 +23,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
@@ -416,6 +417,11 @@ func isLocal(p *pool.Pool) bool { return !p.Shared() }
 
 func (d *Driver) nodeTopology() map[string]string {
 	return map[string]string{TopologyKey: d.opts.NodeID}
+}
+
+// paramConfig is what the request parsers know of this driver: names.
+func (d *Driver) paramConfig() params.Config {
+	return params.Config{Pools: d.configured, Shares: d.shares.config()}
 }
 
 func joinNames(names []string) string { return strings.Join(names, ", ") }

@@ -33,7 +33,7 @@ const (
 
 	// ctxEphemeral is what kubelet (podInfoOnMount) puts in the volume
 	// context of an inline volume's NodePublishVolume.
-	ctxEphemeral = k8sPrefix + "ephemeral"
+	ctxEphemeral = params.K8sPrefix + "ephemeral"
 )
 
 // DefaultEphemeralSize is an inline volume's size when its attributes name none.
@@ -147,11 +147,11 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 			if s.pool = d.pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.configured, v) {
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
-		case k == k8sPrefix+"pod.namespace":
+		case k == params.K8sPrefix+"pod.namespace":
 			ns = v
-		case k == k8sPrefix+"pod.name":
+		case k == params.K8sPrefix+"pod.name":
 			name = v
-		case strings.HasPrefix(k, k8sPrefix):
+		case strings.HasPrefix(k, params.K8sPrefix):
 			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
 		default:
 			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)

@@ -58,9 +58,6 @@ type nodeLayout interface {
 	stats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, path string) (*csi.NodeGetVolumeStatsResponse, error)
 }
 
-// layouts are the layouts a StorageClass may name.
-var layouts = []pool.Layout{pool.LayoutImage, pool.LayoutDir}
-
 // layoutOf returns the implementation of l; an unknown layout (a volume.json
 // written by a newer driver) is treated as an image, whose checks refuse
 // anything they do not recognise.

@@ -66,9 +66,9 @@ func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
 
 // checkSnapshotParams accepts only the csi.storage.k8s.io/* keys the snapshotter
 // adds: poolcsi has no VolumeSnapshotClass parameters, and a typo must not pass.
-func checkSnapshotParams(params map[string]string) error {
-	for k := range params {
-		if !strings.HasPrefix(k, k8sPrefix) {
+func checkSnapshotParams(in map[string]string) error {
+	for k := range in {
+		if !strings.HasPrefix(k, params.K8sPrefix) {
 			return status.Errorf(codes.InvalidArgument, "unknown snapshot parameter %q (poolcsi takes none)", k)
 		}
 	}
