@@ -328,6 +328,11 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 		return &csi.NodePublishVolumeResponse{}, nil
 	}
+	return d.publishPersistent(ctx, req, target)
+}
+
+// publishPersistent publishes a volume of a pool, staged before, by its ID.
+func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) (*csi.NodePublishVolumeResponse, error) {
 	staging, err := d.requestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err

@@ -187,7 +187,17 @@ type shareAccess struct {
 // only secrets (DeleteVolume, ControllerUnpublishVolume, the snapshot and
 // expansion calls).
 func dataAccess(secrets map[string]string) shareAccess {
-	return shareAccess{mount: true, sensitive: params.SecretOptions(secrets)}
+	return shareAccess{mount: true, sensitive: splitList(secrets[SecretMountOptions])}
+}
+
+// splitList splits a comma-separated option list (a secret's, a volume
+// context's), unchecked: the share type's allow-list checks each option when
+// the share is mounted (never showing a secret one).
+func splitList(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return strings.Split(s, ",")
 }
 
 // mayMount tells whether a call may mount share r on this node: a call that
@@ -217,7 +227,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 	name := r.PoolName()
 	// What the call brings is checked whether or not it is needed: a bad
 	// option is refused the same way every time.
-	if err := params.CheckOptions(r.Type, acc.options, acc.sensitive); err != nil {
+	if err := params.CheckShareOptions(r.Type, acc.options, acc.sensitive); err != nil {
 		return nil, err
 	}
 	// A served pool passed allowed when it joined, and the allow-list does
@@ -310,7 +320,7 @@ func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.Share
 // recorded share is mounted again with its recorded options.
 func contextAccess(volumeContext, secrets map[string]string, flags []string) shareAccess {
 	acc := dataAccess(secrets)
-	acc.options = params.SplitOptions(volumeContext[ParamShareOptions])
+	acc.options = splitList(volumeContext[ParamShareOptions])
 	if l := volumeContext[ParamLayout]; l == "" || l == string(pool.LayoutDir) {
 		acc.options = append(acc.options, params.ShareFlags(flags)...)
 	}

@@ -77,7 +77,4 @@ func TestShareFlags(t *testing.T) {
 	if SplitOptions("") != nil || len(SplitOptions("a,b")) != 2 {
 		t.Fatal("SplitOptions")
 	}
-	if SecretOptions(map[string]string{}) != nil || len(SecretOptions(map[string]string{SecretMountOptions: "a,b"})) != 2 {
-		t.Fatal("SecretOptions")
-	}
 }

@@ -108,17 +108,17 @@ func ParseShare(params map[string]string, shares Shares) (*Share, error) {
 		return nil, status.Errorf(codes.InvalidArgument, "share %s: StorageClasses can name shares only on a driver with the cluster's share key (serve --share-key-file; the chart makes one): the key tags each volume ID, so that no ID can name a share by itself", sp.Ref)
 	}
 	sp.Options = SplitOptions(opts)
-	if err := CheckOptions(sp.Ref.Type, sp.Options, nil); err != nil {
+	if err := CheckShareOptions(sp.Ref.Type, sp.Options, nil); err != nil {
 		return nil, csierr.Failf(csierr.ErrInvalid, "parameter %s: %w", ParamShareOptions, err)
 	}
 	return &sp, nil
 }
 
-// CheckOptions checks the mount options a call brings for a share of type
+// CheckShareOptions checks the mount options a call brings for a share of type
 // typ (options from a StorageClass or a volume context, sensitive ones from
 // its secrets) against the type's allow-list: INVALID_ARGUMENT, the secret
 // values never shown.
-func CheckOptions(typ string, options, sensitive []string) error {
+func CheckShareOptions(typ string, options, sensitive []string) error {
 	for _, o := range options {
 		if err := poolmount.CheckOption(typ, o, false); err != nil {
 			return csierr.Failf(csierr.ErrInvalid, "%w", err)
@@ -130,17 +130,6 @@ func CheckOptions(typ string, options, sensitive []string) error {
 		}
 	}
 	return nil
-}
-
-// SecretOptions returns the mount options in a request's secrets, unchecked:
-// they are checked against the share type's allow-list when a share is
-// mounted (never shown in a message).
-func SecretOptions(secrets map[string]string) []string {
-	raw := secrets[SecretMountOptions]
-	if raw == "" {
-		return nil
-	}
-	return strings.Split(raw, ",")
 }
 
 // SplitOptions splits a comma-separated option list (shareOptions, a volume
