@@ -62,11 +62,12 @@ const (
 	holdThaw               holder = "a thaw after a crash"
 )
 
-// poolNeed is what a call does when the ID's pool is not served here.
+// poolNeed is what a call does when the ID's pool is not served here; the
+// zero value is needPool.
 type poolNeed int
 
 const (
-	// needPool: the call fails (NOT_FOUND for a pool not configured or a
+	// needPool (the zero value): the call fails (NOT_FOUND for a pool not configured or a
 	// share without a pool, UNAVAILABLE for a share that cannot be mounted).
 	needPool poolNeed = iota
 	// noPoolIsGone: a pool not here holds no volume, so the call has
@@ -97,7 +98,7 @@ type route struct {
 var routes = map[holder]route{
 	rpcDeleteVolume:               {lock: true, mount: true, pool: noPoolIsGone},
 	rpcValidateVolumeCapabilities: {load: true},
-	rpcControllerGetVolume:        {load: true},
+	rpcControllerGetVolume:        {load: true, pool: needPool},
 	rpcControllerGetVolumeHealth:  {},
 	rpcControllerPublishVolume:    {lock: true, mount: true},
 	rpcControllerUnpublishVolume:  {lock: true, mount: true, pool: noPoolIsGone},
