@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -46,14 +47,11 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		}
 		return &contentSource{Pool: p, Record: pool.ContentSource{Snapshot: s.ID}, Layout: s.Layout, Access: s.AccessType, FSType: s.FSType, Size: s.SizeBytes, SnapID: sid}, nil
 	case src.GetVolume() != nil:
-		vid, p, err := d.volumeRef(ctx, src.GetVolume().GetVolumeId(), acc)
+		rq, err := d.resolve(ctx, rpcCloneSource, src.GetVolume().GetVolumeId(), acc, nil)
 		if err != nil {
 			return nil, err
 		}
-		v, err := loadVolume(p, vid)
-		if err != nil {
-			return nil, err
-		}
+		vid, p, v := rq.id, rq.pool, rq.vol
 		return &contentSource{Pool: p, Record: pool.ContentSource{Volume: v.ID}, Layout: v.Layout, Access: v.AccessType, FSType: v.FSType, Size: v.CapacityBytes, VolID: vid, Vol: v}, nil
 	}
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
@@ -61,20 +59,20 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 
 // sourceParams defaults the pool and layout of a volume made from src to src's:
 // a copy stays in its source's pool, and a StorageClass need not repeat them.
-func sourceParams(params map[string]string, src *contentSource) map[string]string {
+func sourceParams(scParams map[string]string, src *contentSource) map[string]string {
 	if src == nil {
-		return params
+		return scParams
 	}
 	out := map[string]string{ParamPool: src.Pool.Name(), ParamLayout: string(src.Layout)}
 	if r := src.Pool.Config().Share; r != nil {
 		// A copy stays on its source's share: named by the share, as a
 		// StorageClass names it, unless the parameters name it themselves.
 		delete(out, ParamPool)
-		if !namesShare(params) {
+		if !params.NamesShare(scParams) {
 			out[ParamShareType], out[ParamShareSource] = r.Type, r.Source
 		}
 	}
-	for k, v := range params {
+	for k, v := range scParams {
 		out[k] = v
 	}
 	return out
@@ -93,16 +91,11 @@ func sameSource(a, b *pool.ContentSource) bool {
 func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
 	if !src.IsSnapshot() {
 		// Copying a volume: hold it against concurrent grow, stage and delete.
-		release, err := d.locks.acquire(src.VolID.String(), "CreateVolume (clone source)")
+		sv, release, err := d.holdVolume(ctx, holdCloneSource, p, src.VolID)
 		if err != nil {
 			return err
 		}
 		defer release()
-		sv, unlock, err := lockVolume(ctx, p, src.VolID)
-		if err != nil {
-			return err
-		}
-		defer unlock()
 		src.Vol = sv
 	}
 	return d.layoutOf(v.Layout).CloneFrom(ctx, p, v, src)

@@ -15,19 +15,18 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
-	"github.com/poolcsi/poolcsi/internal/layout"
-	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 // StorageClass parameters poolcsi understands. Kubernetes' own csi.storage.k8s.io/*
 // keys are accepted as sent; any other key is refused so a typo in a StorageClass
 // fails loudly instead of silently giving the default.
+// They are parsed in internal/params.
 const (
-	ParamPool   = "pool"
-	ParamLayout = "layout"
-	ParamFSType = "fsType"
-	k8sPrefix   = "csi.storage.k8s.io/"
+	ParamPool   = params.ParamPool
+	ParamLayout = params.ParamLayout
+	ParamFSType = params.ParamFSType
 )
 
 var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
@@ -59,82 +58,10 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 	return &csi.ControllerGetCapabilitiesResponse{Capabilities: out}, nil
 }
 
-// createParams are the parsed StorageClass parameters of a CreateVolume.
-type createParams struct {
-	pool   *pool.Pool
-	layout pool.Layout
-	fsType string
-	keep   map[string]string // recorded in volume.json for operators
-	// share is the share the parameters name; pool is then nil until
-	// resolvePool mounts it.
-	share *shareParams
-}
-
-// parseCreateParams checks StorageClass parameters. It mounts nothing: a share
-// they name is resolved by resolvePool.
-func (d *Driver) parseCreateParams(in map[string]string) (createParams, error) {
-	cp := createParams{layout: pool.LayoutImage, keep: map[string]string{}}
-	params := make(map[string]string, len(in))
-	for k, v := range in {
-		params[k] = v
-	}
-	share, err := d.parseShareParams(params)
-	if err != nil {
-		return cp, err
-	}
-	if share != nil {
-		if _, ok := params[ParamPool]; ok {
-			return cp, status.Errorf(codes.InvalidArgument, "parameter pool names a configured pool, the share parameters a share: give one or the other")
-		}
-		cp.share = share
-		cp.layout = pool.LayoutDir // like every shared pool's RWX volumes; layout: image for an image
-		cp.keep[ParamShareType] = share.ref.Type
-		cp.keep[ParamShareSource] = share.ref.Source
-		if len(share.options) > 0 {
-			cp.keep[ParamShareOptions] = strings.Join(share.options, ",")
-		}
-	}
-	for k, v := range params {
-		switch {
-		case k == ParamPool:
-			if cp.pool = d.pool(v); cp.pool == nil || cp.pool.Config().Share != nil {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
-			}
-		case k == ParamLayout:
-			if !slices.Contains(layout.Layouts, pool.Layout(v)) {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter layout=%q: supported layout.Layouts are image and dir", v)
-			}
-			cp.layout = pool.Layout(v)
-		case k == ParamFSType, k == k8sPrefix+"fstype":
-			fs := strings.ToLower(v)
-			if !mount.SupportedFS(fs) {
-				return cp, status.Errorf(codes.InvalidArgument, "parameter %s=%q: supported filesystems are ext4, xfs, btrfs", k, v)
-			}
-			cp.fsType = fs
-			continue
-		case strings.HasPrefix(k, k8sPrefix):
-			if strings.HasPrefix(k, k8sPrefix+"pv") { // pv/name, pvc/name, pvc/namespace
-				cp.keep[k] = v
-			}
-			continue
-		default:
-			return cp, status.Errorf(codes.InvalidArgument, "unknown parameter %q (known: pool, layout, fsType, shareType, shareSource, shareOptions, server, share, %s*)", k, k8sPrefix)
-		}
-		cp.keep[k] = v
-	}
-	if cp.pool == nil && cp.share == nil {
-		if len(d.configured) != 1 {
-			return cp, status.Errorf(codes.InvalidArgument, "parameter pool is required when several pools are configured (pools: %s)", joinNames(d.configured))
-		}
-		cp.pool = d.pool(d.configured[0])
-	}
-	return cp, nil
-}
-
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("volume", name); err != nil {
+	if err := params.CheckRequestName("volume", name); err != nil {
 		return nil, err
 	}
 	if strings.HasPrefix(name, pool.EphemeralPrefix) {
@@ -145,11 +72,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if err != nil {
 		return nil, err
 	}
-	params, err := d.parseCreateParams(sourceParams(req.GetParameters(), src))
+	sc, err := params.ParseCreate(sourceParams(req.GetParameters(), src), d.paramConfig())
 	if err != nil {
 		return nil, err
 	}
-	fresh, err := createMutable(req.GetMutableParameters(), params.layout)
+	fresh, err := params.CreateMutable(req.GetMutableParameters(), sc.Layout)
 	if err != nil {
 		return nil, err
 	}
@@ -157,18 +84,18 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if src != nil {
 		srcFS = src.FSType
 	}
-	caps, err := parseCaps(req.GetVolumeCapabilities(), firstNonEmpty(params.fsType, srcFS, DefaultFSType))
+	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), firstNonEmpty(sc.FSType, srcFS, params.DefaultFSType))
 	if err != nil {
 		return nil, err
 	}
-	if params.fsType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != params.fsType {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", params.fsType, caps.FSType)
+	if sc.FSType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != sc.FSType {
+		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", sc.FSType, caps.FSType)
 	}
-	lay := d.layoutOf(params.layout)
+	lay := d.layoutOf(sc.Layout)
 	if err := lay.Allowed(caps); err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), acc)
+	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), acc)
 	if err != nil {
 		return nil, err
 	}
@@ -180,7 +107,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	var size int64
 	var source *pool.ContentSource
 	if src != nil {
-		if err := src.Check(p, params.layout, lay, caps); err != nil {
+		if err := src.Check(p, sc.Layout, lay, caps); err != nil {
 			return nil, err
 		}
 		if size, err = src.SourceSize(req.GetCapacityRange(), minimum); err != nil {
@@ -192,7 +119,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	}
 
 	id := p.NewID(name)
-	release, err := d.locks.acquire(id.String(), "CreateVolume")
+	release, err := d.hold(id.String(), holdCreateVolume)
 	if err != nil {
 		return nil, err
 	}
@@ -203,11 +130,11 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          name,
-		Layout:        params.layout,
+		Layout:        sc.Layout,
 		AccessType:    caps.Access,
 		FSType:        lay.FSType(caps),
 		CapacityBytes: size,
-		Parameters:    params.keep,
+		Parameters:    sc.Keep,
 		Topology:      topology,
 		Source:        source,
 		IOLimits:      fresh.IOLimits,
@@ -257,7 +184,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 	return nil
 }
 
-func (d *Driver) createCompatible(v *pool.Volume, caps capsSpec, r *csi.CapacityRange, mutable pool.Volume) error {
+func (d *Driver) createCompatible(v *pool.Volume, caps params.Caps, r *csi.CapacityRange, mutable pool.Volume) error {
 	if err := d.compatible(caps, v); err != nil {
 		return err
 	}
@@ -318,24 +245,18 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, err := parseVolumeID(req.GetVolumeId())
+	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, csierr.ErrNoPool) {
+	defer rq.release()
+	vid, p := rq.id, rq.pool
+	if p == nil {
 		// Not a pool of this driver, or a share without one: nothing of the
 		// volume exists there. A share that cannot be mounted is UNAVAILABLE:
 		// the provisioner retries, nothing is said deleted that was not.
 		return &csi.DeleteVolumeResponse{}, nil
-	} else if err != nil {
-		return nil, err
 	}
-	release, err := d.locks.acquire(vid.String(), "DeleteVolume")
-	if err != nil {
-		return nil, err
-	}
-	defer release()
 	unlock, err := p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
 		// Gone, or renamed away by a delete that crashed before removing it:
@@ -382,21 +303,20 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcValidateVolumeCapabilities, req.GetVolumeId(), shareAccess{}, func() error {
+		if len(req.GetVolumeCapabilities()) == 0 {
+			return status.Error(codes.InvalidArgument, "volume_capabilities are required")
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	if len(req.GetVolumeCapabilities()) == 0 {
-		return nil, status.Error(codes.InvalidArgument, "volume_capabilities are required")
-	}
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
-	if _, err := d.parseCreateParams(req.GetParameters()); err != nil {
+	v := rq.vol
+	if _, err := params.ParseCreate(req.GetParameters(), d.paramConfig()); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
-	caps, err := parseCaps(req.GetVolumeCapabilities(), "")
+	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), "")
 	if err == nil {
 		err = d.compatible(caps, v)
 	}
@@ -570,14 +490,11 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcControllerGetVolume, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	vid, p, v := rq.id, rq.pool, rq.vol
 	st := &csi.ControllerGetVolumeResponse_VolumeStatus{PublishedNodeIds: v.PublishedNodes()}
 	issues, err := d.controllerIssues(p, vid)
 	if err != nil {
@@ -589,11 +506,11 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
 	defer csierr.ToStatus(&err)
-	params, err := d.parseCreateParams(req.GetParameters())
+	sc, err := params.ParseCreate(req.GetParameters(), d.paramConfig())
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, params, req.GetVolumeCapabilities(), shareAccess{})
+	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -625,26 +542,16 @@ func firstNonEmpty(s ...string) string {
 // resolvePool is the pool parsed parameters name: a configured one, or the
 // share's, mounted (with the StorageClass's options and mount flags and what
 // the request's secrets brought, acc) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, params createParams, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
-	if params.share == nil {
-		return params.pool, nil
+func (d *Driver) resolvePool(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
+	if sc.Share == nil {
+		return d.pool(sc.Pool), nil
 	}
 	acc.mount, acc.fromStorageClass = true, true
-	acc.options = append(acc.options, params.share.options...)
-	if params.layout == pool.LayoutDir && len(caps) > 0 {
+	acc.options = append(acc.options, sc.Share.Options...)
+	if sc.Layout == pool.LayoutDir && len(caps) > 0 {
 		// Every capability of a CreateVolume carries the StorageClass's
 		// mountOptions; the first one's are the share's.
-		acc.options = append(acc.options, shareFlags(caps[0].GetMount().GetMountFlags())...)
+		acc.options = append(acc.options, params.ShareFlags(caps[0].GetMount().GetMountFlags())...)
 	}
-	return d.sharePool(ctx, params.share.ref, "", acc)
-}
-
-// namesShare tells whether StorageClass parameters name a share.
-func namesShare(params map[string]string) bool {
-	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare} {
-		if _, ok := params[k]; ok {
-			return true
-		}
-	}
-	return false
+	return d.sharePool(ctx, sc.Share.Ref, "", acc)
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
@@ -240,7 +241,7 @@ func New(opts Options) (*Driver, error) {
 	}
 	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.names, Pool: d.pool, Interval: opts.IOLimitsInterval})
 	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.names, Pool: d.pool,
-		Node: &d.Deps, Lock: d.locks.acquire, Startup: opts.StartupFence})
+		Node: &d.Deps, Lock: d.lockForFence, Startup: opts.StartupFence})
 	d.LeaseLost = d.leases.Lost
 	d.quiesceCopy = d.quiesce
 	// A clone freezes its source as a snapshot does; read late, so a test's
@@ -409,6 +410,11 @@ func isLocal(p *pool.Pool) bool { return !p.Shared() }
 
 func (d *Driver) nodeTopology() map[string]string {
 	return map[string]string{TopologyKey: d.opts.NodeID}
+}
+
+// paramConfig is what the request parsers know of this driver: names.
+func (d *Driver) paramConfig() params.Config {
+	return params.Config{Pools: d.configured, Shares: d.shares.config()}
 }
 
 func joinNames(names []string) string { return strings.Join(names, ", ") }

@@ -17,6 +17,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -33,7 +34,7 @@ const (
 
 	// ctxEphemeral is what kubelet (podInfoOnMount) puts in the volume
 	// context of an inline volume's NodePublishVolume.
-	ctxEphemeral = k8sPrefix + "ephemeral"
+	ctxEphemeral = params.K8sPrefix + "ephemeral"
 )
 
 // DefaultEphemeralSize is an inline volume's size when its attributes name none.
@@ -49,7 +50,7 @@ type ephemeralSpec struct {
 	pool   *pool.Pool
 	size   int64
 	fsType string
-	caps   capsSpec
+	caps   params.Caps
 	flags  []string
 	pod    string
 }
@@ -94,7 +95,7 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if vc.GetMount() == nil {
 		return s, status.Error(codes.InvalidArgument, "an ephemeral inline volume is a filesystem: volume_capability must be a mount")
 	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	caps, err := params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 	if err != nil {
 		return s, err
 	}
@@ -112,7 +113,7 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 	if attrFS != "" && caps.FSType != "" && attrFS != caps.FSType {
 		return s, status.Errorf(codes.InvalidArgument, "volume attribute fsType=%s contradicts the volume's fsType %s", attrFS, caps.FSType)
 	}
-	s.fsType = firstNonEmpty(attrFS, caps.FSType, DefaultFSType)
+	s.fsType = firstNonEmpty(attrFS, caps.FSType, params.DefaultFSType)
 	s.caps.FSType = s.fsType
 	if err := d.ephemeralPoolOf(&s); err != nil {
 		return s, err
@@ -147,11 +148,11 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 			if s.pool = d.pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.configured, v) {
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
 			}
-		case k == k8sPrefix+"pod.namespace":
+		case k == params.K8sPrefix+"pod.namespace":
 			ns = v
-		case k == k8sPrefix+"pod.name":
+		case k == params.K8sPrefix+"pod.name":
 			name = v
-		case strings.HasPrefix(k, k8sPrefix):
+		case strings.HasPrefix(k, params.K8sPrefix):
 			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
 		default:
 			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)
@@ -236,7 +237,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	if err != nil {
 		return err
 	}
-	release, err := d.locks.acquire(s.handle, "NodePublishVolume")
+	release, err := d.hold(s.handle, holdEphemeralPublish)
 	if err != nil {
 		return err
 	}
@@ -430,7 +431,7 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 // unpublishEphemeral is NodeUnpublishVolume of an inline volume's handle:
 // unmount, detach, delete; nothing found is done.
 func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) error {
-	release, err := d.locks.acquire(handle, "NodeUnpublishVolume")
+	release, err := d.hold(handle, holdEphemeralUnpublish)
 	if err != nil {
 		return err
 	}
@@ -515,7 +516,7 @@ func (d *Driver) sweepEphemeral(ctx context.Context) int {
 
 func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
 	logger := klog.FromContext(ctx)
-	release, err := d.locks.acquire(rec.Handle, "sweep")
+	release, err := d.hold(rec.Handle, holdSweep)
 	if err != nil {
 		return false // a publish or unpublish is under way: it decides
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -29,11 +30,11 @@ func (td *testDriver) ephTarget(handle string) string {
 // ephPublish is kubelet's NodePublishVolume of an inline volume with attrs.
 func (td *testDriver) ephPublish(handle string, vc *csi.VolumeCapability, attrs map[string]string) error {
 	vctx := map[string]string{
-		ctxEphemeral:                      "true",
-		k8sPrefix + "pod.name":            "web-0",
-		k8sPrefix + "pod.namespace":       "default",
-		k8sPrefix + "pod.uid":             "0f6c7a4e-0000-4000-8000-000000000000",
-		k8sPrefix + "serviceAccount.name": "default",
+		ctxEphemeral:                             "true",
+		params.K8sPrefix + "pod.name":            "web-0",
+		params.K8sPrefix + "pod.namespace":       "default",
+		params.K8sPrefix + "pod.uid":             "0f6c7a4e-0000-4000-8000-000000000000",
+		params.K8sPrefix + "serviceAccount.name": "default",
 	}
 	for k, v := range attrs {
 		vctx[k] = v

@@ -17,22 +17,18 @@ import (
 // the filesystem on it.
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	if _, err := parseVolumeID(req.GetVolumeId()); err != nil {
-		return nil, err
-	}
 	r := req.GetCapacityRange()
-	if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
-		return nil, status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
-	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerExpandVolume", dataAccess(req.GetSecrets()))
+	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() error {
+		if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
+			return status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	defer release()
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	defer rq.release()
+	vid, p, v := rq.id, rq.pool, rq.vol
 	if err := notEphemeral(v, "be expanded"); err != nil {
 		return nil, err
 	}
@@ -70,15 +66,12 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		return nil, csierr.Failf(csierr.ErrInvalid, "volume %s is an ephemeral inline volume: it cannot be expanded (it lives as long as its pod; its size is the pod's size attribute)", req.GetVolumeId())
 	}
 	// The volume is staged here, so its share (if it has one) is served: no mount.
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeExpandVolume", shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeExpandVolume, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
-	v, err := loadVolume(p, vid)
-	if err != nil {
-		return nil, err
-	}
+	defer rq.release()
+	vid, p, v := rq.id, rq.pool, rq.vol
 	if err := notEphemeral(v, "be expanded"); err != nil {
 		return nil, err
 	}

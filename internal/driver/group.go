@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -149,7 +150,7 @@ type groupSource struct {
 func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("group snapshot", name); err != nil {
+	if err := params.CheckRequestName("group snapshot", name); err != nil {
 		return nil, err
 	}
 	if err := checkGroupSnapshotParams(req.GetParameters()); err != nil {
@@ -167,7 +168,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 			}
 		}
 	}
-	release, err := d.locks.acquire(gid.String(), "CreateVolumeGroupSnapshot")
+	release, err := d.hold(gid.String(), holdCreateGroup)
 	if err != nil {
 		return nil, err
 	}
@@ -234,8 +235,11 @@ func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[st
 	}
 	vids = make([]pool.VolumeID, len(raws))
 	for i, raw := range raws {
-		if vids[i], err = parseVolumeID(raw); err != nil {
-			return nil, nil, err
+		if raw == "" {
+			return nil, nil, status.Error(codes.InvalidArgument, "volume_id is required")
+		}
+		if vids[i], err = pool.ParseVolumeID(raw); err != nil {
+			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
 	seen := map[string]bool{}
@@ -277,16 +281,11 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 	}()
 	srcs := make([]groupSource, 0, len(sorted))
 	for _, vid := range sorted {
-		release, err := d.locks.acquire(vid.String(), "CreateVolumeGroupSnapshot")
+		v, release, err := d.holdVolume(ctx, holdCreateGroup, p, vid)
 		if err != nil {
 			return nil, nil, err
 		}
 		releases = append(releases, release)
-		v, unlockVol, err := lockVolume(ctx, p, vid)
-		if err != nil {
-			return nil, nil, err
-		}
-		releases = append(releases, unlockVol)
 		need, err := p.VolumeAllocated(vid, v)
 		switch {
 		case errors.Is(err, pool.ErrNotFound):
@@ -431,7 +430,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 	} else if err != nil {
 		return nil, err
 	}
-	release, err := d.locks.acquire(gid.String(), "DeleteVolumeGroupSnapshot")
+	release, err := d.hold(gid.String(), holdDeleteGroup)
 	if err != nil {
 		return nil, err
 	}

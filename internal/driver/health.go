@@ -75,10 +75,11 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 
 func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcControllerGetVolumeHealth, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
+	vid, p := rq.id, rq.pool
 	issues, err := d.controllerIssues(p, vid)
 	if err != nil {
 		return nil, err
@@ -137,10 +138,11 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeGetVolumeHealth, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
+	vid, p := rq.id, rq.pool
 	var paths [2]string
 	for i, f := range []struct{ name, v string }{{"staging_target_path", req.GetStagingTargetPath()}, {"volume_publish_path", req.GetVolumePublishPath()}} {
 		if f.v == "" {

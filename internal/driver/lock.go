@@ -12,23 +12,30 @@ import (
 // slow mkfs on one volume never holds up calls on any other, nor Probe.
 type volumeLocks struct {
 	mu   sync.Mutex
-	busy map[string]string // volume ID -> the RPC holding it
+	busy map[string]holder // volume ID -> the call holding it
 }
 
-func newVolumeLocks() *volumeLocks { return &volumeLocks{busy: map[string]string{}} }
+func newVolumeLocks() *volumeLocks { return &volumeLocks{busy: map[string]holder{}} }
 
-// acquire takes the lock of id for method, or returns pool.ErrBusy (ABORTED) naming the
-// call that holds it.
-func (l *volumeLocks) acquire(id, method string) (release func(), err error) {
+// acquire takes the lock of id for h, or returns pool.ErrBusy (ABORTED) naming the
+// call that holds it. Which call takes which lock is request.go's table.
+func (l *volumeLocks) acquire(id string, h holder) (release func(), err error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if holder, ok := l.busy[id]; ok {
 		return nil, csierr.Failf(pool.ErrBusy, "volume %s is busy with %s; retry later", id, holder)
 	}
-	l.busy[id] = method
+	l.busy[id] = h
 	return func() {
 		l.mu.Lock()
 		delete(l.busy, id)
 		l.mu.Unlock()
 	}, nil
+}
+
+// lockForFence is the fence's lock on a volume: its passes over the node's
+// records name themselves by the holders of request.go's table
+// (holdDropStaleRecords, holdAdoptDevices).
+func (d *Driver) lockForFence(volume, h string) (func(), error) {
+	return d.locks.acquire(volume, holder(h))
 }

@@ -13,56 +13,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-func TestParseMutableParams(t *testing.T) {
-	i := func(n int64) *int64 { return &n }
-	yes, no := true, false
-	tests := []struct {
-		in   map[string]string
-		want mutableParams
-		ok   bool
-	}{
-		{map[string]string{}, mutableParams{}, true},
-		{map[string]string{"readBytesPerSecond": "20Mi"}, mutableParams{readBPS: i(20 << 20)}, true},
-		{map[string]string{"writeBytesPerSecond": "1048576"}, mutableParams{writeBPS: i(1 << 20)}, true},
-		{map[string]string{"writeBytesPerSecond": "1G"}, mutableParams{writeBPS: i(1e9)}, true},
-		{map[string]string{"readBytesPerSecond": "0"}, mutableParams{readBPS: i(0)}, true},
-		{map[string]string{"readIOPS": "500", "writeIOPS": "0"}, mutableParams{readIOPS: i(500), writeIOPS: i(0)}, true},
-		{map[string]string{"preallocate": "true"}, mutableParams{preallocate: &yes}, true},
-		{map[string]string{"preallocate": "false"}, mutableParams{preallocate: &no}, true},
-		{map[string]string{"XXX_FakeKey": "x"}, mutableParams{}, false},
-		{map[string]string{"readbytespersecond": "1"}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": "-1"}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": "1.5"}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": "100m"}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": "2Ei"}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": ""}, mutableParams{}, false},
-		{map[string]string{"readBytesPerSecond": "1\n2:3 4"}, mutableParams{}, false},
-		{map[string]string{"readIOPS": "20Mi"}, mutableParams{}, false},
-		{map[string]string{"readIOPS": "+5"}, mutableParams{}, false},
-		{map[string]string{"readIOPS": "1e3"}, mutableParams{}, false},
-		{map[string]string{"writeIOPS": "99999999999999999"}, mutableParams{}, false},
-		{map[string]string{"preallocate": "yes"}, mutableParams{}, false},
-		{map[string]string{"preallocate": "True"}, mutableParams{}, false},
-	}
-	for _, tt := range tests {
-		got, err := parseMutableParams(tt.in)
-		if tt.ok != (err == nil) {
-			t.Errorf("%v: err %v, want ok=%t", tt.in, err, tt.ok)
-			continue
-		}
-		if !tt.ok {
-			wantCode(t, err, codes.InvalidArgument)
-			continue
-		}
-		var a, b pool.Volume
-		got.apply(&a)
-		tt.want.apply(&b)
-		if a.IOLimits != b.IOLimits || a.Preallocate != b.Preallocate {
-			t.Errorf("%v: got %+v/%t, want %+v/%t", tt.in, a.IOLimits, a.Preallocate, b.IOLimits, b.Preallocate)
-		}
-	}
-}
-
 // allocatedOf is how many bytes of a volume's image hold blocks.
 func allocatedOf(t *testing.T, td *testDriver, id string) (size, allocated int64) {
 	t.Helper()

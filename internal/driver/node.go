@@ -16,6 +16,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/iolimits"
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -47,64 +48,38 @@ func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.Nod
 	}, nil
 }
 
-// beginNodeCall checks the ID and capability every stage and publish carries,
-// takes the volume's in-process lock and resolves the volume. The caller defers
-// release.
-func (d *Driver) beginNodeCall(ctx context.Context, method, volumeID string, vc *csi.VolumeCapability, volumeContext, secrets map[string]string) (nodeVolume, func(), error) {
-	if volumeID == "" {
-		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	if vc == nil {
-		return nodeVolume{}, nil, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	var acc shareAccess // NodePublishVolume: its stage mounted the share
-	if method == "NodeStageVolume" {
-		acc = contextAccess(volumeContext, secrets, vc.GetMount().GetMountFlags())
-	}
-	vid, err := parseVolumeID(volumeID)
+// nodeVolume resolves the volume of a stage or publish (call): the ID, the
+// capability every one carries (checked before anything is locked), then the
+// front hall (request.go), then what the volume must be for the capability.
+// The caller defers release.
+func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, func(), error) {
+	var caps params.Caps
+	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
+		if vc == nil {
+			return status.Error(codes.InvalidArgument, "volume_capability is required")
+		}
+		caps, err = params.ParseCaps([]*csi.VolumeCapability{vc}, "")
+		return err
+	})
 	if err != nil {
 		return nodeVolume{}, nil, err
 	}
-	release, err := d.locks.acquire(vid.String(), method)
-	if err != nil {
-		return nodeVolume{}, nil, err
-	}
-	nv, err := d.resolveNodeVolume(ctx, volumeID, vc, acc)
-	if err != nil {
-		release()
-		return nodeVolume{}, nil, err
-	}
-	return nv, release, nil
-}
-
-func (d *Driver) resolveNodeVolume(ctx context.Context, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, error) {
-	var nv nodeVolume
-	if vc == nil {
-		return nv, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
-	if err != nil {
-		return nv, err
-	}
-	nv.Caps = caps
-	if nv.ID, nv.Pool, err = d.volumeRef(ctx, volumeID, acc); err != nil {
-		return nv, err
-	}
-	if nv.Vol, err = loadVolume(nv.Pool, nv.ID); err != nil {
-		return nv, err
-	}
+	nv := nodeVolume{ID: rq.id, Pool: rq.pool, Vol: rq.vol, Caps: caps}
 	if err := notEphemeral(nv.Vol, "be staged or published by its pool ID"); err != nil {
-		return nv, err
+		rq.release()
+		return nv, nil, err
 	}
 	if err := d.compatible(caps, nv.Vol); err != nil {
-		return nv, csierr.Failf(csierr.ErrState, "%w", err)
+		rq.release()
+		return nv, nil, csierr.Failf(csierr.ErrState, "%w", err)
 	}
 	// mount flags are request input: checked against the filesystem's
 	// allow-list, never passed through as they come.
 	if err := mount.CheckOptions(d.layoutOf(nv.Vol.Layout).MountFS(nv.Vol), volumeFlags(nv.Pool, nv.Vol, vc)); err != nil {
-		return nv, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.ID, err)
+		rq.release()
+		return nv, nil, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.ID, err)
 	}
-	return nv, nil
+	return nv, rq.release, nil
 }
 
 func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
@@ -116,7 +91,8 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 	if err := d.checkNesting("staging_target_path", staging); err != nil {
 		return nil, err
 	}
-	nv, release, err := d.beginNodeCall(ctx, "NodeStageVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
+	vc := req.GetVolumeCapability()
+	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags()))
 	if err != nil {
 		return nil, err
 	}
@@ -254,11 +230,12 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, err
 	}
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "NodeUnstageVolume", shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeUnstageVolume, req.GetVolumeId(), shareAccess{}, nil)
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	defer rq.release()
+	vid, p := rq.id, rq.pool
 	image := p.ImagePath(vid)
 	if err := d.fenceIfTaken(ctx, p, vid, image, staging); err != nil {
 		return nil, err
@@ -332,6 +309,11 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		}
 		return &csi.NodePublishVolumeResponse{}, nil
 	}
+	return d.publishPersistent(ctx, req, target)
+}
+
+// publishPersistent publishes a volume of a pool, staged before, by its ID.
+func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) (*csi.NodePublishVolumeResponse, error) {
 	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -340,7 +322,8 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 		return nil, csierr.Failf(csierr.ErrInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
 	podUID := iolimits.PodUIDOf(ctx, req.GetVolumeContext())
-	nv, release, err := d.beginNodeCall(ctx, "NodePublishVolume", req.GetVolumeId(), req.GetVolumeCapability(), req.GetVolumeContext(), req.GetSecrets())
+	// Its stage mounted the share: the front hall mounts nothing here.
+	nv, release, err := d.nodeVolume(ctx, rpcNodePublishVolume, req.GetVolumeId(), req.GetVolumeCapability(), shareAccess{})
 	if err != nil {
 		return nil, err
 	}
@@ -365,18 +348,14 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
 	}
-	vid, err := parseVolumeID(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "NodeUnpublishVolume")
-	if err != nil {
-		return nil, err
-	}
-	defer release()
 	// The volume's pool, to tell its mounts from others: a volume whose pool
 	// is unknown here (nil) has none.
-	p, _ := d.poolOf(ctx, vid, shareAccess{})
+	rq, err := d.resolve(ctx, rpcNodeUnpublishVolume, req.GetVolumeId(), shareAccess{}, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer rq.release()
+	vid, p := rq.id, rq.pool
 	if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}

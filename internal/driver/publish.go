@@ -2,7 +2,6 @@ package driver
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -14,6 +13,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/layout"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -70,27 +70,24 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 
 func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	if req.GetVolumeId() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	node := req.GetNodeId()
-	if node == "" {
-		return nil, status.Error(codes.InvalidArgument, "node_id is required")
-	}
-	vc := req.GetVolumeCapability()
-	if vc == nil {
-		return nil, status.Error(codes.InvalidArgument, "volume_capability is required")
-	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
-	if err != nil {
-		return nil, err
-	}
+	node, vc := req.GetNodeId(), req.GetVolumeCapability()
+	var caps params.Caps
 	acc := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
-	vid, p, release, err := d.lockVolumeRef(ctx, req.GetVolumeId(), "ControllerPublishVolume", acc)
+	rq, err := d.resolve(ctx, rpcControllerPublishVolume, req.GetVolumeId(), acc, func() (err error) {
+		if node == "" {
+			return status.Error(codes.InvalidArgument, "node_id is required")
+		}
+		if vc == nil {
+			return status.Error(codes.InvalidArgument, "volume_capability is required")
+		}
+		caps, err = params.ParseCaps([]*csi.VolumeCapability{vc}, "")
+		return err
+	})
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	defer rq.release()
+	vid, p := rq.id, rq.pool
 	// Update holds the pool's volume lock, a lock file: controllers of other
 	// nodes sharing the pool wait on the same one, so two of them cannot both
 	// grant a writer.
@@ -141,27 +138,23 @@ func publishContext(v *pool.Volume) map[string]string {
 // success: the volume is then certainly not published there.
 func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	vid, err := parseVolumeID(req.GetVolumeId())
-	if err != nil {
-		return nil, err
-	}
 	node := req.GetNodeId()
-	if node != "" {
-		if err := pool.ValidateNodeID(node); err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
+	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() error {
+		if node != "" {
+			if err := pool.ValidateNodeID(node); err != nil {
+				return status.Error(codes.InvalidArgument, err.Error())
+			}
 		}
-	}
-	p, err := d.poolOf(ctx, vid, dataAccess(req.GetSecrets()))
-	if errors.Is(err, csierr.ErrNoPool) {
-		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
-	} else if err != nil {
-		return nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), "ControllerUnpublishVolume")
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	defer release()
+	defer rq.release()
+	vid, p := rq.id, rq.pool
+	if p == nil {
+		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
+	}
 	var cleared, forced []string
 	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		// A node that still has an image staged read-write never unstaged

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -61,7 +62,7 @@ func TestAccessModesByLayout(t *testing.T) {
 	}
 	d := &Driver{}
 	for _, tt := range tests {
-		caps, err := parseCaps([]*csi.VolumeCapability{tt.vc}, "ext4")
+		caps, err := params.ParseCaps([]*csi.VolumeCapability{tt.vc}, "ext4")
 		if err != nil {
 			t.Fatalf("%s: parseCaps: %v", tt.name, err)
 		}

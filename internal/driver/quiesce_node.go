@@ -376,7 +376,7 @@ func (d *Driver) answerFreeze(ctx context.Context, p *pool.Pool, r pool.FreezeRe
 	}
 	// Held while frozen: an unstage (its unmount) meanwhile is ABORTED and
 	// retried after the thaw, never an unmount of a frozen filesystem.
-	release, err := d.locks.acquire(id.String(), "a freeze for a snapshot")
+	release, err := d.hold(id.String(), holdFreeze)
 	if err != nil {
 		log.V(2).Info("Volume busy; answering the freeze request at the next poll", "err", err)
 		return

@@ -18,6 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
 )
@@ -30,15 +31,14 @@ import (
 // share after a restart anywhere; options and secrets come with the requests.
 
 // StorageClass parameters naming a share.
+// They are parsed in internal/params.
 const (
-	ParamShareType    = "shareType"
-	ParamShareSource  = "shareSource"
-	ParamShareOptions = "shareOptions"
-	ParamServer       = "server" // NFS: server and share, as csi-driver-nfs has them
-	ParamShare        = "share"
-	// SecretMountOptions is the secret key whose comma-separated options are
-	// added to a share's mount as sensitive options.
-	SecretMountOptions = "mountOptions"
+	ParamShareType     = params.ParamShareType
+	ParamShareSource   = params.ParamShareSource
+	ParamShareOptions  = params.ParamShareOptions
+	ParamServer        = params.ParamServer
+	ParamShare         = params.ParamShare
+	SecretMountOptions = params.SecretMountOptions
 )
 
 // DefaultShareTypes are the share types allowed when --share-types is not
@@ -142,21 +142,14 @@ func (s *shareState) verified(r pool.ShareRef, tag string) bool {
 	return false
 }
 
-// allowed checks a share against the allow-list and its type's grammar,
-// before anything is mounted: a volume ID is request input and can name any
-// share.
-func (s *shareState) allowed(r pool.ShareRef) error {
-	if s.m == nil {
-		return status.Errorf(codes.InvalidArgument, "share %s: this driver mounts no shares (serve --share-dir is empty)", r)
-	}
-	if !s.types[r.Type] {
-		return status.Errorf(codes.InvalidArgument, "share type %q is not allowed on this driver (serve --share-types: %s)", r.Type, strings.Join(s.typeList(), ","))
-	}
-	if err := poolmount.CheckShare(r); err != nil {
-		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	return nil
+// config is what the request parsers know of the share machinery.
+func (s *shareState) config() params.Shares {
+	return params.Shares{Enabled: s.m != nil, Types: s.typeList(), Keyed: len(s.keys) > 0}
 }
+
+// allowed checks a share against the allow-list and its type's grammar
+// (params.Shares.Allowed).
+func (s *shareState) allowed(r pool.ShareRef) error { return s.config().Allowed(r) }
 
 // lock takes the driver's lock on one share until ctx ends.
 func (s *shareState) lock(ctx context.Context, name string) (func(), error) {
@@ -194,119 +187,17 @@ type shareAccess struct {
 // only secrets (DeleteVolume, ControllerUnpublishVolume, the snapshot and
 // expansion calls).
 func dataAccess(secrets map[string]string) shareAccess {
-	return shareAccess{mount: true, sensitive: secretOptions(secrets)}
+	return shareAccess{mount: true, sensitive: splitList(secrets[SecretMountOptions])}
 }
 
-// secretOptions returns the mount options in a request's secrets, unchecked:
-// they are checked against the share type's allow-list when a share is
-// mounted (never shown in a message).
-func secretOptions(secrets map[string]string) []string {
-	raw := secrets[SecretMountOptions]
-	if raw == "" {
-		return nil
-	}
-	return strings.Split(raw, ",")
-}
-
-// checkAccess checks what a call brings for a share of type typ against the
-// type's allow-list: InvalidArgument, the secret values never shown.
-func checkAccess(typ string, acc shareAccess) error {
-	for _, o := range acc.options {
-		if err := poolmount.CheckOption(typ, o, false); err != nil {
-			return csierr.Failf(csierr.ErrInvalid, "%w", err)
-		}
-	}
-	for _, o := range acc.sensitive {
-		if err := poolmount.CheckOption(typ, o, true); err != nil {
-			return csierr.Failf(csierr.ErrInvalid, "secret key %s: %w", SecretMountOptions, err)
-		}
-	}
-	return nil
-}
-
-// splitOptions splits a comma-separated option list (shareOptions, a volume
-// context's); the share type's allow-list checks each later.
-func splitOptions(s string) []string {
+// splitList splits a comma-separated option list (a secret's, a volume
+// context's), unchecked: the share type's allow-list checks each option when
+// the share is mounted (never showing a secret one).
+func splitList(s string) []string {
 	if s == "" {
 		return nil
 	}
 	return strings.Split(s, ",")
-}
-
-// shareFlags are the mount flags of a dir volume on a share (a StorageClass's
-// mountOptions) that are the share's: every flag but the generic per-mount
-// ones (ro, noexec, nosuid, nodev, atime, …), which stay the volume's own bind
-// mount's as on every pool (volumeFlags). nfsvers, hard, rsize and the like
-// are the share's, which a bind mount could not honour anyway.
-func shareFlags(flags []string) []string {
-	generic := map[string]bool{}
-	for _, o := range mount.BindOptions(flags) {
-		generic[o] = true
-	}
-	var share []string
-	for _, o := range flags {
-		if !generic[o] {
-			share = append(share, o)
-		}
-	}
-	return share
-}
-
-// shareParams are the share parameters of a StorageClass.
-type shareParams struct {
-	ref     pool.ShareRef
-	options []string
-}
-
-// parseShareParams reads the share parameters out of params (removing them),
-// nil when there are none.
-func (d *Driver) parseShareParams(params map[string]string) (*shareParams, error) {
-	typ, hasType := params[ParamShareType]
-	src, hasSource := params[ParamShareSource]
-	server, hasServer := params[ParamServer]
-	share, hasShare := params[ParamShare]
-	opts, hasOpts := params[ParamShareOptions]
-	if !hasType && !hasSource && !hasServer && !hasShare && !hasOpts {
-		return nil, nil
-	}
-	for _, k := range []string{ParamShareType, ParamShareSource, ParamServer, ParamShare, ParamShareOptions} {
-		delete(params, k)
-	}
-	var sp shareParams
-	switch {
-	case hasServer || hasShare:
-		if hasSource {
-			return nil, status.Errorf(codes.InvalidArgument, "parameters server and share name an NFS share, shareSource another: give one or the other")
-		}
-		if !hasServer || !hasShare || server == "" || !strings.HasPrefix(share, "/") {
-			return nil, status.Errorf(codes.InvalidArgument, "parameters server and share go together: server=<NFS server>, share=<exported path, starting with />")
-		}
-		if strings.ContainsAny(server, ":/") && !strings.HasPrefix(server, "[") {
-			return nil, status.Errorf(codes.InvalidArgument, "parameter server=%q: a host name or address, without a path", server)
-		}
-		if typ == "" {
-			typ = "nfs"
-		}
-		if typ != "nfs" && typ != "nfs4" {
-			return nil, status.Errorf(codes.InvalidArgument, "parameters server and share are for NFS; shareType=%q takes shareSource", typ)
-		}
-		sp.ref = pool.ShareRef{Type: typ, Source: server + ":" + share}
-	case hasType && hasSource:
-		sp.ref = pool.ShareRef{Type: typ, Source: src}
-	default:
-		return nil, status.Errorf(codes.InvalidArgument, "a share is named by shareType and shareSource (or, for NFS, server and share); %s alone names none", ParamShareOptions)
-	}
-	if err := d.shares.allowed(sp.ref); err != nil {
-		return nil, err
-	}
-	if len(d.shares.keys) == 0 {
-		return nil, status.Errorf(codes.InvalidArgument, "share %s: StorageClasses can name shares only on a driver with the cluster's share key (serve --share-key-file; the chart makes one): the key tags each volume ID, so that no ID can name a share by itself", sp.ref)
-	}
-	sp.options = splitOptions(opts)
-	if err := checkAccess(sp.ref.Type, shareAccess{options: sp.options}); err != nil {
-		return nil, csierr.Failf(csierr.ErrInvalid, "parameter %s: %w", ParamShareOptions, err)
-	}
-	return &sp, nil
 }
 
 // mayMount tells whether a call may mount share r on this node: a call that
@@ -336,7 +227,7 @@ func (d *Driver) sharePool(ctx context.Context, r pool.ShareRef, tag string, acc
 	name := r.PoolName()
 	// What the call brings is checked whether or not it is needed: a bad
 	// option is refused the same way every time.
-	if err := checkAccess(r.Type, acc); err != nil {
+	if err := params.CheckShareOptions(r.Type, acc.options, acc.sensitive); err != nil {
 		return nil, err
 	}
 	// A served pool passed allowed when it joined, and the allow-list does
@@ -429,9 +320,9 @@ func (d *Driver) idPool(ctx context.Context, what, poolName string, r pool.Share
 // recorded share is mounted again with its recorded options.
 func contextAccess(volumeContext, secrets map[string]string, flags []string) shareAccess {
 	acc := dataAccess(secrets)
-	acc.options = splitOptions(volumeContext[ParamShareOptions])
+	acc.options = splitList(volumeContext[ParamShareOptions])
 	if l := volumeContext[ParamLayout]; l == "" || l == string(pool.LayoutDir) {
-		acc.options = append(acc.options, shareFlags(flags)...)
+		acc.options = append(acc.options, params.ShareFlags(flags)...)
 	}
 	return acc
 }

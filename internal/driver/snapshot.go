@@ -18,6 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -65,9 +66,9 @@ func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
 
 // checkSnapshotParams accepts only the csi.storage.k8s.io/* keys the snapshotter
 // adds: poolcsi has no VolumeSnapshotClass parameters, and a typo must not pass.
-func checkSnapshotParams(params map[string]string) error {
-	for k := range params {
-		if !strings.HasPrefix(k, k8sPrefix) {
+func checkSnapshotParams(in map[string]string) error {
+	for k := range in {
+		if !strings.HasPrefix(k, params.K8sPrefix) {
 			return status.Errorf(codes.InvalidArgument, "unknown snapshot parameter %q (poolcsi takes none)", k)
 		}
 	}
@@ -82,7 +83,7 @@ func checkSnapshotParams(params map[string]string) error {
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
-	if err := checkRequestName("snapshot", name); err != nil {
+	if err := params.CheckRequestName("snapshot", name); err != nil {
 		return nil, err
 	}
 	if req.GetSourceVolumeId() == "" {
@@ -91,10 +92,11 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	vid, p, err := d.volumeRef(ctx, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()))
+	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
+	vid, p := src.id, src.pool
 	sid := p.Snapshots().NewID(name)
 	for _, pn := range d.names() {
 		if other := d.pool(pn); other != p {
@@ -103,7 +105,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 			}
 		}
 	}
-	release, err := d.locks.acquire(sid.String(), "CreateSnapshot")
+	release, err := d.hold(sid.String(), holdCreateSnapshot)
 	if err != nil {
 		return nil, err
 	}
@@ -122,16 +124,11 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 		}
 	}
 
-	releaseSrc, err := d.locks.acquire(vid.String(), "CreateSnapshot")
+	v, releaseSrc, err := d.holdVolume(ctx, holdCreateSnapshot, p, vid)
 	if err != nil {
 		return nil, err
 	}
 	defer releaseSrc()
-	v, unlock, err := lockVolume(ctx, p, vid)
-	if err != nil {
-		return nil, err
-	}
-	defer unlock()
 	need, err := p.VolumeAllocated(vid, v)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
@@ -231,7 +228,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	} else if err != nil {
 		return nil, err
 	}
-	release, err := d.locks.acquire(sid.String(), "DeleteSnapshot")
+	release, err := d.hold(sid.String(), holdDeleteSnapshot)
 	if err != nil {
 		return nil, err
 	}
@@ -455,7 +452,7 @@ func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (p
 		var release func()
 		busy := false
 		_ = wait.PollUntilContextCancel(ctx, recoveryLockPoll, true, func(context.Context) (bool, error) {
-			r, err := d.locks.acquire(volume, "a thaw after a crash")
+			r, err := d.hold(volume, holdThaw)
 			if err != nil && !busy {
 				busy = true
 				log.Info("Waiting to thaw a filesystem left frozen by a crash: the volume is busy", "reason", err.Error())

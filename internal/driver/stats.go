@@ -34,18 +34,16 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		}
 		return d.statsOf(ctx, p, vid, req)
 	}
-	vid, err := parseVolumeID(req.GetVolumeId())
+	rq, err := d.resolve(ctx, rpcNodeGetVolumeStats, req.GetVolumeId(), shareAccess{}, func() error {
+		if req.GetVolumePath() == "" {
+			return status.Error(codes.InvalidArgument, "volume_path is required")
+		}
+		return nil
+	})
 	if err != nil {
 		return nil, err
 	}
-	if req.GetVolumePath() == "" {
-		return nil, status.Error(codes.InvalidArgument, "volume_path is required")
-	}
-	_, p, err := d.volumeRef(ctx, req.GetVolumeId(), shareAccess{})
-	if err != nil {
-		return nil, err
-	}
-	return d.statsOf(ctx, p, vid, req)
+	return d.statsOf(ctx, rq.pool, rq.id, req)
 }
 
 // statsOf is NodeGetVolumeStats of the volume vid of p, however the request named it.

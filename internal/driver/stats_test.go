@@ -72,10 +72,11 @@ func TestStatsConditionCacheBounded(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			td := newTestDriver(t, testOpts{modify: func(o *Options) { o.StatsHealthTTL = tt.ttl }})
 			id := td.create(t, "v", mountCap(rwo, "ext4"), nil)
-			vid, p, err := td.volumeRef(context.Background(), id, shareAccess{})
+			rq, err := td.resolve(context.Background(), rpcNodeGetVolumeStats, id, shareAccess{}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
+			vid, p := rq.id, rq.pool
 			for i := range maxCachedConditions + 100 {
 				if _, err := td.statsCondition(p, vid, "", filepath.Join(td.root, "gone", fmt.Sprint(i))); err != nil {
 					t.Fatal(err)

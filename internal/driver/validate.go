@@ -1,8 +1,6 @@
 package driver
 
 import (
-	"context"
-	"errors"
 	"fmt"
 	"path/filepath"
 	"strings"
@@ -13,116 +11,12 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// DefaultFSType is used when neither the capability nor the parameters name one.
-const DefaultFSType = "ext4"
-
-// parseVolumeID turns a wire ID into a pool and key, or INVALID_ARGUMENT.
-func parseVolumeID(id string) (pool.VolumeID, error) {
-	if id == "" {
-		return pool.VolumeID{}, status.Error(codes.InvalidArgument, "volume_id is required")
-	}
-	vid, err := pool.ParseVolumeID(id)
-	if err != nil {
-		return pool.VolumeID{}, status.Error(codes.InvalidArgument, err.Error())
-	}
-	return vid, nil
-}
-
-// volumeRef is a parsed ID whose pool is configured here, or whose share is
-// mounted here (with what acc brings, if it must be mounted).
-func (d *Driver) volumeRef(ctx context.Context, id string, acc shareAccess) (pool.VolumeID, *pool.Pool, error) {
-	vid, err := parseVolumeID(id)
-	if err != nil {
-		return vid, nil, err
-	}
-	p, err := d.poolOf(ctx, vid, acc)
-	return vid, p, err
-}
-
-// lockVolumeRef is volumeRef followed by the volume's in-process lock for
-// method; the caller defers release.
-func (d *Driver) lockVolumeRef(ctx context.Context, id, method string, acc shareAccess) (pool.VolumeID, *pool.Pool, func(), error) {
-	vid, p, err := d.volumeRef(ctx, id, acc)
-	if err != nil {
-		return vid, nil, nil, err
-	}
-	release, err := d.locks.acquire(vid.String(), method)
-	if err != nil {
-		return vid, nil, nil, err
-	}
-	return vid, p, release, nil
-}
-
-// loadVolume reads a ready volume's volume.json; a volume still being created
-// is NOT_FOUND, like one that does not exist.
-func loadVolume(p *pool.Pool, vid pool.VolumeID) (*pool.Volume, error) {
-	v, err := p.Load(vid)
-	switch {
-	case errors.Is(err, pool.ErrNotFound):
-		return nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist in pool %s", vid, p.Name())
-	case err != nil:
-		return nil, err
-	case v.State != pool.StateReady:
-		return nil, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
-	}
-	return v, nil
-}
-
-// parseCaps checks a capability list and folds it into one spec; which access
-// modes a volume allows depends on its layout (layout.allowed). defaultFS
-// applies when no capability names a filesystem.
-func parseCaps(caps []*csi.VolumeCapability, defaultFS string) (capsSpec, error) {
-	var s capsSpec
-	if len(caps) == 0 {
-		return s, status.Error(codes.InvalidArgument, "volume_capabilities are required")
-	}
-	for i, c := range caps {
-		if c == nil {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] is empty", i)
-		}
-		var access pool.AccessType
-		switch {
-		case c.GetBlock() != nil:
-			access = pool.AccessBlock
-		case c.GetMount() != nil:
-			access = pool.AccessFilesystem
-			fs := strings.ToLower(c.GetMount().GetFsType())
-			if fs != "" {
-				if !mount.SupportedFS(fs) {
-					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: fs_type %q is not supported (ext4, xfs, btrfs)", i, fs)
-				}
-				if s.FSType != "" && s.FSType != fs {
-					return s, status.Errorf(codes.InvalidArgument, "volume_capabilities ask for two filesystems, %s and %s", s.FSType, fs)
-				}
-				s.FSType = fs
-			}
-		default:
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access type (mount or block)", i)
-		}
-		if s.Access != "" && s.Access != access {
-			return s, status.Error(codes.InvalidArgument, "volume_capabilities mix block and mount access; a volume is one or the other")
-		}
-		s.Access = access
-		mode := c.GetAccessMode().GetMode()
-		if mode == csi.VolumeCapability_AccessMode_UNKNOWN {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d] has no access mode", i)
-		}
-		if _, known := csi.VolumeCapability_AccessMode_Mode_name[int32(mode)]; !known {
-			return s, status.Errorf(codes.InvalidArgument, "volume_capabilities[%d]: unknown access mode %d", i, mode)
-		}
-		s.Modes = append(s.Modes, mode)
-	}
-	if s.Access == pool.AccessFilesystem && s.FSType == "" {
-		s.FSType = defaultFS
-	}
-	return s, nil
-}
-
 // compatible tells whether an existing volume satisfies a capability spec.
-func (d *Driver) compatible(s capsSpec, v *pool.Volume) error {
+func (d *Driver) compatible(s params.Caps, v *pool.Volume) error {
 	if s.Access != v.AccessType {
 		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
 	}
@@ -245,41 +139,12 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 	if vc == nil {
 		return nil
 	}
-	caps, err := parseCaps([]*csi.VolumeCapability{vc}, "")
+	caps, err := params.ParseCaps([]*csi.VolumeCapability{vc}, "")
 	if err != nil {
 		return err
 	}
 	if err := d.compatible(caps, v); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
-	}
-	return nil
-}
-
-// lockVolume takes a volume's cross-process lock and loads it; NOT_FOUND when it
-// does not exist. The caller defers unlock.
-func lockVolume(ctx context.Context, p *pool.Pool, vid pool.VolumeID) (v *pool.Volume, unlock func(), err error) {
-	unlock, err = p.LockVolume(ctx, vid)
-	if errors.Is(err, pool.ErrNotFound) {
-		return nil, nil, csierr.Failf(pool.ErrNotFound, "volume %s does not exist", vid)
-	} else if err != nil {
-		return nil, nil, err
-	}
-	if v, err = loadVolume(p, vid); err != nil {
-		unlock()
-		return nil, nil, err
-	}
-	return v, unlock, nil
-}
-
-// checkRequestName checks the name of a CreateVolume, CreateSnapshot or
-// CreateVolumeGroupSnapshot request: required, and a name the pool can key
-// (kind says whose, in the message).
-func checkRequestName(kind, name string) error {
-	if name == "" {
-		return status.Error(codes.InvalidArgument, "name is required")
-	}
-	if err := pool.ValidateVolumeName(name); err != nil {
-		return status.Error(codes.InvalidArgument, strings.Replace(err.Error(), "volume name", kind+" name", 1))
 	}
 	return nil
 }

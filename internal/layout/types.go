@@ -4,17 +4,15 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
 
-// Caps is what a set of volume capabilities asks of a volume.
-type Caps struct {
-	Access pool.AccessType
-	FSType string
-	Modes  []csi.VolumeCapability_AccessMode_Mode
-}
+// Caps are a request's capabilities folded into one spec, as internal/params
+// parses them: what a layout checks and formats by.
+type Caps = params.Caps
 
 // ReadOnlyMode tells whether an access mode only ever reads.
 func ReadOnlyMode(m csi.VolumeCapability_AccessMode_Mode) bool {

@@ -60,6 +60,8 @@ type VolumeID struct {
 	// credential checked at the driver's door, not part of the volume's
 	// identity. String leaves it out, Wire puts it in.
 	Tag string
+	// ref is Share decoded, once, where the ID was parsed or built.
+	ref ShareRef
 }
 
 // String is the volume's identity: what volume.json records, what locks and
@@ -107,10 +109,11 @@ func ParseVolumeID(s string) (VolumeID, error) {
 		if err != nil {
 			return VolumeID{}, err
 		}
-		if err := checkSharePart(s, id.Pool, share); err != nil {
+		ref, err := checkSharePart(s, id.Pool, share)
+		if err != nil {
 			return VolumeID{}, err
 		}
-		id.Share, id.Tag = share, tag
+		id.Share, id.Tag, id.ref = share, tag, ref
 	}
 	return id, nil
 }

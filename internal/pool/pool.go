@@ -183,7 +183,15 @@ func (p *Pool) MountReady() error { return p.mountReady() }
 // IDOf is the ID of the volume with key in this pool (carrying the pool's
 // share, if it is a share's).
 func (p *Pool) IDOf(key string) VolumeID {
-	return VolumeID{Pool: p.cfg.Name, Key: key, Share: p.share}
+	return VolumeID{Pool: p.cfg.Name, Key: key, Share: p.share, ref: p.shareRef()}
+}
+
+// shareRef is the pool's share, the zero ShareRef for a configured pool.
+func (p *Pool) shareRef() ShareRef {
+	if p.cfg.Share == nil {
+		return ShareRef{}
+	}
+	return *p.cfg.Share
 }
 
 // NewID is the ID of the volume named name in this pool.

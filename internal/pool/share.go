@@ -126,11 +126,13 @@ func IsSharePoolName(name string) bool { return sharePoolRE.MatchString(name) }
 
 // NewShareVolumeID is the ID of the volume named name on share r.
 func NewShareVolumeID(r ShareRef, name string) VolumeID {
-	return VolumeID{Pool: r.PoolName(), Key: KeyForName(name), Share: r.payload()}
+	return VolumeID{Pool: r.PoolName(), Key: KeyForName(name), Share: r.payload(), ref: r}
 }
 
 // ShareRef returns the share an ID names, if it names one.
-func (id VolumeID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
+// The share part was decoded where the ID was parsed or built; it is not
+// decoded again.
+func (id VolumeID) ShareRef() (ShareRef, bool) { return refOf(id.ref, id.Share) }
 
 // splitTag splits the tag off the last part of a share ID: "" when the part
 // holds none.
@@ -156,15 +158,27 @@ func withTag(s, tag string) string {
 // checkSharePart validates the share part of the volume or snapshot ID id,
 // whose pool is poolName: a valid share, and one whose pool that is (so one
 // share has one pool name, and an ID cannot pair a share with another's pool).
-func checkSharePart(id, poolName, part string) error {
+func checkSharePart(id, poolName, part string) (ShareRef, error) {
 	r, err := parsePayload(part)
 	if err != nil {
-		return err
+		return ShareRef{}, err
 	}
 	if r.PoolName() != poolName {
-		return fmt.Errorf("%w: ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, id, r, r.PoolName(), poolName)
+		return ShareRef{}, fmt.Errorf("%w: ID %q names share %s, whose pool is %s, not %s", ErrInvalidID, id, r, r.PoolName(), poolName)
 	}
-	return nil
+	return r, nil
+}
+
+// refOf is the share of an ID: ref, decoded when the ID was parsed or built.
+// An ID built field by field (no parse) has only its share part, decoded here.
+func refOf(ref ShareRef, part string) (ShareRef, bool) {
+	if part == "" {
+		return ShareRef{}, false
+	}
+	if ref != (ShareRef{}) {
+		return ref, true
+	}
+	return shareOfPart(part)
 }
 
 // shareOfPart is the share of an ID's (already validated) share part.

@@ -55,6 +55,10 @@ func TestShareRefValidate(t *testing.T) {
 			if r, ok := back.ShareRef(); !ok || r != tt.ref {
 				t.Fatalf("ShareRef of %q = %+v, %t", id, r, ok)
 			}
+			// The share part is decoded once, by the parse: the ID keeps it.
+			if back.ref != tt.ref {
+				t.Fatalf("ParseVolumeID(%q) kept share %+v, want %+v", id, back.ref, tt.ref)
+			}
 			if !IsSharePoolName(tt.ref.PoolName()) || ValidatePoolName(tt.ref.PoolName()) != nil {
 				t.Fatalf("pool name %q", tt.ref.PoolName())
 			}

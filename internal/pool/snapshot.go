@@ -56,7 +56,8 @@ type SnapshotID struct {
 	Pool  string
 	Key   string
 	Share string
-	Tag   string // as in VolumeID
+	Tag   string   // as in VolumeID
+	ref   ShareRef // as in VolumeID
 }
 
 // String is the snapshot's identity, never with the tag (see VolumeID).
@@ -71,11 +72,11 @@ func (id SnapshotID) String() string {
 func (id SnapshotID) Wire() string { return withTag(id.String(), id.Tag) }
 
 // ShareRef returns the share an ID names, if it names one.
-func (id SnapshotID) ShareRef() (ShareRef, bool) { return shareOfPart(id.Share) }
+func (id SnapshotID) ShareRef() (ShareRef, bool) { return refOf(id.ref, id.Share) }
 
 // IDOf is the ID of the snapshot with key in this pool.
 func (ss Snapshots) IDOf(key string) SnapshotID {
-	return SnapshotID{Pool: ss.p.cfg.Name, Key: key, Share: ss.p.share}
+	return SnapshotID{Pool: ss.p.cfg.Name, Key: key, Share: ss.p.share, ref: ss.p.shareRef()}
 }
 
 // NewID is the ID of the snapshot named name in this pool.
@@ -111,10 +112,11 @@ func ParseSnapshotID(s string) (SnapshotID, error) {
 		if err != nil {
 			return SnapshotID{}, err
 		}
-		if err := checkSharePart(s, poolName, share); err != nil {
+		ref, err := checkSharePart(s, poolName, share)
+		if err != nil {
 			return SnapshotID{}, err
 		}
-		id.Share, id.Tag = share, tag
+		id.Share, id.Tag, id.ref = share, tag, ref
 	}
 	return id, nil
 }
