@@ -5,7 +5,6 @@ import "github.com/poolcsi/poolcsi/internal/layout"
 // The layouts and the Host seam live in internal/layout; these names keep the
 // handlers' and the callers' spelling.
 type (
-	capsSpec      = layout.Caps
 	nodeVolume    = layout.NodeVolume
 	contentSource = layout.ContentSource
 
