@@ -101,7 +101,11 @@ func (d *Driver) keepLeases(ctx context.Context) {
 		d.startLeases(ctx, g.at)
 		g.Started()
 	}
-	d.dropStaleRecords(ctx)
+	// On its own: with many stale records, or a hung backing file anywhere
+	// on the node, the pass takes longer than half the margin, and the fence
+	// must not wait behind it (a fence that runs first and meets a stale
+	// record fails closed: it fences more, never less).
+	go d.dropStaleRecords(ctx)
 	for _, p := range d.sharedPools() {
 		go d.adoptDevices(ctx, p) // on its own: a pool may hang
 	}
