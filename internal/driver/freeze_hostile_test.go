@@ -495,3 +495,41 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 		t.Fatalf("answer %+v, want a refusal for the budget", got)
 	}
 }
+
+// TestFailedFreezeKeepsACrashRecord: a freeze that fails on a filesystem
+// already frozen (left so by a crash whose thaw has not run, or was given up)
+// keeps the record that tells the next start to thaw it. Before, the failed
+// freeze deleted the volume's record, its own and the crash's alike, and the
+// filesystem stayed frozen for good.
+func TestFailedFreezeKeepsACrashRecord(t *testing.T) {
+	ctx := context.Background()
+	a, _, id, staging := freezePair(t, false)
+	vid := mustVolumeID(id)
+	dev, _, _ := a.host.Find(a.pool("shared").ImagePath(vid))
+	crash := freezeRecord{Volume: id, Path: staging, Device: dev}
+	if err := a.opts.State.Put(freezeKind, id, crash); err != nil {
+		t.Fatal(err)
+	}
+	a.host.FreezeDevice(dev)
+	if h, _, err := a.freezeVolumeHere(ctx, vid, dev, time.Second); err == nil || h != nil {
+		t.Fatalf("froze a frozen filesystem: %+v %v", h, err)
+	}
+	var got freezeRecord
+	if ok, err := a.opts.State.Get(freezeKind, id, &got); err != nil || !ok || got != crash {
+		t.Fatalf("the crash's freeze record after a failed freeze: %+v %t %v", got, ok, err)
+	}
+	// A failed freeze of a filesystem nobody froze leaves no record.
+	if err := a.host.ThawMount("", staging, dev); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.opts.State.Delete(freezeKind, id); err != nil {
+		t.Fatal(err)
+	}
+	a.host.Faults.FailNth("Freeze", 1, errors.New("the filesystem refuses"))
+	if _, _, err := a.freezeVolumeHere(ctx, vid, dev, time.Second); err == nil {
+		t.Fatal("the failed freeze succeeded")
+	}
+	if keys, _ := a.opts.State.Keys(freezeKind); len(keys) != 0 {
+		t.Fatalf("records left by a failed freeze: %v", keys)
+	}
+}

@@ -3,11 +3,14 @@ package driver
 import (
 	"context"
 	"path/filepath"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/poolcsi/poolcsi/internal/layout"
+	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -73,5 +76,52 @@ func TestDropStaleRecordsLocksOnlyStale(t *testing.T) {
 	stagedVID, _ := pool.ParseVolumeID(staged)
 	if recs, _ := a.VolumeRecords(stagedVID); len(recs) != 1 {
 		t.Errorf("records of the staged volume: %+v", recs)
+	}
+}
+
+// TestStaleRecordsDoNotHoldUpTheFence: the lease keeper's start-up pass over
+// the stage records may take long (a listing of the kernel's devices waits for
+// every hung backing file on the node, and it locks and lists again for each
+// stale record); the fence must not wait behind it. Before, the pass ran
+// before the keeper's first renewal and fence check: a node whose pool was
+// lost did not fence for as long as the pass lasted.
+func TestStaleRecordsDoNotHoldUpTheFence(t *testing.T) {
+	dir, a, _, _, _, _ := stagedOnA(t)
+	dev := mustFind(t, a.host, dir)
+	if err := a.renew(t); err != nil {
+		t.Fatal(err)
+	}
+	// The start-up pass's listing does not return while the test runs.
+	hold := make(chan struct{})
+	var first sync.Once
+	a.host.Faults.OnCall("List", func() {
+		slow := false
+		first.Do(func() { slow = true })
+		if slow {
+			<-hold
+		}
+	})
+	a.cut()
+	a.host.LosePath(dir)
+	a.clock.add(lease.Default.Duration)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = a.leases.Run(ctx)
+	}()
+	t.Cleanup(func() {
+		cancel()
+		close(hold)
+		<-done
+	})
+	// The keeper checks its leases every second (half the interval, at most).
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if f, _ := a.host.Fenced(dev); f {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("not fenced 5 s after the lease ran out, while the start-up pass over the stage records was under way")
+		}
 	}
 }

@@ -170,6 +170,14 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, id pool.VolumeID, dev str
 	if err != nil {
 		return nil, "", fmt.Errorf("read the mount table: %w", err)
 	}
+	// A record there already is a crash's whose thaw has not run (or was
+	// given up): its filesystem may still be frozen, and a failed freeze
+	// (EBUSY on a frozen one) must leave it for the next start to thaw.
+	var crashed freezeRecord
+	hadRecord, err := d.opts.State.Get(freezeKind, id.String(), &crashed)
+	if err != nil {
+		return nil, "", fmt.Errorf("read the volume's freeze record: %w", err)
+	}
 	var failed error
 	for _, path := range points {
 		// Recorded first: a crash of this process while frozen is thawed
@@ -181,7 +189,13 @@ func (d *Driver) freezeVolumeHere(ctx context.Context, id pool.VolumeID, dev str
 		if err == nil {
 			return &localHold{id: id, path: path, dev: dev, fs: fz}, "", nil
 		}
-		d.clearFreeze(ctx, id)
+		if hadRecord {
+			if err := d.opts.State.Put(freezeKind, id.String(), crashed); err != nil {
+				klog.FromContext(ctx).Error(err, "Restoring the freeze record of a crash failed", "volume", id)
+			}
+		} else {
+			d.clearFreeze(ctx, id)
+		}
 		// A bind of a subdirectory or of the device node, a mount outside
 		// the allowed prefix or reached through a link, one gone since the
 		// table was read: not a place to freeze it from; the next may be.

@@ -135,7 +135,11 @@ func (k *Keeper) Run(ctx context.Context) error {
 		k.StartLeases(ctx, g.at)
 		g.Started()
 	}
-	k.DropStaleRecords(ctx)
+	// On its own: with many stale records, or a hung backing file anywhere
+	// on the node, the pass takes longer than half the margin, and the fence
+	// must not wait behind it (a fence that runs first and meets a stale
+	// record fails closed: it fences more, never less).
+	go k.DropStaleRecords(ctx)
 	for _, p := range k.SharedPools() {
 		go k.AdoptDevices(ctx, p) // on its own: a pool may hang
 	}

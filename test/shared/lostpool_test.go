@@ -18,6 +18,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/csiproc"
+	"github.com/poolcsi/poolcsi/test/support/cephfs"
 )
 
 // TestLostPoolNeverWritesLate: every way a node can lose a shared pool, with
@@ -36,17 +37,30 @@ import (
 // "remount", with or without a restart, fenced nothing (the kernel shows the
 // backing file of a detached mount without the pool's prefix), and A's writes
 // reached the volume after B had it.
+//
+// On the CephFS ("cephfs/..."), A's pool is a bind mount of a directory of
+// its own ceph-fuse client's mount, B's the same directory through B's client;
+// the FUSE modes act on A's ceph-fuse: paused (hang), or killed (eio), and
+// evicted by the MDS at the lease's duration, as the MDS does a silent client.
 func TestLostPoolNeverWritesLate(t *testing.T) {
 	testutil.RequireRoot(t)
 	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "mkfs.btrfs")
-	for _, m := range lostModes {
-		for _, restart := range []bool{false, true} {
-			name := m.name
-			if restart {
-				name += "+restart"
-			}
-			t.Run(name, func(t *testing.T) { testLostPool(t, m, restart) })
+	for _, b := range backends {
+		modes := lostModes
+		if b == "cephfs" {
+			modes = cephLostModes
 		}
+		t.Run(b, func(t *testing.T) {
+			for _, m := range modes {
+				for _, restart := range []bool{false, true} {
+					name := m.name
+					if restart {
+						name += "+restart"
+					}
+					t.Run(name, func(t *testing.T) { testLostPool(t, b, m, restart) })
+				}
+			}
+		})
 	}
 }
 
@@ -67,24 +81,17 @@ type lostMode struct {
 // lostPool is the test's pool as node A sees it.
 type lostPool struct {
 	aPool, bPool string
-	daemon       *exec.Cmd // bindfs, for the FUSE modes
-	covered      int       // mounts stacked on aPool by lose
+	aSrc         string          // what A's bind mount at aPool shows (not in the btrfs FUSE modes)
+	daemon       *exec.Cmd       // bindfs, for the btrfs FUSE modes
+	ceph         *cephfs.Cluster // on the CephFS: A's client is client 0
+	covered      int             // mounts stacked on aPool by lose
 }
 
 var lostModes = []lostMode{
 	{name: "vanish", lose: lazyUnmount, back: remount},
-	{name: "cover", lose: func(t *testing.T, l *lostPool) {
-		run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "cut", l.aPool)
-		l.covered++
-	}, back: uncover},
+	{name: "cover", lose: cover, back: uncover},
 	{name: "remount", lose: lazyUnmount, back: remount, backEarly: true},
-	{name: "readonly", lose: func(t *testing.T, l *lostPool) {
-		// The pool answers reads, refuses writes: a read-only mount of it
-		// over A's (an export turned read-only). A's open image stays
-		// writable through the mount below, which its lease cannot reach.
-		run(t, "mount", "--bind", "-o", "ro", l.bPool, l.aPool)
-		l.covered++
-	}, back: uncover},
+	{name: "readonly", lose: readOnly, back: uncover},
 	{name: "hang", fuse: true, lose: func(t *testing.T, l *lostPool) {
 		if err := l.daemon.Process.Signal(syscall.SIGSTOP); err != nil {
 			t.Fatal(err)
@@ -93,13 +100,66 @@ var lostModes = []lostMode{
 	{name: "eio", fuse: true, lose: killDaemon, back: remountFUSE},
 }
 
+// cephLostModes are the modes on the CephFS. A's ceph-fuse, silent (paused or
+// dead), keeps its capabilities on the image until the MDS evicts it, which
+// evict does at the lease's duration: B could not take the image before. A
+// paused client is let run again once the force-detach went through (the
+// fence's ioctl may wait for it): evicted and blocklisted, nothing of its
+// reaches the OSDs; a killed one is replaced by a new client after B wrote.
+var cephLostModes = []lostMode{
+	{name: "vanish", lose: lazyUnmount, back: remount},
+	{name: "cover", lose: cover, back: uncover},
+	{name: "remount", lose: lazyUnmount, back: remount, backEarly: true},
+	{name: "readonly", lose: readOnly, back: uncover},
+	{name: "hang", fuse: true, lose: func(t *testing.T, l *lostPool) {
+		if err := l.ceph.PauseClient(0); err != nil {
+			t.Fatal(err)
+		}
+	}, evict: evictCeph, back: func(t *testing.T, l *lostPool) {
+		if err := l.ceph.ResumeClient(0); err != nil {
+			t.Fatal(err)
+		}
+	}, backEarly: true},
+	{name: "eio", fuse: true, lose: func(t *testing.T, l *lostPool) { l.ceph.KillClient(0) }, evict: evictCeph, back: remountCeph},
+}
+
+func cover(t *testing.T, l *lostPool) {
+	run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "cut", l.aPool)
+	l.covered++
+}
+
+// readOnly: the pool answers reads, refuses writes: a read-only mount of it
+// over A's (an export turned read-only). A's open image stays writable
+// through the mount below, which its lease cannot reach.
+func readOnly(t *testing.T, l *lostPool) {
+	run(t, "mount", "--bind", "-o", "ro", l.bPool, l.aPool)
+	l.covered++
+}
+
+func evictCeph(t *testing.T, l *lostPool) {
+	if _, err := l.ceph.EvictClient(context.Background(), 0); err != nil {
+		t.Fatalf("evict node A's client: %v", err)
+	}
+}
+
+// remountCeph gives A a new ceph-fuse client, and its pool through it.
+func remountCeph(t *testing.T, l *lostPool) {
+	if err := unix.Unmount(l.aPool, unix.MNT_DETACH); err != nil {
+		t.Fatalf("umount -l %s: %v", l.aPool, err)
+	}
+	if err := l.ceph.Remount(context.Background(), 0); err != nil {
+		t.Fatalf("remount node A's client: %v", err)
+	}
+	remount(t, l)
+}
+
 func lazyUnmount(t *testing.T, l *lostPool) {
 	if err := unix.Unmount(l.aPool, unix.MNT_DETACH); err != nil {
 		t.Fatalf("umount -l %s: %v", l.aPool, err)
 	}
 }
 
-func remount(t *testing.T, l *lostPool) { run(t, "mount", "--bind", l.bPool, l.aPool) }
+func remount(t *testing.T, l *lostPool) { run(t, "mount", "--bind", l.aSrc, l.aPool) }
 
 func uncover(t *testing.T, l *lostPool) {
 	for ; l.covered > 0; l.covered-- {
@@ -145,8 +205,8 @@ func startBindfs(t *testing.T, src, dst string) *exec.Cmd {
 	}
 }
 
-func testLostPool(t *testing.T, m lostMode, restart bool) {
-	if m.fuse {
+func testLostPool(t *testing.T, backend string, m lostMode, restart bool) {
+	if m.fuse && backend == "btrfs" {
 		testutil.RequireCommands(t, "bindfs", "fusermount3")
 	}
 	ctx := context.Background()
@@ -156,17 +216,45 @@ func testLostPool(t *testing.T, m lostMode, restart bool) {
 			releaseUnder(root)
 		}
 	})
-	mnt := testutil.LoopFS(t, root, "btrfs", 512*mib)
-	l := &lostPool{bPool: filepath.Join(mnt, "pool"), aPool: filepath.Join(root, "a-pool")}
-	for _, d := range []string{l.bPool, l.aPool} {
-		if err := os.Mkdir(d, 0o755); err != nil {
+	l := &lostPool{aPool: filepath.Join(root, "a-pool")}
+	if err := os.Mkdir(l.aPool, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	switch backend {
+	case "btrfs":
+		mnt := testutil.LoopFS(t, root, "btrfs", 512*mib)
+		l.bPool = filepath.Join(mnt, "pool")
+		l.aSrc = l.bPool
+		if err := os.Mkdir(l.bPool, 0o755); err != nil {
 			t.Fatal(err)
 		}
+	case "cephfs":
+		l.ceph = cephfs.Shared(t)
+		dir, err := os.MkdirTemp(l.ceph.Mounts[0], "lost-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.aSrc, l.bPool = dir, filepath.Join(l.ceph.Mounts[1], filepath.Base(dir))
+		if m.fuse {
+			// Runs last: node A gets a working client back for the tests
+			// after, once its pool's mount here is gone.
+			t.Cleanup(func() {
+				_ = l.ceph.ResumeClient(0)
+				if _, err := l.ceph.EvictClient(ctx, 0); err != nil {
+					t.Errorf("evict node A: %v", err)
+				}
+				if err := l.ceph.Remount(ctx, 0); err != nil {
+					t.Errorf("remount node A: %v", err)
+				}
+			})
+		}
+	default:
+		t.Fatalf("unknown backend %q", backend)
 	}
-	if m.fuse {
+	if m.fuse && backend == "btrfs" {
 		l.daemon = startBindfs(t, l.bPool, l.aPool)
 	} else {
-		run(t, "mount", "--bind", l.bPool, l.aPool)
+		run(t, "mount", "--bind", l.aSrc, l.aPool)
 	}
 	t.Cleanup(func() {
 		// Whatever is left on A's pool path, the last first.
@@ -209,16 +297,36 @@ func testLostPool(t *testing.T, m lostMode, restart bool) {
 	}
 	t.Logf("%s: node A's pool lost after %d acknowledged writes", m.name, w.acked())
 
+	// When A's fence decided, by its log, watched on its own: a
+	// force-detach asked of a controller whose CephFS client waits for A's
+	// capabilities blocks for seconds.
+	fenced := make(chan time.Time, 1)
+	watchCtx, stopWatch := context.WithCancel(ctx)
+	defer stopWatch()
+	go func() {
+		for ; watchCtx.Err() == nil; time.Sleep(50 * time.Millisecond) {
+			if strings.Contains(dA.Log(), "Fencing this node off the pool") {
+				fenced <- time.Now()
+				return
+			}
+		}
+	}()
 	var detachedAt, fencedAt time.Time
+	fencedBy := func() time.Time {
+		if fencedAt.IsZero() {
+			select {
+			case fencedAt = <-fenced:
+			default:
+			}
+		}
+		return fencedAt
+	}
 	evicted := m.evict == nil
 	for deadline := time.Now().Add(leaseExpiry + 60*time.Second); ; time.Sleep(250 * time.Millisecond) {
-		if fencedAt.IsZero() && strings.Contains(dA.Log(), "Fencing this node off the pool") {
-			fencedAt = time.Now()
-		}
 		if !evicted && time.Since(cutAt) > leaseDuration+1500*time.Millisecond {
 			// The fence's decision came while the pool hung: it waited
 			// for nothing of it.
-			if fencedAt.IsZero() {
+			if fencedBy().IsZero() {
 				t.Fatalf("node A had not fenced itself %s after the cut, its pool hanging", time.Since(cutAt).Round(time.Millisecond))
 			}
 			m.evict(t, l)
@@ -266,7 +374,7 @@ func testLostPool(t *testing.T, m lostMode, restart bool) {
 	}
 	run(t, "sync", "-f", filepath.Join(targetB, "b.dat"))
 	t.Logf("%s: fence decided %s after the cut, force-detach allowed after %s, A's last acknowledged write after %s, B's first write after %s",
-		m.name, since(fencedAt, cutAt), since(detachedAt, cutAt), since(lastAck, cutAt), since(bFirst, cutAt))
+		m.name, since(fencedBy(), cutAt), since(detachedAt, cutAt), since(lastAck, cutAt), since(bFirst, cutAt))
 
 	// A's pool comes back; A, still running, gets time to write anything
 	// it held back, then cleans up as kubelet does.

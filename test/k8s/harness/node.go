@@ -228,6 +228,16 @@ func (n *Node) ctr(args ...string) ([]byte, error) {
 	return exec.Command("ctr", append([]string{"--address", n.Containerd, "--namespace", "k8s.io"}, args...)...).CombinedOutput()
 }
 
+// KillContainer SIGKILLs the task of one of the node's containers (its CRI ID, a pod
+// status's containerID without "containerd://"), as a crash or the OOM killer would:
+// kubelet, while it runs, starts the container again.
+func (n *Node) KillContainer(t testing.TB, id string) {
+	t.Helper()
+	if out, err := n.ctr("tasks", "kill", "-s", "SIGKILL", id); err != nil {
+		t.Fatalf("node %s: kill container %s: %v %s", n.Name, id, err, out)
+	}
+}
+
 func (n *Node) killContainers(t testing.TB) {
 	out, err := n.ctr("tasks", "ls", "-q")
 	if err != nil {

@@ -318,12 +318,17 @@ func (n *Node) PowerOn(t testing.TB) {
 // the pool's files are gone for the node, while the loop devices it holds still reach the
 // pool's filesystem, as a client whose connection dropped keeps its open files. Heal
 // undoes both.
+//
+// With path "", the node's mounts are left as they are (the pool lost some other way,
+// Vanish).
 func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 	t.Helper()
 	if n.ns == nil {
 		t.Fatalf("node %s: a partition needs the node's own mount namespace", n.Name)
 	}
-	n.Run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "poolcsi-partition", path)
+	if path != "" {
+		n.Run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "poolcsi-partition", path)
+	}
 	// The node's pods lose the API server and this machine (the nodes share its network
 	// namespace: the API server, the other node's pods).
 	drop := []string{"-s", n.podCIDR(), "-m", "comment", "--comment", "poolcsi-partition", "-j", "DROP"}
@@ -347,11 +352,91 @@ func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 				t.Errorf("iptables -D %s: %v %s", chain, err, out)
 			}
 		}
+		if path == "" {
+			return
+		}
 		if out, err := n.command("umount", path).CombinedOutput(); err != nil {
 			t.Errorf("node %s: healing the partition: umount %s: %v %s", n.Name, path, err, out)
 		}
 	}
 	t.Cleanup(heal)
+	return heal
+}
+
+// Vanish takes the mount at path away from the node as a lost pool goes (a lazy or forced
+// unmount, a CephFS or NFS client torn down): it is lazily unmounted (umount -l) in the
+// node's mount namespace and in every mount namespace of its pods' processes that has a
+// mount there (a pod's hostPath of the pool is a mount of its own, which an unmount on
+// the node does not reach). What holds a file of it open, a loop device its backing
+// file, keeps it, under no path. The node's pods started after it see the empty
+// directory below.
+//
+// Heal mounts it at path in the node's namespace again, shared as before (a new mount of
+// the same filesystem, as a remount would be): the containers started since it vanished
+// get it too, a container that lost it only when it starts again (KillContainer).
+func (n *Node) Vanish(t testing.TB, path string) (heal func()) {
+	t.Helper()
+	if n.ns == nil {
+		t.Fatalf("node %s: Vanish needs the node's own mount namespace", n.Name)
+	}
+	// The mount is kept, private, out of every pod's sight, to heal from: once unmounted
+	// at path, it has no other name in the node's namespace.
+	keep := filepath.Join(n.Dir, "vanished")
+	if err := os.Mkdir(keep, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	var kept, gone, healed bool
+	heal = func() {
+		if healed {
+			return
+		}
+		healed = true
+		var steps [][]string
+		if gone {
+			// Over the placeholder, if there is one: a mount on a shared mount reaches
+			// its peers, the mounts of it in the containers started since.
+			steps = append(steps, []string{"mount", "--bind", keep, path}, []string{"mount", "--make-shared", path})
+		}
+		if kept {
+			steps = append(steps, []string{"umount", keep})
+		}
+		for _, args := range steps {
+			if out, err := n.command(args[0], args[1:]...).CombinedOutput(); err != nil {
+				t.Errorf("node %s: healing a vanished %s: %q: %v %s", n.Name, path, args, err, out)
+				return
+			}
+		}
+		if err := os.Remove(keep); err != nil {
+			t.Errorf("node %s: %v", n.Name, err)
+		}
+	}
+	t.Cleanup(heal)
+	n.Run(t, "mount", "--bind", path, keep)
+	kept = true
+	n.Run(t, "mount", "--make-private", keep)
+	seen := map[string]bool{}
+	for _, pid := range n.cgroupPids() {
+		ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/mnt", pid))
+		if err != nil || seen[ns] {
+			continue
+		}
+		seen[ns] = true
+		if !slices.Contains(mountsUnderIn(fmt.Sprintf("/proc/%d/mountinfo", pid), path), path) {
+			continue
+		}
+		// The container's own umount, in its PID namespace too: its /proc is that
+		// namespace's, where umount reads /proc/self/mountinfo.
+		if out, err := exec.Command("nsenter", "-t", strconv.Itoa(pid), "-m", "-p", "--", "umount", "-l", path).CombinedOutput(); err != nil {
+			t.Fatalf("node %s: umount -l %s in the mount namespace of process %d: %v %s", n.Name, path, pid, err, out)
+		}
+	}
+	n.Run(t, "umount", "-l", path)
+	gone = true
+	// What is left is the directory below, on the node's root, which is shared on a
+	// node run by systemd (here it is not): a container started from here on mounts it
+	// with Bidirectional propagation, which needs a shared mount.
+	n.Run(t, "mount", "--bind", path, path)
+	n.Run(t, "mount", "--make-shared", path)
 	return heal
 }
 

@@ -102,10 +102,11 @@ var twoNodeLease = map[string]any{"leaseDuration": "6s", "renewInterval": "1s", 
 // shared pool: a ReadWriteOnce image claim moved from node to node (cordon and delete;
 // drain while it is written), an RWX dir claim written from both nodes and expanded while
 // in use, and a node partitioned while its pod writes, taken over through the
-// out-of-service taint. On btrfs also: a local claim that keeps its pod on its node (the
-// shared pool plays no part) and a node powered off and back (on this machine a
-// powered-off node's ceph-fuse client would live on, holding its capabilities, which no
-// real power cut does).
+// out-of-service taint (its pool covered on the CephFS; on btrfs its pool's mount
+// vanishes, and again with its node plugin restarted while the pool is gone). On btrfs
+// also: a local claim that keeps its pod on its node (the shared pool plays no part) and
+// a node powered off and back (on this machine a powered-off node's ceph-fuse client
+// would live on, holding its capabilities, which no real power cut does).
 func TestTwoNodes(t *testing.T) {
 	t.Run("btrfs", func(t *testing.T) { testTwoNodes(t, false) })
 	t.Run("cephfs", func(t *testing.T) { testTwoNodes(t, true) })
@@ -128,10 +129,20 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 	if !cephFS {
 		t.Run("local claim keeps its pod on its node", func(t *testing.T) { env.localStays(t) })
 	}
-	t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
-		env.partitionTakeover(t, nodeB, nodeA)
-	})
-	if !cephFS {
+	if cephFS {
+		t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
+			env.partitionTakeover(t, nodeB, nodeA)
+		})
+	} else {
+		// The same partition, its pool lost another way: the mount vanishes instead of
+		// being covered (a covered one is the CephFS run's, and every way on both
+		// filesystems is test/shared's TestLostPoolNeverWritesLate).
+		t.Run("partitioned node whose pool vanished taken over through the out-of-service taint", func(t *testing.T) {
+			env.lostPoolTakeover(t, nodeB, nodeA, false)
+		})
+		t.Run("node whose pool vanished and whose node plugin restarted taken over", func(t *testing.T) {
+			env.lostPoolTakeover(t, nodeB, nodeA, true)
+		})
 		t.Run("powered-off node taken over, then back", func(t *testing.T) {
 			env.powerOffTakeover(t, nodeB, nodeA)
 		})
@@ -477,16 +488,67 @@ func (e *kubeletEnv) waitNodeReady(t testing.TB, node string, ready bool, timeou
 // driverLog is the log of the shared driver's node plugin on node.
 func (e *kubeletEnv) driverLog(t testing.TB, node string) string {
 	t.Helper()
+	return e.driverLogOf(t, node, false)
+}
+
+// driverLogOf is driverLog, or, previous, the log of the node plugin's container before
+// its last restart.
+func (e *kubeletEnv) driverLogOf(t testing.TB, node string, previous bool) string {
+	t.Helper()
+	p := e.nodePlugin(t, node)
+	b, err := e.c.Client.CoreV1().Pods(chart.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{Container: "poolcsi", Previous: previous}).DoRaw(context.Background())
+	if err != nil {
+		t.Fatalf("log of %s (previous %t): %v", p.Name, previous, err)
+	}
+	return string(b)
+}
+
+// nodePlugin is the shared driver's node plugin pod on node.
+func (e *kubeletEnv) nodePlugin(t testing.TB, node string) *corev1.Pod {
+	t.Helper()
 	pods, err := e.c.Client.CoreV1().Pods(chart.Namespace).List(context.Background(), metav1.ListOptions{
 		LabelSelector: "app.kubernetes.io/component=node", FieldSelector: "spec.nodeName=" + node})
 	if err != nil || len(pods.Items) == 0 {
-		t.Fatalf("the node plugin on %s: %v (%d pods)", node, err, len(pods.Items))
+		t.Fatalf("the node plugin on %s: %v", node, err)
 	}
-	b, err := e.c.Client.CoreV1().Pods(chart.Namespace).GetLogs(pods.Items[0].Name, &corev1.PodLogOptions{Container: "poolcsi"}).DoRaw(context.Background())
-	if err != nil {
-		t.Fatalf("log of %s: %v", pods.Items[0].Name, err)
+	return &pods.Items[0]
+}
+
+// pluginStatus is the status of the shared driver's container ("poolcsi") of a node
+// plugin pod.
+func pluginStatus(p *corev1.Pod) (corev1.ContainerStatus, bool) {
+	for _, st := range p.Status.ContainerStatuses {
+		if st.Name == "poolcsi" {
+			return st, true
+		}
 	}
-	return string(b)
+	return corev1.ContainerStatus{}, false
+}
+
+// restartNodePlugin SIGKILLs the shared driver's node plugin on n and waits until kubelet
+// (which must run) has started it again: a new container of the same pod.
+func (e *kubeletEnv) restartNodePlugin(t testing.TB, n *Node) {
+	t.Helper()
+	p := e.nodePlugin(t, n.Name)
+	before, ok := pluginStatus(p)
+	if !ok || before.State.Running == nil {
+		t.Fatalf("the node plugin on %s is not running: %s", n.Name, podSummary(p))
+	}
+	n.KillContainer(t, strings.TrimPrefix(before.ContainerID, "containerd://"))
+	waitFor(t, 90*time.Second, "the node plugin on "+n.Name+" started again", func() error {
+		p, err := e.c.Client.CoreV1().Pods(chart.Namespace).Get(context.Background(), p.Name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		st, _ := pluginStatus(p)
+		if st.ContainerID == before.ContainerID || st.State.Running == nil {
+			if last := st.LastTerminationState.Terminated; last != nil && last.ContainerID != before.ContainerID {
+				return fmt.Errorf("%s; its last container: %s (exit %d) %s", podSummary(p), last.Reason, last.ExitCode, last.Message)
+			}
+			return fmt.Errorf("%s", podSummary(p))
+		}
+		return nil
+	})
 }
 
 // seqWriter is the StatefulSets' pods' command: once /data/writer names the pod's node,
@@ -609,6 +671,47 @@ func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *Node) {
 	if log := e.driverLog(t, victim.Name); !strings.Contains(log, "Fencing this node off the pool") {
 		t.Errorf("the node plugin on %s never fenced itself; its log ends:\n%s", victim.Name, tail(log, 20))
 	}
+}
+
+// lostPoolTakeover: as partitionTakeover, but victim's pool vanishes instead of being
+// covered (Node.Vanish: a lazy unmount, on the node and in its node plugin's mount
+// namespace; the pod's loop device keeps the image open under no path) and, with
+// restart, its node plugin is then SIGKILLed and started again by kubelet, without the
+// pool, before the partition stops kubelet: the plugin that fences is a new process,
+// which knows its devices only from its node-local records. The node plugin that fenced
+// must have fenced a device (before the node-local records, the fence found none and the
+// writer wrote on). Healed, the pool is mounted on the node again (and the node plugin
+// that lost its mount restarted, to see it).
+func (e *kubeletEnv) lostPoolTakeover(t *testing.T, victim, survivor *Node, restart bool) {
+	name := "vanish"
+	if restart {
+		name = "vanish-restart"
+	}
+	var healPool, healPartition func()
+	tk := e.failAndTakeOver(t, name, victim, survivor, func() {
+		healPool = victim.Vanish(t, sharedPoolPath)
+		if restart {
+			e.restartNodePlugin(t, victim)
+		}
+		healPartition = victim.Partition(t, "")
+	})
+	healPartition()
+	healPool()
+	if !restart {
+		// Its container lost its mount of the pool for good; the one started while
+		// the pool was gone (restart) gets it back with the node.
+		e.restartNodePlugin(t, victim)
+	}
+	// The container that fenced: the one before the restart that healed, or the
+	// one started while the pool was gone.
+	log := e.driverLogOf(t, victim.Name, !restart)
+	if !strings.Contains(log, "Fenced a loop device") {
+		t.Errorf("%s: the node plugin on %s fenced no loop device; its log ends:\n%s", name, victim.Name, tail(log, 20))
+	}
+	if strings.Contains(log, "FENCE FAILED CLOSED") {
+		t.Errorf("%s: the node plugin on %s did not find its devices by its records (it failed closed); its log ends:\n%s", name, victim.Name, tail(log, 20))
+	}
+	e.rejoined(t, tk, victim)
 }
 
 // powerOffTakeover: as partitionTakeover, but victim is powered off (kubelet, containerd,
