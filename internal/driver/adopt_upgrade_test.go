@@ -28,7 +28,7 @@ func TestAdoptDevicesAfterPluginRestart(t *testing.T) {
 		t.Fatal(err)
 	}
 	a.host.LosePath(dir) // the kernel now shows /volumes/<key>/disk.img
-	a.leases.AdoptDevices(ctx, a.pool("shared"))
+	a.leases.AdoptDevices(ctx, a.pools.Pool("shared"))
 	recs, err = a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 || recs[0].Device != dev {
 		t.Fatalf("records after the adoption: %+v %v, want one of %s", recs, err, dev)

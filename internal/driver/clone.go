@@ -10,6 +10,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // csiContentSource is a volume's recorded source as the CO knows it: in the
@@ -19,15 +20,15 @@ func (d *Driver) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.Volu
 	case r == nil:
 		return nil
 	case r.Snapshot != "":
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: d.wireSnapshotID(p, r.Snapshot)}}}
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: d.pools.WireID(p, r.Snapshot)}}}
 	default:
-		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: d.wireVolumeID(p, r.Volume)}}}
+		return &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: d.pools.WireID(p, r.Volume)}}}
 	}
 }
 
 // resolveContentSource finds the snapshot or volume a CreateVolume copies:
 // NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
-func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc shareAccess) (*contentSource, error) {
+func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc poolset.Access) (*contentSource, error) {
 	if src == nil {
 		return nil, nil
 	}
@@ -41,7 +42,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		if !known {
 			return nil, csierr.Failf(pool.ErrNotFound, "source snapshot %q does not exist (not a poolcsi snapshot ID)", raw)
 		}
-		p, s, err := d.loadSnapshot(ctx, sid, acc)
+		p, s, err := d.loadSnapshot(ctx, sid, &acc)
 		if err != nil {
 			return nil, err
 		}

@@ -17,6 +17,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // StorageClass parameters poolcsi understands. Kubernetes' own csi.storage.k8s.io/*
@@ -67,12 +68,12 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	if strings.HasPrefix(name, pool.EphemeralPrefix) {
 		return nil, status.Errorf(codes.InvalidArgument, "name %q: names beginning %s are those of ephemeral inline volumes", name, pool.EphemeralPrefix)
 	}
-	acc := dataAccess(req.GetSecrets())
+	acc := poolset.DataAccess(req.GetSecrets())
 	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), acc)
 	if err != nil {
 		return nil, err
 	}
-	sc, err := params.ParseCreate(sourceParams(req.GetParameters(), src), d.paramConfig())
+	sc, err := params.ParseCreate(sourceParams(req.GetParameters(), src), d.pools.Params())
 	if err != nil {
 		return nil, err
 	}
@@ -172,8 +173,8 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 // nameInOtherPool refuses a name that already names a volume in another pool: the
 // same name must always mean the same volume.
 func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
-	for _, pn := range d.names() {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Names() {
+		p := d.pools.Pool(pn)
 		if p == want {
 			continue
 		}
@@ -222,7 +223,7 @@ func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[st
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	out := &csi.Volume{
-		VolumeId:      d.wireVolumeID(p, v.ID),
+		VolumeId:      d.pools.WireID(p, v.ID),
 		CapacityBytes: v.CapacityBytes,
 		VolumeContext: map[string]string{ParamPool: p.Name(), ParamLayout: string(v.Layout)},
 	}
@@ -245,7 +246,7 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), nil)
+	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
@@ -303,7 +304,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 
 func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcValidateVolumeCapabilities, req.GetVolumeId(), shareAccess{}, func() error {
+	rq, err := d.resolve(ctx, rpcValidateVolumeCapabilities, req.GetVolumeId(), poolset.Access{}, func() error {
 		if len(req.GetVolumeCapabilities()) == 0 {
 			return status.Error(codes.InvalidArgument, "volume_capabilities are required")
 		}
@@ -313,7 +314,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 		return nil, err
 	}
 	v := rq.vol
-	if _, err := params.ParseCreate(req.GetParameters(), d.paramConfig()); err != nil {
+	if _, err := params.ParseCreate(req.GetParameters(), d.pools.Params()); err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil
 	}
 	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), "")
@@ -369,7 +370,7 @@ func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.E
 // entries (0: all) and the next page's token.
 func walkPools[E any](d *Driver, startPool, startKey string, most int, list func(p *pool.Pool, from string, limit int) ([]E, string, error), token func(E) string) ([]E, string, error) {
 	var out []E
-	for _, pn := range d.names() {
+	for _, pn := range d.pools.Names() {
 		if pn < startPool {
 			continue
 		}
@@ -382,7 +383,7 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 			// A full page still asks for one entry: its token is the next page's.
 			limit = max(most-len(out), 1)
 		}
-		page, next, err := list(d.pool(pn), from, limit)
+		page, next, err := list(d.pools.Pool(pn), from, limit)
 		if err != nil {
 			return nil, "", err
 		}
@@ -440,7 +441,7 @@ func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (
 		if l.entry.Volume == nil {
 			// Capacity 0 means unknown; the condition says why.
 			resp.Entries = append(resp.Entries, &csi.ListVolumesResponse_Entry{Volume: &csi.Volume{
-				VolumeId: d.wireVolumeID(l.pool, l.entry.ID.String()), VolumeContext: map[string]string{ParamPool: l.pool.Name()},
+				VolumeId: d.pools.WireID(l.pool, l.entry.ID.String()), VolumeContext: map[string]string{ParamPool: l.pool.Name()},
 			}, Status: st})
 			continue
 		}
@@ -490,7 +491,7 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 
 func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcControllerGetVolume, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcControllerGetVolume, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -506,11 +507,11 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 
 func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
 	defer csierr.ToStatus(&err)
-	sc, err := params.ParseCreate(req.GetParameters(), d.paramConfig())
+	sc, err := params.ParseCreate(req.GetParameters(), d.pools.Params())
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), shareAccess{})
+	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), poolset.Access{})
 	if err != nil {
 		return nil, err
 	}
@@ -542,16 +543,16 @@ func firstNonEmpty(s ...string) string {
 // resolvePool is the pool parsed parameters name: a configured one, or the
 // share's, mounted (with the StorageClass's options and mount flags and what
 // the request's secrets brought, acc) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc shareAccess) (*pool.Pool, error) {
+func (d *Driver) resolvePool(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc poolset.Access) (*pool.Pool, error) {
 	if sc.Share == nil {
-		return d.pool(sc.Pool), nil
+		return d.pools.Pool(sc.Pool), nil
 	}
-	acc.mount, acc.fromStorageClass = true, true
-	acc.options = append(acc.options, sc.Share.Options...)
+	acc.FromStorageClass = true
+	acc.Options = append(acc.Options, sc.Share.Options...)
 	if sc.Layout == pool.LayoutDir && len(caps) > 0 {
 		// Every capability of a CreateVolume carries the StorageClass's
 		// mountOptions; the first one's are the share's.
-		acc.options = append(acc.options, params.ShareFlags(caps[0].GetMount().GetMountFlags())...)
+		acc.Options = append(acc.Options, params.ShareFlags(caps[0].GetMount().GetMountFlags())...)
 	}
-	return d.sharePool(ctx, sc.Share.Ref, "", acc)
+	return d.pools.Ensure(ctx, poolset.ShareRef(sc.Share.Ref), acc)
 }

@@ -101,7 +101,7 @@ func newBenchPool(b *testing.B) *benchPool {
 // left by earlier creates or an older driver.
 func (bp *benchPool) fill(b *testing.B, n int) {
 	b.Helper()
-	p := bp.drivers[0].pool("shared")
+	p := bp.drivers[0].pools.Pool("shared")
 	for ; bp.made < n; bp.made++ {
 		name := fmt.Sprintf("existing-%06d", bp.made)
 		id := p.NewID(name)

@@ -11,8 +11,6 @@ import (
 	"net/url"
 	"os"
 	"path/filepath"
-	"sort"
-	"strings"
 	"sync"
 	"time"
 
@@ -26,8 +24,8 @@ import (
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
-	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
 
@@ -136,15 +134,9 @@ type Driver struct {
 	csi.UnimplementedGroupControllerServer
 
 	opts Options
-	// poolsMu guards pools and poolNames: the pools on shares StorageClasses
-	// name join them while the driver runs (share.go).
-	poolsMu   sync.RWMutex
-	pools     map[string]*pool.Pool
-	poolNames []string
-	// configured are the names of the operator's pools, sorted.
-	configured []string
-	shares     shareState
-	locks      *volumeLocks
+	// pools are the operator's pools and the shares' (internal/poolset).
+	pools *poolset.Set
+	locks *volumeLocks
 	layout.Deps
 	// registered holds the pools this node has registered with (see registerNode).
 	registered sync.Map
@@ -232,17 +224,12 @@ func New(opts Options) (*Driver, error) {
 	}
 	d := &Driver{
 		opts:  opts,
-		pools: map[string]*pool.Pool{},
 		locks: newVolumeLocks(),
 		Deps: layout.Deps{Mounts: host.Mounts, Loops: host.Loops, Devs: host.Devices, FS: host.FS,
 			NodeID: opts.NodeID, ExpandOnNode: opts.ExpandOnNode, PathPrefix: opts.PathPrefix, State: opts.State},
 		freezeTiming: opts.Freeze,
 		freezer:      newFreezer(),
 	}
-	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.names, Pool: d.pool, Interval: opts.IOLimitsInterval})
-	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.names, Pool: d.pool,
-		Node: &d.Deps, Lock: d.lockForFence, Startup: opts.StartupFence})
-	d.LeaseLost = d.leases.Lost
 	d.quiesceCopy = d.quiesce
 	// A clone freezes its source as a snapshot does; read late, so a test's
 	// wrapper of quiesceCopy sees clones too.
@@ -252,22 +239,14 @@ func New(opts Options) (*Driver, error) {
 	d.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
 		return p.Snapshots().Fill(ctx, s, v, nil)
 	}
-	for _, p := range opts.Pools {
-		if _, dup := d.pools[p.Name()]; dup {
-			return nil, fmt.Errorf("pool %s is configured twice", p.Name())
-		}
-		if p.Config().Share != nil || pool.IsSharePoolName(p.Name()) {
-			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name())
-		}
-		p.SetLedgerKeys(opts.ShareKeys)
-		d.pools[p.Name()] = p
-		d.poolNames = append(d.poolNames, p.Name())
-	}
-	sort.Strings(d.poolNames)
-	d.configured = append([]string(nil), d.poolNames...)
-	if err := d.shares.init(opts); err != nil {
+	if d.pools, err = poolset.New(poolset.Deps{NodeID: opts.NodeID, Shares: opts.Shares, ShareTypes: opts.ShareTypes,
+		ShareKeys: opts.ShareKeys, Joined: d.registerNode}, opts.Pools); err != nil {
 		return nil, err
 	}
+	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Interval: opts.IOLimitsInterval})
+	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.pools.Names, Pool: d.pools.Pool,
+		Node: &d.Deps, Lock: d.lockForFence, Startup: opts.StartupFence})
+	d.LeaseLost = d.leases.Lost
 	if d.ephemeralPool, err = defaultEphemeralPool(opts); err != nil {
 		return nil, err
 	}
@@ -292,7 +271,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
-	d.recoverShares(ctx)
+	d.pools.Recover(ctx)
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.thawAfterCrash(ctx)
@@ -320,7 +299,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		srv.GracefulStop()
 	}()
 	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
-		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.names(), "shareTypes", d.shares.typeList())
+		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.pools.Names(), "shareTypes", d.pools.ShareTypes())
 	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return fmt.Errorf("serve %s: %w", endpoint, err)
 	}
@@ -374,37 +353,6 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 	return lis, nil
 }
 
-// pool returns the pool of a name (configured, or a share's this driver has
-// mounted), or nil.
-func (d *Driver) pool(name string) *pool.Pool {
-	d.poolsMu.RLock()
-	defer d.poolsMu.RUnlock()
-	return d.pools[name]
-}
-
-// names returns the names of every pool, configured or a share's, sorted.
-func (d *Driver) names() []string {
-	d.poolsMu.RLock()
-	defer d.poolsMu.RUnlock()
-	return d.poolNames
-}
-
-// addPool adds a share's pool. poolNames is replaced, never changed in
-// place: names() hands it out.
-func (d *Driver) addPool(p *pool.Pool) *pool.Pool {
-	d.poolsMu.Lock()
-	defer d.poolsMu.Unlock()
-	if old, ok := d.pools[p.Name()]; ok {
-		return old
-	}
-	p.SetLedgerKeys(d.opts.ShareKeys)
-	d.pools[p.Name()] = p
-	names := append(append([]string(nil), d.poolNames...), p.Name())
-	sort.Strings(names)
-	d.poolNames = names
-	return p
-}
-
 // isLocal reports whether volumes of p live on this node only.
 func isLocal(p *pool.Pool) bool { return !p.Shared() }
 
@@ -412,18 +360,11 @@ func (d *Driver) nodeTopology() map[string]string {
 	return map[string]string{TopologyKey: d.opts.NodeID}
 }
 
-// paramConfig is what the request parsers know of this driver: names.
-func (d *Driver) paramConfig() params.Config {
-	return params.Config{Pools: d.configured, Shares: d.shares.config()}
-}
-
-func joinNames(names []string) string { return strings.Join(names, ", ") }
-
 // detectQuotas runs detection for every pool present at start-up, so the log
 // says at once what dir volumes will get.
 func (d *Driver) detectQuotas(ctx context.Context) {
-	for _, pn := range d.names() {
-		if _, err := d.QuotaFor(ctx, d.pool(pn)); err != nil {
+	for _, pn := range d.pools.Names() {
+		if _, err := d.QuotaFor(ctx, d.pools.Pool(pn)); err != nil {
 			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
 		}
 	}

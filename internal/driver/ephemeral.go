@@ -19,6 +19,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // CSI ephemeral inline volumes (docs/ephemeral.md): kubelet calls
@@ -145,8 +146,8 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
 			}
 		case k == ParamPool:
-			if s.pool = d.pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.configured, v) {
-				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, joinNames(d.configured))
+			if s.pool = d.pools.Pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.pools.Configured(), v) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, poolset.JoinNames(d.pools.Configured()))
 			}
 		case k == params.K8sPrefix+"pod.namespace":
 			ns = v
@@ -172,7 +173,7 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 func (d *Driver) ephemeralPoolOf(s *ephemeralSpec) error {
 	if s.pool == nil {
 		if s.pool = d.ephemeralPool; s.pool == nil {
-			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, joinNames(d.configured))
+			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, poolset.JoinNames(d.pools.Configured()))
 		}
 	}
 	if !s.pool.AllowsEphemeral() {
@@ -208,8 +209,8 @@ func parseEphemeralSize(v string) (int64, error) {
 // be read is an error (UNAVAILABLE), not "none": the volume may be there.
 func (d *Driver) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
 	name := pool.EphemeralName(handle)
-	for _, pn := range d.configured {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Configured() {
+		p := d.pools.Pool(pn)
 		if !p.AllowsEphemeral() {
 			continue
 		}
@@ -489,8 +490,8 @@ func notEphemeral(v *pool.Volume, what string) error {
 func (d *Driver) sweepEphemeral(ctx context.Context) int {
 	logger := klog.FromContext(ctx)
 	removed := 0
-	for _, pn := range d.configured {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Configured() {
+		p := d.pools.Pool(pn)
 		if p.Check() != nil {
 			continue // unavailable: the next sweep looks again
 		}

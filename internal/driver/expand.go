@@ -9,6 +9,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // ControllerExpandVolume grows a volume's image file and records the new size.
@@ -18,7 +19,7 @@ import (
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	r := req.GetCapacityRange()
-	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() error {
+	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() error {
 		if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 			return status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 		}
@@ -66,7 +67,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 		return nil, csierr.Failf(csierr.ErrInvalid, "volume %s is an ephemeral inline volume: it cannot be expanded (it lives as long as its pod; its size is the pod's size attribute)", req.GetVolumeId())
 	}
 	// The volume is staged here, so its share (if it has one) is served: no mount.
-	rq, err := d.resolve(ctx, rpcNodeExpandVolume, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcNodeExpandVolume, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}

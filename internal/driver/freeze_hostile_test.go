@@ -114,7 +114,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			a, _, id, staging := freezePair(t, false)
-			p := a.pool("shared")
+			p := a.pools.Pool("shared")
 			_, other := stageOther(t, a)
 			a.opts.PathPrefix = tt.prefix
 			hostile := tt.path(t, t.TempDir(), other)
@@ -165,7 +165,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
-	p := a.pool("shared")
+	p := a.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	budget := a.freezeTiming.budget()
 	const step = 15 * time.Second
@@ -230,7 +230,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
-	p := a.pool("shared")
+	p := a.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	fifo := filepath.Join(t.TempDir(), "fifo")
 	if err := unix.Mkfifo(fifo, 0o600); err != nil {
@@ -299,7 +299,7 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 func TestFreezeRecoveryGivesUp(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
-	dev, _, _ := a.host.Find(a.pool("shared").ImagePath(mustVolumeID(id)))
+	dev, _, _ := a.host.Find(a.pools.Pool("shared").ImagePath(mustVolumeID(id)))
 	if err := a.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
 		t.Fatal(err)
 	}
@@ -323,7 +323,7 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 	a, b, id, staging := freezePair(t, false)
 	a.freezeTiming.MaxHold = 200 * time.Millisecond
 	b.freezeTiming.AckTimeout = time.Second // B waits that long for the stuck A to let go
-	p := b.pool("shared")
+	p := b.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	// A's agent answers once, then is stuck.
 	answered := make(chan struct{})
@@ -374,7 +374,7 @@ func TestFreezeIgnoresAliasedImages(t *testing.T) {
 	for _, kind := range []string{"symlink", "hard link"} {
 		t.Run(kind, func(t *testing.T) {
 			a, _, _, _ := freezePair(t, false)
-			p := a.pool("shared")
+			p := a.pools.Pool("shared")
 			otherID, other := stageOther(t, a)
 			resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "alias", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
 			if err != nil {
@@ -422,7 +422,7 @@ func TestFreezeIgnoresAliasedImages(t *testing.T) {
 func TestFreezeBudgetKeptByDevice(t *testing.T) {
 	ctx := context.Background()
 	a, _, _, _ := freezePair(t, false)
-	p := a.pool("shared")
+	p := a.pools.Pool("shared")
 	otherID, other := stageOther(t, a)
 	ovid := mustVolumeID(otherID)
 	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "alias", VolumeCapabilities: []*csi.VolumeCapability{mountCap(rwo, "ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
@@ -505,7 +505,7 @@ func TestFailedFreezeKeepsACrashRecord(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
 	vid := mustVolumeID(id)
-	dev, _, _ := a.host.Find(a.pool("shared").ImagePath(vid))
+	dev, _, _ := a.host.Find(a.pools.Pool("shared").ImagePath(vid))
 	crash := freezeRecord{Volume: id, Path: staging, Device: dev}
 	if err := a.opts.State.Put(freezeKind, id, crash); err != nil {
 		t.Fatal(err)

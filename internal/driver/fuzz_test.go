@@ -11,6 +11,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // FuzzListTokens: any starting_token gets a page or ABORTED (or, for a
@@ -98,7 +99,7 @@ func FuzzShareResolver(f *testing.F) {
 			}
 			vid, err := pool.ParseVolumeID(id)
 			r, _ := vid.ShareRef()
-			if err != nil || r != m.Ref || shareTag(testShareKey, r) != vid.Tag {
+			if err != nil || r != m.Ref || poolset.Tag(testShareKey, r) != vid.Tag {
 				t.Fatalf("ID %q made the driver mount %+v without a verified tag", id, m.Ref)
 			}
 		}

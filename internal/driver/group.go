@@ -17,6 +17,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // A volume group snapshot is several volumes of one pool frozen together,
@@ -49,12 +50,9 @@ func parseGroupRef(raw string) (id pool.GroupSnapshotID, known bool, err error) 
 	return id, false, nil
 }
 
-// wireGroupID is wireSnapshotID for a group snapshot.
-func (d *Driver) wireGroupID(p *pool.Pool, id string) string { return d.wireVolumeID(p, id) }
-
 func (d *Driver) csiGroup(p *pool.Pool, g *pool.GroupSnapshot, members []*pool.Snapshot) *csi.VolumeGroupSnapshot {
 	out := &csi.VolumeGroupSnapshot{
-		GroupSnapshotId: d.wireGroupID(p, g.ID),
+		GroupSnapshotId: d.pools.WireID(p, g.ID),
 		CreationTime:    timestamppb.New(g.CreatedAt),
 		ReadyToUse:      g.ReadyToUse,
 	}
@@ -161,8 +159,8 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 		return nil, err
 	}
 	gid := p.Groups().NewID(name)
-	for _, pn := range d.names() {
-		if other := d.pool(pn); other != p {
+	for _, pn := range d.pools.Names() {
+		if other := d.pools.Pool(pn); other != p {
 			if g, err := other.Groups().Load(other.Groups().NewID(name)); err == nil && g.Name == name {
 				return nil, csierr.Failf(pool.ErrExists, "group snapshot %q already exists in pool %s", name, pn)
 			}
@@ -254,7 +252,7 @@ func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[st
 	}
 	for _, vid := range vids {
 		// Each ID's own share tag is checked, not only the first's.
-		if p, err = d.poolOf(ctx, vid, dataAccess(secrets)); err != nil {
+		if p, err = d.pools.Ensure(ctx, poolset.VolumeRef(vid), poolset.DataAccess(secrets)); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -424,7 +422,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 	if !known {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	}
-	p, err := d.snapshotPool(ctx, gid.SnapshotID, dataAccess(req.GetSecrets()))
+	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(gid.SnapshotID), poolset.DataAccess(req.GetSecrets()))
 	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	} else if err != nil {
@@ -460,7 +458,7 @@ func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeG
 	if !known {
 		return nil, csierr.Failf(pool.ErrNotFound, "group snapshot %q does not exist (not a poolcsi group snapshot ID)", req.GetGroupSnapshotId())
 	}
-	p, err := d.snapshotPool(ctx, gid.SnapshotID, shareAccess{})
+	p, err := d.pools.Lookup(poolset.SnapshotRef(gid.SnapshotID))
 	if err != nil {
 		return nil, err
 	}

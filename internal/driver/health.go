@@ -16,6 +16,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // Volume health is served twice from one computation: the CSI 1.13
@@ -75,7 +76,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 
 func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcControllerGetVolumeHealth, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcControllerGetVolumeHealth, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -128,7 +129,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 	}
 	resp := &csi.ControllerListVolumeHealthResponse{NextToken: next}
 	for _, l := range vols {
-		resp.Entries = append(resp.Entries, csiHealth(d.wireVolumeID(l.pool, l.entry.ID.String()), found[l.entry.ID]))
+		resp.Entries = append(resp.Entries, csiHealth(d.pools.WireID(l.pool, l.entry.ID.String()), found[l.entry.ID]))
 	}
 	return resp, nil
 }
@@ -138,7 +139,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // condition the CO should show, not a missing volume.
 func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcNodeGetVolumeHealth, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcNodeGetVolumeHealth, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -277,8 +278,8 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 		pc *poolCheck
 	}
 	var checks []check
-	for _, pn := range d.names() {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Names() {
+		p := d.pools.Pool(pn)
 		if p == nil || d.leases.FencedIssue(p) != nil {
 			continue // reported above
 		}

@@ -114,8 +114,8 @@ func (d *Driver) notePools(ctx context.Context) {
 			log.Info("Pool available again", "pool", key)
 		}
 	}
-	for _, name := range d.names() {
-		_, err := health.CheckPoolReady(d.pool(name))
+	for _, name := range d.pools.Names() {
+		_, err := health.CheckPoolReady(d.pools.Pool(name))
 		note(name, err)
 	}
 	for i, check := range d.opts.Readiness {

@@ -185,7 +185,7 @@ func TestDamagedLeaseFileIsRepaired(t *testing.T) {
 			if f, _ := a.host.Fenced(dev); f {
 				t.Fatal("node A fenced itself although the pool answered")
 			}
-			rec, ok, err := b.pool("shared").Leases().Read("node-a")
+			rec, ok, err := b.pools.Pool("shared").Leases().Read("node-a")
 			if err != nil || !ok || rec.Node != "node-a" || rec.Counter == 0 {
 				t.Fatalf("node A's lease as another node reads it: %+v %t %v", rec, ok, err)
 			}
@@ -249,7 +249,7 @@ func TestFenceSaysWhy(t *testing.T) {
 			a.leases.FenceExpired(ctx)
 			waitFenced(t, a.host, dev)
 			vid, _ := pool.ParseVolumeID(id)
-			issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+			issues, err := a.nodeIssues(a.pools.Pool("shared"), vid, staging, "")
 			if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonNodeFenced || !strings.Contains(issues[0].Message, tt.want) {
 				t.Fatalf("health after the fence: %+v %v; want NodeFenced saying %q", issues, err, tt.want)
 			}

@@ -116,7 +116,7 @@ func TestFenceAndForceDetach(t *testing.T) {
 	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, devs[0])
 	vid, _ := pool.ParseVolumeID(id)
-	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+	issues, err := a.nodeIssues(a.pools.Pool("shared"), vid, staging, "")
 	if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonNodeFenced {
 		t.Fatalf("node health after the fence: %+v %v", issues, err)
 	}
@@ -130,7 +130,7 @@ func TestFenceAndForceDetach(t *testing.T) {
 	if _, err := b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"}); err != nil {
 		t.Fatalf("force-detach after the lease expired: %v", err)
 	}
-	v, err := b.pool("shared").Load(vid)
+	v, err := b.pools.Pool("shared").Load(vid)
 	if err != nil || len(v.Staged) != 0 || len(v.Published) != 0 {
 		t.Fatalf("A's records after the force-detach: %+v %v", v, err)
 	}
@@ -217,7 +217,7 @@ func TestForceDetachWaitsForALiveNode(t *testing.T) {
 	// A released lease is no proof while the node still holds a read-write
 	// stage record of the volume (anyone who can write the pool can write
 	// "released"): still waited for.
-	if err := b.pool("shared").Leases().Write(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
+	if err := b.pools.Pool("shared").Leases().Write(pool.Lease{Node: "node-a", Instance: "x", Counter: 99, Released: true}); err != nil {
 		t.Fatal(err)
 	}
 	_, err = b.ControllerUnpublishVolume(ctx, &csi.ControllerUnpublishVolumeRequest{VolumeId: id, NodeId: "node-a"})
@@ -295,7 +295,7 @@ func TestRejoiningNodeFencesATakenVolume(t *testing.T) {
 		t.Fatalf("node A kept loop devices of the pool: %v", left)
 	}
 	vid, _ := pool.ParseVolumeID(id)
-	v, err := b.pool("shared").Load(vid)
+	v, err := b.pools.Pool("shared").Load(vid)
 	if err != nil || len(v.Staged) != 1 || v.Staged[0].Node != "node-b" {
 		t.Fatalf("stage records after A rejoined: %+v %v", v.Staged, err)
 	}
@@ -454,7 +454,7 @@ func TestFenceFindsDevicesWithoutThePool(t *testing.T) {
 			}
 			if !tc.restart {
 				vid, _ := pool.ParseVolumeID(id)
-				issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+				issues, err := a.nodeIssues(a.pools.Pool("shared"), vid, staging, "")
 				if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonNodeFenced {
 					t.Fatalf("node health after the fence: %+v %v", issues, err)
 				}
@@ -511,7 +511,7 @@ func TestFenceFailsClosed(t *testing.T) {
 	if st := a.leases.States(); len(st) != 1 || !st[0].FailedClosed {
 		t.Fatalf("lease state after a fence that failed closed: %+v", st)
 	}
-	issues, err := a.nodeIssues(a.pool("shared"), vid, staging, "")
+	issues, err := a.nodeIssues(a.pools.Pool("shared"), vid, staging, "")
 	if err != nil || len(issues) != 1 || issues[0].Reason != health.ReasonFenceFailedClosed {
 		t.Fatalf("node health after a fence that failed closed: %+v %v", issues, err)
 	}
@@ -599,7 +599,7 @@ func TestStageRecords(t *testing.T) {
 		t.Fatalf("records after the stage: %+v", recs)
 	}
 	var st syscall.Stat_t
-	if err := syscall.Stat(a.pool("shared").ImagePath(vid), &st); err != nil || recs[0].FileDev != st.Dev || recs[0].FileIno != st.Ino {
+	if err := syscall.Stat(a.pools.Pool("shared").ImagePath(vid), &st); err != nil || recs[0].FileDev != st.Dev || recs[0].FileIno != st.Ino {
 		t.Fatalf("record %+v, image %d:%d %v", recs[0], st.Dev, st.Ino, err)
 	}
 	if keys, _ := a.opts.State.Keys(layout.PoolsKind); len(keys) != 1 {
@@ -615,7 +615,7 @@ func TestStageRecords(t *testing.T) {
 		t.Fatalf("records after a failed detach: %+v", recs)
 	}
 	a.leases.ReleaseLeases()
-	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || l.Released {
+	if l, ok, err := a.pools.Pool("shared").Leases().Read("node-a"); err != nil || !ok || l.Released {
 		t.Fatalf("lease released while a recorded device is attached: %+v %v %v", l, ok, err)
 	}
 	if _, err := a.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
@@ -625,7 +625,7 @@ func TestStageRecords(t *testing.T) {
 		t.Fatalf("records after the unstage: %+v", recs)
 	}
 	a.leases.ReleaseLeases()
-	if l, ok, err := a.pool("shared").Leases().Read("node-a"); err != nil || !ok || !l.Released {
+	if l, ok, err := a.pools.Pool("shared").Leases().Read("node-a"); err != nil || !ok || !l.Released {
 		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
 	}
 
@@ -663,11 +663,11 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	other.leases.AdoptDevices(ctx, other.pool("shared"))
+	other.leases.AdoptDevices(ctx, other.pools.Pool("shared"))
 	if keys, _ := other.opts.State.Keys(layout.StagesKind); len(keys) != 0 {
 		t.Fatalf("node C adopted %v", keys)
 	}
-	a.leases.AdoptDevices(ctx, a.pool("shared"))
+	a.leases.AdoptDevices(ctx, a.pools.Pool("shared"))
 	recs, err = a.VolumeRecords(vid)
 	if err != nil || len(recs) != 1 || recs[0].Device != dev || recs[0].ReadOnly {
 		t.Fatalf("records after the adoption: %+v %v", recs, err)
@@ -771,7 +771,7 @@ func TestPoolAddedLaterCountsFromItsAddition(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a.addPool(p2)
+	a.pools.Add(p2)
 	a.leases.FenceExpired(ctx)
 	waitFenced(t, a.host, dev)
 	st := a.leases.States()

@@ -9,6 +9,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // ControllerModifyVolume sets a volume's mutable parameters (a
@@ -18,7 +19,7 @@ import (
 func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	var m params.Mutable
-	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() (err error) {
+	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() (err error) {
 		m, err = params.ParseMutable(req.GetMutableParameters())
 		return err
 	})

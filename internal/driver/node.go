@@ -18,6 +18,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 var nodeCaps = []csi.NodeServiceCapability_RPC_Type{
@@ -52,7 +53,7 @@ func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.Nod
 // capability every one carries (checked before anything is locked), then the
 // front hall (request.go), then what the volume must be for the capability.
 // The caller defers release.
-func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc shareAccess) (nodeVolume, func(), error) {
+func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc poolset.Access) (nodeVolume, func(), error) {
 	var caps params.Caps
 	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
 		if vc == nil {
@@ -92,7 +93,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	vc := req.GetVolumeCapability()
-	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags()))
+	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, poolset.ContextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags()))
 	if err != nil {
 		return nil, err
 	}
@@ -230,7 +231,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 	if err != nil {
 		return nil, err
 	}
-	rq, err := d.resolve(ctx, rpcNodeUnstageVolume, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcNodeUnstageVolume, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -323,7 +324,7 @@ func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolu
 	}
 	podUID := iolimits.PodUIDOf(ctx, req.GetVolumeContext())
 	// Its stage mounted the share: the front hall mounts nothing here.
-	nv, release, err := d.nodeVolume(ctx, rpcNodePublishVolume, req.GetVolumeId(), req.GetVolumeCapability(), shareAccess{})
+	nv, release, err := d.nodeVolume(ctx, rpcNodePublishVolume, req.GetVolumeId(), req.GetVolumeCapability(), poolset.Access{})
 	if err != nil {
 		return nil, err
 	}
@@ -350,7 +351,7 @@ func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublish
 	}
 	// The volume's pool, to tell its mounts from others: a volume whose pool
 	// is unknown here (nil) has none.
-	rq, err := d.resolve(ctx, rpcNodeUnpublishVolume, req.GetVolumeId(), shareAccess{}, nil)
+	rq, err := d.resolve(ctx, rpcNodeUnpublishVolume, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
 		return nil, err
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // registerNode records this node in every present pool's node registry, once per
@@ -25,11 +26,11 @@ func (d *Driver) registerNode(ctx context.Context) {
 	if !d.opts.Mode.node() {
 		return
 	}
-	for _, pn := range d.names() {
+	for _, pn := range d.pools.Names() {
 		if _, done := d.registered.Load(pn); done {
 			continue
 		}
-		p := d.pool(pn)
+		p := d.pools.Pool(pn)
 		if p.Check() != nil {
 			continue // not mounted yet: Probe tries again
 		}
@@ -72,7 +73,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	defer csierr.ToStatus(&err)
 	node, vc := req.GetNodeId(), req.GetVolumeCapability()
 	var caps params.Caps
-	acc := contextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
+	acc := poolset.ContextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
 	rq, err := d.resolve(ctx, rpcControllerPublishVolume, req.GetVolumeId(), acc, func() (err error) {
 		if node == "" {
 			return status.Error(codes.InvalidArgument, "node_id is required")
@@ -139,7 +140,7 @@ func publishContext(v *pool.Volume) map[string]string {
 func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	node := req.GetNodeId()
-	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), dataAccess(req.GetSecrets()), func() error {
+	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() error {
 		if node != "" {
 			if err := pool.ValidateNodeID(node); err != nil {
 				return status.Error(codes.InvalidArgument, err.Error())
@@ -234,9 +235,9 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	}
 	// One set of pools for the locks and the count: a share's pool joining
 	// meanwhile is not counted unlocked.
-	names := d.names()
+	names := d.pools.Names()
 	for _, pn := range names {
-		q := d.pool(pn)
+		q := d.pools.Pool(pn)
 		if err := q.Check(); err != nil {
 			return fmt.Errorf("count volumes published to node %s: %w", node, err)
 		}
@@ -252,7 +253,7 @@ func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.V
 	count := func(verify bool) (int64, error) {
 		var held int64
 		for _, pn := range names {
-			n, err := d.pool(pn).Publications().Count(node, vid, verify)
+			n, err := d.pools.Pool(pn).Publications().Count(node, vid, verify)
 			if err != nil {
 				return 0, fmt.Errorf("count volumes published to node %s: %w", node, err)
 			}

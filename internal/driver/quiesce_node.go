@@ -285,8 +285,8 @@ func (d *Driver) runFreezeAgent(ctx context.Context) error {
 func (d *Driver) freezeTick(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	node := d.opts.NodeID
-	for _, pn := range d.names() {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Names() {
+		p := d.pools.Pool(pn)
 		if p == nil || !p.Shared() {
 			continue
 		}

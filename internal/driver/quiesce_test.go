@@ -90,7 +90,7 @@ func noFreezeRecord(t *testing.T, p *pool.Pool, nodes ...*leaseNode) {
 // the pool.
 func TestRemoteFreezeAroundCopy(t *testing.T) {
 	a, b, id, staging := freezePair(t, true)
-	p := b.pool("shared")
+	p := b.pools.Pool("shared")
 	image := p.Snapshots().ImagePath(p.Snapshots().NewID("snap"))
 	var events []string
 	quiesce := b.quiesceCopy
@@ -140,7 +140,7 @@ func stateOf(frozen, copied bool) string {
 func TestRemoteFreezeNodeSilent(t *testing.T) {
 	a, b, id, staging := freezePair(t, false)
 	b.freezeTiming.AckTimeout = 20 * time.Millisecond
-	p := b.pool("shared")
+	p := b.pools.Pool("shared")
 	_, err := snapshot(b, id, "snap")
 	wantCode(t, err, codes.Unavailable)
 	if msg := status.Convert(err).Message(); !strings.Contains(msg, "node-a") {
@@ -177,7 +177,7 @@ func TestRemoteFreezeNodeSilent(t *testing.T) {
 // the retry succeeds.
 func TestRemoteFreezeEarlyThaw(t *testing.T) {
 	a, b, id, staging := freezePair(t, true)
-	p := b.pool("shared")
+	p := b.pools.Pool("shared")
 	quiesce := b.quiesceCopy
 	b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
 		thaw, err := quiesce(ctx, p, vid, v)
@@ -212,7 +212,7 @@ func TestRemoteFreezeEarlyThaw(t *testing.T) {
 func TestFreezeControllerDies(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
-	p := a.pool("shared")
+	p := a.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	nonce := pool.NewFreezeNonce()
 	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: nonce}); err != nil {
@@ -353,7 +353,7 @@ func TestFreezeInboxHostile(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			a, _, id, staging := freezePair(t, false)
-			p := a.pool("shared")
+			p := a.pools.Pool("shared")
 			vid, _ := pool.ParseVolumeID(id)
 			inbox := filepath.Join(p.Path(), "freeze", "node-a")
 			if err := os.MkdirAll(inbox, 0o750); err != nil {
@@ -414,7 +414,7 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 				return fill(ctx, p, s, v)
 			}
 			resp, err := b.CreateVolumeGroupSnapshot(context.Background(), &csi.CreateVolumeGroupSnapshotRequest{Name: "group", SourceVolumeIds: []string{id}})
-			p := b.pool("shared")
+			p := b.pools.Pool("shared")
 			if !agent {
 				wantCode(t, err, codes.Unavailable)
 				if len(frozenAtCopy) != 0 {
@@ -467,7 +467,7 @@ func TestControllerOnItsOwnNodeAsksThroughTheInbox(t *testing.T) {
 	if len(frozen) != 1 || !frozen[0] {
 		t.Fatalf("the node plugin's filesystem frozen at the copy: %v", frozen)
 	}
-	waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, b.pool("shared"), "node-a") })
+	waitFor(t, "A thaws and clears its inbox", func() bool { return !a.host.Frozen(staging) && inboxEmpty(t, b.pools.Pool("shared"), "node-a") })
 }
 
 // cloneOf asks node b for a clone of volume id.
@@ -489,7 +489,7 @@ func TestCloneFreezesOtherNode(t *testing.T) {
 	for _, early := range []bool{false, true} {
 		t.Run(map[bool]string{false: "frozen throughout", true: "thawed early"}[early], func(t *testing.T) {
 			a, b, id, staging := freezePair(t, true)
-			p := b.pool("shared")
+			p := b.pools.Pool("shared")
 			var events []string
 			quiesce := b.quiesceCopy
 			b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {

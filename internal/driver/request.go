@@ -9,6 +9,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // The front hall: every call that names a volume by its ID passes here once,
@@ -132,7 +133,7 @@ func noRelease() {}
 // order: parse, the call's own checks (check, nil for none: run after the ID
 // parses, before anything is locked or mounted), lock, pool, record. acc is
 // what the call brings to mount a share; it is used only on a mount route.
-func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc shareAccess, check func() error) (volumeRequest, error) {
+func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc poolset.Access, check func() error) (volumeRequest, error) {
 	r, ok := routes[call]
 	if !ok {
 		return volumeRequest{}, status.Errorf(codes.Internal, "%s has no row in the lock table", call)
@@ -166,10 +167,11 @@ func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc sha
 		rq.release()
 		return volumeRequest{release: noRelease}, err
 	}
-	if !r.mount {
-		acc = shareAccess{}
+	if r.mount {
+		rq.pool, err = d.pools.Ensure(ctx, poolset.VolumeRef(rq.id), acc)
+	} else {
+		rq.pool, err = d.pools.Lookup(poolset.VolumeRef(rq.id))
 	}
-	rq.pool, err = d.poolOf(ctx, rq.id, acc)
 	switch {
 	case err == nil:
 	case r.pool == poolIfServed, r.pool == noPoolIsGone && errors.Is(err, csierr.ErrNoPool):

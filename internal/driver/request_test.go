@@ -10,6 +10,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // TestResolveLockTable: each row of the lock table does what it says. A call
@@ -30,7 +31,7 @@ func TestResolveLockTable(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			rq, err := td.resolve(ctx, call, id, shareAccess{}, nil)
+			rq, err := td.resolve(ctx, call, id, poolset.Access{}, nil)
 			release()
 			if r.lock {
 				if !errors.Is(err, pool.ErrBusy) {
@@ -42,7 +43,7 @@ func TestResolveLockTable(t *testing.T) {
 				t.Fatalf("resolve = %v", err)
 			}
 			rq.release()
-			rq, err = td.resolve(ctx, call, id, shareAccess{}, nil)
+			rq, err = td.resolve(ctx, call, id, poolset.Access{}, nil)
 			if err != nil {
 				t.Fatalf("resolve = %v", err)
 			}
@@ -88,7 +89,7 @@ func TestResolveOrder(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			rq, err := td.resolve(ctx, tt.call, tt.id, shareAccess{}, tt.check)
+			rq, err := td.resolve(ctx, tt.call, tt.id, poolset.Access{}, tt.check)
 			csierr.ToStatus(&err)
 			if got := status.Code(err); got != tt.want {
 				t.Fatalf("resolve(%s, %q) = %v, want %s", tt.call, tt.id, err, tt.want)
@@ -101,7 +102,7 @@ func TestResolveOrder(t *testing.T) {
 			}
 		})
 	}
-	if _, err := td.resolve(ctx, "NoSuchCall", missing, shareAccess{}, nil); status.Code(err) != codes.Internal {
+	if _, err := td.resolve(ctx, "NoSuchCall", missing, poolset.Access{}, nil); status.Code(err) != codes.Internal {
 		t.Fatalf("a call with no row = %v, want INTERNAL", err)
 	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 const rwx = csi.VolumeCapability_AccessMode_MULTI_NODE_MULTI_WRITER
@@ -41,7 +42,7 @@ func newShareDriver(t testing.TB, shareRoot, node string, types ...string) (*tes
 // taggedID is the ID, as a CO holds it, of volume name on share r: tagged
 // under key.
 func taggedID(key []byte, r pool.ShareRef, name string) string {
-	return pool.NewShareVolumeID(r, name).String() + "." + shareTag(key, r)
+	return pool.NewShareVolumeID(r, name).String() + "." + poolset.Tag(key, r)
 }
 
 func nfsParams() map[string]string {
@@ -222,7 +223,7 @@ func TestShareVolumeLifecycle(t *testing.T) {
 	if _, err := ctrl2.DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: v.GetVolumeId()}); err != nil {
 		t.Fatal(err)
 	}
-	if ctrl2.Driver.pool(ref.PoolName()).VolumeExists(vid) {
+	if ctrl2.Driver.pools.Pool(ref.PoolName()).VolumeExists(vid) {
 		t.Fatal("volume still there")
 	}
 }
@@ -234,7 +235,7 @@ func TestShareRecoveredAfterRestart(t *testing.T) {
 	td, fs := newShareDriver(t, shares, "node-1")
 	id := td.create(t, "pvc-1", mountCap(rwx, ""), nfsParams())
 	again := newTestDriver(t, testOpts{modify: func(o *Options) { o.Shares = fs; o.ShareKeys = [][]byte{testShareKey} }})
-	again.recoverShares(context.Background())
+	again.pools.Recover(context.Background())
 	list, err := again.ListVolumes(context.Background(), &csi.ListVolumesRequest{})
 	if err != nil || len(list.GetEntries()) != 1 || list.GetEntries()[0].GetVolume().GetVolumeId() != id {
 		t.Fatalf("ListVolumes after a restart: %v %v", list, err)
@@ -370,7 +371,7 @@ func TestForgedShareID(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(fs.Root, ref.PoolName(), "pool.json")); !os.IsNotExist(err) {
 		t.Fatalf("a pool was laid out on a share an ID named: %v", err)
 	}
-	if len(fs.Released) == 0 || td.Driver.pool(ref.PoolName()) != nil || fs.Recorded(ref) {
+	if len(fs.Released) == 0 || td.Driver.pools.Pool(ref.PoolName()) != nil || fs.Recorded(ref) {
 		t.Fatalf("the share was not let go: released %v", fs.Released)
 	}
 
@@ -527,7 +528,7 @@ func TestShareImageVolume(t *testing.T) {
 	if _, err := other.DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid.String()}); err != nil {
 		t.Fatal(err)
 	}
-	if other.Driver.pool(sid.Pool).Snapshots().Exists(sid) {
+	if other.Driver.pools.Pool(sid.Pool).Snapshots().Exists(sid) {
 		t.Fatal("snapshot still there")
 	}
 	if _, err := td.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: v.GetVolumeId(), StagingTargetPath: staging}); err != nil {

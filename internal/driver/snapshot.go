@@ -20,6 +20,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // snapshotCaps are the controller capabilities of snapshots and clones.
@@ -52,14 +53,14 @@ func parseSnapshotRef(field, raw string) (id pool.SnapshotID, known bool, err er
 // the same pool) with the pool's share tag, and a member's group's.
 func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
 	out := &csi.Snapshot{
-		SnapshotId:     d.wireSnapshotID(p, s.ID),
-		SourceVolumeId: d.wireVolumeID(p, s.SourceVolumeID),
+		SnapshotId:     d.pools.WireID(p, s.ID),
+		SourceVolumeId: d.pools.WireID(p, s.SourceVolumeID),
 		SizeBytes:      s.SizeBytes,
 		CreationTime:   timestamppb.New(s.CreatedAt),
 		ReadyToUse:     s.ReadyToUse,
 	}
 	if s.GroupSnapshotID != "" {
-		out.GroupSnapshotId = d.wireGroupID(p, s.GroupSnapshotID)
+		out.GroupSnapshotId = d.pools.WireID(p, s.GroupSnapshotID)
 	}
 	return out
 }
@@ -92,14 +93,14 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), dataAccess(req.GetSecrets()), nil)
+	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), poolset.DataAccess(req.GetSecrets()), nil)
 	if err != nil {
 		return nil, err
 	}
 	vid, p := src.id, src.pool
 	sid := p.Snapshots().NewID(name)
-	for _, pn := range d.names() {
-		if other := d.pool(pn); other != p {
+	for _, pn := range d.pools.Names() {
+		if other := d.pools.Pool(pn); other != p {
 			if other.Snapshots().Exists(other.Snapshots().NewID(name)) {
 				return nil, csierr.Failf(pool.ErrExists, "snapshot %q already exists in pool %s", name, pn)
 			}
@@ -222,7 +223,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if !known {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
-	p, err := d.snapshotPool(ctx, sid, dataAccess(req.GetSecrets()))
+	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(sid), poolset.DataAccess(req.GetSecrets()))
 	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
 	} else if err != nil {
@@ -249,9 +250,16 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	return &csi.DeleteSnapshotResponse{}, nil
 }
 
-// loadSnapshot reads a ready snapshot, or NOT_FOUND.
-func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc shareAccess) (*pool.Pool, *pool.Snapshot, error) {
-	p, err := d.snapshotPool(ctx, sid, acc)
+// loadSnapshot reads a ready snapshot, or NOT_FOUND; acc, where not nil,
+// lets the call mount the snapshot's share (poolset.Ensure).
+func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc *poolset.Access) (*pool.Pool, *pool.Snapshot, error) {
+	var p *pool.Pool
+	var err error
+	if acc != nil {
+		p, err = d.pools.Ensure(ctx, poolset.SnapshotRef(sid), *acc)
+	} else {
+		p, err = d.pools.Lookup(poolset.SnapshotRef(sid))
+	}
 	if err != nil {
 		return nil, nil, err
 	}
@@ -276,7 +284,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 	if !known {
 		return nil, csierr.Failf(pool.ErrNotFound, "snapshot %q does not exist (not a poolcsi snapshot ID)", req.GetSnapshotId())
 	}
-	p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
+	p, s, err := d.loadSnapshot(ctx, sid, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -303,7 +311,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		if err != nil || !known {
 			return &csi.ListSnapshotsResponse{}, err
 		}
-		p, s, err := d.loadSnapshot(ctx, sid, shareAccess{})
+		p, s, err := d.loadSnapshot(ctx, sid, nil)
 		if err != nil || (req.GetSourceVolumeId() != "" && s.SourceVolumeID != volumeIdentity(req.GetSourceVolumeId())) {
 			return &csi.ListSnapshotsResponse{}, nil
 		}
@@ -337,7 +345,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	}
 	resp := &csi.ListSnapshotsResponse{NextToken: next}
 	for _, s := range all {
-		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: d.csiSnapshot(d.pool(s.Pool), s)})
+		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: d.csiSnapshot(d.pools.Pool(s.Pool), s)})
 	}
 	return resp, nil
 }
@@ -384,8 +392,8 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 	log := klog.FromContext(ctx)
 	deadline := time.Now().Add(timeout)
 	var pools []func()
-	for _, pn := range d.names() {
-		if p := d.pool(pn); p != nil {
+	for _, pn := range d.pools.Names() {
+		if p := d.pools.Pool(pn); p != nil {
 			pools = append(pools, func() { d.abandonFreezeAnswers(ctx, p) })
 		}
 	}
@@ -410,8 +418,8 @@ func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
 	}
 	// Older versions recorded freezes in the pool: only which volume is
 	// taken from those, never a path.
-	for _, pn := range d.names() {
-		p := d.pool(pn)
+	for _, pn := range d.pools.Names() {
+		p := d.pools.Pool(pn)
 		if p == nil {
 			continue
 		}

@@ -14,6 +14,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // NodeGetVolumeStats reports usage of a staged or published volume; kubelet turns
@@ -34,7 +35,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 		}
 		return d.statsOf(ctx, p, vid, req)
 	}
-	rq, err := d.resolve(ctx, rpcNodeGetVolumeStats, req.GetVolumeId(), shareAccess{}, func() error {
+	rq, err := d.resolve(ctx, rpcNodeGetVolumeStats, req.GetVolumeId(), poolset.Access{}, func() error {
 		if req.GetVolumePath() == "" {
 			return status.Error(codes.InvalidArgument, "volume_path is required")
 		}

@@ -8,6 +8,8 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+
+	"github.com/poolcsi/poolcsi/internal/poolset"
 )
 
 // TestStatsConditionCacheShrinks: every pod publishes at a new path, and each
@@ -72,7 +74,7 @@ func TestStatsConditionCacheBounded(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			td := newTestDriver(t, testOpts{modify: func(o *Options) { o.StatsHealthTTL = tt.ttl }})
 			id := td.create(t, "v", mountCap(rwo, "ext4"), nil)
-			rq, err := td.resolve(context.Background(), rpcNodeGetVolumeStats, id, shareAccess{}, nil)
+			rq, err := td.resolve(context.Background(), rpcNodeGetVolumeStats, id, poolset.Access{}, nil)
 			if err != nil {
 				t.Fatal(err)
 			}

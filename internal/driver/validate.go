@@ -90,8 +90,8 @@ func (d *Driver) volumeMount(table []mount.MountEntry, e mount.MountEntry) bool 
 	if e.Major == loopMajor {
 		return true
 	}
-	for _, name := range d.names() {
-		p := d.pool(name)
+	for _, name := range d.pools.Names() {
+		p := d.pools.Pool(name)
 		if p == nil {
 			continue
 		}

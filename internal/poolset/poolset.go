@@ -1,0 +1,156 @@
+// Package poolset is the driver's pool registry: the operator's pools and
+// the pools on the shares StorageClasses name, which join while the driver
+// runs (docs/pools.md, "Shares named by a StorageClass"). A call finds the
+// pool an ID names with Lookup, which never mounts anything, or with Ensure,
+// which mounts the ID's share where the call may (internal/driver/request.go
+// decides which call may).
+package poolset
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"strings"
+	"sync"
+
+	"k8s.io/klog/v2"
+
+	"github.com/poolcsi/poolcsi/internal/params"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// Deps is what the registry takes from the driver.
+type Deps struct {
+	// NodeID is this node, named in messages and in the pools it opens.
+	NodeID string
+	// Shares mounts the shares StorageClasses name; nil: none can be named.
+	Shares ShareMounter
+	// ShareTypes are the allowed share types; nil takes DefaultShareTypes.
+	ShareTypes []string
+	// ShareKeys are the cluster's share keys: the first tags the IDs this
+	// driver makes, any verifies a tag (so a key can be rotated).
+	ShareKeys [][]byte
+	// Joined is called when a share's pool joins the set (the node
+	// registers with it); may be nil.
+	Joined func(ctx context.Context)
+}
+
+// Set is the pools this driver serves.
+type Set struct {
+	deps Deps
+	// mu guards pools and names: the pools on shares join them while the
+	// driver runs.
+	mu    sync.RWMutex
+	pools map[string]*pool.Pool
+	names []string
+	// configured are the names of the operator's pools, sorted.
+	configured []string
+	shares     shareState
+}
+
+// New makes the set of the operator's pools.
+func New(deps Deps, pools []*pool.Pool) (*Set, error) {
+	s := &Set{deps: deps, pools: map[string]*pool.Pool{}}
+	for _, p := range pools {
+		if _, dup := s.pools[p.Name()]; dup {
+			return nil, fmt.Errorf("pool %s is configured twice", p.Name())
+		}
+		if p.Config().Share != nil || pool.IsSharePoolName(p.Name()) {
+			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name())
+		}
+		p.SetLedgerKeys(deps.ShareKeys)
+		s.pools[p.Name()] = p
+		s.names = append(s.names, p.Name())
+	}
+	sort.Strings(s.names)
+	s.configured = append([]string(nil), s.names...)
+	if err := s.shares.init(deps); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// Pool returns the pool of a name (configured, or a share's this driver has
+// mounted), or nil.
+func (s *Set) Pool(name string) *pool.Pool {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.pools[name]
+}
+
+// Names returns the names of every pool, configured or a share's, sorted.
+func (s *Set) Names() []string {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.names
+}
+
+// Configured returns the names of the operator's pools, sorted.
+func (s *Set) Configured() []string { return s.configured }
+
+// Add adds a share's pool, or returns the one of its name already served.
+// names is replaced, never changed in place: Names hands it out.
+func (s *Set) Add(p *pool.Pool) *pool.Pool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if old, ok := s.pools[p.Name()]; ok {
+		return old
+	}
+	p.SetLedgerKeys(s.deps.ShareKeys)
+	s.pools[p.Name()] = p
+	names := append(append([]string(nil), s.names...), p.Name())
+	sort.Strings(names)
+	s.names = names
+	return p
+}
+
+// Params is what the request parsers know of this set: the configured
+// pools' names and what the share machinery allows.
+func (s *Set) Params() params.Config {
+	return params.Config{Pools: s.configured, Shares: s.shares.config()}
+}
+
+// ShareTypes are the allowed share types, sorted (none without a mounter).
+func (s *Set) ShareTypes() []string { return s.shares.typeList() }
+
+// WireID is the ID of a volume, snapshot or group as the CO gets it: on a
+// share, tagged (when the driver has a share key).
+func (s *Set) WireID(p *pool.Pool, id string) string {
+	if p == nil || p.Config().Share == nil {
+		return id
+	}
+	if tag := s.shares.tag(*p.Config().Share); tag != "" {
+		return id + "." + tag
+	}
+	return id
+}
+
+// Recover serves, after a restart, the pools on the shares this node has
+// mounted (found through the records next to their mount points), so
+// ListVolumes and the health calls see them before any call names them.
+func (s *Set) Recover(ctx context.Context) {
+	if s.shares.m == nil {
+		return
+	}
+	log := klog.FromContext(ctx)
+	known, err := s.shares.m.Known()
+	if err != nil {
+		log.Error(err, "Looking for shares mounted before a restart")
+		return
+	}
+	for r, path := range known {
+		if s.shares.allowed(r) != nil {
+			log.Info("A share mounted before is not of an allowed type now; not served", "share", r.String())
+			continue
+		}
+		p, err := s.openSharePool(r, path)
+		if err != nil || !p.LaidOut() {
+			continue
+		}
+		s.Add(p)
+		log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
+	}
+}
+
+// JoinNames lists pool names in a message.
+func JoinNames(names []string) string { return strings.Join(names, ", ") }
