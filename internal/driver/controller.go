@@ -186,7 +186,7 @@ func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
 }
 
 func (d *Driver) createCompatible(v *pool.Volume, caps params.Caps, r *csi.CapacityRange, mutable pool.Volume) error {
-	if err := d.compatible(caps, v); err != nil {
+	if err := d.Compatible(caps, v); err != nil {
 		return err
 	}
 	if v.IOLimits != mutable.IOLimits || v.Preallocate != mutable.Preallocate {
@@ -319,7 +319,7 @@ func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.Valida
 	}
 	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), "")
 	if err == nil {
-		err = d.compatible(caps, v)
+		err = d.Compatible(caps, v)
 	}
 	if err != nil {
 		return &csi.ValidateVolumeCapabilitiesResponse{Message: status.Convert(err).Message()}, nil

@@ -473,15 +473,6 @@ func (d *Driver) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) 
 	return p, vid, nil
 }
 
-// notEphemeral refuses what an inline volume cannot do (what says which).
-func notEphemeral(v *pool.Volume, what string) error {
-	if v == nil || v.Ephemeral == nil {
-		return nil
-	}
-	return csierr.Failf(csierr.ErrInvalid, "volume %s is the ephemeral inline volume %s of pod %s on node %s: it cannot %s (it lives as long as its pod; its size is the pod's size attribute)",
-		v.ID, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node, what)
-}
-
 // sweepEphemeral removes this node's inline volumes whose target no longer
 // shows them and whose handle no call holds: what a driver or kubelet that
 // stopped between a publish and its unpublish, or a node that rebooted, left.

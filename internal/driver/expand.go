@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 )
@@ -30,7 +31,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 	}
 	defer rq.release()
 	vid, p, v := rq.id, rq.pool, rq.vol
-	if err := notEphemeral(v, "be expanded"); err != nil {
+	if err := layout.NotEphemeral(v, "be expanded"); err != nil {
 		return nil, err
 	}
 	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
@@ -73,7 +74,7 @@ func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolume
 	}
 	defer rq.release()
 	vid, p, v := rq.id, rq.pool, rq.vol
-	if err := notEphemeral(v, "be expanded"); err != nil {
+	if err := layout.NotEphemeral(v, "be expanded"); err != nil {
 		return nil, err
 	}
 	path, err := d.volumePath(vid, req.GetVolumePath())

@@ -13,7 +13,6 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
-	"github.com/poolcsi/poolcsi/internal/iolimits"
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
@@ -66,19 +65,9 @@ func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, v
 		return nodeVolume{}, nil, err
 	}
 	nv := nodeVolume{ID: rq.id, Pool: rq.pool, Vol: rq.vol, Caps: caps}
-	if err := notEphemeral(nv.Vol, "be staged or published by its pool ID"); err != nil {
+	if err := d.CheckNodeUse(nv, vc); err != nil {
 		rq.release()
 		return nv, nil, err
-	}
-	if err := d.compatible(caps, nv.Vol); err != nil {
-		rq.release()
-		return nv, nil, csierr.Failf(csierr.ErrState, "%w", err)
-	}
-	// mount flags are request input: checked against the filesystem's
-	// allow-list, never passed through as they come.
-	if err := mount.CheckOptions(d.layoutOf(nv.Vol.Layout).MountFS(nv.Vol), volumeFlags(nv.Pool, nv.Vol, vc)); err != nil {
-		rq.release()
-		return nv, nil, status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.ID, err)
 	}
 	return nv, rq.release, nil
 }
@@ -322,16 +311,19 @@ func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolu
 	if how := nestedIn(target, staging); how != "" {
 		return nil, csierr.Failf(csierr.ErrInvalid, "target_path %q is %s staging_target_path %q: a volume is never published onto, inside or over its own stage", target, how, staging)
 	}
-	podUID := iolimits.PodUIDOf(ctx, req.GetVolumeContext())
 	// Its stage mounted the share: the front hall mounts nothing here.
 	nv, release, err := d.nodeVolume(ctx, rpcNodePublishVolume, req.GetVolumeId(), req.GetVolumeCapability(), poolset.Access{})
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	readOnly := req.GetReadonly() || nv.Caps.ReadOnly()
 	if err := d.layoutOf(nv.Vol.Layout).Publish(ctx, nv, staging, target, readOnly, req.GetVolumeCapability()); err != nil {
 		return nil, err
+	}
+	podUID, err := params.PodUID(req.GetVolumeContext())
+	if err != nil {
+		klog.FromContext(ctx).Info("Pod UID is not a UUID: its pod is not held to the volume's I/O limits", "key", params.PodUIDKey, "err", err)
 	}
 	d.throttle.Track(ctx, nv, target, podUID)
 	return &csi.NodePublishVolumeResponse{}, nil

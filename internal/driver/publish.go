@@ -99,13 +99,13 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 		if v.State != pool.StateReady {
 			return false, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
 		}
-		if err := notEphemeral(v, "be published by a controller"); err != nil {
+		if err := layout.NotEphemeral(v, "be published by a controller"); err != nil {
 			return false, err
 		}
 		if err := d.checkNode(p, v, node); err != nil {
 			return false, err
 		}
-		if err := d.compatible(caps, v); err != nil {
+		if err := d.Compatible(caps, v); err != nil {
 			return false, status.Error(codes.InvalidArgument, err.Error())
 		}
 		if r, ok := v.PublishedTo(node); ok {

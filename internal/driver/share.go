@@ -1,9 +1,6 @@
 package driver
 
 import (
-	"github.com/container-storage-interface/spec/lib/go/csi"
-
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -41,15 +38,4 @@ func volumeIdentity(wire string) string {
 		return vid.String()
 	}
 	return wire
-}
-
-// volumeFlags are the mount flags of a capability that concern the volume's
-// own mount: all of them, except on a dir volume of a share, whose
-// non-generic flags are the share's (shareFlags).
-func volumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []string {
-	flags := vc.GetMount().GetMountFlags()
-	if p.Config().Share != nil && v.Layout == pool.LayoutDir {
-		return mount.BindOptions(flags)
-	}
-	return flags
 }

@@ -15,21 +15,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// compatible tells whether an existing volume satisfies a capability spec.
-func (d *Driver) compatible(s params.Caps, v *pool.Volume) error {
-	if s.Access != v.AccessType {
-		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
-	}
-	lay := d.layoutOf(v.Layout)
-	if !lay.SameFS(s, v.FSType) {
-		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.FSType)
-	}
-	if err := lay.Allowed(s); err != nil {
-		return fmt.Errorf("volume %s: %w", v.ID, err)
-	}
-	return nil
-}
-
 // loopMajor is the block device major number of loop devices.
 const loopMajor = 7
 
@@ -143,7 +128,7 @@ func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error
 	if err != nil {
 		return err
 	}
-	if err := d.compatible(caps, v); err != nil {
+	if err := d.Compatible(caps, v); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
 	return nil

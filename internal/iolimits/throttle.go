@@ -16,12 +16,13 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/cgroup"
 	"github.com/poolcsi/poolcsi/internal/layout"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 // PodUIDKey is the volume_context key kubelet fills with the pod's UID when
 // the CSIDriver has podInfoOnMount.
-const PodUIDKey = "csi.storage.k8s.io/pod.uid"
+const PodUIDKey = params.PodUIDKey
 
 // DefaultInterval is how often the node re-applies the I/O limits of
 // the volumes published here (Options.IOLimitsInterval).
@@ -59,23 +60,6 @@ type Throttle struct {
 	deps Deps
 	mu   sync.Mutex
 	pub  map[string]*throttled
-}
-
-// PodUIDOf returns the pod UID of a publish's volume context, "" without
-// one (no podInfoOnMount) or with one that is not a UUID: it becomes part of
-// a cgroup path, so anything else is never used — but it is no reason to
-// refuse the pod its volume (a static pod's UID is a hash, not a UUID): that
-// pod is just not held to I/O limits, and the log says so.
-func PodUIDOf(ctx context.Context, volumeContext map[string]string) string {
-	uid, ok := volumeContext[PodUIDKey]
-	if !ok || uid == "" {
-		return ""
-	}
-	if err := cgroup.ValidatePodUID(uid); err != nil {
-		klog.FromContext(ctx).Info("Pod UID is not a UUID: its pod is not held to the volume's I/O limits", "key", PodUIDKey, "err", err)
-		return ""
-	}
-	return uid
 }
 
 // Track remembers a publication of an image volume to a pod and

@@ -8,7 +8,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
 	"k8s.io/klog/v2"
 
@@ -86,9 +85,7 @@ type poolRecord struct {
 var recordsMu sync.Mutex
 
 // readOnlyCaps tells whether a node call's capability only ever reads.
-func readOnlyCaps(c Caps) bool {
-	return len(c.Modes) > 0 && !slices.ContainsFunc(c.Modes, func(m csi.VolumeCapability_AccessMode_Mode) bool { return !ReadOnlyMode(m) })
-}
+func readOnlyCaps(c Caps) bool { return c.ReadOnly() }
 
 // noteStage writes the record of image before it is attached, so that no
 // crash between the two can leave a device this node does not know of. image

@@ -2,12 +2,13 @@ package layout
 
 import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // Caps are a request's capabilities folded into one spec, as internal/params
@@ -15,10 +16,7 @@ import (
 type Caps = params.Caps
 
 // ReadOnlyMode tells whether an access mode only ever reads.
-func ReadOnlyMode(m csi.VolumeCapability_AccessMode_Mode) bool {
-	return m == csi.VolumeCapability_AccessMode_SINGLE_NODE_READER_ONLY ||
-		m == csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY
-}
+func ReadOnlyMode(m csi.VolumeCapability_AccessMode_Mode) bool { return params.ReadOnlyMode(m) }
 
 // NodeVolume is what every node call resolves first: the volume, its pool and its
 // parsed capability.

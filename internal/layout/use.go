@@ -1,0 +1,69 @@
+package layout
+
+import (
+	"fmt"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// What a request may ask of a volume it names: the checks the handlers make
+// on a volume's record once the front hall has found it.
+
+// Compatible refuses capabilities s that volume v cannot serve: another
+// access type, another filesystem, or what its layout does not allow.
+func (d *Deps) Compatible(s Caps, v *pool.Volume) error {
+	if s.Access != v.AccessType {
+		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
+	}
+	lay := Of(d, v.Layout)
+	if !lay.SameFS(s, v.FSType) {
+		return fmt.Errorf("volume %s holds %s, the request asks for %s", v.ID, v.FSType, s.FSType)
+	}
+	if err := lay.Allowed(s); err != nil {
+		return fmt.Errorf("volume %s: %w", v.ID, err)
+	}
+	return nil
+}
+
+// CheckNodeUse refuses a stage or publish of nv with capability vc that the
+// volume cannot serve: an inline volume named by its pool ID, capabilities it
+// does not have, mount flags the filesystem's allow-list refuses (they are
+// request input, never passed through as they come).
+func (d *Deps) CheckNodeUse(nv NodeVolume, vc *csi.VolumeCapability) error {
+	if err := NotEphemeral(nv.Vol, "be staged or published by its pool ID"); err != nil {
+		return err
+	}
+	if err := d.Compatible(nv.Caps, nv.Vol); err != nil {
+		return csierr.Failf(csierr.ErrState, "%w", err)
+	}
+	if err := mount.CheckOptions(Of(d, nv.Vol.Layout).MountFS(nv.Vol), VolumeFlags(nv.Pool, nv.Vol, vc)); err != nil {
+		return status.Errorf(codes.InvalidArgument, "volume %s: %v", nv.ID, err)
+	}
+	return nil
+}
+
+// NotEphemeral refuses what an inline volume cannot do (what says which).
+func NotEphemeral(v *pool.Volume, what string) error {
+	if v == nil || v.Ephemeral == nil {
+		return nil
+	}
+	return csierr.Failf(csierr.ErrInvalid, "volume %s is the ephemeral inline volume %s of pod %s on node %s: it cannot %s (it lives as long as its pod; its size is the pod's size attribute)",
+		v.ID, v.Ephemeral.Handle, v.Ephemeral.Pod, v.Ephemeral.Node, what)
+}
+
+// VolumeFlags are the mount flags of a capability that concern the volume's
+// own mount: all of them, except on a dir volume of a share, whose
+// non-generic flags are the share's (params.ShareFlags).
+func VolumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []string {
+	flags := vc.GetMount().GetMountFlags()
+	if p.Config().Share != nil && v.Layout == pool.LayoutDir {
+		return mount.BindOptions(flags)
+	}
+	return flags
+}
