@@ -8,7 +8,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
-	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 )
@@ -56,34 +55,6 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 		return &contentSource{Pool: p, Record: pool.ContentSource{Volume: v.ID}, Layout: v.Layout, Access: v.AccessType, FSType: v.FSType, Size: v.CapacityBytes, VolID: vid, Vol: v}, nil
 	}
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
-}
-
-// sourceParams defaults the pool and layout of a volume made from src to src's:
-// a copy stays in its source's pool, and a StorageClass need not repeat them.
-func sourceParams(scParams map[string]string, src *contentSource) map[string]string {
-	if src == nil {
-		return scParams
-	}
-	out := map[string]string{ParamPool: src.Pool.Name(), ParamLayout: string(src.Layout)}
-	if r := src.Pool.Config().Share; r != nil {
-		// A copy stays on its source's share: named by the share, as a
-		// StorageClass names it, unless the parameters name it themselves.
-		delete(out, ParamPool)
-		if !params.NamesShare(scParams) {
-			out[ParamShareType], out[ParamShareSource] = r.Type, r.Source
-		}
-	}
-	for k, v := range scParams {
-		out[k] = v
-	}
-	return out
-}
-
-func sameSource(a, b *pool.ContentSource) bool {
-	if a == nil || b == nil {
-		return a == b
-	}
-	return *a == *b
 }
 
 // finishClone fills a volume still in state creating with its source's data and

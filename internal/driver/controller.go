@@ -3,7 +3,6 @@ package driver
 import (
 	"context"
 	"errors"
-	"fmt"
 	"slices"
 	"strings"
 
@@ -15,6 +14,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -61,94 +61,41 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 
 func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	name := req.GetName()
-	if err := params.CheckRequestName("volume", name); err != nil {
-		return nil, err
-	}
-	if strings.HasPrefix(name, pool.EphemeralPrefix) {
-		return nil, status.Errorf(codes.InvalidArgument, "name %q: names beginning %s are those of ephemeral inline volumes", name, pool.EphemeralPrefix)
-	}
-	acc := poolset.DataAccess(req.GetSecrets())
-	src, err := d.resolveContentSource(ctx, req.GetVolumeContentSource(), acc)
+	cr, err := d.createRequest(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	sc, err := params.ParseCreate(sourceParams(req.GetParameters(), src), d.pools.Params())
-	if err != nil {
-		return nil, err
-	}
-	fresh, err := params.CreateMutable(req.GetMutableParameters(), sc.Layout)
-	if err != nil {
-		return nil, err
-	}
-	var srcFS string
-	if src != nil {
-		srcFS = src.FSType
-	}
-	caps, err := params.ParseCaps(req.GetVolumeCapabilities(), firstNonEmpty(sc.FSType, srcFS, params.DefaultFSType))
-	if err != nil {
-		return nil, err
-	}
-	if sc.FSType != "" && caps.Access == pool.AccessFilesystem && caps.FSType != sc.FSType {
-		return nil, status.Errorf(codes.InvalidArgument, "parameter fsType=%s contradicts fs_type %s of the capabilities", sc.FSType, caps.FSType)
-	}
-	lay := d.layoutOf(sc.Layout)
-	if err := lay.Allowed(caps); err != nil {
-		return nil, err
-	}
-	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), acc)
-	if err != nil {
-		return nil, err
-	}
-	topology, err := d.placeVolume(p, req.GetAccessibilityRequirements())
-	if err != nil {
-		return nil, err
-	}
-	minimum := lay.MinSize(caps)
-	var size int64
-	var source *pool.ContentSource
-	if src != nil {
-		if err := src.Check(p, sc.Layout, lay, caps); err != nil {
-			return nil, err
-		}
-		if size, err = src.SourceSize(req.GetCapacityRange(), minimum); err != nil {
-			return nil, err
-		}
-		source = &src.Record
-	} else if size, err = pool.Capacity(req.GetCapacityRange().GetRequiredBytes(), req.GetCapacityRange().GetLimitBytes(), minimum); err != nil {
-		return nil, err
-	}
-
-	id := p.NewID(name)
+	p, lay, src := cr.pool, cr.lay, cr.src
+	id := p.NewID(cr.name)
 	release, err := d.hold(id.String(), holdCreateVolume)
 	if err != nil {
 		return nil, err
 	}
 	defer release()
-	if err := d.nameInOtherPool(name, p); err != nil {
+	if err := d.pools.NameInOther(cr.name, p); err != nil {
 		return nil, err
 	}
 
 	v, err := p.Reserve(ctx, pool.Spec{
-		Name:          name,
-		Layout:        sc.Layout,
-		AccessType:    caps.Access,
-		FSType:        lay.FSType(caps),
-		CapacityBytes: size,
-		Parameters:    sc.Keep,
-		Topology:      topology,
-		Source:        source,
-		IOLimits:      fresh.IOLimits,
-		Preallocate:   fresh.Preallocate,
+		Name:          cr.name,
+		Layout:        cr.Params.Layout,
+		AccessType:    cr.Caps.Access,
+		FSType:        cr.fsType,
+		CapacityBytes: cr.size,
+		Parameters:    cr.Params.Keep,
+		Topology:      cr.topology,
+		Source:        cr.source,
+		IOLimits:      cr.Mutable.IOLimits,
+		Preallocate:   cr.Mutable.Preallocate,
 	})
 	if err != nil {
 		return nil, err
 	}
-	if err := d.createCompatible(v, caps, req.GetCapacityRange(), fresh); err != nil {
-		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with other attributes: %w", name, err)
+	if err := d.CreateCompatible(v, cr.Caps, req.GetCapacityRange(), cr.Mutable); err != nil {
+		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with other attributes: %w", cr.name, err)
 	}
-	if !sameSource(v.Source, source) {
-		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with another content source", name)
+	if !layout.SameSource(v.Source, cr.source) {
+		return nil, csierr.Failf(pool.ErrExists, "volume %q exists with another content source", cr.name)
 	}
 	if v.State == pool.StateCreating {
 		var made error // make's own error: a source it cannot find is no deleted volume
@@ -161,64 +108,13 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 			return made
 		})
 		if made == nil && errors.Is(err, pool.ErrNotFound) {
-			return nil, csierr.Failf(pool.ErrBusy, "volume %q was deleted while it was being created; retry", name)
+			return nil, csierr.Failf(pool.ErrBusy, "volume %q was deleted while it was being created; retry", cr.name)
 		}
 		if err != nil {
 			return nil, err
 		}
 	}
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil
-}
-
-// nameInOtherPool refuses a name that already names a volume in another pool: the
-// same name must always mean the same volume.
-func (d *Driver) nameInOtherPool(name string, want *pool.Pool) error {
-	for _, pn := range d.pools.Names() {
-		p := d.pools.Pool(pn)
-		if p == want {
-			continue
-		}
-		if p.VolumeExists(p.NewID(name)) {
-			return csierr.Failf(pool.ErrExists, "volume %q already exists in pool %s", name, pn)
-		}
-	}
-	return nil
-}
-
-func (d *Driver) createCompatible(v *pool.Volume, caps params.Caps, r *csi.CapacityRange, mutable pool.Volume) error {
-	if err := d.Compatible(caps, v); err != nil {
-		return err
-	}
-	if v.IOLimits != mutable.IOLimits || v.Preallocate != mutable.Preallocate {
-		return fmt.Errorf("its mutable parameters differ (I/O limits %+v, preallocate %t)", v.IOLimits, v.Preallocate)
-	}
-	if req := r.GetRequiredBytes(); v.CapacityBytes < req {
-		return errors.New("its capacity is below required_bytes")
-	}
-	if lim := r.GetLimitBytes(); lim > 0 && v.CapacityBytes > lim {
-		return errors.New("its capacity is above limit_bytes")
-	}
-	return nil
-}
-
-// placeVolume decides a new volume's accessible topology. A local pool serves only
-// this node, so a request that cannot accept this node fails here rather than
-// making a volume no pod of the request could reach.
-func (d *Driver) placeVolume(p *pool.Pool, req *csi.TopologyRequirement) (map[string]string, error) {
-	if !isLocal(p) {
-		return nil, nil
-	}
-	mine := d.nodeTopology()
-	requisite := req.GetRequisite()
-	if len(requisite) == 0 {
-		return mine, nil
-	}
-	for _, t := range requisite {
-		if node, ok := t.GetSegments()[TopologyKey]; !ok || node == d.opts.NodeID {
-			return mine, nil
-		}
-	}
-	return nil, csierr.Failf(csierr.ErrTopology, "pool %s is local to node %s, which is not in the requisite topology %v; provision from that node's driver (distributed provisioning) or use a shared pool", p.Name(), d.opts.NodeID, requisite)
 }
 
 func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
@@ -246,7 +142,7 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 
 func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
-	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), nil)
+	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -511,7 +407,7 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 	if err != nil {
 		return nil, err
 	}
-	p, err := d.resolvePool(ctx, sc, req.GetVolumeCapabilities(), poolset.Access{})
+	p, err := d.pools.ForCreate(ctx, sc, req.GetVolumeCapabilities(), poolset.Access{})
 	if err != nil {
 		return nil, err
 	}
@@ -529,30 +425,4 @@ func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (
 		MaximumVolumeSize: wrapInt64(min(avail, pool.MaxCapacity)),
 		MinimumVolumeSize: wrapInt64(pool.MiB),
 	}, nil
-}
-
-func firstNonEmpty(s ...string) string {
-	for _, x := range s {
-		if x != "" {
-			return x
-		}
-	}
-	return ""
-}
-
-// resolvePool is the pool parsed parameters name: a configured one, or the
-// share's, mounted (with the StorageClass's options and mount flags and what
-// the request's secrets brought, acc) and laid out if new.
-func (d *Driver) resolvePool(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc poolset.Access) (*pool.Pool, error) {
-	if sc.Share == nil {
-		return d.pools.Pool(sc.Pool), nil
-	}
-	acc.FromStorageClass = true
-	acc.Options = append(acc.Options, sc.Share.Options...)
-	if sc.Layout == pool.LayoutDir && len(caps) > 0 {
-		// Every capability of a CreateVolume carries the StorageClass's
-		// mountOptions; the first one's are the share's.
-		acc.Options = append(acc.Options, params.ShareFlags(caps[0].GetMount().GetMountFlags())...)
-	}
-	return d.pools.Ensure(ctx, poolset.ShareRef(sc.Share.Ref), acc)
 }

@@ -30,7 +30,7 @@ import (
 )
 
 // TopologyKey is the topology segment that pins local-pool volumes to their node.
-const TopologyKey = "topology.poolcsi.io/node"
+const TopologyKey = poolset.TopologyKey
 
 // Mode selects which CSI services a process serves.
 type Mode string
@@ -355,10 +355,6 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 
 // isLocal reports whether volumes of p live on this node only.
 func isLocal(p *pool.Pool) bool { return !p.Shared() }
-
-func (d *Driver) nodeTopology() map[string]string {
-	return map[string]string{TopologyKey: d.opts.NodeID}
-}
 
 // detectQuotas runs detection for every pool present at start-up, so the log
 // says at once what dir volumes will get.

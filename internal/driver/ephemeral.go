@@ -254,7 +254,7 @@ func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolum
 	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	var topology map[string]string
 	if isLocal(p) {
-		topology = d.nodeTopology()
+		topology = d.pools.Topology()
 	}
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          pool.EphemeralName(s.handle),
@@ -526,4 +526,13 @@ func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	}
 	logger.Info("Swept ephemeral volume no unpublish removed", "handle", rec.Handle, "volume", vid, "pod", rec.Pod, "target", rec.Target)
 	return true
+}
+
+func firstNonEmpty(s ...string) string {
+	for _, x := range s {
+		if x != "" {
+			return x
+		}
+	}
+	return ""
 }

@@ -20,7 +20,7 @@ import (
 func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	r := req.GetCapacityRange()
-	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() error {
+	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() error {
 		if r == nil || (r.GetRequiredBytes() == 0 && r.GetLimitBytes() == 0) {
 			return status.Error(codes.InvalidArgument, "capacity_range with required_bytes or limit_bytes is required")
 		}

@@ -252,7 +252,7 @@ func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[st
 	}
 	for _, vid := range vids {
 		// Each ID's own share tag is checked, not only the first's.
-		if p, err = d.pools.Ensure(ctx, poolset.VolumeRef(vid), poolset.DataAccess(secrets)); err != nil {
+		if p, err = d.pools.Ensure(ctx, poolset.VolumeRef(vid), poolset.Access{Secrets: secrets}); err != nil {
 			return nil, nil, err
 		}
 	}
@@ -422,7 +422,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 	if !known {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	}
-	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(gid.SnapshotID), poolset.DataAccess(req.GetSecrets()))
+	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(gid.SnapshotID), poolset.Access{Secrets: req.GetSecrets()})
 	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 	} else if err != nil {

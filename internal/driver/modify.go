@@ -19,7 +19,7 @@ import (
 func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	var m params.Mutable
-	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() (err error) {
+	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() (err error) {
 		m, err = params.ParseMutable(req.GetMutableParameters())
 		return err
 	})

@@ -44,7 +44,7 @@ func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.Nod
 	return &csi.NodeGetInfoResponse{
 		NodeId:             d.opts.NodeID,
 		MaxVolumesPerNode:  d.opts.MaxVolumesPerNode,
-		AccessibleTopology: &csi.Topology{Segments: d.nodeTopology()},
+		AccessibleTopology: &csi.Topology{Segments: d.pools.Topology()},
 	}, nil
 }
 
@@ -82,7 +82,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 		return nil, err
 	}
 	vc := req.GetVolumeCapability()
-	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, poolset.ContextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags()))
+	nv, release, err := d.nodeVolume(ctx, rpcNodeStageVolume, req.GetVolumeId(), vc, poolset.Access{Secrets: req.GetSecrets(), VolumeContext: req.GetVolumeContext(), MountFlags: vc.GetMount().GetMountFlags()})
 	if err != nil {
 		return nil, err
 	}

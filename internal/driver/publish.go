@@ -34,7 +34,7 @@ func (d *Driver) registerNode(ctx context.Context) {
 		if p.Check() != nil {
 			continue // not mounted yet: Probe tries again
 		}
-		if err := p.Publications().RegisterNode(d.opts.NodeID, d.nodeTopology(), d.opts.MaxVolumesPerNode); err != nil {
+		if err := p.Publications().RegisterNode(d.opts.NodeID, d.pools.Topology(), d.opts.MaxVolumesPerNode); err != nil {
 			klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", pn)
 			continue
 		}
@@ -73,7 +73,7 @@ func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.Controlle
 	defer csierr.ToStatus(&err)
 	node, vc := req.GetNodeId(), req.GetVolumeCapability()
 	var caps params.Caps
-	acc := poolset.ContextAccess(req.GetVolumeContext(), req.GetSecrets(), vc.GetMount().GetMountFlags())
+	acc := poolset.Access{Secrets: req.GetSecrets(), VolumeContext: req.GetVolumeContext(), MountFlags: vc.GetMount().GetMountFlags()}
 	rq, err := d.resolve(ctx, rpcControllerPublishVolume, req.GetVolumeId(), acc, func() (err error) {
 		if node == "" {
 			return status.Error(codes.InvalidArgument, "node_id is required")
@@ -140,7 +140,7 @@ func publishContext(v *pool.Volume) map[string]string {
 func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	node := req.GetNodeId()
-	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), poolset.DataAccess(req.GetSecrets()), func() error {
+	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() error {
 		if node != "" {
 			if err := pool.ValidateNodeID(node); err != nil {
 				return status.Error(codes.InvalidArgument, err.Error())

@@ -93,7 +93,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 	if err := checkSnapshotParams(req.GetParameters()); err != nil {
 		return nil, err
 	}
-	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), poolset.DataAccess(req.GetSecrets()), nil)
+	src, err := d.resolve(ctx, rpcCreateSnapshotSource, req.GetSourceVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +223,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 	if !known {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
-	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(sid), poolset.DataAccess(req.GetSecrets()))
+	p, err := d.pools.Ensure(ctx, poolset.SnapshotRef(sid), poolset.Access{Secrets: req.GetSecrets()})
 	if errors.Is(err, csierr.ErrNoPool) {
 		return &csi.DeleteSnapshotResponse{}, nil // no such pool, or a share without one
 	} else if err != nil {

@@ -1,6 +1,7 @@
 package layout
 
 import (
+	"errors"
 	"fmt"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -9,6 +10,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -66,4 +68,40 @@ func VolumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []strin
 		return mount.BindOptions(flags)
 	}
 	return flags
+}
+
+// CreateCompatible refuses a volume v that a CreateVolume of the same name
+// found, when it is not what the request asks for: other capabilities (caps),
+// other mutable parameters, a capacity outside the range r.
+func (d *Deps) CreateCompatible(v *pool.Volume, caps Caps, r *csi.CapacityRange, mutable pool.Volume) error {
+	if err := d.Compatible(caps, v); err != nil {
+		return err
+	}
+	if v.IOLimits != mutable.IOLimits || v.Preallocate != mutable.Preallocate {
+		return fmt.Errorf("its mutable parameters differ (I/O limits %+v, preallocate %t)", v.IOLimits, v.Preallocate)
+	}
+	if req := r.GetRequiredBytes(); v.CapacityBytes < req {
+		return errors.New("its capacity is below required_bytes")
+	}
+	if lim := r.GetLimitBytes(); lim > 0 && v.CapacityBytes > lim {
+		return errors.New("its capacity is above limit_bytes")
+	}
+	return nil
+}
+
+// SameSource tells whether two recorded content sources are one.
+func SameSource(a, b *pool.ContentSource) bool {
+	if a == nil || b == nil {
+		return a == b
+	}
+	return *a == *b
+}
+
+// Params is what the source brings to a new volume's parameters (nil for
+// no source).
+func (c *ContentSource) Params() *params.Source {
+	if c == nil {
+		return nil
+	}
+	return &params.Source{Pool: c.Pool.Name(), Share: c.Pool.Config().Share, Layout: c.Layout, FSType: c.FSType}
 }

@@ -67,12 +67,13 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 	name := r.PoolName()
 	// What the call brings is checked whether or not it is needed: a bad
 	// option is refused the same way every time.
-	if err := params.CheckShareOptions(r.Type, acc.Options, acc.Sensitive); err != nil {
+	options, sensitive := acc.options()
+	if err := params.CheckShareOptions(r.Type, options, sensitive); err != nil {
 		return nil, err
 	}
 	// A served pool passed allowed when it joined, and the allow-list does
 	// not change while the driver runs.
-	if p := s.Pool(name); p != nil && (!mount || p.MountReady() == nil && (!acc.FromStorageClass || p.LaidOut())) {
+	if p := s.Pool(name); p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
 		return p, nil
 	}
 	if s.shares.m == nil {
@@ -84,7 +85,7 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 	if err := s.mayMount(r, ref.tag, acc, mount); err != nil {
 		return nil, err
 	}
-	return s.mountShare(ctx, r, acc)
+	return s.mountShare(ctx, poolmount.Share{Ref: r, Options: options, Sensitive: sensitive, FromStorageClass: acc.fromStorageClass})
 }
 
 // mayMount tells whether a call may mount share r on this node: a call that
@@ -96,7 +97,7 @@ func (s *Set) mayMount(r pool.ShareRef, tag string, acc Access, mount bool) erro
 	switch {
 	case !mount:
 		return csierr.Failf(pool.ErrUnavailable, "share %s is not mounted on node %s, and this call does not mount shares: the next create, publish, stage or delete of one of its volumes does", r, s.deps.NodeID)
-	case acc.FromStorageClass, s.shares.m.Recorded(r), s.shares.verified(r, tag):
+	case acc.fromStorageClass, s.shares.m.Recorded(r), s.shares.verified(r, tag):
 		return nil
 	case tag != "":
 		return status.Errorf(codes.InvalidArgument, "the tag of the ID naming share %s does not verify under this driver's share keys (serve --share-key-file): the ID was not made by this cluster's poolcsi; nothing is mounted", r)
@@ -106,14 +107,15 @@ func (s *Set) mayMount(r pool.ShareRef, tag string, acc Access, mount bool) erro
 
 // mountShare mounts share r (one call at a time per share), opens its pool,
 // lays it out if a StorageClass names it, and serves it.
-func (s *Set) mountShare(ctx context.Context, r pool.ShareRef, acc Access) (*pool.Pool, error) {
+func (s *Set) mountShare(ctx context.Context, sh poolmount.Share) (*pool.Pool, error) {
+	r := sh.Ref
 	name := r.PoolName()
 	unlock, err := s.shares.lock(ctx, name)
 	if err != nil {
 		return nil, err
 	}
 	defer unlock()
-	path, mountedNow, err := s.shares.m.Ensure(ctx, poolmount.Share{Ref: r, Options: acc.Options, Sensitive: acc.Sensitive, FromStorageClass: acc.FromStorageClass})
+	path, mountedNow, err := s.shares.m.Ensure(ctx, sh)
 	if err != nil {
 		return nil, csierr.Failf(pool.ErrUnavailable, "share %s cannot be mounted on node %s: %w", r, s.deps.NodeID, err)
 	}
@@ -124,7 +126,7 @@ func (s *Set) mountShare(ctx context.Context, r pool.ShareRef, acc Access) (*poo
 		}
 	}
 	if !p.LaidOut() {
-		if !acc.FromStorageClass {
+		if !sh.FromStorageClass {
 			if mountedNow && s.Pool(name) == nil {
 				if err := s.shares.m.Release(ctx, r); err != nil {
 					klog.FromContext(ctx).Error(err, "Unmounting a share that holds no pool", "share", r.String())

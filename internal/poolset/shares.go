@@ -147,39 +147,39 @@ func (s *shareState) lock(ctx context.Context, name string) (func(), error) {
 }
 
 // Access is what a call that may mount a share (Ensure) brings to mount it
-// with. A call that only reads or tears down (ControllerGetVolume, the
-// health and stats calls, NodeUnpublish, NodeUnstage, NodeExpand, and the
-// snapshot reads) brings none: it uses Lookup, answered from the pools this
-// driver serves, whatever its volume ID says.
+// with, as it came in the request; Ensure reads it. A call that only reads
+// or tears down (ControllerGetVolume, the health and stats calls,
+// NodeUnpublish, NodeUnstage, NodeExpand, and the snapshot reads) brings
+// none: it uses Lookup, answered from the pools this driver serves, whatever
+// its volume ID says.
 type Access struct {
-	// FromStorageClass: a StorageClass's parameters named the share (a
-	// CreateVolume or GetCapacity): lay out its pool if new, and record its
-	// options.
-	FromStorageClass bool
-	Options          []string // from the StorageClass: parameters, mount flags, volume context
-	Sensitive        []string // from the request's secrets
+	// Secrets are the request's secrets: their mountOptions are the share's
+	// sensitive options (every call that needs the data).
+	Secrets map[string]string
+	// VolumeContext and MountFlags, of a call that brings a volume context
+	// and a capability (ControllerPublishVolume, NodeStageVolume): the
+	// StorageClass's shareOptions, kept in the volume context, and for a dir
+	// volume the capability's non-generic mount flags. They are used only
+	// where the share has no record on this node yet; a recorded share is
+	// mounted again with its recorded options.
+	VolumeContext map[string]string
+	MountFlags    []string
+
+	// fromStorageClass: a StorageClass's parameters named the share (a
+	// CreateVolume or GetCapacity, ForCreate): lay out its pool if new, and
+	// record its options (scOptions: its parameters' and mount flags').
+	fromStorageClass bool
+	scOptions        []string
 }
 
-// DataAccess is the access of a call that needs the volume's data and brings
-// only secrets (DeleteVolume, ControllerUnpublishVolume, the snapshot and
-// expansion calls).
-func DataAccess(secrets map[string]string) Access {
-	return Access{Sensitive: splitList(secrets[params.SecretMountOptions])}
-}
-
-// ContextAccess is the access of a call that brings a volume context and a
-// capability and needs the data (ControllerPublishVolume, NodeStageVolume):
-// the StorageClass's shareOptions, kept in the volume context, and for a dir
-// volume the capability's non-generic mount flags. They are used only where
-// the share has no record on this node yet; a recorded share is mounted again
-// with its recorded options.
-func ContextAccess(volumeContext, secrets map[string]string, flags []string) Access {
-	acc := DataAccess(secrets)
-	acc.Options = splitList(volumeContext[params.ParamShareOptions])
-	if l := volumeContext[params.ParamLayout]; l == "" || l == string(pool.LayoutDir) {
-		acc.Options = append(acc.Options, params.ShareFlags(flags)...)
+// options are the share's options and sensitive options the call brings.
+func (a Access) options() (options, sensitive []string) {
+	sensitive = splitList(a.Secrets[params.SecretMountOptions])
+	options = splitList(a.VolumeContext[params.ParamShareOptions])
+	if l := a.VolumeContext[params.ParamLayout]; l == "" || l == string(pool.LayoutDir) {
+		options = append(options, params.ShareFlags(a.MountFlags)...)
 	}
-	return acc
+	return append(options, a.scOptions...), sensitive
 }
 
 // splitList splits a comma-separated option list (a secret's, a volume
