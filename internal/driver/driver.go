@@ -19,6 +19,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/fence"
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/iolimits"
 	"github.com/poolcsi/poolcsi/internal/layout"
@@ -52,6 +53,12 @@ func ParseMode(s string) (Mode, error) {
 
 func (m Mode) controller() bool { return m == ModeController || m == ModeAll }
 func (m Mode) node() bool       { return m == ModeNode || m == ModeAll }
+
+// FreezeTiming is the schedule of freezes across nodes (freeze.Timing).
+type FreezeTiming = freeze.Timing
+
+// DefaultFreezeTiming is the schedule when none is given.
+var DefaultFreezeTiming = freeze.DefaultTiming
 
 // Options configure a Driver.
 type Options struct {
@@ -155,12 +162,11 @@ type Driver struct {
 	// leases are this node's leases in shared pools and the controller's
 	// view of other nodes' (lease.go).
 	leases *fence.Keeper
-	// freezeTiming and freezer: freezes across nodes (quiesce.go,
-	// quiesce_node.go). quiesceCopy is the quiesce of a snapshot's copy;
-	// tests wrap it to look at the copy between freeze and thaw.
-	freezeTiming FreezeTiming
-	freezer      *freezer
-	quiesceCopy  func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
+	// freezes: freezes across nodes (internal/freeze). quiesceCopy is the
+	// quiesce of a snapshot's copy; tests wrap it to look at the copy
+	// between freeze and thaw.
+	freezes     *freeze.Freezer
+	quiesceCopy func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error)
 	// fill copies a group snapshot's member, its source already frozen
 	// (group.go); a field so the tests see each copy's moment.
 	fill func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error
@@ -227,10 +233,10 @@ func New(opts Options) (*Driver, error) {
 		locks: newVolumeLocks(),
 		Deps: layout.Deps{Mounts: host.Mounts, Loops: host.Loops, Devs: host.Devices, FS: host.FS,
 			NodeID: opts.NodeID, ExpandOnNode: opts.ExpandOnNode, PathPrefix: opts.PathPrefix, State: opts.State},
-		freezeTiming: opts.Freeze,
-		freezer:      newFreezer(),
 	}
-	d.quiesceCopy = d.quiesce
+	d.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
+		return d.freezes.Quiesce(ctx, p, vid, v)
+	}
 	// A clone freezes its source as a snapshot does; read late, so a test's
 	// wrapper of quiesceCopy sees clones too.
 	d.Freeze = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {
@@ -247,6 +253,7 @@ func New(opts Options) (*Driver, error) {
 	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.pools.Names, Pool: d.pools.Pool,
 		Node: &d.Deps, Lock: d.lockForFence, Startup: opts.StartupFence})
 	d.LeaseLost = d.leases.Lost
+	d.freezes = newFreezes(d)
 	if d.ephemeralPool, err = defaultEphemeralPool(opts); err != nil {
 		return nil, err
 	}
@@ -274,7 +281,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.pools.Recover(ctx)
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
-	d.thawAfterCrash(ctx)
+	d.freezes.ThawAfterCrash(ctx)
 	// The socket goes last: the deferred stops below run before this one,
 	// so every loop has returned before the socket is removed.
 	defer func() {
@@ -316,7 +323,7 @@ func (d *Driver) runners() (withServer, afterServer []Runner) {
 	if d.opts.Mode.node() {
 		withServer = append(withServer, d.throttle,
 			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.sweepEphemeral(ctx) }})
-		afterServer = append(afterServer, d.leases, RunFunc(d.runFreezeAgent))
+		afterServer = append(afterServer, d.leases, d.freezes)
 	}
 	return withServer, afterServer
 }
@@ -351,6 +358,16 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 		return nil, fmt.Errorf("endpoint %q: %w", endpoint, err)
 	}
 	return lis, nil
+}
+
+// newFreezes is the driver's freezes, holding nothing: what a process
+// starts with.
+func newFreezes(d *Driver) *freeze.Freezer {
+	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Lock: d.lockForFence,
+		Verdict: func(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
+			return d.leases.Verdict(p, node, staged)
+		},
+		NodePlugin: d.opts.Mode.node()}, d.opts.Freeze)
 }
 
 // isLocal reports whether volumes of p live on this node only.

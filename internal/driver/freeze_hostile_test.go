@@ -13,6 +13,7 @@ import (
 	"golang.org/x/sys/unix"
 	"google.golang.org/grpc/codes"
 
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -116,7 +117,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 			a, _, id, staging := freezePair(t, false)
 			p := a.pools.Pool("shared")
 			_, other := stageOther(t, a)
-			a.opts.PathPrefix = tt.prefix
+			a.opts.PathPrefix, a.PathPrefix = tt.prefix, tt.prefix
 			hostile := tt.path(t, t.TempDir(), other)
 			setStagePath(t, p, id, "node-a", hostile)
 			vid, _ := pool.ParseVolumeID(id)
@@ -124,7 +125,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 				t.Fatal(err)
 			}
 			done := make(chan struct{})
-			go func() { defer close(done); a.freezeTick(ctx) }()
+			go func() { defer close(done); a.freezes.Tick(ctx) }()
 			select {
 			case <-done:
 			case <-time.After(10 * time.Second):
@@ -147,7 +148,7 @@ func TestFreezeIgnoresHostileStagePaths(t *testing.T) {
 			if err := p.Freezes().RemoveRequest("node-a", vid); err != nil {
 				t.Fatal(err)
 			}
-			a.freezeTick(ctx)
+			a.freezes.Tick(ctx)
 			if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
 				t.Fatal("not thawed after the request went")
 			}
@@ -167,7 +168,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	a, _, id, staging := freezePair(t, false)
 	p := a.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
-	budget := a.freezeTiming.budget()
+	budget := a.freezes.Timing.BudgetInForce()
 	const step = 15 * time.Second
 	nonce := ""
 	rotate := func() {
@@ -180,7 +181,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	var frozenAt []bool // per step
 	refusals := 0
 	for range int(2 * time.Hour / step) {
-		a.freezeTick(ctx)
+		a.freezes.Tick(ctx)
 		frozenAt = append(frozenAt, a.host.Frozen(staging))
 		if ack, ok, err := p.Freezes().ReadAck("node-a", vid); err == nil && ok && ack.Nonce == nonce && ack.State != pool.FreezeFrozen {
 			if ack.State == pool.FreezeFailed && strings.Contains(ack.Reason, "budget") {
@@ -205,8 +206,8 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 	}
 	run := 0
 	for _, f := range frozenAt {
-		if run = map[bool]int{true: run + 1, false: 0}[f]; time.Duration(run)*step > a.freezeTiming.MaxHold+step {
-			t.Fatalf("frozen for %s at once, over the maximum hold of %s", time.Duration(run)*step, a.freezeTiming.MaxHold)
+		if run = map[bool]int{true: run + 1, false: 0}[f]; time.Duration(run)*step > a.freezes.Timing.MaxHold+step {
+			t.Fatalf("frozen for %s at once, over the maximum hold of %s", time.Duration(run)*step, a.freezes.Timing.MaxHold)
 		}
 	}
 	if refusals == 0 {
@@ -218,7 +219,7 @@ func TestFreezeBudgetAgainstNonceRotation(t *testing.T) {
 			total++
 		}
 	}
-	t.Logf("frozen %s of 2h under nonce rotation (budget %s/h, maximum hold %s); %d refusals", time.Duration(total)*step, budget, a.freezeTiming.MaxHold, refusals)
+	t.Logf("frozen %s of 2h under nonce rotation (budget %s/h, maximum hold %s); %d refusals", time.Duration(total)*step, budget, a.freezes.Timing.MaxHold, refusals)
 }
 
 // TestRestartRecoveryNeverBlocksServing: a start whose thaws hang (a FIFO
@@ -247,7 +248,7 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 		t.Fatal(err)
 	}
 	dev, _, _ := a.host.Find(p.ImagePath(vid))
-	if err := a.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+	if err := a.opts.State.Put(freeze.RecordKind, id, freeze.Record{Volume: id, Path: staging, Device: dev}); err != nil {
 		t.Fatal(err)
 	}
 	a.host.FreezeDevice(dev)
@@ -262,7 +263,7 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 	})
 
 	start := time.Now()
-	a.thawAfterCrash(ctx)
+	a.freezes.ThawAfterCrash(ctx)
 	if took := time.Since(start); took > 2*time.Second {
 		t.Fatalf("thawAfterCrash held the start up for %s", took)
 	}
@@ -276,19 +277,19 @@ func TestRestartRecoveryNeverBlocksServing(t *testing.T) {
 	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if _, ok, _ := p.Freezes().ReadAck("node-a", vid); ok {
 		t.Fatal("a request was answered before the recovery was done")
 	}
 	close(unblock)
-	waitFor(t, "the recovery is done", a.freezer.isRecovered)
+	waitFor(t, "the recovery is done", a.freezes.Recovered)
 	if a.host.Frozen(staging) {
 		t.Fatal("not thawed after the restart")
 	}
-	if keys, _ := a.opts.State.Keys(freezeKind); len(keys) != 0 {
+	if keys, _ := a.opts.State.Keys(freeze.RecordKind); len(keys) != 0 {
 		t.Fatalf("node records left: %v", keys)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if ack, ok, err := p.Freezes().ReadAck("node-a", vid); err != nil || !ok || ack.State != pool.FreezeFrozen {
 		t.Fatalf("after the recovery: %+v %v %v", ack, ok, err)
 	}
@@ -300,17 +301,15 @@ func TestFreezeRecoveryGivesUp(t *testing.T) {
 	ctx := context.Background()
 	a, _, id, staging := freezePair(t, false)
 	dev, _, _ := a.host.Find(a.pools.Pool("shared").ImagePath(mustVolumeID(id)))
-	if err := a.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+	if err := a.opts.State.Put(freeze.RecordKind, id, freeze.Record{Volume: id, Path: staging, Device: dev}); err != nil {
 		t.Fatal(err)
 	}
 	unblock := make(chan struct{})
 	defer close(unblock)
 	a.host.Faults.OnCall("Thaw", func() { <-unblock })
-	old := freezeRecoveryTimeout
-	freezeRecoveryTimeout = 50 * time.Millisecond
-	defer func() { freezeRecoveryTimeout = old }()
-	a.thawAfterCrash(ctx)
-	waitFor(t, "the recovery is given up", a.freezer.isRecovered)
+	a.freezes.RecoveryTimeout = 50 * time.Millisecond
+	a.freezes.ThawAfterCrash(ctx)
+	waitFor(t, "the recovery is given up", a.freezes.Recovered)
 }
 
 // TestFreezeBoundNeedsNoAgent: a node whose agent stops answering after it
@@ -321,8 +320,8 @@ func TestFreezeRecoveryGivesUp(t *testing.T) {
 func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 	ctx := context.Background()
 	a, b, id, staging := freezePair(t, false)
-	a.freezeTiming.MaxHold = 200 * time.Millisecond
-	b.freezeTiming.AckTimeout = time.Second // B waits that long for the stuck A to let go
+	a.freezes.Timing.MaxHold = 200 * time.Millisecond
+	b.freezes.Timing.AckTimeout = time.Second // B waits that long for the stuck A to let go
 	p := b.pools.Pool("shared")
 	vid, _ := pool.ParseVolumeID(id)
 	// A's agent answers once, then is stuck.
@@ -330,7 +329,7 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 	go func() {
 		defer close(answered)
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-			a.freezeTick(ctx)
+			a.freezes.Tick(ctx)
 			if ack, ok, _ := p.Freezes().ReadAck("node-a", vid); ok && ack.State == pool.FreezeFrozen {
 				return
 			}
@@ -355,7 +354,7 @@ func TestFreezeBoundNeedsNoAgent(t *testing.T) {
 		t.Fatalf("message: %v", err)
 	}
 	// The agent comes back: it lets go of the hold, and nothing is left.
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(staging) || !inboxEmpty(t, p, "node-a") {
 		t.Fatal("A did not let go")
 	}
@@ -401,7 +400,7 @@ func TestFreezeIgnoresAliasedImages(t *testing.T) {
 			if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: alias.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
 				t.Fatal(err)
 			}
-			a.freezeTick(ctx)
+			a.freezes.Tick(ctx)
 			if a.host.Frozen(other) {
 				t.Fatal("the other volume's filesystem was frozen through an alias of its image")
 			}
@@ -456,7 +455,7 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 		if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: vid.String(), Node: "node-a", Path: other, Nonce: pool.NewFreezeNonce()}); err != nil {
 			t.Fatal(err)
 		}
-		a.freezeTick(ctx)
+		a.freezes.Tick(ctx)
 	}
 	answer := func(vid pool.VolumeID) pool.FreezeAck {
 		t.Helper()
@@ -482,7 +481,7 @@ func TestFreezeBudgetKeptByDevice(t *testing.T) {
 	if err := p.Freezes().RemoveRequest("node-a", ovid); err != nil {
 		t.Fatal(err)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(other) {
 		t.Fatal("not thawed after the request went")
 	}
@@ -506,30 +505,36 @@ func TestFailedFreezeKeepsACrashRecord(t *testing.T) {
 	a, _, id, staging := freezePair(t, false)
 	vid := mustVolumeID(id)
 	dev, _, _ := a.host.Find(a.pools.Pool("shared").ImagePath(vid))
-	crash := freezeRecord{Volume: id, Path: staging, Device: dev}
-	if err := a.opts.State.Put(freezeKind, id, crash); err != nil {
+	crash := freeze.Record{Volume: id, Path: staging, Device: dev}
+	if err := a.opts.State.Put(freeze.RecordKind, id, crash); err != nil {
 		t.Fatal(err)
 	}
 	a.host.FreezeDevice(dev)
-	if h, _, err := a.freezeVolumeHere(ctx, vid, dev, time.Second); err == nil || h != nil {
+	if h, _, err := a.freezes.FreezeVolumeHere(ctx, vid, dev, time.Second); err == nil || h != nil {
 		t.Fatalf("froze a frozen filesystem: %+v %v", h, err)
 	}
-	var got freezeRecord
-	if ok, err := a.opts.State.Get(freezeKind, id, &got); err != nil || !ok || got != crash {
+	var got freeze.Record
+	if ok, err := a.opts.State.Get(freeze.RecordKind, id, &got); err != nil || !ok || got != crash {
 		t.Fatalf("the crash's freeze record after a failed freeze: %+v %t %v", got, ok, err)
 	}
 	// A failed freeze of a filesystem nobody froze leaves no record.
 	if err := a.host.ThawMount("", staging, dev); err != nil {
 		t.Fatal(err)
 	}
-	if err := a.opts.State.Delete(freezeKind, id); err != nil {
+	if err := a.opts.State.Delete(freeze.RecordKind, id); err != nil {
 		t.Fatal(err)
 	}
 	a.host.Faults.FailNth("Freeze", 1, errors.New("the filesystem refuses"))
-	if _, _, err := a.freezeVolumeHere(ctx, vid, dev, time.Second); err == nil {
+	if _, _, err := a.freezes.FreezeVolumeHere(ctx, vid, dev, time.Second); err == nil {
 		t.Fatal("the failed freeze succeeded")
 	}
-	if keys, _ := a.opts.State.Keys(freezeKind); len(keys) != 0 {
+	if keys, _ := a.opts.State.Keys(freeze.RecordKind); len(keys) != 0 {
 		t.Fatalf("records left by a failed freeze: %v", keys)
 	}
+}
+
+// mustVolumeID parses an ID the test made.
+func mustVolumeID(s string) pool.VolumeID {
+	id, _ := pool.ParseVolumeID(s)
+	return id
 }

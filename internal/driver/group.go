@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -306,7 +307,7 @@ func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool
 func checkOneInstant(name string, srcs []groupSource) error {
 	var written []string
 	for _, src := range srcs {
-		if freezable(src.vol) {
+		if freeze.Freezable(src.vol) {
 			continue
 		}
 		var nodes []string
@@ -361,16 +362,16 @@ func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnaps
 }
 
 // copyFrozen freezes every source on whichever node has it staged
-// (quiesceAll: the single snapshot's freeze, here or through the node's freeze
+// (freeze.Freezer.QuiesceAll: the single snapshot's freeze, here or through the node's freeze
 // inbox), copies each, and thaws them all, also when a copy fails. A node
 // that thawed before the last copy ended fails the group (ABORTED, retried):
 // its member would not be of the same instant.
 func (d *Driver) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSource, snaps []*pool.Snapshot) (err error) {
-	members := make([]quiesceMember, len(srcs))
+	members := make([]freeze.Member, len(srcs))
 	for i, src := range srcs {
-		members[i] = quiesceMember{pool: p, id: src.id, vol: src.vol}
+		members[i] = freeze.Member{Pool: p, ID: src.id, Vol: src.vol}
 	}
-	thaw, err := d.quiesceAll(ctx, members)
+	thaw, err := d.freezes.QuiesceAll(ctx, members)
 	if err != nil {
 		return err
 	}

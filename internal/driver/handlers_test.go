@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -208,7 +209,7 @@ func TestSnapshotFreezesAStagedVolume(t *testing.T) {
 	if td.host.Faults.Calls("Freeze") != 1 || td.host.Faults.Calls("Thaw") != 1 {
 		t.Errorf("freeze %d, thaw %d: want one each", td.host.Faults.Calls("Freeze"), td.host.Faults.Calls("Thaw"))
 	}
-	if f, _ := td.opts.State.Keys(freezeKind); len(f) != 0 {
+	if f, _ := td.opts.State.Keys(freeze.RecordKind); len(f) != 0 {
 		t.Errorf("freeze records left: %v", f)
 	}
 	// A filesystem that cannot be frozen still gets a crash-consistent snapshot.
@@ -216,7 +217,7 @@ func TestSnapshotFreezesAStagedVolume(t *testing.T) {
 	if _, err := td.CreateSnapshot(context.Background(), &csi.CreateSnapshotRequest{Name: "s2", SourceVolumeId: id}); err != nil {
 		t.Fatal(err)
 	}
-	if f, _ := td.opts.State.Keys(freezeKind); len(f) != 0 {
+	if f, _ := td.opts.State.Keys(freeze.RecordKind); len(f) != 0 {
 		t.Errorf("a failed freeze left its record: %v", f)
 	}
 }
@@ -241,19 +242,19 @@ func TestThawAfterCrash(t *testing.T) {
 				if err := td.pool.Freezes().WriteRecord(vid, "node-1", "/nonexistent"); err != nil {
 					t.Fatal(err)
 				}
-			} else if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+			} else if err := td.opts.State.Put(freeze.RecordKind, id, freeze.Record{Volume: id, Path: staging, Device: dev}); err != nil {
 				t.Fatal(err)
 			}
 			td.host.FreezeDevice(dev)
-			td.thawAfterCrash(context.Background())
-			waitFor(t, "the recovery is done", td.freezer.isRecovered)
+			td.freezes.ThawAfterCrash(context.Background())
+			waitFor(t, "the recovery is done", td.freezes.Recovered)
 			if td.host.Frozen(staging) {
 				t.Error("still frozen after restart")
 			}
 			if f, _ := td.pool.Freezes().Records(); len(f) != 0 {
 				t.Errorf("pool records left: %v", f)
 			}
-			if keys, _ := td.opts.State.Keys(freezeKind); len(keys) != 0 {
+			if keys, _ := td.opts.State.Keys(freeze.RecordKind); len(keys) != 0 {
 				t.Errorf("node records left: %v", keys)
 			}
 		})
@@ -277,7 +278,7 @@ func TestThawAfterCrashWaitsForBusyVolume(t *testing.T) {
 	staging := filepath.Join(td.root, "staging", id)
 	vid, _ := pool.ParseVolumeID(id)
 	dev, _, _ := td.Loops.Find(td.pool.ImagePath(vid))
-	if err := td.opts.State.Put(freezeKind, id, freezeRecord{Volume: id, Path: staging, Device: dev}); err != nil {
+	if err := td.opts.State.Put(freeze.RecordKind, id, freeze.Record{Volume: id, Path: staging, Device: dev}); err != nil {
 		t.Fatal(err)
 	}
 	td.host.FreezeDevice(dev)
@@ -285,12 +286,12 @@ func TestThawAfterCrashWaitsForBusyVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	td.thawAfterCrash(context.Background())
+	td.freezes.ThawAfterCrash(context.Background())
 	time.Sleep(100 * time.Millisecond) // the recovery finds the volume busy
 	release()
 	waitFor(t, "the filesystem is thawed", func() bool { return !td.host.Frozen(staging) })
-	waitFor(t, "the recovery is done", td.freezer.isRecovered)
-	waitFor(t, "the freeze record is dropped", func() bool { keys, _ := td.opts.State.Keys(freezeKind); return len(keys) == 0 })
+	waitFor(t, "the recovery is done", td.freezes.Recovered)
+	waitFor(t, "the freeze record is dropped", func() bool { keys, _ := td.opts.State.Keys(freeze.RecordKind); return len(keys) == 0 })
 }
 
 func TestExpandOnline(t *testing.T) {

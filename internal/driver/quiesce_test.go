@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -29,16 +30,16 @@ func freezePair(t *testing.T, agent bool) (a, b *leaseNode, id, staging string) 
 	t.Helper()
 	_, a, b, _, id, staging = stagedOnA(t)
 	for _, n := range []*leaseNode{a, b} {
-		n.freezeTiming = testFreeze
+		n.freezes.Timing = testFreeze
 	}
-	a.freezer.now = a.clock.now
+	a.freezes.Now = a.clock.now
 	if err := a.renew(t); err != nil {
 		t.Fatal(err)
 	}
 	if agent {
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
-		go func() { defer close(done); a.runFreezeAgent(ctx) }()
+		go func() { defer close(done); a.freezes.Run(ctx) }()
 		t.Cleanup(func() { cancel(); <-done })
 	}
 	return a, b, id, staging
@@ -78,7 +79,7 @@ func noFreezeRecord(t *testing.T, p *pool.Pool, nodes ...*leaseNode) {
 		t.Fatalf("freeze records left in the pool: %+v %v", fs, err)
 	}
 	for _, n := range nodes {
-		if keys, err := n.opts.State.Keys(freezeKind); err != nil || len(keys) != 0 {
+		if keys, err := n.opts.State.Keys(freeze.RecordKind); err != nil || len(keys) != 0 {
 			t.Fatalf("freeze records left on %s: %v %v", n.opts.NodeID, keys, err)
 		}
 	}
@@ -139,7 +140,7 @@ func stateOf(frozen, copied bool) string {
 // has fenced itself), the snapshot goes on without it.
 func TestRemoteFreezeNodeSilent(t *testing.T) {
 	a, b, id, staging := freezePair(t, false)
-	b.freezeTiming.AckTimeout = 20 * time.Millisecond
+	b.freezes.Timing.AckTimeout = 20 * time.Millisecond
 	p := b.pools.Pool("shared")
 	_, err := snapshot(b, id, "snap")
 	wantCode(t, err, codes.Unavailable)
@@ -226,22 +227,22 @@ func TestFreezeControllerDies(t *testing.T) {
 		}
 		return a
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if !a.host.Frozen(staging) || ack().State != pool.FreezeFrozen || ack().Nonce != nonce {
 		t.Fatalf("not frozen: %v %+v", a.host.Frozen(staging), ack())
 	}
 	a.clock.add(testFreeze.MaxHold - time.Second)
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if !a.host.Frozen(staging) {
 		t.Fatal("thawed before the maximum hold")
 	}
 	a.clock.add(time.Second)
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(staging) || ack().State != pool.FreezeThawed {
 		t.Fatalf("after the maximum hold: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
 	noFreezeRecord(t, p, a)
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(staging) {
 		t.Fatal("the same request froze it again")
 	}
@@ -253,7 +254,7 @@ func TestFreezeControllerDies(t *testing.T) {
 	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(staging) || ack().State != pool.FreezeFailed || !strings.Contains(ack().Reason, "budget") {
 		t.Fatalf("a retry right after a whole hold: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
@@ -261,19 +262,21 @@ func TestFreezeControllerDies(t *testing.T) {
 	if err := p.Freezes().WriteRequest(pool.FreezeRequest{Volume: id, Node: "node-a", Path: staging, Nonce: pool.NewFreezeNonce()}); err != nil {
 		t.Fatal(err)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if !a.host.Frozen(staging) || ack().State != pool.FreezeFrozen {
 		t.Fatal("the retry was not frozen")
 	}
 	// What a new process starts with: no holds, no in-process locks.
-	a.freezer, a.locks = newFreezer(), newVolumeLocks()
-	a.freezer.now = a.clock.now
-	a.thawAfterCrash(ctx)
-	waitFor(t, "the recovery is done", a.freezer.isRecovered)
+	a.locks = newVolumeLocks()
+	a.freezes = newFreezes(a.Driver)
+	a.freezes.Timing = testFreeze
+	a.freezes.Now = a.clock.now
+	a.freezes.ThawAfterCrash(ctx)
+	waitFor(t, "the recovery is done", a.freezes.Recovered)
 	if a.host.Frozen(staging) || ack().State != pool.FreezeThawed {
 		t.Fatalf("after a restart: frozen %v, %+v", a.host.Frozen(staging), ack())
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if a.host.Frozen(staging) {
 		t.Fatal("the restarted plugin froze an answered request again")
 	}
@@ -281,7 +284,7 @@ func TestFreezeControllerDies(t *testing.T) {
 	if err := p.Freezes().RemoveRequest("node-a", vid); err != nil {
 		t.Fatal(err)
 	}
-	a.freezeTick(ctx)
+	a.freezes.Tick(ctx)
 	if !inboxEmpty(t, p, "node-a") {
 		t.Fatal("the answer to a withdrawn request stayed")
 	}
@@ -364,7 +367,7 @@ func TestFreezeInboxHostile(t *testing.T) {
 				t.Fatal(err)
 			}
 			done := make(chan struct{})
-			go func() { defer close(done); a.freezeTick(ctx); a.freezeTick(ctx) }()
+			go func() { defer close(done); a.freezes.Tick(ctx); a.freezes.Tick(ctx) }()
 			select {
 			case <-done:
 			case <-time.After(10 * time.Second):
@@ -406,7 +409,7 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 	for _, agent := range []bool{true, false} {
 		t.Run(map[bool]string{true: "A answers", false: "A is silent"}[agent], func(t *testing.T) {
 			a, b, id, staging := freezePair(t, agent)
-			b.freezeTiming.AckTimeout = 200 * time.Millisecond
+			b.freezes.Timing.AckTimeout = 200 * time.Millisecond
 			var frozenAtCopy []bool
 			fill := b.fill
 			b.fill = func(ctx context.Context, p *pool.Pool, s *pool.Snapshot, v *pool.Volume) error {
@@ -451,6 +454,8 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 func TestControllerOnItsOwnNodeAsksThroughTheInbox(t *testing.T) {
 	a, b, id, staging := freezePair(t, true)
 	b.opts.NodeID, b.opts.Mode = "node-a", ModeController
+	b.freezes = newFreezes(b.Driver)
+	b.freezes.Timing = testFreeze
 	var frozen []bool
 	quiesce := b.quiesceCopy
 	b.quiesceCopy = func(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (func() error, error) {

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 )
@@ -59,8 +60,8 @@ const (
 	holdSweep              holder = "sweep"
 	holdDropStaleRecords   holder = "dropStaleRecords"
 	holdAdoptDevices       holder = "adoptDevices"
-	holdFreeze             holder = "a freeze for a snapshot"
-	holdThaw               holder = "a thaw after a crash"
+	holdFreeze             holder = freeze.HolderFreeze
+	holdThaw               holder = freeze.HolderThaw
 )
 
 // poolNeed is what a call does when the ID's pool is not served here; the

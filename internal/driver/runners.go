@@ -15,12 +15,6 @@ type Runner interface {
 	Run(ctx context.Context) error
 }
 
-// RunFunc makes a function a Runner.
-type RunFunc func(ctx context.Context) error
-
-// Run calls f.
-func (f RunFunc) Run(ctx context.Context) error { return f(ctx) }
-
 // Every runs F every Interval until the context ends, sliding (the next run
 // starts an interval after the last one ended). AtStart also runs it once at
 // once; otherwise the first run is one interval after the start. An

@@ -4,20 +4,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
-	"sync"
-	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
-	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
-	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -80,7 +75,7 @@ func checkSnapshotParams(in map[string]string) error {
 // where the pool's filesystem has them, a sparse copy otherwise. The snapshot is
 // as consistent as a crash at that instant (crash-consistent); an image volume's
 // filesystem is frozen around the copy on whichever node has it staged
-// (quiesce.go), which makes it a clean filesystem image.
+// (internal/freeze), which makes it a clean filesystem image.
 func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
@@ -152,7 +147,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 
 // copySnapshot fills a reserved snapshot with the source's data and marks it
 // ready; an image volume's filesystem is frozen around its copy on whichever
-// node has it staged (quiesce.go).
+// node has it staged (internal/freeze).
 func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
 	quiesce := func() (func() error, error) { return d.quiesceCopy(ctx, p, vid, v) }
 	if err := p.Snapshots().Fill(ctx, s, v, quiesce); err != nil {
@@ -160,54 +155,6 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 	}
 	klog.FromContext(ctx).Info("Created snapshot", "snapshot", sid, "name", s.Name, "source", vid, "size", s.SizeBytes, "allocated", s.AllocatedBytes, "copy", s.CopyMethod)
 	return nil
-}
-
-// freezeIfStagedHere is quiesceAll's part on this node: it freezes the
-// filesystem of an image volume staged here, so its image is clean while it is
-// copied, and returns the thaw, which fails (ABORTED, retried) if the freeze's
-// bound (--freeze-max-hold) thawed it first. Other nodes are asked through
-// their freeze inboxes (quiesce.go). The filesystem is found as the agent
-// finds it (ownDevice, freezeVolumeHere): this node's own mount of the loop
-// device it staged the volume on, never the staging path the pool records. A stage it cannot tell is
-// the volume's mount is not frozen, never a wrong filesystem. Callers hold
-// the volume's in-process lock, so no unstage runs meanwhile.
-func (d *Driver) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error) {
-	noop := func() error { return nil }
-	if !freezable(v) || !slices.ContainsFunc(v.Staged, func(st pool.StageRecord) bool { return st.Node == d.opts.NodeID }) {
-		return noop
-	}
-	log := klog.FromContext(ctx)
-	if !d.freezer.isRecovered() {
-		log.Info("Not freezing: the thaws after this node plugin's restart are not done yet; the snapshot is crash-consistent", "volume", vid)
-		return noop
-	}
-	start := time.Now()
-	dev, _, err := d.ownDevice(p, vid)
-	if err != nil {
-		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "err", err)
-		return noop
-	}
-	h, why, err := d.freezeVolumeHere(ctx, vid, dev, d.freezeTiming.MaxHold)
-	if err != nil || h == nil {
-		// Not known to be the volume's mount: not frozen (the snapshot is
-		// then crash-consistent), never a wrong filesystem frozen.
-		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "why", why, "err", err)
-		return noop
-	}
-	log.Info("Froze filesystem for a snapshot", "volume", vid, "path", h.path)
-	return func() error {
-		expired := h.fs.Expired()
-		if err := d.thawHere(ctx, h); err != nil {
-			log.Error(err, "Thawing the filesystem after a snapshot failed; its bound thaws it", "volume", vid, "path", h.path)
-		} else {
-			log.Info("Thawed filesystem", "volume", vid, "path", h.path)
-		}
-		if expired {
-			return csierr.Failf(pool.ErrBusy, "the filesystem of volume %s was thawed at its bound of %s (--freeze-max-hold) before the copy ended (it took %s), so the copy is not of one point in time: retry (raise --freeze-max-hold for copies this long)",
-				vid, d.freezeTiming.MaxHold, time.Since(start).Round(time.Millisecond))
-		}
-		return nil
-	}
 }
 
 // DeleteSnapshot is idempotent: an unknown or already deleted snapshot is success.
@@ -348,182 +295,4 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 		resp.Entries = append(resp.Entries, &csi.ListSnapshotsResponse_Entry{Snapshot: d.csiSnapshot(d.pools.Pool(s.Pool), s)})
 	}
 	return resp, nil
-}
-
-// clearFreeze removes this node's record of a freeze after its thaw. A
-// record left behind is harmless (the next start finds the filesystem thawed)
-// but is logged.
-func (d *Driver) clearFreeze(ctx context.Context, vid pool.VolumeID) {
-	if err := d.opts.State.Delete(freezeKind, vid.String()); err != nil {
-		klog.FromContext(ctx).Error(err, "Removing a freeze record failed", "volume", vid)
-	}
-}
-
-// thawAfterCrash thaws, in the background, filesystems a previous process
-// froze for a snapshot and died before thawing: otherwise every write of the
-// pods using them would hang until someone ran fsfreeze -u by hand. It
-// returns at once: serving (Probe first) never waits for it, whatever a pool
-// or a mount does. The freeze agent and local freezes start freezing only
-// once it is done, so its thaws never end a new freeze.
-func (d *Driver) thawAfterCrash(ctx context.Context) {
-	if !d.opts.Mode.node() {
-		return
-	}
-	done := make(chan struct{})
-	d.freezer.mu.Lock()
-	d.freezer.recovered = done
-	d.freezer.mu.Unlock()
-	timeout := freezeRecoveryTimeout
-	go func() {
-		defer close(done)
-		d.recoverFreezes(context.WithoutCancel(ctx), timeout)
-	}()
-}
-
-// recoverFreezes is thawAfterCrash's work, given up after timeout (what is
-// still running then goes on, holding its volume's lock). First every shared
-// pool's "frozen" answers of this node are rewritten "thawed" (before any
-// thaw: the controller must not take a thaw it was not told of for a
-// freeze); then what this node's own records say it froze is thawed, through
-// the same checks as a freeze. A pool's records are never opened as paths:
-// a "frozen" file an older version left in a volume's directory only selects
-// which of this node's own mounts of that volume is thawed.
-func (d *Driver) recoverFreezes(ctx context.Context, timeout time.Duration) {
-	log := klog.FromContext(ctx)
-	deadline := time.Now().Add(timeout)
-	var pools []func()
-	for _, pn := range d.pools.Names() {
-		if p := d.pools.Pool(pn); p != nil {
-			pools = append(pools, func() { d.abandonFreezeAnswers(ctx, p) })
-		}
-	}
-	if !runUntil(deadline, pools) {
-		log.Info("A pool did not answer while the thaws of a crashed freeze were written down; thawing all the same", "timeout", timeout)
-	}
-	var thaws []func()
-	keys, err := d.opts.State.Keys(freezeKind)
-	if err != nil {
-		log.Error(err, "Cannot read this node's freeze records; nothing left frozen by a crash is thawed")
-	}
-	for _, key := range keys {
-		var rec freezeRecord
-		ok, err := d.opts.State.Get(freezeKind, key, &rec)
-		if err != nil || !ok {
-			log.Error(err, "Unreadable freeze record", "record", key)
-			continue
-		}
-		thaws = append(thaws, d.recoveryThaw(ctx, key, func() (string, error) {
-			return rec.Path, d.FS.ThawMount(d.opts.PathPrefix, rec.Path, rec.Device)
-		}))
-	}
-	// Older versions recorded freezes in the pool: only which volume is
-	// taken from those, never a path.
-	for _, pn := range d.pools.Names() {
-		p := d.pools.Pool(pn)
-		if p == nil {
-			continue
-		}
-		thaws = append(thaws, func() {
-			freezes, err := p.Freezes().Records()
-			if err != nil {
-				log.V(2).Info("Cannot look for freezes an older version recorded in the pool", "pool", pn, "err", err)
-				return
-			}
-			for _, f := range freezes {
-				if f.Node != d.opts.NodeID {
-					continue // another node's freeze, on a shared pool
-				}
-				d.recoveryThaw(ctx, f.Volume.String(), func() (string, error) { return d.thawVolumeHere(p, f.Volume) })()
-				if err := p.Freezes().ClearRecord(f.Volume); err != nil {
-					log.Error(err, "Removing an older version's freeze record failed", "volume", f.Volume)
-				}
-			}
-		})
-	}
-	if !runUntil(deadline, thaws) {
-		log.Info("Thawing what a crash left frozen has not finished; the freeze agent starts all the same (a volume still being thawed stays locked)", "timeout", timeout)
-	}
-}
-
-// recoveryLockPoll is how often a recovery thaw tries a busy volume's lock.
-const recoveryLockPoll = 20 * time.Millisecond
-
-// recoveryThaw is one thaw of recoverFreezes, under the volume's lock.
-func (d *Driver) recoveryThaw(ctx context.Context, volume string, thaw func() (path string, err error)) func() {
-	return func() {
-		log := klog.FromContext(ctx).WithValues("volume", volume)
-		// Waited for, never skipped: other start-up work (the lease keeper's
-		// dropStaleRecords) or a call may hold the volume a moment. A thaw
-		// skipped leaves the filesystem frozen for good (the next freeze
-		// fails on it and drops the record), and an unstage then unmounts it
-		// frozen: its superblock keeps the loop device open, attached.
-		var release func()
-		busy := false
-		_ = wait.PollUntilContextCancel(ctx, recoveryLockPoll, true, func(context.Context) (bool, error) {
-			r, err := d.hold(volume, holdThaw)
-			if err != nil && !busy {
-				busy = true
-				log.Info("Waiting to thaw a filesystem left frozen by a crash: the volume is busy", "reason", err.Error())
-			}
-			release = r
-			return err == nil, nil
-		})
-		if release == nil {
-			return
-		}
-		defer release()
-		path, err := thaw()
-		if err != nil {
-			log.Error(err, "Thawing a filesystem left frozen by a crash failed", "path", path)
-			if !errors.Is(err, mount.ErrNotTheMount) {
-				return // kept for the next start
-			}
-		} else if path != "" {
-			log.Info("Thawed a filesystem left frozen by a crash during a snapshot", "path", path)
-		}
-		if id, err := pool.ParseVolumeID(volume); err == nil {
-			d.clearFreeze(ctx, id)
-		} else if err := d.opts.State.Delete(freezeKind, volume); err != nil {
-			log.Error(err, "Removing a freeze record failed")
-		}
-	}
-}
-
-// thawVolumeHere thaws this node's own mount of volume id of p, found as
-// freezeVolumeHere finds it (ownDevice); "" when the volume has none here.
-func (d *Driver) thawVolumeHere(p *pool.Pool, id pool.VolumeID) (string, error) {
-	dev, _, err := d.ownDevice(p, id)
-	if err != nil || dev == "" {
-		return "", err
-	}
-	points, err := d.Mounts.MountPoints(dev)
-	if err != nil {
-		return "", fmt.Errorf("read the mount table: %w", err)
-	}
-	for _, path := range points {
-		if err := d.FS.ThawMount(d.opts.PathPrefix, path, dev); !errors.Is(err, mount.ErrNotTheMount) {
-			return path, err
-		}
-	}
-	return "", nil
-}
-
-// runUntil runs every f on a goroutine of its own and waits until all have
-// returned or deadline passes; true when all returned.
-func runUntil(deadline time.Time, fs []func()) bool {
-	var wg sync.WaitGroup
-	for _, f := range fs {
-		wg.Add(1)
-		go func() { defer wg.Done(); f() }()
-	}
-	done := make(chan struct{})
-	go func() { wg.Wait(); close(done) }()
-	t := time.NewTimer(time.Until(deadline))
-	defer t.Stop()
-	select {
-	case <-done:
-		return true
-	case <-t.C:
-		return false
-	}
 }

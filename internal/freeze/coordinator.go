@@ -1,9 +1,10 @@
-package driver
+package freeze
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -17,74 +18,16 @@ import (
 // controller that copies an image volume freezes its filesystem wherever it
 // is staged read-write: on its own node directly (freezeIfStagedHere), on
 // another through a request in that node's inbox in the pool, which the
-// node's agent (quiesce_node.go) answers. No clock is compared between
+// node's agent (agent.go) answers. No clock is compared between
 // nodes: the node writes "thawed" before it thaws early, so a controller
 // that still reads "frozen" after its copy knows the whole copy happened
 // while the filesystem was frozen.
 
-// FreezeTiming is the schedule of freezes across nodes.
-type FreezeTiming struct {
-	// Poll is how often a node's agent reads its inbox.
-	Poll time.Duration
-	// MaxHold is the longest a node keeps a filesystem frozen for a
-	// request, by its own clock: a controller that dies mid-copy never
-	// leaves it frozen for longer.
-	MaxHold time.Duration
-	// AckTimeout is how long a controller waits for a node to confirm a
-	// freeze before it looks at the node's lease.
-	AckTimeout time.Duration
-	// Budget is the most a node keeps one volume frozen for requests
-	// within any hour (0: DefaultFreezeBudget, or MaxHold if that is
-	// longer). After each hold the volume is not frozen again for as long
-	// as that hold lasted. Requests cannot change either: a pool writer
-	// that sends new nonces gets no more frozen time.
-	Budget time.Duration
-}
-
-// DefaultFreezeBudget is the frozen time per volume and hour a node allows
-// when FreezeTiming.Budget is zero: five holds of the default maximum.
-const DefaultFreezeBudget = 5 * time.Minute
-
-// budget is the budget in force.
-func (t FreezeTiming) budget() time.Duration {
-	if t.Budget > 0 {
-		return t.Budget
-	}
-	return max(DefaultFreezeBudget, t.MaxHold)
-}
-
-// DefaultFreezeTiming is the schedule when none is given.
-var DefaultFreezeTiming = FreezeTiming{Poll: 500 * time.Millisecond, MaxHold: 60 * time.Second, AckTimeout: 10 * time.Second}
-
-// Validate refuses a schedule in which a node could not answer in time.
-func (t FreezeTiming) Validate() error {
-	switch {
-	case t.Poll <= 0 || t.MaxHold <= 0 || t.AckTimeout <= 0:
-		return errors.New("freeze poll interval, maximum hold and acknowledgement timeout must be positive")
-	case t.AckTimeout < 2*t.Poll:
-		return fmt.Errorf("freeze acknowledgement timeout %s must be at least two poll intervals (%s)", t.AckTimeout, t.Poll)
-	case t.MaxHold < 2*t.Poll:
-		return fmt.Errorf("freeze maximum hold %s must be at least two poll intervals (%s)", t.MaxHold, t.Poll)
-	case t.Budget < 0 || (t.Budget > 0 && t.Budget < t.MaxHold):
-		return fmt.Errorf("freeze budget %s must be at least the maximum hold (%s)", t.Budget, t.MaxHold)
-	}
-	return nil
-}
-
-// freezable tells whether quiesce can freeze v where it is staged: only an
-// image volume's own filesystem. A block volume may hold a filesystem poolcsi
-// never made and a pod's mount of it poolcsi cannot see; a dir volume is a
-// directory of the pool's filesystem, which a freeze would stop for every
-// volume in it.
-func freezable(v *pool.Volume) bool {
-	return v.Layout == pool.LayoutImage && v.AccessType == pool.AccessFilesystem
-}
-
-// quiesceMember is one volume to freeze.
-type quiesceMember struct {
-	pool *pool.Pool
-	id   pool.VolumeID
-	vol  *pool.Volume
+// Member is one volume to freeze.
+type Member struct {
+	Pool *pool.Pool
+	ID   pool.VolumeID
+	Vol  *pool.Volume
 }
 
 // remoteFreeze is a request this controller put in another node's inbox.
@@ -106,14 +49,14 @@ type remoteFreeze struct {
 // read-write, and returns thaw, to be called after the copy: it fails
 // (ABORTED, retryable) when a node thawed before the copy ended, and thaws
 // everything in any case. Callers hold the volume's locks.
-func (d *Driver) quiesce(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error) {
-	return d.quiesceAll(ctx, []quiesceMember{{pool: p, id: vid, vol: v}})
+func (f *Freezer) Quiesce(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error, err error) {
+	return f.QuiesceAll(ctx, []Member{{Pool: p, ID: vid, Vol: v}})
 }
 
-// quiesceAll is quiesce over several volumes: every one is frozen before it
+// QuiesceAll is quiesce over several volumes: every one is frozen before it
 // returns, so copies made before thaw are of one point in time. On error
 // nothing is left frozen or requested.
-func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw func() error, err error) {
+func (f *Freezer) QuiesceAll(ctx context.Context, members []Member) (thaw func() error, err error) {
 	log := klog.FromContext(ctx)
 	var local []func() error
 	var remote []*remoteFreeze
@@ -136,36 +79,36 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 		}
 	}()
 	for _, m := range members {
-		if !freezable(m.vol) {
+		if !Freezable(m.Vol) {
 			continue // block: no filesystem poolcsi knows of; dir: many writers by design
 		}
 		// A controller-only process does not see the node plugin's mounts,
 		// even on the node it runs on (its pod has no kubelet directory): it
 		// asks its own node through the inbox, as it asks any other.
-		here := d.opts.Mode.node()
+		here := f.deps.NodePlugin
 		if here {
-			local = append(local, d.freezeIfStagedHere(ctx, m.pool, m.id, m.vol))
+			local = append(local, f.freezeIfStagedHere(ctx, m.Pool, m.ID, m.Vol))
 		}
-		for _, st := range m.vol.Staged {
-			if st.ReadOnly || (here && st.Node == d.opts.NodeID) {
+		for _, st := range m.Vol.Staged {
+			if st.ReadOnly || (here && st.Node == f.deps.NodeID) {
 				continue
 			}
-			r := &remoteFreeze{pool: m.pool, id: m.id, node: st.Node, nonce: pool.NewFreezeNonce(), asked: time.Now()}
-			if err := m.pool.Freezes().WriteRequest(pool.FreezeRequest{Volume: m.id.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
-				return nil, fmt.Errorf("ask node %s to freeze volume %s: %w", st.Node, m.id, err)
+			r := &remoteFreeze{pool: m.Pool, id: m.ID, node: st.Node, nonce: pool.NewFreezeNonce(), asked: time.Now()}
+			if err := m.Pool.Freezes().WriteRequest(pool.FreezeRequest{Volume: m.ID.String(), Node: st.Node, Path: st.Path, Nonce: r.nonce}); err != nil {
+				return nil, fmt.Errorf("ask node %s to freeze volume %s: %w", st.Node, m.ID, err)
 			}
 			remote = append(remote, r)
 		}
 	}
-	if err := d.awaitFreezes(ctx, remote); err != nil {
+	if err := f.awaitFreezes(ctx, remote); err != nil {
 		return nil, err
 	}
 	return func() error {
-		err := d.checkStillFrozen(remote)
+		err := f.checkStillFrozen(remote)
 		if lerr := release(); err == nil {
 			err = lerr
 		}
-		d.awaitThaws(ctx, remote)
+		f.awaitThaws(ctx, remote)
 		return err
 	}, nil
 }
@@ -174,10 +117,10 @@ func (d *Driver) quiesceAll(ctx context.Context, members []quiesceMember) (thaw 
 // at most 100 ms) until it reports done or fails, for at most the
 // acknowledgement timeout; done is false when that passed first. ctx ending
 // is an error.
-func (d *Driver) pollNodes(ctx context.Context, step func() (done bool, err error)) (bool, error) {
-	tick := time.NewTicker(min(d.freezeTiming.Poll, 100*time.Millisecond))
+func (f *Freezer) pollNodes(ctx context.Context, step func() (done bool, err error)) (bool, error) {
+	tick := time.NewTicker(min(f.Timing.Poll, 100*time.Millisecond))
 	defer tick.Stop()
-	timeout := time.NewTimer(d.freezeTiming.AckTimeout)
+	timeout := time.NewTimer(f.Timing.AckTimeout)
 	defer timeout.Stop()
 	for {
 		if done, err := step(); done || err != nil {
@@ -197,12 +140,12 @@ func (d *Driver) pollNodes(ctx context.Context, step func() (done bool, err erro
 // timeout; a node that does not answer in time is passed over only if its
 // lease has expired by this controller's clock (it has fenced itself: its
 // devices take no I/O).
-func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error {
+func (f *Freezer) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error {
 	if len(remote) == 0 {
 		return nil
 	}
 	log := klog.FromContext(ctx)
-	answered, err := d.pollNodes(ctx, func() (bool, error) {
+	answered, err := f.pollNodes(ctx, func() (bool, error) {
 		pending := 0
 		for _, r := range remote {
 			if r.answered {
@@ -240,7 +183,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 		if r.answered {
 			continue
 		}
-		verdict, err := d.leases.Verdict(r.pool, r.node, true)
+		verdict, err := f.deps.Verdict(r.pool, r.node, true)
 		if err == nil && verdict.Expired {
 			log.Info("Node did not answer the freeze request, and its lease has expired: it has fenced itself off the pool, so nothing of it writes to the volume; copying without its freeze", "volume", r.id, "node", r.node, "lease", verdict.Why)
 			r.answered = true
@@ -254,7 +197,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 	}
 	if len(live) > 0 {
 		return csierr.Failf(pool.ErrUnavailable, "no acknowledgement of a freeze for a snapshot within %s from %s; a node that still renews its lease may be writing, so no copy is made (is its node plugin running and reading the pool?): retry later",
-			d.freezeTiming.AckTimeout, strings.Join(live, "; "))
+			f.Timing.AckTimeout, strings.Join(live, "; "))
 	}
 	return nil
 }
@@ -264,7 +207,7 @@ func (d *Driver) awaitFreezes(ctx context.Context, remote []*remoteFreeze) error
 // inbox, its last step), so that a snapshot returns with nothing frozen: the
 // pod writes again, and an unstage right after is not refused as busy. A node
 // that is slow to notice only delays the return; the copy stands.
-func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
+func (f *Freezer) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 	var held []*remoteFreeze
 	for _, r := range remote {
 		if r.frozen {
@@ -274,7 +217,7 @@ func (d *Driver) awaitThaws(ctx context.Context, remote []*remoteFreeze) {
 	if len(held) == 0 {
 		return
 	}
-	if done, _ := d.pollNodes(ctx, func() (bool, error) {
+	if done, _ := f.pollNodes(ctx, func() (bool, error) {
 		pending := held[:0]
 		for _, r := range held {
 			if a, ok, err := r.pool.Freezes().ReadAck(r.node, r.id); err != nil || (ok && a.Nonce == r.nonce) {
@@ -295,7 +238,7 @@ func outlasted(bound time.Duration) time.Duration { return bound - bound/20 }
 // checkStillFrozen tells whether every node that froze a volume still said
 // "frozen" after the copy: a node writes "thawed" before it thaws early, so
 // that answer proves the copy ended before any thaw.
-func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
+func (f *Freezer) checkStillFrozen(remote []*remoteFreeze) error {
 	var thawed []string
 	for _, r := range remote {
 		if !r.frozen {
@@ -323,4 +266,52 @@ func (d *Driver) checkStillFrozen(remote []*remoteFreeze) error {
 		return csierr.Failf(pool.ErrBusy, "a filesystem was thawed before the copy ended, so the copy is not of one point in time: %s; the copy is discarded, retry (a copy that outlasts --freeze-max-hold never succeeds)", strings.Join(thawed, "; "))
 	}
 	return nil
+}
+
+// freezeIfStagedHere is QuiesceAll's part on this node: it freezes the
+// filesystem of an image volume staged here, so its image is clean while it is
+// copied, and returns the thaw, which fails (ABORTED, retried) if the freeze's
+// bound (--freeze-max-hold) thawed it first. Other nodes are asked through
+// their freeze inboxes (QuiesceAll). The filesystem is found as the agent
+// finds it (ownDevice, FreezeVolumeHere): this node's own mount of the loop
+// device it staged the volume on, never the staging path the pool records. A stage it cannot tell is
+// the volume's mount is not frozen, never a wrong filesystem. Callers hold
+// the volume's in-process lock, so no unstage runs meanwhile.
+func (f *Freezer) freezeIfStagedHere(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume) (thaw func() error) {
+	noop := func() error { return nil }
+	if !Freezable(v) || !slices.ContainsFunc(v.Staged, func(st pool.StageRecord) bool { return st.Node == f.deps.NodeID }) {
+		return noop
+	}
+	log := klog.FromContext(ctx)
+	if !f.Recovered() {
+		log.Info("Not freezing: the thaws after this node plugin's restart are not done yet; the snapshot is crash-consistent", "volume", vid)
+		return noop
+	}
+	start := time.Now()
+	dev, _, err := f.ownDevice(p, vid)
+	if err != nil {
+		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "err", err)
+		return noop
+	}
+	h, why, err := f.FreezeVolumeHere(ctx, vid, dev, f.Timing.MaxHold)
+	if err != nil || h == nil {
+		// Not known to be the volume's mount: not frozen (the snapshot is
+		// then crash-consistent), never a wrong filesystem frozen.
+		log.Info("Cannot freeze the filesystem; the snapshot is crash-consistent", "volume", vid, "why", why, "err", err)
+		return noop
+	}
+	log.Info("Froze filesystem for a snapshot", "volume", vid, "path", h.path)
+	return func() error {
+		expired := h.fs.Expired()
+		if err := f.thawHere(ctx, h); err != nil {
+			log.Error(err, "Thawing the filesystem after a snapshot failed; its bound thaws it", "volume", vid, "path", h.path)
+		} else {
+			log.Info("Thawed filesystem", "volume", vid, "path", h.path)
+		}
+		if expired {
+			return csierr.Failf(pool.ErrBusy, "the filesystem of volume %s was thawed at its bound of %s (--freeze-max-hold) before the copy ended (it took %s), so the copy is not of one point in time: retry (raise --freeze-max-hold for copies this long)",
+				vid, f.Timing.MaxHold, time.Since(start).Round(time.Millisecond))
+		}
+		return nil
+	}
 }
