@@ -14,7 +14,7 @@ import (
 
 // csiContentSource is a volume's recorded source as the CO knows it: in the
 // volume's own pool, so with that pool's share tag.
-func (d *Driver) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.VolumeContentSource {
+func (d controllerServer) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.VolumeContentSource {
 	switch {
 	case r == nil:
 		return nil
@@ -27,7 +27,7 @@ func (d *Driver) csiContentSource(p *pool.Pool, r *pool.ContentSource) *csi.Volu
 
 // resolveContentSource finds the snapshot or volume a CreateVolume copies:
 // NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
-func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc poolset.Access) (*contentSource, error) {
+func (d controllerServer) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc poolset.Access) (*contentSource, error) {
 	if src == nil {
 		return nil, nil
 	}
@@ -60,7 +60,7 @@ func (d *Driver) resolveContentSource(ctx context.Context, src *csi.VolumeConten
 // finishClone fills a volume still in state creating with its source's data and
 // marks it ready. An image copy is grown to the volume's size; its filesystem
 // grows at the next NodeStageVolume, like any volume expanded while unstaged.
-func (d *Driver) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+func (d controllerServer) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
 	if !src.IsSnapshot() {
 		// Copying a volume: hold it against concurrent grow, stage and delete.
 		sv, release, err := d.holdVolume(ctx, holdCloneSource, p, src.VolID)

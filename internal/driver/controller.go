@@ -46,7 +46,7 @@ var controllerCaps = []csi.ControllerServiceCapability_RPC_Type{
 	csilegacy.ControllerVolumeCondition,
 }
 
-func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+func (d controllerServer) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
 	out := make([]*csi.ControllerServiceCapability, 0, len(controllerCaps)+len(snapshotCaps))
 	for _, c := range append(controllerCaps[:len(controllerCaps):len(controllerCaps)], snapshotCaps...) {
 		if c == csi.ControllerServiceCapability_RPC_EXPAND_VOLUME && d.opts.ExpandOnNode {
@@ -59,7 +59,7 @@ func (d *Driver) ControllerGetCapabilities(context.Context, *csi.ControllerGetCa
 	return &csi.ControllerGetCapabilitiesResponse{Capabilities: out}, nil
 }
 
-func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
+func (d controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	cr, err := d.createRequest(ctx, req)
 	if err != nil {
@@ -117,7 +117,7 @@ func (d *Driver) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest)
 	return &csi.CreateVolumeResponse{Volume: d.csiVolume(p, v)}, nil
 }
 
-func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
+func (d controllerServer) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	out := &csi.Volume{
 		VolumeId:      d.pools.WireID(p, v.ID),
 		CapacityBytes: v.CapacityBytes,
@@ -140,7 +140,7 @@ func (d *Driver) csiVolume(p *pool.Pool, v *pool.Volume) *csi.Volume {
 	return out
 }
 
-func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
+func (d controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (_ *csi.DeleteVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	rq, err := d.resolve(ctx, rpcDeleteVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, nil)
 	if err != nil {
@@ -198,7 +198,7 @@ func (d *Driver) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest)
 	return &csi.DeleteVolumeResponse{}, nil
 }
 
-func (d *Driver) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
+func (d controllerServer) ValidateVolumeCapabilities(ctx context.Context, req *csi.ValidateVolumeCapabilitiesRequest) (_ *csi.ValidateVolumeCapabilitiesResponse, err error) {
 	defer csierr.ToStatus(&err)
 	rq, err := d.resolve(ctx, rpcValidateVolumeCapabilities, req.GetVolumeId(), poolset.Access{}, func() error {
 		if len(req.GetVolumeCapabilities()) == 0 {
@@ -238,7 +238,7 @@ type listed struct {
 // max (0: all), and returns the ID of the next one keep accepts ("" at the
 // end): the next page's token. It reads only the page's metadata (plus the
 // next entry's), so a walk costs what it returns, whatever the pool's size.
-func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.Entry) bool) ([]listed, string, error) {
+func (d controllerServer) pageVolumes(token string, max int, keep func(*pool.Pool, pool.Entry) bool) ([]listed, string, error) {
 	var start pool.VolumeID
 	if token != "" {
 		id, err := pool.ParseVolumeID(token)
@@ -247,7 +247,7 @@ func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.E
 		}
 		start = id
 	}
-	return walkPools(d, start.Pool, start.Key, max, func(p *pool.Pool, from string, limit int) ([]listed, string, error) {
+	return walkPools(d.core, start.Pool, start.Key, max, func(p *pool.Pool, from string, limit int) ([]listed, string, error) {
 		page, next, err := p.ListPage(from, limit, func(e pool.Entry) bool { return keep(p, e) })
 		out := make([]listed, len(page))
 		for i, e := range page {
@@ -264,7 +264,7 @@ func (d *Driver) pageVolumes(token string, max int, keep func(*pool.Pool, pool.E
 // startPool: list returns one pool's page from a key, at most limit entries
 // (0: all), and the token of the entry after it. It returns at most most
 // entries (0: all) and the next page's token.
-func walkPools[E any](d *Driver, startPool, startKey string, most int, list func(p *pool.Pool, from string, limit int) ([]E, string, error), token func(E) string) ([]E, string, error) {
+func walkPools[E any](d *core, startPool, startKey string, most int, list func(p *pool.Pool, from string, limit int) ([]E, string, error), token func(E) string) ([]E, string, error) {
 	var out []E
 	for _, pn := range d.pools.Names() {
 		if pn < startPool {
@@ -301,7 +301,7 @@ func walkPools[E any](d *Driver, startPool, startKey string, most int, list func
 // next page, so volumes created or deleted between pages neither repeat nor vanish
 // from the rest of the listing. Ready volumes are listed, and volumes whose
 // metadata is damaged (so the CO still sees they exist; the condition says why).
-func (d *Driver) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (_ *csi.ListVolumesResponse, err error) {
+func (d controllerServer) ListVolumes(ctx context.Context, req *csi.ListVolumesRequest) (_ *csi.ListVolumesResponse, err error) {
 	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
@@ -385,7 +385,7 @@ func (c *contextInterner) intern(m map[string]string) map[string]string {
 	return m
 }
 
-func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
+func (d controllerServer) ControllerGetVolume(ctx context.Context, req *csi.ControllerGetVolumeRequest) (_ *csi.ControllerGetVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	rq, err := d.resolve(ctx, rpcControllerGetVolume, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
@@ -401,7 +401,7 @@ func (d *Driver) ControllerGetVolume(ctx context.Context, req *csi.ControllerGet
 	return &csi.ControllerGetVolumeResponse{Volume: d.csiVolume(p, v), Status: st}, nil
 }
 
-func (d *Driver) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
+func (d controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityRequest) (_ *csi.GetCapacityResponse, err error) {
 	defer csierr.ToStatus(&err)
 	sc, err := params.ParseCreate(req.GetParameters(), d.pools.Params())
 	if err != nil {

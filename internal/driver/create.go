@@ -30,7 +30,7 @@ type volumeCreate struct {
 // this order: the name, the content source (NOT_FOUND when it does not
 // exist), the parameters and capabilities, the pool (a StorageClass's share
 // is mounted and laid out here), the topology, the size.
-func (d *Driver) createRequest(ctx context.Context, req *csi.CreateVolumeRequest) (*volumeCreate, error) {
+func (d controllerServer) createRequest(ctx context.Context, req *csi.CreateVolumeRequest) (*volumeCreate, error) {
 	cr := &volumeCreate{name: req.GetName()}
 	if err := params.CheckVolumeName(cr.name); err != nil {
 		return nil, err

@@ -133,13 +133,40 @@ type Options struct {
 	StartupFence *fence.StartupFence
 }
 
-// Driver serves the CSI services over one pool set.
+// Driver serves the CSI services over one pool set: a server type per
+// service (identity.go; the controller's and the group controller's
+// handlers; the node's), each over the one core they share, embedded so the
+// Driver answers every service.
 type Driver struct {
-	csi.UnimplementedIdentityServer
-	csi.UnimplementedControllerServer
-	csi.UnimplementedNodeServer
-	csi.UnimplementedGroupControllerServer
+	*core
+	identityServer
+	controllerServer
+	nodeServer
+}
 
+// identityServer is the Identity service.
+type identityServer struct {
+	csi.UnimplementedIdentityServer
+	*core
+}
+
+// controllerServer is the Controller and GroupController services.
+type controllerServer struct {
+	csi.UnimplementedControllerServer
+	csi.UnimplementedGroupControllerServer
+	*core
+}
+
+// nodeServer is the Node service.
+type nodeServer struct {
+	csi.UnimplementedNodeServer
+	*core
+}
+
+// core is what the services share: the options, the pools, the per-volume
+// locks, the node's kernel (layout.Deps) and the packages that do the
+// driver's other jobs (leases, freezes, I/O limits).
+type core struct {
 	opts Options
 	// pools are the operator's pools and the shares' (internal/poolset).
 	pools *poolset.Set
@@ -228,7 +255,7 @@ func New(opts Options) (*Driver, error) {
 	if err != nil {
 		return nil, fmt.Errorf("read loop devices: %w", err)
 	}
-	d := &Driver{
+	d := &core{
 		opts:  opts,
 		locks: newVolumeLocks(),
 		Deps: layout.Deps{Mounts: host.Mounts, Loops: host.Loops, Devs: host.Devices, FS: host.FS,
@@ -260,7 +287,7 @@ func New(opts Options) (*Driver, error) {
 	if d.opts.EphemeralSweepInterval == 0 {
 		d.opts.EphemeralSweepInterval = DefaultEphemeralSweep
 	}
-	return d, nil
+	return &Driver{core: d, identityServer: identityServer{core: d}, controllerServer: controllerServer{core: d}, nodeServer: nodeServer{core: d}}, nil
 }
 
 // Serve listens on endpoint (unix:///path/to.sock) and serves until ctx ends.
@@ -362,7 +389,7 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 
 // newFreezes is the driver's freezes, holding nothing: what a process
 // starts with.
-func newFreezes(d *Driver) *freeze.Freezer {
+func newFreezes(d *core) *freeze.Freezer {
 	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Lock: d.lockForFence,
 		Verdict: func(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
 			return d.leases.Verdict(p, node, staged)
@@ -375,7 +402,7 @@ func isLocal(p *pool.Pool) bool { return !p.Shared() }
 
 // detectQuotas runs detection for every pool present at start-up, so the log
 // says at once what dir volumes will get.
-func (d *Driver) detectQuotas(ctx context.Context) {
+func (d *core) detectQuotas(ctx context.Context) {
 	for _, pn := range d.pools.Names() {
 		if _, err := d.QuotaFor(ctx, d.pools.Pool(pn)); err != nil {
 			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
@@ -386,6 +413,6 @@ func (d *Driver) detectQuotas(ctx context.Context) {
 // layoutOf returns the implementation of l; an unknown layout (a volume.json
 // written by a newer driver) is treated as an image, whose checks refuse
 // anything they do not recognise.
-func (d *Driver) layoutOf(l pool.Layout) layout.Layout {
+func (d *core) layoutOf(l pool.Layout) layout.Layout {
 	return layout.Of(&d.Deps, l)
 }

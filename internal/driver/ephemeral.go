@@ -84,7 +84,7 @@ func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
 
 // parseEphemeral checks everything an inline volume's publish carries before
 // anything is made: the handle, the capability, the attributes.
-func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpec, error) {
+func (d nodeServer) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpec, error) {
 	s := ephemeralSpec{handle: req.GetVolumeId(), size: DefaultEphemeralSize}
 	if err := pool.ValidateEphemeralHandle(s.handle); err != nil {
 		return s, status.Error(codes.InvalidArgument, err.Error())
@@ -131,7 +131,7 @@ func (d *Driver) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpe
 
 // parseEphemeralAttrs reads the volume attributes into s (size, pool, pod)
 // and returns the fsType they name ("" for none).
-func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
+func (d nodeServer) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
 	var attrFS, ns, name string
 	var err error
 	for k, v := range attrs {
@@ -170,7 +170,7 @@ func (d *Driver) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) 
 
 // ephemeralPoolOf settles s's pool: the one its attributes named, else the
 // default, and refuses one that does not allow inline volumes.
-func (d *Driver) ephemeralPoolOf(s *ephemeralSpec) error {
+func (d nodeServer) ephemeralPoolOf(s *ephemeralSpec) error {
 	if s.pool == nil {
 		if s.pool = d.ephemeralPool; s.pool == nil {
 			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, poolset.JoinNames(d.pools.Configured()))
@@ -207,7 +207,7 @@ func parseEphemeralSize(v string) (int64, error) {
 // findEphemeral finds the inline volume of handle in the pools that allow
 // them: its pool and ID, or a nil pool when none holds it. A pool that cannot
 // be read is an error (UNAVAILABLE), not "none": the volume may be there.
-func (d *Driver) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
+func (d nodeServer) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
 	name := pool.EphemeralName(handle)
 	for _, pn := range d.pools.Configured() {
 		p := d.pools.Pool(pn)
@@ -233,7 +233,7 @@ func (d *Driver) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.
 // publishEphemeral makes, mounts and records an inline volume at target.
 // A retry finds what an earlier call made and converges; a failure removes
 // everything unless the target already shows the volume (a pod uses it).
-func (d *Driver) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) error {
+func (d nodeServer) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) error {
 	s, err := d.parseEphemeral(req)
 	if err != nil {
 		return err
@@ -298,7 +298,7 @@ func sameEphemeral(v *pool.Volume, s ephemeralSpec, node, target string) error {
 
 // makeEphemeral converges a reserved inline volume to "formatted, recorded
 // as this node's, mounted at target".
-func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
+func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
 	lay := layout.Of(&d.Deps, pool.LayoutImage)
 	var err error
 	if v.State == pool.StateCreating {
@@ -378,7 +378,7 @@ func (d *Driver) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Volum
 
 // rollbackEphemeral undoes a failed publish: unless the target shows the
 // volume (an earlier publish a pod may use), the volume goes entirely.
-func (d *Driver) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
+func (d nodeServer) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
 	if info, mounted, err := d.Mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
 		return
 	}
@@ -391,7 +391,7 @@ func (d *Driver) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.V
 // target (when named, and only if it is the volume's), the loop device (which
 // refuses while anything else mounts it), the volume. It refuses a volume
 // that is not this node's inline volume.
-func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) error {
+func (d nodeServer) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) error {
 	unlock, err := p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
 		return p.Delete(ctx, vid) // gone, or a delete that crashed half way
@@ -431,7 +431,7 @@ func (d *Driver) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vol
 
 // unpublishEphemeral is NodeUnpublishVolume of an inline volume's handle:
 // unmount, detach, delete; nothing found is done.
-func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) error {
+func (d nodeServer) unpublishEphemeral(ctx context.Context, handle, target string) error {
 	release, err := d.hold(handle, holdEphemeralUnpublish)
 	if err != nil {
 		return err
@@ -462,7 +462,7 @@ func (d *Driver) unpublishEphemeral(ctx context.Context, handle, target string) 
 
 // ephemeralRef resolves the handle of an inline volume to its volume, for
 // the node calls that name it (NodeGetVolumeStats).
-func (d *Driver) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) {
+func (d nodeServer) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) {
 	p, vid, _, err := d.findEphemeral(handle)
 	if err != nil {
 		return nil, vid, err
@@ -478,7 +478,7 @@ func (d *Driver) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) 
 // stopped between a publish and its unpublish, or a node that rebooted, left.
 // One whose target still shows it is kept: kubelet will unpublish it. It
 // returns how many it removed.
-func (d *Driver) sweepEphemeral(ctx context.Context) int {
+func (d nodeServer) sweepEphemeral(ctx context.Context) int {
 	logger := klog.FromContext(ctx)
 	removed := 0
 	for _, pn := range d.pools.Configured() {
@@ -506,7 +506,7 @@ func (d *Driver) sweepEphemeral(ctx context.Context) int {
 	return removed
 }
 
-func (d *Driver) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
+func (d nodeServer) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
 	logger := klog.FromContext(ctx)
 	release, err := d.hold(rec.Handle, holdSweep)
 	if err != nil {

@@ -17,7 +17,7 @@ import (
 // The node catches up later — NodeExpandVolume online, or the next
 // NodeStageVolume — because only the node can refresh its loop device and grow
 // the filesystem on it.
-func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
+func (d controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.ControllerExpandVolumeRequest) (_ *csi.ControllerExpandVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	r := req.GetCapacityRange()
 	rq, err := d.resolve(ctx, rpcControllerExpandVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() error {
@@ -56,7 +56,7 @@ func (d *Driver) ControllerExpandVolume(ctx context.Context, req *csi.Controller
 // NodeExpandVolume brings a staged volume to the size its image file has: the
 // loop device first, then the filesystem, online. It accepts the staging path
 // or any publish path of the volume, as kubelet may pass either.
-func (d *Driver) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, err error) {
+func (d nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVolumeRequest) (_ *csi.NodeExpandVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	if req.GetVolumeId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "volume_id is required")

@@ -27,7 +27,7 @@ import (
 // its members, which are ordinary snapshots that carry the group's ID: each
 // restores with CreateVolume like any other, and only the group deletes them.
 
-func (d *Driver) GroupControllerGetCapabilities(context.Context, *csi.GroupControllerGetCapabilitiesRequest) (*csi.GroupControllerGetCapabilitiesResponse, error) {
+func (d controllerServer) GroupControllerGetCapabilities(context.Context, *csi.GroupControllerGetCapabilitiesRequest) (*csi.GroupControllerGetCapabilitiesResponse, error) {
 	return &csi.GroupControllerGetCapabilitiesResponse{Capabilities: []*csi.GroupControllerServiceCapability{{
 		Type: &csi.GroupControllerServiceCapability_Rpc{Rpc: &csi.GroupControllerServiceCapability_RPC{
 			Type: csi.GroupControllerServiceCapability_RPC_CREATE_DELETE_GET_VOLUME_GROUP_SNAPSHOT,
@@ -51,7 +51,7 @@ func parseGroupRef(raw string) (id pool.GroupSnapshotID, known bool, err error) 
 	return id, false, nil
 }
 
-func (d *Driver) csiGroup(p *pool.Pool, g *pool.GroupSnapshot, members []*pool.Snapshot) *csi.VolumeGroupSnapshot {
+func (d controllerServer) csiGroup(p *pool.Pool, g *pool.GroupSnapshot, members []*pool.Snapshot) *csi.VolumeGroupSnapshot {
 	out := &csi.VolumeGroupSnapshot{
 		GroupSnapshotId: d.pools.WireID(p, g.ID),
 		CreationTime:    timestamppb.New(g.CreatedAt),
@@ -146,7 +146,7 @@ type groupSource struct {
 // copied, then all are thawed: the freeze window covers all members before the
 // first copy starts. A member that fails rolls the whole group back: no member
 // and no record is left.
-func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
+func (d controllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (_ *csi.CreateVolumeGroupSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
 	if err := params.CheckRequestName("group snapshot", name); err != nil {
@@ -225,7 +225,7 @@ func (d *Driver) CreateVolumeGroupSnapshot(ctx context.Context, req *csi.CreateV
 // groupSources checks a group's volume IDs, every one before any pool is
 // touched: well-formed, each named once, all in one pool, whose pool it
 // returns.
-func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[string]string) (vids []pool.VolumeID, p *pool.Pool, err error) {
+func (d controllerServer) groupSources(ctx context.Context, raws []string, secrets map[string]string) (vids []pool.VolumeID, p *pool.Pool, err error) {
 	if len(raws) == 0 {
 		return nil, nil, status.Error(codes.InvalidArgument, "source_volume_ids is required")
 	}
@@ -264,7 +264,7 @@ func (d *Driver) groupSources(ctx context.Context, raws []string, secrets map[st
 // volume, in the order of their IDs: two groups that share volumes cannot
 // deadlock, and a single snapshot takes only one of them. It measures each
 // volume's data, which must be there.
-func (d *Driver) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool.VolumeID) (_ []groupSource, unlock func(), err error) {
+func (d controllerServer) lockGroupSources(ctx context.Context, p *pool.Pool, vids []pool.VolumeID) (_ []groupSource, unlock func(), err error) {
 	sorted := slices.Clone(vids)
 	sort.Slice(sorted, func(i, j int) bool { return sorted[i].String() < sorted[j].String() })
 	var releases []func()
@@ -339,7 +339,7 @@ func checkOneInstant(name string, srcs []groupSource) error {
 
 // cutGroup reserves, freezes, copies and thaws. A record a crash left
 // unfinished may have members of another instant: they are removed first.
-func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot, srcs []groupSource) error {
+func (d controllerServer) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot, srcs []groupSource) error {
 	if err := removeMembers(ctx, p, gid, g); err != nil {
 		return fmt.Errorf("group snapshot %s: remove a member an interrupted attempt left: %w", gid, err)
 	}
@@ -366,7 +366,7 @@ func (d *Driver) cutGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnaps
 // inbox), copies each, and thaws them all, also when a copy fails. A node
 // that thawed before the last copy ended fails the group (ABORTED, retried):
 // its member would not be of the same instant.
-func (d *Driver) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSource, snaps []*pool.Snapshot) (err error) {
+func (d controllerServer) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSource, snaps []*pool.Snapshot) (err error) {
 	members := make([]freeze.Member, len(srcs))
 	for i, src := range srcs {
 		members[i] = freeze.Member{Pool: p, ID: src.id, Vol: src.vol}
@@ -390,7 +390,7 @@ func (d *Driver) copyFrozen(ctx context.Context, p *pool.Pool, srcs []groupSourc
 
 // removeGroup removes the members and then the record, so that a retry after
 // a crash still finds the record and finishes.
-func (d *Driver) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
+func (d controllerServer) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
 	if err := removeMembers(ctx, p, gid, g); err != nil {
 		return err
 	}
@@ -414,7 +414,7 @@ func removeMembers(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, 
 // DeleteVolumeGroupSnapshot removes a group and its members; an unknown or
 // already deleted group is success. The snapshot IDs the call names must be
 // the group's members.
-func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteVolumeGroupSnapshotRequest) (_ *csi.DeleteVolumeGroupSnapshotResponse, err error) {
+func (d controllerServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteVolumeGroupSnapshotRequest) (_ *csi.DeleteVolumeGroupSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
 	if err != nil {
@@ -450,7 +450,7 @@ func (d *Driver) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.DeleteV
 	return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
 }
 
-func (d *Driver) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeGroupSnapshotRequest) (_ *csi.GetVolumeGroupSnapshotResponse, err error) {
+func (d controllerServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVolumeGroupSnapshotRequest) (_ *csi.GetVolumeGroupSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	gid, known, err := parseGroupRef(req.GetGroupSnapshotId())
 	if err != nil {

@@ -74,7 +74,7 @@ func loadEntry(p *pool.Pool, vid pool.VolumeID) (pool.Entry, error) {
 	}
 }
 
-func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
+func (d controllerServer) ControllerGetVolumeHealth(ctx context.Context, req *csi.ControllerGetVolumeHealthRequest) (_ *csi.ControllerGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
 	rq, err := d.resolve(ctx, rpcControllerGetVolumeHealth, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
@@ -90,7 +90,7 @@ func (d *Driver) ControllerGetVolumeHealth(ctx context.Context, req *csi.Control
 
 // controllerIssues is the controller-side health of one volume, for the
 // VolumeHealth RPCs and the legacy volume_condition alike.
-func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Issue, error) {
+func (d controllerServer) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Issue, error) {
 	e, err := loadEntry(p, vid)
 	if err != nil {
 		return nil, err
@@ -104,7 +104,7 @@ func (d *Driver) controllerIssues(p *pool.Pool, vid pool.VolumeID) ([]health.Iss
 
 // ControllerListVolumeHealth lists the volumes with an adverse condition, damaged
 // metadata included, paged by volume ID like ListVolumes.
-func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (_ *csi.ControllerListVolumeHealthResponse, err error) {
+func (d controllerServer) ControllerListVolumeHealth(ctx context.Context, req *csi.ControllerListVolumeHealthRequest) (_ *csi.ControllerListVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
@@ -137,7 +137,7 @@ func (d *Driver) ControllerListVolumeHealth(ctx context.Context, req *csi.Contro
 // NodeGetVolumeHealth checks the volume on this node. Unlike NodeGetVolumeStats
 // it answers for a volume whose mount has vanished: that is an INACCESSIBLE
 // condition the CO should show, not a missing volume.
-func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
+func (d nodeServer) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolumeHealthRequest) (_ *csi.NodeGetVolumeHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
 	rq, err := d.resolve(ctx, rpcNodeGetVolumeHealth, req.GetVolumeId(), poolset.Access{}, nil)
 	if err != nil {
@@ -163,7 +163,7 @@ func (d *Driver) NodeGetVolumeHealth(ctx context.Context, req *csi.NodeGetVolume
 // nodeIssues is the node-side health of one volume at the paths given (either
 // may be empty), for NodeGetVolumeHealth and the legacy volume_condition of
 // NodeGetVolumeStats alike.
-func (d *Driver) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish string) ([]health.Issue, error) {
+func (d nodeServer) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish string) ([]health.Issue, error) {
 	if is := d.leases.FencedIssue(p); is != nil {
 		// Said without touching the pool: a node fences itself when the
 		// pool stops answering.
@@ -259,7 +259,7 @@ func (c *poolChecks) start(p *pool.Pool) *poolCheck {
 // stops answering), a fenced pool is not checked, and each other pool's
 // check is given poolCheckTimeout: one that does not answer by then is
 // reported so.
-func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
+func (d nodeServer) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStorageHealthRequest) (_ *csi.NodeGetStorageHealthResponse, err error) {
 	defer csierr.ToStatus(&err)
 	resp := &csi.NodeGetStorageHealthResponse{}
 	fenced, failedClosed := d.leases.FencedPools()
@@ -320,7 +320,7 @@ func (d *Driver) NodeGetStorageHealth(ctx context.Context, req *csi.NodeGetStora
 // controller-side health issue, by volume ID, with the message the legacy
 // condition carries: for reporting health where the health monitor sidecar is
 // not deployed (internal/pvcevents).
-func (d *Driver) AbnormalVolumes(ctx context.Context) (map[string]string, error) {
+func (d controllerServer) AbnormalVolumes(ctx context.Context) (map[string]string, error) {
 	resp, err := d.ControllerListVolumeHealth(ctx, &csi.ControllerListVolumeHealthRequest{})
 	if err != nil {
 		return nil, err

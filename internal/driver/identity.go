@@ -11,11 +11,11 @@ import (
 	"github.com/poolcsi/poolcsi/internal/health"
 )
 
-func (d *Driver) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+func (d identityServer) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
 	return &csi.GetPluginInfoResponse{Name: d.opts.Name, VendorVersion: d.opts.Version}, nil
 }
 
-func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+func (d identityServer) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
 	caps := []*csi.PluginCapability{{
 		Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{
 			Type: csi.PluginCapability_Service_VOLUME_ACCESSIBILITY_CONSTRAINTS,
@@ -61,7 +61,7 @@ func (d *Driver) GetPluginCapabilities(context.Context, *csi.GetPluginCapabiliti
 // alive", with a 3 s timeout in the chart, so it does not wait for them past
 // its deadline: they run in the background, one round at a time, and Probe
 // answers when they are done or its deadline comes, whichever is first.
-func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+func (d identityServer) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResponse, error) {
 	select {
 	case <-d.probePools(ctx):
 	case <-ctx.Done():
@@ -72,7 +72,7 @@ func (d *Driver) Probe(ctx context.Context, _ *csi.ProbeRequest) (*csi.ProbeResp
 
 // probePools starts a round of Probe's pool checks unless one is under way,
 // and returns a channel closed when that round is done.
-func (d *Driver) probePools(ctx context.Context) <-chan struct{} {
+func (d identityServer) probePools(ctx context.Context) <-chan struct{} {
 	d.probeMu.Lock()
 	defer d.probeMu.Unlock()
 	if d.probing != nil {
@@ -95,7 +95,7 @@ func (d *Driver) probePools(ctx context.Context) <-chan struct{} {
 
 // notePools logs each pool's change between usable and unusable (and the
 // extra readiness checks', such as a mount stanza's), once per change.
-func (d *Driver) notePools(ctx context.Context) {
+func (d identityServer) notePools(ctx context.Context) {
 	log := klog.FromContext(ctx)
 	note := func(key string, err error) {
 		prev, seen := d.poolState.Load(key)

@@ -26,7 +26,7 @@ import (
 // filesystem on it would write its journal and superblock into an image that
 // another node has mounted. An unreadable record fences nothing here: the
 // lease's own fence covers a pool that does not answer.
-func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image, staging string) error {
+func (d *core) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image, staging string) error {
 	if !p.Shared() {
 		return nil
 	}
@@ -63,7 +63,7 @@ func (d *Driver) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.Volume
 // the device detached if nothing else mounts it; the stage then starts anew.
 // Reusing it would serve a stale page cache and write it back over the other
 // node's data.
-func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
+func (d *core) dropStaleStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
 	// A read-only stage writes nothing back; on one machine running two node
 	// plugins (the tests) the device it finds is the other node's read-only one.
 	if readOnly || !nv.Pool.Shared() || nv.Vol.Layout != pool.LayoutImage {
@@ -99,7 +99,7 @@ func (d *Driver) dropStaleStage(ctx context.Context, nv nodeVolume, staging stri
 // device if nothing mounts it. A device of the image mounted elsewhere is not
 // this stage's: on one machine running two node plugins (the tests), it is the
 // other node's, which must not be fenced for this one.
-func (d *Driver) stageDevice(staging, image string) (string, error) {
+func (d *core) stageDevice(staging, image string) (string, error) {
 	if info, mounted, err := d.Mounts.Info(staging); err == nil && mounted {
 		if d.Loops.Backs(info.Source, image) {
 			return info.Source, nil
@@ -123,7 +123,7 @@ func (d *Driver) stageDevice(staging, image string) (string, error) {
 // volume v staged read-write may go (a force-detach: the node never unstaged):
 // only once each one's lease has expired. It returns the retryable error to
 // answer meanwhile.
-func (d *Driver) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) error {
+func (d *core) forceDetachable(p *pool.Pool, v *pool.Volume, nodes []string) error {
 	var waits []string
 	for _, n := range nodes {
 		// Every node here holds a read-write stage record of v.
@@ -149,10 +149,10 @@ type LeaseState = fence.LeaseState
 type PeerLease = fence.PeerLease
 
 // LeaseStates reports this node's leases, by pool name.
-func (d *Driver) LeaseStates() []LeaseState { return d.leases.States() }
+func (d *core) LeaseStates() []LeaseState { return d.leases.States() }
 
 // PeerLeases is what the last watch saw of every node's lease, for metrics.
-func (d *Driver) PeerLeases() []PeerLease { return d.leases.PeerLeases() }
+func (d *core) PeerLeases() []PeerLease { return d.leases.PeerLeases() }
 
 // DefaultIOLimitsInterval is how often the node re-applies the I/O limits of
 // the volumes published here (Options.IOLimitsInterval).

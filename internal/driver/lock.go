@@ -36,6 +36,6 @@ func (l *volumeLocks) acquire(id string, h holder) (release func(), err error) {
 // lockForFence is the fence's lock on a volume: its passes over the node's
 // records name themselves by the holders of request.go's table
 // (holdDropStaleRecords, holdAdoptDevices).
-func (d *Driver) lockForFence(volume, h string) (func(), error) {
+func (d *core) lockForFence(volume, h string) (func(), error) {
 	return d.locks.acquire(volume, holder(h))
 }

@@ -16,7 +16,7 @@ import (
 // VolumeAttributesClass): its I/O limits, which the nodes apply to the pods
 // using it (iolimits.go), and preallocation of its image. Only the keys given
 // change; the whole request is checked before anything does.
-func (d *Driver) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
+func (d controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.ControllerModifyVolumeRequest) (_ *csi.ControllerModifyVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	var m params.Mutable
 	rq, err := d.resolve(ctx, rpcControllerModifyVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() (err error) {

@@ -30,7 +30,7 @@ var nodeCaps = []csi.NodeServiceCapability_RPC_Type{
 	csilegacy.NodeVolumeCondition,
 }
 
-func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
+func (d nodeServer) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRequest) (*csi.NodeGetCapabilitiesResponse, error) {
 	out := make([]*csi.NodeServiceCapability, 0, len(nodeCaps))
 	for _, c := range nodeCaps {
 		out = append(out, &csi.NodeServiceCapability{
@@ -40,7 +40,7 @@ func (d *Driver) NodeGetCapabilities(context.Context, *csi.NodeGetCapabilitiesRe
 	return &csi.NodeGetCapabilitiesResponse{Capabilities: out}, nil
 }
 
-func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
+func (d nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.NodeGetInfoResponse, error) {
 	return &csi.NodeGetInfoResponse{
 		NodeId:             d.opts.NodeID,
 		MaxVolumesPerNode:  d.opts.MaxVolumesPerNode,
@@ -52,7 +52,7 @@ func (d *Driver) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.Nod
 // capability every one carries (checked before anything is locked), then the
 // front hall (request.go), then what the volume must be for the capability.
 // The caller defers release.
-func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc poolset.Access) (nodeVolume, func(), error) {
+func (d nodeServer) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc poolset.Access) (nodeVolume, func(), error) {
 	var caps params.Caps
 	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
 		if vc == nil {
@@ -72,7 +72,7 @@ func (d *Driver) nodeVolume(ctx context.Context, call holder, volumeID string, v
 	return nv, rq.release, nil
 }
 
-func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
+func (d nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRequest) (_ *csi.NodeStageVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
@@ -124,7 +124,7 @@ func (d *Driver) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolumeRe
 // says which): only the volume's own mount is taken down, so a wrong or
 // hostile call cannot unmount another volume's mount or anything else mounted
 // there.
-func (d *Driver) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) func(mount.MountInfo) error {
+func (d *core) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) func(mount.MountInfo) error {
 	return func(info mount.MountInfo) error {
 		if d.showsVolume(p, vid, path, info) {
 			return nil
@@ -137,7 +137,7 @@ func (d *Driver) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) 
 // filesystem or the device node of the loop device its image is attached to,
 // or its data directory. It needs no metadata, so a volume whose volume.json is
 // gone can still be unmounted, and nothing else ever is.
-func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mount.MountInfo) bool {
+func (d *core) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mount.MountInfo) bool {
 	if p == nil {
 		return false
 	}
@@ -166,7 +166,7 @@ func (d *Driver) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info 
 // check made apart from the record would let two nodes both pass it. claimed
 // tells whether this call added the record (a retried stage finds it there).
 // The record also makes the controller refuse to delete the volume meanwhile.
-func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
+func (d nodeServer) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
 	err = d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		if err := d.layoutOf(v.Layout).Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, csierr.Failf(csierr.ErrInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
@@ -185,7 +185,7 @@ func (d *Driver) claimStage(ctx context.Context, nv nodeVolume, staging string, 
 
 // recordStage makes this node's stage record say staging and readOnly, after a
 // stage that found an older record of this node.
-func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
+func (d nodeServer) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
 	return d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID && s.Path == staging && s.ReadOnly == readOnly {
@@ -198,7 +198,7 @@ func (d *Driver) recordStage(ctx context.Context, nv nodeVolume, staging string,
 }
 
 // unclaimStage takes back a claim whose stage failed, so it fences nothing.
-func (d *Driver) unclaimStage(ctx context.Context, nv nodeVolume) {
+func (d nodeServer) unclaimStage(ctx context.Context, nv nodeVolume) {
 	err := d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
@@ -210,11 +210,11 @@ func (d *Driver) unclaimStage(ctx context.Context, nv nodeVolume) {
 }
 
 // updateVolume is pool.Update with its error mapped to a gRPC code.
-func (d *Driver) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
+func (d *core) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
 	return p.Update(ctx, id, change)
 }
 
-func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, err error) {
+func (d nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolumeRequest) (_ *csi.NodeUnstageVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
@@ -263,7 +263,7 @@ func (d *Driver) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageVolu
 // on it then fails the detach, and the call is retried). A device that is
 // mounted and that this node never recorded belongs to something else (two
 // node plugins on one kernel in tests, or an operator) and is left alone.
-func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
+func (d nodeServer) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.VolumeID, image string) error {
 	// Detach itself refuses a device that is still mounted (it reads the mount
 	// table for that, so this does not read it again first).
 	err := d.Loops.Detach(ctx, image)
@@ -284,7 +284,7 @@ func (d *Driver) detachIfOurs(ctx context.Context, p *pool.Pool, vid pool.Volume
 	return nil
 }
 
-func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, err error) {
+func (d nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolumeRequest) (_ *csi.NodePublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	target, err := d.RequestPath("target_path", req.GetTargetPath())
 	if err != nil {
@@ -303,7 +303,7 @@ func (d *Driver) NodePublishVolume(ctx context.Context, req *csi.NodePublishVolu
 }
 
 // publishPersistent publishes a volume of a pool, staged before, by its ID.
-func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) (*csi.NodePublishVolumeResponse, error) {
+func (d nodeServer) publishPersistent(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) (*csi.NodePublishVolumeResponse, error) {
 	staging, err := d.RequestPath("staging_target_path", req.GetStagingTargetPath())
 	if err != nil {
 		return nil, err
@@ -329,7 +329,7 @@ func (d *Driver) publishPersistent(ctx context.Context, req *csi.NodePublishVolu
 	return &csi.NodePublishVolumeResponse{}, nil
 }
 
-func (d *Driver) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, err error) {
+func (d nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpublishVolumeRequest) (_ *csi.NodeUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	target, err := d.RequestPath("target_path", req.GetTargetPath())
 	if err != nil {

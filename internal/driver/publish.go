@@ -22,7 +22,7 @@ import (
 // pool and process. A node plugin that registered with a pool is how a controller
 // (possibly on another machine, sharing the pool) tells a real node ID from a
 // wrong one in ControllerPublishVolume.
-func (d *Driver) registerNode(ctx context.Context) {
+func (d *core) registerNode(ctx context.Context) {
 	if !d.opts.Mode.node() {
 		return
 	}
@@ -46,7 +46,7 @@ func (d *Driver) registerNode(ctx context.Context) {
 // checkNode validates a node ID for a volume: syntactically, then that the node
 // has registered with the volume's pool and, for a local pool, that it is the node
 // holding the volume.
-func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
+func (d controllerServer) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	if err := pool.ValidateNodeID(node); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -69,7 +69,7 @@ func (d *Driver) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	return nil
 }
 
-func (d *Driver) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
+func (d controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (_ *csi.ControllerPublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	node, vc := req.GetNodeId(), req.GetVolumeCapability()
 	var caps params.Caps
@@ -137,7 +137,7 @@ func publishContext(v *pool.Volume) map[string]string {
 // ControllerUnpublishVolume forgets node's publish record (every node's when no
 // node is named, as the spec asks). A volume or record that is already gone is
 // success: the volume is then certainly not published there.
-func (d *Driver) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
+func (d controllerServer) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (_ *csi.ControllerUnpublishVolumeResponse, err error) {
 	defer csierr.ToStatus(&err)
 	node := req.GetNodeId()
 	rq, err := d.resolve(ctx, rpcControllerUnpublishVolume, req.GetVolumeId(), poolset.Access{Secrets: req.GetSecrets()}, func() error {
@@ -223,7 +223,7 @@ func publishedError(v *pool.Volume) error {
 // pools, publishing different volumes to one node cannot both take its last
 // slot. The caller holds vid's volume lock file until the record is saved,
 // which is what keeps the entry from being taken for a stale one meanwhile.
-func (d *Driver) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, node string) error {
+func (d controllerServer) reserveAttachSlot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, node string) error {
 	rec, ok, err := p.Publications().Node(node)
 	if err != nil {
 		return err

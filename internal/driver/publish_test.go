@@ -32,7 +32,7 @@ func TestPublishFence(t *testing.T) {
 		{"own record", pool.LayoutImage, []pool.PublishRecord{rec("n2", false)}, false, codes.OK},
 		{"dir writers", pool.LayoutDir, []pool.PublishRecord{rec("n1", false), rec("n3", false)}, false, codes.OK},
 	}
-	d := &Driver{}
+	d := &core{}
 	for _, tt := range tests {
 		v := &pool.Volume{ID: "p.x", Layout: tt.layout, Published: tt.held}
 		if got := status.Code(csierr.GRPCError(d.layoutOf(tt.layout).Fence(v, "n2", tt.readOnly))); got != tt.want {
@@ -60,7 +60,7 @@ func TestAccessModesByLayout(t *testing.T) {
 		{"dir block", block, pool.LayoutDir, false},
 		{"image block", block, pool.LayoutImage, true},
 	}
-	d := &Driver{}
+	d := &core{}
 	for _, tt := range tests {
 		caps, err := params.ParseCaps([]*csi.VolumeCapability{tt.vc}, "ext4")
 		if err != nil {

@@ -268,7 +268,7 @@ func TestFreezeControllerDies(t *testing.T) {
 	}
 	// What a new process starts with: no holds, no in-process locks.
 	a.locks = newVolumeLocks()
-	a.freezes = newFreezes(a.Driver)
+	a.freezes = newFreezes(a.core)
 	a.freezes.Timing = testFreeze
 	a.freezes.Now = a.clock.now
 	a.freezes.ThawAfterCrash(ctx)
@@ -454,7 +454,7 @@ func TestGroupSnapshotFreezesOtherNode(t *testing.T) {
 func TestControllerOnItsOwnNodeAsksThroughTheInbox(t *testing.T) {
 	a, b, id, staging := freezePair(t, true)
 	b.opts.NodeID, b.opts.Mode = "node-a", ModeController
-	b.freezes = newFreezes(b.Driver)
+	b.freezes = newFreezes(b.core)
 	b.freezes.Timing = testFreeze
 	var frozen []bool
 	quiesce := b.quiesceCopy

@@ -134,7 +134,7 @@ func noRelease() {}
 // order: parse, the call's own checks (check, nil for none: run after the ID
 // parses, before anything is locked or mounted), lock, pool, record. acc is
 // what the call brings to mount a share; it is used only on a mount route.
-func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc poolset.Access, check func() error) (volumeRequest, error) {
+func (d *core) resolve(ctx context.Context, call holder, rawID string, acc poolset.Access, check func() error) (volumeRequest, error) {
 	r, ok := routes[call]
 	if !ok {
 		return volumeRequest{}, status.Errorf(codes.Internal, "%s has no row in the lock table", call)
@@ -191,7 +191,7 @@ func (d *Driver) resolve(ctx context.Context, call holder, rawID string, acc poo
 
 // hold takes the in-process lock of an ID a call made or parsed itself (a new
 // volume, a snapshot, a group); the caller defers release.
-func (d *Driver) hold(id string, h holder) (func(), error) {
+func (d *core) hold(id string, h holder) (func(), error) {
 	return d.locks.acquire(id, h)
 }
 
@@ -199,7 +199,7 @@ func (d *Driver) hold(id string, h holder) (func(), error) {
 // lock, and loads it (NOT_FOUND when it does not exist): what a call that
 // reads a volume's data (a clone's or a snapshot's source) holds while it
 // reads. The caller defers release.
-func (d *Driver) holdVolume(ctx context.Context, h holder, p *pool.Pool, vid pool.VolumeID) (*pool.Volume, func(), error) {
+func (d *core) holdVolume(ctx context.Context, h holder, p *pool.Pool, vid pool.VolumeID) (*pool.Volume, func(), error) {
 	release, err := d.locks.acquire(vid.String(), h)
 	if err != nil {
 		return nil, nil, err

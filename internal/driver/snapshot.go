@@ -46,7 +46,7 @@ func parseSnapshotRef(field, raw string) (id pool.SnapshotID, known bool, err er
 
 // csiSnapshot is a snapshot as the CO knows it: its ID and its source's (in
 // the same pool) with the pool's share tag, and a member's group's.
-func (d *Driver) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
+func (d controllerServer) csiSnapshot(p *pool.Pool, s *pool.Snapshot) *csi.Snapshot {
 	out := &csi.Snapshot{
 		SnapshotId:     d.pools.WireID(p, s.ID),
 		SourceVolumeId: d.pools.WireID(p, s.SourceVolumeID),
@@ -76,7 +76,7 @@ func checkSnapshotParams(in map[string]string) error {
 // as consistent as a crash at that instant (crash-consistent); an image volume's
 // filesystem is frozen around the copy on whichever node has it staged
 // (internal/freeze), which makes it a clean filesystem image.
-func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
+func (d controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (_ *csi.CreateSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	name := req.GetName()
 	if err := params.CheckRequestName("snapshot", name); err != nil {
@@ -148,7 +148,7 @@ func (d *Driver) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequ
 // copySnapshot fills a reserved snapshot with the source's data and marks it
 // ready; an image volume's filesystem is frozen around its copy on whichever
 // node has it staged (internal/freeze).
-func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
+func (d controllerServer) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, sid pool.SnapshotID, s *pool.Snapshot) error {
 	quiesce := func() (func() error, error) { return d.quiesceCopy(ctx, p, vid, v) }
 	if err := p.Snapshots().Fill(ctx, s, v, quiesce); err != nil {
 		return err
@@ -161,7 +161,7 @@ func (d *Driver) copySnapshot(ctx context.Context, p *pool.Pool, vid pool.Volume
 // Volumes made from a snapshot are independent copies, so nothing refuses it,
 // except that a member of a group snapshot that still exists is deleted only
 // with its group: INVALID_ARGUMENT, as CSI says (the snapshotter never asks).
-func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (_ *csi.DeleteSnapshotResponse, err error) {
+func (d controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (_ *csi.DeleteSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
@@ -199,7 +199,7 @@ func (d *Driver) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequ
 
 // loadSnapshot reads a ready snapshot, or NOT_FOUND; acc, where not nil,
 // lets the call mount the snapshot's share (poolset.Ensure).
-func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc *poolset.Access) (*pool.Pool, *pool.Snapshot, error) {
+func (d controllerServer) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc *poolset.Access) (*pool.Pool, *pool.Snapshot, error) {
 	var p *pool.Pool
 	var err error
 	if acc != nil {
@@ -222,7 +222,7 @@ func (d *Driver) loadSnapshot(ctx context.Context, sid pool.SnapshotID, acc *poo
 	return p, s, nil
 }
 
-func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (_ *csi.GetSnapshotResponse, err error) {
+func (d controllerServer) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (_ *csi.GetSnapshotResponse, err error) {
 	defer csierr.ToStatus(&err)
 	sid, known, err := parseSnapshotRef("snapshot_id", req.GetSnapshotId())
 	if err != nil {
@@ -240,7 +240,7 @@ func (d *Driver) GetSnapshot(ctx context.Context, req *csi.GetSnapshotRequest) (
 
 // ListSnapshots pages by snapshot ID, like ListVolumes: the token is the ID of the
 // first snapshot of the next page.
-func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (_ *csi.ListSnapshotsResponse, err error) {
+func (d controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (_ *csi.ListSnapshotsResponse, err error) {
 	defer csierr.ToStatus(&err)
 	if req.GetMaxEntries() < 0 {
 		return nil, status.Error(codes.InvalidArgument, "max_entries must not be negative")
@@ -270,7 +270,7 @@ func (d *Driver) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsReques
 	}
 	source = volumeIdentity(source)
 	// Paged like ListVolumes, reading only the page's snapshot.json files.
-	all, next, err := walkPools(d, start.Pool, start.Key, int(req.GetMaxEntries()), func(p *pool.Pool, from string, limit int) ([]*pool.Snapshot, string, error) {
+	all, next, err := walkPools(d.core, start.Pool, start.Key, int(req.GetMaxEntries()), func(p *pool.Pool, from string, limit int) ([]*pool.Snapshot, string, error) {
 		page, next, err := p.Snapshots().ListPage(from, limit, func(e pool.SnapshotEntry) bool {
 			if e.Err != nil {
 				klog.FromContext(ctx).Error(e.Err, "Snapshot metadata unreadable", "snapshot", e.ID)

@@ -21,7 +21,7 @@ import (
 // it into the kubelet_volume_stats_* metrics. It is on kubelet's hot path (every
 // volume, every minute): for ext4 and xfs volumes it costs a few stats, one loop
 // device ioctl and a statfs; the others also read volume.json and mountinfo.
-func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (_ *csi.NodeGetVolumeStatsResponse, err error) {
+func (d nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeStatsRequest) (_ *csi.NodeGetVolumeStatsResponse, err error) {
 	defer csierr.ToStatus(&err)
 	if pool.IsEphemeralHandle(req.GetVolumeId()) {
 		if req.GetVolumePath() == "" {
@@ -48,7 +48,7 @@ func (d *Driver) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolumeS
 }
 
 // statsOf is NodeGetVolumeStats of the volume vid of p, however the request named it.
-func (d *Driver) statsOf(ctx context.Context, p *pool.Pool, vid pool.VolumeID, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d nodeServer) statsOf(ctx context.Context, p *pool.Pool, vid pool.VolumeID, req *csi.NodeGetVolumeStatsRequest) (*csi.NodeGetVolumeStatsResponse, error) {
 	path, err := d.volumePath(vid, req.GetVolumePath())
 	if err != nil {
 		return nil, err
@@ -144,7 +144,7 @@ func (c *conditionCache) len() int {
 	return len(c.m)
 }
 
-func (d *Driver) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path string) ([]health.Issue, error) {
+func (d nodeServer) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path string) ([]health.Issue, error) {
 	key := conditionKey{volume: vid.String(), staging: staging, path: path}
 	if issues, ok := d.conditions.get(key, d.opts.StatsHealthTTL); ok {
 		return issues, nil
@@ -158,7 +158,7 @@ func (d *Driver) statsCondition(p *pool.Pool, vid pool.VolumeID, staging, path s
 }
 
 // volumeStats is the usage of volume vid of pool p at path.
-func (d *Driver) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, path string) (*csi.NodeGetVolumeStatsResponse, error) {
+func (d nodeServer) volumeStats(ctx context.Context, p *pool.Pool, vid pool.VolumeID, path string) (*csi.NodeGetVolumeStatsResponse, error) {
 	// Fast path, for ext4 and xfs image volumes: the path shows the filesystem of
 	// the loop device backed by this volume's image, which proves everything the
 	// call needs without reading volume.json or mountinfo.

@@ -41,7 +41,7 @@ func nestedIn(a, b string) string {
 // a pool (a dir volume's), strictly below --allowed-path-prefix, as the
 // node's mount table shows it (node-local, trusted); the mount at the path
 // itself is left to the layout (a retried call finds its own mount there).
-func (d *Driver) checkNesting(field, path string) error {
+func (d *core) checkNesting(field, path string) error {
 	table, err := d.Mounts.Table()
 	if err != nil {
 		return fmt.Errorf("%s %s: read the mount table: %w", field, path, err)
@@ -61,7 +61,7 @@ func (d *Driver) checkNesting(field, path string) error {
 
 // belowPrefix says whether m is strictly below --allowed-path-prefix (any
 // path but / without one).
-func (d *Driver) belowPrefix(m string) bool {
+func (d *core) belowPrefix(m string) bool {
 	prefix := d.PathPrefix
 	if prefix == "" || prefix == "/" {
 		return m != "/"
@@ -71,7 +71,7 @@ func (d *Driver) belowPrefix(m string) bool {
 
 // volumeMount says whether mount table entry e shows a volume: a loop
 // device's filesystem, or a directory of one of the pools bound there.
-func (d *Driver) volumeMount(table []mount.MountEntry, e mount.MountEntry) bool {
+func (d *core) volumeMount(table []mount.MountEntry, e mount.MountEntry) bool {
 	if e.Major == loopMajor {
 		return true
 	}
@@ -110,7 +110,7 @@ func (d *Driver) volumeMount(table []mount.MountEntry, e mount.MountEntry) bool 
 // volumePath validates the volume_path of NodeGetVolumeStats and NodeExpandVolume.
 // Kubelet only sends absolute paths, so any other path cannot hold the volume:
 // NOT_FOUND, as the CSI sanity suite expects, rather than INVALID_ARGUMENT.
-func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
+func (d *core) volumePath(vid pool.VolumeID, raw string) (string, error) {
 	path, err := d.RequestPath("volume_path", raw)
 	if err != nil {
 		return "", csierr.Failf(csierr.ErrNotAtPath, "volume %s is not at %q: %w", vid, raw, err)
@@ -120,7 +120,7 @@ func (d *Driver) volumePath(vid pool.VolumeID, raw string) (string, error) {
 
 // checkCapability refuses an optional capability (ControllerExpandVolume and
 // NodeExpandVolume carry one) that the volume cannot honour.
-func (d *Driver) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
+func (d *core) checkCapability(v *pool.Volume, vc *csi.VolumeCapability) error {
 	if vc == nil {
 		return nil
 	}
