@@ -308,7 +308,7 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 	}
 	// The stage record says this node holds the volume: the controller's
 	// DeleteVolume refuses it, and on a shared pool it fences other nodes.
-	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
+	err = updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		if err := lay.Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, err
 		}

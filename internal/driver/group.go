@@ -209,7 +209,7 @@ func (d controllerServer) CreateVolumeGroupSnapshot(ctx context.Context, req *cs
 	if !g.ReadyToUse {
 		if err := d.cutGroup(ctx, p, gid, g, srcs); err != nil {
 			// Cleaned up even when the call's own context ended.
-			if rerr := d.removeGroup(context.WithoutCancel(ctx), p, gid, g); rerr != nil {
+			if rerr := removeGroup(context.WithoutCancel(ctx), p, gid, g); rerr != nil {
 				klog.FromContext(ctx).Error(rerr, "Rolling back a failed group snapshot failed; the next create or delete of it finishes the removal", "groupSnapshot", gid)
 			}
 			return nil, err
@@ -390,7 +390,7 @@ func (d controllerServer) copyFrozen(ctx context.Context, p *pool.Pool, srcs []g
 
 // removeGroup removes the members and then the record, so that a retry after
 // a crash still finds the record and finishes.
-func (d controllerServer) removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
+func removeGroup(ctx context.Context, p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot) error {
 	if err := removeMembers(ctx, p, gid, g); err != nil {
 		return err
 	}
@@ -443,7 +443,7 @@ func (d controllerServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *cs
 	if err := checkMemberIDs(gid, g, req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
-	if err := d.removeGroup(ctx, p, gid, g); err != nil {
+	if err := removeGroup(ctx, p, gid, g); err != nil {
 		return nil, err
 	}
 	klog.FromContext(ctx).Info("Deleted group snapshot", "groupSnapshot", gid, "members", len(g.Members))

@@ -167,7 +167,7 @@ func (d *core) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mo
 // tells whether this call added the record (a retried stage finds it there).
 // The record also makes the controller refuse to delete the volume meanwhile.
 func (d nodeServer) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
-	err = d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
+	err = updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		if err := d.layoutOf(v.Layout).Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, csierr.Failf(csierr.ErrInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
 		}
@@ -186,7 +186,7 @@ func (d nodeServer) claimStage(ctx context.Context, nv nodeVolume, staging strin
 // recordStage makes this node's stage record say staging and readOnly, after a
 // stage that found an older record of this node.
 func (d nodeServer) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
-	return d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
+	return updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID && s.Path == staging && s.ReadOnly == readOnly {
 				return false, nil
@@ -199,7 +199,7 @@ func (d nodeServer) recordStage(ctx context.Context, nv nodeVolume, staging stri
 
 // unclaimStage takes back a claim whose stage failed, so it fences nothing.
 func (d nodeServer) unclaimStage(ctx context.Context, nv nodeVolume) {
-	err := d.updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
+	err := updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
 		return len(v.Staged) != before, nil
@@ -210,7 +210,7 @@ func (d nodeServer) unclaimStage(ctx context.Context, nv nodeVolume) {
 }
 
 // updateVolume is pool.Update with its error mapped to a gRPC code.
-func (d *core) updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
+func updateVolume(ctx context.Context, p *pool.Pool, id pool.VolumeID, change func(*pool.Volume) (bool, error)) error {
 	return p.Update(ctx, id, change)
 }
 
@@ -238,7 +238,7 @@ func (d nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageV
 	}
 	// Only now: a record goes once the kernel shows its device gone.
 	d.ForgetStages(ctx, vid)
-	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
+	err = updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)
 		return len(v.Staged) != before, nil

@@ -46,7 +46,7 @@ func (d *core) registerNode(ctx context.Context) {
 // checkNode validates a node ID for a volume: syntactically, then that the node
 // has registered with the volume's pool and, for a local pool, that it is the node
 // holding the volume.
-func (d controllerServer) checkNode(p *pool.Pool, v *pool.Volume, node string) error {
+func checkNode(p *pool.Pool, v *pool.Volume, node string) error {
 	if err := pool.ValidateNodeID(node); err != nil {
 		return status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -94,7 +94,7 @@ func (d controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.
 	// grant a writer.
 	readOnly := req.GetReadonly() || layout.ReadOnlyMode(vc.GetAccessMode().GetMode())
 	var v *pool.Volume
-	err = d.updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
+	err = updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
 		v = cur
 		if v.State != pool.StateReady {
 			return false, csierr.Failf(pool.ErrNotReady, "volume %s is still being created", vid)
@@ -102,7 +102,7 @@ func (d controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.
 		if err := layout.NotEphemeral(v, "be published by a controller"); err != nil {
 			return false, err
 		}
-		if err := d.checkNode(p, v, node); err != nil {
+		if err := checkNode(p, v, node); err != nil {
 			return false, err
 		}
 		if err := d.Compatible(caps, v); err != nil {
@@ -157,7 +157,7 @@ func (d controllerServer) ControllerUnpublishVolume(ctx context.Context, req *cs
 		return &csi.ControllerUnpublishVolumeResponse{}, nil // no such pool or volume: certainly not published
 	}
 	var cleared, forced []string
-	err = d.updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
+	err = updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
 		// A node that still has an image staged read-write never unstaged
 		// it: the CO is force-detaching (a node out of service). Its records
 		// go only once its lease has expired, by this controller's clock.
