@@ -4,7 +4,7 @@
 # `make test` runs them), with the race detector, then internal/driver's
 # coverage including the CSI sanity suite that runs over the fake kernel, with
 # the packages the driver's tests drive (the layouts, the lease keeper and
-# fence, the I/O limits, the pool registry, the freezes): their code moved out of internal/driver and is still
+# fence, the I/O limits, the pool registry, the freezes, the inline volumes): their code moved out of internal/driver and is still
 # covered by the same tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +13,7 @@ cov=$(mktemp -d)
 trap 'rm -rf "$cov"' EXIT
 go test -race -count=1 ./internal/... ./cmd/...
 # The packages moved out of internal/driver are counted in: its tests drive them.
-pkgs=(driver layout fence iolimits params poolset freeze)
+pkgs=(driver layout fence iolimits params poolset freeze ephemeral)
 coverpkg=$(printf './internal/%s,' "${pkgs[@]}")
 POOLCSI_COVER_DIR="$cov" go test -count=1 -coverpkg="${coverpkg%,}" -coverprofile="$cov/unit.out" ./internal/driver >/dev/null
 { echo "mode: set"; for f in "$cov"/*.out; do tail -n +2 "$f"; done; } >"$cov/all"

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/ephemeral"
 	"github.com/poolcsi/poolcsi/internal/fence"
 	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/health"
@@ -202,6 +203,28 @@ type core struct {
 	// ephemeralPool is where inline volumes go whose attributes name no
 	// pool; nil when no pool takes them by default.
 	ephemeralPool *pool.Pool
+	// inline are this node's ephemeral inline volumes (internal/ephemeral).
+	inline *ephemeral.Volumes
+}
+
+// CSI ephemeral inline volumes (docs/ephemeral.md) are internal/ephemeral's.
+const (
+	// AttrSize is an inline volume's size attribute.
+	AttrSize = ephemeral.AttrSize
+	// DefaultEphemeralSize is an inline volume's size when its attributes
+	// name none.
+	DefaultEphemeralSize = ephemeral.DefaultSize
+	// DefaultEphemeralSweep is how often the node looks for inline volumes
+	// no unpublish removed (Options.EphemeralSweepInterval).
+	DefaultEphemeralSweep = ephemeral.DefaultSweep
+	// ctxEphemeral marks an inline volume's NodePublishVolume.
+	ctxEphemeral = ephemeral.ContextKey
+)
+
+// defaultEphemeralPool is the pool of inline volumes whose attributes name
+// none (ephemeral.DefaultPool).
+func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
+	return ephemeral.DefaultPool(opts.Pools, opts.EphemeralPool)
 }
 
 // New checks opts and prepares the node-side state (the loop device map).
@@ -287,6 +310,10 @@ func New(opts Options) (*Driver, error) {
 	if d.opts.EphemeralSweepInterval == 0 {
 		d.opts.EphemeralSweepInterval = DefaultEphemeralSweep
 	}
+	d.inline = ephemeral.New(ephemeral.Deps{NodeID: opts.NodeID, Node: &d.Deps, Configured: d.pools.Configured, Pool: d.pools.Pool,
+		Topology: d.pools.Topology, Default: d.ephemeralPool, Lock: d.lockForFence,
+		EnsureLease: func(ctx context.Context, p *pool.Pool) error { return d.leases.EnsureLease(ctx, p) },
+		Forget:      d.conditions.forget})
 	return &Driver{core: d, identityServer: identityServer{core: d}, controllerServer: controllerServer{core: d}, nodeServer: nodeServer{core: d}}, nil
 }
 
@@ -349,7 +376,7 @@ func (d *Driver) runners() (withServer, afterServer []Runner) {
 	}
 	if d.opts.Mode.node() {
 		withServer = append(withServer, d.throttle,
-			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.sweepEphemeral(ctx) }})
+			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.inline.Sweep(ctx) }})
 		afterServer = append(afterServer, d.leases, d.freezes)
 	}
 	return withServer, afterServer

@@ -354,11 +354,11 @@ func TestEphemeralSweep(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if n := restarted.sweepEphemeral(context.Background()); n != 1 {
+	if n := restarted.inline.Sweep(context.Background()); n != 1 {
 		t.Fatalf("swept %d, want 1 (the orphan)", n)
 	}
 	release()
-	if n := restarted.sweepEphemeral(context.Background()); n != 1 {
+	if n := restarted.inline.Sweep(context.Background()); n != 1 {
 		t.Fatalf("second sweep removed %d, want 1 (the crashed publish)", n)
 	}
 	for h, want := range map[string]bool{live: true, orphan: false, crashed: false, foreign: true} {
@@ -369,7 +369,7 @@ func TestEphemeralSweep(t *testing.T) {
 	if a := td.host.Attached(); len(a) != 1 {
 		t.Errorf("attached after the sweep: %v, want the live one's only", a)
 	}
-	if n := restarted.sweepEphemeral(context.Background()); n != 0 {
+	if n := restarted.inline.Sweep(context.Background()); n != 0 {
 		t.Fatalf("a third sweep removed %d", n)
 	}
 	// The restarted driver unpublishes the live one as kubelet will.

@@ -80,7 +80,7 @@ func (d *core) dropStaleStage(ctx context.Context, nv nodeVolume, staging string
 		return csierr.Failf(pool.ErrUnavailable, "fencing %s, a stale loop device of volume %s: %w", dev, nv.ID, err)
 	}
 	if info, mounted, err := d.Mounts.Info(staging); err == nil && mounted && d.Loops.Backs(info.Source, image) {
-		if err := d.Mounts.UnmountChecked(ctx, staging, d.onlyVolume(nv.Pool, nv.ID, "staging path", staging)); err != nil {
+		if err := d.Mounts.UnmountChecked(ctx, staging, d.OnlyVolume(nv.Pool, nv.ID, "staging path", staging)); err != nil {
 			return fmt.Errorf("unmount the stale stage at %s: %w", staging, err)
 		}
 	}

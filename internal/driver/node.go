@@ -13,6 +13,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/csilegacy"
+	"github.com/poolcsi/poolcsi/internal/ephemeral"
 	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/params"
@@ -120,46 +121,6 @@ func (d nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolum
 	return &csi.NodeStageVolumeResponse{}, nil
 }
 
-// onlyVolume is the check before each unmount of a path the CO named (what
-// says which): only the volume's own mount is taken down, so a wrong or
-// hostile call cannot unmount another volume's mount or anything else mounted
-// there.
-func (d *core) onlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) func(mount.MountInfo) error {
-	return func(info mount.MountInfo) error {
-		if d.showsVolume(p, vid, path, info) {
-			return nil
-		}
-		return fmt.Errorf("%s %s holds %s, not volume %s: %w", what, path, info.Source, vid, csierr.ErrForeignMount)
-	}
-}
-
-// showsVolume tells whether the mount info at path shows volume vid: the
-// filesystem or the device node of the loop device its image is attached to,
-// or its data directory. It needs no metadata, so a volume whose volume.json is
-// gone can still be unmounted, and nothing else ever is.
-func (d *core) showsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mount.MountInfo) bool {
-	if p == nil {
-		return false
-	}
-	image := p.ImagePath(vid)
-	if dev, ok, err := d.Loops.Find(image); err == nil && ok &&
-		(info.Source == dev || d.Mounts.OnDevice(path, dev) || d.Mounts.IsDevice(path, dev)) {
-		return true
-	}
-	// A device this node fenced is no attachment of the image any more, but
-	// what is mounted from it is still this volume's.
-	if d.Loops.Backs(info.Source, image) {
-		return true
-	}
-	// A device of the volume this node recorded, whose backing file can be
-	// found neither by path nor by identity any more (its filesystem is
-	// gone for good: a FUSE daemon killed, a client evicted).
-	if d.RecordedDevice(vid, info.Source) {
-		return true
-	}
-	return d.Mounts.SameDir(path, p.DataPath(vid))
-}
-
 // claimStage records in volume.json, before anything is attached or mounted,
 // that this node holds the volume at staging, and in the same locked update
 // checks the fence: on a shared pool the other holder is another node, and a
@@ -230,7 +191,7 @@ func (d nodeServer) NodeUnstageVolume(ctx context.Context, req *csi.NodeUnstageV
 	if err := d.fenceIfTaken(ctx, p, vid, image, staging); err != nil {
 		return nil, err
 	}
-	if err := d.Mounts.UnmountChecked(ctx, staging, d.onlyVolume(p, vid, "staging path", staging)); err != nil {
+	if err := d.Mounts.UnmountChecked(ctx, staging, d.OnlyVolume(p, vid, "staging path", staging)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", staging, err)
 	}
 	if err := d.detachIfOurs(ctx, p, vid, image); err != nil {
@@ -293,8 +254,8 @@ func (d nodeServer) NodePublishVolume(ctx context.Context, req *csi.NodePublishV
 	if err := d.checkNesting("target_path", target); err != nil {
 		return nil, err
 	}
-	if isEphemeral(req.GetVolumeContext()) {
-		if err := d.publishEphemeral(ctx, req, target); err != nil {
+	if ephemeral.Requested(req.GetVolumeContext()) {
+		if err := d.inline.Publish(ctx, req, target); err != nil {
 			return nil, err
 		}
 		return &csi.NodePublishVolumeResponse{}, nil
@@ -336,7 +297,7 @@ func (d nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpubl
 		return nil, err
 	}
 	if pool.IsEphemeralHandle(req.GetVolumeId()) {
-		if err := d.unpublishEphemeral(ctx, req.GetVolumeId(), target); err != nil {
+		if err := d.inline.Unpublish(ctx, req.GetVolumeId(), target); err != nil {
 			return nil, err
 		}
 		return &csi.NodeUnpublishVolumeResponse{}, nil
@@ -349,7 +310,7 @@ func (d nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpubl
 	}
 	defer rq.release()
 	vid, p := rq.id, rq.pool
-	if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
+	if err := d.Mounts.UnmountChecked(ctx, target, d.OnlyVolume(p, vid, "target path", target)); err != nil {
 		return nil, fmt.Errorf("unmount %s: %w", target, err)
 	}
 	d.conditions.forget(vid.String())

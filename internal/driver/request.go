@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/ephemeral"
 	"github.com/poolcsi/poolcsi/internal/freeze"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -55,9 +56,9 @@ const (
 	holdDeleteSnapshot     holder = "DeleteSnapshot"
 	holdCreateGroup        holder = "CreateVolumeGroupSnapshot"
 	holdDeleteGroup        holder = "DeleteVolumeGroupSnapshot"
-	holdEphemeralPublish   holder = "NodePublishVolume"
-	holdEphemeralUnpublish holder = "NodeUnpublishVolume"
-	holdSweep              holder = "sweep"
+	holdEphemeralPublish   holder = ephemeral.HolderPublish
+	holdEphemeralUnpublish holder = ephemeral.HolderUnpublish
+	holdSweep              holder = ephemeral.HolderSweep
 	holdDropStaleRecords   holder = "dropStaleRecords"
 	holdAdoptDevices       holder = "adoptDevices"
 	holdFreeze             holder = freeze.HolderFreeze

@@ -29,7 +29,7 @@ func (d nodeServer) NodeGetVolumeStats(ctx context.Context, req *csi.NodeGetVolu
 		}
 		// kubelet's own ID of an inline volume: found by its record, never
 		// parsed as a poolcsi ID.
-		p, vid, err := d.ephemeralRef(req.GetVolumeId())
+		p, vid, err := d.inline.Ref(req.GetVolumeId())
 		if err != nil {
 			return nil, err
 		}

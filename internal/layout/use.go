@@ -105,3 +105,43 @@ func (c *ContentSource) Params() *params.Source {
 	}
 	return &params.Source{Pool: c.Pool.Name(), Share: c.Pool.Config().Share, Layout: c.Layout, FSType: c.FSType}
 }
+
+// OnlyVolume is the check before each unmount of a path the CO named (what
+// says which): only the volume's own mount is taken down, so a wrong or
+// hostile call cannot unmount another volume's mount or anything else mounted
+// there.
+func (d *Deps) OnlyVolume(p *pool.Pool, vid pool.VolumeID, what, path string) func(mount.MountInfo) error {
+	return func(info mount.MountInfo) error {
+		if d.ShowsVolume(p, vid, path, info) {
+			return nil
+		}
+		return fmt.Errorf("%s %s holds %s, not volume %s: %w", what, path, info.Source, vid, csierr.ErrForeignMount)
+	}
+}
+
+// ShowsVolume tells whether the mount info at path shows volume vid: the
+// filesystem or the device node of the loop device its image is attached to,
+// or its data directory. It needs no metadata, so a volume whose volume.json is
+// gone can still be unmounted, and nothing else ever is.
+func (d *Deps) ShowsVolume(p *pool.Pool, vid pool.VolumeID, path string, info mount.MountInfo) bool {
+	if p == nil {
+		return false
+	}
+	image := p.ImagePath(vid)
+	if dev, ok, err := d.Loops.Find(image); err == nil && ok &&
+		(info.Source == dev || d.Mounts.OnDevice(path, dev) || d.Mounts.IsDevice(path, dev)) {
+		return true
+	}
+	// A device this node fenced is no attachment of the image any more, but
+	// what is mounted from it is still this volume's.
+	if d.Loops.Backs(info.Source, image) {
+		return true
+	}
+	// A device of the volume this node recorded, whose backing file can be
+	// found neither by path nor by identity any more (its filesystem is
+	// gone for good: a FUSE daemon killed, a client evicted).
+	if d.RecordedDevice(vid, info.Source) {
+		return true
+	}
+	return d.Mounts.SameDir(path, p.DataPath(vid))
+}

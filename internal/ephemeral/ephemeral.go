@@ -1,4 +1,10 @@
-package driver
+// Package ephemeral is the lifecycle of CSI ephemeral inline volumes
+// (docs/ephemeral.md): parsed from a NodePublishVolume's attributes, made,
+// formatted, recorded and mounted at the publish, taken down at the
+// unpublish, swept when no unpublish came. It takes a narrow Deps, never the
+// driver: this node's kernel and records (layout.Deps), the configured
+// pools, a lock function and the lease.
+package ephemeral
 
 import (
 	"context"
@@ -33,17 +39,55 @@ const (
 	AttrSize = "size"
 	// ParamPool and ParamFSType are the other two.
 
-	// ctxEphemeral is what kubelet (podInfoOnMount) puts in the volume
+	// ContextKey is what kubelet (podInfoOnMount) puts in the volume
 	// context of an inline volume's NodePublishVolume.
-	ctxEphemeral = params.K8sPrefix + "ephemeral"
+	ContextKey = params.K8sPrefix + "ephemeral"
 )
 
-// DefaultEphemeralSize is an inline volume's size when its attributes name none.
-const DefaultEphemeralSize = pool.GiB
+// DefaultSize is an inline volume's size when its attributes name none.
+const DefaultSize = pool.GiB
 
-// DefaultEphemeralSweep is how often the node looks for inline volumes no
-// unpublish removed (Options.EphemeralSweepInterval).
-const DefaultEphemeralSweep = 10 * time.Minute
+// DefaultSweep is how often the node looks for inline volumes no
+// unpublish removed (the driver's Options.EphemeralSweepInterval).
+const DefaultSweep = 10 * time.Minute
+
+// The holders under which inline volumes take a handle's in-process lock
+// (internal/driver/request.go lists them).
+const (
+	HolderPublish   = "NodePublishVolume"
+	HolderUnpublish = "NodeUnpublishVolume"
+	HolderSweep     = "sweep"
+)
+
+// Deps is what inline volumes act through.
+type Deps struct {
+	// NodeID is this node: an inline volume is one node's.
+	NodeID string
+	// Node is this node's kernel, its stage records and request paths.
+	Node *layout.Deps
+	// Configured lists the operator's pools (inline volumes live only in
+	// them), Pool returns a pool by name, Topology is this node's segment.
+	Configured func() []string
+	Pool       func(name string) *pool.Pool
+	Topology   func() map[string]string
+	// Default is the pool of inline volumes whose attributes name none (nil
+	// for none, DefaultPool).
+	Default *pool.Pool
+	// Lock takes a handle's in-process lock as a call of holder would,
+	// failing at once when it is held.
+	Lock func(id, holder string) (release func(), err error)
+	// EnsureLease makes sure this node holds its lease in p before it takes
+	// an image read-write (as a stage does).
+	EnsureLease func(ctx context.Context, p *pool.Pool) error
+	// Forget drops what the driver keeps of a volume that is gone.
+	Forget func(volume string)
+}
+
+// Volumes are this node's inline volumes.
+type Volumes struct{ deps Deps }
+
+// New returns the inline volumes of deps.
+func New(deps Deps) *Volumes { return &Volumes{deps: deps} }
 
 // ephemeralSpec is a parsed inline-volume NodePublishVolume.
 type ephemeralSpec struct {
@@ -56,26 +100,27 @@ type ephemeralSpec struct {
 	pod    string
 }
 
-func isEphemeral(volumeContext map[string]string) bool {
-	return volumeContext[ctxEphemeral] == "true"
+func Requested(volumeContext map[string]string) bool {
+	return volumeContext[ContextKey] == "true"
 }
 
-// defaultEphemeralPool is --ephemeral-pool, else the first local pool of the
-// configuration (in its order) that allows inline volumes; nil for none.
-func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
-	if opts.EphemeralPool != "" {
-		for _, p := range opts.Pools {
-			if p.Name() == opts.EphemeralPool {
+// DefaultPool is the pool named (--ephemeral-pool), else the first local
+// pool of pools (in the configuration's order) that allows inline volumes;
+// nil for none.
+func DefaultPool(pools []*pool.Pool, named string) (*pool.Pool, error) {
+	if named != "" {
+		for _, p := range pools {
+			if p.Name() == named {
 				if !p.AllowsEphemeral() {
 					return nil, fmt.Errorf("ephemeral pool %s does not allow ephemeral inline volumes (a shared pool needs ephemeral: true in its config)", p.Name())
 				}
 				return p, nil
 			}
 		}
-		return nil, fmt.Errorf("ephemeral pool %s is not configured", opts.EphemeralPool)
+		return nil, fmt.Errorf("ephemeral pool %s is not configured", named)
 	}
-	for _, p := range opts.Pools {
-		if isLocal(p) && p.AllowsEphemeral() {
+	for _, p := range pools {
+		if !p.Shared() && p.AllowsEphemeral() {
 			return p, nil
 		}
 	}
@@ -84,8 +129,8 @@ func defaultEphemeralPool(opts Options) (*pool.Pool, error) {
 
 // parseEphemeral checks everything an inline volume's publish carries before
 // anything is made: the handle, the capability, the attributes.
-func (d nodeServer) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpec, error) {
-	s := ephemeralSpec{handle: req.GetVolumeId(), size: DefaultEphemeralSize}
+func (e *Volumes) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeralSpec, error) {
+	s := ephemeralSpec{handle: req.GetVolumeId(), size: DefaultSize}
 	if err := pool.ValidateEphemeralHandle(s.handle); err != nil {
 		return s, status.Error(codes.InvalidArgument, err.Error())
 	}
@@ -107,7 +152,7 @@ func (d nodeServer) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeral
 		}
 	}
 	s.caps = caps
-	attrFS, err := d.parseEphemeralAttrs(&s, req.GetVolumeContext())
+	attrFS, err := e.parseEphemeralAttrs(&s, req.GetVolumeContext())
 	if err != nil {
 		return s, err
 	}
@@ -116,7 +161,7 @@ func (d nodeServer) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeral
 	}
 	s.fsType = firstNonEmpty(attrFS, caps.FSType, params.DefaultFSType)
 	s.caps.FSType = s.fsType
-	if err := d.ephemeralPoolOf(&s); err != nil {
+	if err := e.ephemeralPoolOf(&s); err != nil {
 		return s, err
 	}
 	if s.size, err = pool.Capacity(s.size, 0, mount.MinSize(s.fsType)); err != nil {
@@ -131,7 +176,7 @@ func (d nodeServer) parseEphemeral(req *csi.NodePublishVolumeRequest) (ephemeral
 
 // parseEphemeralAttrs reads the volume attributes into s (size, pool, pod)
 // and returns the fsType they name ("" for none).
-func (d nodeServer) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
+func (e *Volumes) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]string) (string, error) {
 	var attrFS, ns, name string
 	var err error
 	for k, v := range attrs {
@@ -140,14 +185,14 @@ func (d nodeServer) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]strin
 			if s.size, err = parseEphemeralSize(v); err != nil {
 				return "", err
 			}
-		case k == ParamFSType:
+		case k == params.ParamFSType:
 			attrFS = strings.ToLower(v)
 			if !mount.SupportedFS(attrFS) {
 				return "", status.Errorf(codes.InvalidArgument, "volume attribute fsType=%q: supported filesystems are ext4, xfs, btrfs", v)
 			}
-		case k == ParamPool:
-			if s.pool = d.pools.Pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(d.pools.Configured(), v) {
-				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, poolset.JoinNames(d.pools.Configured()))
+		case k == params.ParamPool:
+			if s.pool = e.deps.Pool(v); s.pool == nil || s.pool.Config().Share != nil || !slices.Contains(e.deps.Configured(), v) {
+				return "", status.Errorf(codes.InvalidArgument, "volume attribute pool=%q: no such pool here (pools: %s)", v, poolset.JoinNames(e.deps.Configured()))
 			}
 		case k == params.K8sPrefix+"pod.namespace":
 			ns = v
@@ -156,7 +201,7 @@ func (d nodeServer) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]strin
 		case strings.HasPrefix(k, params.K8sPrefix):
 			// pod.uid, serviceAccount.name, ephemeral: kubelet's, as sent.
 		default:
-			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, ParamFSType, ParamPool)
+			return "", status.Errorf(codes.InvalidArgument, "unknown volume attribute %q of an ephemeral inline volume (known: %s, %s, %s)", k, AttrSize, params.ParamFSType, params.ParamPool)
 		}
 	}
 	if ns != "" || name != "" {
@@ -170,10 +215,10 @@ func (d nodeServer) parseEphemeralAttrs(s *ephemeralSpec, attrs map[string]strin
 
 // ephemeralPoolOf settles s's pool: the one its attributes named, else the
 // default, and refuses one that does not allow inline volumes.
-func (d nodeServer) ephemeralPoolOf(s *ephemeralSpec) error {
+func (e *Volumes) ephemeralPoolOf(s *ephemeralSpec) error {
 	if s.pool == nil {
-		if s.pool = d.ephemeralPool; s.pool == nil {
-			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", d.opts.NodeID, poolset.JoinNames(d.pools.Configured()))
+		if s.pool = e.deps.Default; s.pool == nil {
+			return status.Errorf(codes.InvalidArgument, "no local pool of node %s allows ephemeral inline volumes; name one with the pool attribute (pools: %s)", e.deps.NodeID, poolset.JoinNames(e.deps.Configured()))
 		}
 	}
 	if !s.pool.AllowsEphemeral() {
@@ -207,10 +252,10 @@ func parseEphemeralSize(v string) (int64, error) {
 // findEphemeral finds the inline volume of handle in the pools that allow
 // them: its pool and ID, or a nil pool when none holds it. A pool that cannot
 // be read is an error (UNAVAILABLE), not "none": the volume may be there.
-func (d nodeServer) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
+func (e *Volumes) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *pool.Volume, error) {
 	name := pool.EphemeralName(handle)
-	for _, pn := range d.pools.Configured() {
-		p := d.pools.Pool(pn)
+	for _, pn := range e.deps.Configured() {
+		p := e.deps.Pool(pn)
 		if !p.AllowsEphemeral() {
 			continue
 		}
@@ -230,20 +275,20 @@ func (d nodeServer) findEphemeral(handle string) (*pool.Pool, pool.VolumeID, *po
 	return nil, pool.VolumeID{}, nil, nil
 }
 
-// publishEphemeral makes, mounts and records an inline volume at target.
+// Publish makes, mounts and records an inline volume at target.
 // A retry finds what an earlier call made and converges; a failure removes
 // everything unless the target already shows the volume (a pod uses it).
-func (d nodeServer) publishEphemeral(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) error {
-	s, err := d.parseEphemeral(req)
+func (e *Volumes) Publish(ctx context.Context, req *csi.NodePublishVolumeRequest, target string) error {
+	s, err := e.parseEphemeral(req)
 	if err != nil {
 		return err
 	}
-	release, err := d.hold(s.handle, holdEphemeralPublish)
+	release, err := e.deps.Lock(s.handle, HolderPublish)
 	if err != nil {
 		return err
 	}
 	defer release()
-	found, _, _, err := d.findEphemeral(s.handle)
+	found, _, _, err := e.findEphemeral(s.handle)
 	if err != nil {
 		return err
 	}
@@ -253,8 +298,8 @@ func (d nodeServer) publishEphemeral(ctx context.Context, req *csi.NodePublishVo
 	p := s.pool
 	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	var topology map[string]string
-	if isLocal(p) {
-		topology = d.pools.Topology()
+	if !p.Shared() {
+		topology = e.deps.Topology()
 	}
 	v, err := p.Reserve(ctx, pool.Spec{
 		Name:          pool.EphemeralName(s.handle),
@@ -263,17 +308,17 @@ func (d nodeServer) publishEphemeral(ctx context.Context, req *csi.NodePublishVo
 		FSType:        s.fsType,
 		CapacityBytes: s.size,
 		Topology:      topology,
-		Ephemeral:     &pool.EphemeralRecord{Handle: s.handle, Node: d.opts.NodeID, Target: target, Pod: s.pod},
+		Ephemeral:     &pool.EphemeralRecord{Handle: s.handle, Node: e.deps.NodeID, Target: target, Pod: s.pod},
 	})
 	if err != nil {
 		return err
 	}
 	vid := p.NewID(v.Name)
-	if err := sameEphemeral(v, s, d.opts.NodeID, target); err != nil {
+	if err := sameEphemeral(v, s, e.deps.NodeID, target); err != nil {
 		return err // another publish's volume: not this call's to remove
 	}
-	if err := d.makeEphemeral(ctx, p, vid, v, s, target, readOnly); err != nil {
-		d.rollbackEphemeral(ctx, p, vid, target)
+	if err := e.makeEphemeral(ctx, p, vid, v, s, target, readOnly); err != nil {
+		e.rollbackEphemeral(ctx, p, vid, target)
 		return err
 	}
 	return nil
@@ -298,8 +343,8 @@ func sameEphemeral(v *pool.Volume, s ephemeralSpec, node, target string) error {
 
 // makeEphemeral converges a reserved inline volume to "formatted, recorded
 // as this node's, mounted at target".
-func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
-	lay := layout.Of(&d.Deps, pool.LayoutImage)
+func (e *Volumes) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, v *pool.Volume, s ephemeralSpec, target string, readOnly bool) error {
+	lay := layout.Of(e.deps.Node, pool.LayoutImage)
 	var err error
 	if v.State == pool.StateCreating {
 		if v, err = p.Finish(ctx, vid, func(v *pool.Volume) error { return lay.FinishCreate(ctx, p, v) }); err != nil {
@@ -308,16 +353,16 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 	}
 	// The stage record says this node holds the volume: the controller's
 	// DeleteVolume refuses it, and on a shared pool it fences other nodes.
-	err = updateVolume(ctx, p, vid, func(v *pool.Volume) (bool, error) {
-		if err := lay.Fence(v, d.opts.NodeID, readOnly); err != nil {
+	err = p.Update(ctx, vid, func(v *pool.Volume) (bool, error) {
+		if err := lay.Fence(v, e.deps.NodeID, readOnly); err != nil {
 			return false, err
 		}
 		for _, r := range v.Staged {
-			if r.Node == d.opts.NodeID && r.Path == target && r.ReadOnly == readOnly {
+			if r.Node == e.deps.NodeID && r.Path == target && r.ReadOnly == readOnly {
 				return false, nil
 			}
 		}
-		v.SetStaged(d.opts.NodeID, target, readOnly, time.Now())
+		v.SetStaged(e.deps.NodeID, target, readOnly, time.Now())
 		return true, nil
 	})
 	if err != nil {
@@ -328,12 +373,12 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 		return err
 	}
 	defer h.Close()
-	info, mounted, err := d.Mounts.Info(target)
+	info, mounted, err := e.deps.Node.Mounts.Info(target)
 	if err != nil {
 		return fmt.Errorf("inspect %s: %w", target, err)
 	}
 	if mounted {
-		if !d.showsVolume(p, vid, target, info) {
+		if !e.deps.Node.ShowsVolume(p, vid, target, info) {
 			return csierr.Failf(csierr.ErrPathTaken, "target path %s already holds another mount (%s)", target, info.Source)
 		}
 		if info.ReadOnly != readOnly {
@@ -345,16 +390,16 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 		// As for a stage: a node that cannot renew its lease in a shared
 		// pool would not fence itself if cut off, so it takes no image
 		// read-write meanwhile.
-		if err := d.leases.EnsureLease(ctx, p); err != nil {
+		if err := e.deps.EnsureLease(ctx, p); err != nil {
 			return err
 		}
 	}
-	nv := nodeVolume{ID: vid, Pool: p, Vol: v, Caps: s.caps}
-	dev, err := d.AttachImage(ctx, nv, h.Path())
+	nv := layout.NodeVolume{ID: vid, Pool: p, Vol: v, Caps: s.caps}
+	dev, err := e.deps.Node.AttachImage(ctx, nv, h.Path())
 	if err != nil {
 		return err
 	}
-	found, err := d.Devs.DiskFormat(ctx, dev)
+	found, err := e.deps.Node.Devs.DiskFormat(ctx, dev)
 	if err != nil {
 		return fmt.Errorf("inspect %s: %w", dev, err)
 	}
@@ -368,7 +413,7 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 	if v.FSType == "xfs" && !slices.Contains(opts, "nouuid") {
 		opts = append(opts, "nouuid")
 	}
-	if err := d.Mounts.Mount(ctx, dev, target, v.FSType, opts); err != nil {
+	if err := e.deps.Node.Mounts.Mount(ctx, dev, target, v.FSType, opts); err != nil {
 		return fmt.Errorf("mount %s at %s: %w", dev, target, err)
 	}
 	klog.FromContext(ctx).Info("Published ephemeral volume", "handle", s.handle, "volume", vid, "pod", s.pod,
@@ -378,11 +423,11 @@ func (d nodeServer) makeEphemeral(ctx context.Context, p *pool.Pool, vid pool.Vo
 
 // rollbackEphemeral undoes a failed publish: unless the target shows the
 // volume (an earlier publish a pod may use), the volume goes entirely.
-func (d nodeServer) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
-	if info, mounted, err := d.Mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+func (e *Volumes) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) {
+	if info, mounted, err := e.deps.Node.Mounts.Info(target); err != nil || (mounted && e.deps.Node.ShowsVolume(p, vid, target, info)) {
 		return
 	}
-	if err := d.removeEphemeral(ctx, p, vid, ""); err != nil {
+	if err := e.removeEphemeral(ctx, p, vid, ""); err != nil {
 		klog.FromContext(ctx).Error(err, "Removing an ephemeral volume after its publish failed; the sweep retries", "volume", vid)
 	}
 }
@@ -391,7 +436,7 @@ func (d nodeServer) rollbackEphemeral(ctx context.Context, p *pool.Pool, vid poo
 // target (when named, and only if it is the volume's), the loop device (which
 // refuses while anything else mounts it), the volume. It refuses a volume
 // that is not this node's inline volume.
-func (d nodeServer) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) error {
+func (e *Volumes) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.VolumeID, target string) error {
 	unlock, err := p.LockVolume(ctx, vid)
 	if errors.Is(err, pool.ErrNotFound) {
 		return p.Delete(ctx, vid) // gone, or a delete that crashed half way
@@ -406,98 +451,98 @@ func (d nodeServer) removeEphemeral(ctx context.Context, p *pool.Pool, vid pool.
 		return csierr.Failf(csierr.ErrState, "volume %s: %v; not removing a volume whose metadata cannot be read (poolcsi pool check names the fault)", vid, err)
 	case v.Ephemeral == nil:
 		return csierr.Failf(csierr.ErrState, "volume %s is not an ephemeral inline volume", vid)
-	case v.Ephemeral.Node != d.opts.NodeID:
+	case v.Ephemeral.Node != e.deps.NodeID:
 		return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s belongs to node %s", v.Ephemeral.Handle, v.Ephemeral.Node)
 	}
 	if target != "" {
-		if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target)); err != nil {
+		if err := e.deps.Node.Mounts.UnmountChecked(ctx, target, e.deps.Node.OnlyVolume(p, vid, "target path", target)); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 	}
 	image := p.ImagePath(vid)
-	if err := d.Loops.Detach(ctx, image); err != nil {
+	if err := e.deps.Node.Loops.Detach(ctx, image); err != nil {
 		if errors.Is(err, mount.ErrDeviceBusy) {
 			return csierr.Failf(csierr.ErrInUse, "ephemeral volume %s is still mounted elsewhere on this node: %v", vid, err)
 		}
 		return fmt.Errorf("detach loop device of %s: %w", image, err)
 	}
-	d.ForgetStages(ctx, vid)
+	e.deps.Node.ForgetStages(ctx, vid)
 	if err := p.Delete(ctx, vid); err != nil {
 		return err
 	}
-	d.conditions.forget(vid.String())
+	e.deps.Forget(vid.String())
 	return nil
 }
 
-// unpublishEphemeral is NodeUnpublishVolume of an inline volume's handle:
+// Unpublish is NodeUnpublishVolume of an inline volume's handle:
 // unmount, detach, delete; nothing found is done.
-func (d nodeServer) unpublishEphemeral(ctx context.Context, handle, target string) error {
-	release, err := d.hold(handle, holdEphemeralUnpublish)
+func (e *Volumes) Unpublish(ctx context.Context, handle, target string) error {
+	release, err := e.deps.Lock(handle, HolderUnpublish)
 	if err != nil {
 		return err
 	}
 	defer release()
-	p, vid, v, err := d.findEphemeral(handle)
+	p, vid, v, err := e.findEphemeral(handle)
 	if err != nil {
 		return err
 	}
 	if p == nil {
 		// Nothing of it is here: only a mount of nothing poolcsi knows could
 		// be at target, and it is not ours to take down.
-		if err := d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(nil, vid, "target path", target)); err != nil {
+		if err := e.deps.Node.Mounts.UnmountChecked(ctx, target, e.deps.Node.OnlyVolume(nil, vid, "target path", target)); err != nil {
 			return fmt.Errorf("unmount %s: %w", target, err)
 		}
 		return nil
 	}
 	if v.Ephemeral.Target != target {
 		// Another path of the same pod volume: take down only that mount.
-		return d.Mounts.UnmountChecked(ctx, target, d.onlyVolume(p, vid, "target path", target))
+		return e.deps.Node.Mounts.UnmountChecked(ctx, target, e.deps.Node.OnlyVolume(p, vid, "target path", target))
 	}
-	if err := d.removeEphemeral(ctx, p, vid, target); err != nil {
+	if err := e.removeEphemeral(ctx, p, vid, target); err != nil {
 		return err
 	}
 	klog.FromContext(ctx).Info("Unpublished and deleted ephemeral volume", "handle", handle, "volume", vid, "pod", v.Ephemeral.Pod, "target", target)
 	return nil
 }
 
-// ephemeralRef resolves the handle of an inline volume to its volume, for
+// Ref resolves the handle of an inline volume to its volume, for
 // the node calls that name it (NodeGetVolumeStats).
-func (d nodeServer) ephemeralRef(handle string) (*pool.Pool, pool.VolumeID, error) {
-	p, vid, _, err := d.findEphemeral(handle)
+func (e *Volumes) Ref(handle string) (*pool.Pool, pool.VolumeID, error) {
+	p, vid, _, err := e.findEphemeral(handle)
 	if err != nil {
 		return nil, vid, err
 	}
 	if p == nil {
-		return nil, vid, csierr.Failf(pool.ErrNotFound, "ephemeral volume %s does not exist on node %s", handle, d.opts.NodeID)
+		return nil, vid, csierr.Failf(pool.ErrNotFound, "ephemeral volume %s does not exist on node %s", handle, e.deps.NodeID)
 	}
 	return p, vid, nil
 }
 
-// sweepEphemeral removes this node's inline volumes whose target no longer
+// Sweep removes this node's inline volumes whose target no longer
 // shows them and whose handle no call holds: what a driver or kubelet that
 // stopped between a publish and its unpublish, or a node that rebooted, left.
 // One whose target still shows it is kept: kubelet will unpublish it. It
 // returns how many it removed.
-func (d nodeServer) sweepEphemeral(ctx context.Context) int {
+func (e *Volumes) Sweep(ctx context.Context) int {
 	logger := klog.FromContext(ctx)
 	removed := 0
-	for _, pn := range d.pools.Configured() {
-		p := d.pools.Pool(pn)
+	for _, pn := range e.deps.Configured() {
+		p := e.deps.Pool(pn)
 		if p.Check() != nil {
 			continue // unavailable: the next sweep looks again
 		}
-		entries, _, err := p.ListPage("", 0, func(e pool.Entry) bool {
-			return e.Err == nil && e.Volume.Ephemeral != nil && e.Volume.Ephemeral.Node == d.opts.NodeID
+		entries, _, err := p.ListPage("", 0, func(ent pool.Entry) bool {
+			return ent.Err == nil && ent.Volume.Ephemeral != nil && ent.Volume.Ephemeral.Node == e.deps.NodeID
 		})
 		if err != nil {
 			logger.Error(err, "Listing a pool for ephemeral volumes to sweep", "pool", pn)
 			continue
 		}
-		for _, e := range entries {
+		for _, ent := range entries {
 			if ctx.Err() != nil {
 				return removed
 			}
-			if d.sweepOne(ctx, p, e.ID, e.Volume.Ephemeral) {
+			if e.sweepOne(ctx, p, ent.ID, ent.Volume.Ephemeral) {
 				removed++
 			}
 		}
@@ -506,21 +551,21 @@ func (d nodeServer) sweepEphemeral(ctx context.Context) int {
 	return removed
 }
 
-func (d nodeServer) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
+func (e *Volumes) sweepOne(ctx context.Context, p *pool.Pool, vid pool.VolumeID, rec *pool.EphemeralRecord) bool {
 	logger := klog.FromContext(ctx)
-	release, err := d.hold(rec.Handle, holdSweep)
+	release, err := e.deps.Lock(rec.Handle, HolderSweep)
 	if err != nil {
 		return false // a publish or unpublish is under way: it decides
 	}
 	defer release()
 	// The recorded target is pool content: checked like a request's path
 	// before it is looked at.
-	if target, err := d.RequestPath("target", rec.Target); err == nil {
-		if info, mounted, err := d.Mounts.Info(target); err != nil || (mounted && d.showsVolume(p, vid, target, info)) {
+	if target, err := e.deps.Node.RequestPath("target", rec.Target); err == nil {
+		if info, mounted, err := e.deps.Node.Mounts.Info(target); err != nil || (mounted && e.deps.Node.ShowsVolume(p, vid, target, info)) {
 			return false // in use (or unknown): kubelet unpublishes it
 		}
 	}
-	if err := d.removeEphemeral(ctx, p, vid, ""); err != nil {
+	if err := e.removeEphemeral(ctx, p, vid, ""); err != nil {
 		logger.Error(err, "Sweeping an ephemeral volume whose target no longer holds it; the next sweep retries", "handle", rec.Handle, "volume", vid, "pod", rec.Pod)
 		return false
 	}
