@@ -371,7 +371,7 @@ func TestForgedShareID(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(fs.Root, ref.PoolName(), "pool.json")); !os.IsNotExist(err) {
 		t.Fatalf("a pool was laid out on a share an ID named: %v", err)
 	}
-	if len(fs.Released) == 0 || td.Driver.pools.Pool(ref.PoolName()) != nil || fs.Recorded(ref) {
+	if len(fs.Released) == 0 || td.pools.Pool(ref.PoolName()) != nil || fs.Recorded(ref) {
 		t.Fatalf("the share was not let go: released %v", fs.Released)
 	}
 
