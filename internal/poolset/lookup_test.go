@@ -1,0 +1,88 @@
+package poolset
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/mount/fake"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+var testKey = []byte("0123456789abcdef0123456789abcdef-test")
+
+func newSet(t *testing.T) (*Set, *fake.Shares, *int) {
+	t.Helper()
+	root := t.TempDir()
+	p, err := pool.Open(pool.Config{Name: "local", Path: filepath.Join(root, "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs := fake.NewShares(filepath.Join(root, "shares"))
+	joined := 0
+	s, err := New(Deps{NodeID: "node-1", Shares: fs, ShareKeys: [][]byte{testKey}, Joined: func(context.Context) { joined++ }}, []*pool.Pool{p})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s, fs, &joined
+}
+
+// TestLookupNeverMounts: Lookup answers from the pools served here, whatever
+// the ID says; Ensure mounts only a share a StorageClass names, this node
+// mounted before, or whose ID carries a verified tag.
+func TestLookupNeverMounts(t *testing.T) {
+	ctx := context.Background()
+	r := pool.ShareRef{Type: "nfs", Source: "nfs.example.com:/export"}
+	tagged := VolumeRef(mustID(t, pool.NewShareVolumeID(r, "v").String()+"."+Tag(testKey, r)))
+	untagged := VolumeRef(pool.NewShareVolumeID(r, "v"))
+	forged := VolumeRef(mustID(t, pool.NewShareVolumeID(r, "v").String()+"."+Tag([]byte("another key, not this cluster's ....."), r)))
+
+	s, fs, joined := newSet(t)
+	if p, err := s.Lookup(VolumeRef(mustID(t, "local.0123456789abcdef0123456789abcdef"))); err != nil || p.Name() != "local" {
+		t.Fatalf("Lookup of a configured pool: %v, %v", p, err)
+	}
+	if _, err := s.Lookup(VolumeRef(mustID(t, "nope.0123456789abcdef0123456789abcdef"))); !errors.Is(err, csierr.ErrNoPool) {
+		t.Fatalf("Lookup of a pool not configured: %v, want ErrNoPool", err)
+	}
+	if _, err := s.Lookup(tagged); !errors.Is(err, pool.ErrUnavailable) || fs.MountCount() != 0 {
+		t.Fatalf("Lookup of a share not served: %v (mounts %d), want UNAVAILABLE and no mount", err, fs.MountCount())
+	}
+	if _, err := s.Ensure(ctx, untagged, Access{}); !errors.Is(err, csierr.ErrShareUnknown) || fs.MountCount() != 0 {
+		t.Fatalf("Ensure of an untagged unknown share: %v (mounts %d)", err, fs.MountCount())
+	}
+	if _, err := s.Ensure(ctx, forged, Access{}); status.Code(err) != codes.InvalidArgument || fs.MountCount() != 0 {
+		t.Fatalf("Ensure with a tag of another key: %v (mounts %d)", err, fs.MountCount())
+	}
+	// A tagged ID of a share that holds no pool: mounted, found empty, let go.
+	if _, err := s.Ensure(ctx, tagged, Access{}); !errors.Is(err, csierr.ErrNoPool) || len(fs.Released) != 1 || s.Pool(r.PoolName()) != nil {
+		t.Fatalf("Ensure of a share without a pool: %v (released %v)", err, fs.Released)
+	}
+	// A StorageClass's share is laid out and joins the set, once.
+	p, err := s.Ensure(ctx, ShareRef(r), Access{fromStorageClass: true})
+	if err != nil || p.Name() != r.PoolName() || s.Pool(r.PoolName()) != p || *joined != 1 {
+		t.Fatalf("Ensure from a StorageClass: %v, %v (joined %d)", p, err, *joined)
+	}
+	if got, err := s.Lookup(untagged); err != nil || got != p {
+		t.Fatalf("Lookup of a served share: %v, %v", got, err)
+	}
+	if got, err := s.Ensure(ctx, tagged, Access{}); err != nil || got != p || *joined != 1 {
+		t.Fatalf("Ensure of a served share: %v, %v (joined %d)", got, err, *joined)
+	}
+	if w := s.WireID(p, "x"); w != "x."+Tag(testKey, r) {
+		t.Fatalf("WireID = %q, want the share's tag", w)
+	}
+}
+
+func mustID(t *testing.T, s string) pool.VolumeID {
+	t.Helper()
+	id, err := pool.ParseVolumeID(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return id
+}
