@@ -301,7 +301,7 @@ func New(opts Options) (*Driver, error) {
 	}
 	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Interval: opts.IOLimitsInterval})
 	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.pools.Names, Pool: d.pools.Pool,
-		Node: &d.Deps, Lock: d.lockForFence, Startup: opts.StartupFence})
+		Node: &d.Deps, Lock: d.lockFor, Startup: opts.StartupFence})
 	d.LeaseLost = d.leases.Lost
 	d.freezes = newFreezes(d)
 	if d.ephemeralPool, err = defaultEphemeralPool(opts); err != nil {
@@ -311,7 +311,7 @@ func New(opts Options) (*Driver, error) {
 		d.opts.EphemeralSweepInterval = DefaultEphemeralSweep
 	}
 	d.inline = ephemeral.New(ephemeral.Deps{NodeID: opts.NodeID, Node: &d.Deps, Configured: d.pools.Configured, Pool: d.pools.Pool,
-		Topology: d.pools.Topology, Default: d.ephemeralPool, Lock: d.lockForFence,
+		Topology: d.pools.Topology, Default: d.ephemeralPool, Lock: d.lockFor,
 		EnsureLease: func(ctx context.Context, p *pool.Pool) error { return d.leases.EnsureLease(ctx, p) },
 		Forget:      d.conditions.forget})
 	return &Driver{core: d, identityServer: identityServer{core: d}, controllerServer: controllerServer{core: d}, nodeServer: nodeServer{core: d}}, nil
@@ -417,7 +417,7 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 // newFreezes is the driver's freezes, holding nothing: what a process
 // starts with.
 func newFreezes(d *core) *freeze.Freezer {
-	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Lock: d.lockForFence,
+	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Lock: d.lockFor,
 		Verdict: func(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
 			return d.leases.Verdict(p, node, staged)
 		},

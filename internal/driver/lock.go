@@ -33,9 +33,11 @@ func (l *volumeLocks) acquire(id string, h holder) (release func(), err error) {
 	}, nil
 }
 
-// lockForFence is the fence's lock on a volume: its passes over the node's
-// records name themselves by the holders of request.go's table
-// (holdDropStaleRecords, holdAdoptDevices).
-func (d *core) lockForFence(volume, h string) (func(), error) {
+// lockFor is the in-process lock on a volume (or an inline volume's handle)
+// that the packages doing the driver's other jobs take through their Deps:
+// the fence's passes over the node's records, the freeze agent and the thaw
+// after a crash, the inline volumes. Each names itself by one of the holders
+// of request.go's table (holdDropStaleRecords, holdFreeze, holdSweep, ...).
+func (d *core) lockFor(volume, h string) (func(), error) {
 	return d.locks.acquire(volume, holder(h))
 }
