@@ -3,7 +3,7 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"os"
+	"net"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -37,12 +37,17 @@ func serveInTest(t *testing.T, d *driver.Driver, dir string) string {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Serve(ctx, endpoint) }()
-	// The client does not wait for a socket that is not there yet.
+	// The client does not wait for a socket that is not there yet, and a
+	// socket file exists from bind(2) on, before it listens: wait for a
+	// connection to be accepted, not for the file.
 	for start := time.Now(); ; time.Sleep(10 * time.Millisecond) {
-		if _, err := os.Stat(strings.TrimPrefix(endpoint, "unix://")); err == nil {
+		c, err := net.Dial("unix", strings.TrimPrefix(endpoint, "unix://"))
+		if err == nil {
+			_ = c.Close()
 			break
-		} else if time.Since(start) > 10*time.Second {
-			t.Fatalf("the driver made no socket: %v", err)
+		}
+		if time.Since(start) > 10*time.Second {
+			t.Fatalf("the driver does not accept connections on its socket: %v", err)
 		}
 	}
 	t.Cleanup(func() {
