@@ -126,6 +126,22 @@ func TestNodeScope(t *testing.T) {
 
 	checkScope(t, ctx, "impersonated", nodeA, noNode)
 
+	// What the agent and the controller rely on besides: the agent's watch takes its
+	// node's calls alone (selectableFields), and no one, the controller included, changes
+	// a call's spec.
+	mine, err := nodeA.Resource(poolCallGVR).Namespace(chart.Namespace).List(ctx, metav1.ListOptions{FieldSelector: "spec.node=node-a"})
+	if err != nil || len(mine.Items) != 1 || mine.Items[0].GetName() != "cv-node-a" {
+		t.Errorf("node-a's calls by field selector: %v, %v; want cv-node-a alone", names(mine), err)
+	}
+	o, err := admin.Get(ctx, "cv-node-a", metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_ = unstructured.SetNestedField(o.Object, "node-b", "spec", "node")
+	if _, err := admin.Update(ctx, o, metav1.UpdateOptions{}); !apierrors.IsInvalid(err) || !strings.Contains(err.Error(), "immutable") {
+		t.Errorf("the controller re-targets a call: %v, want refused (spec immutable)", err)
+	}
+
 	// A real token. The API server names the node in a token bound to a pod that is bound
 	// to a node (a Node object: no kubelet needed); a token bound to nothing names none.
 	if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{Name: "node-a"}}, metav1.CreateOptions{}); err != nil {
@@ -266,6 +282,17 @@ func poolNode(name string) *unstructured.Unstructured {
 		"metadata": map[string]any{"name": name, "namespace": chart.Namespace},
 		"spec":     map[string]any{},
 	}}
+}
+
+func names(l *unstructured.UnstructuredList) []string {
+	if l == nil {
+		return nil
+	}
+	var out []string
+	for _, o := range l.Items {
+		out = append(out, o.GetName())
+	}
+	return out
 }
 
 // poll retries f every 200 ms until it returns nil, failing the test after a minute.
