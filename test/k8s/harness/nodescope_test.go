@@ -241,7 +241,7 @@ func refusedByPolicy(err error, want string) error {
 		return fmt.Errorf("allowed, want refused by the node-scope policy: %s", want)
 	}
 	if !strings.Contains(err.Error(), "node-scope") || !strings.Contains(err.Error(), want) {
-		return fmt.Errorf("%v, want refused by the node-scope policy: %s", err, want)
+		return fmt.Errorf("%w, want refused by the node-scope policy: %s", err, want)
 	}
 	return nil
 }
