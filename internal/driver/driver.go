@@ -28,6 +28,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
+	"github.com/poolcsi/poolcsi/internal/rpc"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
 
@@ -323,7 +324,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if err != nil {
 		return err
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(serverInterceptors(extra)...))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(rpc.Interceptors(extra...)...))
 	csi.RegisterIdentityServer(srv, d)
 	if d.opts.Mode.controller() {
 		csi.RegisterControllerServer(srv, d)

@@ -38,7 +38,7 @@ func RenderedValues() string { return filepath.Join(RepoRoot(), "deploy", "kuber
 
 // installOrder is the order `helm install` creates kinds in (a subset of Helm's list).
 var installOrder = []string{
-	"Namespace", "ServiceAccount", "Secret", "ConfigMap", "StorageClass",
+	"Namespace", "ServiceAccount", "Secret", "ConfigMap", "StorageClass", "CustomResourceDefinition",
 	"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Service",
 	"DaemonSet", "Deployment", "CSIDriver",
 }

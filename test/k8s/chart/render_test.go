@@ -86,6 +86,9 @@ var chartVariants = []chartVariant{
 		"snapshots":     map[string]any{"local": true},
 		"snapshotClass": map[string]any{"create": true, "default": true}}),
 		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
+	{"the local pools' central controller: its channel", map[string]any{"localController": map[string]any{"central": true}},
+		[]string{"CustomResourceDefinition/poolcalls.poolcsi.io", "CustomResourceDefinition/poolnodes.poolcsi.io",
+			"ValidatingAdmissionPolicy/poolcsi-node-scope", "Role/poolcsi-node-agent", "DaemonSet/poolcsi-node"}, nil},
 	{"snapshots disabled", withSharedPool(map[string]any{
 		"snapshots":     map[string]any{"enabled": false},
 		"snapshotClass": map[string]any{"create": true}}),

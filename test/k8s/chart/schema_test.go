@@ -173,6 +173,10 @@ volumeAttributesClasses: [{name: x, parameters: {readBPS: 1Mi}}]
 			wantErr: []string{"at '/fencing/leaseDuration': got number, want string"}},
 		{name: "a lease margin that is not a duration", values: userValues{set: []string{"fencing.margin=half a minute"}},
 			wantErr: []string{"at '/fencing/margin'"}},
+		{name: "localController.central as a string", values: userValues{setString: []string{"localController.central=true"}},
+			wantErr: []string{"at '/localController/central': got string, want boolean"}},
+		{name: "misspelt localController key", values: userValues{set: []string{"localController.centrl=true"}},
+			wantErr: []string{"at '/localController': additional properties 'centrl' not allowed"}},
 		{name: "image needed", values: userValues{set: []string{"image=null"}},
 			wantErr: []string{"at '': missing property 'image'"}},
 

@@ -1,4 +1,4 @@
-package driver
+package rpc
 
 import (
 	"context"
@@ -11,17 +11,6 @@ import (
 	"google.golang.org/grpc/status"
 	"k8s.io/klog/v2"
 )
-
-// serverInterceptors is the chain every call goes through, outermost first:
-// logCalls (the context logger, with the method and the request's IDs),
-// answerInTime (which may run the rest in a goroutine of its own), the
-// caller's extra ones (metrics), then recoverPanics, innermost so that it runs
-// in the handler's goroutine, whichever that is, and the extra interceptors
-// see a panic as the Internal error it becomes.
-func serverInterceptors(extra []grpc.UnaryServerInterceptor) []grpc.UnaryServerInterceptor {
-	chain := append([]grpc.UnaryServerInterceptor{logCalls, answerInTime}, extra...)
-	return append(chain, recoverPanics)
-}
 
 // logCalls logs every RPC with secrets stripped: requests carry StorageClass and
 // node-stage secrets, which must never reach a log. The context logger it hands

@@ -1,4 +1,4 @@
-package driver
+package rpc
 
 import (
 	"context"
@@ -69,7 +69,7 @@ func TestCallLogLinesCarryTheIDs(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, logged := bufferedLogger(t)
 			info := &grpc.UnaryServerInfo{FullMethod: tt.method}
-			_, err := callChain(ctx, serverInterceptors(nil), tt.req, info, func(ctx context.Context, req any) (any, error) {
+			_, err := callChain(ctx, Interceptors(), tt.req, info, func(ctx context.Context, req any) (any, error) {
 				klog.FromContext(ctx).Info("Handler at work")
 				var own []any // a handler's own value, as handlers add it today
 				if r, ok := req.(interface{ GetVolumeId() string }); ok {
@@ -138,7 +138,7 @@ func TestHandlerPanicAnswersInternal(t *testing.T) {
 	for _, deadline := range []bool{false, true} {
 		t.Run(map[bool]string{false: "no deadline", true: "a deadline"}[deadline], func(t *testing.T) {
 			lis := bufconn.Listen(1 << 20)
-			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(serverInterceptors(nil)...))
+			srv := grpc.NewServer(grpc.ChainUnaryInterceptor(Interceptors()...))
 			csi.RegisterIdentityServer(srv, &panicky{})
 			served := make(chan error, 1)
 			go func() { served <- srv.Serve(lis) }()
@@ -179,7 +179,7 @@ func TestHandlerPanicAnswersInternal(t *testing.T) {
 func TestHandlerPanicLogged(t *testing.T) {
 	ctx, logged := bufferedLogger(t)
 	info := &grpc.UnaryServerInfo{FullMethod: "/csi.v1.Node/NodePublishVolume"}
-	_, err := callChain(ctx, serverInterceptors(nil), &csi.NodePublishVolumeRequest{VolumeId: "local.0123"}, info,
+	_, err := callChain(ctx, Interceptors(), &csi.NodePublishVolumeRequest{VolumeId: "local.0123"}, info,
 		func(context.Context, any) (any, error) { panic("handler bug") })
 	if status.Code(err) != codes.Internal {
 		t.Fatalf("%v, want Internal", err)
