@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
@@ -46,8 +47,8 @@ func TestE2EStorage(t *testing.T) {
 		focus = ciFocus
 	}
 	e2e, agnhost := tools.E2E.Path(t), tools.Agnhost.Path(t)
-	images := func(t testing.TB) []Image {
-		bb := BusyboxImage(t, "poolcsi.test/e2e-test-images/busybox:1.37.0-1")
+	images := func(t testing.TB) []cluster.Image {
+		bb := cluster.BusyboxImage(t, "poolcsi.test/e2e-test-images/busybox:1.37.0-1")
 		bb136 := bb
 		bb136.Ref = "poolcsi.test/e2e-test-images/busybox:1.36.1-1"
 		// The storage specs run shell commands in these (multiVolume's concurrent-access pods
@@ -55,16 +56,16 @@ func TestE2EStorage(t *testing.T) {
 		// with GNU dd (coreutils) where the block specs write with oflag=nocache.
 		// dash is its /bin/sh: busybox's sh runs its own applets before PATH (dd is busybox's
 		// dd under it whatever /usr/bin/dd is).
-		glibc := WithHostBinaries(t, bb, "/usr/bin/dd", "/bin/sh")
+		glibc := cluster.WithHostBinaries(t, bb, "/usr/bin/dd", "/bin/sh")
 		glibc.Ref = "poolcsi.test/e2e-test-images/glibc-dns-testing:2.0.0"
 		nginx := bb
 		nginx.Ref = "poolcsi.test/e2e-test-images/nginx:1.15-4"
 		// agnhost's image has a shell and the usual tools besides the binary.
 		ag := bb
 		ag.Ref = "poolcsi.test/e2e-test-images/agnhost:2.63.0" // test/utils/image/manifest.go of v1.36.3
-		ag.Files = append(append([]ImageFile{}, bb.Files...), ImageFile{Path: "/agnhost", Src: agnhost})
+		ag.Files = append(append([]cluster.ImageFile{}, bb.Files...), cluster.ImageFile{Path: "/agnhost", Src: agnhost})
 		ag.Entrypoint, ag.Cmd = []string{"/agnhost"}, nil
-		return []Image{bb, bb136, glibc, nginx, ag}
+		return []cluster.Image{bb, bb136, glibc, nginx, ag}
 	}
 	report := os.Getenv("POOLCSI_E2E_REPORT")
 	var opts conformanceOpts
@@ -86,7 +87,7 @@ func TestE2EStorage(t *testing.T) {
 	//     volumeLimits specs fill and then exceed by one: small, as each volume of those
 	//     specs is an image of its own, formatted on a 2-core machine;
 	//   - CSIStorageCapacity for the shared driver's Immediate classes too.
-	env := startEnv(t, envOptions{nodes: e2eNodes, extra: images, values: e2eValues})
+	env := startEnv(t, cluster.EnvOptions{Nodes: e2eNodes, Extra: images, Values: e2eValues})
 	dir := t.TempDir()
 	repoList := filepath.Join(dir, "repo-list.yaml")
 	if err := os.WriteFile(repoList, []byte(e2eRepoList), 0o644); err != nil {
@@ -105,7 +106,7 @@ func TestE2EStorage(t *testing.T) {
 		t.Errorf("no spec ran for focus %q", focus)
 	}
 	for _, f := range res.failed {
-		t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
+		t.Errorf("FAILED: %s\n%s", f.name, cluster.Tail(f.message, 8))
 	}
 }
 
@@ -114,7 +115,7 @@ var e2eValues = map[string]any{
 	"snapshots":        map[string]any{"enabled": true, "local": true},
 	"ephemeralVolumes": map[string]any{"shared": true},
 	"pools": map[string]any{"shared": []any{
-		map[string]any{"name": "shared", "path": sharedPoolPath, "ephemeral": true},
+		map[string]any{"name": "shared", "path": cluster.SharedPoolPath, "ephemeral": true},
 	}},
 	"node": map[string]any{"maxVolumes": map[string]any{"shared": e2eMaxVolumes, "local": e2eMaxVolumes}},
 	// The shared definitions' classes bind at once (Immediate), for which csi-provisioner
@@ -138,7 +139,7 @@ type e2eRun struct {
 // suiteArgs are e2e.test's own flags: the cluster, the driver definitions and the reports.
 func (r e2eRun) suiteArgs() []string {
 	return []string{
-		"--kubeconfig=" + r.env.c.AdminKube, "--provider=skeleton", "--repo-root=" + r.k8sDir,
+		"--kubeconfig=" + r.env.Cluster.AdminKube, "--provider=skeleton", "--repo-root=" + r.k8sDir,
 		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "local-image.yaml"),
 		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "shared-image.yaml"),
 		"--storage.testdriver=" + filepath.Join(r.k8sDir, "e2e", "shared-dir.yaml"),
@@ -191,7 +192,7 @@ func (r e2eRun) command(bin string, args ...string) *exec.Cmd {
 
 func (r e2eRun) exec(t *testing.T, cmd *exec.Cmd, name, junit string) *e2eResults {
 	t.Helper()
-	logPath := filepath.Join(r.env.c.Dir, "logs", name+".log")
+	logPath := filepath.Join(r.env.Cluster.Dir, "logs", name+".log")
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
@@ -204,7 +205,7 @@ func (r e2eRun) exec(t *testing.T, cmd *exec.Cmd, name, junit string) *e2eResult
 	res, err := readJUnit(junit)
 	if err != nil {
 		b, _ := os.ReadFile(logPath)
-		t.Fatalf("%s left no report (%v):\n%s", filepath.Base(cmd.Path), err, tail(string(b), 60))
+		t.Fatalf("%s left no report (%v):\n%s", filepath.Base(cmd.Path), err, cluster.Tail(string(b), 60))
 	}
 	return res
 }
@@ -215,7 +216,7 @@ func (r e2eRun) list(t *testing.T, focus string) []string {
 	junit := filepath.Join(r.dir, "list.junit.xml")
 	cmd := r.command(r.e2e, append(append(r.suiteArgs(), ginkgoArgs("--ginkgo.", focus, "", junit)...), "--ginkgo.dry-run")...)
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("e2e.test --ginkgo.dry-run: %v\n%s", err, tail(string(out), 40))
+		t.Fatalf("e2e.test --ginkgo.dry-run: %v\n%s", err, cluster.Tail(string(out), 40))
 	}
 	res, err := readJUnit(junit)
 	if err != nil {
@@ -292,7 +293,7 @@ func (r e2eRun) conformance(t *testing.T, focus, report string, opts conformance
 		res := r.runChunk(t, c, names, fmt.Sprintf("chunk-%03d", i), opts)
 		t.Logf("%s: %d passed, %d failed, %d skipped", c, len(res.passed), len(res.failed), len(res.skipped))
 		for _, f := range res.failed {
-			t.Errorf("FAILED: %s\n%s", f.name, tail(f.message, 8))
+			t.Errorf("FAILED: %s\n%s", f.name, cluster.Tail(f.message, 8))
 		}
 		results.merge(res, time.Now(), e2eNodes)
 		save()

@@ -1,4 +1,4 @@
-package harness
+package cluster
 
 import (
 	"fmt"
@@ -59,8 +59,8 @@ func (n *Node) procArgs(name, bin string, args []string) (string, string, []stri
 
 func (n *Node) nsPath() string { return fmt.Sprintf("/proc/%d/ns/mnt", n.ns.cmd.Process.Pid) }
 
-// command is name with args, run in the node's mount namespace.
-func (n *Node) command(name string, args ...string) *exec.Cmd {
+// Command is name with args, run in the node's mount namespace.
+func (n *Node) Command(name string, args ...string) *exec.Cmd {
 	if n == nil || n.ns == nil {
 		return exec.Command(name, args...)
 	}
@@ -71,7 +71,7 @@ func (n *Node) command(name string, args ...string) *exec.Cmd {
 // fails the test if it fails.
 func (n *Node) Run(t testing.TB, name string, args ...string) string {
 	t.Helper()
-	out, err := n.command(name, args...).CombinedOutput()
+	out, err := n.Command(name, args...).CombinedOutput()
 	if err != nil {
 		t.Fatalf("on node %s: %s %q: %v\n%s", n.Name, name, args, err, out)
 	}
@@ -82,7 +82,7 @@ func (n *Node) Run(t testing.TB, name string, args ...string) string {
 // node sees them.
 func (n *Node) MountsUnder(dirs ...string) []string {
 	if n.ns == nil {
-		return mountsUnder(dirs...)
+		return MountsUnder(dirs...)
 	}
 	return mountsUnderIn(fmt.Sprintf("/proc/%d/mountinfo", n.ns.cmd.Process.Pid), dirs...)
 }
@@ -125,8 +125,8 @@ func (n *Node) enterOwnMounts(t testing.TB) {
 		t.Fatal(err)
 	}
 	n.ns = n.c.Start(t, "mountns@"+n.Name, "unshare", nil, "--mount", "--propagation", "slave", "sleep", "infinity")
-	waitFor(t, 10*time.Second, "node "+n.Name+"'s mount namespace", func() error {
-		n.ns.mustRun(t)
+	WaitFor(t, 10*time.Second, "node "+n.Name+"'s mount namespace", func() error {
+		n.ns.MustRun(t)
 		ns, err := os.Readlink(n.nsPath())
 		if err != nil {
 			return err
@@ -157,7 +157,7 @@ func (n *Node) sweepOwnMounts(t testing.TB) {
 		if slices.Contains(ownDirs, m) {
 			continue // the node's own bind mounts go with the namespace
 		}
-		if out, err := n.command("umount", "-l", m).CombinedOutput(); err != nil {
+		if out, err := n.Command("umount", "-l", m).CombinedOutput(); err != nil {
 			t.Logf("node %s: umount -l %s: %v %s", n.Name, m, err, out)
 		} else {
 			t.Logf("node %s: swept a leftover mount: %s", n.Name, m)
@@ -304,8 +304,8 @@ func (n *Node) PowerOn(t testing.TB) {
 	n.containerd = n.restart(t, fmt.Sprintf("containerd-%d", n.restarts+1), "containerd", "--config", filepath.Join(n.Dir, "containerd.toml"))
 	n.waitContainerd(t)
 	n.kubelet = n.restart(t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, n.kubeletArgs...)
-	waitFor(t, 120*time.Second, "node "+n.Name+" Ready after power-on", func() error {
-		n.kubelet.mustRun(t)
+	WaitFor(t, 120*time.Second, "node "+n.Name+" Ready after power-on", func() error {
+		n.kubelet.MustRun(t)
 		return n.ready()
 	})
 }
@@ -355,7 +355,7 @@ func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 		if path == "" {
 			return
 		}
-		if out, err := n.command("umount", path).CombinedOutput(); err != nil {
+		if out, err := n.Command("umount", path).CombinedOutput(); err != nil {
 			t.Errorf("node %s: healing the partition: umount %s: %v %s", n.Name, path, err, out)
 		}
 	}
@@ -401,7 +401,7 @@ func (n *Node) Vanish(t testing.TB, path string) (heal func()) {
 			steps = append(steps, []string{"umount", keep})
 		}
 		for _, args := range steps {
-			if out, err := n.command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			if out, err := n.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
 				t.Errorf("node %s: healing a vanished %s: %q: %v %s", n.Name, path, args, err, out)
 				return
 			}

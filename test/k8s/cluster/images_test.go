@@ -1,4 +1,4 @@
-package harness
+package cluster
 
 import (
 	"os"
@@ -63,7 +63,7 @@ func TestImageToolsMatchDockerfile(t *testing.T) {
 		}
 		switch {
 		case owner == "":
-			missing(t, tl.Path+" is not installed from a Debian package here (hack/install-deps.sh installs "+tl.Package+")")
+			Missing(t, tl.Path+" is not installed from a Debian package here (hack/install-deps.sh installs "+tl.Package+")")
 		case owner != tl.Package:
 			t.Errorf("%s belongs to %s here, deploy/image-tools.txt says %s", tl.Path, owner, tl.Package)
 		}
@@ -83,8 +83,8 @@ func dpkgOwner(p string) string {
 // WithHostBinaries puts the machine's binary, and the libraries it loads, where an image
 // had a busybox applet.
 func TestWithHostBinaries(t *testing.T) {
-	if !fileExists("/usr/bin/dd") {
-		missing(t, "needs /usr/bin/dd (Debian package coreutils)")
+	if !FileExists("/usr/bin/dd") {
+		Missing(t, "needs /usr/bin/dd (Debian package coreutils)")
 	}
 	img := Image{Ref: "x", Files: []ImageFile{
 		{Path: "/usr/bin/busybox", Src: "/bin/busybox"},

@@ -1,10 +1,9 @@
-package harness
+package cluster
 
 import (
 	"bufio"
 	"context"
 	"fmt"
-	"github.com/poolcsi/poolcsi/test/k8s/tools"
 	"net"
 	"os"
 	"os/exec"
@@ -15,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -81,9 +82,9 @@ const (
 	// clusterCIDR holds every node's pod range (NodeConfig.Index).
 	clusterCIDR     = "10.244.0.0/16"
 	cniBridgePrefix = "pkcni"
-	// localImagePrefix names every image the tests build; nothing is ever pulled.
-	localImagePrefix = "poolcsi.test/"
-	pauseImage       = localImagePrefix + "pause:1"
+	// LocalImagePrefix names every image the tests build; nothing is ever pulled.
+	LocalImagePrefix = "poolcsi.test/"
+	pauseImage       = LocalImagePrefix + "pause:1"
 )
 
 // NodeIP is this machine's first non-loopback IPv4 address: kubelet refuses a loopback
@@ -92,18 +93,18 @@ func NodeIP(t testing.TB) string {
 	t.Helper()
 	ips := hostIPs()
 	if len(ips) == 0 {
-		missing(t, "needs a non-loopback IPv4 address for the node (kubelet refuses 127.0.0.1)")
+		Missing(t, "needs a non-loopback IPv4 address for the node (kubelet refuses 127.0.0.1)")
 	}
 	return ips[0].String()
 }
 
 func requireNode(t testing.TB) {
 	t.Helper()
-	requireRoot(t)
-	requireCommands(t, "containerd", "ctr", "runc", "iptables", "iptables-restore", "ip")
+	RequireRoot(t)
+	RequireCommands(t, "containerd", "ctr", "runc", "iptables", "iptables-restore", "ip")
 	for _, p := range []string{"/usr/lib/cni/bridge", "/usr/lib/cni/host-local", "/usr/lib/cni/loopback"} {
-		if !fileExists(p) {
-			missing(t, "needs "+p+" (Debian package containernetworking-plugins; hack/install-deps.sh installs it)")
+		if !FileExists(p) {
+			Missing(t, "needs "+p+" (Debian package containernetworking-plugins; hack/install-deps.sh installs it)")
 		}
 	}
 	if entries, err := os.ReadDir(KubeletDir); err == nil && len(entries) > 0 {
@@ -155,8 +156,8 @@ func StartNodeWith(t testing.TB, c *Cluster, ip string, cfg NodeConfig, images [
 		n.startScheduler(t)
 	}
 	n.startKubelet(t)
-	waitFor(t, 120*time.Second, "node "+n.Name+" Ready", func() error {
-		n.kubelet.mustRun(t)
+	WaitFor(t, 120*time.Second, "node "+n.Name+" Ready", func() error {
+		n.kubelet.MustRun(t)
 		return n.ready()
 	})
 	return n
@@ -213,8 +214,8 @@ disabled_plugins = ["io.containerd.internal.v1.opt"]
 // waitContainerd waits until the node's current containerd answers on its socket.
 func (n *Node) waitContainerd(t testing.TB) {
 	t.Helper()
-	waitFor(t, 30*time.Second, "containerd socket", func() error {
-		n.containerd.mustRun(t)
+	WaitFor(t, 30*time.Second, "containerd socket", func() error {
+		n.containerd.MustRun(t)
 		out, err := n.ctr("version")
 		if err != nil {
 			return fmt.Errorf("%w: %s", err, out)
@@ -270,12 +271,12 @@ func (n *Node) startProxy(t testing.TB) {
 		// conntrack sysctls are not writable here and not needed on one node.
 		"--conntrack-max-per-core=0",
 		"--conntrack-tcp-timeout-established=0", "--conntrack-tcp-timeout-close-wait=0",
-		"--metrics-bind-address=127.0.0.1:"+strconv.Itoa(freePort(t)),
-		"--healthz-bind-address=127.0.0.1:"+strconv.Itoa(freePort(t)),
+		"--metrics-bind-address=127.0.0.1:"+strconv.Itoa(FreePort(t)),
+		"--healthz-bind-address=127.0.0.1:"+strconv.Itoa(FreePort(t)),
 		"--v=1")
 	t.Cleanup(func() {
 		if out, err := exec.Command(bin, "--cleanup").CombinedOutput(); err != nil {
-			t.Logf("kube-proxy --cleanup: %v %s", err, tail(string(out), 5))
+			t.Logf("kube-proxy --cleanup: %v %s", err, Tail(string(out), 5))
 		}
 	})
 }
@@ -285,16 +286,16 @@ func (n *Node) startScheduler(t testing.TB) {
 	p := n.c.Start(t, "kube-scheduler", tools.Scheduler.Path(t), nil,
 		"--kubeconfig="+n.c.AdminKube,
 		"--authentication-kubeconfig="+n.c.AdminKube, "--authorization-kubeconfig="+n.c.AdminKube,
-		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(freePort(t)),
+		"--bind-address=127.0.0.1", "--secure-port="+strconv.Itoa(FreePort(t)),
 		"--leader-elect=false", "--v=1")
 	time.Sleep(300 * time.Millisecond)
-	p.mustRun(t)
+	p.MustRun(t)
 }
 
 func (n *Node) startKubelet(t testing.TB) {
 	t.Helper()
 	n.kubeletBin = tools.Kubelet.Path(t)
-	n.KubeletPort = freePort(t)
+	n.KubeletPort = FreePort(t)
 	cfg := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 # This machine has cgroup v1 only; kubelet v1.36 refuses it unless told, and the
@@ -327,7 +328,7 @@ featureGates:
   # Volume health from NodeGetVolumeStats: kubelet_volume_stats_health_status_abnormal
   # and Warning events on the pod (alpha in v1.36).
   CSIVolumeHealth: true
-`, n.cgroupRootLine(), n.Containerd, n.IP, n.KubeletPort, freePort(t), n.c.PKI.CACert)
+`, n.cgroupRootLine(), n.Containerd, n.IP, n.KubeletPort, FreePort(t), n.c.PKI.CACert)
 	cfgPath := filepath.Join(n.Dir, "kubelet.yaml")
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
@@ -369,8 +370,8 @@ func (n *Node) RestartKubelet(t testing.TB) {
 	n.kubelet.Stop()
 	n.restarts++
 	n.kubelet = n.restart(t, fmt.Sprintf("kubelet-%d", n.restarts+1), n.kubeletBin, n.kubeletArgs...)
-	waitFor(t, 60*time.Second, "node "+n.Name+" Ready after the kubelet restart", func() error {
-		n.kubelet.mustRun(t)
+	WaitFor(t, 60*time.Second, "node "+n.Name+" Ready after the kubelet restart", func() error {
+		n.kubelet.MustRun(t)
 		return n.ready()
 	})
 }
@@ -406,7 +407,7 @@ func (n *Node) sweep(t testing.TB) {
 		own = nil
 	}
 	var netnsLeft []string
-	for _, m := range mountsUnder(append([]string{n.Dir, "/run/netns", "/var/run/netns"}, own...)...) {
+	for _, m := range MountsUnder(append([]string{n.Dir, "/run/netns", "/var/run/netns"}, own...)...) {
 		if strings.Contains(m, "/netns/cni-") {
 			netnsLeft = append(netnsLeft, m)
 		}
@@ -420,7 +421,7 @@ func (n *Node) sweep(t testing.TB) {
 		if d == "" {
 			continue
 		}
-		if left := mountsUnder(d); len(left) > 0 {
+		if left := MountsUnder(d); len(left) > 0 {
 			// Removing files under a mount would delete a volume's data.
 			t.Errorf("not removing %s: still mounted under it: %v", d, left)
 			continue
@@ -500,10 +501,10 @@ func iptablesFields(line string) []string {
 	return f
 }
 
-// mountsUnder lists the mount points under any of dirs, deepest first.
-func mountsUnder(dirs ...string) []string { return mountsUnderIn("/proc/self/mountinfo", dirs...) }
+// MountsUnder lists the mount points under any of dirs, deepest first.
+func MountsUnder(dirs ...string) []string { return mountsUnderIn("/proc/self/mountinfo", dirs...) }
 
-// mountsUnderIn is mountsUnder in the mount table of a mountinfo file.
+// mountsUnderIn is MountsUnder in the mount table of a mountinfo file.
 func mountsUnderIn(mountinfo string, dirs ...string) []string {
 	f, err := os.Open(mountinfo)
 	if err != nil {

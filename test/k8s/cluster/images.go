@@ -1,4 +1,4 @@
-package harness
+package cluster
 
 import (
 	"debug/elf"
@@ -46,8 +46,8 @@ func BinaryImage(ref, bin string, args ...string) Image {
 func BusyboxImage(t testing.TB, ref string) Image {
 	t.Helper()
 	const bb = "/bin/busybox"
-	if !fileExists(bb) {
-		missing(t, "needs /bin/busybox (Debian package busybox-static; hack/install-deps.sh installs it)")
+	if !FileExists(bb) {
+		Missing(t, "needs /bin/busybox (Debian package busybox-static; hack/install-deps.sh installs it)")
 	}
 	if f, err := elf.Open(bb); err == nil {
 		dynamic := f.Section(".interp") != nil
@@ -95,8 +95,8 @@ func WithHostBinaries(t testing.TB, img Image, paths ...string) Image {
 		seen[f.Path] = true
 	}
 	for _, p := range paths {
-		if !fileExists(p) {
-			missing(t, "needs "+p+" for a test image")
+		if !FileExists(p) {
+			Missing(t, "needs "+p+" for a test image")
 		}
 		libs, err := sharedLibraries(p)
 		if err != nil {
@@ -134,8 +134,8 @@ func PoolcsiImage(t testing.TB, ref, bin string) Image {
 		Files: append([]ImageFile{{Path: "/usr/local/bin/poolcsi", Src: bin}}, mergedUsr...)}
 	var paths []string
 	for _, tl := range tools {
-		if !fileExists(tl.Path) {
-			missing(t, fmt.Sprintf("needs %s (Debian package %s) for the poolcsi image", tl.Path, tl.Package))
+		if !FileExists(tl.Path) {
+			Missing(t, fmt.Sprintf("needs %s (Debian package %s) for the poolcsi image", tl.Path, tl.Package))
 		}
 		paths = append(paths, tl.Path)
 	}

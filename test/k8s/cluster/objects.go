@@ -1,4 +1,4 @@
-package harness
+package cluster
 
 import (
 	"bytes"
@@ -7,9 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"os"
 	"strings"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
 	"k8s.io/apimachinery/pkg/api/meta"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -120,8 +121,8 @@ func (a *Applier) Delete(ctx context.Context, obj *unstructured.Unstructured) er
 	return nil
 }
 
-// find returns the object of that kind and name.
-func find(objs []*unstructured.Unstructured, kind, name string) *unstructured.Unstructured {
+// Find returns the object of that kind and name.
+func FindObject(objs []*unstructured.Unstructured, kind, name string) *unstructured.Unstructured {
 	for _, o := range objs {
 		if o.GetKind() == kind && o.GetName() == name {
 			return o
@@ -130,8 +131,8 @@ func find(objs []*unstructured.Unstructured, kind, name string) *unstructured.Un
 	return nil
 }
 
-// containerArgs returns the args of a container in a rendered Deployment or DaemonSet.
-func containerArgs(obj *unstructured.Unstructured, container string) ([]string, error) {
+// ContainerArgs returns the args of a container in a rendered Deployment or DaemonSet.
+func ContainerArgs(obj *unstructured.Unstructured, container string) ([]string, error) {
 	cs, _, err := unstructured.NestedSlice(obj.Object, "spec", "template", "spec", "containers")
 	if err != nil {
 		return nil, err
@@ -151,8 +152,8 @@ func containerArgs(obj *unstructured.Unstructured, container string) ([]string, 
 	return nil, fmt.Errorf("%s %s has no container %q", obj.GetKind(), obj.GetName(), container)
 }
 
-// rewriteArgs drops the flags whose name starts with one of drop and appends add.
-func rewriteArgs(args []string, drop []string, add ...string) []string {
+// RewriteArgs drops the flags whose name starts with one of drop and appends add.
+func RewriteArgs(args []string, drop []string, add ...string) []string {
 	var out []string
 next:
 	for _, a := range args {

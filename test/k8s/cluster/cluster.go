@@ -1,9 +1,8 @@
-package harness
+package cluster
 
 import (
 	"context"
 	"fmt"
-	"github.com/poolcsi/poolcsi/test/k8s/tools"
 	"net"
 	"net/http"
 	"os"
@@ -15,6 +14,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/poolcsi/poolcsi/test/k8s/tools"
 
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -46,7 +47,7 @@ type Cluster struct {
 	procs      []*Proc
 }
 
-func freePort(t testing.TB) int {
+func FreePort(t testing.TB) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -65,7 +66,7 @@ func (c *Cluster) Start(t testing.TB, name, bin string, env []string, args ...st
 		p.Stop()
 		if t.Failed() {
 			b, _ := os.ReadFile(p.Log)
-			t.Logf("---- last lines of %s (%s) ----\n%s", name, p.Log, tail(string(b), 25))
+			t.Logf("---- last lines of %s (%s) ----\n%s", name, p.Log, Tail(string(b), 25))
 		}
 	})
 	return p
@@ -124,11 +125,11 @@ func (p *Proc) Exited() (bool, error) {
 	}
 }
 
-func (p *Proc) mustRun(t testing.TB) {
+func (p *Proc) MustRun(t testing.TB) {
 	t.Helper()
 	if done, err := p.Exited(); done {
 		b, _ := os.ReadFile(p.Log)
-		t.Fatalf("%s exited (%v):\n%s", p.Name, err, tail(string(b), 30))
+		t.Fatalf("%s exited (%v):\n%s", p.Name, err, Tail(string(b), 30))
 	}
 }
 
@@ -178,7 +179,7 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 	}
 	c := &Cluster{Dir: dir, PKI: pki}
 
-	ep, pp := freePort(t), freePort(t)
+	ep, pp := FreePort(t), FreePort(t)
 	etcdURL := fmt.Sprintf("http://127.0.0.1:%d", ep)
 	peer := fmt.Sprintf("http://127.0.0.1:%d", pp)
 	ep2 := c.Start(t, "etcd", etcd, nil,
@@ -187,8 +188,8 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 		"--listen-peer-urls="+peer, "--initial-advertise-peer-urls="+peer,
 		"--initial-cluster=default="+peer, "--listen-metrics-urls=",
 		"--quota-backend-bytes=1073741824", "--unsafe-no-fsync", "--log-level=warn")
-	waitFor(t, 60*time.Second, "etcd health", func() error {
-		ep2.mustRun(t)
+	WaitFor(t, 60*time.Second, "etcd health", func() error {
+		ep2.MustRun(t)
 		resp, err := http.Get(etcdURL + "/health")
 		if err != nil {
 			return err
@@ -200,7 +201,7 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 		return nil
 	})
 
-	port := freePort(t)
+	port := FreePort(t)
 	c.APIServer = "https://127.0.0.1:" + strconv.Itoa(port)
 	bind, advertise := "127.0.0.1", "127.0.0.1"
 	var nodeArgs []string
@@ -236,8 +237,8 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 	}
 	c.Config.QPS, c.Config.Burst = 50, 100
 	c.Client = kubernetes.NewForConfigOrDie(c.Config)
-	waitFor(t, 120*time.Second, "kube-apiserver /readyz", func() error {
-		api.mustRun(t)
+	WaitFor(t, 120*time.Second, "kube-apiserver /readyz", func() error {
+		api.MustRun(t)
 		b, err := c.Client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(context.Background())
 		if err != nil {
 			return fmt.Errorf("%w %s", err, b)
@@ -245,7 +246,7 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 		return nil
 	})
 	// The default namespace and the RBAC bootstrap roles appear shortly after readiness.
-	waitFor(t, 60*time.Second, "namespace default", func() error {
+	WaitFor(t, 60*time.Second, "namespace default", func() error {
 		_, err := c.Client.CoreV1().Namespaces().Get(context.Background(), "default", metav1GetOptions)
 		return err
 	})
@@ -268,7 +269,7 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 			"--node-monitor-grace-period=40s",
 		}
 	}
-	kcmPort := freePort(t)
+	kcmPort := FreePort(t)
 	k := c.Start(t, "kube-controller-manager", kcm, nil, append([]string{
 		"--kubeconfig=" + c.AdminKube,
 		"--authentication-kubeconfig=" + c.AdminKube, "--authorization-kubeconfig=" + c.AdminKube,
@@ -279,12 +280,12 @@ func StartClusterWith(t testing.TB, dir string, opts ClusterOptions) *Cluster {
 		"--pvclaimbinder-sync-period=1s",
 		"--v=2"}, kcmArgs...)...)
 	time.Sleep(500 * time.Millisecond)
-	k.mustRun(t)
+	k.MustRun(t)
 	return c
 }
 
-// waitFor polls f every 250 ms until it returns nil, failing the test after timeout.
-func waitFor(t testing.TB, timeout time.Duration, what string, f func() error) {
+// WaitFor polls f every 250 ms until it returns nil, failing the test after timeout.
+func WaitFor(t testing.TB, timeout time.Duration, what string, f func() error) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	var err error

@@ -1,4 +1,4 @@
-package harness
+package cluster
 
 import (
 	"os"
@@ -9,30 +9,30 @@ import (
 // The pattern of internal/testutil/require.go, copied because test/k8s is its own module:
 // a missing prerequisite fails under CI (CI set) and skips, with the reason, elsewhere.
 
-func inCI() bool { return os.Getenv("CI") != "" }
+func InCI() bool { return os.Getenv("CI") != "" }
 
-func requireRoot(t testing.TB) {
+func RequireRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
-		missing(t, "needs root (poolcsi serve manages loop devices and mounts); run the tests as root")
+		Missing(t, "needs root (poolcsi serve manages loop devices and mounts); run the tests as root")
 	}
 	if _, err := os.Stat("/dev/loop-control"); err != nil {
-		missing(t, "needs loop devices: /dev/loop-control is missing ("+err.Error()+")")
+		Missing(t, "needs loop devices: /dev/loop-control is missing ("+err.Error()+")")
 	}
 }
 
-func requireCommands(t testing.TB, names ...string) {
+func RequireCommands(t testing.TB, names ...string) {
 	t.Helper()
 	for _, n := range names {
 		if _, err := exec.LookPath(n); err != nil {
-			missing(t, "needs the command "+n+" (install e2fsprogs, xfsprogs, btrfs-progs, util-linux)")
+			Missing(t, "needs the command "+n+" (install e2fsprogs, xfsprogs, btrfs-progs, util-linux)")
 		}
 	}
 }
 
-func missing(t testing.TB, why string) {
+func Missing(t testing.TB, why string) {
 	t.Helper()
-	if inCI() {
+	if InCI() {
 		t.Fatalf("prerequisite missing in CI: %s", why)
 	}
 	t.Skipf("prerequisite missing: %s", why)
