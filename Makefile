@@ -96,10 +96,11 @@ image-lock:
 	cd test/k8s && go run ./cmd/image -update-lock
 
 # The Kubernetes storage e2e suite (e2e.test v1.36.3) against the chart on a real
-# one-node cluster (root): a few specs of it, or those E2E_FOCUS names (a ginkgo regexp).
+# two-node cluster (root; test/k8s/cmd/conformance): a few specs of it, or those E2E_FOCUS
+# names (a ginkgo regexp).
 E2E_FOCUS ?=
 e2e:
-	cd test/k8s && POOLCSI_E2E_FOCUS='$(E2E_FOCUS)' go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
+	cd test/k8s && go run ./cmd/conformance -focus '$(E2E_FOCUS)' -timeout 5h
 
 # Every External Storage spec, one driver and test pattern at a time, each result kept in
 # test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
@@ -109,12 +110,11 @@ e2e:
 BUDGET ?= 4h
 PROCS ?= 3
 conformance:
-	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
-		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) POOLCSI_E2E_CHUNKS='$(CHUNKS)' POOLCSI_E2E_SPECS='$(SPECS)' \
-		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
+	cd test/k8s && go run ./cmd/conformance -focus 'External.Storage' -report '$(CURDIR)/docs/conformance.md' \
+		-budget '$(BUDGET)' -rerun '$(RERUN)' -procs '$(PROCS)' -chunks '$(CHUNKS)' -specs '$(SPECS)' -timeout 6h
 
 # Stops a running make conformance after the chunk it is running (its results kept); the
-# path is conformanceStop in test/k8s/harness/e2e_test.go.
+# path is conformanceStop in test/k8s/e2e/suite.go.
 conformance-stop:
 	touch /run/lock/poolcsi-conformance.stop
 
