@@ -16,9 +16,9 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
-	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
+	"github.com/poolcsi/poolcsi/hack/release/ociimage"
 )
 
 // Image is a single-layer image built here from files of this machine: no registry is

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 )
 
 // TestImageToolsMatchDockerfile keeps deploy/Dockerfile and the tests' image builder on one

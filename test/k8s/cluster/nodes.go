@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 )
 
 // The second node's address: kubelet refuses a loopback one, and the nodes share this

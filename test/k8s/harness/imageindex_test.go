@@ -24,10 +24,10 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
+	"github.com/poolcsi/poolcsi/hack/release/imagebuild"
 	"github.com/poolcsi/poolcsi/test/k8s/cluster"
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
-	"github.com/poolcsi/poolcsi/test/k8s/imagebuild"
 )
 
 // The tests of make image's index build it as make image does, from the pinned packages

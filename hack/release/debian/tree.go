@@ -14,7 +14,7 @@ import (
 	"github.com/klauspost/compress/zstd"
 	"github.com/ulikunitz/xz"
 
-	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
+	"github.com/poolcsi/poolcsi/hack/release/ociimage"
 )
 
 // Tree is the files of some .deb packages, as dpkg-deb -x would lay them out, kept in

@@ -8,7 +8,7 @@ import (
 
 	"github.com/google/go-containerregistry/pkg/v1/layout"
 
-	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
+	"github.com/poolcsi/poolcsi/hack/release/ociimage"
 )
 
 // WriteLayout replaces an earlier layout and refuses any other directory.

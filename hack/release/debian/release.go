@@ -99,7 +99,7 @@ func (v Verifier) gpgv(ctx context.Context, inRelease []byte) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(dir)
+	defer func() { _ = os.RemoveAll(dir) }() // a temp dir: nothing to lose if it stays
 	in, out := filepath.Join(dir, "InRelease"), filepath.Join(dir, "signed")
 	if err := os.WriteFile(in, inRelease, 0o600); err != nil {
 		return nil, err

@@ -16,8 +16,8 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/types"
 
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
-	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
+	"github.com/poolcsi/poolcsi/hack/release/ociimage"
 )
 
 // Binary is where the poolcsi binary sits in the image, as in deploy/Dockerfile.

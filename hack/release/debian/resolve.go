@@ -10,7 +10,7 @@ import (
 	"sort"
 	"strings"
 
-	"github.com/poolcsi/poolcsi/test/k8s/ociimage"
+	"github.com/poolcsi/poolcsi/hack/release/ociimage"
 )
 
 // Tool is one line of deploy/image-tools.txt: a command poolcsi runs in its container
@@ -161,7 +161,7 @@ func (r *resolver) needs(p string) ([]string, error) {
 	if err != nil {
 		return nil, nil // not ELF: a script or a data file (mke2fs.conf)
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }() // over a bytes.Reader: nothing to flush
 	if f.Machine != r.arch.Machine {
 		return nil, fmt.Errorf("%s from %s is %s, not %s", p, e.Pkg, f.Machine, r.arch.Machine)
 	}

@@ -16,8 +16,8 @@ import (
 	"strings"
 	"time"
 
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
-	"github.com/poolcsi/poolcsi/test/k8s/imagebuild"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
+	"github.com/poolcsi/poolcsi/hack/release/imagebuild"
 )
 
 func main() {
@@ -140,7 +140,7 @@ func compressedSize(p imagebuild.Platform) (int64, error) {
 	return n, nil
 }
 
-// repoRoot is the repository this command's source lies in (test/k8s/cmd/image).
+// repoRoot is the repository this command's source lies in (hack/release/cmd/image).
 func repoRoot() string {
 	_, file, _, ok := runtime.Caller(0)
 	if !ok {

@@ -204,7 +204,7 @@ func WriteRepo() error {
 // holds its share key.
 const (
 	SharedPoolPath = "/mnt/poolcsi-shared"
-	ShareKeySecret = "poolcsi-share-key"
+	ShareKeySecret = "poolcsi-share-key" //nolint:gosec // the Secret's name, not a credential
 )
 
 // SharedPoolValues are chart values that add the shared pool "shared" at SharedPoolPath,

@@ -18,7 +18,7 @@ import (
 // the cache once fetched) and reads no index; make image-lock writes it again from the
 // archive's current indexes.
 const lockHeader = `# The Debian packages make image builds from, pinned: architecture, package, version,
-# SHA256, size, URL. Written by make image-lock (test/k8s/cmd/image -update-lock) from the
+# SHA256, size, URL. Written by make image-lock (hack/release/cmd/image -update-lock) from the
 # bookworm, bookworm-updates and bookworm-security indexes; do not edit by hand. A point
 # release removes superseded versions from deb.debian.org: make image then fails on a 404,
 # and make image-lock moves the lock to the current versions (review the diff).

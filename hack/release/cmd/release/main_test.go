@@ -14,7 +14,7 @@ import (
 
 	"helm.sh/helm/v3/pkg/chart/loader"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 )
 
 // TestMakeRelease runs `make release` (make image, then this command) into a temporary

@@ -27,8 +27,8 @@ import (
 	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
 )
 
 func main() {
