@@ -17,7 +17,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
@@ -313,7 +313,7 @@ func (r e2eRun) conformance(t testing.TB, focus, report string, opts Options) {
 		for _, f := range res.failed {
 			t.Errorf("FAILED: %s\n%s", f.name, cluster.Tail(f.message, 8))
 		}
-		results.merge(res, time.Now(), Nodes)
+		results.merge(res, time.Now(), len(r.env.Nodes))
 		save()
 	}
 	save()
