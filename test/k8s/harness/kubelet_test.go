@@ -262,6 +262,21 @@ func volumeMetric(metrics, name, ns, claim string) (float64, bool) {
 
 const writeBlob = "dd if=/dev/urandom of=/data/blob bs=1M count=4 2>/dev/null && sync && md5sum /data/blob | cut -d' ' -f1"
 
+// blobPod creates the namespace name with the claims, starts pod "p" with them all (the
+// first at /data) and writes writeBlob there: how the cases that check data survive
+// something begin. It returns the namespace and the blob's md5 sum.
+func (e *kubeletEnv) blobPod(t testing.TB, name string, claims ...claimSpec) (ns, written string) {
+	t.Helper()
+	ns = e.Namespace(t, name)
+	var names []string
+	for _, c := range claims {
+		e.claim(t, ns, c)
+		names = append(names, c.name)
+	}
+	e.pod(t, ns, podSpec{name: "p", claims: names})
+	return ns, strings.TrimSpace(e.MustExec(t, ns, "p", writeBlob))
+}
+
 // TestKubelet drives poolcsi through a real kubelet, with the chart running as pods.
 func TestKubelet(t *testing.T) {
 	// Local snapshots on (the chart's opt-in snapshots.local; the environment's
@@ -499,10 +514,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 
 	for _, fs := range []string{"xfs", "btrfs"} {
 		t.Run("online expansion/"+fs, func(t *testing.T) {
-			ns := env.Namespace(t, "grow-"+fs)
-			env.claim(t, ns, claimSpec{name: "c", class: "local-" + fs, size: "300Mi"})
-			env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
-			want := strings.TrimSpace(env.MustExec(t, ns, "p", writeBlob))
+			ns, want := env.blobPod(t, "grow-"+fs, claimSpec{name: "c", class: "local-" + fs, size: "300Mi"})
 			before := env.dfBytes(t, ns, "p", "/data")
 			env.resize(t, ns, "c", "600Mi")
 			env.waitCapacity(t, ns, "c", "600Mi", 150*time.Second)
@@ -525,10 +537,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	// claim always grows online, which needs CAP_SYS_RESOURCE (production nodes have it,
 	// this machine does not: docs/testing.md).
 	t.Run("offline expansion/ext4", func(t *testing.T) {
-		ns := env.Namespace(t, "grow-ext4")
-		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "200Mi"})
-		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
-		want := strings.TrimSpace(env.MustExec(t, ns, "p", writeBlob))
+		ns, want := env.blobPod(t, "grow-ext4", claimSpec{name: "c", class: "shared-ext4", size: "200Mi"})
 		before := env.dfBytes(t, ns, "p", "/data")
 		env.DeletePod(t, ns, "p")
 		env.resize(t, ns, "c", "400Mi")
@@ -553,11 +562,8 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	})
 
 	t.Run("driver pod restarted under a running pod", func(t *testing.T) {
-		ns := env.Namespace(t, "driver-restart")
-		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
-		env.claim(t, ns, claimSpec{name: "d", class: "shared-dir", size: "100Mi"})
-		env.pod(t, ns, podSpec{name: "p", claims: []string{"c", "d"}})
-		want := strings.TrimSpace(env.MustExec(t, ns, "p", writeBlob))
+		ns, want := env.blobPod(t, "driver-restart", claimSpec{name: "c", class: "local-xfs", size: "300Mi"},
+			claimSpec{name: "d", class: "shared-dir", size: "100Mi"})
 		env.restartNodePod(t)
 		if got := sum(t, env, ns, "p", "/data/blob"); got != want {
 			t.Fatalf("after the driver restart the pod reads %s, wrote %s", got, want)
@@ -571,10 +577,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	})
 
 	t.Run("kubelet restarted under a running pod", func(t *testing.T) {
-		ns := env.Namespace(t, "kubelet-restart")
-		env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
-		env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
-		want := strings.TrimSpace(env.MustExec(t, ns, "p", writeBlob))
+		ns, want := env.blobPod(t, "kubelet-restart", claimSpec{name: "c", class: "local-xfs", size: "300Mi"})
 		env.Node.RestartKubelet(t)
 		time.Sleep(5 * time.Second)
 		env.waitRunning(t, ns, "p")
@@ -589,10 +592,7 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	})
 
 	t.Run("snapshot restored into a new claim", func(t *testing.T) {
-		ns := env.Namespace(t, "snapshot")
-		env.claim(t, ns, claimSpec{name: "src", class: "shared-xfs", size: "300Mi"})
-		env.pod(t, ns, podSpec{name: "p", claims: []string{"src"}})
-		want := strings.TrimSpace(env.MustExec(t, ns, "p", writeBlob))
+		ns, want := env.blobPod(t, "snapshot", claimSpec{name: "src", class: "shared-xfs", size: "300Mi"})
 		snap := &unstructured.Unstructured{Object: map[string]any{
 			"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
 			"metadata": map[string]any{"name": "snap", "namespace": ns},
