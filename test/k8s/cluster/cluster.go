@@ -47,6 +47,7 @@ type Cluster struct {
 	procs      []*Proc
 }
 
+// FreePort is a TCP port on 127.0.0.1 nothing listens on now.
 func FreePort(t testing.TB) int {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -125,6 +126,7 @@ func (p *Proc) Exited() (bool, error) {
 	}
 }
 
+// MustRun fails the test if the process has already exited, with its log's tail.
 func (p *Proc) MustRun(t testing.TB) {
 	t.Helper()
 	if done, err := p.Exited(); done {

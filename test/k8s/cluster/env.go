@@ -295,6 +295,7 @@ func (e *Env) ApplyChart(t testing.TB, docs []chart.Doc) {
 	}
 }
 
+// IsNamespaced reports whether an object of the chart's kinds lives in a namespace.
 func IsNamespaced(o *unstructured.Unstructured) bool {
 	switch o.GetKind() {
 	case "ClusterRole", "ClusterRoleBinding", "CSIDriver", "StorageClass", "VolumeSnapshotClass", "Namespace", "PriorityClass":
@@ -464,6 +465,7 @@ func (e *Env) WaitChartReady(t testing.TB) {
 	}
 }
 
+// PodReady reports whether the pod's Ready condition is true.
 func PodReady(p *corev1.Pod) bool {
 	for _, c := range p.Status.Conditions {
 		if c.Type == corev1.PodReady {
@@ -473,6 +475,8 @@ func PodReady(p *corev1.Pod) bool {
 	return false
 }
 
+// PodSummary is the pod's phase, its conditions that are not true and its containers'
+// waiting or terminated states, for a failure message.
 func PodSummary(p *corev1.Pod) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "phase %s", p.Status.Phase)
@@ -557,6 +561,7 @@ func (e *Env) ExecIn(t testing.TB, ns, pod, container string, command ...string)
 	return stdout.String(), nil
 }
 
+// MustExec is Exec, failing the test on an error.
 func (e *Env) MustExec(t testing.TB, ns, pod, script string) string {
 	t.Helper()
 	out, err := e.Exec(t, ns, pod, script)
@@ -637,6 +642,8 @@ func startDefaultEnv(t testing.TB, c *Cluster, log *EnvLog, ip, bin string, imag
 	return env
 }
 
+// BuildPoolcsi builds ./cmd/poolcsi of this checkout into dir (POOLCSI_BIN, if set, is
+// used instead) and returns the binary's path.
 func BuildPoolcsi(t testing.TB, dir string) string {
 	if p := os.Getenv("POOLCSI_BIN"); p != "" {
 		return p

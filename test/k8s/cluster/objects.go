@@ -62,6 +62,7 @@ type Applier struct {
 	mapper *restmapper.DeferredDiscoveryRESTMapper
 }
 
+// Applier applies objects to the cluster as its admin.
 func (c *Cluster) Applier() *Applier {
 	return &Applier{
 		dyn:    dynamic.NewForConfigOrDie(c.Config),

@@ -9,8 +9,11 @@ import (
 // The pattern of internal/testutil/require.go, copied because test/k8s is its own module:
 // a missing prerequisite fails under CI (CI set) and skips, with the reason, elsewhere.
 
+// InCI reports whether the tests run under CI (CI set), where a missing prerequisite
+// fails instead of skipping.
 func InCI() bool { return os.Getenv("CI") != "" }
 
+// RequireRoot skips (fails under CI) unless the process is root with loop devices.
 func RequireRoot(t testing.TB) {
 	t.Helper()
 	if os.Geteuid() != 0 {
@@ -21,6 +24,7 @@ func RequireRoot(t testing.TB) {
 	}
 }
 
+// RequireCommands skips (fails under CI) unless every command is on the PATH.
 func RequireCommands(t testing.TB, names ...string) {
 	t.Helper()
 	for _, n := range names {
@@ -30,6 +34,7 @@ func RequireCommands(t testing.TB, names ...string) {
 	}
 }
 
+// Missing skips the test, or fails it under CI, naming the missing prerequisite.
 func Missing(t testing.TB, why string) {
 	t.Helper()
 	if InCI() {

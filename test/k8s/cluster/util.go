@@ -10,6 +10,8 @@ import (
 // GOROOT/bin first on the PATH of the test process.
 func GoBin() string { return "go" }
 
+// FileExists reports whether p exists.
 func FileExists(p string) bool { _, err := os.Stat(p); return err == nil }
 
+// Tail is the last n lines of s.
 func Tail(s string, n int) string { return tools.LastLines(s, n) }
