@@ -36,19 +36,19 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 		ns := env.Namespace(t, "vac")
 		env.volumeAttributesClass(t, "vac-slow", cluster.SharedDriver, map[string]string{"writeBytesPerSecond": "4Mi", "readIOPS": "300"})
 		env.volumeAttributesClass(t, "vac-fast", cluster.SharedDriver, map[string]string{"writeBytesPerSecond": "16Mi", "readIOPS": "0"})
-		pvc := claimObject(ns, claimSpec{name: "c", class: "shared-xfs", size: "300Mi"})
+		pvc := cluster.ClaimObject(ns, cluster.ClaimSpec{Name: "c", Class: "shared-xfs", Size: "300Mi"})
 		slow := "vac-slow"
 		pvc.Spec.VolumeAttributesClassName = &slow
 		if _, err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(context.Background(), pvc, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		p := env.pod(t, ns, podSpec{name: "p", claims: []string{"c"}})
+		p := env.Pod(t, ns, cluster.PodSpec{Name: "p", Claims: []string{"c"}})
 		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
 		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 300)
 
 		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-fast"}}`)
 		cluster.WaitFor(t, 2*time.Minute, "claim "+ns+"/c modified to vac-fast", func() error {
-			got := env.pvc(t, ns, "c")
+			got := env.PVC(t, ns, "c")
 			if cur := got.Status.CurrentVolumeAttributesClassName; cur == nil || *cur != "vac-fast" {
 				return fmt.Errorf("current class %v, modify status %+v; events: %s", cur, got.Status.ModifyVolumeStatus, env.Events(ns, "c"))
 			}
@@ -57,13 +57,13 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 		// The same pod, not restarted: the node applies the new record on its next pass.
 		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 16<<20)
 		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 0)
-		if got := env.pvc(t, ns, "c"); got.Status.ModifyVolumeStatus != nil {
+		if got := env.PVC(t, ns, "c"); got.Status.ModifyVolumeStatus != nil {
 			t.Fatalf("modify status left on the claim: %+v", got.Status.ModifyVolumeStatus)
 		}
 
 		// A node plugin restarted (an upgrade) finds the running pod again from its mounts:
 		// a class changed after the restart still reaches it.
-		env.restartNodePod(t)
+		env.RestartNodePod(t)
 		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-slow"}}`)
 		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
 		env.waitThrottle(t, p, "blkio.throttle.read_iops_device", 300)
@@ -72,13 +72,13 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 		env.volumeAttributesClass(t, "vac-bogus", cluster.SharedDriver, map[string]string{"writeBPS": "1Mi"})
 		env.patchClaim(t, ns, "c", `{"spec":{"volumeAttributesClassName":"vac-bogus"}}`)
 		cluster.WaitFor(t, 2*time.Minute, "claim "+ns+"/c modification Infeasible", func() error {
-			got := env.pvc(t, ns, "c")
+			got := env.PVC(t, ns, "c")
 			if s := got.Status.ModifyVolumeStatus; s == nil || s.Status != corev1.PersistentVolumeClaimModifyVolumeInfeasible {
 				return fmt.Errorf("modify status %+v", s)
 			}
 			return nil
 		})
-		if cur := env.pvc(t, ns, "c").Status.CurrentVolumeAttributesClassName; cur == nil || *cur != "vac-slow" {
+		if cur := env.PVC(t, ns, "c").Status.CurrentVolumeAttributesClassName; cur == nil || *cur != "vac-slow" {
 			t.Fatalf("after an Infeasible class the claim's current class is %v, want vac-slow", cur)
 		}
 		env.waitThrottle(t, p, "blkio.throttle.write_bps_device", 4<<20)
@@ -87,8 +87,8 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 	t.Run("VolumeAttributesClass preallocates the image", func(t *testing.T) {
 		ns := env.Namespace(t, "vac-prealloc")
 		env.volumeAttributesClass(t, "vac-guaranteed", cluster.SharedDriver, map[string]string{"preallocate": "true"})
-		env.claim(t, ns, claimSpec{name: "c", class: "shared-ext4", size: "256Mi"})
-		handle := env.volumeHandle(t, ns, "c")
+		env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "shared-ext4", Size: "256Mi"})
+		handle := env.VolumeHandle(t, ns, "c")
 		img := imagePath(t, cluster.SharedPoolPath, handle)
 		if a := allocated(t, img); a >= 256<<20 {
 			t.Fatalf("a new image has %d bytes allocated: not sparse", a)
@@ -119,15 +119,15 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 		ctx := context.Background()
 		ns := env.Namespace(t, "inline")
 		before := poolVolumes(t, cluster.LocalPoolPath)
-		pod := podObject(ns, podSpec{name: "p"})
+		pod := cluster.PodObject(ns, cluster.PodSpec{Name: "p"})
 		pod.Spec.Volumes = []corev1.Volume{{Name: "scratch", VolumeSource: corev1.VolumeSource{CSI: &corev1.CSIVolumeSource{
 			Driver: cluster.LocalDriver, VolumeAttributes: map[string]string{"size": "64Mi", "fsType": "ext4"}}}}}
 		pod.Spec.Containers[0].VolumeMounts = []corev1.VolumeMount{{Name: "scratch", MountPath: "/data"}}
 		if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
-		env.waitRunning(t, ns, "p")
-		if size := env.dfBytes(t, ns, "p", "/data"); size <= 0 || size > 64<<20 {
+		env.WaitRunning(t, ns, "p")
+		if size := env.DfBytes(t, ns, "p", "/data"); size <= 0 || size > 64<<20 {
 			t.Fatalf("an inline volume of 64Mi shows %d bytes", size)
 		}
 		env.MustExec(t, ns, "p", writeBlob)
@@ -153,8 +153,8 @@ type groupCase struct{ driver, class, data, wal string }
 func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 	ctx := context.Background()
 	ns := env.Namespace(t, "group-"+g.class)
-	for _, c := range []claimSpec{{name: "data", class: g.data, size: "300Mi"}, {name: "wal", class: g.wal, size: "300Mi"}} {
-		pvc := claimObject(ns, c)
+	for _, c := range []cluster.ClaimSpec{{Name: "data", Class: g.data, Size: "300Mi"}, {Name: "wal", Class: g.wal, Size: "300Mi"}} {
+		pvc := cluster.ClaimObject(ns, c)
 		pvc.Labels = map[string]string{"app": "db"}
 		if _, err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
@@ -162,12 +162,12 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 	}
 	// A writer that appends n to the data log, then n to the WAL: at any one point in
 	// time the WAL's last n is the data's last n or one less.
-	writer := podObject(ns, podSpec{name: "db", claims: []string{"data", "wal"}})
+	writer := cluster.PodObject(ns, cluster.PodSpec{Name: "db", Claims: []string{"data", "wal"}})
 	writer.Spec.Containers[0].Command = []string{"sh", "-c", "n=0; while :; do n=$((n+1)); echo $n >> /data/log; echo $n >> /data2/log; done"}
 	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	env.waitRunning(t, ns, "db")
+	env.WaitRunning(t, ns, "db")
 	cluster.WaitFor(t, 30*time.Second, "the writer's first 1000 lines", func() error {
 		out, err := env.Exec(t, ns, "db", "tail -n1 /data2/log")
 		if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 1000 {
@@ -211,10 +211,10 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 	// snapshot-controller names each member VolumeSnapshot after the group's UID and
 	// the member's volume handle.
 	for _, c := range []string{"data", "wal"} {
-		member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.volumeHandle(t, ns, c))))
-		env.claim(t, ns, claimSpec{name: c + "-restored", class: map[string]string{"data": g.data, "wal": g.wal}[c], size: "300Mi", dataSource: member})
+		member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.VolumeHandle(t, ns, c))))
+		env.Claim(t, ns, cluster.ClaimSpec{Name: c + "-restored", Class: map[string]string{"data": g.data, "wal": g.wal}[c], Size: "300Mi", DataSource: member})
 	}
-	env.pod(t, ns, podSpec{name: "check", claims: []string{"data-restored", "wal-restored"}})
+	env.Pod(t, ns, cluster.PodSpec{Name: "check", Claims: []string{"data-restored", "wal-restored"}})
 	last := func(path string) int {
 		out := env.MustExec(t, ns, "check", "tail -c 64 "+path+" | tail -n1; tail -c1 "+path+" | od -An -c")
 		lines := strings.Split(strings.TrimSpace(out), "\n")

@@ -61,7 +61,7 @@ func TestDefaultInstall(t *testing.T) {
 		pod = p.Name
 		return nil
 	})
-	pvc := env.pvc(t, "default", "poolcsi-demo")
+	pvc := env.PVC(t, "default", "poolcsi-demo")
 	if pvc.Status.Phase != corev1.ClaimBound || pvc.Status.Capacity.Storage().String() != "1Gi" {
 		t.Fatalf("claim: phase %s, capacity %s; want Bound, 1Gi", pvc.Status.Phase, pvc.Status.Capacity.Storage())
 	}
@@ -81,7 +81,7 @@ func TestDefaultInstall(t *testing.T) {
 		t.Fatalf("images in %s: %v, want the claim's one", cluster.LocalPoolPath, imgs)
 	}
 	// The guide's check: poolcsi status in the node pod exits 0.
-	node, err := env.nodePodName(t)
+	node, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -31,13 +31,13 @@ func BenchmarkIOLimit(b *testing.B) {
 	env.volumeAttributesClass(b, "w24", cluster.SharedDriver, map[string]string{"writeBytesPerSecond": "24Mi", "readBytesPerSecond": "24Mi", "writeIOPS": "200", "readIOPS": "200"})
 	for i := 0; i < b.N; i++ {
 		claim, pod := fmt.Sprintf("c%d", i), fmt.Sprintf("fio%d", i)
-		env.claim(b, ns, claimSpec{name: claim, class: "shared-xfs", size: "1Gi"})
-		p := podObject(ns, podSpec{name: pod, claims: []string{claim}})
+		env.Claim(b, ns, cluster.ClaimSpec{Name: claim, Class: "shared-xfs", Size: "1Gi"})
+		p := cluster.PodObject(ns, cluster.PodSpec{Name: pod, Claims: []string{claim}})
 		p.Spec.Containers[0].Image = fioImage
 		if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
 			b.Fatal(err)
 		}
-		running := env.waitRunning(b, ns, pod)
+		running := env.WaitRunning(b, ns, pod)
 		// Lay the file out first so reads and rewrites meet allocated blocks.
 		env.MustExec(b, ns, pod, "fio --name=lay --filename=/data/f --size=256M --rw=write --bs=1M --direct=1 --output=/dev/null")
 		for _, step := range []struct {

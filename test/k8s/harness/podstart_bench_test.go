@@ -36,13 +36,13 @@ func BenchmarkPodStart(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		name := fmt.Sprintf("h%d", i)
-		d, _ := env.timePod(b, ns, podSpec{name: name, hostPath: host}, nil)
+		d, _ := env.timePod(b, ns, cluster.PodSpec{Name: name, HostPath: host}, nil)
 		times["hostPath"] = append(times["hostPath"], d)
 		env.DeletePod(b, ns, name)
 		for _, class := range classes {
 			name := fmt.Sprintf("%s-%d", class, i)
-			c := &claimSpec{name: name, class: class, size: "300Mi"}
-			d, seen := env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, c)
+			c := &cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"}
+			d, seen := env.timePod(b, ns, cluster.PodSpec{Name: name, Claims: []string{name}}, c)
 			times[class] = append(times[class], d)
 			if steps[class] == nil {
 				steps[class] = map[string][]time.Duration{}
@@ -55,7 +55,7 @@ func BenchmarkPodStart(b *testing.B) {
 				// The same claim, now bound and its volume on the node, in a new pod: what
 				// a StatefulSet's pod re-created on its node waits for.
 				bound := name + "-bound"
-				d, _ := env.timePod(b, ns, podSpec{name: bound, claims: []string{name}}, nil)
+				d, _ := env.timePod(b, ns, cluster.PodSpec{Name: bound, Claims: []string{name}}, nil)
 				times["local-xfs-bound"] = append(times["local-xfs-bound"], d)
 				env.DeletePod(b, ns, bound)
 			}
@@ -101,7 +101,7 @@ var milestones = []string{"selected-node", "bound", "scheduled", "attached", "ru
 // timePod creates the claim (if any) and the pod and returns how long until kubelet
 // reports the pod Running and Ready, polled every 20 ms, and when each milestone was first
 // seen.
-func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (time.Duration, map[string]time.Duration) {
+func (e *kubeletEnv) timePod(t testing.TB, ns string, p cluster.PodSpec, c *cluster.ClaimSpec) (time.Duration, map[string]time.Duration) {
 	t.Helper()
 	ctx := context.Background()
 	seen := map[string]time.Duration{}
@@ -112,16 +112,16 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (
 	}
 	start := time.Now()
 	if c != nil {
-		e.claim(t, ns, *c)
+		e.Claim(t, ns, *c)
 	}
-	if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, podObject(ns, p), metav1.CreateOptions{}); err != nil {
+	if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, cluster.PodObject(ns, p), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := start.Add(120 * time.Second)
 	for {
 		at := time.Since(start)
 		if c != nil {
-			if pvc, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c.name, metav1.GetOptions{}); err == nil {
+			if pvc, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c.Name, metav1.GetOptions{}); err == nil {
 				_, selected := pvc.Annotations["volume.kubernetes.io/selected-node"]
 				mark("selected-node", selected, at)
 				mark("bound", pvc.Status.Phase == corev1.ClaimBound, at)
@@ -136,7 +136,7 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (
 				}
 			}
 		}
-		pod, err := e.Cluster.Client.CoreV1().Pods(ns).Get(ctx, p.name, metav1.GetOptions{})
+		pod, err := e.Cluster.Client.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
 		if err == nil {
 			mark("scheduled", pod.Spec.NodeName != "", at)
 			if pod.Status.Phase == corev1.PodRunning && cluster.PodReady(pod) {
@@ -145,7 +145,7 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.name, err)
+			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.Name, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -71,7 +71,7 @@ func BenchmarkSideBySide(b *testing.B) {
 		}
 		for _, class := range order {
 			name := fmt.Sprintf("%s-%d", class, i)
-			d, _ := env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, &claimSpec{name: name, class: class, size: "300Mi"})
+			d, _ := env.timePod(b, ns, cluster.PodSpec{Name: name, Claims: []string{name}}, &cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"})
 			one[class] = append(one[class], d)
 			batch[class] = append(batch[class], env.timePods(b, ns, fmt.Sprintf("%s-%d-b", class, i), class, many))
 			gone[class] = append(gone[class], env.timeDeleteAll(b, ns, class))
@@ -157,11 +157,11 @@ func (e *kubeletEnv) timePods(t testing.TB, ns, prefix, class string, n int) tim
 		go func() {
 			defer wg.Done()
 			name := fmt.Sprintf("%s%02d", prefix, i)
-			if _, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claimObject(ns, claimSpec{name: name, class: class, size: "300Mi"}), metav1.CreateOptions{}); err != nil {
+			if _, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, cluster.ClaimObject(ns, cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"}), metav1.CreateOptions{}); err != nil {
 				errs <- err
 				return
 			}
-			if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, podObject(ns, podSpec{name: name, claims: []string{name}}), metav1.CreateOptions{}); err != nil {
+			if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, cluster.PodObject(ns, cluster.PodSpec{Name: name, Claims: []string{name}}), metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
 		}()
@@ -253,9 +253,9 @@ func (e *kubeletEnv) deleteClaims(t testing.TB, ns string) {
 func (e *kubeletEnv) writePastSize(t testing.TB, ns, class string) string {
 	t.Helper()
 	name := "fill-" + class
-	e.claim(t, ns, claimSpec{name: name, class: class, size: "300Mi"})
-	e.pod(t, ns, podSpec{name: name, claims: []string{name}})
-	e.waitRunning(t, ns, name)
+	e.Claim(t, ns, cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"})
+	e.Pod(t, ns, cluster.PodSpec{Name: name, Claims: []string{name}})
+	e.WaitRunning(t, ns, name)
 	out, err := e.Exec(t, ns, name, "dd if=/dev/zero of=/data/fill bs=1M count=900 2>&1 | grep -i 'space'; sync; du -m /data/fill | cut -f1")
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	written := lines[len(lines)-1]

@@ -84,7 +84,7 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 func (env *kubeletEnv) moveRWO(t *testing.T) {
 	ns := env.Namespace(t, "move")
 	env.statefulSet(t, ns, "db", "shared-ext4", "")
-	from := env.waitPodOn(t, ns, "db-0", "", "")
+	from := env.WaitPodOn(t, ns, "db-0", "", "")
 	blob := strings.TrimSpace(env.MustExec(t, ns, "db-0", writeBlob))
 
 	// Cordon and delete: the StatefulSet brings the pod back on the other node.
@@ -92,7 +92,7 @@ func (env *kubeletEnv) moveRWO(t *testing.T) {
 	if err := env.Cluster.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	to := env.waitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
+	to := env.WaitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
 	env.cordon(t, from.Spec.NodeName, false)
 	if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
 		t.Fatalf("after the move from %s to %s: wrote %s, read %s", from.Spec.NodeName, to.Spec.NodeName, blob, got)
@@ -110,7 +110,7 @@ func (env *kubeletEnv) moveRWO(t *testing.T) {
 	})
 	env.cordon(t, to.Spec.NodeName, true)
 	env.evict(t, ns, "db-0")
-	back := env.waitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
+	back := env.WaitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
 	env.cordon(t, to.Spec.NodeName, false)
 	n := checkSequence(t, env, ns, "db-0", "/data/seq")
 	if n < before {
@@ -128,9 +128,9 @@ func (env *kubeletEnv) moveRWO(t *testing.T) {
 func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
 	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
 	ns := env.Namespace(t, "rwx2")
-	env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "64Mi", rwx: true})
-	env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}, node: nodeA.Name})
-	env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}, node: nodeB.Name})
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "shared-dir", Size: "64Mi", RWX: true})
+	env.Pod(t, ns, cluster.PodSpec{Name: "a", Claims: []string{"c"}, Node: nodeA.Name})
+	env.Pod(t, ns, cluster.PodSpec{Name: "b", Claims: []string{"c"}, Node: nodeB.Name})
 	sumA := strings.TrimSpace(env.MustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
 	sumB := strings.TrimSpace(env.MustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
 	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
@@ -147,8 +147,8 @@ func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
 		}
 		env.MustExec(t, ns, "b", "rm -f /data/big && sync")
 	}
-	env.resize(t, ns, "c", "256Mi")
-	env.waitCapacity(t, ns, "c", "256Mi", 120*time.Second)
+	env.Resize(t, ns, "c", "256Mi")
+	env.WaitCapacity(t, ns, "c", "256Mi", 120*time.Second)
 	env.MustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
 	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
 		t.Fatalf("after the expansion node-b reads %s of node-a's file, wrote %s", got, sumA)
@@ -163,14 +163,14 @@ func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
 func (env *kubeletEnv) roxTwoNodes(t *testing.T) {
 	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
 	ns := env.Namespace(t, "rox2")
-	env.claim(t, ns, claimSpec{name: "src", class: "shared-ext4", size: "64Mi"})
-	env.pod(t, ns, podSpec{name: "writer", claims: []string{"src"}, node: nodeA.Name})
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "src", Class: "shared-ext4", Size: "64Mi"})
+	env.Pod(t, ns, cluster.PodSpec{Name: "writer", Claims: []string{"src"}, Node: nodeA.Name})
 	blob := strings.TrimSpace(env.MustExec(t, ns, "writer", writeBlob))
 	env.DeletePod(t, ns, "writer")
-	env.claim(t, ns, claimSpec{name: "ro", class: "shared-ext4", size: "64Mi", rox: true, clone: "src"})
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "ro", Class: "shared-ext4", Size: "64Mi", ROX: true, Clone: "src"})
 	for _, n := range []*cluster.Node{nodeA, nodeB} {
 		name := "reader-" + n.Name
-		env.pod(t, ns, podSpec{name: name, claims: []string{"ro"}, readOnly: true, node: n.Name})
+		env.Pod(t, ns, cluster.PodSpec{Name: name, Claims: []string{"ro"}, ReadOnly: true, Node: n.Name})
 		if got := sum(t, env, ns, name, "/data/blob"); got != blob {
 			t.Fatalf("%s reads %s of the ROX claim, %s was written", n.Name, got, blob)
 		}
@@ -188,10 +188,10 @@ func (env *kubeletEnv) roxTwoNodes(t *testing.T) {
 // pod goes nowhere else (Pending, saying why, while that node is cordoned).
 func (env *kubeletEnv) localStays(t *testing.T) {
 	ns := env.Namespace(t, "local2")
-	env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi"})
-	first := env.pod(t, ns, podSpec{name: "p1", claims: []string{"c"}})
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "local-xfs", Size: "64Mi"})
+	first := env.Pod(t, ns, cluster.PodSpec{Name: "p1", Claims: []string{"c"}})
 	home := first.Spec.NodeName
-	pv, err := env.Cluster.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.pvc(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
+	pv, err := env.Cluster.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.PVC(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -202,18 +202,18 @@ func (env *kubeletEnv) localStays(t *testing.T) {
 	env.DeletePod(t, ns, "p1")
 	// Its node cordoned, the claim's next pod has nowhere to go, and says why.
 	env.cordon(t, home, true)
-	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, podSpec{name: "p2", claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
+	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(context.Background(), cluster.PodObject(ns, cluster.PodSpec{Name: "p2", Claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	msg := env.waitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
+	msg := env.WaitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
 	if !strings.Contains(msg, "didn't match PersistentVolume's node affinity") {
 		t.Errorf("p2's FailedScheduling event does not name the volume's node affinity: %s", msg)
 	}
-	if p := env.getPod(t, ns, "p2"); p.Spec.NodeName != "" {
+	if p := env.GetPod(t, ns, "p2"); p.Spec.NodeName != "" {
 		t.Fatalf("p2 scheduled to %s while its volume's node %s is cordoned", p.Spec.NodeName, home)
 	}
 	env.cordon(t, home, false)
-	second := env.waitRunning(t, ns, "p2")
+	second := env.WaitRunning(t, ns, "p2")
 	if second.Spec.NodeName != home {
 		t.Fatalf("p2 on %s, its volume on %s", second.Spec.NodeName, home)
 	}
@@ -275,7 +275,7 @@ func (e *kubeletEnv) statefulSet(t testing.TB, ns, name, class, node string) {
 	one, grace := int32(1), int64(1)
 	labels := map[string]string{"app": name}
 	mode := corev1.PersistentVolumeFilesystem
-	spec := podObject(ns, podSpec{name: name, node: node}).Spec
+	spec := cluster.PodObject(ns, cluster.PodSpec{Name: name, Node: node}).Spec
 	spec.TerminationGracePeriodSeconds = &grace
 	spec.Containers[0].Command = []string{"sh", "-c", seqWriter}
 	spec.Containers[0].Env = []corev1.EnvVar{{Name: "NODE_NAME", ValueFrom: &corev1.EnvVarSource{
@@ -305,39 +305,6 @@ func (e *kubeletEnv) scale(t testing.TB, ns, name string, replicas int) {
 	if _, err := e.Cluster.Client.AppsV1().StatefulSets(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-}
-
-func (e *kubeletEnv) getPod(t testing.TB, ns, name string) *corev1.Pod {
-	t.Helper()
-	p, err := e.Cluster.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// waitPodOn waits until the pod is Running and Ready, is not the pod of UID notUID (the
-// one it replaces), and, if node is set, runs there.
-func (e *kubeletEnv) waitPodOn(t testing.TB, ns, name, notUID, node string) *corev1.Pod {
-	t.Helper()
-	var got *corev1.Pod
-	cluster.WaitFor(t, 240*time.Second, fmt.Sprintf("pod %s/%s Running (on %q)", ns, name, node), func() error {
-		var err error
-		got, err = e.Cluster.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		switch {
-		case string(got.UID) == notUID:
-			return fmt.Errorf("still the pod it replaces (on %s, %s)", got.Spec.NodeName, cluster.PodSummary(got))
-		case got.Status.Phase != corev1.PodRunning || !cluster.PodReady(got):
-			return fmt.Errorf("on %q: %s%s", got.Spec.NodeName, cluster.PodSummary(got), e.Events(ns, name))
-		case node != "" && got.Spec.NodeName != node:
-			return fmt.Errorf("on %s", got.Spec.NodeName)
-		}
-		return nil
-	})
-	return got
 }
 
 // cordon marks a node (un)schedulable, as kubectl cordon and uncordon do; a node cordoned
@@ -510,9 +477,9 @@ func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor
 	ns := e.Namespace(t, name)
 	e.cordon(t, survivor.Name, true)
 	e.statefulSet(t, ns, "w", "shared-ext4", "")
-	first := e.waitPodOn(t, ns, "w-0", "", victim.Name)
+	first := e.WaitPodOn(t, ns, "w-0", "", victim.Name)
 	e.cordon(t, survivor.Name, false)
-	tk := &takeover{ns: ns, pvName: e.pvc(t, ns, "data-w-0").Spec.VolumeName, handle: e.volumeHandle(t, ns, "data-w-0")}
+	tk := &takeover{ns: ns, pvName: e.PVC(t, ns, "data-w-0").Spec.VolumeName, handle: e.VolumeHandle(t, ns, "data-w-0")}
 	e.MustExec(t, ns, "w-0", "echo "+victim.Name+" > /data/writer")
 	cluster.WaitFor(t, 60*time.Second, "the writer's first 100 lines", func() error {
 		if n := lineCount(t, e, ns, "w-0", "/data/seq"); n < 100 {
@@ -525,7 +492,7 @@ func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor
 	e.waitNodeReady(t, victim.Name, false, 120*time.Second)
 	notReady := time.Since(start)
 	e.taint(t, victim.Name, outOfService, "nodeshutdown", true)
-	tk.survivor = e.waitPodOn(t, ns, "w-0", string(first.UID), survivor.Name)
+	tk.survivor = e.WaitPodOn(t, ns, "w-0", string(first.UID), survivor.Name)
 	t.Logf("%s: %s NotReady %s after it failed; the pod Running on %s %s after that (taint, pod deleted, force-detach after the lease, attach, stage)",
 		name, victim.Name, notReady.Round(time.Second), survivor.Name, (time.Since(start) - notReady).Round(time.Second))
 	tk.seen = e.MustExec(t, ns, "w-0", "cat /data/seq")
@@ -576,7 +543,7 @@ func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *cluster.Node) 
 		return nil
 	})
 	e.scale(t, tk.ns, "w", 1)
-	p := e.waitPodOn(t, tk.ns, "w-0", string(tk.survivor.UID), "")
+	p := e.WaitPodOn(t, tk.ns, "w-0", string(tk.survivor.UID), "")
 	if got := e.MustExec(t, tk.ns, "w-0", "cat /data/seq"); got != tk.seen {
 		t.Errorf("/data/seq changed after %s took the volume over: %d bytes then, %d now (a late write of %s's)",
 			tk.survivor.Spec.NodeName, len(tk.seen), len(got), victim.Name)
@@ -655,7 +622,7 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 	local := e.Namespace(t, "poweroff-local")
 	e.cordon(t, survivor.Name, true)
 	e.statefulSet(t, local, "l", "local-xfs", "")
-	first := e.waitPodOn(t, local, "l-0", "", victim.Name)
+	first := e.WaitPodOn(t, local, "l-0", "", victim.Name)
 	e.cordon(t, survivor.Name, false)
 	e.MustExec(t, local, "l-0", "echo "+victim.Name+" > /data/writer")
 	cluster.WaitFor(t, 60*time.Second, "the local writer's first 100 lines", func() error {
@@ -677,20 +644,20 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 		}
 		return nil
 	})
-	msg := e.waitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
+	msg := e.WaitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
 	for _, want := range []string{"didn't match PersistentVolume's node affinity", "untolerated taint"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("the local pod's FailedScheduling event does not say %q: %s", want, msg)
 		}
 	}
-	if p := e.getPod(t, local, "l-0"); p.Spec.NodeName != "" {
+	if p := e.GetPod(t, local, "l-0"); p.Spec.NodeName != "" {
 		t.Errorf("the local pod was scheduled to %s while its volume's node %s was off", p.Spec.NodeName, victim.Name)
 	}
 	t.Logf("poweroff: the local pod Pending while %s was off: %q", victim.Name, msg)
 
 	victim.PowerOn(t)
 	e.rejoined(t, tk, victim)
-	e.waitPodOn(t, local, "l-0", string(first.UID), victim.Name)
+	e.WaitPodOn(t, local, "l-0", string(first.UID), victim.Name)
 	n := checkSequence(t, e, local, "l-0", "/data/seq")
 	t.Logf("poweroff: the local pod back on %s with its %d lines", victim.Name, n)
 	// The old stage's device was fenced before anything of it could reach the image: by

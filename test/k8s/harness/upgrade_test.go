@@ -127,24 +127,24 @@ func TestUpgrade(t *testing.T) {
 	ctx := context.Background()
 	env.storageClasses(t)
 	ns := env.Namespace(t, "upgrade")
-	claims := []claimSpec{
-		{name: "local", class: "local-xfs", size: "256Mi"},
-		{name: "shared-image", class: "shared-ext4", size: "256Mi"},
-		{name: "shared-dir", class: "shared-dir", size: "256Mi", rwx: true},
+	claims := []cluster.ClaimSpec{
+		{Name: "local", Class: "local-xfs", Size: "256Mi"},
+		{Name: "shared-image", Class: "shared-ext4", Size: "256Mi"},
+		{Name: "shared-dir", Class: "shared-dir", Size: "256Mi", RWX: true},
 	}
 	var names, mounts []string
 	for i, c := range claims {
-		env.claim(t, ns, c)
-		names = append(names, c.name)
+		env.Claim(t, ns, c)
+		names = append(names, c.Name)
 		mounts = append(mounts, mountPath(i))
 	}
-	w := podObject(ns, podSpec{name: "writer", claims: names})
+	w := cluster.PodObject(ns, cluster.PodSpec{Name: "writer", Claims: names})
 	w.Spec.RestartPolicy = corev1.RestartPolicyNever
 	w.Spec.Containers[0].Command = append([]string{"sh", "-c", upgradeWriter, "writer"}, mounts...)
 	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, w, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	env.waitRunning(t, ns, "writer")
+	env.WaitRunning(t, ns, "writer")
 	counts := func() []int {
 		t.Helper()
 		var n []int
@@ -169,11 +169,11 @@ func TestUpgrade(t *testing.T) {
 	// wrote none; the new release must adopt the stage it finds, or its fence would not
 	// know the device.
 	stageRecords := filepath.Join("/var/lib/poolcsi/state", cluster.SharedDriver, env.Node.Name, "stages",
-		env.volumeHandle(t, ns, "shared-image")+"@*.json")
+		env.VolumeHandle(t, ns, "shared-image")+"@*.json")
 	if recs, _ := filepath.Glob(stageRecords); len(recs) > 0 {
 		t.Fatalf("stage records before the upgrade, which 0.1.0 does not write: %v", recs)
 	}
-	nodeBefore, err := env.nodePodName(t)
+	nodeBefore, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -197,7 +197,7 @@ func TestUpgrade(t *testing.T) {
 	}
 	env.ApplyChart(t, newDocs)
 	env.waitRolledOut(t, cluster.PoolcsiRef+":"+cluster.PoolcsiTag)
-	nodeAfter, err := env.nodePodName(t)
+	nodeAfter, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +237,7 @@ func TestUpgrade(t *testing.T) {
 	})
 	// Every volume still served: a new pod mounts each (a publish by the new release over
 	// the old one's stage) and reads what the writer wrote.
-	env.pod(t, ns, podSpec{name: "reader", claims: names})
+	env.Pod(t, ns, cluster.PodSpec{Name: "reader", Claims: names})
 	for _, m := range mounts {
 		checkCounter(t, env.MustExec(t, ns, "reader", "cat "+m+"/log"), m)
 	}
@@ -256,7 +256,7 @@ func TestUpgrade(t *testing.T) {
 	env.DeletePod(t, ns, "reader")
 	env.DeletePod(t, ns, "writer")
 	for _, c := range claims {
-		if err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, c.name, metav1.DeleteOptions{}); err != nil {
+		if err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, c.Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
