@@ -63,7 +63,8 @@ clean:
 # deploy/image-tools.txt from the Debian bookworm packages of that architecture pinned in
 # deploy/image-packages.lock (downloaded once into .cache/image-debs). Push it with
 # skopeo copy --all oci:_output/image docker://REGISTRY/poolcsi:TAG (docs/deploy.md).
-# deploy/Dockerfile is the same image for Docker users.
+# deploy/Dockerfile is the same image for Docker users. The image and release tools are
+# hack/release, a Go module of their own (go-containerregistry, Helm; never in the root module).
 IMAGE_ARCHES ?= amd64,arm64
 IMAGE_TAG ?= $(VERSION)
 IMAGE_LDFLAGS := -s -w -X main.version=$(VERSION) -X main.commit=$(COMMIT)
@@ -73,7 +74,7 @@ image:
 		CGO_ENABLED=0 GOOS=linux GOARCH=$$arch go build -trimpath -ldflags "$(IMAGE_LDFLAGS)" \
 			-o _output/bin/linux-$$arch/poolcsi ./cmd/poolcsi || exit 1; \
 	done
-	cd test/k8s && go run ./cmd/image -arches '$(IMAGE_ARCHES)' -ref '$(IMAGE_TAG)' -version '$(VERSION)' -revision '$(COMMIT)'
+	cd hack/release && go run ./cmd/image -arches '$(IMAGE_ARCHES)' -ref '$(IMAGE_TAG)' -version '$(VERSION)' -revision '$(COMMIT)'
 
 # A release's artefacts in _output/release (docs/release.md): the image index of make image
 # as an OCI archive, the packaged chart, the plain YAML for RELEASE_REPOSITORY's image of this
@@ -82,24 +83,25 @@ image:
 RELEASE_REPOSITORY ?= ghcr.io/poolcsi/poolcsi
 RELEASE_OUT ?= $(CURDIR)/_output/release
 release: image
-	cd test/k8s && go run ./cmd/release -version '$(VERSION)' -commit '$(COMMIT)' \
+	cd hack/release && go run ./cmd/release -version '$(VERSION)' -commit '$(COMMIT)' \
 		-repository '$(RELEASE_REPOSITORY)' -arches '$(IMAGE_ARCHES)' -out '$(RELEASE_OUT)'
 
 # Downloads the pinned Debian packages of make image into .cache/image-debs (the image
 # tests read them from there and never download).
 image-debs:
-	cd test/k8s && go run ./cmd/image -fetch-only
+	cd hack/release && go run ./cmd/image -fetch-only
 
 # Pins the current versions of the image's Debian packages in deploy/image-packages.lock
 # (reads the bookworm indexes; review the diff).
 image-lock:
-	cd test/k8s && go run ./cmd/image -update-lock
+	cd hack/release && go run ./cmd/image -update-lock
 
 # The Kubernetes storage e2e suite (e2e.test v1.36.3) against the chart on a real
-# one-node cluster (root): a few specs of it, or those E2E_FOCUS names (a ginkgo regexp).
+# two-node cluster (root; test/k8s/cmd/conformance): a few specs of it, or those E2E_FOCUS
+# names (a ginkgo regexp).
 E2E_FOCUS ?=
 e2e:
-	cd test/k8s && POOLCSI_E2E_FOCUS='$(E2E_FOCUS)' go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 5h -v
+	cd test/k8s && go run ./cmd/conformance -focus '$(E2E_FOCUS)' -timeout 5h
 
 # Every External Storage spec, one driver and test pattern at a time, each result kept in
 # test/k8s/e2e/results.json and docs/conformance.md rewritten after each. It resumes where
@@ -109,12 +111,11 @@ e2e:
 BUDGET ?= 4h
 PROCS ?= 3
 conformance:
-	cd test/k8s && POOLCSI_E2E_FOCUS='External.Storage' POOLCSI_E2E_REPORT=$(CURDIR)/docs/conformance.md \
-		POOLCSI_E2E_BUDGET=$(BUDGET) POOLCSI_E2E_RERUN=$(RERUN) POOLCSI_E2E_PROCS=$(PROCS) POOLCSI_E2E_CHUNKS='$(CHUNKS)' POOLCSI_E2E_SPECS='$(SPECS)' \
-		go test ./harness -run '^TestE2EStorage$$' -count=1 -timeout 6h -v
+	cd test/k8s && go run ./cmd/conformance -focus 'External.Storage' -report '$(CURDIR)/docs/conformance.md' \
+		-budget '$(BUDGET)' -rerun '$(RERUN)' -procs '$(PROCS)' -chunks '$(CHUNKS)' -specs '$(SPECS)' -timeout 6h
 
 # Stops a running make conformance after the chunk it is running (its results kept); the
-# path is conformanceStop in test/k8s/harness/e2e_test.go.
+# path is conformanceStop in test/k8s/e2e/suite.go.
 conformance-stop:
 	touch /run/lock/poolcsi-conformance.stop
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs golangci-lint (pinned; built once from the Go module proxy) over the root
-# module, test/k8s and test/legacy, with .golangci.yml. Zero findings to pass.
+# module, test/k8s, test/legacy and hack/release, with .golangci.yml. Zero findings to pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 version=v2.15.0
@@ -30,3 +30,4 @@ fi
 "$bin" run ./...
 (cd test/k8s && "$bin" run ./...)
 (cd test/legacy && "$bin" run ./...)
+(cd hack/release && "$bin" run ./...)

@@ -78,12 +78,24 @@ if [ -f test/k8s/go.mod ]; then
 	# The storage e2e suite (TestE2EStorage, TestE2ETools) is make e2e and make conformance:
 	# building e2e.test alone took 16 min of a cold run here, which put make test past an
 	# hour. What the suite found is in docs/conformance.md.
-	phase "Kubernetes harness (test/k8s), without the storage e2e suite (make e2e, make conformance)"
+	phase "Kubernetes harness (test/k8s), without the storage e2e suite (make e2e, make conformance), and the release tools (hack/release)"
 	if [ -n "$prebuild_pid" ]; then
 		wait "$prebuild_pid" || echo "prebuild failed; the harness builds what is missing:"
 		prebuild_pid=
 		cat "$prebuild_log"
 	fi
-	(cd test/k8s && go test ./... -count=1 -timeout 80m -skip '^TestE2E')
+	# The release tools (hack/release, a module of their own: TestMakeRelease runs make
+	# release into a temp dir, ~6 min, the Debian and OCI packages' tests) run beside the
+	# harness, as they did when they were part of test/k8s.
+	(cd hack/release && go test ./... -count=1 -timeout 30m) &
+	release_pid=$!
+	k8s_rc=0
+	(cd test/k8s && go test ./... -count=1 -timeout 80m -skip '^TestE2E') || k8s_rc=$?
+	release_rc=0
+	wait "$release_pid" || release_rc=$?
+	if [ "$k8s_rc" != 0 ] || [ "$release_rc" != 0 ]; then
+		echo "test/k8s: exit $k8s_rc; hack/release: exit $release_rc" >&2
+		exit 1
+	fi
 fi
 phase "done"

@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
 )
 
 // TestRenderIsRepeatable: `helm template` of the same values gives the same objects every
@@ -23,15 +25,15 @@ func TestRenderIsRepeatable(t *testing.T) {
 			"storageClasses": []any{map[string]any{"name": "a", "pool": "local"}}})},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			first, err := Render(ChartDir(), "", tc.values)
+			first, err := render.Render(render.ChartDir(), "", tc.values)
 			if err != nil {
 				t.Fatal(err)
 			}
-			second, err := Render(ChartDir(), "", tc.values)
+			second, err := render.Render(render.ChartDir(), "", tc.values)
 			if err != nil {
 				t.Fatal(err)
 			}
-			a, b := Join(first), Join(second)
+			a, b := render.Join(first), render.Join(second)
 			if !bytes.Equal(a, b) {
 				al, bl := strings.Split(string(a), "\n"), strings.Split(string(b), "\n")
 				for i := 0; i < len(al) && i < len(bl); i++ {
@@ -48,7 +50,7 @@ func TestRenderIsRepeatable(t *testing.T) {
 // TestShareKeyNeeded: with a shared pool and shares on, the chart refuses to render without
 // the Secret holding the share key, and says how to make one and how to name it.
 func TestShareKeyNeeded(t *testing.T) {
-	_, err := Render(ChartDir(), "", map[string]any{"pools": SharedPoolValues()["pools"]})
+	_, err := render.Render(render.ChartDir(), "", map[string]any{"pools": render.SharedPoolValues()["pools"]})
 	if err == nil {
 		t.Fatal("rendered a shared pool with shares on and no share key")
 	}
@@ -72,7 +74,7 @@ func TestUmbrellaChart(t *testing.T) {
 	if err := os.MkdirAll(filepath.Join(umbrella, "charts"), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.CopyFS(filepath.Join(umbrella, "charts", "poolcsi"), os.DirFS(ChartDir())); err != nil {
+	if err := os.CopyFS(filepath.Join(umbrella, "charts", "poolcsi"), os.DirFS(render.ChartDir())); err != nil {
 		t.Fatal(err)
 	}
 	version := repoVersion(t)
@@ -115,11 +117,11 @@ data:
 	// The parent's values.yaml holds `enabled`, which poolcsi's schema does not know: Helm
 	// validates a subchart against its values after the condition is read, and the
 	// condition key is where Helm documents it. Check that this, too, is accepted.
-	docs, err := Render(umbrella, "", nil)
+	docs, err := render.Render(umbrella, "", nil)
 	if err != nil {
 		t.Fatalf("the umbrella chart does not render: %v", err)
 	}
-	have := map[string]Doc{}
+	have := map[string]render.Doc{}
 	for _, d := range docs {
 		have[d.Kind+"/"+d.Name] = d
 	}
@@ -133,7 +135,7 @@ data:
 	}
 
 	// And off through its condition.
-	docs, err = Render(umbrella, "", map[string]any{"poolcsi": map[string]any{"enabled": false}})
+	docs, err = render.Render(umbrella, "", map[string]any{"poolcsi": map[string]any{"enabled": false}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
+
 	"sigs.k8s.io/yaml"
 )
 
@@ -26,7 +28,7 @@ func monitoringOn() map[string]any {
 // they scrape the ports the pods declare.
 func TestMonitoringKit(t *testing.T) {
 	kinds := []string{"Service/poolcsi-metrics", "ServiceMonitor/poolcsi", "PodMonitor/poolcsi", "PrometheusRule/poolcsi", "ConfigMap/poolcsi-dashboard"}
-	docs, err := Render(ChartDir(), "", withSharedPool(nil))
+	docs, err := render.Render(render.ChartDir(), "", withSharedPool(nil))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,11 +48,11 @@ func TestMonitoringKit(t *testing.T) {
 		{"with a shared pool", withSharedPool(map[string]any{"monitoring": monitoringOn()}), []string{"metrics", "local-metrics"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			docs, err := Render(ChartDir(), "", tc.values)
+			docs, err := render.Render(render.ChartDir(), "", tc.values)
 			if err != nil {
 				t.Fatal(err)
 			}
-			have := map[string]Doc{}
+			have := map[string]render.Doc{}
 			var podYAML string
 			for _, d := range docs {
 				have[d.Kind+"/"+d.Name] = d
@@ -101,7 +103,7 @@ func TestAlertRules(t *testing.T) {
 	if err != nil {
 		t.Fatalf("promtool is needed to check the chart's alert rules: install Debian's prometheus package (apt-get install prometheus; hack/install-deps.sh does): %v", err)
 	}
-	docs, err := Render(ChartDir(), "", withSharedPool(map[string]any{"monitoring": monitoringOn()}))
+	docs, err := render.Render(render.ChartDir(), "", withSharedPool(map[string]any{"monitoring": monitoringOn()}))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -6,17 +6,19 @@ import (
 	"strings"
 	"testing"
 
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
+
 	"sigs.k8s.io/yaml"
 )
 
 // TestRenderedYAMLMatchesChart fails when deploy/kubernetes/poolcsi.yaml is not what the chart
 // renders: someone edited one without the other.
 func TestRenderedYAMLMatchesChart(t *testing.T) {
-	want, err := RenderRepo()
+	want, err := render.RenderRepo()
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := os.ReadFile(RenderedFile())
+	got, err := os.ReadFile(render.RenderedFile())
 	if err != nil {
 		t.Fatalf("%v (generate it: cd test/k8s && go run ./cmd/render)", err)
 	}
@@ -59,10 +61,10 @@ var chartVariants = []chartVariant{
 		[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
 		[]string{"Secret/"}},
 	{"the share key's Secret by its former name, shares.keySecret", map[string]any{
-		"pools":  SharedPoolValues()["pools"],
+		"pools":  render.SharedPoolValues()["pools"],
 		"shares": map[string]any{"keySecret": "my-key"}},
 		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
-	{"shares off", map[string]any{"pools": SharedPoolValues()["pools"], "shares": map[string]any{"enabled": false}},
+	{"shares off", map[string]any{"pools": render.SharedPoolValues()["pools"], "shares": map[string]any{"enabled": false}},
 		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
 	{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
 		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
@@ -97,7 +99,7 @@ var chartVariants = []chartVariant{
 
 // withSharedPool adds SharedPoolValues to values (nil: none).
 func withSharedPool(values map[string]any) map[string]any {
-	out := SharedPoolValues()
+	out := render.SharedPoolValues()
 	for k, v := range values {
 		out[k] = v
 	}
@@ -109,11 +111,11 @@ func withSharedPool(values map[string]any) map[string]any {
 func TestChartVariants(t *testing.T) {
 	for _, tc := range chartVariants {
 		t.Run(tc.name, func(t *testing.T) {
-			docs, err := Render(ChartDir(), "", tc.overrides)
+			docs, err := render.Render(render.ChartDir(), "", tc.overrides)
 			if err != nil {
 				t.Fatal(err)
 			}
-			have := map[string]Doc{}
+			have := map[string]render.Doc{}
 			var all []string
 			for _, d := range docs {
 				have[d.Kind+"/"+d.Name] = d
@@ -162,7 +164,7 @@ func TestChartVariants(t *testing.T) {
 // checkSnapshotters: csi-snapshotter runs leader-elected in the Deployment unless
 // snapshots.enabled is false, and per node (--node-deployment, never leader-elected, which
 // the sidecar refuses) in the DaemonSet only with snapshots.local.
-func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]Doc) {
+func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]render.Doc) {
 	t.Helper()
 	snaps, _ := overrides["snapshots"].(map[string]any)
 	wantShared, wantLocal := true, false
@@ -211,7 +213,7 @@ func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]D
 // checkShareKey: where shares are on, the controller and the node plugin of the shared
 // driver read the cluster's share key from the Secret shareKey.existingSecret (or its
 // former name, shares.keySecret) names; where they are off, neither is given one.
-func checkShareKey(t *testing.T, overrides map[string]any, have map[string]Doc) {
+func checkShareKey(t *testing.T, overrides map[string]any, have map[string]render.Doc) {
 	t.Helper()
 	shares, _ := overrides["shares"].(map[string]any)
 	shareKey, _ := overrides["shareKey"].(map[string]any)
@@ -239,7 +241,7 @@ func checkShareKey(t *testing.T, overrides map[string]any, have map[string]Doc) 
 // type Directory, so that kubelet never makes a missing share path on the node's own disk
 // (an empty directory there looks like a new pool); a pool poolcsi mounts itself, and a
 // local pool, may have its directory made (DirectoryOrCreate).
-func checkPoolHostPaths(t *testing.T, overrides map[string]any, have map[string]Doc) {
+func checkPoolHostPaths(t *testing.T, overrides map[string]any, have map[string]render.Doc) {
 	t.Helper()
 	d, ok := have["DaemonSet/poolcsi-node"]
 	if !ok {
@@ -309,7 +311,7 @@ func TestMaxVolumesReachEachDriver(t *testing.T) {
 			if tc.max != nil {
 				overrides["node"] = map[string]any{"maxVolumes": tc.max}
 			}
-			docs, err := Render(ChartDir(), "", overrides)
+			docs, err := render.Render(render.ChartDir(), "", overrides)
 			if err != nil {
 				t.Fatal(err)
 			}

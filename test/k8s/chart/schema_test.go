@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
+
 	"helm.sh/helm/v3/pkg/strvals"
 	"sigs.k8s.io/yaml"
 )
@@ -55,7 +57,7 @@ const schemaRefusal = "values don't meet the specifications of the schema(s)"
 // type, a value outside its set, and a pool of the wrong shape, before any template runs,
 // with an error that names the value (its JSON pointer) as `helm install` prints it.
 func TestValuesSchema(t *testing.T) {
-	if _, err := os.Stat(filepath.Join(ChartDir(), "values.schema.json")); err != nil {
+	if _, err := os.Stat(filepath.Join(render.ChartDir(), "values.schema.json")); err != nil {
 		t.Fatal(err)
 	}
 	type tc struct {
@@ -69,7 +71,7 @@ func TestValuesSchema(t *testing.T) {
 	}
 	cases := []tc{
 		{name: "defaults"},
-		{name: "the plain YAML's values", file: RenderedValues()},
+		{name: "the plain YAML's values", file: render.RenderedValues()},
 		// What test/k8s/harness renders (kubelet_test.go, harness_test.go, snapshot_test.go).
 		{name: "harness: kubelet overrides", values: userValues{file: `
 image: {repository: poolcsi.test/poolcsi, tag: test}
@@ -83,14 +85,14 @@ shares: {enabled: true, hostDir: /var/lib/poolcsi/shares, types: [bind, nfs, nfs
 pools: {shared: [{name: shared, path: /mnt/poolcsi-shared}]}
 shareKey: {existingSecret: poolcsi-share-key}
 `}},
-		{name: "harness: StorageClasses", file: RenderedValues(), values: userValues{file: `
+		{name: "harness: StorageClasses", file: render.RenderedValues(), values: userValues{file: `
 pools: {shared: [{name: shared, path: /mnt/poolcsi-shared}]}
 shareKey: {existingSecret: poolcsi-share-key}
 storageClasses:
   - {name: sc-local, pool: local, fsType: xfs, default: true}
   - {name: sc-shared-dir, pool: shared, layout: dir, shared: true, mountOptions: [noatime]}
 `}},
-		{name: "harness: snapshots", file: RenderedValues(), values: userValues{file: `
+		{name: "harness: snapshots", file: render.RenderedValues(), values: userValues{file: `
 snapshots: {enabled: true, local: true}
 snapshotClass: {create: true}
 `}},
@@ -231,12 +233,12 @@ volumeAttributesClasses: [{name: x, parameters: {readBPS: 1Mi}}]
 			if c.overrides != nil {
 				vals = c.overrides
 			}
-			_, err := Render(ChartDir(), c.file, vals)
+			_, err := render.Render(render.ChartDir(), c.file, vals)
 			if len(c.wantErr) == 0 {
 				if err != nil {
 					t.Fatalf("refused: %v", err)
 				}
-				if _, err := RenderNotes(ChartDir(), c.file, vals); err != nil {
+				if _, err := render.RenderNotes(render.ChartDir(), c.file, vals); err != nil {
 					t.Fatalf("NOTES.txt: %v", err)
 				}
 				return
@@ -260,7 +262,7 @@ volumeAttributesClasses: [{name: x, parameters: {readBPS: 1Mi}}]
 // TestNotes: NOTES.txt, what `helm install` prints, names this release's objects in the
 // commands to check first, and only commands the README documents.
 func TestNotes(t *testing.T) {
-	readme, err := os.ReadFile(filepath.Join(RepoRoot(), "README.md"))
+	readme, err := os.ReadFile(filepath.Join(render.RepoRoot(), "README.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -303,7 +305,7 @@ func TestNotes(t *testing.T) {
 	cmd := regexp.MustCompile(`-- (poolcsi [a-z]+(?: [a-z]+)?)`)
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			notes, err := RenderNotes(ChartDir(), "", tc.overrides)
+			notes, err := render.RenderNotes(render.ChartDir(), "", tc.overrides)
 			if err != nil {
 				t.Fatal(err)
 			}

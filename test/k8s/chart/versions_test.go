@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
+
 	"sigs.k8s.io/yaml"
 )
 
@@ -18,7 +20,7 @@ var semver = regexp.MustCompile(`^(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)(-[0-9
 // written.
 func repoVersion(t *testing.T) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(RepoRoot(), "VERSION"))
+	b, err := os.ReadFile(filepath.Join(render.RepoRoot(), "VERSION"))
 	if err != nil {
 		t.Fatalf("the version's one source: %v", err)
 	}
@@ -36,7 +38,7 @@ func repoVersion(t *testing.T) string {
 func TestVersionsAgree(t *testing.T) {
 	want := repoVersion(t)
 
-	b, err := os.ReadFile(filepath.Join(ChartDir(), "Chart.yaml"))
+	b, err := os.ReadFile(filepath.Join(render.ChartDir(), "Chart.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -57,7 +59,7 @@ func TestVersionsAgree(t *testing.T) {
 	}
 	for _, v := range []string{"VERSION", "IMAGE_TAG"} {
 		cmd := exec.Command("make", "-s", "--no-print-directory", "print-"+v)
-		cmd.Dir = RepoRoot()
+		cmd.Dir = render.RepoRoot()
 		// The variables as a plain `make` sees them, not as this environment may set them.
 		cmd.Env = withoutEnv(os.Environ(), "VERSION", "IMAGE_TAG", "MAKEFLAGS")
 		out, err := cmd.CombinedOutput()
@@ -69,7 +71,7 @@ func TestVersionsAgree(t *testing.T) {
 		}
 	}
 
-	dockerfile, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy", "Dockerfile"))
+	dockerfile, err := os.ReadFile(filepath.Join(render.RepoRoot(), "deploy", "Dockerfile"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,7 +79,7 @@ func TestVersionsAgree(t *testing.T) {
 		t.Errorf("deploy/Dockerfile's ARG VERSION is not %q: set it to VERSION", want)
 	}
 
-	rendered, err := os.ReadFile(RenderedFile())
+	rendered, err := os.ReadFile(render.RenderedFile())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +122,7 @@ next:
 // nothing) and give it the version's tag.
 func checkKustomization(t *testing.T, want string, repos []string) {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(RepoRoot(), "deploy", "kubernetes", "kustomization.yaml"))
+	b, err := os.ReadFile(filepath.Join(render.RepoRoot(), "deploy", "kubernetes", "kustomization.yaml"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,8 +139,8 @@ func checkKustomization(t *testing.T, want string, repos []string) {
 	if err := yaml.UnmarshalStrict(b, &k); err != nil {
 		t.Fatalf("deploy/kubernetes/kustomization.yaml: %v", err)
 	}
-	if len(k.Resources) != 1 || k.Resources[0] != filepath.Base(RenderedFile()) {
-		t.Errorf("deploy/kubernetes/kustomization.yaml has resources %q, want [%s]", k.Resources, filepath.Base(RenderedFile()))
+	if len(k.Resources) != 1 || k.Resources[0] != filepath.Base(render.RenderedFile()) {
+		t.Errorf("deploy/kubernetes/kustomization.yaml has resources %q, want [%s]", k.Resources, filepath.Base(render.RenderedFile()))
 	}
 	if len(k.Images) != 1 {
 		t.Fatalf("deploy/kubernetes/kustomization.yaml sets %d images, want poolcsi's alone", len(k.Images))

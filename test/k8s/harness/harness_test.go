@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
+
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
@@ -24,15 +26,12 @@ import (
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"sigs.k8s.io/yaml"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
 const (
-	ns          = chart.Namespace
-	localDriver = "local.poolcsi.io"
-	sharedDrv   = "poolcsi.io"
-	topoKey     = "topology.poolcsi.io/node"
+	ns = chart.Namespace
 )
 
 var handleRE = regexp.MustCompile(`^([a-z0-9][a-z0-9_-]*)\.([0-9a-f]{32})$`)
@@ -55,42 +54,26 @@ func buildTools(t *testing.T, list []tools.Tool) {
 
 // driver is one poolcsi serve process and a CSI client on its socket.
 type driver struct {
-	proc *Proc
+	proc *cluster.Proc
 	sock string
 	conn *grpc.ClientConn
 }
 
 func (d *driver) controller() csi.ControllerClient { return csi.NewControllerClient(d.conn) }
 
-func buildPoolcsi(t testing.TB, dir string) string {
-	if p := os.Getenv("POOLCSI_BIN"); p != "" {
-		return p
-	}
-	bin := filepath.Join(dir, "poolcsi")
-	cmd := tools.Nice(t.Context(), goBin(), "build", "-o", bin, "./cmd/poolcsi")
-	cmd.Dir = chart.RepoRoot()
-	cmd.Env = append(os.Environ(), "GOWORK=off", "CGO_ENABLED=0")
-	start := time.Now()
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./cmd/poolcsi in %s: %v\n%s", cmd.Dir, err, out)
-	}
-	t.Logf("built poolcsi in %s", time.Since(start).Round(time.Second))
-	return bin
-}
-
 // startDriver runs `poolcsi serve` with the args the chart gives the container, pointed at
 // a socket, config file and pool directories under dir.
-func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.Unstructured, name, kind, workload, container, configKey, nodeID, kubeconfig string, pools map[string]string) *driver {
+func startDriver(t *testing.T, c *cluster.Cluster, bin string, rendered []*unstructured.Unstructured, name, kind, workload, container, configKey, nodeID, kubeconfig string, pools map[string]string) *driver {
 	t.Helper()
-	obj := find(rendered, kind, workload)
+	obj := cluster.FindObject(rendered, kind, workload)
 	if obj == nil {
 		t.Fatalf("rendered manifests have no %s %s", kind, workload)
 	}
-	args, err := containerArgs(obj, container)
+	args, err := cluster.ContainerArgs(obj, container)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cm := find(rendered, "ConfigMap", "poolcsi-config")
+	cm := cluster.FindObject(rendered, "ConfigMap", "poolcsi-config")
 	if cm == nil {
 		t.Fatal("rendered manifests have no ConfigMap poolcsi-config")
 	}
@@ -114,7 +97,7 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 	for _, a := range args {
 		if strings.HasPrefix(a, "--pvc-events-interval=") {
 			// Claims' health events, through the chart's service account, every second.
-			args = rewriteArgs(args, []string{"--pvc-events-interval"}, "--pvc-events-interval=1s", "--kubeconfig="+kubeconfig)
+			args = cluster.RewriteArgs(args, []string{"--pvc-events-interval"}, "--pvc-events-interval=1s", "--kubeconfig="+kubeconfig)
 			break
 		}
 		if a == "--claim-local-snapshots" {
@@ -128,10 +111,10 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 	if err := os.WriteFile(keyFile, []byte("the test cluster's share key, 32 bytes or more\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	args = rewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
+	args = cluster.RewriteArgs(args, []string{"--endpoint", "--node-id", "--config", "--metrics-address", "--allowed-path-prefix",
 		"--registration-dir", "--kubelet-registration-path", "--healthz-address", "--share-key-file"},
 		"--endpoint=unix://"+sock, "--node-id="+nodeID, "--config="+cfgFile, "--allowed-path-prefix="+filepath.Clean(c.Dir),
-		"--metrics-address=127.0.0.1:"+strconv.Itoa(freePort(t)), "--share-key-file="+keyFile)
+		"--metrics-address=127.0.0.1:"+strconv.Itoa(cluster.FreePort(t)), "--share-key-file="+keyFile)
 	for i, a := range args {
 		if strings.HasPrefix(a, "-v=") {
 			args[i] = "-v=5"
@@ -141,8 +124,8 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 	t.Logf("%s: poolcsi %s\n%s", name, strings.Join(args, " "), cfg)
 	p := c.Start(t, name, bin, nil, args...)
 	d := &driver{proc: p, sock: sock}
-	waitFor(t, 30*time.Second, name+" socket", func() error {
-		p.mustRun(t)
+	cluster.WaitFor(t, 30*time.Second, name+" socket", func() error {
+		p.MustRun(t)
 		_, err := os.Stat(sock)
 		return err
 	})
@@ -151,7 +134,7 @@ func startDriver(t *testing.T, c *Cluster, bin string, rendered []*unstructured.
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { d.conn.Close() })
-	waitFor(t, 30*time.Second, name+" Probe", func() error {
+	cluster.WaitFor(t, 30*time.Second, name+" Probe", func() error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		_, err := csi.NewIdentityClient(d.conn).Probe(ctx, &csi.ProbeRequest{})
@@ -191,23 +174,23 @@ func checkServeFlags(t *testing.T, bin string, args []string) []string {
 
 // startSidecar runs a real sidecar with the args the chart gives it, minus what only makes
 // sense in a pod (leader election, HTTP endpoint, capacity objects owned by the pod).
-func startSidecar(t *testing.T, c *Cluster, bin, name string, obj *unstructured.Unstructured, container, sock, kubeconfig string, env []string, extra ...string) *Proc {
+func startSidecar(t *testing.T, c *cluster.Cluster, bin, name string, obj *unstructured.Unstructured, container, sock, kubeconfig string, env []string, extra ...string) *cluster.Proc {
 	t.Helper()
-	args, err := containerArgs(obj, container)
+	args, err := cluster.ContainerArgs(obj, container)
 	if err != nil {
 		t.Fatal(err)
 	}
-	args = rewriteArgs(args, []string{"--csi-address", "--leader-election", "--leader-election-namespace", "--http-endpoint",
+	args = cluster.RewriteArgs(args, []string{"--csi-address", "--leader-election", "--leader-election-namespace", "--http-endpoint",
 		"--enable-capacity", "--capacity-ownerref-level", "--v"},
 		append([]string{"--csi-address=" + sock, "--kubeconfig=" + kubeconfig, "--v=5"}, extra...)...)
 	t.Logf("%s: %s %s", name, filepath.Base(bin), strings.Join(args, " "))
 	p := c.Start(t, name, bin, env, args...)
 	time.Sleep(time.Second)
-	p.mustRun(t)
+	p.MustRun(t)
 	return p
 }
 
-func tokenKubeconfig(t *testing.T, c *Cluster, sa string) string {
+func tokenKubeconfig(t *testing.T, c *cluster.Cluster, sa string) string {
 	t.Helper()
 	exp := int64(3600)
 	tr, err := c.Client.CoreV1().ServiceAccounts(ns).CreateToken(context.Background(), sa,
@@ -224,8 +207,8 @@ func tokenKubeconfig(t *testing.T, c *Cluster, sa string) string {
 
 // TestKubernetes drives poolcsi with the real control plane and the real sidecars.
 func TestKubernetes(t *testing.T) {
-	requireRoot(t)
-	requireCommands(t, "mkfs.ext4", "mkfs.xfs")
+	cluster.RequireRoot(t)
+	cluster.RequireCommands(t, "mkfs.ext4", "mkfs.xfs")
 	total := time.Now()
 	dir := t.TempDir()
 	if keep := os.Getenv("POOLCSI_K8S_KEEP"); keep != "" {
@@ -234,11 +217,11 @@ func TestKubernetes(t *testing.T) {
 	}
 	ctx := context.Background()
 
-	c := StartCluster(t, dir)
+	c := cluster.StartCluster(t, dir)
 	t.Logf("control plane up at %s after %s", c.APIServer, time.Since(total).Round(time.Second))
 	// The cluster's snapshot CRDs, as an admin installs them before any snapshotter.
-	installSnapshotCRDs(t, c)
-	poolcsi := buildPoolcsi(t, dir)
+	cluster.InstallSnapshotCRDs(t, c)
+	poolcsi := cluster.BuildPoolcsi(t, dir)
 	provisioner, attacher, resizer := tools.Provisioner.Path(t), tools.Attacher.Path(t), tools.Resizer.Path(t)
 	snapshotter, snapshotController := tools.Snapshotter.Path(t), tools.SnapshotController.Path(t)
 	snapVariant := snapshotVariant(t)
@@ -250,7 +233,7 @@ func TestKubernetes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	plain, err := ParseObjects(renderedBytes)
+	plain, err := cluster.ParseObjects(renderedBytes)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -258,7 +241,7 @@ func TestKubernetes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rendered, err := ParseObjects(chart.Join(sharedDocs))
+	rendered, err := cluster.ParseObjects(chart.Join(sharedDocs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -268,7 +251,7 @@ func TestKubernetes(t *testing.T) {
 	}
 	var exampleObjs []*unstructured.Unstructured
 	for _, f := range examples {
-		objs, err := ParseFile(f)
+		objs, err := cluster.ParseFile(f)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -278,7 +261,7 @@ func TestKubernetes(t *testing.T) {
 
 	t.Run("chart objects pass server-side dry-run", func(t *testing.T) {
 		// The namespace must exist for namespaced objects to be dry-run into it.
-		if ns := find(rendered, "Namespace", chart.Namespace); ns == nil {
+		if ns := cluster.FindObject(rendered, "Namespace", chart.Namespace); ns == nil {
 			t.Fatalf("rendered YAML has no Namespace %s", chart.Namespace)
 		} else if err := ap.Apply(ctx, ns, false); err != nil {
 			t.Fatal(err)
@@ -314,7 +297,7 @@ func TestKubernetes(t *testing.T) {
 		for _, d := range docs {
 			switch d.Kind {
 			case "StorageClass", "VolumeAttributesClass", "VolumeGroupSnapshotClass":
-				objs, err := ParseObjects([]byte(d.YAML))
+				objs, err := cluster.ParseObjects([]byte(d.YAML))
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -359,12 +342,12 @@ func TestKubernetes(t *testing.T) {
 	// Two nodes, registered as kubelet and node-driver-registrar would.
 	for _, n := range []string{"node-1", "node-2"} {
 		if _, err := c.Client.CoreV1().Nodes().Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{
-			Name: n, Labels: map[string]string{"kubernetes.io/hostname": n, topoKey: n}}}, metav1.CreateOptions{}); err != nil {
+			Name: n, Labels: map[string]string{"kubernetes.io/hostname": n, cluster.TopologyKey: n}}}, metav1.CreateOptions{}); err != nil {
 			t.Fatal(err)
 		}
 		var drivers []storagev1.CSINodeDriver
-		for _, d := range []string{localDriver, sharedDrv} {
-			drivers = append(drivers, storagev1.CSINodeDriver{Name: d, NodeID: n, TopologyKeys: []string{topoKey}})
+		for _, d := range []string{cluster.LocalDriver, cluster.SharedDriver} {
+			drivers = append(drivers, storagev1.CSINodeDriver{Name: d, NodeID: n, TopologyKeys: []string{cluster.TopologyKey}})
 		}
 		if _, err := c.Client.StorageV1().CSINodes().Create(ctx, &storagev1.CSINode{ObjectMeta: metav1.ObjectMeta{Name: n},
 			Spec: storagev1.CSINodeSpec{Drivers: drivers}}, metav1.CreateOptions{}); err != nil {
@@ -372,8 +355,8 @@ func TestKubernetes(t *testing.T) {
 		}
 	}
 
-	ds := find(rendered, "DaemonSet", "poolcsi-node")
-	dep := find(rendered, "Deployment", "poolcsi-controller")
+	ds := cluster.FindObject(rendered, "DaemonSet", "poolcsi-node")
+	dep := cluster.FindObject(rendered, "Deployment", "poolcsi-controller")
 	if ds == nil || dep == nil {
 		t.Fatal("rendered YAML lacks DaemonSet poolcsi-node or Deployment poolcsi-controller")
 	}
@@ -408,9 +391,9 @@ func TestKubernetes(t *testing.T) {
 	// admin credentials, like kube-controller-manager), with distributed snapshotting so
 	// that local snapshots reach their node's csi-snapshotter-local.
 	c.Start(t, "snapshot-controller", snapshotController, nil, "--kubeconfig="+c.AdminKube,
-		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=4").mustRun(t)
+		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=4").MustRun(t)
 	sharedSnapshotter := startSidecar(t, c, snapshotter, "csi-snapshotter", dep, "csi-snapshotter", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")
-	snapDS := find(snapVariant, "DaemonSet", "poolcsi-node")
+	snapDS := cluster.FindObject(snapVariant, "DaemonSet", "poolcsi-node")
 	if snapDS == nil {
 		t.Fatal("the snapshot variant of the chart has no DaemonSet poolcsi-node")
 	}
@@ -424,29 +407,29 @@ func TestKubernetes(t *testing.T) {
 		// WaitForFirstConsumer: the scheduler would put its choice here.
 		pvc.Annotations = map[string]string{"volume.kubernetes.io/selected-node": "node-1"}
 		pv := provision(t, c, pvc)
-		checkPV(t, pv, localDriver, "local", size, true)
+		checkPV(t, pv, cluster.LocalDriver, "local", size, true)
 		terms := pv.Spec.NodeAffinity
 		if terms == nil || terms.Required == nil || len(terms.Required.NodeSelectorTerms) == 0 {
-			t.Fatalf("PV %s has no node affinity; want %s=node-1", pv.Name, topoKey)
+			t.Fatalf("PV %s has no node affinity; want %s=node-1", pv.Name, cluster.TopologyKey)
 		}
 		found := false
 		for _, term := range terms.Required.NodeSelectorTerms {
 			for _, e := range term.MatchExpressions {
-				if e.Key == topoKey && len(e.Values) == 1 && e.Values[0] == "node-1" {
+				if e.Key == cluster.TopologyKey && len(e.Values) == 1 && e.Values[0] == "node-1" {
 					found = true
 				}
 			}
 		}
 		if !found {
-			t.Fatalf("PV %s node affinity %+v lacks %s In [node-1]", pv.Name, terms.Required, topoKey)
+			t.Fatalf("PV %s node affinity %+v lacks %s In [node-1]", pv.Name, terms.Required, cluster.TopologyKey)
 		}
 		handle := pv.Spec.CSI.VolumeHandle
 		if !listHas(t, local, handle) {
 			t.Fatalf("poolcsi ListVolumes does not know the PV's volume handle %s", handle)
 		}
-		t.Logf("PV %s: %s, node affinity %s=node-1, handle %s known to ListVolumes", pv.Name, pv.Spec.Capacity.Storage(), topoKey, handle)
+		t.Logf("PV %s: %s, node affinity %s=node-1, handle %s known to ListVolumes", pv.Name, pv.Spec.Capacity.Storage(), cluster.TopologyKey, handle)
 		deleteClaim(t, c, pvc.Name, pv.Name)
-		waitFor(t, 60*time.Second, "volume "+handle+" gone from ListVolumes", func() error {
+		cluster.WaitFor(t, 60*time.Second, "volume "+handle+" gone from ListVolumes", func() error {
 			if listHas(t, local, handle) {
 				return fmt.Errorf("still listed")
 			}
@@ -475,7 +458,7 @@ func TestKubernetes(t *testing.T) {
 		pvc := newPVC("shared-claim", "poolcsi-shared-image", size, corev1.ReadWriteOnce)
 		pv := provision(t, c, pvc)
 		// xfs (the example class) has a 300 MiB minimum: the driver may round up.
-		checkPV(t, pv, sharedDrv, "shared", size, false)
+		checkPV(t, pv, cluster.SharedDriver, "shared", size, false)
 		if pv.Spec.NodeAffinity != nil {
 			t.Errorf("a shared-pool PV must be usable from every node, has node affinity %+v", pv.Spec.NodeAffinity)
 		}
@@ -491,7 +474,7 @@ func TestKubernetes(t *testing.T) {
 		if publish {
 			// The fence: a second read-write node is refused while the first holds the volume.
 			var msg string
-			waitFor(t, 60*time.Second, "csi-attacher to report the refusal of "+va2, func() error {
+			cluster.WaitFor(t, 60*time.Second, "csi-attacher to report the refusal of "+va2, func() error {
 				va, err := c.Client.StorageV1().VolumeAttachments().Get(ctx, va2, metav1.GetOptions{})
 				if err != nil {
 					return err
@@ -524,7 +507,7 @@ func TestKubernetes(t *testing.T) {
 		}
 		detach(t, c, va2)
 		deleteClaim(t, c, pvc.Name, pv.Name)
-		waitFor(t, 60*time.Second, "volume "+handle+" gone from ListVolumes", func() error {
+		cluster.WaitFor(t, 60*time.Second, "volume "+handle+" gone from ListVolumes", func() error {
 			if listHas(t, shared, handle) {
 				return fmt.Errorf("still listed")
 			}
@@ -561,11 +544,11 @@ func TestKubernetes(t *testing.T) {
 			}
 			return fmt.Errorf("no %s event on claim %s yet", reason, pvc.Name)
 		}
-		waitFor(t, 60*time.Second, "VolumeConditionAbnormal event", func() error { return event("VolumeConditionAbnormal") })
+		cluster.WaitFor(t, 60*time.Second, "VolumeConditionAbnormal event", func() error { return event("VolumeConditionAbnormal") })
 		if err := os.Truncate(image, fi.Size()); err != nil {
 			t.Fatal(err)
 		}
-		waitFor(t, 60*time.Second, "VolumeConditionNormal event", func() error { return event("VolumeConditionNormal") })
+		cluster.WaitFor(t, 60*time.Second, "VolumeConditionNormal event", func() error { return event("VolumeConditionNormal") })
 	})
 
 	t.Run("shared PVC expanded by csi-resizer through ControllerExpandVolume", func(t *testing.T) {
@@ -575,12 +558,12 @@ func TestKubernetes(t *testing.T) {
 		testLocalResize(t, c, local, localResizer, filepath.Join(dir, "pools", "node-1-local"))
 	})
 	t.Run("shared VolumeSnapshot taken, restored and deleted through csi-snapshotter", func(t *testing.T) {
-		testVolumeSnapshot(t, c, snapshotCase{driver: shared, driverName: sharedDrv, storageClass: "poolcsi-shared-image",
+		testVolumeSnapshot(t, c, snapshotCase{driver: shared, driverName: cluster.SharedDriver, storageClass: "poolcsi-shared-image",
 			snapClass: "poolcsi-shared", poolDir: filepath.Join(dir, "pools", "shared"),
 			snapshotter: sharedSnapshotter, provisioner: sharedProvisioner})
 	})
 	t.Run("local VolumeSnapshot on its node (csi-snapshotter --node-deployment)", func(t *testing.T) {
-		testVolumeSnapshot(t, c, snapshotCase{driver: local, driverName: localDriver, storageClass: "poolcsi-local-image",
+		testVolumeSnapshot(t, c, snapshotCase{driver: local, driverName: cluster.LocalDriver, storageClass: "poolcsi-local-image",
 			snapClass: "poolcsi-local", node: "node-1", poolDir: filepath.Join(dir, "pools", "node-1-local"),
 			snapshotter: localSnapshotter, provisioner: localProvisioner})
 	})
@@ -599,7 +582,7 @@ func newPVC(name, sc string, size resource.Quantity, mode corev1.PersistentVolum
 }
 
 // provision creates the claim and waits until it is Bound to a PV, which it returns.
-func provision(t *testing.T, c *Cluster, pvc *corev1.PersistentVolumeClaim) *corev1.PersistentVolume {
+func provision(t *testing.T, c *cluster.Cluster, pvc *corev1.PersistentVolumeClaim) *corev1.PersistentVolume {
 	t.Helper()
 	ctx := context.Background()
 	start := time.Now()
@@ -607,7 +590,7 @@ func provision(t *testing.T, c *Cluster, pvc *corev1.PersistentVolumeClaim) *cor
 		t.Fatal(err)
 	}
 	var got *corev1.PersistentVolumeClaim
-	waitFor(t, 120*time.Second, "claim "+pvc.Name+" Bound", func() error {
+	cluster.WaitFor(t, 120*time.Second, "claim "+pvc.Name+" Bound", func() error {
 		var err error
 		got, err = c.Client.CoreV1().PersistentVolumeClaims(pvc.Namespace).Get(ctx, pvc.Name, metav1.GetOptions{})
 		if err != nil {
@@ -698,13 +681,13 @@ func checkGoneFromPool(t *testing.T, pool, handle string) {
 	})
 }
 
-func deleteClaim(t *testing.T, c *Cluster, claim, pv string) {
+func deleteClaim(t *testing.T, c *cluster.Cluster, claim, pv string) {
 	t.Helper()
 	ctx := context.Background()
 	if err := c.Client.CoreV1().PersistentVolumeClaims("default").Delete(ctx, claim, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 90*time.Second, "PV "+pv+" deleted", func() error {
+	cluster.WaitFor(t, 90*time.Second, "PV "+pv+" deleted", func() error {
 		got, err := c.Client.CoreV1().PersistentVolumes().Get(ctx, pv, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			return nil
@@ -717,11 +700,11 @@ func deleteClaim(t *testing.T, c *Cluster, claim, pv string) {
 }
 
 // attach creates a VolumeAttachment as the attach/detach controller would.
-func attach(t *testing.T, c *Cluster, name, pv, node string) string {
+func attach(t *testing.T, c *cluster.Cluster, name, pv, node string) string {
 	t.Helper()
 	va := &storagev1.VolumeAttachment{
 		ObjectMeta: metav1.ObjectMeta{Name: name},
-		Spec: storagev1.VolumeAttachmentSpec{Attacher: sharedDrv, NodeName: node,
+		Spec: storagev1.VolumeAttachmentSpec{Attacher: cluster.SharedDriver, NodeName: node,
 			Source: storagev1.VolumeAttachmentSource{PersistentVolumeName: &pv}},
 	}
 	if _, err := c.Client.StorageV1().VolumeAttachments().Create(context.Background(), va, metav1.CreateOptions{}); err != nil {
@@ -730,9 +713,9 @@ func attach(t *testing.T, c *Cluster, name, pv, node string) string {
 	return name
 }
 
-func waitAttached(t *testing.T, c *Cluster, name string, timeout time.Duration) {
+func waitAttached(t *testing.T, c *cluster.Cluster, name string, timeout time.Duration) {
 	t.Helper()
-	waitFor(t, timeout, "VolumeAttachment "+name+" attached", func() error {
+	cluster.WaitFor(t, timeout, "VolumeAttachment "+name+" attached", func() error {
 		va, err := c.Client.StorageV1().VolumeAttachments().Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -746,13 +729,13 @@ func waitAttached(t *testing.T, c *Cluster, name string, timeout time.Duration) 
 
 // detach deletes the VolumeAttachment, as the attach/detach controller does, and waits for
 // csi-attacher to detach and let it go.
-func detach(t *testing.T, c *Cluster, name string) {
+func detach(t *testing.T, c *cluster.Cluster, name string) {
 	t.Helper()
 	ctx := context.Background()
 	if err := c.Client.StorageV1().VolumeAttachments().Delete(ctx, name, metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 60*time.Second, "VolumeAttachment "+name+" detached and gone", func() error {
+	cluster.WaitFor(t, 60*time.Second, "VolumeAttachment "+name+" detached and gone", func() error {
 		va, err := c.Client.StorageV1().VolumeAttachments().Get(ctx, name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			return nil

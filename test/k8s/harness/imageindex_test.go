@@ -24,9 +24,10 @@ import (
 	v1 "github.com/google/go-containerregistry/pkg/v1"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
-	"github.com/poolcsi/poolcsi/test/k8s/debian"
-	"github.com/poolcsi/poolcsi/test/k8s/imagebuild"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/hack/release/debian"
+	"github.com/poolcsi/poolcsi/hack/release/imagebuild"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
 
 // The tests of make image's index build it as make image does, from the pinned packages
@@ -44,7 +45,7 @@ func pinnedPlatforms(t *testing.T) []imagebuild.Platform {
 	t.Helper()
 	pinned.once.Do(func() { pinned.platforms, pinned.err = buildPinned() })
 	if errors.Is(pinned.err, debian.ErrNotCached) {
-		missing(t, "needs the pinned Debian packages once, from the network: "+pinned.err.Error())
+		cluster.Missing(t, "needs the pinned Debian packages once, from the network: "+pinned.err.Error())
 	}
 	if pinned.err != nil {
 		t.Fatal(pinned.err)
@@ -174,7 +175,7 @@ func TestImagePlatformArchitectures(t *testing.T) {
 // has too.
 func TestImageFilesMatchDockerfileRoute(t *testing.T) {
 	platforms := pinnedPlatforms(t)
-	host := PoolcsiImage(t, "x", "/bin/true")
+	host := cluster.PoolcsiImage(t, "x", "/bin/true")
 	var want []string
 	for _, f := range host.Files {
 		want = append(want, f.Path)
@@ -254,7 +255,7 @@ func TestImagePushPull(t *testing.T) {
 			t.Fatalf("skopeo copy: %v\n%s", err, out)
 		}
 	} else {
-		if inCI() {
+		if cluster.InCI() {
 			t.Fatal("CI: skopeo, the push route docs/install.md documents, is not installed (hack/install-deps.sh installs it)")
 		}
 		t.Log("skopeo not installed: pushing with go-containerregistry instead")
@@ -302,7 +303,7 @@ func TestImagePushPull(t *testing.T) {
 // fails here rather than in a pod.
 func TestImageToolsRunInImage(t *testing.T) {
 	if os.Geteuid() != 0 {
-		missing(t, "needs root (chroot)")
+		cluster.Missing(t, "needs root (chroot)")
 	}
 	var img v1.Image
 	for _, p := range pinnedPlatforms(t) {
@@ -337,7 +338,7 @@ func TestImageToolsRunInImage(t *testing.T) {
 		"mkfs.btrfs": "--version", "btrfs": "--version", "cp": "--version",
 		"mount.nfs": "-V", "mount.nfs4": "-V",
 	}
-	tools, err := ImageTools()
+	tools, err := cluster.ImageTools()
 	if err != nil {
 		t.Fatal(err)
 	}

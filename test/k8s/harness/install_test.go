@@ -13,50 +13,9 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
-
-// startDefaultEnv is the rest of startEnv for envOptions.defaults: the node is prepared
-// with nothing (the local pool's directory is the chart's to make, on the node's disk) and
-// the chart is rendered with overrides, which hold the images and nothing else.
-func startDefaultEnv(t testing.TB, c *Cluster, log *envLog, ip, bin string, images []Image, overrides map[string]any, total time.Time) *kubeletEnv {
-	t.Helper()
-	for k := range overrides {
-		if k != "image" && k != "sidecars" {
-			t.Fatalf("the default install sets %q: only the images may differ from the chart's defaults", k)
-		}
-	}
-	// Nothing is prepared but what systemd gives every node: a shared root mount (the
-	// chart mounts the pool into the node plugin with Bidirectional propagation, which
-	// containerd refuses below a private mount, and this machine's / is private). The pool
-	// directory is bind-mounted onto itself with shared propagation, on the same
-	// filesystem as /: no filesystem of its own.
-	log.noteMount(t, localPoolPath)
-	sharedBindMount(t, nil, localPoolPath, "")
-	t.Cleanup(func() {
-		for dev, line := range ourLoops(KubeletDir, localPoolPath) {
-			t.Errorf("detaching a loop device left behind: %s", line)
-			_, _ = detachLoop(dev)
-		}
-	})
-	n := StartNode(t, c, ip, images)
-	t.Logf("node %s Ready after %s", n.Name, time.Since(total).Round(time.Second))
-	env := &kubeletEnv{c: c, node: n, nodes: []*Node{n}, poolcsi: bin, log: log, localOnly: true}
-	docs, err := chart.Render(chart.ChartDir(), "", overrides)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// helm install --create-namespace
-	if _, err := c.Client.CoreV1().Namespaces().Create(context.Background(),
-		&corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: chart.Namespace}}, metav1.CreateOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	env.applyChart(t, docs)
-	t.Cleanup(func() { env.deleteAll(t) })
-	env.waitChartReady(t)
-	t.Logf("chart running as pods after %s", time.Since(total).Round(time.Second))
-	return env
-}
 
 // TestDefaultInstall is docs/install.md on a node prepared with nothing: the chart with its
 // default values (only the images set: the harness has no registry and imports them into
@@ -64,31 +23,31 @@ func startDefaultEnv(t testing.TB, c *Cluster, log *envLog, ip, bin string, imag
 // applied as they are, until the pod runs with the volume mounted.
 func TestDefaultInstall(t *testing.T) {
 	start := time.Now()
-	env := startEnv(t, envOptions{defaults: true, extra: func(t testing.TB) []Image {
+	env := startEnv(t, cluster.EnvOptions{Defaults: true, Extra: func(t testing.TB) []cluster.Image {
 		// The example's image, as the node would pull it.
-		return []Image{BusyboxImage(t, "docker.io/library/busybox:1.37")}
+		return []cluster.Image{cluster.BusyboxImage(t, "docker.io/library/busybox:1.37")}
 	}})
 	ctx := context.Background()
 	// The guide's claim lives in the default namespace, which deleteAll leaves alone.
 	t.Cleanup(func() {
-		_ = env.c.Client.AppsV1().Deployments("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{})
-		_ = env.c.Client.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{})
-		_ = env.c.Client.StorageV1().StorageClasses().Delete(ctx, "poolcsi-local-image", metav1.DeleteOptions{})
+		_ = env.Cluster.Client.AppsV1().Deployments("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{})
+		_ = env.Cluster.Client.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{})
+		_ = env.Cluster.Client.StorageV1().StorageClasses().Delete(ctx, "poolcsi-local-image", metav1.DeleteOptions{})
 	})
 	for _, f := range []string{"storageclass-local-image.yaml", "pvc-deployment.yaml"} {
-		objs, err := ParseFile(filepath.Join(chart.RepoRoot(), "deploy", "examples", f))
+		objs, err := cluster.ParseFile(filepath.Join(chart.RepoRoot(), "deploy", "examples", f))
 		if err != nil {
 			t.Fatal(err)
 		}
 		for _, o := range objs {
-			if err := env.c.Applier().Apply(ctx, o, false); err != nil {
+			if err := env.Cluster.Applier().Apply(ctx, o, false); err != nil {
 				t.Fatalf("%s: %v", f, err)
 			}
 		}
 	}
 	var pod string
-	waitFor(t, 120*time.Second, "the example Deployment's pod Running", func() error {
-		pods, err := env.c.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "app=poolcsi-demo"})
+	cluster.WaitFor(t, 120*time.Second, "the example Deployment's pod Running", func() error {
+		pods, err := env.Cluster.Client.CoreV1().Pods("default").List(ctx, metav1.ListOptions{LabelSelector: "app=poolcsi-demo"})
 		if err != nil {
 			return err
 		}
@@ -96,50 +55,50 @@ func TestDefaultInstall(t *testing.T) {
 			return errors.New("no pod yet")
 		}
 		p := pods.Items[0]
-		if p.Status.Phase != corev1.PodRunning || !podReady(&p) {
-			return fmt.Errorf("%s; events: %s", podSummary(&p), env.events("default", p.Name))
+		if p.Status.Phase != corev1.PodRunning || !cluster.PodReady(&p) {
+			return fmt.Errorf("%s; events: %s", cluster.PodSummary(&p), env.Events("default", p.Name))
 		}
 		pod = p.Name
 		return nil
 	})
-	pvc := env.pvc(t, "default", "poolcsi-demo")
+	pvc := env.PVC(t, "default", "poolcsi-demo")
 	if pvc.Status.Phase != corev1.ClaimBound || pvc.Status.Capacity.Storage().String() != "1Gi" {
 		t.Fatalf("claim: phase %s, capacity %s; want Bound, 1Gi", pvc.Status.Phase, pvc.Status.Capacity.Storage())
 	}
-	pv, err := env.c.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
+	pv, err := env.Cluster.Client.CoreV1().PersistentVolumes().Get(ctx, pvc.Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != localDriver {
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != cluster.LocalDriver {
 		t.Fatalf("PV %s is not the local driver's: %+v", pv.Name, pv.Spec.CSI)
 	}
 	// The container wrote its start into the volume, as its non-root user (fsGroup).
-	if out := env.mustExec(t, "default", pod, "cat /data/boots && grep ' /data ' /proc/mounts"); !strings.Contains(out, " /data ") {
+	if out := env.MustExec(t, "default", pod, "cat /data/boots && grep ' /data ' /proc/mounts"); !strings.Contains(out, " /data ") {
 		t.Fatalf("/data is not a mount in the pod:\n%s", out)
 	}
 	// The volume is in the pool the chart made on the node's disk.
-	if imgs, _ := filepath.Glob(filepath.Join(localPoolPath, "volumes", "*", "*.img")); len(imgs) != 1 {
-		t.Fatalf("images in %s: %v, want the claim's one", localPoolPath, imgs)
+	if imgs, _ := filepath.Glob(filepath.Join(cluster.LocalPoolPath, "volumes", "*", "*.img")); len(imgs) != 1 {
+		t.Fatalf("images in %s: %v, want the claim's one", cluster.LocalPoolPath, imgs)
 	}
 	// The guide's check: poolcsi status in the node pod exits 0.
-	node, err := env.nodePodName(t)
+	node, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if out, err := env.execIn(t, chart.Namespace, node, "poolcsi-local", "poolcsi", "status"); err != nil {
+	if out, err := env.ExecIn(t, chart.Namespace, node, "poolcsi-local", "poolcsi", "status"); err != nil {
 		t.Fatalf("poolcsi status in %s: %v\n%s", node, err, out)
 	}
 	t.Logf("default install: the example pod Running %s after the test started", time.Since(start).Round(time.Second))
 
 	// Deleting the claim deletes the volume (the driver is still there: before deleteAll).
-	if err := env.c.Client.AppsV1().Deployments("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{}); err != nil {
+	if err := env.Cluster.Client.AppsV1().Deployments("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := env.c.Client.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{}); err != nil {
+	if err := env.Cluster.Client.CoreV1().PersistentVolumeClaims("default").Delete(ctx, "poolcsi-demo", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 120*time.Second, "the PV deleted", func() error {
-		_, err := env.c.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
+	cluster.WaitFor(t, 120*time.Second, "the PV deleted", func() error {
+		_, err := env.Cluster.Client.CoreV1().PersistentVolumes().Get(ctx, pv.Name, metav1.GetOptions{})
 		if apierrors.IsNotFound(err) {
 			return nil
 		}

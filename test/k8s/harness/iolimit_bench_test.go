@@ -7,10 +7,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
 
-const fioImage = localImagePrefix + "fio:1"
+const fioImage = cluster.LocalImagePrefix + "fio:1"
 
 // BenchmarkIOLimit measures, with fio in a pod, the I/O of an image claim under a
 // VolumeAttributesClass and after the class is changed on the running pod (csi-resizer's
@@ -21,24 +22,24 @@ const fioImage = localImagePrefix + "fio:1"
 //
 //	cd test/k8s && go test ./harness -run '^$' -bench IOLimit -benchtime 1x -timeout 30m -v
 func BenchmarkIOLimit(b *testing.B) {
-	env := startKubeletEnvWith(b, func(t testing.TB) []Image {
-		return []Image{WithHostBinaries(t, BusyboxImage(t, fioImage), "/usr/bin/fio")}
+	env := startKubeletEnvWith(b, func(t testing.TB) []cluster.Image {
+		return []cluster.Image{cluster.WithHostBinaries(t, cluster.BusyboxImage(t, fioImage), "/usr/bin/fio")}
 	}, nil)
 	env.storageClasses(b)
-	ns := env.namespace(b, "iolimit")
-	env.volumeAttributesClass(b, "w8", sharedDrv, map[string]string{"writeBytesPerSecond": "8Mi", "readBytesPerSecond": "8Mi"})
-	env.volumeAttributesClass(b, "w24", sharedDrv, map[string]string{"writeBytesPerSecond": "24Mi", "readBytesPerSecond": "24Mi", "writeIOPS": "200", "readIOPS": "200"})
+	ns := env.Namespace(b, "iolimit")
+	env.volumeAttributesClass(b, "w8", cluster.SharedDriver, map[string]string{"writeBytesPerSecond": "8Mi", "readBytesPerSecond": "8Mi"})
+	env.volumeAttributesClass(b, "w24", cluster.SharedDriver, map[string]string{"writeBytesPerSecond": "24Mi", "readBytesPerSecond": "24Mi", "writeIOPS": "200", "readIOPS": "200"})
 	for i := 0; i < b.N; i++ {
 		claim, pod := fmt.Sprintf("c%d", i), fmt.Sprintf("fio%d", i)
-		env.claim(b, ns, claimSpec{name: claim, class: "shared-xfs", size: "1Gi"})
-		p := podObject(ns, podSpec{name: pod, claims: []string{claim}})
+		env.Claim(b, ns, cluster.ClaimSpec{Name: claim, Class: "shared-xfs", Size: "1Gi"})
+		p := cluster.PodObject(ns, cluster.PodSpec{Name: pod, Claims: []string{claim}})
 		p.Spec.Containers[0].Image = fioImage
-		if _, err := env.c.Client.CoreV1().Pods(ns).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
+		if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(context.Background(), p, metav1.CreateOptions{}); err != nil {
 			b.Fatal(err)
 		}
-		running := env.waitRunning(b, ns, pod)
+		running := env.WaitRunning(b, ns, pod)
 		// Lay the file out first so reads and rewrites meet allocated blocks.
-		env.mustExec(b, ns, pod, "fio --name=lay --filename=/data/f --size=256M --rw=write --bs=1M --direct=1 --output=/dev/null")
+		env.MustExec(b, ns, pod, "fio --name=lay --filename=/data/f --size=256M --rw=write --bs=1M --direct=1 --output=/dev/null")
 		for _, step := range []struct {
 			class     string
 			bps, iops int64 // the class's limits; 0: none
@@ -67,7 +68,7 @@ func BenchmarkIOLimit(b *testing.B) {
 				b.Log(line)
 			}
 		}
-		env.deletePod(b, ns, pod)
+		env.DeletePod(b, ns, pod)
 	}
 }
 
@@ -75,7 +76,7 @@ func BenchmarkIOLimit(b *testing.B) {
 // operations per second.
 func runFio(b *testing.B, env *kubeletEnv, ns, pod, rw, bs string) (bw, iops float64) {
 	b.Helper()
-	out := env.mustExec(b, ns, pod, fmt.Sprintf("fio --name=j --filename=/data/f --size=256M --rw=%s --bs=%s --direct=1 --ioengine=psync "+
+	out := env.MustExec(b, ns, pod, fmt.Sprintf("fio --name=j --filename=/data/f --size=256M --rw=%s --bs=%s --direct=1 --ioengine=psync "+
 		"--time_based --runtime=10 --ramp_time=2 --output-format=json", rw, bs))
 	var res struct {
 		Jobs []struct {

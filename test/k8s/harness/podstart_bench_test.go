@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 )
@@ -24,7 +25,7 @@ import (
 func BenchmarkPodStart(b *testing.B) {
 	env := startKubeletEnv(b)
 	env.storageClasses(b)
-	ns := env.namespace(b, "podstart")
+	ns := env.Namespace(b, "podstart")
 	host := filepath.Join(b.TempDir(), "hostpath")
 	if err := os.MkdirAll(host, 0o755); err != nil {
 		b.Fatal(err)
@@ -35,13 +36,13 @@ func BenchmarkPodStart(b *testing.B) {
 	b.ResetTimer()
 	for i := 0; i < b.N; i++ {
 		name := fmt.Sprintf("h%d", i)
-		d, _ := env.timePod(b, ns, podSpec{name: name, hostPath: host}, nil)
+		d, _ := env.timePod(b, ns, cluster.PodSpec{Name: name, HostPath: host}, nil)
 		times["hostPath"] = append(times["hostPath"], d)
-		env.deletePod(b, ns, name)
+		env.DeletePod(b, ns, name)
 		for _, class := range classes {
 			name := fmt.Sprintf("%s-%d", class, i)
-			c := &claimSpec{name: name, class: class, size: "300Mi"}
-			d, seen := env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, c)
+			c := &cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"}
+			d, seen := env.timePod(b, ns, cluster.PodSpec{Name: name, Claims: []string{name}}, c)
 			times[class] = append(times[class], d)
 			if steps[class] == nil {
 				steps[class] = map[string][]time.Duration{}
@@ -49,16 +50,16 @@ func BenchmarkPodStart(b *testing.B) {
 			for m, at := range seen {
 				steps[class][m] = append(steps[class][m], at)
 			}
-			env.deletePod(b, ns, name)
+			env.DeletePod(b, ns, name)
 			if class == "local-xfs" {
 				// The same claim, now bound and its volume on the node, in a new pod: what
 				// a StatefulSet's pod re-created on its node waits for.
 				bound := name + "-bound"
-				d, _ := env.timePod(b, ns, podSpec{name: bound, claims: []string{name}}, nil)
+				d, _ := env.timePod(b, ns, cluster.PodSpec{Name: bound, Claims: []string{name}}, nil)
 				times["local-xfs-bound"] = append(times["local-xfs-bound"], d)
-				env.deletePod(b, ns, bound)
+				env.DeletePod(b, ns, bound)
 			}
-			if err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
+			if err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Delete(context.Background(), name, metav1.DeleteOptions{}); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -100,7 +101,7 @@ var milestones = []string{"selected-node", "bound", "scheduled", "attached", "ru
 // timePod creates the claim (if any) and the pod and returns how long until kubelet
 // reports the pod Running and Ready, polled every 20 ms, and when each milestone was first
 // seen.
-func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (time.Duration, map[string]time.Duration) {
+func (e *kubeletEnv) timePod(t testing.TB, ns string, p cluster.PodSpec, c *cluster.ClaimSpec) (time.Duration, map[string]time.Duration) {
 	t.Helper()
 	ctx := context.Background()
 	seen := map[string]time.Duration{}
@@ -111,21 +112,21 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (
 	}
 	start := time.Now()
 	if c != nil {
-		e.claim(t, ns, *c)
+		e.Claim(t, ns, *c)
 	}
-	if _, err := e.c.Client.CoreV1().Pods(ns).Create(ctx, podObject(ns, p), metav1.CreateOptions{}); err != nil {
+	if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, cluster.PodObject(ns, p), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 	deadline := start.Add(120 * time.Second)
 	for {
 		at := time.Since(start)
 		if c != nil {
-			if pvc, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c.name, metav1.GetOptions{}); err == nil {
+			if pvc, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Get(ctx, c.Name, metav1.GetOptions{}); err == nil {
 				_, selected := pvc.Annotations["volume.kubernetes.io/selected-node"]
 				mark("selected-node", selected, at)
 				mark("bound", pvc.Status.Phase == corev1.ClaimBound, at)
 				if pv := pvc.Spec.VolumeName; pv != "" && seen["attached"] == 0 {
-					if vas, err := e.c.Client.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{}); err == nil {
+					if vas, err := e.Cluster.Client.StorageV1().VolumeAttachments().List(ctx, metav1.ListOptions{}); err == nil {
 						for _, va := range vas.Items {
 							if va.Spec.Source.PersistentVolumeName != nil && *va.Spec.Source.PersistentVolumeName == pv {
 								mark("attached", va.Status.Attached, at)
@@ -135,16 +136,16 @@ func (e *kubeletEnv) timePod(t testing.TB, ns string, p podSpec, c *claimSpec) (
 				}
 			}
 		}
-		pod, err := e.c.Client.CoreV1().Pods(ns).Get(ctx, p.name, metav1.GetOptions{})
+		pod, err := e.Cluster.Client.CoreV1().Pods(ns).Get(ctx, p.Name, metav1.GetOptions{})
 		if err == nil {
 			mark("scheduled", pod.Spec.NodeName != "", at)
-			if pod.Status.Phase == corev1.PodRunning && podReady(pod) {
+			if pod.Status.Phase == corev1.PodRunning && cluster.PodReady(pod) {
 				seen["running"] = time.Since(start)
 				return seen["running"], seen
 			}
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.name, err)
+			t.Fatalf("pod %s/%s not Running after 120 s: %v", ns, p.Name, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

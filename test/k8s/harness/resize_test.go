@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
+
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
@@ -64,7 +66,7 @@ func listCapacity(t *testing.T, d *driver, handle string) int64 {
 }
 
 // requestExpansion raises the claim's request as a user would (kubectl patch).
-func requestExpansion(t *testing.T, c *Cluster, claim string, size resource.Quantity) {
+func requestExpansion(t *testing.T, c *cluster.Cluster, claim string, size resource.Quantity) {
 	t.Helper()
 	patch := fmt.Sprintf(`{"spec":{"resources":{"requests":{"storage":%q}}}}`, size.String())
 	if _, err := c.Client.CoreV1().PersistentVolumeClaims("default").Patch(context.Background(), claim,
@@ -76,11 +78,11 @@ func requestExpansion(t *testing.T, c *Cluster, claim string, size resource.Quan
 // waitNodeExpansionPending waits until the resizer has done its part: the PV's capacity is
 // at least want and the claim waits for the node (FileSystemResizePending, resize status
 // NodeResizePending). It returns the PV's new capacity.
-func waitNodeExpansionPending(t *testing.T, c *Cluster, claim, pvName string, want resource.Quantity) resource.Quantity {
+func waitNodeExpansionPending(t *testing.T, c *cluster.Cluster, claim, pvName string, want resource.Quantity) resource.Quantity {
 	t.Helper()
 	ctx := context.Background()
 	var got resource.Quantity
-	waitFor(t, 90*time.Second, "resizer to expand "+pvName+" and mark "+claim+" for node expansion", func() error {
+	cluster.WaitFor(t, 90*time.Second, "resizer to expand "+pvName+" and mark "+claim+" for node expansion", func() error {
 		pv, err := c.Client.CoreV1().PersistentVolumes().Get(ctx, pvName, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -110,7 +112,7 @@ func waitNodeExpansionPending(t *testing.T, c *Cluster, claim, pvName string, wa
 	return got
 }
 
-func lastEvent(c *Cluster, claim string) string {
+func lastEvent(c *cluster.Cluster, claim string) string {
 	evs, err := c.Client.CoreV1().Events("default").List(context.Background(), metav1.ListOptions{FieldSelector: "involvedObject.name=" + claim})
 	if err != nil || len(evs.Items) == 0 {
 		return "no events"
@@ -120,7 +122,7 @@ func lastEvent(c *Cluster, claim string) string {
 }
 
 // logHas reports whether a process's log contains s.
-func logHas(t *testing.T, p *Proc, s string) bool {
+func logHas(t *testing.T, p *cluster.Proc, s string) bool {
 	t.Helper()
 	b, err := os.ReadFile(p.Log)
 	if err != nil {
@@ -130,7 +132,7 @@ func logHas(t *testing.T, p *Proc, s string) bool {
 }
 
 // logLines returns the lines of a process's log that contain s.
-func logLines(t *testing.T, p *Proc, s string) []string {
+func logLines(t *testing.T, p *cluster.Proc, s string) []string {
 	t.Helper()
 	b, err := os.ReadFile(p.Log)
 	if err != nil {
@@ -159,7 +161,7 @@ func loopsOf(t *testing.T, file string) string {
 // testSharedResize: csi-resizer in the controller Deployment calls ControllerExpandVolume
 // on the shared driver, which grows the image in the pool; the node part (loop device,
 // filesystem) is left to kubelet, so the claim waits in FileSystemResizePending.
-func testSharedResize(t *testing.T, c *Cluster, shared *driver, resizer *Proc, poolDir string) {
+func testSharedResize(t *testing.T, c *cluster.Cluster, shared *driver, resizer *cluster.Proc, poolDir string) {
 	ctx := context.Background()
 	pvc := newPVC("shared-resize", "poolcsi-shared-image", resource.MustParse("96Mi"), corev1.ReadWriteOnce)
 	pv := provision(t, c, pvc)
@@ -212,7 +214,7 @@ func testSharedResize(t *testing.T, c *Cluster, shared *driver, resizer *Proc, p
 // volume's node, which this test then calls as kubelet would. The claim is a raw block
 // volume because ext4 cannot grow online here (no CAP_SYS_RESOURCE); test/e2e
 // TestExpandOnNode grows a mounted xfs filesystem the same way.
-func testLocalResize(t *testing.T, c *Cluster, local *driver, resizer *Proc, poolDir string) {
+func testLocalResize(t *testing.T, c *cluster.Cluster, local *driver, resizer *cluster.Proc, poolDir string) {
 	ctx := context.Background()
 	caps, err := local.controller().ControllerGetCapabilities(ctx, &csi.ControllerGetCapabilitiesRequest{})
 	if err != nil {
@@ -317,7 +319,7 @@ func testLocalResize(t *testing.T, c *Cluster, local *driver, resizer *Proc, poo
 // checkNoForbidden fails the test if a sidecar's API requests were refused: the chart's
 // RBAC must cover everything it lists, watches and patches, including the informers a
 // missing rule would only leave silently empty.
-func checkNoForbidden(t *testing.T, p *Proc) {
+func checkNoForbidden(t *testing.T, p *cluster.Proc) {
 	t.Helper()
 	if lines := logLines(t, p, "forbidden"); len(lines) > 0 {
 		t.Errorf("%s was refused by the API server (chart RBAC):\n%s", p.Name, strings.Join(lines[:min(len(lines), 5)], "\n"))

@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
@@ -24,7 +25,7 @@ import (
 const (
 	localPathClass = "local-path"
 	localPathDir   = "/opt/local-path-provisioner"
-	localPathImage = localImagePrefix + "local-path-provisioner:" + tools.LocalPathVersion
+	localPathImage = cluster.LocalImagePrefix + "local-path-provisioner:" + tools.LocalPathVersion
 	// The helper pods' image as the manifest names it ("busybox", IfNotPresent).
 	localPathHelper = "docker.io/library/busybox:latest"
 	// sideBySideRounds is the rounds of each iteration, each timing both provisioners.
@@ -45,15 +46,15 @@ const (
 //	cd test/k8s && go test ./harness -run '^$' -bench SideBySide -benchtime 1x -timeout 60m -v
 func BenchmarkSideBySide(b *testing.B) {
 	lpp := tools.LocalPath.Path(b)
-	env := startKubeletEnvWith(b, func(t testing.TB) []Image {
-		helper := BusyboxImage(t, localPathHelper)
-		return []Image{BinaryImage(localPathImage, lpp), helper}
+	env := startKubeletEnvWith(b, func(t testing.TB) []cluster.Image {
+		helper := cluster.BusyboxImage(t, localPathHelper)
+		return []cluster.Image{cluster.BinaryImage(localPathImage, lpp), helper}
 	}, nil)
 	env.storageClasses(b)
-	env.log.noteMount(b, localPathDir)
-	mountPoolFS(b, nil, localPathDir, "xfs", 16<<30)
+	env.Log.NoteMount(b, localPathDir)
+	cluster.MountPoolFS(b, nil, localPathDir, "xfs", 16<<30)
 	env.installLocalPath(b)
-	ns := env.namespace(b, "sidebyside")
+	ns := env.Namespace(b, "sidebyside")
 	// Before the namespaces go (deleteAll): local-path's volumes are deleted by its own
 	// provisioner, which goes with its namespace.
 	b.Cleanup(func() { env.deleteClaims(b, ns) })
@@ -70,7 +71,7 @@ func BenchmarkSideBySide(b *testing.B) {
 		}
 		for _, class := range order {
 			name := fmt.Sprintf("%s-%d", class, i)
-			d, _ := env.timePod(b, ns, podSpec{name: name, claims: []string{name}}, &claimSpec{name: name, class: class, size: "300Mi"})
+			d, _ := env.timePod(b, ns, cluster.PodSpec{Name: name, Claims: []string{name}}, &cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"})
 			one[class] = append(one[class], d)
 			batch[class] = append(batch[class], env.timePods(b, ns, fmt.Sprintf("%s-%d-b", class, i), class, many))
 			gone[class] = append(gone[class], env.timeDeleteAll(b, ns, class))
@@ -108,12 +109,12 @@ func (e *kubeletEnv) installLocalPath(t testing.TB) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	objs, err := ParseObjects(data)
+	objs, err := cluster.ParseObjects(data)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx := context.Background()
-	ap := e.c.Applier()
+	ap := e.Cluster.Applier()
 	for _, o := range objs {
 		if o.GetKind() == "Deployment" {
 			containers, _, _ := unstructured.NestedSlice(o.Object, "spec", "template", "spec", "containers")
@@ -129,13 +130,13 @@ func (e *kubeletEnv) installLocalPath(t testing.TB) {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, 120*time.Second, "local-path-provisioner Running", func() error {
-		pods, err := e.c.Client.CoreV1().Pods("local-path-storage").List(ctx, metav1.ListOptions{LabelSelector: "app=local-path-provisioner"})
+	cluster.WaitFor(t, 120*time.Second, "local-path-provisioner Running", func() error {
+		pods, err := e.Cluster.Client.CoreV1().Pods("local-path-storage").List(ctx, metav1.ListOptions{LabelSelector: "app=local-path-provisioner"})
 		if err != nil {
 			return err
 		}
 		for _, p := range pods.Items {
-			if p.Status.Phase == corev1.PodRunning && podReady(&p) {
+			if p.Status.Phase == corev1.PodRunning && cluster.PodReady(&p) {
 				return nil
 			}
 		}
@@ -156,11 +157,11 @@ func (e *kubeletEnv) timePods(t testing.TB, ns, prefix, class string, n int) tim
 		go func() {
 			defer wg.Done()
 			name := fmt.Sprintf("%s%02d", prefix, i)
-			if _, err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, claimObject(ns, claimSpec{name: name, class: class, size: "300Mi"}), metav1.CreateOptions{}); err != nil {
+			if _, err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, cluster.ClaimObject(ns, cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"}), metav1.CreateOptions{}); err != nil {
 				errs <- err
 				return
 			}
-			if _, err := e.c.Client.CoreV1().Pods(ns).Create(ctx, podObject(ns, podSpec{name: name, claims: []string{name}}), metav1.CreateOptions{}); err != nil {
+			if _, err := e.Cluster.Client.CoreV1().Pods(ns).Create(ctx, cluster.PodObject(ns, cluster.PodSpec{Name: name, Claims: []string{name}}), metav1.CreateOptions{}); err != nil {
 				errs <- err
 			}
 		}()
@@ -171,13 +172,13 @@ func (e *kubeletEnv) timePods(t testing.TB, ns, prefix, class string, n int) tim
 		t.Fatal(err)
 	}
 	for {
-		pods, err := e.c.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
+		pods, err := e.Cluster.Client.CoreV1().Pods(ns).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			t.Fatal(err)
 		}
 		ready := 0
 		for _, p := range pods.Items {
-			if strings.HasPrefix(p.Name, prefix) && p.Status.Phase == corev1.PodRunning && podReady(&p) {
+			if strings.HasPrefix(p.Name, prefix) && p.Status.Phase == corev1.PodRunning && cluster.PodReady(&p) {
 				ready++
 			}
 		}
@@ -198,11 +199,11 @@ func (e *kubeletEnv) timeDeleteAll(t testing.TB, ns, class string) time.Duration
 	t.Helper()
 	start := time.Now()
 	e.deleteClaims(t, ns)
-	dir := filepath.Join(localPoolPath, "volumes")
+	dir := filepath.Join(cluster.LocalPoolPath, "volumes")
 	if class == localPathClass {
 		dir = localPathDir
 	}
-	waitFor(t, 5*time.Minute, "nothing of "+class+" left in "+dir, func() error {
+	cluster.WaitFor(t, 5*time.Minute, "nothing of "+class+" left in "+dir, func() error {
 		entries, err := os.ReadDir(dir)
 		if err != nil && !os.IsNotExist(err) {
 			return err
@@ -221,14 +222,14 @@ func (e *kubeletEnv) deleteClaims(t testing.TB, ns string) {
 	t.Helper()
 	ctx := context.Background()
 	zero := int64(0)
-	if err := e.c.Client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{}); err != nil {
+	if err := e.Cluster.Client.CoreV1().Pods(ns).DeleteCollection(ctx, metav1.DeleteOptions{GracePeriodSeconds: &zero}, metav1.ListOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.c.Client.CoreV1().PersistentVolumeClaims(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
+	if err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	waitFor(t, 5*time.Minute, "the claims' PersistentVolumes deleted", func() error {
-		pvs, err := e.c.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	cluster.WaitFor(t, 5*time.Minute, "the claims' PersistentVolumes deleted", func() error {
+		pvs, err := e.Cluster.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return err
 		}
@@ -252,10 +253,10 @@ func (e *kubeletEnv) deleteClaims(t testing.TB, ns string) {
 func (e *kubeletEnv) writePastSize(t testing.TB, ns, class string) string {
 	t.Helper()
 	name := "fill-" + class
-	e.claim(t, ns, claimSpec{name: name, class: class, size: "300Mi"})
-	e.pod(t, ns, podSpec{name: name, claims: []string{name}})
-	e.waitRunning(t, ns, name)
-	out, err := e.exec(t, ns, name, "dd if=/dev/zero of=/data/fill bs=1M count=900 2>&1 | grep -i 'space'; sync; du -m /data/fill | cut -f1")
+	e.Claim(t, ns, cluster.ClaimSpec{Name: name, Class: class, Size: "300Mi"})
+	e.Pod(t, ns, cluster.PodSpec{Name: name, Claims: []string{name}})
+	e.WaitRunning(t, ns, name)
+	out, err := e.Exec(t, ns, name, "dd if=/dev/zero of=/data/fill bs=1M count=900 2>&1 | grep -i 'space'; sync; du -m /data/fill | cut -f1")
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	written := lines[len(lines)-1]
 	stopped := strings.Contains(out, "No space left")

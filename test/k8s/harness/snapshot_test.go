@@ -19,12 +19,11 @@ import (
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/client-go/dynamic"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
-	"github.com/poolcsi/poolcsi/test/k8s/tools"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
 
 var (
-	crdGVR     = schema.GroupVersionResource{Group: "apiextensions.k8s.io", Version: "v1", Resource: "customresourcedefinitions"}
 	vsGVR      = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
 	vscGVR     = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotcontents"}
 	snapIDRE   = regexp.MustCompile(`^([a-z0-9][a-z0-9_-]*)@([0-9a-f]{32})$`)
@@ -34,58 +33,6 @@ var (
 		"snapshotClass": map[string]any{"create": true},
 	}
 )
-
-// installSnapshotCRDs installs the snapshot CRDs of the external-snapshotter release the
-// harness runs, read from its client module in the Go module cache (they are never copied
-// into this repository), and waits until the API server serves them.
-func installSnapshotCRDs(t testing.TB, c *Cluster) {
-	t.Helper()
-	ctx := context.Background()
-	info, err := tools.ModDownload(tools.SnapshotClientModule, tools.SnapshotterVersion)
-	if err != nil {
-		t.Fatal(err)
-	}
-	dir := info.Dir
-	files, err := filepath.Glob(filepath.Join(dir, "config", "crd", "*storage.k8s.io_*.yaml"))
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no CRDs under %s/config/crd (%v)", dir, err)
-	}
-	ap := c.Applier()
-	var names []string
-	for _, f := range files {
-		objs, err := ParseFile(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, o := range objs {
-			if o.GetKind() != "CustomResourceDefinition" {
-				continue
-			}
-			if err := ap.Apply(ctx, o, false); err != nil {
-				t.Fatalf("installing %s: %v", filepath.Base(f), err)
-			}
-			names = append(names, o.GetName())
-		}
-	}
-	dyn := dynamic.NewForConfigOrDie(c.Config)
-	for _, n := range names {
-		waitFor(t, 60*time.Second, "CRD "+n+" Established", func() error {
-			crd, err := dyn.Resource(crdGVR).Get(ctx, n, metav1.GetOptions{})
-			if err != nil {
-				return err
-			}
-			conds, _, _ := unstructured.NestedSlice(crd.Object, "status", "conditions")
-			for _, cd := range conds {
-				m, _ := cd.(map[string]any)
-				if m["type"] == "Established" && m["status"] == "True" {
-					return nil
-				}
-			}
-			return fmt.Errorf("conditions %v", conds)
-		})
-	}
-	t.Logf("installed the snapshot CRDs of %s@%s: %s", tools.SnapshotClientModule, tools.SnapshotterVersion, strings.Join(names, ", "))
-}
 
 // snapshotVariant renders the chart as the plain YAML is, plus the shared pool, local
 // snapshots and the VolumeSnapshotClasses, which the plain YAML leaves out (they need the CRDs).
@@ -101,7 +48,7 @@ func snapshotVariant(t *testing.T) []*unstructured.Unstructured {
 	}
 	var out []*unstructured.Unstructured
 	for _, d := range docs {
-		objs, err := ParseObjects([]byte(d.YAML))
+		objs, err := cluster.ParseObjects([]byte(d.YAML))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -119,8 +66,8 @@ type snapshotCase struct {
 	snapClass    string
 	node         string // selected node (local driver), "" for an Immediate class
 	poolDir      string
-	snapshotter  *Proc
-	provisioner  *Proc
+	snapshotter  *cluster.Proc
+	provisioner  *cluster.Proc
 }
 
 // testVolumeSnapshot: a VolumeSnapshot of a Bound claim becomes ReadyToUse through the
@@ -128,7 +75,7 @@ type snapshotCase struct {
 // poolcsi lists; a claim with that VolumeSnapshot as dataSource is provisioned by the real
 // csi-provisioner (CreateVolume with a snapshot content source) and Binds; deleting the
 // VolumeSnapshot (deletionPolicy Delete) deletes the snapshot from the pool.
-func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
+func testVolumeSnapshot(t *testing.T, c *cluster.Cluster, sc snapshotCase) {
 	ctx := context.Background()
 	dyn := dynamic.NewForConfigOrDie(c.Config)
 	prefix := strings.ReplaceAll(sc.snapClass, "poolcsi-", "")
@@ -258,7 +205,7 @@ func testVolumeSnapshot(t *testing.T, c *Cluster, sc snapshotCase) {
 // labelled for its node by that node's poolcsi (--claim-local-snapshots), whose
 // csi-snapshotter then makes its VolumeSnapshot ready. Retain: deleting both leaves the
 // snapshot in the pool.
-func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, handle, name string) {
+func testPreProvisionedLocalSnapshot(t *testing.T, c *cluster.Cluster, sc snapshotCase, handle, name string) {
 	ctx := context.Background()
 	dyn := dynamic.NewForConfigOrDie(c.Config)
 	content := &unstructured.Unstructured{Object: map[string]any{
@@ -311,11 +258,11 @@ func testPreProvisionedLocalSnapshot(t *testing.T, c *Cluster, sc snapshotCase, 
 
 // waitSnapshotReady waits for a VolumeSnapshot in default to be ReadyToUse and returns the
 // name of the content it is bound to.
-func waitSnapshotReady(t *testing.T, c *Cluster, name string) string {
+func waitSnapshotReady(t *testing.T, c *cluster.Cluster, name string) string {
 	t.Helper()
 	dyn := dynamic.NewForConfigOrDie(c.Config)
 	var content string
-	waitFor(t, 120*time.Second, "VolumeSnapshot "+name+" ReadyToUse", func() error {
+	cluster.WaitFor(t, 120*time.Second, "VolumeSnapshot "+name+" ReadyToUse", func() error {
 		got, err := dyn.Resource(vsGVR).Namespace("default").Get(context.Background(), name, metav1.GetOptions{})
 		if err != nil {
 			return err
@@ -332,11 +279,11 @@ func waitSnapshotReady(t *testing.T, c *Cluster, name string) string {
 }
 
 // waitSnapshotGone waits for a deleted VolumeSnapshot in default and its content to be gone.
-func waitSnapshotGone(t *testing.T, c *Cluster, name, content string) {
+func waitSnapshotGone(t *testing.T, c *cluster.Cluster, name, content string) {
 	t.Helper()
 	dyn := dynamic.NewForConfigOrDie(c.Config)
 	ctx := context.Background()
-	waitFor(t, 90*time.Second, "VolumeSnapshot "+name+" and content "+content+" gone", func() error {
+	cluster.WaitFor(t, 90*time.Second, "VolumeSnapshot "+name+" and content "+content+" gone", func() error {
 		if _, err := dyn.Resource(vsGVR).Namespace("default").Get(ctx, name, metav1.GetOptions{}); !apierrors.IsNotFound(err) {
 			return fmt.Errorf("VolumeSnapshot still there (%w)", err)
 		}

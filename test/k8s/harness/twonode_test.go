@@ -3,12 +3,9 @@ package harness
 import (
 	"context"
 	"crypto/sha256"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"os"
 	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -21,77 +18,9 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
-
-// The second node's address: kubelet refuses a loopback one, and the nodes share this
-// machine's network namespace, so it is one more address of lo (not a loopback address
-// to kubelet: it is outside 127.0.0.0/8).
-const nodeBIP = "10.250.0.2"
-
-// startNodes starts node-a and node-b, each with its own mount namespace (kubelet's root,
-// pod logs, a local pool and a shares directory of its own), cgroup root, bridge and pod
-// range; both mount the shared pool: the one this machine mounted at sharedPoolPath
-// before, or, if sharedSrc is set, each node its own (sharedSrc[i], bound at
-// sharedPoolPath in the node's namespace). The mount points they need are made here and
-// removed once both nodes are gone.
-func startNodes(t testing.TB, c *Cluster, log *envLog, ip string, images []Image, sharedSrc []string) []*Node {
-	t.Helper()
-	var made []string
-	for _, d := range append([]string{localPoolPath, sharesDir, sharedPoolPath}, ownDirs...) {
-		made = append(made, log.noteMade(t, d)...)
-		if err := os.MkdirAll(d, 0o755); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Runs after both nodes are gone: their mount points are empty here.
-	t.Cleanup(func() {
-		for _, d := range append(append([]string(nil), ownDirs...), localPoolPath, sharesDir) {
-			if err := os.Remove(d); err != nil && !os.IsNotExist(err) {
-				t.Errorf("removing the nodes' mount point %s: %v", d, err)
-			}
-		}
-		for _, d := range made {
-			_ = os.Remove(d)
-		}
-	})
-	if out, err := exec.Command("ip", "addr", "replace", nodeBIP+"/32", "dev", "lo").CombinedOutput(); err != nil {
-		t.Fatalf("ip addr replace %s dev lo: %v %s", nodeBIP, err, out)
-	}
-	t.Cleanup(func() {
-		if out, err := exec.Command("ip", "addr", "del", nodeBIP+"/32", "dev", "lo").CombinedOutput(); err != nil {
-			t.Errorf("ip addr del %s dev lo: %v %s", nodeBIP, err, out)
-		}
-	})
-	prepare := func(t testing.TB, n *Node) {
-		mountPoolFS(t, n, localPoolPath, "xfs", 16<<30)
-		if sharedSrc != nil {
-			n.Run(t, "mount", "--bind", sharedSrc[n.Config.Index], sharedPoolPath)
-			t.Cleanup(func() {
-				if out, err := n.command("umount", "-l", sharedPoolPath).CombinedOutput(); err != nil {
-					t.Errorf("node %s: umount %s: %v %s", n.Name, sharedPoolPath, err, out)
-				}
-			})
-		}
-		// A slave of this machine's mount here (or the node's own); shared as well, for
-		// the node plugin's Bidirectional propagation.
-		n.Run(t, "mount", "--make-shared", sharedPoolPath)
-		own := filepath.Join(n.Dir, "shares")
-		if err := os.Mkdir(own, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		sharedBindMount(t, n, sharesDir, own)
-	}
-	var nodes []*Node
-	for i, addr := range []string{ip, nodeBIP} {
-		name := fmt.Sprintf("node-%c", 'a'+i)
-		nodes = append(nodes, StartNodeWith(t, c, addr, NodeConfig{
-			Name: name, Index: i, OwnMounts: true, Prepare: prepare,
-			CgroupRoot: nodeCgroupPrefix + name, Secondary: i > 0,
-		}, images))
-	}
-	return nodes
-}
 
 // twoNodeLease is the lease timing of the two-node cluster: the production timeline
 // (docs/fencing.md) scaled down, so that a partition test does not wait 90 s for it.
@@ -113,7 +42,7 @@ func TestTwoNodes(t *testing.T) {
 }
 
 func testTwoNodes(t *testing.T, cephFS bool) {
-	env := startEnv(t, envOptions{nodes: 2, cephFS: cephFS, values: map[string]any{
+	env := startEnv(t, cluster.EnvOptions{Nodes: 2, CephFS: cephFS, Values: map[string]any{
 		"fencing": twoNodeLease,
 		// The controller stays on node-a: the partition test cuts node-b off the pool
 		// and the API server, and a controller cut off both would hold its leader lease
@@ -121,7 +50,7 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 		"controller": map[string]any{"nodeSelector": map[string]any{"kubernetes.io/hostname": "node-a"}},
 	}})
 	env.storageClasses(t)
-	nodeA, nodeB := env.nodes[0], env.nodes[1]
+	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
 
 	t.Run("RWO image claim moves to the other node", func(t *testing.T) { env.moveRWO(t) })
 	t.Run("RWX dir claim on both nodes, expanded while in use", func(t *testing.T) { env.rwxTwoNodes(t, !cephFS) })
@@ -153,26 +82,26 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 // the other node when its node is cordoned and the pod deleted, and back when that node is
 // drained while the pod writes: not a line lost or torn.
 func (env *kubeletEnv) moveRWO(t *testing.T) {
-	ns := env.namespace(t, "move")
+	ns := env.Namespace(t, "move")
 	env.statefulSet(t, ns, "db", "shared-ext4", "")
-	from := env.waitPodOn(t, ns, "db-0", "", "")
-	blob := strings.TrimSpace(env.mustExec(t, ns, "db-0", writeBlob))
+	from := env.WaitPodOn(t, ns, "db-0", "", "")
+	blob := strings.TrimSpace(env.MustExec(t, ns, "db-0", writeBlob))
 
 	// Cordon and delete: the StatefulSet brings the pod back on the other node.
 	env.cordon(t, from.Spec.NodeName, true)
-	if err := env.c.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
+	if err := env.Cluster.Client.CoreV1().Pods(ns).Delete(context.Background(), "db-0", metav1.DeleteOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	to := env.waitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
+	to := env.WaitPodOn(t, ns, "db-0", string(from.UID), other(from.Spec.NodeName))
 	env.cordon(t, from.Spec.NodeName, false)
 	if got := sum(t, env, ns, "db-0", "/data/blob"); got != blob {
 		t.Fatalf("after the move from %s to %s: wrote %s, read %s", from.Spec.NodeName, to.Spec.NodeName, blob, got)
 	}
 
 	// kubectl drain while the pod writes: cordon, then evict through the Eviction API.
-	env.mustExec(t, ns, "db-0", "echo "+to.Spec.NodeName+" > /data/writer")
+	env.MustExec(t, ns, "db-0", "echo "+to.Spec.NodeName+" > /data/writer")
 	var before int
-	waitFor(t, 60*time.Second, "the writer's first 2000 lines", func() error {
+	cluster.WaitFor(t, 60*time.Second, "the writer's first 2000 lines", func() error {
 		before = lineCount(t, env, ns, "db-0", "/data/seq")
 		if before < 2000 {
 			return fmt.Errorf("%d lines", before)
@@ -181,7 +110,7 @@ func (env *kubeletEnv) moveRWO(t *testing.T) {
 	})
 	env.cordon(t, to.Spec.NodeName, true)
 	env.evict(t, ns, "db-0")
-	back := env.waitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
+	back := env.WaitPodOn(t, ns, "db-0", string(to.UID), from.Spec.NodeName)
 	env.cordon(t, to.Spec.NodeName, false)
 	n := checkSequence(t, env, ns, "db-0", "/data/seq")
 	if n < before {
@@ -197,13 +126,13 @@ func (env *kubeletEnv) moveRWO(t *testing.T) {
 // rwxTwoNodes: an RWX dir claim mounted on both nodes, written from both, expanded while
 // both use it; quota: the pool enforces dir volume sizes (btrfs quota groups).
 func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
-	nodeA, nodeB := env.nodes[0], env.nodes[1]
-	ns := env.namespace(t, "rwx2")
-	env.claim(t, ns, claimSpec{name: "c", class: "shared-dir", size: "64Mi", rwx: true})
-	env.pod(t, ns, podSpec{name: "a", claims: []string{"c"}, node: nodeA.Name})
-	env.pod(t, ns, podSpec{name: "b", claims: []string{"c"}, node: nodeB.Name})
-	sumA := strings.TrimSpace(env.mustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
-	sumB := strings.TrimSpace(env.mustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
+	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
+	ns := env.Namespace(t, "rwx2")
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "shared-dir", Size: "64Mi", RWX: true})
+	env.Pod(t, ns, cluster.PodSpec{Name: "a", Claims: []string{"c"}, Node: nodeA.Name})
+	env.Pod(t, ns, cluster.PodSpec{Name: "b", Claims: []string{"c"}, Node: nodeB.Name})
+	sumA := strings.TrimSpace(env.MustExec(t, ns, "a", "dd if=/dev/urandom of=/data/a bs=1M count=4 2>/dev/null && sync && md5sum /data/a | cut -d' ' -f1"))
+	sumB := strings.TrimSpace(env.MustExec(t, ns, "b", "dd if=/dev/urandom of=/data/b bs=1M count=4 2>/dev/null && sync && md5sum /data/b | cut -d' ' -f1"))
 	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
 		t.Fatalf("node-a wrote %s, node-b reads %s", sumA, got)
 	}
@@ -213,18 +142,18 @@ func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
 	// 64 MiB is the limit (btrfs quota): 80 MiB more does not fit before the
 	// expansion, and does after it.
 	if quota {
-		if out, err := env.exec(t, ns, "b", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>&1"); err == nil {
+		if out, err := env.Exec(t, ns, "b", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>&1"); err == nil {
 			t.Fatalf("80 MiB written into a 64 MiB dir volume: %s", out)
 		}
-		env.mustExec(t, ns, "b", "rm -f /data/big && sync")
+		env.MustExec(t, ns, "b", "rm -f /data/big && sync")
 	}
-	env.resize(t, ns, "c", "256Mi")
-	env.waitCapacity(t, ns, "c", "256Mi", 120*time.Second)
-	env.mustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
+	env.Resize(t, ns, "c", "256Mi")
+	env.WaitCapacity(t, ns, "c", "256Mi", 120*time.Second)
+	env.MustExec(t, ns, "a", "dd if=/dev/zero of=/data/big bs=1M count=80 conv=fsync 2>/dev/null")
 	if got := sum(t, env, ns, "b", "/data/a"); got != sumA {
 		t.Fatalf("after the expansion node-b reads %s of node-a's file, wrote %s", got, sumA)
 	}
-	if got := strings.TrimSpace(env.mustExec(t, ns, "b", "ls -l /data/big | awk '{print $5}'")); got != strconv.Itoa(80<<20) {
+	if got := strings.TrimSpace(env.MustExec(t, ns, "b", "ls -l /data/big | awk '{print $5}'")); got != strconv.Itoa(80<<20) {
 		t.Fatalf("node-b sees node-a's 80 MiB file as %s bytes", got)
 	}
 }
@@ -232,25 +161,25 @@ func (env *kubeletEnv) rwxTwoNodes(t *testing.T, quota bool) {
 // roxTwoNodes: an image claim written on one node and cloned into a ReadOnlyMany claim is
 // read, bit for bit, by pods on both nodes at once, which cannot write to it.
 func (env *kubeletEnv) roxTwoNodes(t *testing.T) {
-	nodeA, nodeB := env.nodes[0], env.nodes[1]
-	ns := env.namespace(t, "rox2")
-	env.claim(t, ns, claimSpec{name: "src", class: "shared-ext4", size: "64Mi"})
-	env.pod(t, ns, podSpec{name: "writer", claims: []string{"src"}, node: nodeA.Name})
-	blob := strings.TrimSpace(env.mustExec(t, ns, "writer", writeBlob))
-	env.deletePod(t, ns, "writer")
-	env.claim(t, ns, claimSpec{name: "ro", class: "shared-ext4", size: "64Mi", rox: true, clone: "src"})
-	for _, n := range []*Node{nodeA, nodeB} {
+	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
+	ns := env.Namespace(t, "rox2")
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "src", Class: "shared-ext4", Size: "64Mi"})
+	env.Pod(t, ns, cluster.PodSpec{Name: "writer", Claims: []string{"src"}, Node: nodeA.Name})
+	blob := strings.TrimSpace(env.MustExec(t, ns, "writer", writeBlob))
+	env.DeletePod(t, ns, "writer")
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "ro", Class: "shared-ext4", Size: "64Mi", ROX: true, Clone: "src"})
+	for _, n := range []*cluster.Node{nodeA, nodeB} {
 		name := "reader-" + n.Name
-		env.pod(t, ns, podSpec{name: name, claims: []string{"ro"}, readOnly: true, node: n.Name})
+		env.Pod(t, ns, cluster.PodSpec{Name: name, Claims: []string{"ro"}, ReadOnly: true, Node: n.Name})
 		if got := sum(t, env, ns, name, "/data/blob"); got != blob {
 			t.Fatalf("%s reads %s of the ROX claim, %s was written", n.Name, got, blob)
 		}
-		if out, err := env.exec(t, ns, name, "echo x > /data/x"); err == nil {
+		if out, err := env.Exec(t, ns, name, "echo x > /data/x"); err == nil {
 			t.Fatalf("%s wrote to a ReadOnlyMany claim: %s", n.Name, out)
 		}
 	}
 	// Both at once: the first reader still reads, after the second node staged.
-	if got := strings.TrimSpace(env.mustExec(t, ns, "reader-"+nodeA.Name, "echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; md5sum /data/blob | cut -d' ' -f1")); got != blob {
+	if got := strings.TrimSpace(env.MustExec(t, ns, "reader-"+nodeA.Name, "echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; md5sum /data/blob | cut -d' ' -f1")); got != blob {
 		t.Fatalf("%s reads %s of the ROX claim once %s has it too, %s was written", nodeA.Name, got, nodeB.Name, blob)
 	}
 }
@@ -258,33 +187,33 @@ func (env *kubeletEnv) roxTwoNodes(t *testing.T) {
 // localStays: a local claim's volume is on the node of its first pod, and the claim's next
 // pod goes nowhere else (Pending, saying why, while that node is cordoned).
 func (env *kubeletEnv) localStays(t *testing.T) {
-	ns := env.namespace(t, "local2")
-	env.claim(t, ns, claimSpec{name: "c", class: "local-xfs", size: "64Mi"})
-	first := env.pod(t, ns, podSpec{name: "p1", claims: []string{"c"}})
+	ns := env.Namespace(t, "local2")
+	env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "local-xfs", Size: "64Mi"})
+	first := env.Pod(t, ns, cluster.PodSpec{Name: "p1", Claims: []string{"c"}})
 	home := first.Spec.NodeName
-	pv, err := env.c.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.pvc(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
+	pv, err := env.Cluster.Client.CoreV1().PersistentVolumes().Get(context.Background(), env.PVC(t, ns, "c").Spec.VolumeName, metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := pvNodes(pv); len(got) != 1 || got[0] != home {
 		t.Fatalf("PV %s node affinity %v, want the node of its first pod, %s", pv.Name, got, home)
 	}
-	blob := strings.TrimSpace(env.mustExec(t, ns, "p1", writeBlob))
-	env.deletePod(t, ns, "p1")
+	blob := strings.TrimSpace(env.MustExec(t, ns, "p1", writeBlob))
+	env.DeletePod(t, ns, "p1")
 	// Its node cordoned, the claim's next pod has nowhere to go, and says why.
 	env.cordon(t, home, true)
-	if _, err := env.c.Client.CoreV1().Pods(ns).Create(context.Background(), podObject(ns, podSpec{name: "p2", claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
+	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(context.Background(), cluster.PodObject(ns, cluster.PodSpec{Name: "p2", Claims: []string{"c"}}), metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	msg := env.waitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
+	msg := env.WaitEvent(t, ns, "Pod", "p2", "FailedScheduling", 60*time.Second)
 	if !strings.Contains(msg, "didn't match PersistentVolume's node affinity") {
 		t.Errorf("p2's FailedScheduling event does not name the volume's node affinity: %s", msg)
 	}
-	if p := env.getPod(t, ns, "p2"); p.Spec.NodeName != "" {
+	if p := env.GetPod(t, ns, "p2"); p.Spec.NodeName != "" {
 		t.Fatalf("p2 scheduled to %s while its volume's node %s is cordoned", p.Spec.NodeName, home)
 	}
 	env.cordon(t, home, false)
-	second := env.waitRunning(t, ns, "p2")
+	second := env.WaitRunning(t, ns, "p2")
 	if second.Spec.NodeName != home {
 		t.Fatalf("p2 on %s, its volume on %s", second.Spec.NodeName, home)
 	}
@@ -304,7 +233,7 @@ func other(node string) string {
 
 func lineCount(t testing.TB, env *kubeletEnv, ns, pod, path string) int {
 	t.Helper()
-	out, err := env.exec(t, ns, pod, "wc -l < "+path)
+	out, err := env.Exec(t, ns, pod, "wc -l < "+path)
 	if err != nil {
 		return 0
 	}
@@ -316,7 +245,7 @@ func lineCount(t testing.TB, env *kubeletEnv, ns, pod, path string) int {
 // returns how many.
 func checkSequence(t testing.TB, env *kubeletEnv, ns, pod, path string) int {
 	t.Helper()
-	out := env.mustExec(t, ns, pod, "cat "+path)
+	out := env.MustExec(t, ns, pod, "cat "+path)
 	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
 	for i, l := range lines {
 		if l != strconv.Itoa(i) {
@@ -346,7 +275,7 @@ func (e *kubeletEnv) statefulSet(t testing.TB, ns, name, class, node string) {
 	one, grace := int32(1), int64(1)
 	labels := map[string]string{"app": name}
 	mode := corev1.PersistentVolumeFilesystem
-	spec := podObject(ns, podSpec{name: name, node: node}).Spec
+	spec := cluster.PodObject(ns, cluster.PodSpec{Name: name, Node: node}).Spec
 	spec.TerminationGracePeriodSeconds = &grace
 	spec.Containers[0].Command = []string{"sh", "-c", seqWriter}
 	spec.Containers[0].Env = []corev1.EnvVar{{Name: "NODE_NAME", ValueFrom: &corev1.EnvVarSource{
@@ -364,7 +293,7 @@ func (e *kubeletEnv) statefulSet(t testing.TB, ns, name, class, node string) {
 					Resources:   corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: resource.MustParse("200Mi")}},
 				}}},
 		}}
-	if _, err := e.c.Client.AppsV1().StatefulSets(ns).Create(context.Background(), sts, metav1.CreateOptions{}); err != nil {
+	if _, err := e.Cluster.Client.AppsV1().StatefulSets(ns).Create(context.Background(), sts, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -373,42 +302,9 @@ func (e *kubeletEnv) statefulSet(t testing.TB, ns, name, class, node string) {
 func (e *kubeletEnv) scale(t testing.TB, ns, name string, replicas int) {
 	t.Helper()
 	patch := fmt.Sprintf(`{"spec":{"replicas":%d}}`, replicas)
-	if _, err := e.c.Client.AppsV1().StatefulSets(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
+	if _, err := e.Cluster.Client.AppsV1().StatefulSets(ns).Patch(context.Background(), name, types.MergePatchType, []byte(patch), metav1.PatchOptions{}); err != nil {
 		t.Fatal(err)
 	}
-}
-
-func (e *kubeletEnv) getPod(t testing.TB, ns, name string) *corev1.Pod {
-	t.Helper()
-	p, err := e.c.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return p
-}
-
-// waitPodOn waits until the pod is Running and Ready, is not the pod of UID notUID (the
-// one it replaces), and, if node is set, runs there.
-func (e *kubeletEnv) waitPodOn(t testing.TB, ns, name, notUID, node string) *corev1.Pod {
-	t.Helper()
-	var got *corev1.Pod
-	waitFor(t, 240*time.Second, fmt.Sprintf("pod %s/%s Running (on %q)", ns, name, node), func() error {
-		var err error
-		got, err = e.c.Client.CoreV1().Pods(ns).Get(context.Background(), name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		switch {
-		case string(got.UID) == notUID:
-			return fmt.Errorf("still the pod it replaces (on %s, %s)", got.Spec.NodeName, podSummary(got))
-		case got.Status.Phase != corev1.PodRunning || !podReady(got):
-			return fmt.Errorf("on %q: %s%s", got.Spec.NodeName, podSummary(got), e.events(ns, name))
-		case node != "" && got.Spec.NodeName != node:
-			return fmt.Errorf("on %s", got.Spec.NodeName)
-		}
-		return nil
-	})
-	return got
 }
 
 // cordon marks a node (un)schedulable, as kubectl cordon and uncordon do; a node cordoned
@@ -417,7 +313,7 @@ func (e *kubeletEnv) cordon(t testing.TB, node string, on bool) {
 	t.Helper()
 	set := func(on bool) error {
 		patch := fmt.Sprintf(`{"spec":{"unschedulable":%t}}`, on)
-		_, err := e.c.Client.CoreV1().Nodes().Patch(context.Background(), node, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{})
+		_, err := e.Cluster.Client.CoreV1().Nodes().Patch(context.Background(), node, types.StrategicMergePatchType, []byte(patch), metav1.PatchOptions{})
 		return err
 	}
 	if err := set(on); err != nil {
@@ -436,7 +332,7 @@ func (e *kubeletEnv) cordon(t testing.TB, node string, on bool) {
 func (e *kubeletEnv) evict(t testing.TB, ns, name string) {
 	t.Helper()
 	ev := &policyv1.Eviction{ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: ns}}
-	if err := e.c.Client.PolicyV1().Evictions(ns).Evict(context.Background(), ev); err != nil {
+	if err := e.Cluster.Client.PolicyV1().Evictions(ns).Evict(context.Background(), ev); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -445,8 +341,8 @@ func (e *kubeletEnv) evict(t testing.TB, ns, name string) {
 func (e *kubeletEnv) taint(t testing.TB, node, key, value string, on bool) {
 	t.Helper()
 	ctx := context.Background()
-	waitFor(t, 30*time.Second, "taint "+key+" on "+node, func() error {
-		n, err := e.c.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
+	cluster.WaitFor(t, 30*time.Second, "taint "+key+" on "+node, func() error {
+		n, err := e.Cluster.Client.CoreV1().Nodes().Get(ctx, node, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
@@ -460,7 +356,7 @@ func (e *kubeletEnv) taint(t testing.TB, node, key, value string, on bool) {
 			taints = append(taints, corev1.Taint{Key: key, Value: value, Effect: corev1.TaintEffectNoExecute})
 		}
 		n.Spec.Taints = taints
-		_, err = e.c.Client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
+		_, err = e.Cluster.Client.CoreV1().Nodes().Update(ctx, n, metav1.UpdateOptions{})
 		return err
 	})
 }
@@ -468,8 +364,8 @@ func (e *kubeletEnv) taint(t testing.TB, node, key, value string, on bool) {
 // waitNodeReady waits until the node's Ready condition is ready (true) or not.
 func (e *kubeletEnv) waitNodeReady(t testing.TB, node string, ready bool, timeout time.Duration) {
 	t.Helper()
-	waitFor(t, timeout, fmt.Sprintf("node %s Ready=%t", node, ready), func() error {
-		n, err := e.c.Client.CoreV1().Nodes().Get(context.Background(), node, metav1.GetOptions{})
+	cluster.WaitFor(t, timeout, fmt.Sprintf("node %s Ready=%t", node, ready), func() error {
+		n, err := e.Cluster.Client.CoreV1().Nodes().Get(context.Background(), node, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
@@ -496,7 +392,7 @@ func (e *kubeletEnv) driverLog(t testing.TB, node string) string {
 func (e *kubeletEnv) driverLogOf(t testing.TB, node string, previous bool) string {
 	t.Helper()
 	p := e.nodePlugin(t, node)
-	b, err := e.c.Client.CoreV1().Pods(chart.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{Container: "poolcsi", Previous: previous}).DoRaw(context.Background())
+	b, err := e.Cluster.Client.CoreV1().Pods(chart.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{Container: "poolcsi", Previous: previous}).DoRaw(context.Background())
 	if err != nil {
 		t.Fatalf("log of %s (previous %t): %v", p.Name, previous, err)
 	}
@@ -506,7 +402,7 @@ func (e *kubeletEnv) driverLogOf(t testing.TB, node string, previous bool) strin
 // nodePlugin is the shared driver's node plugin pod on node.
 func (e *kubeletEnv) nodePlugin(t testing.TB, node string) *corev1.Pod {
 	t.Helper()
-	pods, err := e.c.Client.CoreV1().Pods(chart.Namespace).List(context.Background(), metav1.ListOptions{
+	pods, err := e.Cluster.Client.CoreV1().Pods(chart.Namespace).List(context.Background(), metav1.ListOptions{
 		LabelSelector: "app.kubernetes.io/component=node", FieldSelector: "spec.nodeName=" + node})
 	if err != nil || len(pods.Items) == 0 {
 		t.Fatalf("the node plugin on %s: %v", node, err)
@@ -527,25 +423,25 @@ func pluginStatus(p *corev1.Pod) (corev1.ContainerStatus, bool) {
 
 // restartNodePlugin SIGKILLs the shared driver's node plugin on n and waits until kubelet
 // (which must run) has started it again: a new container of the same pod.
-func (e *kubeletEnv) restartNodePlugin(t testing.TB, n *Node) {
+func (e *kubeletEnv) restartNodePlugin(t testing.TB, n *cluster.Node) {
 	t.Helper()
 	p := e.nodePlugin(t, n.Name)
 	before, ok := pluginStatus(p)
 	if !ok || before.State.Running == nil {
-		t.Fatalf("the node plugin on %s is not running: %s", n.Name, podSummary(p))
+		t.Fatalf("the node plugin on %s is not running: %s", n.Name, cluster.PodSummary(p))
 	}
 	n.KillContainer(t, strings.TrimPrefix(before.ContainerID, "containerd://"))
-	waitFor(t, 90*time.Second, "the node plugin on "+n.Name+" started again", func() error {
-		p, err := e.c.Client.CoreV1().Pods(chart.Namespace).Get(context.Background(), p.Name, metav1.GetOptions{})
+	cluster.WaitFor(t, 90*time.Second, "the node plugin on "+n.Name+" started again", func() error {
+		p, err := e.Cluster.Client.CoreV1().Pods(chart.Namespace).Get(context.Background(), p.Name, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
 		st, _ := pluginStatus(p)
 		if st.ContainerID == before.ContainerID || st.State.Running == nil {
 			if last := st.LastTerminationState.Terminated; last != nil && last.ContainerID != before.ContainerID {
-				return fmt.Errorf("%s; its last container: %s (exit %d) %s", podSummary(p), last.Reason, last.ExitCode, last.Message)
+				return fmt.Errorf("%s; its last container: %s (exit %d) %s", cluster.PodSummary(p), last.Reason, last.ExitCode, last.Message)
 			}
-			return fmt.Errorf("%s", podSummary(p))
+			return fmt.Errorf("%s", cluster.PodSummary(p))
 		}
 		return nil
 	})
@@ -576,16 +472,16 @@ type takeover struct {
 // failAndTakeOver starts the writer on victim, fails victim with fail, waits until the node
 // is NotReady, taints it out of service, and waits for the pod on survivor; there it
 // reads what the victim left and writes its own data.
-func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor *Node, fail func()) *takeover {
+func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor *cluster.Node, fail func()) *takeover {
 	t.Helper()
-	ns := e.namespace(t, name)
+	ns := e.Namespace(t, name)
 	e.cordon(t, survivor.Name, true)
 	e.statefulSet(t, ns, "w", "shared-ext4", "")
-	first := e.waitPodOn(t, ns, "w-0", "", victim.Name)
+	first := e.WaitPodOn(t, ns, "w-0", "", victim.Name)
 	e.cordon(t, survivor.Name, false)
-	tk := &takeover{ns: ns, pvName: e.pvc(t, ns, "data-w-0").Spec.VolumeName, handle: e.volumeHandle(t, ns, "data-w-0")}
-	e.mustExec(t, ns, "w-0", "echo "+victim.Name+" > /data/writer")
-	waitFor(t, 60*time.Second, "the writer's first 100 lines", func() error {
+	tk := &takeover{ns: ns, pvName: e.PVC(t, ns, "data-w-0").Spec.VolumeName, handle: e.VolumeHandle(t, ns, "data-w-0")}
+	e.MustExec(t, ns, "w-0", "echo "+victim.Name+" > /data/writer")
+	cluster.WaitFor(t, 60*time.Second, "the writer's first 100 lines", func() error {
 		if n := lineCount(t, e, ns, "w-0", "/data/seq"); n < 100 {
 			return fmt.Errorf("%d lines", n)
 		}
@@ -596,30 +492,30 @@ func (e *kubeletEnv) failAndTakeOver(t *testing.T, name string, victim, survivor
 	e.waitNodeReady(t, victim.Name, false, 120*time.Second)
 	notReady := time.Since(start)
 	e.taint(t, victim.Name, outOfService, "nodeshutdown", true)
-	tk.survivor = e.waitPodOn(t, ns, "w-0", string(first.UID), survivor.Name)
+	tk.survivor = e.WaitPodOn(t, ns, "w-0", string(first.UID), survivor.Name)
 	t.Logf("%s: %s NotReady %s after it failed; the pod Running on %s %s after that (taint, pod deleted, force-detach after the lease, attach, stage)",
 		name, victim.Name, notReady.Round(time.Second), survivor.Name, (time.Since(start) - notReady).Round(time.Second))
-	tk.seen = e.mustExec(t, ns, "w-0", "cat /data/seq")
+	tk.seen = e.MustExec(t, ns, "w-0", "cat /data/seq")
 	n := checkSequence(t, e, ns, "w-0", "/data/seq")
 	t.Logf("%s: %d lines of the writer on %s found by %s", name, n, victim.Name, survivor.Name)
 	// No pod of the test writes the sequence any more: what changes it from here on came
 	// from the victim.
-	tk.sum = strings.TrimSpace(e.mustExec(t, ns, "w-0", "echo nobody > /data/writer && dd if=/dev/urandom of=/data/survivor bs=1M count=4 2>/dev/null && sync && md5sum /data/survivor | cut -d' ' -f1"))
+	tk.sum = strings.TrimSpace(e.MustExec(t, ns, "w-0", "echo nobody > /data/writer && dd if=/dev/urandom of=/data/survivor bs=1M count=4 2>/dev/null && sync && md5sum /data/survivor | cut -d' ' -f1"))
 	return tk
 }
 
 // rejoined waits until victim, back, has nothing of the volume left (kubelet unpublished
 // and unstaged what it held), then checks, from a fresh stage of the volume, that it holds
 // exactly what the survivor found and wrote: nothing of the victim's came late.
-func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *Node) {
+func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *cluster.Node) {
 	t.Helper()
 	e.taint(t, victim.Name, outOfService, "", false)
 	e.waitNodeReady(t, victim.Name, true, 120*time.Second)
 	// kubelet's global mount of a CSI volume is named by the SHA-256 of its handle.
 	global := fmt.Sprintf("%x", sha256.Sum256([]byte(tk.handle)))
-	waitFor(t, 180*time.Second, "node "+victim.Name+" letting go of "+tk.pvName, func() error {
+	cluster.WaitFor(t, 180*time.Second, "node "+victim.Name+" letting go of "+tk.pvName, func() error {
 		var left []string
-		for _, m := range victim.MountsUnder(KubeletDir) {
+		for _, m := range victim.MountsUnder(cluster.KubeletDir) {
 			if strings.Contains(m, tk.pvName) || strings.Contains(m, global) {
 				left = append(left, m)
 			}
@@ -636,8 +532,8 @@ func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *Node) {
 	})
 	// A fresh stage reads the volume from the pool, not from the survivor's page cache.
 	e.scale(t, tk.ns, "w", 0)
-	waitFor(t, 120*time.Second, "the StatefulSet scaled to 0", func() error {
-		pods, err := e.c.Client.CoreV1().Pods(tk.ns).List(context.Background(), metav1.ListOptions{})
+	cluster.WaitFor(t, 120*time.Second, "the StatefulSet scaled to 0", func() error {
+		pods, err := e.Cluster.Client.CoreV1().Pods(tk.ns).List(context.Background(), metav1.ListOptions{})
 		if err != nil {
 			return err
 		}
@@ -647,8 +543,8 @@ func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *Node) {
 		return nil
 	})
 	e.scale(t, tk.ns, "w", 1)
-	p := e.waitPodOn(t, tk.ns, "w-0", string(tk.survivor.UID), "")
-	if got := e.mustExec(t, tk.ns, "w-0", "cat /data/seq"); got != tk.seen {
+	p := e.WaitPodOn(t, tk.ns, "w-0", string(tk.survivor.UID), "")
+	if got := e.MustExec(t, tk.ns, "w-0", "cat /data/seq"); got != tk.seen {
 		t.Errorf("/data/seq changed after %s took the volume over: %d bytes then, %d now (a late write of %s's)",
 			tk.survivor.Spec.NodeName, len(tk.seen), len(got), victim.Name)
 	}
@@ -663,13 +559,13 @@ func (e *kubeletEnv) rejoined(t *testing.T, tk *takeover, victim *Node) {
 // tainted out of service; the pod comes up on survivor with the volume. The victim's
 // driver fenced its loop device when its lease ran out, before the controller let the
 // volume go; back, it lets go of its stale stage without writing anything.
-func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *Node) {
+func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *cluster.Node) {
 	var heal func()
-	tk := e.failAndTakeOver(t, "partition", victim, survivor, func() { heal = victim.Partition(t, sharedPoolPath) })
+	tk := e.failAndTakeOver(t, "partition", victim, survivor, func() { heal = victim.Partition(t, cluster.SharedPoolPath) })
 	heal()
 	e.rejoined(t, tk, victim)
 	if log := e.driverLog(t, victim.Name); !strings.Contains(log, "Fencing this node off the pool") {
-		t.Errorf("the node plugin on %s never fenced itself; its log ends:\n%s", victim.Name, tail(log, 20))
+		t.Errorf("the node plugin on %s never fenced itself; its log ends:\n%s", victim.Name, cluster.Tail(log, 20))
 	}
 }
 
@@ -682,14 +578,14 @@ func (e *kubeletEnv) partitionTakeover(t *testing.T, victim, survivor *Node) {
 // must have fenced a device (before the node-local records, the fence found none and the
 // writer wrote on). Healed, the pool is mounted on the node again (and the node plugin
 // that lost its mount restarted, to see it).
-func (e *kubeletEnv) lostPoolTakeover(t *testing.T, victim, survivor *Node, restart bool) {
+func (e *kubeletEnv) lostPoolTakeover(t *testing.T, victim, survivor *cluster.Node, restart bool) {
 	name := "vanish"
 	if restart {
 		name = "vanish-restart"
 	}
 	var healPool, healPartition func()
 	tk := e.failAndTakeOver(t, name, victim, survivor, func() {
-		healPool = victim.Vanish(t, sharedPoolPath)
+		healPool = victim.Vanish(t, cluster.SharedPoolPath)
 		if restart {
 			e.restartNodePlugin(t, victim)
 		}
@@ -706,10 +602,10 @@ func (e *kubeletEnv) lostPoolTakeover(t *testing.T, victim, survivor *Node, rest
 	// one started while the pool was gone.
 	log := e.driverLogOf(t, victim.Name, !restart)
 	if !strings.Contains(log, "Fenced a loop device") {
-		t.Errorf("%s: the node plugin on %s fenced no loop device; its log ends:\n%s", name, victim.Name, tail(log, 20))
+		t.Errorf("%s: the node plugin on %s fenced no loop device; its log ends:\n%s", name, victim.Name, cluster.Tail(log, 20))
 	}
 	if strings.Contains(log, "FENCE FAILED CLOSED") {
-		t.Errorf("%s: the node plugin on %s did not find its devices by its records (it failed closed); its log ends:\n%s", name, victim.Name, tail(log, 20))
+		t.Errorf("%s: the node plugin on %s did not find its devices by its records (it failed closed); its log ends:\n%s", name, victim.Name, cluster.Tail(log, 20))
 	}
 	e.rejoined(t, tk, victim)
 }
@@ -722,14 +618,14 @@ func (e *kubeletEnv) lostPoolTakeover(t *testing.T, victim, survivor *Node, rest
 // Beside it, a pod with a claim of victim's local pool: its volume cannot follow it, so
 // once the taint has deleted it, its replacement is Pending, and says why, until victim is
 // back, where it runs again on what it had written.
-func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
-	local := e.namespace(t, "poweroff-local")
+func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.Node) {
+	local := e.Namespace(t, "poweroff-local")
 	e.cordon(t, survivor.Name, true)
 	e.statefulSet(t, local, "l", "local-xfs", "")
-	first := e.waitPodOn(t, local, "l-0", "", victim.Name)
+	first := e.WaitPodOn(t, local, "l-0", "", victim.Name)
 	e.cordon(t, survivor.Name, false)
-	e.mustExec(t, local, "l-0", "echo "+victim.Name+" > /data/writer")
-	waitFor(t, 60*time.Second, "the local writer's first 100 lines", func() error {
+	e.MustExec(t, local, "l-0", "echo "+victim.Name+" > /data/writer")
+	cluster.WaitFor(t, 60*time.Second, "the local writer's first 100 lines", func() error {
 		if n := lineCount(t, e, local, "l-0", "/data/seq"); n < 100 {
 			return fmt.Errorf("%d lines", n)
 		}
@@ -738,8 +634,8 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
 
 	tk := e.failAndTakeOver(t, "poweroff", victim, survivor, func() { victim.PowerOff(t) })
 	// The taint deleted the local pod too; its replacement has no node to go to.
-	waitFor(t, 60*time.Second, "the local pod replaced", func() error {
-		p, err := e.c.Client.CoreV1().Pods(local).Get(context.Background(), "l-0", metav1.GetOptions{})
+	cluster.WaitFor(t, 60*time.Second, "the local pod replaced", func() error {
+		p, err := e.Cluster.Client.CoreV1().Pods(local).Get(context.Background(), "l-0", metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
@@ -748,20 +644,20 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
 		}
 		return nil
 	})
-	msg := e.waitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
+	msg := e.WaitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
 	for _, want := range []string{"didn't match PersistentVolume's node affinity", "untolerated taint"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("the local pod's FailedScheduling event does not say %q: %s", want, msg)
 		}
 	}
-	if p := e.getPod(t, local, "l-0"); p.Spec.NodeName != "" {
+	if p := e.GetPod(t, local, "l-0"); p.Spec.NodeName != "" {
 		t.Errorf("the local pod was scheduled to %s while its volume's node %s was off", p.Spec.NodeName, victim.Name)
 	}
 	t.Logf("poweroff: the local pod Pending while %s was off: %q", victim.Name, msg)
 
 	victim.PowerOn(t)
 	e.rejoined(t, tk, victim)
-	e.waitPodOn(t, local, "l-0", string(first.UID), victim.Name)
+	e.WaitPodOn(t, local, "l-0", string(first.UID), victim.Name)
 	n := checkSequence(t, e, local, "l-0", "/data/seq")
 	t.Logf("poweroff: the local pod back on %s with its %d lines", victim.Name, n)
 	// The old stage's device was fenced before anything of it could reach the image: by
@@ -772,7 +668,7 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *Node) {
 	if !strings.Contains(victimLog, "Fencing the loop device of a volume this node no longer holds") &&
 		!strings.Contains(victimLog, "was attached on this node before this stage claimed it") &&
 		!strings.Contains(survivorLog, "was attached on this node before this stage claimed it") {
-		t.Errorf("nobody fenced the old stage's device; the log of the node plugin on %s ends:\n%s", victim.Name, tail(victimLog, 20))
+		t.Errorf("nobody fenced the old stage's device; the log of the node plugin on %s ends:\n%s", victim.Name, cluster.Tail(victimLog, 20))
 	}
 }
 
@@ -792,64 +688,4 @@ func imageLoops(handle string) []string {
 		}
 	}
 	return devs
-}
-
-// startCephFS runs test/support/cephfs's one-node Ceph cluster (its command cephfs-up, of the main
-// module: this module does not import it) until the test ends, and returns its two
-// ceph-fuse mounts, one client per node.
-func startCephFS(t testing.TB) [2]string {
-	t.Helper()
-	requireCommands(t, "ceph", "monmaptool", "ceph-mon", "ceph-mgr", "ceph-osd", "ceph-mds", "ceph-fuse")
-	if fi, err := os.Stat("/dev/fuse"); err != nil || fi.Mode()&os.ModeCharDevice == 0 {
-		missing(t, fmt.Sprintf("needs /dev/fuse for the ceph-fuse mounts (%v)", err))
-	}
-	began := time.Now()
-	cmd := exec.Command(goBin(), "run", "./test/support/cephfs/cmd/cephfs-up")
-	cmd.Dir = chart.RepoRoot()
-	cmd.Env = append(os.Environ(), "GOWORK=off")
-	var stderr strings.Builder
-	cmd.Stderr = &stderr
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	// Closing its input tears the cluster down.
-	t.Cleanup(func() {
-		_ = stdin.Close()
-		select {
-		case err := <-done:
-			if err != nil {
-				t.Errorf("cephfs-up: %v\n%s", err, tail(stderr.String(), 20))
-			}
-		case <-time.After(2 * time.Minute):
-			_ = cmd.Process.Kill()
-			t.Errorf("cephfs-up did not stop within 2 min\n%s", tail(stderr.String(), 20))
-		}
-	})
-	ready := make(chan error, 1)
-	var up struct {
-		Mounts    [2]string `json:"mounts"`
-		Bootstrap string    `json:"bootstrap"`
-	}
-	go func() { ready <- json.NewDecoder(stdout).Decode(&up) }()
-	select {
-	case err := <-ready:
-		if err != nil {
-			t.Fatalf("cephfs-up: %v\n%s", err, tail(stderr.String(), 30))
-		}
-	case <-time.After(10 * time.Minute):
-		t.Fatalf("cephfs-up: no cluster after 10 min\n%s", tail(stderr.String(), 30))
-	}
-	t.Logf("CephFS up after %s (bootstrap %s): node-a's client at %s, node-b's at %s",
-		time.Since(began).Round(time.Second), up.Bootstrap, up.Mounts[0], up.Mounts[1])
-	return up.Mounts
 }

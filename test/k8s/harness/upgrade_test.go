@@ -16,7 +16,8 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 	"github.com/poolcsi/poolcsi/test/k8s/tools"
 )
 
@@ -40,7 +41,7 @@ func (p *prevRelease) chartDir() string { return filepath.Join(p.src, "deploy", 
 // values turns this tree's environment values into the earlier chart's: its image, and
 // the share key named by shares.keySecret (shareKey.existingSecret came with 0.2.0).
 func (p *prevRelease) values(v map[string]any) map[string]any {
-	v["image"] = map[string]any{"repository": poolcsiImage, "tag": p.tag()}
+	v["image"] = map[string]any{"repository": cluster.PoolcsiRef, "tag": p.tag()}
 	if sk, ok := v["shareKey"].(map[string]any); ok {
 		delete(v, "shareKey")
 		if sh, ok := v["shares"].(map[string]any); ok {
@@ -48,6 +49,11 @@ func (p *prevRelease) values(v map[string]any) map[string]any {
 		}
 	}
 	return v
+}
+
+// release is the earlier release as an environment installs it.
+func (p *prevRelease) release() *cluster.Release {
+	return &cluster.Release{Tag: p.tag(), Bin: p.bin, ChartDir: p.chartDir(), Values: p.values}
 }
 
 // buildPrev extracts commit from this clone and builds its poolcsi, once per commit.
@@ -69,7 +75,7 @@ func buildPrev(t testing.TB, commit string) *prevRelease {
 	}
 	dir := filepath.Join(cache, "poolcsi-"+full)
 	p := &prevRelease{commit: full, src: filepath.Join(dir, "src"), bin: filepath.Join(dir, "poolcsi")}
-	if fileExists(p.bin) {
+	if cluster.FileExists(p.bin) {
 		return p
 	}
 	tmp := dir + ".tmp"
@@ -82,7 +88,7 @@ func buildPrev(t testing.TB, commit string) *prevRelease {
 	if out, err := archive.CombinedOutput(); err != nil {
 		t.Fatalf("git archive %s: %v\n%s", full, err, out)
 	}
-	cmd := tools.Nice(t.Context(), goBin(), "build", "-o", filepath.Join(tmp, "poolcsi"), "./cmd/poolcsi")
+	cmd := tools.Nice(t.Context(), cluster.GoBin(), "build", "-o", filepath.Join(tmp, "poolcsi"), "./cmd/poolcsi")
 	cmd.Dir = filepath.Join(tmp, "src")
 	cmd.Env = append(os.Environ(), "GOWORK=off", "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
@@ -116,38 +122,38 @@ done`
 func TestUpgrade(t *testing.T) {
 	start := time.Now()
 	prev := buildPrev(t, previousRelease)
-	env := startEnv(t, envOptions{prev: prev})
+	env := startEnv(t, cluster.EnvOptions{Prev: prev.release()})
 	installed := time.Now()
 	ctx := context.Background()
 	env.storageClasses(t)
-	ns := env.namespace(t, "upgrade")
-	claims := []claimSpec{
-		{name: "local", class: "local-xfs", size: "256Mi"},
-		{name: "shared-image", class: "shared-ext4", size: "256Mi"},
-		{name: "shared-dir", class: "shared-dir", size: "256Mi", rwx: true},
+	ns := env.Namespace(t, "upgrade")
+	claims := []cluster.ClaimSpec{
+		{Name: "local", Class: "local-xfs", Size: "256Mi"},
+		{Name: "shared-image", Class: "shared-ext4", Size: "256Mi"},
+		{Name: "shared-dir", Class: "shared-dir", Size: "256Mi", RWX: true},
 	}
 	var names, mounts []string
 	for i, c := range claims {
-		env.claim(t, ns, c)
-		names = append(names, c.name)
+		env.Claim(t, ns, c)
+		names = append(names, c.Name)
 		mounts = append(mounts, mountPath(i))
 	}
-	w := podObject(ns, podSpec{name: "writer", claims: names})
+	w := cluster.PodObject(ns, cluster.PodSpec{Name: "writer", Claims: names})
 	w.Spec.RestartPolicy = corev1.RestartPolicyNever
 	w.Spec.Containers[0].Command = append([]string{"sh", "-c", upgradeWriter, "writer"}, mounts...)
-	if _, err := env.c.Client.CoreV1().Pods(ns).Create(ctx, w, metav1.CreateOptions{}); err != nil {
+	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, w, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	env.waitRunning(t, ns, "writer")
+	env.WaitRunning(t, ns, "writer")
 	counts := func() []int {
 		t.Helper()
 		var n []int
 		for _, m := range mounts {
-			n = append(n, checkCounter(t, env.mustExec(t, ns, "writer", "cat "+m+"/log"), m))
+			n = append(n, checkCounter(t, env.MustExec(t, ns, "writer", "cat "+m+"/log"), m))
 		}
 		return n
 	}
-	waitFor(t, 30*time.Second, "the writer's first records", func() error {
+	cluster.WaitFor(t, 30*time.Second, "the writer's first records", func() error {
 		for _, n := range counts() {
 			if n < 10 {
 				return fmt.Errorf("%d records", n)
@@ -155,19 +161,19 @@ func TestUpgrade(t *testing.T) {
 		}
 		return nil
 	})
-	loopsBefore := sortedKeys(ourLoops(KubeletDir, localPoolPath, sharedPoolPath))
+	loopsBefore := sortedKeys(cluster.OurLoops(cluster.KubeletDir, cluster.LocalPoolPath, cluster.SharedPoolPath))
 	if len(loopsBefore) != 2 {
 		t.Fatalf("loop devices of the image volumes before the upgrade: %v, want 2", loopsBefore)
 	}
 	// The node-local stage record of the shared image volume (docs/fencing.md): 0.1.0
 	// wrote none; the new release must adopt the stage it finds, or its fence would not
 	// know the device.
-	stageRecords := filepath.Join("/var/lib/poolcsi/state", sharedDrv, env.node.Name, "stages",
-		env.volumeHandle(t, ns, "shared-image")+"@*.json")
+	stageRecords := filepath.Join("/var/lib/poolcsi/state", cluster.SharedDriver, env.Node.Name, "stages",
+		env.VolumeHandle(t, ns, "shared-image")+"@*.json")
 	if recs, _ := filepath.Glob(stageRecords); len(recs) > 0 {
 		t.Fatalf("stage records before the upgrade, which 0.1.0 does not write: %v", recs)
 	}
-	nodeBefore, err := env.nodePodName(t)
+	nodeBefore, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -177,11 +183,11 @@ func TestUpgrade(t *testing.T) {
 	// helm upgrade: the new chart's objects applied over the old ones, and what only the
 	// old release had deleted.
 	up := time.Now()
-	oldDocs, err := chart.Render(prev.chartDir(), "", prev.values(env.overrides()))
+	oldDocs, err := chart.Render(prev.chartDir(), "", prev.values(env.Overrides()))
 	if err != nil {
 		t.Fatal(err)
 	}
-	newDocs, err := chart.Render(chart.ChartDir(), "", env.overrides())
+	newDocs, err := chart.Render(chart.ChartDir(), "", env.Overrides())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -189,20 +195,20 @@ func TestUpgrade(t *testing.T) {
 		t.Logf("upgrade: deleting %s %s, which the new chart no longer has", o.GetKind(), o.GetName())
 		env.deleteObject(t, o)
 	}
-	env.applyChart(t, newDocs)
-	env.waitRolledOut(t, poolcsiImage+":"+poolcsiTag)
-	nodeAfter, err := env.nodePodName(t)
+	env.ApplyChart(t, newDocs)
+	env.waitRolledOut(t, cluster.PoolcsiRef+":"+cluster.PoolcsiTag)
+	nodeAfter, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if nodeAfter == nodeBefore {
 		t.Fatalf("the node plugin's pod %s was not replaced", nodeAfter)
 	}
-	t.Logf("upgraded: every pod of the release runs %s:%s after %s", poolcsiImage, poolcsiTag, time.Since(up).Round(time.Second))
+	t.Logf("upgraded: every pod of the release runs %s:%s after %s", cluster.PoolcsiRef, cluster.PoolcsiTag, time.Since(up).Round(time.Second))
 
 	// No write failed, and the writes go on past the upgrade.
 	after := counts()
-	waitFor(t, 30*time.Second, "writes after the upgrade", func() error {
+	cluster.WaitFor(t, 30*time.Second, "writes after the upgrade", func() error {
 		now := counts()
 		for i := range now {
 			if now[i] <= after[i]+10 {
@@ -211,19 +217,19 @@ func TestUpgrade(t *testing.T) {
 		}
 		return nil
 	})
-	p, err := env.c.Client.CoreV1().Pods(ns).Get(ctx, "writer", metav1.GetOptions{})
+	p, err := env.Cluster.Client.CoreV1().Pods(ns).Get(ctx, "writer", metav1.GetOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if p.Status.Phase != corev1.PodRunning || len(p.Status.ContainerStatuses) != 1 || p.Status.ContainerStatuses[0].RestartCount != 0 ||
 		p.Status.ContainerStatuses[0].State.Running == nil {
-		t.Fatalf("the writer did not run through the upgrade: %s", podSummary(p))
+		t.Fatalf("the writer did not run through the upgrade: %s", cluster.PodSummary(p))
 	}
 	// Every stage kept: the same loop devices serve the image volumes.
-	if after := sortedKeys(ourLoops(KubeletDir, localPoolPath, sharedPoolPath)); strings.Join(after, " ") != strings.Join(loopsBefore, " ") {
+	if after := sortedKeys(cluster.OurLoops(cluster.KubeletDir, cluster.LocalPoolPath, cluster.SharedPoolPath)); strings.Join(after, " ") != strings.Join(loopsBefore, " ") {
 		t.Fatalf("loop devices of the image volumes: %v before the upgrade, %v after", loopsBefore, after)
 	}
-	waitFor(t, 30*time.Second, "the new release's record of the stage it adopted", func() error {
+	cluster.WaitFor(t, 30*time.Second, "the new release's record of the stage it adopted", func() error {
 		if recs, _ := filepath.Glob(stageRecords); len(recs) != 1 {
 			return fmt.Errorf("%s: %v", stageRecords, recs)
 		}
@@ -231,31 +237,31 @@ func TestUpgrade(t *testing.T) {
 	})
 	// Every volume still served: a new pod mounts each (a publish by the new release over
 	// the old one's stage) and reads what the writer wrote.
-	env.pod(t, ns, podSpec{name: "reader", claims: names})
+	env.Pod(t, ns, cluster.PodSpec{Name: "reader", Claims: names})
 	for _, m := range mounts {
-		checkCounter(t, env.mustExec(t, ns, "reader", "cat "+m+"/log"), m)
+		checkCounter(t, env.MustExec(t, ns, "reader", "cat "+m+"/log"), m)
 	}
 	// The records of both pools read by the new release.
-	for _, pool := range []string{localPoolPath, sharedPoolPath} {
-		if out, err := exec.Command(env.poolcsi, "pool", "check", "--path", pool).CombinedOutput(); err != nil {
+	for _, pool := range []string{cluster.LocalPoolPath, cluster.SharedPoolPath} {
+		if out, err := exec.Command(env.Poolcsi, "pool", "check", "--path", pool).CombinedOutput(); err != nil {
 			t.Fatalf("poolcsi pool check --path %s: %v\n%s", pool, err, out)
 		}
 	}
 	for _, c := range []string{"poolcsi", "poolcsi-local"} {
-		if out, err := env.execIn(t, chart.Namespace, nodeAfter, c, "poolcsi", "status"); err != nil {
+		if out, err := env.ExecIn(t, chart.Namespace, nodeAfter, c, "poolcsi", "status"); err != nil {
 			t.Fatalf("poolcsi status in %s/%s: %v\n%s", nodeAfter, c, err, out)
 		}
 	}
 	// The new release unpublishes, unstages and deletes the old one's volumes.
-	env.deletePod(t, ns, "reader")
-	env.deletePod(t, ns, "writer")
+	env.DeletePod(t, ns, "reader")
+	env.DeletePod(t, ns, "writer")
 	for _, c := range claims {
-		if err := env.c.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, c.name, metav1.DeleteOptions{}); err != nil {
+		if err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Delete(ctx, c.Name, metav1.DeleteOptions{}); err != nil {
 			t.Fatal(err)
 		}
 	}
-	waitFor(t, 120*time.Second, "every PV deleted", func() error {
-		pvs, err := env.c.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
+	cluster.WaitFor(t, 120*time.Second, "every PV deleted", func() error {
+		pvs, err := env.Cluster.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return err
 		}
@@ -264,7 +270,7 @@ func TestUpgrade(t *testing.T) {
 		}
 		return nil
 	})
-	if left := ourLoops(KubeletDir, localPoolPath, sharedPoolPath); len(left) > 0 {
+	if left := cluster.OurLoops(cluster.KubeletDir, cluster.LocalPoolPath, cluster.SharedPoolPath); len(left) > 0 {
 		t.Fatalf("loop devices left after the volumes were deleted: %v", left)
 	}
 	t.Logf("upgrade test: %s in all, %s of it after the install", time.Since(start).Round(time.Second), time.Since(installed).Round(time.Second))
@@ -312,7 +318,7 @@ func droppedObjects(t testing.TB, old, new []chart.Doc) []*unstructured.Unstruct
 	parse := func(docs []chart.Doc) []*unstructured.Unstructured {
 		var all []*unstructured.Unstructured
 		for _, d := range docs {
-			objs, err := ParseObjects([]byte(d.YAML))
+			objs, err := cluster.ParseObjects([]byte(d.YAML))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -336,10 +342,10 @@ func droppedObjects(t testing.TB, old, new []chart.Doc) []*unstructured.Unstruct
 // deleteObject deletes one object of the release.
 func (e *kubeletEnv) deleteObject(t testing.TB, o *unstructured.Unstructured) {
 	t.Helper()
-	if o.GetNamespace() == "" && isNamespaced(o) {
+	if o.GetNamespace() == "" && cluster.IsNamespaced(o) {
 		o.SetNamespace(chart.Namespace)
 	}
-	if err := e.c.Applier().Delete(context.Background(), o); err != nil {
+	if err := e.Cluster.Applier().Delete(context.Background(), o); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -349,12 +355,12 @@ func (e *kubeletEnv) deleteObject(t testing.TB, o *unstructured.Unstructured) {
 func (e *kubeletEnv) waitRolledOut(t testing.TB, image string) {
 	t.Helper()
 	ctx := context.Background()
-	waitFor(t, 240*time.Second, "the release's pods replaced by "+image, func() error {
-		pods, err := e.c.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{})
+	cluster.WaitFor(t, 240*time.Second, "the release's pods replaced by "+image, func() error {
+		pods, err := e.Cluster.Client.CoreV1().Pods(chart.Namespace).List(ctx, metav1.ListOptions{})
 		if err != nil {
 			return err
 		}
-		want := 2 + len(e.nodes)
+		want := 2 + len(e.Nodes)
 		if len(pods.Items) != want {
 			return fmt.Errorf("%d pods, want %d", len(pods.Items), want)
 		}
@@ -363,15 +369,15 @@ func (e *kubeletEnv) waitRolledOut(t testing.TB, image string) {
 				return fmt.Errorf("pod %s terminating", p.Name)
 			}
 			for _, c := range p.Spec.Containers {
-				if strings.HasPrefix(c.Image, poolcsiImage+":") && c.Image != image {
+				if strings.HasPrefix(c.Image, cluster.PoolcsiRef+":") && c.Image != image {
 					return fmt.Errorf("pod %s container %s runs %s", p.Name, c.Name, c.Image)
 				}
 			}
-			if !podReady(&p) {
-				return fmt.Errorf("pod %s not ready: %s", p.Name, podSummary(&p))
+			if !cluster.PodReady(&p) {
+				return fmt.Errorf("pod %s not ready: %s", p.Name, cluster.PodSummary(&p))
 			}
 		}
 		return nil
 	})
-	e.waitChartReady(t)
+	e.WaitChartReady(t)
 }

@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"os"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 )
 
 func main() {
