@@ -8,6 +8,9 @@ import (
 	"strings"
 	"testing"
 
+	render "github.com/poolcsi/poolcsi/hack/release/chart"
+
+	"helm.sh/helm/v3/pkg/chart/loader"
 	"helm.sh/helm/v3/pkg/chartutil"
 	admissionv1 "k8s.io/api/admissionregistration/v1"
 	rbacv1 "k8s.io/api/rbac/v1"
@@ -36,13 +39,13 @@ var centralObjects = []string{
 	"ValidatingAdmissionPolicyBinding/poolcsi-node-scope",
 }
 
-func renderMap(t *testing.T, overrides map[string]any) map[string]Doc {
+func renderMap(t *testing.T, overrides map[string]any) map[string]render.Doc {
 	t.Helper()
-	docs, err := Render(ChartDir(), "", overrides)
+	docs, err := render.Render(render.ChartDir(), "", overrides)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := map[string]Doc{}
+	m := map[string]render.Doc{}
 	for _, d := range docs {
 		m[d.Kind+"/"+d.Name] = d
 	}
@@ -53,15 +56,15 @@ func renderMap(t *testing.T, overrides map[string]any) map[string]Doc {
 // byte for byte as before it existed (deploy/kubernetes/poolcsi.yaml is checked by
 // TestRenderedYAMLMatchesChart), and nothing of the channel.
 func TestLocalControllerOff(t *testing.T) {
-	def, err := Render(ChartDir(), RenderedValues(), nil)
+	def, err := render.Render(render.ChartDir(), render.RenderedValues(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	off, err := Render(ChartDir(), RenderedValues(), map[string]any{"localController": map[string]any{"central": false}})
+	off, err := render.Render(render.ChartDir(), render.RenderedValues(), map[string]any{"localController": map[string]any{"central": false}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(Join(def), Join(off)) {
+	if !bytes.Equal(render.Join(def), render.Join(off)) {
 		t.Error("localController.central=false renders otherwise than the defaults")
 	}
 	for _, d := range off {
@@ -102,7 +105,7 @@ func TestLocalControllerCentral(t *testing.T) {
 
 	// No local pool: no local driver, nothing for its controller.
 	noLocal := withSharedPool(centralValues())
-	noLocal["pools"] = map[string]any{"local": []any{}, "shared": SharedPoolValues()["pools"].(map[string]any)["shared"]}
+	noLocal["pools"] = map[string]any{"local": []any{}, "shared": render.SharedPoolValues()["pools"].(map[string]any)["shared"]}
 	for k := range renderMap(t, noLocal) {
 		if slices.Contains(centralObjects, k) {
 			t.Errorf("without a local pool: %s", k)
@@ -226,7 +229,7 @@ func TestLocalControllerCentral(t *testing.T) {
 		if vap.Spec.FailurePolicy == nil || *vap.Spec.FailurePolicy != admissionv1.Fail {
 			t.Errorf("failurePolicy %v, want Fail", vap.Spec.FailurePolicy)
 		}
-		wantUser := `request.userInfo.username == "system:serviceaccount:` + Namespace + `:` + nodeSA + `"`
+		wantUser := `request.userInfo.username == "system:serviceaccount:` + render.Namespace + `:` + nodeSA + `"`
 		if len(vap.Spec.MatchConditions) != 1 || vap.Spec.MatchConditions[0].Expression != wantUser {
 			t.Errorf("matchConditions %+v, want %s (the DaemonSet's account)", vap.Spec.MatchConditions, wantUser)
 		}
@@ -252,7 +255,7 @@ func TestLocalControllerCentral(t *testing.T) {
 		if b.Spec.PolicyName != vap.Name || !slices.Equal(b.Spec.ValidationActions, []admissionv1.ValidationAction{admissionv1.Deny}) {
 			t.Errorf("binding %+v", b.Spec)
 		}
-		if sel := b.Spec.MatchResources.NamespaceSelector; sel == nil || sel.MatchLabels["kubernetes.io/metadata.name"] != Namespace {
+		if sel := b.Spec.MatchResources.NamespaceSelector; sel == nil || sel.MatchLabels["kubernetes.io/metadata.name"] != render.Namespace {
 			t.Errorf("the binding is not the release namespace's: %+v", b.Spec.MatchResources)
 		}
 	})
@@ -261,7 +264,7 @@ func TestLocalControllerCentral(t *testing.T) {
 // TestKubeVersion: the chart needs 1.32, where a pod-bound token names its node
 // (ServiceAccountTokenPodNodeInfo GA), which the per-node policy reads.
 func TestKubeVersion(t *testing.T) {
-	ch, _, err := renderFiles(ChartDir(), "", nil)
+	ch, err := loader.Load(render.ChartDir())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,7 +275,7 @@ func TestKubeVersion(t *testing.T) {
 	}
 }
 
-func strict(t *testing.T, d Doc, into any) {
+func strict(t *testing.T, d render.Doc, into any) {
 	t.Helper()
 	if d.YAML == "" {
 		t.Fatalf("not rendered")
@@ -282,7 +285,7 @@ func strict(t *testing.T, d Doc, into any) {
 	}
 }
 
-func decodeCRD(t *testing.T, d Doc) *apiextensionsv1.CustomResourceDefinition {
+func decodeCRD(t *testing.T, d render.Doc) *apiextensionsv1.CustomResourceDefinition {
 	t.Helper()
 	var crd apiextensionsv1.CustomResourceDefinition
 	strict(t, d, &crd)
@@ -324,7 +327,7 @@ func checkFields(t *testing.T, where string, s apiextensionsv1.JSONSchemaProps, 
 	}
 }
 
-func decodeRole(t *testing.T, d Doc) *rbacv1.Role {
+func decodeRole(t *testing.T, d render.Doc) *rbacv1.Role {
 	t.Helper()
 	var r rbacv1.Role
 	strict(t, d, &r)
@@ -345,19 +348,19 @@ func poolcsiRules(rules []rbacv1.PolicyRule) map[string][]string {
 	return m
 }
 
-func checkBinding(t *testing.T, d Doc, kind, role, sa string) {
+func checkBinding(t *testing.T, d render.Doc, kind, role, sa string) {
 	t.Helper()
 	var b rbacv1.RoleBinding // a ClusterRoleBinding has the same fields
 	if err := yaml.Unmarshal([]byte(d.YAML), &b); err != nil {
 		t.Fatal(err)
 	}
 	if b.RoleRef.Kind != kind || b.RoleRef.Name != role || len(b.Subjects) != 1 ||
-		b.Subjects[0].Kind != "ServiceAccount" || b.Subjects[0].Name != sa || b.Subjects[0].Namespace != Namespace {
-		t.Errorf("%s/%s binds %+v to %+v, want %s %s to ServiceAccount %s/%s", d.Kind, d.Name, b.RoleRef, b.Subjects, kind, role, Namespace, sa)
+		b.Subjects[0].Kind != "ServiceAccount" || b.Subjects[0].Name != sa || b.Subjects[0].Namespace != render.Namespace {
+		t.Errorf("%s/%s binds %+v to %+v, want %s %s to ServiceAccount %s/%s", d.Kind, d.Name, b.RoleRef, b.Subjects, kind, role, render.Namespace, sa)
 	}
 }
 
-func daemonSetAccount(t *testing.T, d Doc) string {
+func daemonSetAccount(t *testing.T, d render.Doc) string {
 	t.Helper()
 	var ds struct {
 		Spec struct {

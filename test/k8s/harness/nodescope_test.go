@@ -18,7 +18,8 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/rest"
 
-	"github.com/poolcsi/poolcsi/test/k8s/chart"
+	"github.com/poolcsi/poolcsi/hack/release/chart"
+	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
 
 // The channel's resources (deploy/helm/poolcsi/templates/nodecall.yaml).
@@ -44,7 +45,7 @@ const nodeNameExtra = "authentication.kubernetes.io/node-name"
 func TestNodeScope(t *testing.T) {
 	start := time.Now()
 	ctx := context.Background()
-	c := StartCluster(t, t.TempDir())
+	c := cluster.StartCluster(t, t.TempDir())
 	t.Logf("control plane up after %s", time.Since(start).Round(time.Second))
 
 	docs, err := chart.Render(chart.ChartDir(), "", map[string]any{"localController": map[string]any{"central": true}})
@@ -62,7 +63,7 @@ func TestNodeScope(t *testing.T) {
 		case "DaemonSet", "Deployment", "CSIDriver": // no node runs them here
 			continue
 		}
-		objs, err := ParseObjects([]byte(d.YAML))
+		objs, err := cluster.ParseObjects([]byte(d.YAML))
 		if err != nil {
 			t.Fatal(err)
 		}
