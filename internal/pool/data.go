@@ -46,7 +46,7 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 	if v.State != StateCreating {
 		return 0, fmt.Errorf("volume %s is %s, not creating: refusing to remake its data", id, v.State)
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := p.files().checkDir(volumeRel(id)); err != nil {
 		return 0, err
 	}
 	data := p.DataPath(id)

@@ -50,7 +50,7 @@ const StaleCreate = time.Hour
 // reads; removing anything is the operator's decision.
 func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 	dir := filepath.Join(p.cfg.Path, volumesDir)
-	des, err := p.readDir(volumesDir)
+	des, err := p.files().readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("list pool %s: %w", p.cfg.Name, err)
 	}
@@ -83,7 +83,7 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 	out = append(out, p.trashLeftovers(now)...)
 	out = append(out, p.damagedFiles()...)
 	sdir := filepath.Join(p.cfg.Path, snapshotsDir)
-	if sdes, err := p.readDir(snapshotsDir); err == nil {
+	if sdes, err := p.files().readDir(snapshotsDir); err == nil {
 		for _, de := range sdes {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
 				out = append(out, tempLeftovers(filepath.Join(sdir, de.Name()))...)
@@ -123,7 +123,7 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 			}
 		}
 	}
-	des, err := p.readDir(freezeDir)
+	des, err := p.files().readDir(freezeDir)
 	if err != nil {
 		if !missing(err) {
 			out = append(out, Leftover{filepath.Join(p.cfg.Path, freezeDir), "damaged: " + err.Error()})
@@ -174,7 +174,7 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 	var out []Leftover
 	gdir := filepath.Join(p.cfg.Path, groupsDir)
-	des, err := p.readDir(groupsDir)
+	des, err := p.files().readDir(groupsDir)
 	if err != nil && !missing(err) {
 		return []Leftover{{gdir, "damaged: " + err.Error()}}
 	}
@@ -258,12 +258,12 @@ func (p *Pool) damagedFiles() []Leftover {
 	check(ledgerFile, maxLedger)
 	check(reserveFile, reserveBytes)
 	check(filepath.Join(quotaIDsDir, quotaIndexDone), maxMarker)
-	if kinds, err := p.readDir(quotaIDsDir); err == nil {
+	if kinds, err := p.files().readDir(quotaIDsDir); err == nil {
 		for _, k := range kinds {
 			if !k.IsDir() {
 				continue
 			}
-			claims, err := p.readDir(filepath.Join(quotaIDsDir, k.Name()))
+			claims, err := p.files().readDir(filepath.Join(quotaIDsDir, k.Name()))
 			if err != nil {
 				out = append(out, Leftover{filepath.Join(p.cfg.Path, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
 			}
@@ -281,7 +281,7 @@ func (p *Pool) damagedFiles() []Leftover {
 		{snapshotsDir, map[string]int64{snapshotMetaFile: maxSnapshotMeta}},
 		{groupsDir, map[string]int64{groupMetaFile: maxGroupMeta}},
 	} {
-		des, _ := p.readDir(kind.dir)
+		des, _ := p.files().readDir(kind.dir)
 		for _, de := range des {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
 				for name, max := range kind.files {
@@ -290,12 +290,12 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 		}
 	}
-	if leases, err := p.readDir(leasesDir); err == nil {
+	if leases, err := p.files().readDir(leasesDir); err == nil {
 		for _, de := range leases {
 			check(filepath.Join(leasesDir, de.Name()), maxLease)
 		}
 	}
-	des, err := p.readDir(nodesDir)
+	des, err := p.files().readDir(nodesDir)
 	if err != nil && !missing(err) {
 		out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir), "damaged: " + err.Error()})
 	}
@@ -309,7 +309,7 @@ func (p *Pool) damagedFiles() []Leftover {
 		case name == publishIndexDone:
 			check(filepath.Join(nodesDir, name), maxMarker)
 		case strings.HasSuffix(name, publishedSuffix):
-			marks, err := p.readDir(filepath.Join(nodesDir, name))
+			marks, err := p.files().readDir(filepath.Join(nodesDir, name))
 			if err != nil {
 				out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir, name), "damaged: " + err.Error()})
 			}
@@ -328,7 +328,7 @@ const trashGrace = 10 * time.Minute
 
 // trashLeftovers lists what interrupted deletes left in the pool's trash.
 func (p *Pool) trashLeftovers(now time.Time) []Leftover {
-	des, err := p.readDir(trashDir)
+	des, err := p.files().readDir(trashDir)
 	if err != nil {
 		return nil
 	}

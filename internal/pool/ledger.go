@@ -211,7 +211,7 @@ func (p *Pool) stamps() (vols, snaps dirStamp, err error) {
 // one ErrCorrupt, an outdated one errLedgerStale.
 func (p *Pool) readLedger() (ledger, error) {
 	var l ledger
-	raw, err := p.readBeneath(ledgerFile, maxLedger)
+	raw, err := p.files().readBeneath(ledgerFile, maxLedger)
 	if err != nil {
 		return l, fmt.Errorf("read %s: %w", ledgerFile, err)
 	}
@@ -266,7 +266,7 @@ func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	if err != nil {
 		return err
 	}
-	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
+	if err := p.files().writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
 		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
 	}
 	p.seenLedger(l.Seq)

@@ -111,7 +111,7 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 				t.Fatal(err)
 			}
 			v, _ := p.Load(p.NewID("a"))
-			if _, _, err := p.toTrash(volumesDir, p.NewID("a").Key, "v-"); err != nil {
+			if _, _, err := p.files().toTrash(volumesDir, p.NewID("a").Key, "v-"); err != nil {
 				t.Fatal(err)
 			}
 			if err := tx.apply(func(l *ledger) { l.Volumes--; l.ProvisionedBytes -= v.CapacityBytes }); err != nil {
@@ -359,7 +359,7 @@ func TestQuotaIDClaims(t *testing.T) {
 		if err := os.MkdirAll(p.Dir(id), 0o750); err != nil {
 			t.Fatal(err)
 		}
-		if err := p.touch(volumeRel(id, lockFile)); err != nil {
+		if err := p.files().touch(volumeRel(id, lockFile)); err != nil {
 			t.Fatal(err)
 		}
 	}

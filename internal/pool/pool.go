@@ -219,7 +219,7 @@ type poolInfo struct {
 func (p *Pool) readMeta() error {
 	var info poolInfo
 	metaPath := filepath.Join(p.cfg.Path, poolMeta)
-	raw, err := p.readBeneath(poolMeta, maxPoolMeta)
+	raw, err := p.files().readBeneath(poolMeta, maxPoolMeta)
 	switch {
 	case missing(err):
 		return err
@@ -262,7 +262,7 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, Share: p.cfg.Share})
-		if err := p.writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
+		if err := p.files().writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
 			return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, metaPath, err)
 		}
 		return nil
@@ -374,14 +374,14 @@ func (p *Pool) loadListed(t *fsx.Tree, id VolumeID) (Entry, bool) {
 func (p *Pool) imageStatIn(t *fsx.Tree, id VolumeID) *imageStat {
 	st, err := t.Stat(volumeRel(id, imageFile), false)
 	if err != nil {
-		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(p.classify(err)))}
+		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(p.files().classify(err)))}
 	}
 	return &imageStat{size: st.Size, allocated: st.Blocks * 512}
 }
 
 // List returns the pool's volumes sorted by ID.
 func (p *Pool) List() ([]Entry, error) {
-	des, err := p.readDir(volumesDir)
+	des, err := p.files().readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}

@@ -66,7 +66,7 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 	if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
 		return false, fmt.Errorf("pool %s: claim quota ID %d: %w", p.cfg.Name, qid, err)
 	}
-	if err := p.checkDir(dir); err != nil {
+	if err := p.files().checkDir(dir); err != nil {
 		return false, err
 	}
 	rel := quotaClaimRel(kind, qid)
@@ -74,7 +74,7 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 	if err != nil || claimed {
 		return claimed, err
 	}
-	owner, err := p.readBeneath(rel, maxQuotaClaim)
+	owner, err := p.files().readBeneath(rel, maxQuotaClaim)
 	if err != nil {
 		// Unreadable (a link, a FIFO, garbage a node left): it is not known
 		// to be free, so it is not taken; pool check names it.
@@ -90,11 +90,11 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 		return false, err
 	}
 	defer unlock()
-	owner, err = p.readBeneath(rel, maxQuotaClaim)
+	owner, err = p.files().readBeneath(rel, maxQuotaClaim)
 	if err != nil || !keyRE.MatchString(string(owner)) || !p.staleClaim(kind, p.IDOf(string(owner)), qid) {
 		return string(owner) == vol.Key, nil
 	}
-	if err := p.writeBeneath(rel, []byte(vol.Key), true); err != nil {
+	if err := p.files().writeBeneath(rel, []byte(vol.Key), true); err != nil {
 		return false, fmt.Errorf("pool %s: take over stale quota ID %d: %w", p.cfg.Name, qid, err)
 	}
 	return true, nil
@@ -103,7 +103,7 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 // createClaim makes the claim file rel holding key (with durable, made to
 // survive a crash before it returns) if it does not exist; false if it does.
 func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
-	f, err := p.openBeneath(rel, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL)
+	f, err := p.files().openBeneath(rel, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL)
 	if errors.Is(err, os.ErrExist) {
 		return false, nil
 	}
@@ -152,7 +152,7 @@ func (p *Pool) releaseQuotaID(kind string, qid uint64, key string) {
 		return
 	}
 	rel := quotaClaimRel(kind, qid)
-	if owner, err := p.readBeneath(rel, maxQuotaClaim); err == nil && string(owner) == key {
+	if owner, err := p.files().readBeneath(rel, maxQuotaClaim); err == nil && string(owner) == key {
 		_ = os.Remove(filepath.Join(p.cfg.Path, rel))
 	}
 }
@@ -165,7 +165,7 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 		return nil
 	}
 	done := filepath.Join(quotaIDsDir, quotaIndexDone)
-	if _, err := p.readBeneath(done, maxMarker); err == nil {
+	if _, err := p.files().readBeneath(done, maxMarker); err == nil {
 		p.quotaIndexed.Store(true)
 		return nil
 	}
@@ -174,7 +174,7 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 		return err
 	}
 	defer unlock()
-	if _, err := p.readBeneath(done, maxMarker); err == nil {
+	if _, err := p.files().readBeneath(done, maxMarker); err == nil {
 		p.quotaIndexed.Store(true)
 		return nil
 	}
@@ -192,7 +192,7 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 		if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
 			return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
 		}
-		if err := p.checkDir(dir); err != nil {
+		if err := p.files().checkDir(dir); err != nil {
 			return err
 		}
 		// Added, never replaced: a duplicate (two volumes an older version
@@ -211,7 +211,7 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 	if err := os.MkdirAll(filepath.Join(p.cfg.Path, quotaIDsDir), 0o750); err != nil {
 		return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
 	}
-	if err := p.writeBeneath(done, []byte("1\n"), true); err != nil {
+	if err := p.files().writeBeneath(done, []byte("1\n"), true); err != nil {
 		return err
 	}
 	p.quotaIndexed.Store(true)

@@ -177,7 +177,7 @@ func (ss Snapshots) DataPath(id SnapshotID) string {
 // Load reads snapshot.json; a missing snapshot is ErrNotFound.
 func (ss Snapshots) Load(id SnapshotID) (*Snapshot, error) {
 	path := filepath.Join(ss.Dir(id), snapshotMetaFile)
-	raw, err := ss.p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
+	raw, err := ss.p.files().readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, notFound(err))
 	}
@@ -210,7 +210,7 @@ func (ss Snapshots) save(s *Snapshot) error {
 	if err != nil {
 		return err
 	}
-	if err := ss.p.checkDir(snapshotRel(id)); err != nil {
+	if err := ss.p.files().checkDir(snapshotRel(id)); err != nil {
 		return err
 	}
 	s.SchemaVersion = SnapshotSchemaVersion
@@ -218,7 +218,7 @@ func (ss Snapshots) save(s *Snapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
 	}
-	return ss.p.writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
+	return ss.p.files().writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
 }
 
 // SnapshotEntry is one listed snapshot, or the error that kept it from loading.
@@ -242,7 +242,7 @@ func (ss Snapshots) loadListed(id SnapshotID) (SnapshotEntry, bool) {
 
 // List returns the pool's snapshots sorted by ID.
 func (ss Snapshots) List() ([]SnapshotEntry, error) {
-	des, err := ss.p.readDir(snapshotsDir)
+	des, err := ss.p.files().readDir(snapshotsDir)
 	if missing(err) {
 		return nil, nil // no snapshot was ever taken
 	}
@@ -342,7 +342,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 	var ours []string
 	err = ss.p.freeing(func() (err error) {
 		var more []string
-		moved, more, err = ss.p.toTrash(snapshotsDir, id.Key, "s-")
+		moved, more, err = ss.p.files().toTrash(snapshotsDir, id.Key, "s-")
 		ours = append(ours, more...)
 		return err
 	})
@@ -358,7 +358,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 	if err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
-	if err := ss.p.emptyTrash("s-"+id.Key, ours, nil); err != nil {
+	if err := ss.p.files().emptyTrash("s-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
 	return nil
@@ -451,7 +451,7 @@ func (ss Snapshots) Fill(ctx context.Context, s *Snapshot, src *Volume, quiesce 
 	if err != nil {
 		return err
 	}
-	if err := ss.p.checkDir(snapshotRel(sid)); err != nil {
+	if err := ss.p.files().checkDir(snapshotRel(sid)); err != nil {
 		return err
 	}
 	var method string
