@@ -45,7 +45,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	id := p.NewID(spec.Name)
 	// The pool lock covers the decision and the few system calls that
 	// record it (a mkdir, the ledger, a volume.json): no scan, no mkfs.
-	tx, end, err := p.beginCreate(ctx)
+	tx, end, err := p.Ledger().beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -267,7 +267,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	if before != nil {
 		inTrash = func(trash string) error { return before(filepath.Join(trash, dataDir)) }
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}
@@ -275,7 +275,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	// A delete gives room back: on a full pool it may spend the reserve.
 	var moved bool
 	var ours []string
-	err = p.freeing(func() (err error) {
+	err = p.Ledger().freeing(func() (err error) {
 		var more []string
 		moved, more, err = p.files().toTrash(volumesDir, id.Key, "v-")
 		ours = append(ours, more...)
@@ -284,7 +284,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	if err == nil && moved && lerr == nil {
 		// The volumes directory changed, so a crash before this write
 		// leaves an outdated ledger, which is rebuilt.
-		err = p.freeing(func() error {
+		err = p.Ledger().freeing(func() error {
 			return tx.applyStamped(func(l *ledger) {
 				l.Volumes--
 				l.ProvisionedBytes -= v.CapacityBytes

@@ -69,7 +69,7 @@ func (p *Pool) AllocateImage(ctx context.Context, v *Volume, allocate Allocator)
 	if need <= 0 {
 		return nil
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}

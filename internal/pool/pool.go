@@ -70,7 +70,7 @@ type Pool struct {
 	capacity capacityCache
 	// reserve is this process's view of the pool's reserve file (reserve.go).
 	reserve reserveState
-	// ledgerKeysP signs the ledger (SetLedgerKeys); ledgerSeq is the
+	// ledgerKeysP signs the ledger (Ledger().SetKeys); ledgerSeq is the
 	// highest ledger write seen here (ledger.go).
 	ledgerKeysP atomic.Pointer[[][]byte]
 	ledgerSeq   atomic.Uint64

@@ -154,7 +154,7 @@ func TestReserveAfterLostCreatingRecord(t *testing.T) {
 
 func TestReserveRefusesWhenFull(t *testing.T) {
 	p := openTemp(t)
-	u, err := p.Usage()
+	u, err := p.Ledger().Usage()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -279,7 +279,7 @@ func (ss Snapshots) reserve(ctx context.Context, name, group string, created tim
 		return nil, err
 	}
 	id := ss.NewID(name)
-	tx, end, err := ss.p.beginCreate(ctx)
+	tx, end, err := ss.p.Ledger().beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -333,21 +333,21 @@ func (ss Snapshots) reserve(ctx context.Context, name, group string, created tim
 // never leaves a half-deleted snapshot that lists as present; the copy is
 // removed after the lock is released, and a retry finishes the removal.
 func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
-	tx, end, err := ss.p.beginLedger(ctx)
+	tx, end, err := ss.p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}
 	s, lerr := ss.Load(id)
 	var moved bool
 	var ours []string
-	err = ss.p.freeing(func() (err error) {
+	err = ss.p.Ledger().freeing(func() (err error) {
 		var more []string
 		moved, more, err = ss.p.files().toTrash(snapshotsDir, id.Key, "s-")
 		ours = append(ours, more...)
 		return err
 	})
 	if err == nil && moved && lerr == nil {
-		err = ss.p.freeing(func() error {
+		err = ss.p.Ledger().freeing(func() error {
 			return tx.applyStamped(func(l *ledger) {
 				l.Snapshots--
 				l.ReflinkedBytes -= reflinked(s)
@@ -369,7 +369,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 // record never holds more than the ledger counts.
 func (ss Snapshots) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) error {
 	if reflinked(s) > 0 {
-		tx, end, err := ss.p.beginLedger(ctx)
+		tx, end, err := ss.p.Ledger().begin(ctx)
 		if err != nil {
 			return err
 		}

@@ -284,7 +284,7 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 		// A record that does not grow (an unstage, an unpublish) takes no
 		// room for good: on a full pool it may spend the reserve, so that
 		// a volume can always be let go.
-		return p.freeing(func() error { return p.save(v, true) })
+		return p.Ledger().freeing(func() error { return p.save(v, true) })
 	}
 	return p.save(v, true)
 }
