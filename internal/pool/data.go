@@ -53,7 +53,7 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 	if err := os.RemoveAll(data); err != nil {
 		return 0, fmt.Errorf("remove half-made data of volume %s: %w", id, err)
 	}
-	return create(data, func(qid uint64) (bool, error) { return p.ClaimQuotaID(ctx, kind, id, qid) })
+	return create(data, func(qid uint64) (bool, error) { return p.QuotaIDs().Claim(ctx, kind, id, qid) })
 }
 
 // DataExists tells whether a dir volume's data directory is there.

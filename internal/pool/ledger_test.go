@@ -365,7 +365,7 @@ func TestQuotaIDClaims(t *testing.T) {
 	}
 	claim := func(id VolumeID, q uint64) bool {
 		t.Helper()
-		ok, err := p.ClaimQuotaID(ctx, "xfs-project", id, q)
+		ok, err := p.QuotaIDs().Claim(ctx, "xfs-project", id, q)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -394,7 +394,7 @@ func TestQuotaIDClaims(t *testing.T) {
 			return claim(b, 200)
 		}, false},
 		{"a kind that names a path is refused", func() bool {
-			ok, err := p.ClaimQuotaID(ctx, "../x", b, 1)
+			ok, err := p.QuotaIDs().Claim(ctx, "../x", b, 1)
 			return ok || err == nil
 		}, false},
 	}

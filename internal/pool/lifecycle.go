@@ -299,7 +299,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
 	if lerr == nil && v.Quota != nil {
-		p.releaseQuotaID(v.Quota.Kind, v.Quota.ID, id.Key)
+		p.QuotaIDs().release(v.Quota.Kind, v.Quota.ID, id.Key)
 	}
 	return nil
 }

@@ -239,4 +239,4 @@ func lockHeld(root, rel string) bool {
 // no volume.json yet, a .deleting- directory) is then not damage. On a shared
 // filesystem another node's half-done step can be visible for seconds (on
 // CephFS a metadata change from another client waits for the MDS's journal).
-func (p *Pool) changing() bool { return lockHeld(p.cfg.Path, poolLock) }
+func (fl files) changing() bool { return lockHeld(fl.root, poolLock) }

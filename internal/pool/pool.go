@@ -78,7 +78,7 @@ type Pool struct {
 	// (Publications().EnsureIndex).
 	indexed atomic.Bool
 	// quotaIndexed is set once the quota ID index is known to exist
-	// (ensureQuotaIndex).
+	// (QuotaIDs().ensureIndex).
 	quotaIndexed atomic.Bool
 }
 
@@ -358,7 +358,7 @@ func (p *Pool) EntryImageStat(e Entry) (size, allocated int64, err error) {
 func (p *Pool) loadListed(t *fsx.Tree, id VolumeID) (Entry, bool) {
 	v, err := p.loadIn(t, id)
 	if missing(err) {
-		if !p.VolumeExists(id) || p.changing() {
+		if !p.VolumeExists(id) || p.files().changing() {
 			return Entry{}, false
 		}
 		v, err = p.loadIn(t, id) // the create may have finished between the two looks

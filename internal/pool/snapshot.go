@@ -232,7 +232,7 @@ type SnapshotEntry struct {
 func (ss Snapshots) loadListed(id SnapshotID) (SnapshotEntry, bool) {
 	s, err := ss.Load(id)
 	if missing(err) {
-		if !ss.Exists(id) || ss.p.changing() {
+		if !ss.Exists(id) || ss.p.files().changing() {
 			return SnapshotEntry{}, false
 		}
 		s, err = ss.Load(id)
