@@ -20,7 +20,7 @@ func reserveBlock(t *testing.T, p *Pool, name string, size int64) *Volume {
 	if err != nil {
 		t.Fatalf("reserve %s: %v", name, err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {

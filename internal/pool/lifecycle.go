@@ -26,7 +26,7 @@ type Spec struct {
 	Topology      map[string]string
 	Source        *ContentSource
 	IOLimits      IOLimits
-	// Preallocate: the image is to be fully allocated (AllocateImage, once
+	// Preallocate: the image is to be fully allocated (Images().Allocate, once
 	// made); its bytes must fit now as well as under the overcommit policy.
 	Preallocate bool
 	Ephemeral   *EphemeralRecord
@@ -121,12 +121,12 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	return v, nil
 }
 
-// PrepareImage (re)creates the sparse image of a volume still in state creating.
+// Prepare (re)creates the sparse image of a volume still in state creating.
 // Whatever an interrupted attempt left (a half-written mkfs) holds no user data yet,
 // so it is thrown away rather than trusted. The image is not fsynced here: the
 // caller formats it (mkfs fsyncs what it wrote, the new size included) and
-// calls SyncImage before MarkReady, so one fsync covers both.
-func (p *Pool) PrepareImage(v *Volume) error {
+// calls Sync before MarkReady, so one fsync covers both.
+func (im Images) Prepare(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
@@ -134,10 +134,10 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
-	if err := p.files().checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	path := p.ImagePath(id)
+	path := im.p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !missing(err) {
 		return fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
@@ -152,13 +152,13 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	return f.Close()
 }
 
-// SyncImage makes a volume's image durable (its size and all it holds) before
+// Sync makes a volume's image durable (its size and all it holds) before
 // MarkReady records it ready. After mkfs, which fsyncs the image itself, it
 // finds nothing left to write and costs almost nothing; it is here so that
 // the guarantee does not rest on what mkfs does.
-func (p *Pool) SyncImage(id VolumeID) error {
+func (im Images) Sync(id VolumeID) error {
 	// O_NONBLOCK: a FIFO put in the image's place must not hang the open.
-	f, err := p.files().openBeneath(volumeRel(id, imageFile), unix.O_RDONLY|unix.O_NONBLOCK)
+	f, err := im.p.files().openBeneath(volumeRel(id, imageFile), unix.O_RDONLY|unix.O_NONBLOCK)
 	if err != nil {
 		return err
 	}
@@ -174,10 +174,10 @@ func (p *Pool) SyncImage(id VolumeID) error {
 	return nil
 }
 
-// PrepareImageFrom (re)makes the image of a volume still in state creating as a
+// PrepareFrom (re)makes the image of a volume still in state creating as a
 // copy of the image file src (a snapshot's or another volume's), grown to the
 // volume's capacity. It returns the copy method (CopyReflink or CopyFull).
-func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (string, error) {
+func (im Images) PrepareFrom(ctx context.Context, v *Volume, src string) (string, error) {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return "", err
@@ -185,20 +185,20 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 	if v.State != StateCreating {
 		return "", fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
-	if err := p.files().checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return "", err
 	}
-	path := p.ImagePath(id)
+	path := im.p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !missing(err) {
 		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
 	return fsx.CopyImage(ctx, src, path, v.CapacityBytes)
 }
 
-// DiscardImage removes the image of a volume still in state creating, after a
+// Discard removes the image of a volume still in state creating, after a
 // step that made it failed: a half-made image holds no data and must not be
 // left for anything to mistake for a volume.
-func (p *Pool) DiscardImage(v *Volume) error {
+func (im Images) Discard(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
@@ -206,10 +206,10 @@ func (p *Pool) DiscardImage(v *Volume) error {
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to discard its image", id, v.State)
 	}
-	if err := p.files().checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	if err := os.Remove(p.ImagePath(id)); err != nil && !missing(err) {
+	if err := os.Remove(im.p.ImagePath(id)); err != nil && !missing(err) {
 		return fmt.Errorf("discard half-made image of volume %s: %w", id, err)
 	}
 	return nil

@@ -340,13 +340,13 @@ type imageStat struct {
 	err             error
 }
 
-// EntryImageStat is ImageStat of a listed volume: the stat the listing took
+// EntryStat is Stat of a listed volume: the stat the listing took
 // with its record, or a new one.
-func (p *Pool) EntryImageStat(e Entry) (size, allocated int64, err error) {
+func (im Images) EntryStat(e Entry) (size, allocated int64, err error) {
 	if e.image != nil {
 		return e.image.size, e.image.allocated, e.image.err
 	}
-	return p.ImageStat(e.ID)
+	return im.Stat(e.ID)
 }
 
 // loadListed loads a volume found in the volumes directory. A directory
@@ -365,16 +365,16 @@ func (p *Pool) loadListed(t *fsx.Tree, id VolumeID) (Entry, bool) {
 	}
 	e := Entry{ID: id, Volume: v, Err: err}
 	if t != nil && err == nil && v.Layout == LayoutImage {
-		e.image = p.imageStatIn(t, id)
+		e.image = p.Images().statIn(t, id)
 	}
 	return e, true
 }
 
-// imageStatIn is ImageStat through a tree of the pool opened for a batch.
-func (p *Pool) imageStatIn(t *fsx.Tree, id VolumeID) *imageStat {
+// statIn is Stat through a tree of the pool opened for a batch.
+func (im Images) statIn(t *fsx.Tree, id VolumeID) *imageStat {
 	st, err := t.Stat(volumeRel(id, imageFile), false)
 	if err != nil {
-		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(p.files().classify(err)))}
+		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(im.p.files().classify(err)))}
 	}
 	return &imageStat{size: st.Size, allocated: st.Blocks * 512}
 }
