@@ -253,11 +253,11 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if _, err := p.Images().Size(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Images().Size of a volume without its image: %v, want ErrNotFound", err)
 	}
-	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
-		t.Errorf("VolumeAllocated of a volume without its image: %v, want ErrNotFound", err)
+	if _, err := p.Snapshots().SourceAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Snapshots().SourceAllocated of a volume without its image: %v, want ErrNotFound", err)
 	}
-	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
-		t.Errorf("VolumeAllocated of a volume without its data directory: %v, want ErrNotFound", err)
+	if _, err := p.Snapshots().SourceAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Snapshots().SourceAllocated of a volume without its data directory: %v, want ErrNotFound", err)
 	}
 	if err := p.Images().Sync(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Images().Sync of a volume without its image: %v, want ErrNotFound", err)

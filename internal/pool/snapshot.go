@@ -404,15 +404,16 @@ func (ss Snapshots) Allocated(id SnapshotID, s *Snapshot) (int64, error) {
 	return st.Blocks * 512, nil
 }
 
-// VolumeAllocated is what a volume's data holds on the pool's filesystem: what a
-// full copy of it would allocate; data that is missing is ErrNotFound.
-func (p *Pool) VolumeAllocated(id VolumeID, v *Volume) (int64, error) {
+// SourceAllocated is what the data of volume id, a snapshot's source, holds on
+// the pool's filesystem: what a full copy of it would allocate; data that is
+// missing is ErrNotFound.
+func (ss Snapshots) SourceAllocated(id VolumeID, v *Volume) (int64, error) {
 	if v.Layout == LayoutDir {
-		n, err := TreeAllocated(p.DataPath(id))
+		n, err := TreeAllocated(ss.p.DataPath(id))
 		return n, notFound(err)
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
+	if err := unix.Stat(ss.p.ImagePath(id), &st); err != nil {
 		return 0, fmt.Errorf("volume %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
