@@ -165,7 +165,7 @@ func poolCheck(out, stderr io.Writer, args []string) error {
 	problems := 0
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	if lr, err := p.CheckLedger(ctx, repair); err != nil {
+	if lr, err := p.Ledger().Check(ctx, repair); err != nil {
 		fmt.Fprintf(out, "LEDGER  cannot be checked: %v\n", err)
 		problems++
 	} else if lr.Problem != "" {

@@ -40,7 +40,7 @@ func statusDriver(t *testing.T, mode driver.Mode, volumes ...string) string {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := p.PrepareImage(v); err != nil {
+		if err := p.Images().Prepare(v); err != nil {
 			t.Fatal(err)
 		}
 		if err := p.MarkReady(v); err != nil {

@@ -416,7 +416,7 @@ func (d controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	}
 	// From the capacity ledger, not a walk of the pool, unless the ledger
 	// cannot be trusted (pool.Capacity).
-	avail, err := p.Capacity()
+	avail, err := p.Ledger().Capacity()
 	if err != nil {
 		return nil, err
 	}

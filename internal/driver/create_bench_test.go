@@ -136,7 +136,7 @@ func (bp *benchPool) fill(b *testing.B, n int) {
 	// here, as pool check --repair does, so that the rounds measure the steady
 	// state and not that one scan (which would halve a one-caller round's rate
 	// at 10,000 volumes).
-	if _, err := p.CheckLedger(context.Background(), true); err != nil {
+	if _, err := p.Ledger().Check(context.Background(), true); err != nil {
 		b.Fatal(err)
 	}
 }

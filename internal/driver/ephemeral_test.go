@@ -76,7 +76,7 @@ func (td *testDriver) requireNothingLeft(t *testing.T) {
 	for _, e := range ents {
 		t.Errorf("volume directory left: %s", e.Name())
 	}
-	u, err := td.pool.Usage()
+	u, err := td.pool.Ledger().Usage()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -285,7 +285,7 @@ func (d controllerServer) lockGroupSources(ctx context.Context, p *pool.Pool, vi
 			return nil, nil, err
 		}
 		releases = append(releases, release)
-		need, err := p.VolumeAllocated(vid, v)
+		need, err := p.Snapshots().SourceAllocated(vid, v)
 		switch {
 		case errors.Is(err, pool.ErrNotFound):
 			return nil, nil, csierr.Failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)

@@ -104,7 +104,7 @@ func TestCreateFormatFailureLeavesNoImage(t *testing.T) {
 	})
 	wantCode(t, err, codes.Internal)
 	vid := pool.NewVolumeID("local", "v")
-	if _, err := td.pool.ImageSize(vid); !errors.Is(err, pool.ErrNotFound) {
+	if _, err := td.pool.Images().Size(vid); !errors.Is(err, pool.ErrNotFound) {
 		t.Fatalf("a failed mkfs left an image: %v", err)
 	}
 	if _, err := td.CreateVolume(context.Background(), &csi.CreateVolumeRequest{

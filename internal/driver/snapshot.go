@@ -125,7 +125,7 @@ func (d controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSna
 		return nil, err
 	}
 	defer releaseSrc()
-	need, err := p.VolumeAllocated(vid, v)
+	need, err := p.Snapshots().SourceAllocated(vid, v)
 	switch {
 	case errors.Is(err, pool.ErrNotFound):
 		return nil, csierr.Failf(pool.ErrNotFound, "volume %s: its data is missing: %w", vid, err)

@@ -110,7 +110,7 @@ func checkVolume(p *pool.Pool, e pool.Entry, space PoolSpace, o Options) VolumeR
 		return checkData(p, e.ID, r)
 	}
 	image := p.ImagePath(e.ID)
-	size, allocated, err := p.EntryImageStat(e)
+	size, allocated, err := p.Images().EntryStat(e)
 	if err != nil {
 		switch {
 		case errors.Is(err, pool.ErrCorrupt):

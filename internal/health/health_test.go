@@ -35,7 +35,7 @@ func TestCheckVolume(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {
@@ -89,7 +89,7 @@ func TestCheckVolumeDeletedMeanwhile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {

@@ -120,23 +120,23 @@ func (imageLayout) NodeExpansionRequired() bool { return true }
 // means NodeStageVolume never formats a volume that should already hold data.
 func (d imageLayout) FinishCreate(ctx context.Context, p *pool.Pool, v *pool.Volume) error {
 	vid, _ := pool.ParseVolumeID(v.ID)
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		return err
 	}
 	if v.AccessType == pool.AccessFilesystem {
 		if err := d.format(ctx, p, vid, v.FSType); err != nil {
-			if derr := p.DiscardImage(v); derr != nil {
+			if derr := p.Images().Discard(v); derr != nil {
 				klog.FromContext(ctx).Error(derr, "Discarding the image after a failed mkfs", "volume", v.ID)
 			}
 			return fmt.Errorf("format volume %s as %s: %w", v.ID, v.FSType, err)
 		}
 	}
 	if v.Preallocate {
-		if err := p.AllocateImage(ctx, v, d.FS.Allocate); err != nil {
+		if err := p.Images().Allocate(ctx, v, d.FS.Allocate); err != nil {
 			return err
 		}
 	}
-	if err := p.SyncImage(vid); err != nil {
+	if err := p.Images().Sync(vid); err != nil {
 		return err
 	}
 	if err := p.MarkReady(v); err != nil {
@@ -177,7 +177,7 @@ func (d imageLayout) CloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 		return fmt.Errorf("source of volume %s: %w", v.ID, err)
 	}
 	defer from.Close()
-	method, err := p.PrepareImageFrom(ctx, v, from.Path())
+	method, err := p.Images().PrepareFrom(ctx, v, from.Path())
 	if terr := thaw(); err == nil && terr != nil {
 		err = terr
 	}
@@ -185,7 +185,7 @@ func (d imageLayout) CloneFrom(ctx context.Context, p *pool.Pool, v *pool.Volume
 		return fmt.Errorf("copy source of volume %s: %w", v.ID, err)
 	}
 	if v.Preallocate {
-		if err := p.AllocateImage(ctx, v, d.FS.Allocate); err != nil {
+		if err := p.Images().Allocate(ctx, v, d.FS.Allocate); err != nil {
 			return err
 		}
 	}

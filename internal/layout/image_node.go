@@ -356,7 +356,7 @@ func (d imageLayout) writableMount(nv NodeVolume, staging, dev, path string, inf
 // size. The file is the truth (ControllerExpandVolume grows it before it records
 // the size); a file smaller than its record was damaged, and is not hidden.
 func (d *Deps) RefreshLoop(ctx context.Context, p *pool.Pool, vid pool.VolumeID, dev string, v *pool.Volume) (int64, error) {
-	imageSize, err := p.ImageSize(vid)
+	imageSize, err := p.Images().Size(vid)
 	if err != nil {
 		return 0, err
 	}

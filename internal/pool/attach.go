@@ -54,7 +54,7 @@ func (pb Publications) LockNode(ctx context.Context, node string) (unlock func()
 	if err := os.MkdirAll(filepath.Join(pb.p.cfg.Path, nodesDir), 0o750); err != nil {
 		return nil, fmt.Errorf("pool %s: lock node %s: %w", pb.p.cfg.Name, node, err)
 	}
-	return pb.p.lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
+	return pb.p.files().lockFileAt(ctx, filepath.Join(nodesDir, node+nodeLockSuffix), true)
 }
 
 // Mark adds volume id to node's index, durably: it must be on disk
@@ -71,7 +71,7 @@ func (pb Publications) mark(node string, id VolumeID, durable bool) error {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return fmt.Errorf("pool %s: index volume %s on node %s: %w", pb.p.cfg.Name, id, node, err)
 	}
-	if err := pb.p.touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
+	if err := pb.p.files().touch(filepath.Join(nodesDir, node+publishedSuffix, id.Key)); err != nil {
 		return fmt.Errorf("pool %s: index volume %s on node %s: %w", pb.p.cfg.Name, id, node, err)
 	}
 	if !durable {

@@ -80,8 +80,8 @@ type Usage struct {
 // AvailableBytes is how large a new volume (or a growth) may be under the pool's
 // overcommit policy: free space times the overcommit ratio, less every promise
 // already made and not yet backed by allocated blocks.
-func (p *Pool) AvailableBytes(u Usage) int64 {
-	avail := float64(u.FreeBytes)*p.cfg.Overcommit - float64(u.UnbackedBytes)
+func (lg Ledger) AvailableBytes(u Usage) int64 {
+	avail := float64(u.FreeBytes)*lg.p.cfg.Overcommit - float64(u.UnbackedBytes)
 	if avail <= 0 {
 		return 0
 	}
@@ -91,31 +91,31 @@ func (p *Pool) AvailableBytes(u Usage) int64 {
 // Usage measures the pool: it stats every image and reads every snapshot.json
 // (volume.json only when it changed). Capacity decisions use the ledger
 // (ledger.go), and measure only a pool the ledger's bound would refuse.
-func (p *Pool) Usage() (Usage, error) {
+func (lg Ledger) Usage() (Usage, error) {
 	var st unix.Statfs_t
-	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
-		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	if err := unix.Statfs(lg.p.cfg.Path, &st); err != nil {
+		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, lg.p.cfg.Name, err)
 	}
 	u := Usage{
 		TotalBytes: int64(st.Blocks) * st.Bsize,
 		FreeBytes:  int64(st.Bavail) * st.Bsize,
 	}
-	keys, err := p.volumeKeys()
+	keys, err := lg.p.volumeKeys()
 	if err != nil {
 		return Usage{}, err
 	}
 	for _, key := range keys {
-		id := p.IDOf(key)
-		v, err := p.loadForUsage(id)
+		id := lg.p.IDOf(key)
+		v, err := lg.loadForUsage(id)
 		if err != nil {
 			continue // deleted meanwhile, or damaged: health reports it
 		}
 		u.Volumes++
 		u.ProvisionedBytes += v.capacity
-		u.UnbackedBytes += max(v.capacity-p.allocatedBytes(id, v.layout), 0)
+		u.UnbackedBytes += max(v.capacity-lg.allocatedBytes(id, v.layout), 0)
 	}
-	p.pruneMeta(keys)
-	snaps, err := p.Snapshots().List()
+	lg.pruneMeta(keys)
+	snaps, err := lg.p.Snapshots().List()
 	if err != nil {
 		return Usage{}, err
 	}
@@ -132,12 +132,12 @@ func (p *Pool) Usage() (Usage, error) {
 }
 
 // allocatedBytes is what a volume already holds on the pool's filesystem.
-func (p *Pool) allocatedBytes(id VolumeID, layout Layout) int64 {
+func (lg Ledger) allocatedBytes(id VolumeID, layout Layout) int64 {
 	if layout != LayoutImage {
 		return 0
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
+	if err := unix.Stat(lg.p.ImagePath(id), &st); err != nil {
 		return 0 // a missing image backs nothing; health checks report it
 	}
 	return st.Blocks * 512
@@ -168,30 +168,30 @@ type cachedMeta struct {
 // every decision: a volume.json unchanged since it was last read (same inode,
 // size and mtime: one stat) is not read and parsed again. Only the capacity
 // and layout are used from it.
-func (p *Pool) loadForUsage(id VolumeID) (usageMeta, error) {
+func (lg Ledger) loadForUsage(id VolumeID) (usageMeta, error) {
 	var st unix.Stat_t
-	if err := unix.Lstat(p.MetadataPath(id), &st); err != nil {
+	if err := unix.Lstat(lg.p.MetadataPath(id), &st); err != nil {
 		return usageMeta{}, err
 	}
 	stamp := metaStamp{ino: st.Ino, size: uint64(st.Size), mtime: st.Mtim}
-	if c, ok := p.meta.Load(id.Key); ok && c.(cachedMeta).stamp == stamp {
+	if c, ok := lg.p.meta.Load(id.Key); ok && c.(cachedMeta).stamp == stamp {
 		return c.(cachedMeta).usageMeta, nil
 	}
-	v, err := p.Load(id)
+	v, err := lg.p.Load(id)
 	if err != nil {
-		p.meta.Delete(id.Key)
+		lg.p.meta.Delete(id.Key)
 		return usageMeta{}, err
 	}
 	m := usageMeta{capacity: v.CapacityBytes, layout: v.Layout}
-	p.meta.Store(id.Key, cachedMeta{stamp: stamp, usageMeta: m})
+	lg.p.meta.Store(id.Key, cachedMeta{stamp: stamp, usageMeta: m})
 	return m, nil
 }
 
 // pruneMeta forgets the cached metadata of volumes no longer in the pool.
-func (p *Pool) pruneMeta(keys []string) {
-	p.meta.Range(func(k, _ any) bool {
+func (lg Ledger) pruneMeta(keys []string) {
+	lg.p.meta.Range(func(k, _ any) bool {
 		if i := sort.SearchStrings(keys, k.(string)); i == len(keys) || keys[i] != k.(string) {
-			p.meta.Delete(k)
+			lg.p.meta.Delete(k)
 		}
 		return true
 	})
@@ -224,27 +224,27 @@ type capacityCache struct {
 // the truth (the free space they take is seen at once, the blocks they fill
 // only at the next measurement); a create, growth, snapshot or delete changes
 // the ledger and so measures again.
-func (p *Pool) Capacity() (int64, error) {
-	u, _, err := p.capacityUsage()
+func (lg Ledger) Capacity() (int64, error) {
+	u, _, err := lg.capacityUsage()
 	if err != nil {
 		return 0, err
 	}
-	return p.AvailableBytes(u), nil
+	return lg.AvailableBytes(u), nil
 }
 
 // capacityUsage is the free and unbacked bytes Capacity decides from, and
 // whether they came from the ledger (else from a measurement of the pool).
-func (p *Pool) capacityUsage() (Usage, bool, error) {
-	l, err := p.readLedger()
-	if err != nil || !p.ledgerDecides() {
-		u, err := p.Usage()
+func (lg Ledger) capacityUsage() (Usage, bool, error) {
+	l, err := lg.read()
+	if err != nil || !lg.decides() {
+		u, err := lg.Usage()
 		return u, false, err
 	}
 	var st unix.Statfs_t
-	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
-		return Usage{}, false, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	if err := unix.Statfs(lg.p.cfg.Path, &st); err != nil {
+		return Usage{}, false, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, lg.p.cfg.Name, err)
 	}
-	allocated, err := p.allocatedFor(l)
+	allocated, err := lg.allocatedFor(l)
 	if err != nil {
 		return Usage{}, false, err
 	}
@@ -254,27 +254,27 @@ func (p *Pool) capacityUsage() (Usage, bool, error) {
 
 // allocatedFor is Σ min(allocated, capacity) over the pool's volumes, reused
 // while the ledger is l and the measurement is younger than capacityTTL.
-func (p *Pool) allocatedFor(l ledger) (int64, error) {
+func (lg Ledger) allocatedFor(l ledger) (int64, error) {
 	l.Sum = ""
-	c := &p.capacity
+	c := &lg.p.capacity
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.ledger == l && time.Since(c.at) < capacityTTL {
 		return c.allocated, nil
 	}
-	keys, err := p.volumeKeys()
+	keys, err := lg.p.volumeKeys()
 	if err != nil {
 		return 0, err
 	}
 	at := time.Now()
 	var sum int64
 	for _, key := range keys {
-		id := p.IDOf(key)
-		v, err := p.loadForUsage(id)
+		id := lg.p.IDOf(key)
+		v, err := lg.loadForUsage(id)
 		if err != nil {
 			continue // as Usage: deleted meanwhile, or damaged
 		}
-		sum += min(p.allocatedBytes(id, v.layout), v.capacity)
+		sum += min(lg.allocatedBytes(id, v.layout), v.capacity)
 	}
 	c.ledger, c.at, c.allocated = l, at, sum
 	return sum, nil

@@ -60,7 +60,7 @@ func TestAvailableBytes(t *testing.T) {
 	}
 	for _, tt := range tests {
 		p := &Pool{cfg: Config{Overcommit: tt.overcommit}}
-		if got := p.AvailableBytes(tt.u); got != tt.want {
+		if got := p.Ledger().AvailableBytes(tt.u); got != tt.want {
 			t.Errorf("overcommit %v, %+v: got %d want %d", tt.overcommit, tt.u, got, tt.want)
 		}
 	}
@@ -103,11 +103,11 @@ func TestCapacityFromLedgerIsTheMeasurement(t *testing.T) {
 	p.capacity = capacityCache{} // a new measurement
 	check := func(wantLedger bool) {
 		t.Helper()
-		got, fromLedger, err := p.capacityUsage()
+		got, fromLedger, err := p.Ledger().capacityUsage()
 		if err != nil {
 			t.Fatal(err)
 		}
-		want, err := p.Usage()
+		want, err := p.Ledger().Usage()
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -46,14 +46,14 @@ func (p *Pool) MakeData(ctx context.Context, v *Volume, kind string, create func
 	if v.State != StateCreating {
 		return 0, fmt.Errorf("volume %s is %s, not creating: refusing to remake its data", id, v.State)
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := p.files().checkDir(volumeRel(id)); err != nil {
 		return 0, err
 	}
 	data := p.DataPath(id)
 	if err := os.RemoveAll(data); err != nil {
 		return 0, fmt.Errorf("remove half-made data of volume %s: %w", id, err)
 	}
-	return create(data, func(qid uint64) (bool, error) { return p.ClaimQuotaID(ctx, kind, id, qid) })
+	return create(data, func(qid uint64) (bool, error) { return p.QuotaIDs().Claim(ctx, kind, id, qid) })
 }
 
 // DataExists tells whether a dir volume's data directory is there.
@@ -66,11 +66,20 @@ func (p *Pool) DataExists(id VolumeID) bool {
 	return true
 }
 
-// ImageSize is the size of a volume's image file. A missing image is
+// Images is the image files of a pool's image volumes: made sparse or as a
+// copy while the volume is creating, preallocated, made durable, discarded,
+// and measured. Pool keeps where they are (ImagePath, OpenImage) and the
+// volume lifecycle around them (Reserve, Finish, MarkReady, Delete).
+type Images struct{ p *Pool }
+
+// Images is the pool's volume images.
+func (p *Pool) Images() Images { return Images{p} }
+
+// Size is the size of a volume's image file. A missing image is
 // ErrNotFound; a link or anything but a regular file is ErrCorrupt and is
 // never followed.
-func (p *Pool) ImageSize(id VolumeID) (int64, error) {
-	h, err := p.OpenImage(id)
+func (im Images) Size(id VolumeID) (int64, error) {
+	h, err := im.p.OpenImage(id)
 	if err != nil {
 		return 0, fmt.Errorf("volume %s: image: %w", id, err)
 	}
@@ -82,11 +91,11 @@ func (p *Pool) ImageSize(id VolumeID) (int64, error) {
 	return fi.Size(), nil
 }
 
-// ImageStat is the size of a volume's image file and the bytes it holds on the
+// Stat is the size of a volume's image file and the bytes it holds on the
 // pool's filesystem, from a descriptor opened without following links (errors
-// as ImageSize).
-func (p *Pool) ImageStat(id VolumeID) (size, allocated int64, err error) {
-	h, err := p.OpenImage(id)
+// as Size).
+func (im Images) Stat(id VolumeID) (size, allocated int64, err error) {
+	h, err := im.p.OpenImage(id)
 	if err != nil {
 		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
 	}

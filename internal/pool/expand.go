@@ -50,7 +50,7 @@ func (p *Pool) Grow(ctx context.Context, id VolumeID, size, limit int64, allocat
 		return nil, fmt.Errorf("%w: an interrupted expansion already grew volume %s's image to %d bytes, above limit_bytes %d; ask for at least that size", ErrOutOfRange, id, target, limit)
 	}
 
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -116,7 +116,7 @@ func (p *Pool) GrowDir(ctx context.Context, id VolumeID, size int64, setLimit fu
 	if size <= v.CapacityBytes {
 		return v, nil
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		return nil, err
 	}

@@ -39,7 +39,7 @@ func TestGrow(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := p.PrepareImage(v); err != nil {
+			if err := p.Images().Prepare(v); err != nil {
 				t.Fatal(err)
 			}
 			if err := p.MarkReady(v); err != nil {

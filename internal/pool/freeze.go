@@ -132,14 +132,14 @@ func (fr Freezes) makeInbox(node string) error {
 	for _, rel := range []string{freezeDir, filepath.Join(freezeDir, node)} {
 		parent, err := fsx.OpenDir(fr.p.cfg.Path, filepath.Clean("./"+filepath.Dir(rel)))
 		if err != nil {
-			return fr.p.classify(err)
+			return fr.p.files().classify(err)
 		}
 		err = unix.Mkdirat(int(parent.Fd()), filepath.Base(rel), 0o750)
 		parent.Close()
 		if err != nil && !errors.Is(err, unix.EEXIST) {
 			return fmt.Errorf("pool %s: make %s: %w", fr.p.cfg.Name, rel, err)
 		}
-		if err := fr.p.checkDir(rel); err != nil {
+		if err := fr.p.files().checkDir(rel); err != nil {
 			return err
 		}
 	}
@@ -156,7 +156,7 @@ func (fr Freezes) WriteRequest(r FreezeRequest) error {
 		return err
 	}
 	raw, _ := json.Marshal(r)
-	return fr.p.writeBeneath(freezeRel(r.Node, id, requestSuffix), append(raw, '\n'), true)
+	return fr.p.files().writeBeneath(freezeRel(r.Node, id, requestSuffix), append(raw, '\n'), true)
 }
 
 // RemoveRequest withdraws the request for volume id from node's inbox;
@@ -179,7 +179,7 @@ func (fr Freezes) removeInInbox(node string, id VolumeID, suffix string) error {
 		return nil
 	}
 	if err != nil {
-		return fr.p.classify(err)
+		return fr.p.files().classify(err)
 	}
 	defer d.Close()
 	if err := unix.Unlinkat(int(d.Fd()), id.Key+suffix, 0); err != nil && !errors.Is(err, unix.ENOENT) {
@@ -204,7 +204,7 @@ func (fr Freezes) Inbox(node string) (requests []InboxEntry, acked []VolumeID, e
 	if err := ValidateNodeID(node); err != nil {
 		return nil, nil, err
 	}
-	des, err := fr.p.readDir(filepath.Join(freezeDir, node))
+	des, err := fr.p.files().readDir(filepath.Join(freezeDir, node))
 	if missing(err) {
 		return nil, nil, nil
 	}
@@ -238,7 +238,7 @@ func (fr Freezes) Inbox(node string) (requests []InboxEntry, acked []VolumeID, e
 // file is named after, in this pool, for this node.
 func (fr Freezes) readRequest(node string, id VolumeID) (FreezeRequest, error) {
 	var r FreezeRequest
-	raw, err := fr.p.readBeneath(freezeRel(node, id, requestSuffix), maxFreezeRequest)
+	raw, err := fr.p.files().readBeneath(freezeRel(node, id, requestSuffix), maxFreezeRequest)
 	if err != nil {
 		return r, err
 	}
@@ -296,7 +296,7 @@ func (fr Freezes) ReadAck(node string, id VolumeID) (a FreezeAck, ok bool, err e
 	if err := ValidateNodeID(node); err != nil {
 		return a, false, err
 	}
-	raw, err := fr.p.readBeneath(freezeRel(node, id, ackSuffix), freezeAckSize)
+	raw, err := fr.p.files().readBeneath(freezeRel(node, id, ackSuffix), freezeAckSize)
 	switch {
 	case missing(err):
 		return a, false, nil
@@ -334,10 +334,10 @@ func (fr Freezes) WriteRecord(id VolumeID, node, path string) error {
 	if err := ValidateNodeID(node); err != nil {
 		return err
 	}
-	if err := fr.p.checkDir(volumeRel(id)); err != nil {
+	if err := fr.p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	return fr.p.writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
+	return fr.p.files().writeBeneath(volumeRel(id, freezeFile), []byte(node+"\n"+path), true)
 }
 
 // ClearRecord removes a volume's freeze record (an older version's).
@@ -350,7 +350,7 @@ func (fr Freezes) ClearRecord(id VolumeID) error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("volume %s: clear freeze record: %w", id, fr.p.classify(err))
+		return fmt.Errorf("volume %s: clear freeze record: %w", id, fr.p.files().classify(err))
 	}
 	defer d.Close()
 	if err := unix.Unlinkat(int(d.Fd()), freezeFile, 0); err != nil && !errors.Is(err, unix.ENOENT) {
@@ -362,7 +362,7 @@ func (fr Freezes) ClearRecord(id VolumeID) error {
 // Records lists the pool's freeze records. One that cannot be read or parsed is
 // skipped: it names nothing this node could safely thaw.
 func (fr Freezes) Records() ([]Freeze, error) {
-	des, err := fr.p.readDir(volumesDir)
+	des, err := fr.p.files().readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, fr.p.cfg.Name, err)
 	}
@@ -371,7 +371,7 @@ func (fr Freezes) Records() ([]Freeze, error) {
 		if !de.IsDir() || !keyRE.MatchString(de.Name()) {
 			continue
 		}
-		raw, err := fr.p.readBeneath(volumeRel(fr.p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
+		raw, err := fr.p.files().readBeneath(volumeRel(fr.p.IDOf(de.Name()), freezeFile), maxFreezeRecord)
 		if err != nil {
 			continue
 		}

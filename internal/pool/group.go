@@ -121,7 +121,7 @@ func groupRel(id GroupSnapshotID, name ...string) string {
 // derived from it: a record planted in a shared pool cannot make a delete of
 // the group remove any other snapshot.
 func (gs Groups) Load(id GroupSnapshotID) (*GroupSnapshot, error) {
-	raw, err := gs.p.readBeneath(groupRel(id, groupMetaFile), maxGroupMeta)
+	raw, err := gs.p.files().readBeneath(groupRel(id, groupMetaFile), maxGroupMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of group snapshot %s: %w", id, notFound(err))
 	}
@@ -145,7 +145,7 @@ func (gs Groups) Load(id GroupSnapshotID) (*GroupSnapshot, error) {
 }
 
 func (gs Groups) save(id GroupSnapshotID, g *GroupSnapshot) error {
-	if err := gs.p.checkDir(groupRel(id)); err != nil {
+	if err := gs.p.files().checkDir(groupRel(id)); err != nil {
 		return err
 	}
 	g.SchemaVersion = GroupSnapshotSchemaVersion
@@ -153,7 +153,7 @@ func (gs Groups) save(id GroupSnapshotID, g *GroupSnapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of group snapshot %s: %w", id, err)
 	}
-	return gs.p.writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
+	return gs.p.files().writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
 }
 
 // Reserve finds or starts the group snapshot named name of the
@@ -229,8 +229,8 @@ func (gs Groups) Delete(ctx context.Context, id GroupSnapshotID) error {
 		return err
 	}
 	var ours []string
-	if err = gs.p.checkDir(groupsDir); err == nil {
-		_, ours, err = gs.p.toTrash(groupsDir, id.Key, "g-")
+	if err = gs.p.files().checkDir(groupsDir); err == nil {
+		_, ours, err = gs.p.files().toTrash(groupsDir, id.Key, "g-")
 	} else if missing(err) {
 		err = nil
 	}
@@ -238,7 +238,7 @@ func (gs Groups) Delete(ctx context.Context, id GroupSnapshotID) error {
 	if err != nil {
 		return fmt.Errorf("delete group snapshot %s: %w", id, err)
 	}
-	if err := gs.p.emptyTrash("g-"+id.Key, ours, nil); err != nil {
+	if err := gs.p.files().emptyTrash("g-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete group snapshot %s: %w", id, err)
 	}
 	return nil
@@ -254,7 +254,7 @@ type GroupSnapshotEntry struct {
 
 // List returns the pool's group snapshots sorted by ID.
 func (gs Groups) List() ([]GroupSnapshotEntry, error) {
-	des, err := gs.p.readDir(groupsDir)
+	des, err := gs.p.files().readDir(groupsDir)
 	if missing(err) {
 		return nil, nil
 	}

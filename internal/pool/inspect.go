@@ -50,7 +50,7 @@ const StaleCreate = time.Hour
 // reads; removing anything is the operator's decision.
 func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 	dir := filepath.Join(p.cfg.Path, volumesDir)
-	des, err := p.readDir(volumesDir)
+	des, err := p.files().readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("list pool %s: %w", p.cfg.Name, err)
 	}
@@ -59,14 +59,14 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 		path := filepath.Join(dir, de.Name())
 		switch {
 		case strings.HasPrefix(de.Name(), ".deleting-"):
-			if !p.changing() { // else a delete under way, maybe on another node
+			if !p.files().changing() { // else a delete under way, maybe on another node
 				out = append(out, Leftover{path, "an interrupted DeleteVolume; the volume is gone, its data may remain: remove it"})
 			}
 		case !de.IsDir() || !keyRE.MatchString(de.Name()):
 			out = append(out, Leftover{path, "not a poolcsi volume directory"})
 		default:
 			id := p.IDOf(de.Name())
-			if !lockHeld(p.cfg.Path, volumeRel(id, lockFile)) && !p.changing() { // else a write under way
+			if !lockHeld(p.cfg.Path, volumeRel(id, lockFile)) && !p.files().changing() { // else a write under way
 				out = append(out, tempLeftovers(path)...)
 			}
 			e, listed := p.loadListed(nil, id)
@@ -80,18 +80,18 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 			}
 		}
 	}
-	out = append(out, p.trashLeftovers(now)...)
-	out = append(out, p.damagedFiles()...)
+	out = append(out, p.files().trashLeftovers(now)...)
+	out = append(out, p.files().damagedFiles()...)
 	sdir := filepath.Join(p.cfg.Path, snapshotsDir)
-	if sdes, err := p.readDir(snapshotsDir); err == nil {
+	if sdes, err := p.files().readDir(snapshotsDir); err == nil {
 		for _, de := range sdes {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
 				out = append(out, tempLeftovers(filepath.Join(sdir, de.Name()))...)
 			}
 		}
 	}
-	out = append(out, p.groupLeftovers(now)...)
-	out = append(out, p.freezeLeftovers(now)...)
+	out = append(out, p.Groups().leftovers(now)...)
+	out = append(out, p.Freezes().leftovers(now)...)
 	return out, nil
 }
 
@@ -100,44 +100,44 @@ func (p *Pool) Leftovers(now time.Time) ([]Leftover, error) {
 // --freeze-max-hold (a minute by default) whatever the controller does.
 const StaleFreeze = 10 * time.Minute
 
-// freezeLeftovers lists what freezes across nodes (freeze.go) left behind: a
+// leftovers lists what freezes across nodes (freeze.go) left behind: a
 // filesystem a node recorded as frozen long ago (its writers are held until
 // that node's plugin thaws it), requests no controller withdrew, answers no
 // node removed, and whatever else sits in an inbox.
-func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
+func (fr Freezes) leftovers(now time.Time) []Leftover {
 	var out []Leftover
 	age := func(rel string) (time.Duration, bool) {
-		fi, err := os.Lstat(filepath.Join(p.cfg.Path, rel))
+		fi, err := os.Lstat(filepath.Join(fr.p.cfg.Path, rel))
 		if err != nil {
 			return 0, false
 		}
 		return now.Sub(fi.ModTime()), true
 	}
-	if fs, err := p.Freezes().Records(); err == nil {
+	if fs, err := fr.Records(); err == nil {
 		for _, f := range fs {
 			rel := volumeRel(f.Volume, freezeFile)
 			if a, ok := age(rel); ok && a > StaleFreeze {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+				out = append(out, Leftover{filepath.Join(fr.p.cfg.Path, rel), fmt.Sprintf(
 					"node %s froze this volume's filesystem at %s %s ago and has not thawed it since: its node plugin thaws it when it starts and at its maximum hold (is it running?); the volume's writers there wait until then",
 					f.Node, f.Path, a.Round(time.Second))})
 			}
 		}
 	}
-	des, err := p.readDir(freezeDir)
+	des, err := fr.p.files().readDir(freezeDir)
 	if err != nil {
 		if !missing(err) {
-			out = append(out, Leftover{filepath.Join(p.cfg.Path, freezeDir), "damaged: " + err.Error()})
+			out = append(out, Leftover{filepath.Join(fr.p.cfg.Path, freezeDir), "damaged: " + err.Error()})
 		}
 		return out
 	}
 	for _, de := range des {
-		path := filepath.Join(p.cfg.Path, freezeDir, de.Name())
+		path := filepath.Join(fr.p.cfg.Path, freezeDir, de.Name())
 		if !de.IsDir() || ValidateNodeID(de.Name()) != nil {
 			out = append(out, Leftover{path, "not a node's freeze inbox"})
 			continue
 		}
 		node := de.Name()
-		reqs, acked, err := p.Freezes().Inbox(node)
+		reqs, acked, err := fr.Inbox(node)
 		if err != nil {
 			out = append(out, Leftover{path, "damaged: " + err.Error()})
 			continue
@@ -146,19 +146,19 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 		for _, r := range reqs {
 			rel := filepath.Join(freezeDir, node, r.Name)
 			if r.Err != nil {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), "damaged: " + r.Err.Error()})
+				out = append(out, Leftover{filepath.Join(fr.p.cfg.Path, rel), "damaged: " + r.Err.Error()})
 				continue
 			}
 			asked[r.Volume.Key] = true // its answer goes with it
 			if a, ok := age(rel); ok && a > StaleFreeze {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+				out = append(out, Leftover{filepath.Join(fr.p.cfg.Path, rel), fmt.Sprintf(
 					"a freeze request no controller withdrew (%s old: its controller died during a copy?); node %s thawed at its maximum hold and will not freeze for it again: remove it", a.Round(time.Second), node)})
 			}
 		}
 		for _, id := range acked {
 			rel := freezeRel(node, id, ackSuffix)
 			if a, ok := age(rel); ok && a > StaleFreeze && !asked[id.Key] {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), fmt.Sprintf(
+				out = append(out, Leftover{filepath.Join(fr.p.cfg.Path, rel), fmt.Sprintf(
 					"node %s's answer to a freeze request that is gone (%s old), which its node plugin removes at its next look (is it running?): harmless", node, a.Round(time.Second))})
 			}
 		}
@@ -166,15 +166,15 @@ func (p *Pool) freezeLeftovers(now time.Time) []Leftover {
 	return out
 }
 
-// groupLeftovers lists what interrupted group snapshot creates and deletes
+// leftovers lists what interrupted group snapshot creates and deletes
 // left: a group directory without its record, a record never finished, a
 // finished one missing a member, a member whose group record is gone. A
 // group's record and its members are what they should be otherwise: known,
 // never orphans.
-func (p *Pool) groupLeftovers(now time.Time) []Leftover {
+func (gs Groups) leftovers(now time.Time) []Leftover {
 	var out []Leftover
-	gdir := filepath.Join(p.cfg.Path, groupsDir)
-	des, err := p.readDir(groupsDir)
+	gdir := filepath.Join(gs.p.cfg.Path, groupsDir)
+	des, err := gs.p.files().readDir(groupsDir)
 	if err != nil && !missing(err) {
 		return []Leftover{{gdir, "damaged: " + err.Error()}}
 	}
@@ -185,8 +185,8 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 			continue
 		}
 		out = append(out, tempLeftovers(path)...)
-		id := GroupSnapshotID{p.Snapshots().IDOf(de.Name())}
-		g, err := p.Groups().Load(id)
+		id := GroupSnapshotID{gs.p.Snapshots().IDOf(de.Name())}
+		g, err := gs.Load(id)
 		switch {
 		case missing(err):
 			out = append(out, Leftover{path, "group snapshot directory without group.json (a create interrupted before its record was written): remove it"})
@@ -199,13 +199,13 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 			out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q has been creating since %s; its next create cuts it again, or DeleteVolumeGroupSnapshot removes it", g.Name, g.CreatedAt.Format(time.RFC3339))})
 		case g.ReadyToUse:
 			for _, m := range g.Members {
-				if !p.Snapshots().Exists(p.Groups().MemberID(id, m.SourceVolumeID)) {
+				if !gs.p.Snapshots().Exists(gs.MemberID(id, m.SourceVolumeID)) {
 					out = append(out, Leftover{path, fmt.Sprintf("group snapshot %q lacks its member %s (of volume %s): delete the group", g.Name, m.SnapshotID, m.SourceVolumeID)})
 				}
 			}
 		}
 	}
-	snaps, err := p.Snapshots().List()
+	snaps, err := gs.p.Snapshots().List()
 	if err != nil {
 		return out
 	}
@@ -217,8 +217,8 @@ func (p *Pool) groupLeftovers(now time.Time) []Leftover {
 		if err != nil {
 			continue // Snapshots().Load refuses such a record
 		}
-		if _, err := p.Groups().Load(gid); missing(err) {
-			out = append(out, Leftover{p.Snapshots().Dir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
+		if _, err := gs.Load(gid); missing(err) {
+			out = append(out, Leftover{gs.p.Snapshots().Dir(e.ID), fmt.Sprintf("a member of group snapshot %s, whose record is gone (an interrupted group delete): delete the snapshot", gid)})
 		}
 	}
 	return out
@@ -246,11 +246,11 @@ func tempLeftovers(dir string) []Leftover {
 // device, a directory or a file larger than its kind ever is. Anyone who can
 // write a shared pool can plant one; the driver refuses each (ErrCorrupt), and
 // this is where the operator hears which.
-func (p *Pool) damagedFiles() []Leftover {
+func (fl files) damagedFiles() []Leftover {
 	var out []Leftover
 	check := func(rel string, max int64) {
-		if err := fsx.CheckFile(p.cfg.Path, rel, max); err != nil && !missing(err) {
-			out = append(out, Leftover{filepath.Join(p.cfg.Path, rel), "damaged: " + err.Error()})
+		if err := fsx.CheckFile(fl.root, rel, max); err != nil && !missing(err) {
+			out = append(out, Leftover{filepath.Join(fl.root, rel), "damaged: " + err.Error()})
 		}
 	}
 	check(poolMeta, maxPoolMeta)
@@ -258,14 +258,14 @@ func (p *Pool) damagedFiles() []Leftover {
 	check(ledgerFile, maxLedger)
 	check(reserveFile, reserveBytes)
 	check(filepath.Join(quotaIDsDir, quotaIndexDone), maxMarker)
-	if kinds, err := p.readDir(quotaIDsDir); err == nil {
+	if kinds, err := fl.readDir(quotaIDsDir); err == nil {
 		for _, k := range kinds {
 			if !k.IsDir() {
 				continue
 			}
-			claims, err := p.readDir(filepath.Join(quotaIDsDir, k.Name()))
+			claims, err := fl.readDir(filepath.Join(quotaIDsDir, k.Name()))
 			if err != nil {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
+				out = append(out, Leftover{filepath.Join(fl.root, quotaIDsDir, k.Name()), "damaged: " + err.Error()})
 			}
 			for _, c := range claims {
 				check(filepath.Join(quotaIDsDir, k.Name(), c.Name()), maxQuotaClaim)
@@ -281,7 +281,7 @@ func (p *Pool) damagedFiles() []Leftover {
 		{snapshotsDir, map[string]int64{snapshotMetaFile: maxSnapshotMeta}},
 		{groupsDir, map[string]int64{groupMetaFile: maxGroupMeta}},
 	} {
-		des, _ := p.readDir(kind.dir)
+		des, _ := fl.readDir(kind.dir)
 		for _, de := range des {
 			if de.IsDir() && keyRE.MatchString(de.Name()) {
 				for name, max := range kind.files {
@@ -290,14 +290,14 @@ func (p *Pool) damagedFiles() []Leftover {
 			}
 		}
 	}
-	if leases, err := p.readDir(leasesDir); err == nil {
+	if leases, err := fl.readDir(leasesDir); err == nil {
 		for _, de := range leases {
 			check(filepath.Join(leasesDir, de.Name()), maxLease)
 		}
 	}
-	des, err := p.readDir(nodesDir)
+	des, err := fl.readDir(nodesDir)
 	if err != nil && !missing(err) {
-		out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir), "damaged: " + err.Error()})
+		out = append(out, Leftover{filepath.Join(fl.root, nodesDir), "damaged: " + err.Error()})
 	}
 	for _, de := range des {
 		name := de.Name()
@@ -309,9 +309,9 @@ func (p *Pool) damagedFiles() []Leftover {
 		case name == publishIndexDone:
 			check(filepath.Join(nodesDir, name), maxMarker)
 		case strings.HasSuffix(name, publishedSuffix):
-			marks, err := p.readDir(filepath.Join(nodesDir, name))
+			marks, err := fl.readDir(filepath.Join(nodesDir, name))
 			if err != nil {
-				out = append(out, Leftover{filepath.Join(p.cfg.Path, nodesDir, name), "damaged: " + err.Error()})
+				out = append(out, Leftover{filepath.Join(fl.root, nodesDir, name), "damaged: " + err.Error()})
 			}
 			for _, m := range marks {
 				check(filepath.Join(nodesDir, name, m.Name()), maxMarker)
@@ -327,15 +327,15 @@ func (p *Pool) damagedFiles() []Leftover {
 const trashGrace = 10 * time.Minute
 
 // trashLeftovers lists what interrupted deletes left in the pool's trash.
-func (p *Pool) trashLeftovers(now time.Time) []Leftover {
-	des, err := p.readDir(trashDir)
+func (fl files) trashLeftovers(now time.Time) []Leftover {
+	des, err := fl.readDir(trashDir)
 	if err != nil {
 		return nil
 	}
 	var out []Leftover
 	for _, de := range des {
-		path := filepath.Join(p.cfg.Path, trashDir, de.Name())
-		if lockHeld(p.cfg.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+		path := filepath.Join(fl.root, trashDir, de.Name())
+		if lockHeld(fl.root, filepath.Join(trashDir, de.Name(), lockFile)) {
 			continue // a delete under way, here or on another node
 		}
 		// The change time: a rename sets it, and keeps the mtime.

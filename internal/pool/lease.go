@@ -108,7 +108,7 @@ func (ls Leases) Write(l Lease) error {
 		if errors.Is(err, fsx.ErrUnsafe) || errors.Is(err, unix.ENOTDIR) {
 			return fmt.Errorf("%w: pool %s: lease of node %s: %w", ErrLeaseDamaged, ls.p.cfg.Name, l.Node, err)
 		}
-		return fmt.Errorf("pool %s: lease of node %s: %w", ls.p.cfg.Name, l.Node, ls.p.classify(err))
+		return fmt.Errorf("pool %s: lease of node %s: %w", ls.p.cfg.Name, l.Node, ls.p.files().classify(err))
 	}
 	defer f.Close()
 	var st unix.Stat_t
@@ -154,7 +154,7 @@ func (ls Leases) Repair(node string) error {
 	}
 	root, err := fsx.OpenDir(ls.p.cfg.Path, ".")
 	if err != nil {
-		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.classify(err))
+		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.files().classify(err))
 	}
 	defer root.Close()
 	if err := removeEntry(int(root.Fd()), leasesDir, false); err != nil {
@@ -165,7 +165,7 @@ func (ls Leases) Repair(node string) error {
 		return nil
 	}
 	if err != nil {
-		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.classify(err))
+		return fmt.Errorf("pool %s: %w", ls.p.cfg.Name, ls.p.files().classify(err))
 	}
 	defer dir.Close()
 	if err := removeEntry(int(dir.Fd()), node, true); err != nil {
@@ -298,7 +298,7 @@ func (ls Leases) Read(node string) (l Lease, ok bool, err error) {
 func (ls Leases) readFile(node string) (raw []byte, stamp string, err error) {
 	f, err := fsx.OpenRegular(ls.p.cfg.Path, leaseRel(node), unix.O_RDONLY, 0)
 	if err != nil {
-		return nil, "", ls.p.classify(err)
+		return nil, "", ls.p.files().classify(err)
 	}
 	defer f.Close()
 	var st unix.Stat_t
@@ -320,7 +320,7 @@ func (ls Leases) readFile(node string) (raw []byte, stamp string, err error) {
 // directory (whatever it is: Leases().Read says), sorted; names that are no node
 // ID (an entry Leases().Repair renamed aside, a temp file) are left out.
 func (ls Leases) Nodes() ([]string, error) {
-	des, err := ls.p.readDir(leasesDir)
+	des, err := ls.p.files().readDir(leasesDir)
 	switch {
 	case missing(err):
 		return nil, nil

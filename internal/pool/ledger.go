@@ -53,6 +53,14 @@ const (
 	ledgerVersion = 1
 )
 
+// Ledger is the pool's capacity accounting: the ledger above, the
+// measurements of the pool (Usage, Capacity) and the admission decisions made
+// from them under the pool lock, and the reserve (reserve.go).
+type Ledger struct{ p *Pool }
+
+// Ledger is the pool's capacity accounting.
+func (p *Pool) Ledger() Ledger { return Ledger{p} }
+
 // errLedgerStale marks a ledger older than the pool's directories.
 var errLedgerStale = errors.New("ledger is older than the pool's records")
 
@@ -182,49 +190,49 @@ func (l *ledger) validate(keys [][]byte) error {
 // stampOf stamps the pool directory rel (zero when it does not exist), from a
 // descriptor opened below the pool's root without links. Opening it also makes
 // an NFS client revalidate its attributes (close-to-open).
-func (p *Pool) stampOf(rel string) (dirStamp, error) {
-	f, err := fsx.OpenDir(p.cfg.Path, rel)
+func (lg Ledger) stampOf(rel string) (dirStamp, error) {
+	f, err := fsx.OpenDir(lg.p.cfg.Path, rel)
 	if missing(err) {
 		return dirStamp{}, nil
 	}
 	if err != nil {
-		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.cfg.Name, rel, unsafe(err))
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", lg.p.cfg.Name, rel, unsafe(err))
 	}
 	defer f.Close()
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", p.cfg.Name, rel, err)
+		return dirStamp{}, fmt.Errorf("pool %s: stamp %s: %w", lg.p.cfg.Name, rel, err)
 	}
 	return dirStamp{Ino: st.Ino, Mtime: st.Mtim.Nano(), Ctime: st.Ctim.Nano(), Nlink: uint64(st.Nlink), Size: st.Size}, nil
 }
 
-func (p *Pool) stamps() (vols, snaps dirStamp, err error) {
-	if vols, err = p.stampOf(volumesDir); err != nil {
+func (lg Ledger) stamps() (vols, snaps dirStamp, err error) {
+	if vols, err = lg.stampOf(volumesDir); err != nil {
 		return
 	}
-	snaps, err = p.stampOf(snapshotsDir)
+	snaps, err = lg.stampOf(snapshotsDir)
 	return
 }
 
-// readLedger reads and verifies ledger.json against the pool's directories.
+// read reads and verifies ledger.json against the pool's directories.
 // Every error means: rebuild it. A missing one is missing (errors.go), a damaged
 // one ErrCorrupt, an outdated one errLedgerStale.
-func (p *Pool) readLedger() (ledger, error) {
+func (lg Ledger) read() (ledger, error) {
 	var l ledger
-	raw, err := p.readBeneath(ledgerFile, maxLedger)
+	raw, err := lg.p.files().readBeneath(ledgerFile, maxLedger)
 	if err != nil {
 		return l, fmt.Errorf("read %s: %w", ledgerFile, err)
 	}
 	if err := json.Unmarshal(raw, &l); err != nil {
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
-	if err := l.validate(p.ledgerKeys()); err != nil {
-		if len(p.ledgerKeys()) == 0 && strings.HasPrefix(l.Sum, keyedSum) {
+	if err := l.validate(lg.keys()); err != nil {
+		if len(lg.keys()) == 0 && strings.HasPrefix(l.Sum, keyedSum) {
 			return l, fmt.Errorf("%s: %w", ledgerFile, errLedgerKeyed)
 		}
 		return l, fmt.Errorf("%w: %s: %w", ErrCorrupt, ledgerFile, err)
 	}
-	vols, snaps, err := p.stamps()
+	vols, snaps, err := lg.stamps()
 	if err != nil {
 		return l, err
 	}
@@ -233,32 +241,32 @@ func (p *Pool) readLedger() (ledger, error) {
 	}
 	// Checked after the stamps: an older copy whose stamps no longer match
 	// is outdated, and rebuilt, either way.
-	if seen := p.ledgerSeq.Load(); l.Seq < seen {
+	if seen := lg.p.ledgerSeq.Load(); l.Seq < seen {
 		return l, fmt.Errorf("%w: %s: write %d, older than write %d already seen here: an old copy put back", ErrCorrupt, ledgerFile, l.Seq, seen)
 	}
-	p.seenLedger(l.Seq)
+	lg.seen(l.Seq)
 	return l, nil
 }
 
-// writeLedger stamps l with the pool's directories as they are now and writes
+// write stamps l with the pool's directories as they are now and writes
 // it durably: a growth it counts must not be lost while the record survives.
-func (p *Pool) writeLedger(l *ledger) error { return p.writeLedgerAs(l, true) }
+func (lg Ledger) write(l *ledger) error { return lg.writeAs(l, true) }
 
-// writeLedgerAs is writeLedger, durable or not. A write that follows a change
+// writeAs is write, durable or not. A write that follows a change
 // of volumes/ or snapshots/ (a create, a delete) need not be durable: a crash
 // that loses it, or the directory change, or both, leaves either the state
 // before the change or a ledger whose stamp does not match the directory (or
 // whose content did not survive), which is rebuilt. Only a change the stamps do
 // not see (a growth, a filled snapshot) needs the fsync of the pool's root.
-func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
-	vols, snaps, err := p.stamps()
+func (lg Ledger) writeAs(l *ledger, durable bool) error {
+	vols, snaps, err := lg.stamps()
 	if err != nil {
 		return err
 	}
 	l.Version, l.VolumesDir, l.SnapshotsDir = ledgerVersion, vols, snaps
-	l.Seq = max(l.Seq, p.ledgerSeq.Load()) + 1
+	l.Seq = max(l.Seq, lg.p.ledgerSeq.Load()) + 1
 	var key []byte
-	if keys := p.ledgerKeys(); len(keys) > 0 {
+	if keys := lg.keys(); len(keys) > 0 {
 		key = keys[0]
 	}
 	l.Sum = l.checksum(key)
@@ -266,44 +274,44 @@ func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	if err != nil {
 		return err
 	}
-	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
-		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
+	if err := lg.p.files().writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
+		return fmt.Errorf("pool %s: write %s: %w", lg.p.cfg.Name, ledgerFile, err)
 	}
-	p.seenLedger(l.Seq)
+	lg.seen(l.Seq)
 	return nil
 }
 
-// SetLedgerKeys gives the pool the cluster's share keys (--share-key-file),
+// SetKeys gives the pool the cluster's share keys (--share-key-file),
 // which sign its ledger. Called before the pool is used.
-func (p *Pool) SetLedgerKeys(keys [][]byte) {
+func (lg Ledger) SetKeys(keys [][]byte) {
 	if len(keys) > 0 {
-		p.ledgerKeysP.Store(&keys)
+		lg.p.ledgerKeysP.Store(&keys)
 	}
 }
 
-func (p *Pool) ledgerKeys() [][]byte {
-	if k := p.ledgerKeysP.Load(); k != nil {
+func (lg Ledger) keys() [][]byte {
+	if k := lg.p.ledgerKeysP.Load(); k != nil {
 		return *k
 	}
 	return nil
 }
 
-// seenLedger records that the ledger's write seq was read or written here.
-func (p *Pool) seenLedger(seq uint64) {
+// seen records that the ledger's write seq was read or written here.
+func (lg Ledger) seen(seq uint64) {
 	for {
-		old := p.ledgerSeq.Load()
-		if seq <= old || p.ledgerSeq.CompareAndSwap(old, seq) {
+		old := lg.p.ledgerSeq.Load()
+		if seq <= old || lg.p.ledgerSeq.CompareAndSwap(old, seq) {
 			return
 		}
 	}
 }
 
-// ledgerDecides tells whether the ledger alone may admit: not on a shared
+// decides tells whether the ledger alone may admit: not on a shared
 // pool whose ledger is unkeyed (no share key), which anyone who can write
 // the share can rewrite to count less than the records hold. There every
 // admission measures the pool first (a confirmation scan).
-func (p *Pool) ledgerDecides() bool {
-	return !p.cfg.Shared || len(p.ledgerKeys()) > 0
+func (lg Ledger) decides() bool {
+	return !lg.p.cfg.Shared || len(lg.keys()) > 0
 }
 
 // ledgerTx is the ledger of a pool whose lock is held.
@@ -315,30 +323,30 @@ type ledgerTx struct {
 	degraded bool
 }
 
-// beginLedger takes the pool lock and the pool's ledger, verified: rebuilt if
+// begin takes the pool lock and the pool's ledger, verified: rebuilt if
 // it is missing, damaged or outdated, and the previous change's pending entry
 // settled. end releases the lock. What the transaction settled or repaired is
 // written with its change (apply) and only then: a call that changes nothing
 // (refused, or a no-op) leaves the pool's files as they were, and the next
 // change redoes the repair.
-func (p *Pool) beginLedger(ctx context.Context) (tx *ledgerTx, end func(), err error) {
-	return p.ledgerUnder(p.LockPool(ctx))
+func (lg Ledger) begin(ctx context.Context) (tx *ledgerTx, end func(), err error) {
+	return lg.under(lg.p.LockPool(ctx))
 }
 
-// beginCreate is beginLedger for a call that makes a record: the pool is
+// beginCreate is begin for a call that makes a record: the pool is
 // checked first (lockToCreate).
-func (p *Pool) beginCreate(ctx context.Context) (tx *ledgerTx, end func(), err error) {
-	return p.ledgerUnder(p.lockToCreate(ctx))
+func (lg Ledger) beginCreate(ctx context.Context) (tx *ledgerTx, end func(), err error) {
+	return lg.under(lg.p.lockToCreate(ctx))
 }
 
-// ledgerUnder loads the ledger under the pool lock just taken (unlock, or
+// under loads the ledger under the pool lock just taken (unlock, or
 // the error of taking it).
-func (p *Pool) ledgerUnder(unlock func(), err error) (tx *ledgerTx, end func(), _ error) {
+func (lg Ledger) under(unlock func(), err error) (tx *ledgerTx, end func(), _ error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	p.keepReserve()
-	tx = &ledgerTx{p: p}
+	lg.keepReserve()
+	tx = &ledgerTx{p: lg.p}
 	if err := tx.load(); err != nil {
 		unlock()
 		return nil, nil, err
@@ -347,7 +355,7 @@ func (p *Pool) ledgerUnder(unlock func(), err error) (tx *ledgerTx, end func(), 
 }
 
 func (tx *ledgerTx) load() error {
-	l, err := tx.p.readLedger()
+	l, err := tx.p.Ledger().read()
 	if err != nil {
 		return tx.rebuild()
 	}
@@ -357,7 +365,7 @@ func (tx *ledgerTx) load() error {
 
 // rebuild counts the pool's records: a scan, once, under the pool lock.
 func (tx *ledgerTx) rebuild() error {
-	u, err := tx.p.Usage()
+	u, err := tx.p.Ledger().Usage()
 	if err != nil {
 		return fmt.Errorf("pool %s: rebuild the capacity ledger: %w", tx.p.cfg.Name, err)
 	}
@@ -370,18 +378,18 @@ func (tx *ledgerTx) rebuild() error {
 // now: whether it counts, and its bytes. A missing or damaged record counts
 // nothing, as in a rebuild; a record that cannot be read for another reason
 // (an I/O error) fails the transaction rather than being guessed.
-func (p *Pool) recorded(pd pending) (int64, int64, error) {
+func (lg Ledger) recorded(pd pending) (int64, int64, error) {
 	var n, b int64
 	var err error
 	switch pd.Kind {
 	case pendingVolume:
 		var v *Volume
-		if v, err = p.Load(p.IDOf(pd.Key)); err == nil {
+		if v, err = lg.p.Load(lg.p.IDOf(pd.Key)); err == nil {
 			n, b = 1, v.CapacityBytes
 		}
 	case pendingSnapshot:
 		var s *Snapshot
-		if s, err = p.Snapshots().Load(p.Snapshots().IDOf(pd.Key)); err == nil {
+		if s, err = lg.p.Snapshots().Load(lg.p.Snapshots().IDOf(pd.Key)); err == nil {
 			n, b = 1, reflinked(s)
 		}
 	}
@@ -406,7 +414,7 @@ func (tx *ledgerTx) settle() error {
 	if pd.Kind == "" {
 		return nil
 	}
-	n, b, err := tx.p.recorded(pd)
+	n, b, err := tx.p.Ledger().recorded(pd)
 	if err != nil {
 		return fmt.Errorf("pool %s: settle the capacity ledger: %w", tx.p.cfg.Name, err)
 	}
@@ -428,7 +436,7 @@ func (tx *ledgerTx) write(l ledger, durable bool) error {
 	if tx.degraded {
 		return nil
 	}
-	err := tx.p.writeLedgerAs(&l, durable)
+	err := tx.p.Ledger().writeAs(&l, durable)
 	if err != nil {
 		if fi, lerr := os.Lstat(filepath.Join(tx.p.cfg.Path, ledgerFile)); lerr == nil && fi.IsDir() {
 			// Not ours to remove; admission measures the pool instead,
@@ -448,7 +456,7 @@ func (tx *ledgerTx) apply(change func(l *ledger)) error { return tx.applyAs(chan
 
 // applyStamped is apply for a change that has just created, renamed or
 // removed an entry of volumes/ or snapshots/: its ledger write need not be
-// durable (writeLedgerAs).
+// durable (writeAs).
 func (tx *ledgerTx) applyStamped(change func(l *ledger)) error { return tx.applyAs(change, false) }
 
 func (tx *ledgerTx) applyAs(change func(l *ledger), durable bool) error {
@@ -468,7 +476,7 @@ func (tx *ledgerTx) applyAs(change func(l *ledger), durable bool) error {
 // pool (and checks the ledger against it) before the answer.
 func (tx *ledgerTx) admit(need int64, what string) error {
 	p := tx.p
-	if !tx.degraded && p.ledgerDecides() {
+	if !tx.degraded && p.Ledger().decides() {
 		var st unix.Statfs_t
 		if err := unix.Statfs(p.cfg.Path, &st); err != nil {
 			return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)
@@ -478,7 +486,7 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 			return nil
 		}
 	}
-	u, err := p.Usage()
+	u, err := p.Ledger().Usage()
 	if err != nil {
 		return err
 	}
@@ -487,7 +495,7 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 		// record changed by hand): the measurement is the truth.
 		tx.l.setTally(t)
 	}
-	if avail := p.AvailableBytes(u); need > avail {
+	if avail := p.Ledger().AvailableBytes(u); need > avail {
 		return fmt.Errorf("%w: pool %s can back %d more bytes (free %d, already promised to sparse volumes and reflinked snapshots %d, overcommit %.2f); %s needs %d",
 			ErrNoSpace, p.cfg.Name, avail, u.FreeBytes, u.UnbackedBytes, p.cfg.Overcommit, what, need)
 	}
@@ -514,10 +522,10 @@ func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
 	fits := func(free, unbacked int64) bool {
 		return float64(free-need)*p.cfg.Overcommit >= float64(unbacked-promised)
 	}
-	if !tx.degraded && p.ledgerDecides() && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
+	if !tx.degraded && p.Ledger().decides() && fits(free, tx.l.ProvisionedBytes+tx.l.ReflinkedBytes) {
 		return nil
 	}
-	u, err := p.Usage()
+	u, err := p.Ledger().Usage()
 	if err != nil {
 		return err
 	}
@@ -542,24 +550,24 @@ type LedgerReport struct {
 	Records Tally // what the records hold
 }
 
-// CheckLedger compares the ledger with a count of the records, under the pool
+// Check compares the ledger with a count of the records, under the pool
 // lock so that no change is half done. With repair, a ledger that does not
 // match is rewritten from the records.
-func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, error) {
+func (lg Ledger) Check(ctx context.Context, repair bool) (LedgerReport, error) {
 	var unlock func()
 	var err error
 	if repair {
-		unlock, err = p.LockPool(ctx)
+		unlock, err = lg.p.LockPool(ctx)
 	} else {
-		unlock, err = p.lockQuietly(ctx)
+		unlock, err = lg.lockQuietly(ctx)
 	}
 	if err != nil {
 		return LedgerReport{}, err
 	}
 	defer unlock()
 	var r LedgerReport
-	l, lerr := p.readLedger()
-	u, err := p.Usage()
+	l, lerr := lg.read()
+	u, err := lg.Usage()
 	if err != nil {
 		return r, err
 	}
@@ -578,7 +586,7 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 	default:
 		r.Ledger = l.tally()
 		if l.Pending.Kind != "" {
-			n, b, err := p.recorded(l.Pending)
+			n, b, err := lg.recorded(l.Pending)
 			if err != nil {
 				return r, err
 			}
@@ -599,7 +607,7 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 	if (r.Problem != "" || r.Stale) && repair {
 		nl := ledger{}
 		nl.setTally(r.Records)
-		if err := p.writeLedger(&nl); err != nil {
+		if err := lg.write(&nl); err != nil {
 			return r, err
 		}
 	}
@@ -610,8 +618,8 @@ func (p *Pool) CheckLedger(ctx context.Context, repair bool) (LedgerReport, erro
 // lock file is opened read-only (flock needs no more) and no holder record is
 // written into it; a pool without a lock file has no change under way, and a
 // lock file that is not a regular file (pool check names it) is not waited on.
-func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
-	f, err := fsx.OpenRegular(p.cfg.Path, poolLock, unix.O_RDONLY, 0)
+func (lg Ledger) lockQuietly(ctx context.Context) (func(), error) {
+	f, err := fsx.OpenRegular(lg.p.cfg.Path, poolLock, unix.O_RDONLY, 0)
 	if err != nil {
 		return func() {}, nil //nolint:nilerr // nothing to wait for; damage is reported elsewhere
 	}
@@ -622,7 +630,7 @@ func (p *Pool) lockQuietly(ctx context.Context) (func(), error) {
 	}
 	if err := fsx.FlockContext(ctx, f); err != nil {
 		f.Close()
-		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", p.cfg.Name, err)
+		return nil, fmt.Errorf("pool %s: wait for the pool lock: %w", lg.p.cfg.Name, err)
 	}
 	return func() { f.Close() }, nil
 }

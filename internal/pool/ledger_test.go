@@ -20,7 +20,7 @@ func reserveBlock(t *testing.T, p *Pool, name string, size int64) *Volume {
 	if err != nil {
 		t.Fatalf("reserve %s: %v", name, err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {
@@ -33,7 +33,7 @@ func reserveBlock(t *testing.T, p *Pool, name string, size int64) *Volume {
 // problem named by want (then repaired, and clean after).
 func wantLedger(t *testing.T, p *Pool, want string) {
 	t.Helper()
-	r, err := p.CheckLedger(context.Background(), false)
+	r, err := p.Ledger().Check(context.Background(), false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -46,10 +46,10 @@ func wantLedger(t *testing.T, p *Pool, want string) {
 	if !strings.Contains(r.Problem, want) {
 		t.Fatalf("ledger problem %q, want %q", r.Problem, want)
 	}
-	if _, err := p.CheckLedger(context.Background(), true); err != nil {
+	if _, err := p.Ledger().Check(context.Background(), true); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := p.CheckLedger(context.Background(), false); err != nil || r.Problem != "" {
+	if r, err := p.Ledger().Check(context.Background(), false); err != nil || r.Problem != "" {
 		t.Fatalf("after repair: %+v, %v", r, err)
 	}
 }
@@ -106,12 +106,12 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 			putLedgerFile(t, p, old)
 		}, "outdated"},
 		{"delete: after the ledger, before the trash is emptied", func(t *testing.T, p *Pool) {
-			tx, end, err := p.beginLedger(ctx)
+			tx, end, err := p.Ledger().begin(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
 			v, _ := p.Load(p.NewID("a"))
-			if _, _, err := p.toTrash(volumesDir, p.NewID("a").Key, "v-"); err != nil {
+			if _, _, err := p.files().toTrash(volumesDir, p.NewID("a").Key, "v-"); err != nil {
 				t.Fatal(err)
 			}
 			if err := tx.apply(func(l *ledger) { l.Volumes--; l.ProvisionedBytes -= v.CapacityBytes }); err != nil {
@@ -182,7 +182,7 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 			reserveBlock(t, p, "a", 16*MiB)
 			reserveBlock(t, p, "b", 4*MiB)
 			tt.crash(t, p)
-			r, err := p.CheckLedger(ctx, false)
+			r, err := p.Ledger().Check(ctx, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -194,11 +194,11 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 			// The next change converges, and the ledger then matches.
 			reserveBlock(t, p, "next", MiB)
 			wantLedger(t, p, "")
-			l, err := p.readLedger()
+			l, err := p.Ledger().read()
 			if err != nil {
 				t.Fatal(err)
 			}
-			u, _ := p.Usage()
+			u, _ := p.Ledger().Usage()
 			if l.Pending.Kind == "" && l.tally() != tallyOf(u) {
 				t.Fatalf("ledger %+v, records %+v", l.tally(), tallyOf(u))
 			}
@@ -247,19 +247,19 @@ func TestDamagedLedgerIsRebuiltNeverTrusted(t *testing.T) {
 			// an admission is a failure only if the space was not there
 			// after it either, and is tried again (a few times) if it was.
 			for try := 1; ; try++ {
-				u, err := p.Usage()
+				u, err := p.Ledger().Usage()
 				if err != nil {
 					t.Fatal(err)
 				}
-				avail := p.AvailableBytes(u)
+				avail := p.Ledger().AvailableBytes(u)
 				over := (avail/MiB + 2) * MiB
 				v, err := p.Reserve(context.Background(), Spec{Name: "over-" + strconv.Itoa(try), Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: over})
 				if errors.Is(err, ErrNoSpace) {
 					break
 				}
-				after, uerr := p.Usage()
-				if err == nil && uerr == nil && try < 5 && p.AvailableBytes(after)+over > avail+2*MiB {
-					t.Logf("try %d: the temp directory's free space grew meanwhile (%d then %d bytes before this create); trying again", try, avail, p.AvailableBytes(after)+over)
+				after, uerr := p.Ledger().Usage()
+				if err == nil && uerr == nil && try < 5 && p.Ledger().AvailableBytes(after)+over > avail+2*MiB {
+					t.Logf("try %d: the temp directory's free space grew meanwhile (%d then %d bytes before this create); trying again", try, avail, p.Ledger().AvailableBytes(after)+over)
 					id, _ := ParseVolumeID(v.ID)
 					if derr := p.Delete(context.Background(), id); derr != nil {
 						t.Fatal(derr)
@@ -284,7 +284,7 @@ func TestLedgerDriftIsRepairedBeforeARefusal(t *testing.T) {
 	ctx := context.Background()
 	p := openTemp(t)
 	reserveBlock(t, p, "a", 8*MiB)
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -295,7 +295,7 @@ func TestLedgerDriftIsRepairedBeforeARefusal(t *testing.T) {
 	}
 	end()
 	wantLedgerProblem := func() string {
-		r, err := p.CheckLedger(ctx, false)
+		r, err := p.Ledger().Check(ctx, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -359,13 +359,13 @@ func TestQuotaIDClaims(t *testing.T) {
 		if err := os.MkdirAll(p.Dir(id), 0o750); err != nil {
 			t.Fatal(err)
 		}
-		if err := p.touch(volumeRel(id, lockFile)); err != nil {
+		if err := p.files().touch(volumeRel(id, lockFile)); err != nil {
 			t.Fatal(err)
 		}
 	}
 	claim := func(id VolumeID, q uint64) bool {
 		t.Helper()
-		ok, err := p.ClaimQuotaID(ctx, "xfs-project", id, q)
+		ok, err := p.QuotaIDs().Claim(ctx, "xfs-project", id, q)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -394,7 +394,7 @@ func TestQuotaIDClaims(t *testing.T) {
 			return claim(b, 200)
 		}, false},
 		{"a kind that names a path is refused", func() bool {
-			ok, err := p.ClaimQuotaID(ctx, "../x", b, 1)
+			ok, err := p.QuotaIDs().Claim(ctx, "../x", b, 1)
 			return ok || err == nil
 		}, false},
 	}
@@ -443,7 +443,7 @@ func TestForgedLedgerAdmitsNothing(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p.SetLedgerKeys(tt.keys)
+			p.Ledger().SetKeys(tt.keys)
 			var st unix.Statfs_t
 			if err := unix.Statfs(dir, &st); err != nil {
 				t.Fatal(err)
@@ -461,11 +461,11 @@ func TestForgedLedgerAdmitsNothing(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p2.SetLedgerKeys(tt.keys)
+			p2.Ledger().SetKeys(tt.keys)
 			if _, err := p2.Reserve(ctx, Spec{Name: "b", Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: size}); !errors.Is(err, ErrNoSpace) {
 				t.Fatalf("after a forged ledger, a create the pool cannot back = %v, want ErrNoSpace", err)
 			}
-			if got, err := p2.Capacity(); err != nil || got > int64(st.Bavail)*st.Bsize-size/2 {
+			if got, err := p2.Ledger().Capacity(); err != nil || got > int64(st.Bavail)*st.Bsize-size/2 {
 				t.Fatalf("GetCapacity after a forged ledger = %d, %v: counts a's promise as free", got, err)
 			}
 		})
@@ -480,7 +480,7 @@ func TestReplayedLedgerIsNotTrusted(t *testing.T) {
 	p := openTemp(t)
 	reserveBlock(t, p, "a", 8*MiB)
 	old := readLedgerFile(t, p)
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -489,7 +489,7 @@ func TestReplayedLedgerIsNotTrusted(t *testing.T) {
 	}
 	end()
 	putLedgerFile(t, p, old)
-	if _, err := p.readLedger(); !errors.Is(err, ErrCorrupt) {
+	if _, err := p.Ledger().read(); !errors.Is(err, ErrCorrupt) {
 		t.Fatalf("a ledger put back from an earlier copy: %v, want ErrCorrupt", err)
 	}
 }
@@ -503,20 +503,20 @@ func TestKeyedLedgerIsNotDamageToACheckWithoutTheKey(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p.SetLedgerKeys([][]byte{[]byte("0123456789abcdef0123456789abcdef")})
+	p.Ledger().SetKeys([][]byte{[]byte("0123456789abcdef0123456789abcdef")})
 	reserveBlock(t, p, "a", 8*MiB)
 	before := readLedgerFile(t, p)
 	check, err := Open(Config{Name: "k", Path: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if r, err := check.CheckLedger(ctx, true); err != nil || r.Problem != "" {
+	if r, err := check.Ledger().Check(ctx, true); err != nil || r.Problem != "" {
 		t.Fatalf("pool check without the key: %+v, %v", r, err)
 	}
 	if !bytes.Equal(before, readLedgerFile(t, p)) {
 		t.Fatal("pool check without the key rewrote the keyed ledger")
 	}
-	if _, err := p.readLedger(); err != nil {
+	if _, err := p.Ledger().read(); err != nil {
 		t.Fatalf("the keyed driver no longer trusts its ledger: %v", err)
 	}
 }

@@ -26,7 +26,7 @@ type Spec struct {
 	Topology      map[string]string
 	Source        *ContentSource
 	IOLimits      IOLimits
-	// Preallocate: the image is to be fully allocated (AllocateImage, once
+	// Preallocate: the image is to be fully allocated (Images().Allocate, once
 	// made); its bytes must fit now as well as under the overcommit policy.
 	Preallocate bool
 	Ephemeral   *EphemeralRecord
@@ -45,7 +45,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	id := p.NewID(spec.Name)
 	// The pool lock covers the decision and the few system calls that
 	// record it (a mkdir, the ledger, a volume.json): no scan, no mkfs.
-	tx, end, err := p.beginCreate(ctx)
+	tx, end, err := p.Ledger().beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -93,7 +93,7 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return nil, fmt.Errorf("create volume %s: %w", id, err)
 	}
-	if err := p.touch(volumeRel(id, lockFile)); err != nil {
+	if err := p.files().touch(volumeRel(id, lockFile)); err != nil {
 		return nil, err
 	}
 	// Counted before its record is written, as the pending entry: a crash
@@ -121,12 +121,12 @@ func (p *Pool) Reserve(ctx context.Context, spec Spec) (*Volume, error) {
 	return v, nil
 }
 
-// PrepareImage (re)creates the sparse image of a volume still in state creating.
+// Prepare (re)creates the sparse image of a volume still in state creating.
 // Whatever an interrupted attempt left (a half-written mkfs) holds no user data yet,
 // so it is thrown away rather than trusted. The image is not fsynced here: the
 // caller formats it (mkfs fsyncs what it wrote, the new size included) and
-// calls SyncImage before MarkReady, so one fsync covers both.
-func (p *Pool) PrepareImage(v *Volume) error {
+// calls Sync before MarkReady, so one fsync covers both.
+func (im Images) Prepare(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
@@ -134,10 +134,10 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	path := p.ImagePath(id)
+	path := im.p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !missing(err) {
 		return fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
@@ -152,13 +152,13 @@ func (p *Pool) PrepareImage(v *Volume) error {
 	return f.Close()
 }
 
-// SyncImage makes a volume's image durable (its size and all it holds) before
+// Sync makes a volume's image durable (its size and all it holds) before
 // MarkReady records it ready. After mkfs, which fsyncs the image itself, it
 // finds nothing left to write and costs almost nothing; it is here so that
 // the guarantee does not rest on what mkfs does.
-func (p *Pool) SyncImage(id VolumeID) error {
+func (im Images) Sync(id VolumeID) error {
 	// O_NONBLOCK: a FIFO put in the image's place must not hang the open.
-	f, err := p.openBeneath(volumeRel(id, imageFile), unix.O_RDONLY|unix.O_NONBLOCK)
+	f, err := im.p.files().openBeneath(volumeRel(id, imageFile), unix.O_RDONLY|unix.O_NONBLOCK)
 	if err != nil {
 		return err
 	}
@@ -174,10 +174,10 @@ func (p *Pool) SyncImage(id VolumeID) error {
 	return nil
 }
 
-// PrepareImageFrom (re)makes the image of a volume still in state creating as a
+// PrepareFrom (re)makes the image of a volume still in state creating as a
 // copy of the image file src (a snapshot's or another volume's), grown to the
 // volume's capacity. It returns the copy method (CopyReflink or CopyFull).
-func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (string, error) {
+func (im Images) PrepareFrom(ctx context.Context, v *Volume, src string) (string, error) {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return "", err
@@ -185,20 +185,20 @@ func (p *Pool) PrepareImageFrom(ctx context.Context, v *Volume, src string) (str
 	if v.State != StateCreating {
 		return "", fmt.Errorf("volume %s is %s, not creating: refusing to recreate its image", id, v.State)
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return "", err
 	}
-	path := p.ImagePath(id)
+	path := im.p.ImagePath(id)
 	if err := os.Remove(path); err != nil && !missing(err) {
 		return "", fmt.Errorf("remove half-made image %s: %w", path, err)
 	}
 	return fsx.CopyImage(ctx, src, path, v.CapacityBytes)
 }
 
-// DiscardImage removes the image of a volume still in state creating, after a
+// Discard removes the image of a volume still in state creating, after a
 // step that made it failed: a half-made image holds no data and must not be
 // left for anything to mistake for a volume.
-func (p *Pool) DiscardImage(v *Volume) error {
+func (im Images) Discard(v *Volume) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
@@ -206,10 +206,10 @@ func (p *Pool) DiscardImage(v *Volume) error {
 	if v.State != StateCreating {
 		return fmt.Errorf("volume %s is %s, not creating: refusing to discard its image", id, v.State)
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := im.p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
-	if err := os.Remove(p.ImagePath(id)); err != nil && !missing(err) {
+	if err := os.Remove(im.p.ImagePath(id)); err != nil && !missing(err) {
 		return fmt.Errorf("discard half-made image of volume %s: %w", id, err)
 	}
 	return nil
@@ -267,7 +267,7 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	if before != nil {
 		inTrash = func(trash string) error { return before(filepath.Join(trash, dataDir)) }
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}
@@ -275,16 +275,16 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	// A delete gives room back: on a full pool it may spend the reserve.
 	var moved bool
 	var ours []string
-	err = p.freeing(func() (err error) {
+	err = p.Ledger().freeing(func() (err error) {
 		var more []string
-		moved, more, err = p.toTrash(volumesDir, id.Key, "v-")
+		moved, more, err = p.files().toTrash(volumesDir, id.Key, "v-")
 		ours = append(ours, more...)
 		return err
 	})
 	if err == nil && moved && lerr == nil {
 		// The volumes directory changed, so a crash before this write
 		// leaves an outdated ledger, which is rebuilt.
-		err = p.freeing(func() error {
+		err = p.Ledger().freeing(func() error {
 			return tx.applyStamped(func(l *ledger) {
 				l.Volumes--
 				l.ProvisionedBytes -= v.CapacityBytes
@@ -295,11 +295,11 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	if err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
-	if err := p.emptyTrash("v-"+id.Key, ours, inTrash); err != nil {
+	if err := p.files().emptyTrash("v-"+id.Key, ours, inTrash); err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
 	if lerr == nil && v.Quota != nil {
-		p.releaseQuotaID(v.Quota.Kind, v.Quota.ID, id.Key)
+		p.QuotaIDs().release(v.Quota.Kind, v.Quota.ID, id.Key)
 	}
 	return nil
 }
@@ -313,8 +313,8 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 // Both directories are opened once, below the pool and through no link, and
 // the rename acts on those descriptors: a link swapped in for either after the
 // check (anyone may write a shared pool) cannot move a volume elsewhere.
-func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
-	parent, err := fsx.OpenDir(p.cfg.Path, parentRel)
+func (fl files) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
+	parent, err := fsx.OpenDir(fl.root, parentRel)
 	if err != nil {
 		return false, nil, unsafe(err)
 	}
@@ -331,7 +331,7 @@ func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string
 	if len(names) == 0 {
 		return false, nil, nil
 	}
-	trash, err := p.openTrash()
+	trash, err := fl.openTrash()
 	if err != nil {
 		return false, nil, err
 	}
@@ -344,23 +344,23 @@ func (p *Pool) toTrash(parentRel, key, prefix string) (moved bool, ours []string
 			moved = moved || name == key
 			ours = append(ours, dst)
 		case !errors.Is(err, unix.ENOENT):
-			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(p.cfg.Path, parentRel, name), filepath.Join(p.cfg.Path, trashDir), err)
+			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(fl.root, parentRel, name), filepath.Join(fl.root, trashDir), err)
 		}
 	}
 	return moved, ours, nil
 }
 
 // openTrash opens the pool's trash directory, making it first if need be.
-func (p *Pool) openTrash() (*os.File, error) {
-	root, err := fsx.OpenDir(p.cfg.Path, ".")
+func (fl files) openTrash() (*os.File, error) {
+	root, err := fsx.OpenDir(fl.root, ".")
 	if err != nil {
 		return nil, unsafe(err)
 	}
 	defer root.Close()
 	if err := unix.Mkdirat(int(root.Fd()), trashDir, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
-		return nil, fmt.Errorf("make %s: %w", filepath.Join(p.cfg.Path, trashDir), err)
+		return nil, fmt.Errorf("make %s: %w", filepath.Join(fl.root, trashDir), err)
 	}
-	trash, err := fsx.OpenDir(p.cfg.Path, trashDir)
+	trash, err := fsx.OpenDir(fl.root, trashDir)
 	if err != nil {
 		return nil, unsafe(err)
 	}
@@ -374,8 +374,8 @@ func (p *Pool) openTrash() (*os.File, error) {
 // through the trash directory's descriptor (/proc/<pid>/fd/N/entry, a path a
 // helper the step runs can use too), so a link swapped in for the trash
 // directory cannot aim the removal elsewhere.
-func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) error) error {
-	trash, err := fsx.OpenDir(p.cfg.Path, trashDir)
+func (fl files) emptyTrash(name string, ours []string, before func(dir string) error) error {
+	trash, err := fsx.OpenDir(fl.root, trashDir)
 	if missing(err) {
 		return nil
 	}
@@ -385,7 +385,7 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 	defer trash.Close()
 	des, err := trash.ReadDir(-1)
 	if err != nil {
-		return fmt.Errorf("read directory %s: %w", filepath.Join(p.cfg.Path, trashDir), err)
+		return fmt.Errorf("read directory %s: %w", filepath.Join(fl.root, trashDir), err)
 	}
 	dir := fmt.Sprintf("/proc/%d/fd/%d", os.Getpid(), trash.Fd())
 	removed := false
@@ -393,7 +393,7 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 		if !de.IsDir() || !strings.HasPrefix(de.Name(), name+"-") {
 			continue
 		}
-		if !slices.Contains(ours, de.Name()) && lockHeld(p.cfg.Path, filepath.Join(trashDir, de.Name(), lockFile)) {
+		if !slices.Contains(ours, de.Name()) && lockHeld(fl.root, filepath.Join(trashDir, de.Name(), lockFile)) {
 			continue
 		}
 		if before != nil {
@@ -415,10 +415,10 @@ func (p *Pool) emptyTrash(name string, ours []string, before func(dir string) er
 
 // touch creates the pool file rel if it is missing (a link planted there is
 // refused, never followed to create a file elsewhere).
-func (p *Pool) touch(rel string) error {
-	f, err := fsx.OpenRegular(p.cfg.Path, rel, unix.O_RDWR|unix.O_CREAT, 0o600)
+func (fl files) touch(rel string) error {
+	f, err := fsx.OpenRegular(fl.root, rel, unix.O_RDWR|unix.O_CREAT, 0o600)
 	if err != nil {
-		return fmt.Errorf("create %s: %w", filepath.Join(p.cfg.Path, rel), unsafe(err))
+		return fmt.Errorf("create %s: %w", filepath.Join(fl.root, rel), unsafe(err))
 	}
 	return f.Close()
 }

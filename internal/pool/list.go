@@ -42,22 +42,24 @@ const settleTime = 2 * time.Second
 // volumeKeys returns the pool's volume keys, sorted. The slice is shared:
 // callers do not modify it.
 func (p *Pool) volumeKeys() ([]string, error) {
-	return p.cachedKeys(&p.keys, filepath.Join(p.cfg.Path, volumesDir))
+	return p.keys.load(p.cfg.Name, filepath.Join(p.cfg.Path, volumesDir))
 }
 
-// snapshotKeys is volumeKeys for snapshots; no snapshots directory is none.
-func (p *Pool) snapshotKeys() ([]string, error) {
-	dir := filepath.Join(p.cfg.Path, snapshotsDir)
+// keys is volumeKeys for snapshots; no snapshots directory is none.
+func (ss Snapshots) keys() ([]string, error) {
+	dir := filepath.Join(ss.p.cfg.Path, snapshotsDir)
 	if _, err := os.Lstat(dir); missing(err) {
 		return nil, nil
 	}
-	return p.cachedKeys(&p.snapKeys, dir)
+	return ss.p.snapKeys.load(ss.p.cfg.Name, dir)
 }
 
-func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
+// load returns the sorted keys of dir, the directory of pool's volumes or
+// snapshots, read again only when it changed.
+func (c *keyCache) load(pool, dir string) ([]string, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, pool, err)
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -67,7 +69,7 @@ func (p *Pool) cachedKeys(c *keyCache, dir string) ([]string, error) {
 	readAt := time.Now()
 	names, err := readNames(dir)
 	if err != nil {
-		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, pool, err)
 	}
 	keys := names[:0]
 	for _, n := range names {
@@ -124,7 +126,7 @@ func page[E any](keys []string, from string, limit int, load func(key string) (E
 
 // ListPage is Pool.ListPage for snapshots.
 func (ss Snapshots) ListPage(from string, limit int, keep func(SnapshotEntry) bool) ([]SnapshotEntry, string, error) {
-	keys, err := ss.p.snapshotKeys()
+	keys, err := ss.keys()
 	if err != nil {
 		return nil, "", err
 	}

@@ -19,7 +19,7 @@ import (
 // expand, delete) across every process and node that shares the pool. It is a lock
 // file, not a mutex: on a shared filesystem the other holder is another machine.
 func (p *Pool) LockPool(ctx context.Context) (unlock func(), err error) {
-	return p.lockFileAt(ctx, poolLock, true)
+	return p.files().lockFileAt(ctx, poolLock, true)
 }
 
 // lockToCreate is the preamble of every call that makes a record under the
@@ -37,7 +37,7 @@ func (p *Pool) lockToCreate(ctx context.Context) (unlock func(), err error) {
 // ErrNotFound when the volume does not exist (or is deleted while waiting), so
 // no caller ever acts on a volume that vanished under it.
 func (p *Pool) LockVolume(ctx context.Context, id VolumeID) (unlock func(), err error) {
-	return p.lockFileAt(ctx, volumeRel(id, lockFile), false)
+	return p.files().lockFileAt(ctx, volumeRel(id, lockFile), false)
 }
 
 // lockPatience bounds the wait for a lock when the call has no deadline of its
@@ -47,8 +47,8 @@ const lockPatience = 30 * time.Second
 
 // lockFileAt takes the lock file rel of the pool (opened below the pool's root,
 // never through a link, and only if it is a regular file).
-func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(), error) {
-	path := filepath.Join(p.cfg.Path, rel)
+func (fl files) lockFileAt(ctx context.Context, rel string, create bool) (func(), error) {
+	path := filepath.Join(fl.root, rel)
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeoutCause(ctx, lockPatience, ErrBusy)
@@ -59,9 +59,9 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 		flags |= os.O_CREATE
 	}
 	for {
-		f, err := openLock(ctx, p.cfg.Path, rel, flags)
+		f, err := openLock(ctx, fl.root, rel, flags)
 		if err != nil {
-			err = p.classify(err)
+			err = fl.classify(err)
 			if ctx.Err() != nil {
 				if errors.Is(context.Cause(ctx), ErrBusy) {
 					err = fmt.Errorf("%w: waited %s: %w", ErrBusy, lockPatience, err)
@@ -95,7 +95,7 @@ func (p *Pool) lockFileAt(ctx context.Context, rel string, create bool) (func(),
 			}
 			continue
 		}
-		p.writeHolder(f)
+		fl.writeHolder(f)
 		return func() { f.Close() }, nil // closing releases the flock
 	}
 }
@@ -191,8 +191,8 @@ func lastHolder(path string) string {
 // shared pool it is another machine. It writes only when the record changes,
 // so taking a lock again leaves the file alone. Best effort: the record is a
 // message, not part of the lock.
-func (p *Pool) writeHolder(f *os.File) {
-	node := p.node
+func (fl files) writeHolder(f *os.File) {
+	node := fl.node
 	if node == "" {
 		node, _ = os.Hostname()
 	}
@@ -239,4 +239,4 @@ func lockHeld(root, rel string) bool {
 // no volume.json yet, a .deleting- directory) is then not damage. On a shared
 // filesystem another node's half-done step can be visible for seconds (on
 // CephFS a metadata change from another client waits for the MDS's journal).
-func (p *Pool) changing() bool { return lockHeld(p.cfg.Path, poolLock) }
+func (fl files) changing() bool { return lockHeld(fl.root, poolLock) }

@@ -38,18 +38,18 @@ func (l IOLimits) validate() error {
 // its kernel seam's, so the fake kernel can fail it.
 type Allocator func(f *os.File, off, length int64) error
 
-// AllocateImage makes every block of an image volume's file allocated, so a
+// Allocate makes every block of an image volume's file allocated, so a
 // full pool can no longer fail its writes with ENOSPC. The bytes to allocate
 // must fit now (admitAllocation), decided under the pool lock; a file already
 // fully allocated costs one fstat. The caller holds the volume's lock. A
 // failing allocate leaves the image as it was in size and content (blocks it
 // did allocate read as zeros, as holes do), so the volume stays usable.
-func (p *Pool) AllocateImage(ctx context.Context, v *Volume, allocate Allocator) error {
+func (im Images) Allocate(ctx context.Context, v *Volume, allocate Allocator) error {
 	id, err := ParseVolumeID(v.ID)
 	if err != nil {
 		return err
 	}
-	h, err := p.OpenImage(id)
+	h, err := im.p.OpenImage(id)
 	if err != nil {
 		return fmt.Errorf("volume %s: image: %w", id, err)
 	}
@@ -69,7 +69,7 @@ func (p *Pool) AllocateImage(ctx context.Context, v *Volume, allocate Allocator)
 	if need <= 0 {
 		return nil
 	}
-	tx, end, err := p.beginLedger(ctx)
+	tx, end, err := im.p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}
@@ -122,7 +122,7 @@ func (p *Pool) Modify(ctx context.Context, id VolumeID, change func(v *Volume) e
 	if v.Preallocate && v.Layout == LayoutImage {
 		// Even when the record already said so: a filesystem's discards
 		// (fstrim) punch holes through the loop device, and this fills them.
-		if err := p.AllocateImage(ctx, v, allocate); err != nil {
+		if err := p.Images().Allocate(ctx, v, allocate); err != nil {
 			return nil, err
 		}
 	}

@@ -70,7 +70,7 @@ type Pool struct {
 	capacity capacityCache
 	// reserve is this process's view of the pool's reserve file (reserve.go).
 	reserve reserveState
-	// ledgerKeysP signs the ledger (SetLedgerKeys); ledgerSeq is the
+	// ledgerKeysP signs the ledger (Ledger().SetKeys); ledgerSeq is the
 	// highest ledger write seen here (ledger.go).
 	ledgerKeysP atomic.Pointer[[][]byte]
 	ledgerSeq   atomic.Uint64
@@ -78,7 +78,7 @@ type Pool struct {
 	// (Publications().EnsureIndex).
 	indexed atomic.Bool
 	// quotaIndexed is set once the quota ID index is known to exist
-	// (ensureQuotaIndex).
+	// (QuotaIDs().ensureIndex).
 	quotaIndexed atomic.Bool
 }
 
@@ -219,7 +219,7 @@ type poolInfo struct {
 func (p *Pool) readMeta() error {
 	var info poolInfo
 	metaPath := filepath.Join(p.cfg.Path, poolMeta)
-	raw, err := p.readBeneath(poolMeta, maxPoolMeta)
+	raw, err := p.files().readBeneath(poolMeta, maxPoolMeta)
 	switch {
 	case missing(err):
 		return err
@@ -262,7 +262,7 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, Share: p.cfg.Share})
-		if err := p.writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
+		if err := p.files().writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
 			return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, metaPath, err)
 		}
 		return nil
@@ -340,13 +340,13 @@ type imageStat struct {
 	err             error
 }
 
-// EntryImageStat is ImageStat of a listed volume: the stat the listing took
+// EntryStat is Stat of a listed volume: the stat the listing took
 // with its record, or a new one.
-func (p *Pool) EntryImageStat(e Entry) (size, allocated int64, err error) {
+func (im Images) EntryStat(e Entry) (size, allocated int64, err error) {
 	if e.image != nil {
 		return e.image.size, e.image.allocated, e.image.err
 	}
-	return p.ImageStat(e.ID)
+	return im.Stat(e.ID)
 }
 
 // loadListed loads a volume found in the volumes directory. A directory
@@ -358,30 +358,30 @@ func (p *Pool) EntryImageStat(e Entry) (size, allocated int64, err error) {
 func (p *Pool) loadListed(t *fsx.Tree, id VolumeID) (Entry, bool) {
 	v, err := p.loadIn(t, id)
 	if missing(err) {
-		if !p.VolumeExists(id) || p.changing() {
+		if !p.VolumeExists(id) || p.files().changing() {
 			return Entry{}, false
 		}
 		v, err = p.loadIn(t, id) // the create may have finished between the two looks
 	}
 	e := Entry{ID: id, Volume: v, Err: err}
 	if t != nil && err == nil && v.Layout == LayoutImage {
-		e.image = p.imageStatIn(t, id)
+		e.image = p.Images().statIn(t, id)
 	}
 	return e, true
 }
 
-// imageStatIn is ImageStat through a tree of the pool opened for a batch.
-func (p *Pool) imageStatIn(t *fsx.Tree, id VolumeID) *imageStat {
+// statIn is Stat through a tree of the pool opened for a batch.
+func (im Images) statIn(t *fsx.Tree, id VolumeID) *imageStat {
 	st, err := t.Stat(volumeRel(id, imageFile), false)
 	if err != nil {
-		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(p.classify(err)))}
+		return &imageStat{err: fmt.Errorf("volume %s: image: %w", id, notFound(im.p.files().classify(err)))}
 	}
 	return &imageStat{size: st.Size, allocated: st.Blocks * 512}
 }
 
 // List returns the pool's volumes sorted by ID.
 func (p *Pool) List() ([]Entry, error) {
-	des, err := p.readDir(volumesDir)
+	des, err := p.files().readDir(volumesDir)
 	if err != nil {
 		return nil, fmt.Errorf("%w: list pool %s: %w", ErrUnavailable, p.cfg.Name, err)
 	}

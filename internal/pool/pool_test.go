@@ -68,7 +68,7 @@ func TestReserveIsIdempotentAndAtomic(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.PrepareImage(v1); err != nil {
+	if err := p.Images().Prepare(v1); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v1); err != nil {
@@ -78,8 +78,8 @@ func TestReserveIsIdempotentAndAtomic(t *testing.T) {
 	if err != nil || v2.ID != v1.ID || v2.State != StateReady {
 		t.Fatalf("second Reserve = %+v, %v", v2, err)
 	}
-	if err := p.PrepareImage(v2); err == nil {
-		t.Fatal("PrepareImage recreated the image of a ready volume")
+	if err := p.Images().Prepare(v2); err == nil {
+		t.Fatal("Images().Prepare recreated the image of a ready volume")
 	}
 	fi, err := os.Stat(p.ImagePath(NewVolumeID("test", "pvc-a")))
 	if err != nil || fi.Size() != 8*MiB {
@@ -111,7 +111,7 @@ func TestReserveAfterLostCreatingRecord(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	id := NewVolumeID("test", "pvc-lost")
@@ -134,10 +134,10 @@ func TestReserveAfterLostCreatingRecord(t *testing.T) {
 	if err != nil || v.State != StateCreating {
 		t.Fatalf("retried Reserve = %+v, %v", v, err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
-	if err := p.SyncImage(id); err != nil {
+	if err := p.Images().Sync(id); err != nil {
 		t.Fatal(err)
 	}
 	if err := p.MarkReady(v); err != nil {
@@ -154,7 +154,7 @@ func TestReserveAfterLostCreatingRecord(t *testing.T) {
 
 func TestReserveRefusesWhenFull(t *testing.T) {
 	p := openTemp(t)
-	u, err := p.Usage()
+	u, err := p.Ledger().Usage()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,7 +175,7 @@ func TestDeleteRemovesOnlyTheVolume(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := p.PrepareImage(v); err != nil {
+		if err := p.Images().Prepare(v); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -250,17 +250,17 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	if _, err := p.Snapshots().Load(p.Snapshots().NewID("s")); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Snapshots().Load of a missing snapshot: %v, want ErrNotFound", err)
 	}
-	if _, err := p.ImageSize(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
-		t.Errorf("ImageSize of a volume without its image: %v, want ErrNotFound", err)
+	if _, err := p.Images().Size(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Images().Size of a volume without its image: %v, want ErrNotFound", err)
 	}
-	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
-		t.Errorf("VolumeAllocated of a volume without its image: %v, want ErrNotFound", err)
+	if _, err := p.Snapshots().SourceAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutImage}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Snapshots().SourceAllocated of a volume without its image: %v, want ErrNotFound", err)
 	}
-	if _, err := p.VolumeAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
-		t.Errorf("VolumeAllocated of a volume without its data directory: %v, want ErrNotFound", err)
+	if _, err := p.Snapshots().SourceAllocated(NewVolumeID("test", "v"), &Volume{Layout: LayoutDir}); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Snapshots().SourceAllocated of a volume without its data directory: %v, want ErrNotFound", err)
 	}
-	if err := p.SyncImage(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
-		t.Errorf("SyncImage of a volume without its image: %v, want ErrNotFound", err)
+	if err := p.Images().Sync(NewVolumeID("test", "v")); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Images().Sync of a volume without its image: %v, want ErrNotFound", err)
 	}
 	if err := p.save(&Volume{ID: gone.String(), Name: "gone"}, true); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Save of a volume whose directory is gone: %v, want ErrNotFound", err)
@@ -273,8 +273,8 @@ func TestNotFoundIsOnlyAMissingVolume(t *testing.T) {
 	for name, err := range map[string]error{
 		"Load":       func() error { _, err := p.Load(id); return err }(),
 		"LockVolume": func() error { _, err := p.LockVolume(ctx, id); return err }(),
-		"ImageSize":  func() error { _, err := p.ImageSize(id); return err }(),
-		"SyncImage":  p.SyncImage(id),
+		"ImageSize":  func() error { _, err := p.Images().Size(id); return err }(),
+		"SyncImage":  p.Images().Sync(id),
 		"Save":       p.save(&Volume{ID: id.String(), Name: "v", CapacityBytes: MiB}, true),
 		"List":       func() error { _, err := p.List(); return err }(),
 		"Check":      p.Check(),
@@ -308,7 +308,7 @@ func TestDeleteFinishesAnInterruptedDelete(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := p.PrepareImage(v); err != nil {
+	if err := p.Images().Prepare(v); err != nil {
 		t.Fatal(err)
 	}
 	id := NewVolumeID("test", "a")

@@ -138,7 +138,7 @@ func (pb Publications) RegisterNode(node string, topology map[string]string, max
 		return fmt.Errorf("pool %s: register node %s: %w", pb.p.cfg.Name, node, err)
 	}
 	raw, _ := json.MarshalIndent(NodeRecord{Node: node, Topology: topology, MaxVolumes: maxVolumes, RegisteredAt: time.Now().UTC()}, "", "  ")
-	return pb.p.writeBeneath(pb.nodeRel(node), append(raw, '\n'), true)
+	return pb.p.files().writeBeneath(pb.nodeRel(node), append(raw, '\n'), true)
 }
 
 // Node reads node's registration; ok is false when it never registered.
@@ -146,7 +146,7 @@ func (pb Publications) Node(node string) (rec NodeRecord, ok bool, err error) {
 	if err := ValidateNodeID(node); err != nil {
 		return rec, false, err
 	}
-	raw, err := pb.p.readBeneath(pb.nodeRel(node), maxNodeRecord)
+	raw, err := pb.p.files().readBeneath(pb.nodeRel(node), maxNodeRecord)
 	switch {
 	case missing(err):
 		return rec, false, nil

@@ -40,6 +40,12 @@ const (
 	maxQuotaClaim  = 4 << 10
 )
 
+// QuotaIDs is the pool's index of quota ID claims (quota-ids/).
+type QuotaIDs struct{ p *Pool }
+
+// QuotaIDs is the pool's quota ID claims.
+func (p *Pool) QuotaIDs() QuotaIDs { return QuotaIDs{p} }
+
 func quotaClaimRel(kind string, qid uint64) string {
 	return filepath.Join(quotaIDsDir, kind, strconv.FormatUint(qid, 10))
 }
@@ -52,29 +58,29 @@ func validQuotaKind(kind string) bool {
 	return strings.Trim(kind, "abcdefghijklmnopqrstuvwxyz0123456789-") == ""
 }
 
-// ClaimQuotaID takes quota ID qid of kind for volume vol, if no other volume
+// Claim takes quota ID qid of kind for volume vol, if no other volume
 // holds it, and tells whether it did. The caller holds vol's lock. A claim vol
 // already holds (an interrupted attempt's) is vol's again.
-func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid uint64) (bool, error) {
+func (qs QuotaIDs) Claim(ctx context.Context, kind string, vol VolumeID, qid uint64) (bool, error) {
 	if !validQuotaKind(kind) {
 		return false, fmt.Errorf("quota kind %q is not one a driver uses", kind)
 	}
-	if err := p.ensureQuotaIndex(ctx); err != nil {
+	if err := qs.ensureIndex(ctx); err != nil {
 		return false, err
 	}
 	dir := filepath.Join(quotaIDsDir, kind)
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
-		return false, fmt.Errorf("pool %s: claim quota ID %d: %w", p.cfg.Name, qid, err)
+	if err := os.MkdirAll(filepath.Join(qs.p.cfg.Path, dir), 0o750); err != nil {
+		return false, fmt.Errorf("pool %s: claim quota ID %d: %w", qs.p.cfg.Name, qid, err)
 	}
-	if err := p.checkDir(dir); err != nil {
+	if err := qs.p.files().checkDir(dir); err != nil {
 		return false, err
 	}
 	rel := quotaClaimRel(kind, qid)
-	claimed, err := p.createClaim(rel, vol.Key, true)
+	claimed, err := qs.create(rel, vol.Key, true)
 	if err != nil || claimed {
 		return claimed, err
 	}
-	owner, err := p.readBeneath(rel, maxQuotaClaim)
+	owner, err := qs.p.files().readBeneath(rel, maxQuotaClaim)
 	if err != nil {
 		// Unreadable (a link, a FIFO, garbage a node left): it is not known
 		// to be free, so it is not taken; pool check names it.
@@ -85,30 +91,30 @@ func (p *Pool) ClaimQuotaID(ctx context.Context, kind string, vol VolumeID, qid 
 	}
 	// Maybe stale: decided under the pool lock, so that two creates never
 	// both take one stale claim over.
-	unlock, err := p.LockPool(ctx)
+	unlock, err := qs.p.LockPool(ctx)
 	if err != nil {
 		return false, err
 	}
 	defer unlock()
-	owner, err = p.readBeneath(rel, maxQuotaClaim)
-	if err != nil || !keyRE.MatchString(string(owner)) || !p.staleClaim(kind, p.IDOf(string(owner)), qid) {
+	owner, err = qs.p.files().readBeneath(rel, maxQuotaClaim)
+	if err != nil || !keyRE.MatchString(string(owner)) || !qs.stale(kind, qs.p.IDOf(string(owner)), qid) {
 		return string(owner) == vol.Key, nil
 	}
-	if err := p.writeBeneath(rel, []byte(vol.Key), true); err != nil {
-		return false, fmt.Errorf("pool %s: take over stale quota ID %d: %w", p.cfg.Name, qid, err)
+	if err := qs.p.files().writeBeneath(rel, []byte(vol.Key), true); err != nil {
+		return false, fmt.Errorf("pool %s: take over stale quota ID %d: %w", qs.p.cfg.Name, qid, err)
 	}
 	return true, nil
 }
 
-// createClaim makes the claim file rel holding key (with durable, made to
+// create makes the claim file rel holding key (with durable, made to
 // survive a crash before it returns) if it does not exist; false if it does.
-func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
-	f, err := p.openBeneath(rel, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL)
+func (qs QuotaIDs) create(rel, key string, durable bool) (bool, error) {
+	f, err := qs.p.files().openBeneath(rel, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL)
 	if errors.Is(err, os.ErrExist) {
 		return false, nil
 	}
 	if err != nil {
-		return false, fmt.Errorf("pool %s: claim %s: %w", p.cfg.Name, rel, err)
+		return false, fmt.Errorf("pool %s: claim %s: %w", qs.p.cfg.Name, rel, err)
 	}
 	_, werr := f.WriteString(key)
 	if werr == nil && durable {
@@ -118,69 +124,69 @@ func (p *Pool) createClaim(rel, key string, durable bool) (bool, error) {
 		werr = cerr
 	}
 	if werr == nil && durable {
-		werr = syncDir(filepath.Dir(filepath.Join(p.cfg.Path, rel)))
+		werr = syncDir(filepath.Dir(filepath.Join(qs.p.cfg.Path, rel)))
 	}
 	if werr != nil {
-		_ = os.Remove(filepath.Join(p.cfg.Path, rel))
-		return false, fmt.Errorf("pool %s: claim %s: %w", p.cfg.Name, rel, werr)
+		_ = os.Remove(filepath.Join(qs.p.cfg.Path, rel))
+		return false, fmt.Errorf("pool %s: claim %s: %w", qs.p.cfg.Name, rel, werr)
 	}
 	return true, nil
 }
 
-// staleClaim tells whether owner's claim of qid stands for nothing: owner is
+// stale tells whether owner's claim of qid stands for nothing: owner is
 // gone, or records another ID, and no call holds its lock (a create holds it
 // from before it claims until it records the ID). Anything unclear (a
 // damaged volume.json, a volume still creating) counts as holding it.
-func (p *Pool) staleClaim(kind string, owner VolumeID, qid uint64) bool {
-	if lockHeld(p.cfg.Path, volumeRel(owner, lockFile)) {
+func (qs QuotaIDs) stale(kind string, owner VolumeID, qid uint64) bool {
+	if lockHeld(qs.p.cfg.Path, volumeRel(owner, lockFile)) {
 		return false
 	}
-	v, err := p.Load(owner)
+	v, err := qs.p.Load(owner)
 	switch {
 	case missing(err):
-		return !p.VolumeExists(owner)
+		return !qs.p.VolumeExists(owner)
 	case err != nil, v.State != StateReady:
 		return false
 	}
 	return v.Quota == nil || v.Quota.Kind != kind || v.Quota.ID != qid
 }
 
-// releaseQuotaID removes vol's claim of qid, after the volume is gone. Not
+// release removes vol's claim of qid, after the volume is gone. Not
 // fsynced, and best effort: a claim a crash leaves is stale, and taken over.
-func (p *Pool) releaseQuotaID(kind string, qid uint64, key string) {
+func (qs QuotaIDs) release(kind string, qid uint64, key string) {
 	if qid == 0 || !validQuotaKind(kind) {
 		return
 	}
 	rel := quotaClaimRel(kind, qid)
-	if owner, err := p.readBeneath(rel, maxQuotaClaim); err == nil && string(owner) == key {
-		_ = os.Remove(filepath.Join(p.cfg.Path, rel))
+	if owner, err := qs.p.files().readBeneath(rel, maxQuotaClaim); err == nil && string(owner) == key {
+		_ = os.Remove(filepath.Join(qs.p.cfg.Path, rel))
 	}
 }
 
-// ensureQuotaIndex builds the index from every volume.json if the pool does
+// ensureIndex builds the index from every volume.json if the pool does
 // not have it yet (a pool an older version made), once per pool and process,
 // under the pool lock so that no claim is made while it is incomplete.
-func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
-	if p.quotaIndexed.Load() {
+func (qs QuotaIDs) ensureIndex(ctx context.Context) error {
+	if qs.p.quotaIndexed.Load() {
 		return nil
 	}
 	done := filepath.Join(quotaIDsDir, quotaIndexDone)
-	if _, err := p.readBeneath(done, maxMarker); err == nil {
-		p.quotaIndexed.Store(true)
+	if _, err := qs.p.files().readBeneath(done, maxMarker); err == nil {
+		qs.p.quotaIndexed.Store(true)
 		return nil
 	}
-	unlock, err := p.LockPool(ctx)
+	unlock, err := qs.p.LockPool(ctx)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	if _, err := p.readBeneath(done, maxMarker); err == nil {
-		p.quotaIndexed.Store(true)
+	if _, err := qs.p.files().readBeneath(done, maxMarker); err == nil {
+		qs.p.quotaIndexed.Store(true)
 		return nil
 	}
-	entries, err := p.List()
+	entries, err := qs.p.List()
 	if err != nil {
-		return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
+		return fmt.Errorf("pool %s: build the quota ID index: %w", qs.p.cfg.Name, err)
 	}
 	dirs := map[string]bool{}
 	for _, e := range entries {
@@ -189,31 +195,31 @@ func (p *Pool) ensureQuotaIndex(ctx context.Context) error {
 		}
 		q := e.Volume.Quota
 		dir := filepath.Join(quotaIDsDir, q.Kind)
-		if err := os.MkdirAll(filepath.Join(p.cfg.Path, dir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
+		if err := os.MkdirAll(filepath.Join(qs.p.cfg.Path, dir), 0o750); err != nil {
+			return fmt.Errorf("pool %s: build the quota ID index: %w", qs.p.cfg.Name, err)
 		}
-		if err := p.checkDir(dir); err != nil {
+		if err := qs.p.files().checkDir(dir); err != nil {
 			return err
 		}
 		// Added, never replaced: a duplicate (two volumes an older version
 		// gave one ID) keeps its first owner; pool check reports both.
-		if _, err := p.createClaim(quotaClaimRel(q.Kind, q.ID), e.ID.Key, false); err != nil {
+		if _, err := qs.create(quotaClaimRel(q.Kind, q.ID), e.ID.Key, false); err != nil {
 			return err
 		}
 		dirs[dir] = true
 	}
 	// One fsync per directory, not per claim; the done marker comes after.
 	for dir := range dirs {
-		if err := syncDir(filepath.Join(p.cfg.Path, dir)); err != nil {
+		if err := syncDir(filepath.Join(qs.p.cfg.Path, dir)); err != nil {
 			return err
 		}
 	}
-	if err := os.MkdirAll(filepath.Join(p.cfg.Path, quotaIDsDir), 0o750); err != nil {
-		return fmt.Errorf("pool %s: build the quota ID index: %w", p.cfg.Name, err)
+	if err := os.MkdirAll(filepath.Join(qs.p.cfg.Path, quotaIDsDir), 0o750); err != nil {
+		return fmt.Errorf("pool %s: build the quota ID index: %w", qs.p.cfg.Name, err)
 	}
-	if err := p.writeBeneath(done, []byte("1\n"), true); err != nil {
+	if err := qs.p.files().writeBeneath(done, []byte("1\n"), true); err != nil {
 		return err
 	}
-	p.quotaIndexed.Store(true)
+	qs.p.quotaIndexed.Store(true)
 	return nil
 }

@@ -39,11 +39,11 @@ func noSpace(err error) bool {
 
 // keepReserve allocates the reserve file if it is not whole (best effort: on a
 // full pool it stays as it is, and a later transaction tries again).
-func (p *Pool) keepReserve() {
-	if p.reserve.held.Load() {
+func (lg Ledger) keepReserve() {
+	if lg.p.reserve.held.Load() {
 		return
 	}
-	f, err := fsx.OpenRegular(p.cfg.Path, reserveFile, unix.O_RDWR|unix.O_CREAT, 0o600)
+	f, err := fsx.OpenRegular(lg.p.cfg.Path, reserveFile, unix.O_RDWR|unix.O_CREAT, 0o600)
 	if err != nil {
 		return // a link or a FIFO in its place: pool check names it
 	}
@@ -52,15 +52,15 @@ func (p *Pool) keepReserve() {
 		return
 	}
 	if f.Sync() == nil {
-		p.reserve.held.Store(true)
+		lg.p.reserve.held.Store(true)
 	}
 }
 
 // spendReserve gives the reserve's blocks back to the filesystem, and tells
 // whether it held any.
-func (p *Pool) spendReserve() bool {
-	p.reserve.held.Store(false)
-	f, err := fsx.OpenRegular(p.cfg.Path, reserveFile, unix.O_RDWR, 0)
+func (lg Ledger) spendReserve() bool {
+	lg.p.reserve.held.Store(false)
+	f, err := fsx.OpenRegular(lg.p.cfg.Path, reserveFile, unix.O_RDWR, 0)
 	if err != nil {
 		return false
 	}
@@ -74,9 +74,9 @@ func (p *Pool) spendReserve() bool {
 
 // freeing runs a write that gives room back (or takes none for good): if it
 // fails for lack of space, the reserve is spent and the write tried once more.
-func (p *Pool) freeing(write func() error) error {
+func (lg Ledger) freeing(write func() error) error {
 	err := write()
-	if noSpace(err) && p.spendReserve() {
+	if noSpace(err) && lg.spendReserve() {
 		err = write()
 	}
 	return err

@@ -44,6 +44,16 @@ const (
 	maxMarker       = 4 << 10 // the publish index's empty markers
 )
 
+// files is the safe-file layer below a pool's root: every open, bounded read,
+// atomic write, listing, lock file and trash move of the pool goes through it,
+// so the rules above live in one type. It holds only what the checks need: the
+// root the operator configured, the pool's name for errors and the node named
+// in lock files.
+type files struct{ root, name, node string }
+
+// files is the pool's safe-file layer.
+func (p *Pool) files() files { return files{root: p.cfg.Path, name: p.cfg.Name, node: p.node} }
+
 // unsafe turns fsx's classification into the pool's: a file that is a link,
 // of the wrong kind or too large is damage.
 func unsafe(err error) error {
@@ -56,10 +66,10 @@ func unsafe(err error) error {
 // openBeneath opens rel (slash-separated, relative to the pool's root) without
 // following any link and without leaving the pool. A missing one is
 // ErrNotFound (a volume's image).
-func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
-	f, err := fsx.OpenBeneath(p.cfg.Path, rel, flags, 0)
+func (fl files) openBeneath(rel string, flags int) (*os.File, error) {
+	f, err := fsx.OpenBeneath(fl.root, rel, flags, 0)
 	if err != nil {
-		return nil, notFound(p.classify(err))
+		return nil, notFound(fl.classify(err))
 	}
 	return f, nil
 }
@@ -67,20 +77,20 @@ func (p *Pool) openBeneath(rel string, flags int) (*os.File, error) {
 // classify gives an error of fsx a class: the pool's root that cannot be
 // opened is an unavailable pool (whatever the cause, ENOENT included), a file
 // that is a link, of the wrong kind or too large is damage.
-func (p *Pool) classify(err error) error {
+func (fl files) classify(err error) error {
 	var pe *os.PathError
-	if errors.As(err, &pe) && pe.Path == p.cfg.Path && !errors.Is(err, ErrUnavailable) {
-		return fmt.Errorf("%w: open pool %s at %s: %w", ErrUnavailable, p.cfg.Name, p.cfg.Path, pe.Err)
+	if errors.As(err, &pe) && pe.Path == fl.root && !errors.Is(err, ErrUnavailable) {
+		return fmt.Errorf("%w: open pool %s at %s: %w", ErrUnavailable, fl.name, fl.root, pe.Err)
 	}
 	return unsafe(err)
 }
 
 // openKind opens rel as a handle and requires it to be a regular file (dir
 // false) or a directory (dir true). A missing one is ErrNotFound.
-func (p *Pool) openKind(rel string, dir bool) (*Handle, error) {
-	f, err := fsx.OpenPath(p.cfg.Path, rel, dir)
+func (fl files) openKind(rel string, dir bool) (*Handle, error) {
+	f, err := fsx.OpenPath(fl.root, rel, dir)
 	if err != nil {
-		return nil, notFound(p.classify(err))
+		return nil, notFound(fl.classify(err))
 	}
 	return &Handle{f: f}, nil
 }
@@ -95,44 +105,44 @@ func snapshotRel(id SnapshotID, name ...string) string {
 
 // OpenImage opens a volume's image file.
 func (p *Pool) OpenImage(id VolumeID) (*Handle, error) {
-	return p.openKind(volumeRel(id, imageFile), false)
+	return p.files().openKind(volumeRel(id, imageFile), false)
 }
 
 // OpenData opens a dir volume's data directory.
 func (p *Pool) OpenData(id VolumeID) (*Handle, error) {
-	return p.openKind(volumeRel(id, dataDir), true)
+	return p.files().openKind(volumeRel(id, dataDir), true)
 }
 
 // OpenImage opens an image snapshot's copy.
 func (ss Snapshots) OpenImage(id SnapshotID) (*Handle, error) {
-	return ss.p.openKind(snapshotRel(id, snapshotImage), false)
+	return ss.p.files().openKind(snapshotRel(id, snapshotImage), false)
 }
 
 // OpenData opens a dir snapshot's copied tree.
 func (ss Snapshots) OpenData(id SnapshotID) (*Handle, error) {
-	return ss.p.openKind(snapshotRel(id, dataDir), true)
+	return ss.p.files().openKind(snapshotRel(id, dataDir), true)
 }
 
 // readBeneath reads one of the pool's small files (at most max bytes) through
 // the one reader of pool files (internal/fsx): no link followed, nothing but a
 // regular file opened, never blocking on a FIFO, never more than max read.
-func (p *Pool) readBeneath(rel string, max int64) ([]byte, error) {
-	b, err := fsx.ReadFile(p.cfg.Path, rel, max)
+func (fl files) readBeneath(rel string, max int64) ([]byte, error) {
+	b, err := fsx.ReadFile(fl.root, rel, max)
 	if err != nil {
-		return nil, p.classify(err)
+		return nil, fl.classify(err)
 	}
 	return b, nil
 }
 
 // writeBeneath replaces one of the pool's small files atomically, through a
 // descriptor of its directory opened below the pool's root without links.
-func (p *Pool) writeBeneath(rel string, data []byte, durable bool) error {
-	return unsafe(fsx.WriteFileAtomic(p.cfg.Path, rel, data, durable))
+func (fl files) writeBeneath(rel string, data []byte, durable bool) error {
+	return unsafe(fsx.WriteFileAtomic(fl.root, rel, data, durable))
 }
 
 // readDir lists a directory of the pool, reached without links.
-func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
-	des, err := fsx.ReadDir(p.cfg.Path, rel)
+func (fl files) readDir(rel string) ([]os.DirEntry, error) {
+	des, err := fsx.ReadDir(fl.root, rel)
 	return des, unsafe(err)
 }
 
@@ -140,9 +150,9 @@ func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
 // before the pool creates, renames or removes anything inside rel, so that a
 // link planted in its place never redirects a write or a delete out of the pool.
 // A missing one is ErrNotFound (a volume's or snapshot's directory).
-func (p *Pool) checkDir(rel string) error {
-	if err := fsx.CheckDir(p.cfg.Path, rel); err != nil {
-		return notFound(p.classify(err))
+func (fl files) checkDir(rel string) error {
+	if err := fsx.CheckDir(fl.root, rel); err != nil {
+		return notFound(fl.classify(err))
 	}
 	return nil
 }

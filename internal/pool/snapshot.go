@@ -177,7 +177,7 @@ func (ss Snapshots) DataPath(id SnapshotID) string {
 // Load reads snapshot.json; a missing snapshot is ErrNotFound.
 func (ss Snapshots) Load(id SnapshotID) (*Snapshot, error) {
 	path := filepath.Join(ss.Dir(id), snapshotMetaFile)
-	raw, err := ss.p.readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
+	raw, err := ss.p.files().readBeneath(snapshotRel(id, snapshotMetaFile), maxSnapshotMeta)
 	if err != nil {
 		return nil, fmt.Errorf("read metadata of snapshot %s: %w", id, notFound(err))
 	}
@@ -210,7 +210,7 @@ func (ss Snapshots) save(s *Snapshot) error {
 	if err != nil {
 		return err
 	}
-	if err := ss.p.checkDir(snapshotRel(id)); err != nil {
+	if err := ss.p.files().checkDir(snapshotRel(id)); err != nil {
 		return err
 	}
 	s.SchemaVersion = SnapshotSchemaVersion
@@ -218,7 +218,7 @@ func (ss Snapshots) save(s *Snapshot) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of snapshot %s: %w", id, err)
 	}
-	return ss.p.writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
+	return ss.p.files().writeBeneath(snapshotRel(id, snapshotMetaFile), append(raw, '\n'), true)
 }
 
 // SnapshotEntry is one listed snapshot, or the error that kept it from loading.
@@ -232,7 +232,7 @@ type SnapshotEntry struct {
 func (ss Snapshots) loadListed(id SnapshotID) (SnapshotEntry, bool) {
 	s, err := ss.Load(id)
 	if missing(err) {
-		if !ss.Exists(id) || ss.p.changing() {
+		if !ss.Exists(id) || ss.p.files().changing() {
 			return SnapshotEntry{}, false
 		}
 		s, err = ss.Load(id)
@@ -242,7 +242,7 @@ func (ss Snapshots) loadListed(id SnapshotID) (SnapshotEntry, bool) {
 
 // List returns the pool's snapshots sorted by ID.
 func (ss Snapshots) List() ([]SnapshotEntry, error) {
-	des, err := ss.p.readDir(snapshotsDir)
+	des, err := ss.p.files().readDir(snapshotsDir)
 	if missing(err) {
 		return nil, nil // no snapshot was ever taken
 	}
@@ -279,7 +279,7 @@ func (ss Snapshots) reserve(ctx context.Context, name, group string, created tim
 		return nil, err
 	}
 	id := ss.NewID(name)
-	tx, end, err := ss.p.beginCreate(ctx)
+	tx, end, err := ss.p.Ledger().beginCreate(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -333,21 +333,21 @@ func (ss Snapshots) reserve(ctx context.Context, name, group string, created tim
 // never leaves a half-deleted snapshot that lists as present; the copy is
 // removed after the lock is released, and a retry finishes the removal.
 func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
-	tx, end, err := ss.p.beginLedger(ctx)
+	tx, end, err := ss.p.Ledger().begin(ctx)
 	if err != nil {
 		return err
 	}
 	s, lerr := ss.Load(id)
 	var moved bool
 	var ours []string
-	err = ss.p.freeing(func() (err error) {
+	err = ss.p.Ledger().freeing(func() (err error) {
 		var more []string
-		moved, more, err = ss.p.toTrash(snapshotsDir, id.Key, "s-")
+		moved, more, err = ss.p.files().toTrash(snapshotsDir, id.Key, "s-")
 		ours = append(ours, more...)
 		return err
 	})
 	if err == nil && moved && lerr == nil {
-		err = ss.p.freeing(func() error {
+		err = ss.p.Ledger().freeing(func() error {
 			return tx.applyStamped(func(l *ledger) {
 				l.Snapshots--
 				l.ReflinkedBytes -= reflinked(s)
@@ -358,7 +358,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 	if err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
-	if err := ss.p.emptyTrash("s-"+id.Key, ours, nil); err != nil {
+	if err := ss.p.files().emptyTrash("s-"+id.Key, ours, nil); err != nil {
 		return fmt.Errorf("delete snapshot %s: %w", id, err)
 	}
 	return nil
@@ -369,7 +369,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 // record never holds more than the ledger counts.
 func (ss Snapshots) saveFilled(ctx context.Context, sid SnapshotID, s *Snapshot) error {
 	if reflinked(s) > 0 {
-		tx, end, err := ss.p.beginLedger(ctx)
+		tx, end, err := ss.p.Ledger().begin(ctx)
 		if err != nil {
 			return err
 		}
@@ -404,15 +404,16 @@ func (ss Snapshots) Allocated(id SnapshotID, s *Snapshot) (int64, error) {
 	return st.Blocks * 512, nil
 }
 
-// VolumeAllocated is what a volume's data holds on the pool's filesystem: what a
-// full copy of it would allocate; data that is missing is ErrNotFound.
-func (p *Pool) VolumeAllocated(id VolumeID, v *Volume) (int64, error) {
+// SourceAllocated is what the data of volume id, a snapshot's source, holds on
+// the pool's filesystem: what a full copy of it would allocate; data that is
+// missing is ErrNotFound.
+func (ss Snapshots) SourceAllocated(id VolumeID, v *Volume) (int64, error) {
 	if v.Layout == LayoutDir {
-		n, err := TreeAllocated(p.DataPath(id))
+		n, err := TreeAllocated(ss.p.DataPath(id))
 		return n, notFound(err)
 	}
 	var st unix.Stat_t
-	if err := unix.Stat(p.ImagePath(id), &st); err != nil {
+	if err := unix.Stat(ss.p.ImagePath(id), &st); err != nil {
 		return 0, fmt.Errorf("volume %s: %w", id, notFound(err))
 	}
 	return st.Blocks * 512, nil
@@ -451,7 +452,7 @@ func (ss Snapshots) Fill(ctx context.Context, s *Snapshot, src *Volume, quiesce 
 	if err != nil {
 		return err
 	}
-	if err := ss.p.checkDir(snapshotRel(sid)); err != nil {
+	if err := ss.p.files().checkDir(snapshotRel(sid)); err != nil {
 		return err
 	}
 	var method string

@@ -218,7 +218,7 @@ func TestUsageCountsSnapshots(t *testing.T) {
 		t.Fatal(err)
 	}
 	src := &Volume{ID: NewVolumeID("t", "v").String(), Layout: LayoutImage, AccessType: AccessBlock, CapacityBytes: 64 << 20}
-	before, err := p.Usage()
+	before, err := p.Ledger().Usage()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -235,7 +235,7 @@ func TestUsageCountsSnapshots(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	after, err := p.Usage()
+	after, err := p.Ledger().Usage()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -110,7 +110,7 @@ func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), i
 
 // Load reads volume.json. A missing volume is ErrNotFound.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
-	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	raw, err := p.files().readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
 	return p.parseVolume(id, raw, err)
 }
 
@@ -122,7 +122,7 @@ func (p *Pool) loadIn(t *fsx.Tree, id VolumeID) (*Volume, error) {
 	}
 	raw, err := t.ReadFile(volumeRel(id, metadataFile), maxVolumeMeta)
 	if err != nil {
-		err = p.classify(err)
+		err = p.files().classify(err)
 	}
 	return p.parseVolume(id, raw, err)
 }
@@ -206,7 +206,7 @@ func (p *Pool) save(v *Volume, durable bool) error {
 	if err != nil {
 		return err
 	}
-	if err := p.checkDir(volumeRel(id)); err != nil {
+	if err := p.files().checkDir(volumeRel(id)); err != nil {
 		return err
 	}
 	v.SchemaVersion = SchemaVersion
@@ -214,7 +214,7 @@ func (p *Pool) save(v *Volume, durable bool) error {
 	if err != nil {
 		return fmt.Errorf("encode metadata of volume %s: %w", id, err)
 	}
-	return p.writeBeneath(volumeRel(id, metadataFile), append(raw, '\n'), durable)
+	return p.files().writeBeneath(volumeRel(id, metadataFile), append(raw, '\n'), durable)
 }
 
 func syncDir(dir string) error {
@@ -271,7 +271,7 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 		return err
 	}
 	defer unlock()
-	raw, err := p.readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	raw, err := p.files().readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
 	v, err := p.parseVolume(id, raw, err)
 	if err != nil {
 		return err
@@ -284,7 +284,7 @@ func (p *Pool) Update(ctx context.Context, id VolumeID, change func(*Volume) (ch
 		// A record that does not grow (an unstage, an unpublish) takes no
 		// room for good: on a full pool it may spend the reserve, so that
 		// a volume can always be let go.
-		return p.freeing(func() error { return p.save(v, true) })
+		return p.Ledger().freeing(func() error { return p.save(v, true) })
 	}
 	return p.save(v, true)
 }

@@ -58,7 +58,7 @@ func New(deps Deps, pools []*pool.Pool) (*Set, error) {
 		if p.Config().Share != nil || pool.IsSharePoolName(p.Name()) {
 			return nil, fmt.Errorf("pool %s: the names of the form s-<16 hex digits> are those of shares' pools", p.Name())
 		}
-		p.SetLedgerKeys(deps.ShareKeys)
+		p.Ledger().SetKeys(deps.ShareKeys)
 		s.pools[p.Name()] = p
 		s.names = append(s.names, p.Name())
 	}
@@ -96,7 +96,7 @@ func (s *Set) Add(p *pool.Pool) *pool.Pool {
 	if old, ok := s.pools[p.Name()]; ok {
 		return old
 	}
-	p.SetLedgerKeys(s.deps.ShareKeys)
+	p.Ledger().SetKeys(s.deps.ShareKeys)
 	s.pools[p.Name()] = p
 	names := append(append([]string(nil), s.names...), p.Name())
 	sort.Strings(names)
