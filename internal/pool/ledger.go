@@ -245,11 +245,13 @@ func (p *Pool) readLedger() (ledger, error) {
 func (p *Pool) writeLedger(l *ledger) error { return p.writeLedgerAs(l, true) }
 
 // writeLedgerAs is writeLedger, durable or not. A write that follows a change
-// of volumes/ or snapshots/ (a create, a delete) need not be durable: a crash
-// that loses it, or the directory change, or both, leaves either the state
-// before the change or a ledger whose stamp does not match the directory (or
-// whose content did not survive), which is rebuilt. Only a change the stamps do
-// not see (a growth, a filled snapshot) needs the fsync of the pool's root.
+// of volumes/ or snapshots/ (a create, a delete) need not be durable, and is
+// not fsynced at all (fsx.WriteDerivedFile): a crash that loses it, or the
+// directory change, or both, leaves either the state before the change, a
+// ledger whose stamp does not match the directory, or one whose content did
+// not survive (empty, zero-filled: its checksum fails), and each of those is
+// rebuilt from the records. Only a change the stamps do not see (a growth, a
+// filled snapshot) needs its content and the pool's root fsynced.
 func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	vols, snaps, err := p.stamps()
 	if err != nil {
@@ -266,7 +268,11 @@ func (p *Pool) writeLedgerAs(l *ledger, durable bool) error {
 	if err != nil {
 		return err
 	}
-	if err := p.writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
+	write := func() error { return p.writeBeneath(ledgerFile, append(raw, '\n'), true) }
+	if !durable {
+		write = func() error { return unsafe(fsx.WriteDerivedFile(p.cfg.Path, ledgerFile, append(raw, '\n'))) }
+	}
+	if err := write(); err != nil {
 		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, ledgerFile, err)
 	}
 	p.seenLedger(l.Seq)
