@@ -12,6 +12,7 @@
 //
 //	go run ./hack/bench -write -runs 3   # measure 3 times: medians and noise bands
 //	go run ./hack/bench -check           # one run against the committed table
+//	go run ./hack/bench -only SideBySide # some benchmarks only: their figures, printed
 package main
 
 import (
@@ -22,12 +23,19 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"time"
 )
 
-// rawDir keeps the benchmarks' outputs (-raw).
-var rawDir string
+var (
+	// rawDir keeps the benchmarks' outputs (-raw).
+	rawDir string
+	// partial: -only ran some of the benchmarks; a figure without a result
+	// is left out of the table printed.
+	partial bool
+)
 
 // bench is one `go test -bench` command.
 type bench struct {
@@ -56,14 +64,20 @@ func clusterBuilt() error {
 	cmd.Dir = "test/k8s"
 	out, err := cmd.CombinedOutput()
 	if err != nil {
-		return fmt.Errorf("cluster components not built (cd test/k8s && go run ./cmd/prebuild -sidebyside): %s", lastLine(string(out)))
+		return fmt.Errorf("cluster components not built (cd test/k8s && go run ./cmd/prebuild -sidebyside): %s", prebuildSays(string(out), err))
 	}
 	return nil
 }
 
-func lastLine(s string) string {
-	lines := strings.Split(strings.TrimSpace(s), "\n")
-	return lines[len(lines)-1]
+// prebuildSays is prebuild's own last line (go run adds its exit status after it).
+func prebuildSays(out string, err error) string {
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.HasPrefix(lines[i], "prebuild:") {
+			return strings.TrimPrefix(lines[i], "prebuild: ")
+		}
+	}
+	return err.Error()
 }
 
 var benches = []bench{
@@ -128,7 +142,26 @@ func main() {
 	doc := flag.String("doc", "docs/performance.md", "the document holding the table")
 	minBand := flag.Float64("min-band", 0.10, "the least noise band written, as a fraction")
 	flag.StringVar(&rawDir, "raw", "", "keep each go test's output in this directory")
+	only := flag.String("only", "", "run only the benchmarks whose pattern matches this regexp and print their figures (not with -write or -check)")
 	flag.Parse()
+	if *only != "" {
+		if *write || *check {
+			fmt.Fprintln(os.Stderr, "bench: -only prints a partial table: not with -write or -check")
+			os.Exit(2)
+		}
+		re, err := regexp.Compile(*only)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench: -only:", err)
+			os.Exit(2)
+		}
+		benches = slices.DeleteFunc(benches, func(b bench) bool { return !re.MatchString(b.pattern) })
+		ran := map[string]bool{}
+		for _, b := range benches {
+			ran[b.pattern] = true
+		}
+		figures = slices.DeleteFunc(figures, func(f figure) bool { return f.of != nil && !ran[f.of.pattern] })
+		partial = true
+	}
 	if err := run(*write, *check, *runs, *doc, *minBand); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
@@ -172,6 +205,10 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 			return err
 		}
 		for _, r := range rows {
+			if r.NotRun != "" {
+				fmt.Fprintf(os.Stderr, "bench: run %d: %s: not run\n", i+1, r.Name)
+				continue
+			}
 			fmt.Fprintf(os.Stderr, "bench: run %d: %s = %s\n", i+1, r.Name, formatValue(r.Value))
 		}
 		all = append(all, rows)
@@ -215,6 +252,8 @@ func rowsOf(res Results, notRun map[string]string) ([]Row, error) {
 		}
 		v, ok := f.value(res)
 		switch {
+		case !ok && f.of == nil && partial:
+			continue
 		case !ok && f.of != nil:
 			row.NotRun = "its benchmark reported no " + f.from
 		case !ok:
