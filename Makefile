@@ -39,8 +39,10 @@ lint:
 
 # The headline benchmarks (root; 10-20 minutes a run): life vs the raw commands,
 # ListVolumes and GetCapacity at 10,000 volumes, create/delete at 0 and 10,000, start
-# at 10,000 with RSS. Writes their table (medians of BENCH_RUNS runs, with each figure's
-# noise band) into docs/performance.md. Not part of make test: timings are noisy.
+# at 10,000 with RSS, and, once, a claim → Running against local-path-provisioner on the
+# one-node cluster where its components are built ("not run" and why otherwise). Writes
+# their table (medians of BENCH_RUNS runs, with each figure's noise band) into
+# docs/performance.md. Not part of make test: timings are noisy.
 BENCH_RUNS ?= 3
 BENCH_FLAGS ?=
 bench:

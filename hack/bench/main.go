@@ -3,8 +3,16 @@
 // committed table and names every figure that moved past its noise band
 // (make bench-check). Needs root (loop devices, mounts), like the benchmarks.
 //
+// The cluster's row (a claim → its pod Running, poolcsi against
+// local-path-provisioner, test/k8s's BenchmarkSideBySide) is optional: it runs
+// once, in the first run, when test/k8s's build cache holds the cluster's
+// components (cd test/k8s && go run ./cmd/prebuild -sidebyside), and is
+// written as "not run" with the reason otherwise (not built, skipped for a
+// missing prerequisite, failed); a check names it and does not fail for it.
+//
 //	go run ./hack/bench -write -runs 3   # measure 3 times: medians and noise bands
 //	go run ./hack/bench -check           # one run against the committed table
+//	go run ./hack/bench -only SideBySide # some benchmarks only: their figures, printed
 package main
 
 import (
@@ -15,17 +23,61 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strings"
 	"time"
 )
 
-// rawDir keeps the benchmarks' outputs (-raw).
-var rawDir string
+var (
+	// rawDir keeps the benchmarks' outputs (-raw).
+	rawDir string
+	// partial: -only ran some of the benchmarks; a figure without a result
+	// is left out of the table printed.
+	partial bool
+)
 
 // bench is one `go test -bench` command.
 type bench struct {
 	pkg, pattern, benchtime, timeout string
 	env                              []string
+	dir                              string // the module to run in ("": the repository's)
+	// optional: when built returns an error, or the benchmark skips or
+	// fails, its figures are "not run" with the reason, and the rest of the
+	// table is written as usual.
+	optional bool
+	built    func() error
+	once     bool // measured in the first run only (it takes its own rounds)
+}
+
+// sideBySide is the cluster benchmark: poolcsi against local-path-provisioner
+// on the one-node kubelet cluster of test/k8s.
+var sideBySide = bench{dir: "test/k8s", pkg: "./harness", pattern: "^BenchmarkSideBySide$", benchtime: "1x", timeout: "60m",
+	optional: true, once: true, built: clusterBuilt}
+
+// clusterBuilt tells whether the cluster's components (kubelet, apiserver,
+// sidecars, local-path-provisioner) are in test/k8s's build cache: the
+// benchmark would otherwise build Kubernetes first, which is not a benchmark.
+// hack/test.sh's prebuild builds them.
+func clusterBuilt() error {
+	cmd := exec.Command("go", "run", "./cmd/prebuild", "-check", "-sidebyside")
+	cmd.Dir = "test/k8s"
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("cluster components not built (cd test/k8s && go run ./cmd/prebuild -sidebyside): %s", prebuildSays(string(out), err))
+	}
+	return nil
+}
+
+// prebuildSays is prebuild's own last line (go run adds its exit status after it).
+func prebuildSays(out string, err error) string {
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.HasPrefix(lines[i], "prebuild:") {
+			return strings.TrimPrefix(lines[i], "prebuild: ")
+		}
+	}
+	return err.Error()
 }
 
 var benches = []bench{
@@ -34,12 +86,16 @@ var benches = []bench{
 	{pkg: "./internal/driver", pattern: "^BenchmarkGetCapacity10k$", benchtime: "400x", timeout: "20m"},
 	{pkg: "./internal/driver", pattern: "^BenchmarkCreateDelete$/^existing=(0|10000)/layout=image/callers=1/drivers=1$", benchtime: "1x", timeout: "40m"},
 	{pkg: "./test/observe", pattern: "^BenchmarkServeStart10k$", benchtime: "3x", timeout: "20m"},
+	sideBySide,
 }
 
 // figure is how one row is read from the results.
 type figure struct {
 	name, budget, from string
 	value              func(Results) (float64, bool)
+	// of is the optional benchmark the figure comes from (nil: a required one).
+	of      *bench
+	minBand float64
 }
 
 func metric(bench, unit string, scale float64) func(Results) (float64, bool) {
@@ -60,16 +116,23 @@ func ratio(benchA, benchB, unit string) func(Results) (float64, bool) {
 const createBench = "BenchmarkCreateDelete/existing=%d/layout=image/callers=1/drivers=1"
 
 var figures = []figure{
-	{"life of a 1 GiB xfs volume: poolcsi / raw commands", "≤ 0.55", "Lifecycle/xfs poolcsi/raw", metric("BenchmarkLifecycle/xfs", "poolcsi/raw", 1)},
-	{"life of a 1 GiB xfs volume: CSI floor (rpc-durable) / raw commands", "", "Lifecycle/xfs rpc-durable/raw", metric("BenchmarkLifecycle/xfs", "rpc-durable/raw", 1)},
-	{"ListVolumes walk of 10,000 at 100 a page, s", "< 0.5", "ListVolumes10k/per-page-100", metric("BenchmarkListVolumes10k/per-page-100", "ns/op", 1e-9)},
-	{"ListVolumes of 10,000 unpaged, s", "< 0.5", "ListVolumes10k/per-page-0", metric("BenchmarkListVolumes10k/per-page-0", "ns/op", 1e-9)},
-	{"GetCapacity at 10,000 volumes / empty pool", "≤ 1.5", "GetCapacity10k 10k/empty", metric("BenchmarkGetCapacity10k", "10k/empty", 1)},
-	{"image creates/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete creates/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "creates/s")},
-	{"image deletes/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete deletes/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "deletes/s")},
-	{"start at 10,000 volumes: VmRSS after an unpaged ListVolumes, MiB", "< 50", "ServeStart10k MiB-RSS", metric("BenchmarkServeStart10k", "MiB-RSS", 1)},
-	{"start at 10,000 volumes: unpaged ListVolumes over gRPC, s", "< 1", "ServeStart10k ms-list-max", metric("BenchmarkServeStart10k", "ms-list-max", 1e-3)},
-	{"start at 10,000 volumes: exec → ready Probe, s", "< 1", "ServeStart10k ms-to-ready", metric("BenchmarkServeStart10k", "ms-to-ready", 1e-3)},
+	{"life of a 1 GiB xfs volume: poolcsi / raw commands", "≤ 0.55", "Lifecycle/xfs poolcsi/raw", metric("BenchmarkLifecycle/xfs", "poolcsi/raw", 1), nil, 0},
+	{"life of a 1 GiB xfs volume: CSI floor (rpc-durable) / raw commands", "", "Lifecycle/xfs rpc-durable/raw", metric("BenchmarkLifecycle/xfs", "rpc-durable/raw", 1), nil, 0},
+	{"ListVolumes walk of 10,000 at 100 a page, s", "< 0.5", "ListVolumes10k/per-page-100", metric("BenchmarkListVolumes10k/per-page-100", "ns/op", 1e-9), nil, 0},
+	{"ListVolumes of 10,000 unpaged, s", "< 0.5", "ListVolumes10k/per-page-0", metric("BenchmarkListVolumes10k/per-page-0", "ns/op", 1e-9), nil, 0},
+	{"GetCapacity at 10,000 volumes / empty pool", "≤ 1.5", "GetCapacity10k 10k/empty", metric("BenchmarkGetCapacity10k", "10k/empty", 1), nil, 0},
+	{"image creates/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete creates/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "creates/s"), nil, 0},
+	{"image deletes/s at 10,000 volumes / at 0 (1 caller)", "≥ 0.67", "CreateDelete deletes/s", ratio(fmt.Sprintf(createBench, 10000), fmt.Sprintf(createBench, 0), "deletes/s"), nil, 0},
+	{"start at 10,000 volumes: VmRSS after an unpaged ListVolumes, MiB", "< 50", "ServeStart10k MiB-RSS", metric("BenchmarkServeStart10k", "MiB-RSS", 1), nil, 0},
+	{"start at 10,000 volumes: unpaged ListVolumes over gRPC, s", "< 1", "ServeStart10k ms-list-max", metric("BenchmarkServeStart10k", "ms-list-max", 1e-3), nil, 0},
+	{"start at 10,000 volumes: exec → ready Probe, s", "< 1", "ServeStart10k ms-to-ready", metric("BenchmarkServeStart10k", "ms-to-ready", 1e-3), nil, 0},
+	// The cluster's figures: a pod's start on a one-node cluster moves by
+	// a factor of two between rounds on this machine (docs/performance.md,
+	// "poolcsi against local-path-provisioner"), hence the wide least band.
+	{"1 claim → pod Running on a one-node cluster: poolcsi / local-path-provisioner", "< 1", "SideBySide 1-claim-poolcsi/localpath",
+		metric("BenchmarkSideBySide", "1-claim-poolcsi/localpath", 1), &sideBySide, 0.5},
+	{"20 claims at once → all 20 pods Running: poolcsi / local-path-provisioner", "< 1", "SideBySide 20-claims-poolcsi/localpath",
+		metric("BenchmarkSideBySide", "20-claims-poolcsi/localpath", 1), &sideBySide, 0.5},
 }
 
 func main() {
@@ -79,7 +142,26 @@ func main() {
 	doc := flag.String("doc", "docs/performance.md", "the document holding the table")
 	minBand := flag.Float64("min-band", 0.10, "the least noise band written, as a fraction")
 	flag.StringVar(&rawDir, "raw", "", "keep each go test's output in this directory")
+	only := flag.String("only", "", "run only the benchmarks whose pattern matches this regexp and print their figures (not with -write or -check)")
 	flag.Parse()
+	if *only != "" {
+		if *write || *check {
+			fmt.Fprintln(os.Stderr, "bench: -only prints a partial table: not with -write or -check")
+			os.Exit(2)
+		}
+		re, err := regexp.Compile(*only)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "bench: -only:", err)
+			os.Exit(2)
+		}
+		benches = slices.DeleteFunc(benches, func(b bench) bool { return !re.MatchString(b.pattern) })
+		ran := map[string]bool{}
+		for _, b := range benches {
+			ran[b.pattern] = true
+		}
+		figures = slices.DeleteFunc(figures, func(f figure) bool { return f.of != nil && !ran[f.of.pattern] })
+		partial = true
+	}
 	if err := run(*write, *check, *runs, *doc, *minBand); err != nil {
 		fmt.Fprintln(os.Stderr, "bench:", err)
 		os.Exit(1)
@@ -92,8 +174,25 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 	for i := range max(runs, 1) {
 		fmt.Fprintf(os.Stderr, "bench: run %d of %d (load %s)\n", i+1, max(runs, 1), loadAverage())
 		res := Results{}
+		notRun := map[string]string{} // pattern of an optional benchmark → why it was not run
 		for _, b := range benches {
+			if b.optional && b.once && i > 0 {
+				notRun[b.pattern] = "measured in the first run only"
+				continue
+			}
+			if b.optional && b.built != nil {
+				if err := b.built(); err != nil {
+					notRun[b.pattern] = err.Error()
+					fmt.Fprintf(os.Stderr, "bench: %s not run: %v\n", b.pattern, err)
+					continue
+				}
+			}
 			out, err := runBench(b)
+			if err != nil && b.optional {
+				notRun[b.pattern] = err.Error()
+				fmt.Fprintf(os.Stderr, "bench: %s not run: %v\n", b.pattern, err)
+				continue
+			}
 			if err != nil {
 				return err
 			}
@@ -101,11 +200,15 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 				res[k] = v
 			}
 		}
-		rows, err := rowsOf(res)
+		rows, err := rowsOf(res, notRun)
 		if err != nil {
 			return err
 		}
 		for _, r := range rows {
+			if r.NotRun != "" {
+				fmt.Fprintf(os.Stderr, "bench: run %d: %s: not run\n", i+1, r.Name)
+				continue
+			}
 			fmt.Fprintf(os.Stderr, "bench: run %d: %s = %s\n", i+1, r.Name, formatValue(r.Value))
 		}
 		all = append(all, rows)
@@ -124,6 +227,9 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 		if err != nil {
 			return err
 		}
+		for _, n := range NotRunRows(rows) {
+			fmt.Fprintf(os.Stderr, "bench: %s\n", n)
+		}
 		if moved := Moved(base, rows); len(moved) > 0 {
 			return fmt.Errorf("moved past the noise band of the committed table:\n  %s", strings.Join(moved, "\n  "))
 		}
@@ -135,14 +241,26 @@ func run(write, check bool, runs int, doc string, minBand float64) error {
 	return nil
 }
 
-func rowsOf(res Results) ([]Row, error) {
+func rowsOf(res Results, notRun map[string]string) ([]Row, error) {
 	var rows []Row
 	for _, f := range figures {
+		row := Row{Name: f.name, Budget: f.budget, From: f.from, Optional: f.of != nil, MinBand: f.minBand}
+		if f.of != nil && notRun[f.of.pattern] != "" {
+			row.NotRun = notRun[f.of.pattern]
+			rows = append(rows, row)
+			continue
+		}
 		v, ok := f.value(res)
-		if !ok {
+		switch {
+		case !ok && f.of == nil && partial:
+			continue
+		case !ok && f.of != nil:
+			row.NotRun = "its benchmark reported no " + f.from
+		case !ok:
 			return nil, fmt.Errorf("%s: no result (from %s)", f.name, f.from)
 		}
-		rows = append(rows, Row{Name: f.name, Value: v, Budget: f.budget, From: f.from})
+		row.Value = v
+		rows = append(rows, row)
 	}
 	return rows, nil
 }
@@ -152,6 +270,7 @@ func runBench(b bench) (string, error) {
 	args := []string{"test", b.pkg, "-run", "^$", "-bench", b.pattern, "-benchtime", b.benchtime, "-timeout", b.timeout, "-count", "1"}
 	fmt.Fprintf(os.Stderr, "bench: go %s\n", strings.Join(args, " "))
 	cmd := exec.CommandContext(ctx, "go", args...)
+	cmd.Dir = b.dir
 	cmd.Env = append(os.Environ(), b.env...)
 	var out bytes.Buffer
 	cmd.Stdout = &out

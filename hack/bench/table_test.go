@@ -82,3 +82,44 @@ func TestCombine(t *testing.T) {
 		t.Errorf("b: %+v, want 5 with the least band", got[1])
 	}
 }
+
+func TestNotRunRows(t *testing.T) {
+	rows := []Row{
+		{Name: "life", Value: 0.5, Band: 0.1, From: "Lifecycle/xfs"},
+		{Name: "claim", Budget: "< 1", From: "SideBySide", NotRun: "cluster | not built\nyet", Optional: true},
+	}
+	doc := Splice("# Perf\n", Render("Generated now.", rows))
+	if !strings.Contains(doc, "| claim | not run | < 1 | — | SideBySide: cluster / not built yet |") {
+		t.Fatalf("the not-run row is not in the table:\n%s", doc)
+	}
+	base, err := ParseTable(doc)
+	if err != nil || len(base) != 2 || base[1].NotRun == "" || base[1].Budget != "< 1" {
+		t.Fatalf("ParseTable = %+v, %v: want the not-run row back", base, err)
+	}
+	// Not run in the committed table: nothing to compare with. Not run now,
+	// optional: named by NotRunRows, no failure. Not run now, required: a failure.
+	if got := Moved(base, []Row{{Name: "life", Value: 0.5}, {Name: "claim", Value: 0.4}}); len(got) != 0 {
+		t.Errorf("Moved against a not-run figure = %q", got)
+	}
+	measured := []Row{{Name: "life", Value: 0.5, Band: 0.1}, {Name: "claim", Value: 0.4, Band: 0.5}}
+	now := []Row{{Name: "life", NotRun: "failed"}, {Name: "claim", NotRun: "not built", Optional: true}}
+	got := strings.Join(Moved(measured, now), "\n")
+	if !strings.Contains(got, "life: not run (failed)") || strings.Contains(got, "claim") {
+		t.Errorf("Moved = %q, want the required figure named and the optional one not", got)
+	}
+	if n := NotRunRows(now); len(n) != 2 || !strings.Contains(n[1], "claim: not run (not built)") {
+		t.Errorf("NotRunRows = %q", n)
+	}
+	// Combine: a figure measured in one run of three is that run's value, at its least band.
+	c := Combine([][]Row{
+		{{Name: "claim", Value: 0.4, MinBand: 0.5}},
+		{{Name: "claim", NotRun: "measured in the first run only"}},
+		{{Name: "claim", NotRun: "measured in the first run only"}},
+	}, 0.1)
+	if c[0].NotRun != "" || c[0].Value != 0.4 || c[0].Band != 0.5 {
+		t.Errorf("Combine = %+v, want 0.4 at ±50 %%", c[0])
+	}
+	if c := Combine([][]Row{{{Name: "claim", NotRun: "not built"}}}, 0.1); c[0].NotRun != "not built" {
+		t.Errorf("Combine of a figure never measured = %+v, want not run", c[0])
+	}
+}

@@ -296,6 +296,21 @@ func tooLarge(name string, size, max int64) error {
 // a link swapped in meanwhile redirects nothing. Temp files an earlier crash
 // left there (older than StaleTemp) are removed first.
 func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
+	return writeFileAtomic(root, rel, data, true, durable)
+}
+
+// WriteDerivedFile is WriteFileAtomic without any fsync, for a file derived
+// from records that stay the truth, whose reader verifies it (a checksum, and
+// stamps of the directories it was derived from) and rebuilds it from the
+// records when it does not verify. A crash may leave the old content, the new
+// content, or an empty or zero-filled file: the old content is the state before
+// (or no longer matches the stamps), and the others fail the checksum. Never
+// for a record: a record's content must survive the rename that publishes it.
+func WriteDerivedFile(root, rel string, data []byte) error {
+	return writeFileAtomic(root, rel, data, false, false)
+}
+
+func writeFileAtomic(root, rel string, data []byte, syncFile, syncDir bool) error {
 	dir, base := filepath.Split(rel)
 	d, err := OpenDir(root, filepath.Clean("./"+dir))
 	if err != nil {
@@ -318,9 +333,11 @@ func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
 		f.Close()
 		return fmt.Errorf("write %s: %w", f.Name(), err)
 	}
-	if err := f.Sync(); err != nil {
-		f.Close()
-		return fmt.Errorf("fsync %s: %w", f.Name(), err)
+	if syncFile {
+		if err := f.Sync(); err != nil {
+			f.Close()
+			return fmt.Errorf("fsync %s: %w", f.Name(), err)
+		}
 	}
 	if err := f.Close(); err != nil {
 		return fmt.Errorf("close %s: %w", f.Name(), err)
@@ -328,7 +345,7 @@ func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
 	if err := unix.Renameat(dfd, tmp, dfd, base); err != nil {
 		return &os.PathError{Op: "rename", Path: name, Err: err}
 	}
-	if !durable {
+	if !syncDir {
 		return nil
 	}
 	if err := d.Sync(); err != nil {

@@ -110,6 +110,12 @@ func TestHostileFilesAreRefused(t *testing.T) {
 					t.Errorf("WriteFileAtomic through a linked directory: %v, want ErrUnsafe", err)
 				}
 			})
+			within(t, "WriteDerivedFile", func() {
+				err := WriteDerivedFile(root, rel, []byte("new"))
+				if h.name == "link in a parent component" && !errors.Is(err, ErrUnsafe) {
+					t.Errorf("WriteDerivedFile through a linked directory: %v, want ErrUnsafe", err)
+				}
+			})
 			// Nothing outside the root was written.
 			if b, err := os.ReadFile(filepath.Join(base, "outside")); err == nil && string(b) != `{"secret":1}` {
 				t.Errorf("the file outside the root changed: %q", b)
@@ -141,8 +147,12 @@ func TestReadFile(t *testing.T) {
 func TestWriteFileAtomic(t *testing.T) {
 	root := t.TempDir()
 	must(t, os.Mkdir(filepath.Join(root, "d"), 0o755))
-	for _, data := range []string{"one", "two"} {
-		if err := WriteFileAtomic(root, "d/f", []byte(data), true); err != nil {
+	for i, data := range []string{"one", "two", "derived"} {
+		write := func() error { return WriteFileAtomic(root, "d/f", []byte(data), i == 0) }
+		if data == "derived" {
+			write = func() error { return WriteDerivedFile(root, "d/f", []byte(data)) }
+		}
+		if err := write(); err != nil {
 			t.Fatal(err)
 		}
 		if b, _ := os.ReadFile(filepath.Join(root, "d", "f")); string(b) != data {

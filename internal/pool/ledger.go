@@ -253,11 +253,13 @@ func (lg Ledger) read() (ledger, error) {
 func (lg Ledger) write(l *ledger) error { return lg.writeAs(l, true) }
 
 // writeAs is write, durable or not. A write that follows a change
-// of volumes/ or snapshots/ (a create, a delete) need not be durable: a crash
-// that loses it, or the directory change, or both, leaves either the state
-// before the change or a ledger whose stamp does not match the directory (or
-// whose content did not survive), which is rebuilt. Only a change the stamps do
-// not see (a growth, a filled snapshot) needs the fsync of the pool's root.
+// of volumes/ or snapshots/ (a create, a delete) need not be durable, and is
+// not fsynced at all (fsx.WriteDerivedFile): a crash that loses it, or the
+// directory change, or both, leaves either the state before the change, a
+// ledger whose stamp does not match the directory, or one whose content did
+// not survive (empty, zero-filled: its checksum fails), and each of those is
+// rebuilt from the records. Only a change the stamps do not see (a growth, a
+// filled snapshot) needs its content and the pool's root fsynced.
 func (lg Ledger) writeAs(l *ledger, durable bool) error {
 	vols, snaps, err := lg.stamps()
 	if err != nil {
@@ -274,7 +276,11 @@ func (lg Ledger) writeAs(l *ledger, durable bool) error {
 	if err != nil {
 		return err
 	}
-	if err := lg.p.files().writeBeneath(ledgerFile, append(raw, '\n'), durable); err != nil {
+	write := func() error { return lg.p.files().writeBeneath(ledgerFile, append(raw, '\n'), true) }
+	if !durable {
+		write = func() error { return unsafe(fsx.WriteDerivedFile(lg.p.cfg.Path, ledgerFile, append(raw, '\n'))) }
+	}
+	if err := write(); err != nil {
 		return fmt.Errorf("pool %s: write %s: %w", lg.p.cfg.Name, ledgerFile, err)
 	}
 	lg.seen(l.Seq)

@@ -216,6 +216,10 @@ func TestDamagedLedgerIsRebuiltNeverTrusted(t *testing.T) {
 	}{
 		{"garbage", func(t *testing.T, path string) { _ = os.WriteFile(path, []byte("{not json"), 0o600) }},
 		{"empty", func(t *testing.T, path string) { _ = os.WriteFile(path, nil, 0o600) }},
+		// What a crash can leave of a write that was not fsynced (a create's
+		// or a delete's, WriteDerivedFile): the file at its new size, its data
+		// never written.
+		{"zeros of a ledger's length", func(t *testing.T, path string) { _ = os.WriteFile(path, make([]byte, 260), 0o600) }},
 		{"huge", func(t *testing.T, path string) {
 			_ = os.WriteFile(path, []byte(strings.Repeat(" ", maxLedger+1)), 0o600)
 		}},

@@ -120,6 +120,9 @@ type Options struct {
 	// and fails the test if any call of the test was not answered within its
 	// deadline (Call.Unanswered).
 	SidecarDeadlines bool
+	// Binary is the poolcsi binary to run ("": cmd/poolcsi built from this
+	// tree): a benchmark's baseline, built from another commit.
+	Binary string
 }
 
 // The deadlines of the chart's sidecars (--timeout=60s) and of its probes
@@ -247,7 +250,11 @@ func (d *Driver) launch(t testing.TB) {
 	if d.stateDir != "" {
 		args = append(args, "--state-dir", d.stateDir)
 	}
-	d.cmd = exec.Command(Binary(t), args...)
+	bin := d.opts.Binary
+	if bin == "" {
+		bin = Binary(t)
+	}
+	d.cmd = exec.Command(bin, args...)
 	// If the test process dies without its cleanups (os.Exit, a panic, a
 	// killed go test), the driver goes with it instead of running on.
 	d.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}

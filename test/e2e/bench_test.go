@@ -74,6 +74,13 @@ func mkfsFor(fsType, target string) []string {
 //
 //	go test ./test/e2e -run '^$' -bench Lifecycle -benchtime 20x
 //
+// With POOLCSI_BENCH_BASELINE naming a poolcsi binary built from another
+// commit, a sixth arm (poolcsi-baseline) runs it in the same rounds, and
+// poolcsi/baseline says what a change won or lost, side by side:
+//
+//	git archive main | tar -x -C /tmp/base && (cd /tmp/base && go build -o /tmp/poolcsi-main ./cmd/poolcsi)
+//	POOLCSI_BENCH_BASELINE=/tmp/poolcsi-main go test ./test/e2e -run '^$' -bench '^BenchmarkLifecycle$/^xfs$' -benchtime 10x -count 3 -v
+//
 // Each arm reports its median whole cycle (<arm>-ms) and per-step medians
 // (logged as a table); the ratios are medians of the per-round ratios.
 func BenchmarkLifecycle(b *testing.B) {
@@ -84,6 +91,9 @@ func BenchmarkLifecycle(b *testing.B) {
 			root := b.TempDir()
 			csiproc.CheckNoLeaks(b, root)
 			arms := []*lifecycleArm{poolcsiArm(fs), rawArm(fs), floorArm(fs), durableFloorArm(fs), rpcDurableArm(fs)}
+			if base := os.Getenv("POOLCSI_BENCH_BASELINE"); base != "" {
+				arms = append(arms, poolcsiBinaryArm(fs, "poolcsi-baseline", base))
+			}
 			for _, a := range arms {
 				a.times = map[string][]time.Duration{}
 				a.setup(b, filepath.Join(root, a.name))
@@ -156,17 +166,36 @@ func reportLifecycle(b *testing.B, arms []*lifecycleArm) {
 		fmt.Fprintf(&t, "%10.2f\n", medianRatio(r.a.total, r.b.total))
 		b.ReportMetric(medianRatio(r.a.total, r.b.total), r.name)
 	}
+	if len(arms) > 5 { // a baseline driver (POOLCSI_BENCH_BASELINE)
+		base := arms[5]
+		for _, r := range []struct {
+			name string
+			a, b *lifecycleArm
+		}{{"poolcsi/baseline", pc, base}, {"baseline/raw", base, raw}, {"baseline/rpc-durable", base, rpc}} {
+			fmt.Fprintf(&t, "%-20s", r.name)
+			for _, s := range lifecycleSteps {
+				fmt.Fprintf(&t, "%10.2f", medianRatio(r.a.times[s], r.b.times[s]))
+			}
+			fmt.Fprintf(&t, "%10.2f\n", medianRatio(r.a.total, r.b.total))
+			b.ReportMetric(medianRatio(r.a.total, r.b.total), r.name)
+		}
+	}
 	b.Log(t.String())
 }
 
 // poolcsiArm drives the real driver process over its socket.
-func poolcsiArm(fs string) *lifecycleArm {
-	a := &lifecycleArm{name: "poolcsi"}
+func poolcsiArm(fs string) *lifecycleArm { return poolcsiBinaryArm(fs, "poolcsi", "") }
+
+// poolcsiBinaryArm is poolcsiArm with the driver binary bin ("": this tree's).
+// POOLCSI_BENCH_BASELINE names a binary built from another commit, which runs
+// as a sixth arm: before and after a change, side by side in one run.
+func poolcsiBinaryArm(fs, name, bin string) *lifecycleArm {
+	a := &lifecycleArm{name: name}
 	var d *csiproc.Driver
 	var staging, target, id string
 	vc := csiproc.MountCap(fs, csiproc.RWO)
 	a.setup = func(b *testing.B, root string) {
-		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
+		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}, Binary: bin})
 		staging, target = filepath.Join(root, "staging"), filepath.Join(root, "pod")
 	}
 	a.step = func(b *testing.B, i int, s string) {

@@ -203,6 +203,9 @@ func (tl Tool) Path(t testing.TB) string {
 	return bin
 }
 
+// Built tells whether tl's binary is in the cache: Build would return at once.
+func (tl Tool) Built() bool { return fileExists(filepath.Join(tl.cacheEntry(), tl.Name)) }
+
 // Build returns the cached binary, building it first if needed, and how long a build took
 // (zero when the binary was cached). A build holds an flock on the cache entry (on the
 // group's, for a tool of a group), so that the tests, cmd/prebuild and a second test run

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -20,10 +21,29 @@ import (
 
 func main() {
 	e2e := flag.Bool("e2e", false, "also build e2e.test, agnhost and ginkgo")
+	sideBySide := flag.Bool("sidebyside", false, "also build local-path-provisioner (BenchmarkSideBySide)")
+	check := flag.Bool("check", false, "build nothing: exit 1 naming the tools that are not built (hack/bench asks before it runs the cluster benchmark)")
 	flag.Parse()
 	list := tools.All
 	if *e2e {
 		list = append(append([]tools.Tool(nil), list...), tools.ForE2E...)
+	}
+	if *sideBySide {
+		list = append(append([]tools.Tool(nil), list...), tools.LocalPath)
+	}
+	if *check {
+		var missing []string
+		for _, tl := range list {
+			if !tl.Built() {
+				missing = append(missing, tl.Name+" "+tl.Version)
+			}
+		}
+		if len(missing) > 0 {
+			fmt.Printf("prebuild: not built in %s: %s\n", tools.CacheDir(), strings.Join(missing, ", "))
+			os.Exit(1)
+		}
+		fmt.Printf("prebuild: %d tools built (cache %s)\n", len(list), tools.CacheDir())
+		return
 	}
 	// Stopped (hack/test.sh stops it when the suite ends early), it stops the build it is
 	// running and removes that build's work directory.
