@@ -202,20 +202,22 @@ func compareStrings(a, b string) int {
 	return 0
 }
 
-// Step runs the first pending call of target, and reports whether more wait behind it.
-// An error is a call whose answer was not written (it runs again later); a call that
-// lost its commit point is no error: its newer version comes with the next event.
+// Step runs the first pending call of target, and reports whether more wait behind it
+// to be run now. An error is a call whose answer was not written (it runs again later).
+// A call that lost its commit point is no error, and nothing behind it is run: its newer
+// version comes with the next event and is judged then.
 func (w *Worker) Step(ctx context.Context, target string) (more bool, err error) {
 	calls := w.pending(ctx, target)
-	if len(calls) == 0 {
+	if len(calls) == 0 || ctx.Err() != nil {
 		return false, nil
 	}
-	ran, err := w.runCall(ctx, calls[0])
-	return len(calls) > 1 && ran, err
+	answered, err := w.runCall(ctx, calls[0])
+	return len(calls) > 1 && answered, err
 }
 
 // runCall takes c through the commit point, invokes it and writes the answer; it reports
-// whether c is settled (answered, or taken by someone else).
+// whether c is answered (or its answer dropped as stale); false with no error is a call
+// that changed before its commit point.
 func (w *Worker) runCall(ctx context.Context, c *nodecall.Call) (bool, error) {
 	log := klog.FromContext(ctx).WithValues("call", c.Name, "method", c.Spec.Method, "target", c.Spec.Target)
 	ctx = klog.NewContext(ctx, log)
@@ -242,7 +244,7 @@ func (w *Worker) runCall(ctx context.Context, c *nodecall.Call) (bool, error) {
 	if err != nil {
 		if apierrors.IsConflict(err) || apierrors.IsNotFound(err) {
 			log.V(2).Info("PoolCall changed before it started; not running this version", "reason", err.Error())
-			return true, nil
+			return false, nil
 		}
 		return false, fmt.Errorf("marking PoolCall %s Running: %w", c.Name, err)
 	}
