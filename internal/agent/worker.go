@@ -184,7 +184,7 @@ func (w *Worker) pending(ctx context.Context, target string) []*nodecall.Call {
 		out = append(out, c)
 	}
 	slices.SortFunc(out, func(a, b *nodecall.Call) int {
-		if c := a.Spec.Issued.Time.Compare(b.Spec.Issued.Time); c != 0 {
+		if c := a.Spec.Issued.Compare(b.Spec.Issued.Time); c != 0 {
 			return c
 		}
 		return compareStrings(a.Name, b.Name)

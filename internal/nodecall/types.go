@@ -216,7 +216,7 @@ func NodeFrom(u *unstructured.Unstructured) (*PoolNode, error) {
 // DeepCopy copies c, sharing nothing.
 func (c *Call) DeepCopy() *Call {
 	out := *c
-	c.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	c.DeepCopyInto(&out.ObjectMeta)
 	if c.Status.Started != nil {
 		out.Status.Started = c.Status.Started.DeepCopy()
 	}
@@ -229,7 +229,7 @@ func (c *Call) DeepCopy() *Call {
 // DeepCopy copies n, sharing nothing.
 func (n *PoolNode) DeepCopy() *PoolNode {
 	out := *n
-	n.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	n.DeepCopyInto(&out.ObjectMeta)
 	if n.Status.RenewTime != nil {
 		out.Status.RenewTime = n.Status.RenewTime.DeepCopy()
 	}
