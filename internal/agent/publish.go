@@ -100,7 +100,7 @@ func (p *Publisher) Beat(ctx context.Context, fresh bool) error {
 	}
 	n := p.last.DeepCopy()
 	renew := metav1.NewMicroTime(now)
-	n.Status = nodecall.PoolNodeStatus{RenewTime: &renew, Agent: nodecall.AgentInfo{Version: p.deps.Version, Pod: p.deps.Pod}, Pools: pools}
+	n.Status = nodecall.PoolNodeStatus{RenewTime: &renew, Agent: nodecall.AgentInfo{Version: cut(p.deps.Version, nodecall.MaxVersion), Pod: cut(p.deps.Pod, nodecall.MaxPod)}, Pools: pools}
 	out, err := p.deps.Calls.UpdateNodeStatus(ctx, n)
 	if err != nil {
 		// Changed or deleted by someone else: read it again next time.

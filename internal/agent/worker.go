@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
@@ -316,9 +317,7 @@ func cutPage(l *csi.ListSnapshotsResponse) {
 // is still the call that ran (same nonce): otherwise the answer is stale and dropped.
 func (w *Worker) answer(ctx context.Context, c *nodecall.Call, nonce string, code codes.Code, msg, response string) (bool, error) {
 	log := klog.FromContext(ctx)
-	if len(msg) > nodecall.MaxMessage {
-		msg = msg[:nodecall.MaxMessage]
-	}
+	msg = cut(msg, nodecall.MaxMessage)
 	finished := metav1.NewTime(w.deps.Clock.Now())
 	cur := c
 	for range 3 {
@@ -352,4 +351,12 @@ func (w *Worker) answer(ctx context.Context, c *nodecall.Call, nonce string, cod
 		}
 	}
 	return false, errors.New("answering PoolCall " + c.Name + ": conflicts on every try")
+}
+
+// cut shortens s to at most n bytes, never inside a UTF-8 character.
+func cut(s string, n int) string {
+	if len(s) <= n {
+		return s
+	}
+	return strings.ToValidUTF8(s[:n], "")
 }

@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
@@ -356,5 +357,22 @@ func TestRunAnswersThroughTheInformer(t *testing.T) {
 	}
 	if got := e.srv.asked(); !slices.Equal(got, []string{"DeleteVolume"}) {
 		t.Errorf("asked %v", got)
+	}
+}
+
+// A node's message longer than a call holds is cut, never inside a character.
+func TestLongMessageCut(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t, "b")
+	e.srv.handle = func(context.Context, string, proto.Message) (proto.Message, error) {
+		return nil, status.Error(codes.Internal, "x"+strings.Repeat("é", nodecall.MaxMessage))
+	}
+	c := e.call(t, "b", "DeleteVolume", "local.v", deleteReq("local.v"), start)
+	if _, err := e.worker(t).Step(ctx, "local.v"); err != nil {
+		t.Fatal(err)
+	}
+	st := e.get(t, c.Name).Status
+	if codes.Code(st.Code) != codes.Internal || len(st.Message) > nodecall.MaxMessage || len(st.Message) < nodecall.MaxMessage-1 || !utf8.ValidString(st.Message) {
+		t.Errorf("message of %d bytes, valid UTF-8 %v", len(st.Message), utf8.ValidString(st.Message))
 	}
 }

@@ -29,6 +29,9 @@ const (
 	MaxMessage = 4 << 10
 	// MaxTarget bounds spec.target.
 	MaxTarget = 1 << 10
+	// MaxVersion and MaxPod bound a PoolNode's status.agent fields.
+	MaxVersion = 64
+	MaxPod     = 253
 )
 
 // Method is one Controller call the channel carries.
