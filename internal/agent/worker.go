@@ -11,6 +11,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -295,16 +296,15 @@ func (w *Worker) invoke(ctx context.Context, m nodecall.Method, req proto.Messag
 	return codes.OK, "", text
 }
 
-// cutPage cuts a ListSnapshots page to fit a call, with a next_token to the first entry
-// left out (the driver's tokens are the ID of the first snapshot of the next page).
+// cutPage cuts a ListSnapshots page to fit a call (nodecall.ListPage of protojson), with
+// a next_token to the first entry left out (the driver's tokens are the ID of the first
+// snapshot of the next page). Each entry is measured as it is written.
 func cutPage(l *csi.ListSnapshotsResponse) {
-	if proto.Size(l) <= nodecall.ListPage/2 { // protojson is at most about twice the wire size
-		return
-	}
-	size := 0
+	size := 64 // the braces, the field names and the token
 	for i, e := range l.Entries {
-		size += 2*proto.Size(e) + 16
-		if size > nodecall.ListPage && i > 0 {
+		b, err := protojson.Marshal(e)
+		size += len(b) + 1
+		if (err != nil || size > nodecall.ListPage) && i > 0 {
 			l.NextToken = e.GetSnapshot().GetSnapshotId()
 			l.Entries = l.Entries[:i]
 			return

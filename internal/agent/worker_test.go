@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -13,6 +14,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	"k8s.io/apimachinery/pkg/util/wait"
 
@@ -316,21 +318,43 @@ func TestBadRequestAndKick(t *testing.T) {
 	}
 }
 
-// A ListSnapshots answer is cut to fit a call, with the token to the first entry left out.
+// A ListSnapshots answer is cut to fit a call, with the token to the first entry left
+// out; small entries, whose protojson is several times their wire size, included.
 func TestListPageCut(t *testing.T) {
-	var entries []*csi.ListSnapshotsResponse_Entry
-	for i := range 3000 {
-		entries = append(entries, &csi.ListSnapshotsResponse_Entry{Snapshot: &csi.Snapshot{SnapshotId: "local@" + strings.Repeat("0", 60) + string(rune('a'+i%26)) + time.Duration(i).String(), SourceVolumeId: "local." + strings.Repeat("f", 64), ReadyToUse: true, SizeBytes: 1 << 30}})
+	for _, tc := range []struct {
+		name  string
+		count int
+		entry func(i int) *csi.Snapshot
+	}{
+		{"long IDs", 3000, func(i int) *csi.Snapshot {
+			return &csi.Snapshot{SnapshotId: fmt.Sprintf("local@%064d", i), SourceVolumeId: "local." + strings.Repeat("f", 64), ReadyToUse: true, SizeBytes: 1 << 30}
+		}},
+		{"small entries", 8000, func(i int) *csi.Snapshot {
+			return &csi.Snapshot{SnapshotId: fmt.Sprintf("l@%d", i), SourceVolumeId: "l.v", ReadyToUse: true, SizeBytes: 1 << 40,
+				CreationTime: timestamppb.New(start), GroupSnapshotId: "l@g"}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var entries []*csi.ListSnapshotsResponse_Entry
+			for i := range tc.count {
+				entries = append(entries, &csi.ListSnapshotsResponse_Entry{Snapshot: tc.entry(i)})
+			}
+			l := &csi.ListSnapshotsResponse{Entries: slices.Clone(entries)}
+			cutPage(l)
+			m, _ := nodecall.Lookup("ListSnapshots")
+			if _, err := m.EncodeResponse(l); err != nil {
+				t.Fatal(err)
+			}
+			n := len(l.Entries)
+			if n == 0 || n == len(entries) || l.NextToken != entries[n].GetSnapshot().GetSnapshotId() {
+				t.Errorf("cut to %d of %d, token %q", n, len(entries), l.NextToken)
+			}
+		})
 	}
-	l := &csi.ListSnapshotsResponse{Entries: slices.Clone(entries)}
-	cutPage(l)
-	m, _ := nodecall.Lookup("ListSnapshots")
-	if _, err := m.EncodeResponse(l); err != nil {
-		t.Fatal(err)
-	}
-	n := len(l.Entries)
-	if n == 0 || n == len(entries) || l.NextToken != entries[n].GetSnapshot().GetSnapshotId() {
-		t.Errorf("cut to %d of %d, token %q", n, len(entries), l.NextToken)
+	small := &csi.ListSnapshotsResponse{Entries: []*csi.ListSnapshotsResponse_Entry{{Snapshot: &csi.Snapshot{SnapshotId: "l@1"}}}, NextToken: "l@2"}
+	cutPage(small)
+	if len(small.Entries) != 1 || small.NextToken != "l@2" {
+		t.Errorf("a small page changed: %v", small)
 	}
 }
 
