@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -398,5 +399,78 @@ func TestLongMessageCut(t *testing.T) {
 	st := e.get(t, c.Name).Status
 	if codes.Code(st.Code) != codes.Internal || len(st.Message) > nodecall.MaxMessage || len(st.Message) < nodecall.MaxMessage-1 || !utf8.ValidString(st.Message) {
 		t.Errorf("message of %d bytes, valid UTF-8 %v", len(st.Message), utf8.ValidString(st.Message))
+	}
+}
+
+// Through the runner: at most Workers targets run at once, one target's calls never run
+// together, and they run in the order issued.
+func TestRunWorkersAndTargets(t *testing.T) {
+	e := newEnv(t, "b")
+	e.deps.Clock = nil
+	e.deps.Workers = 2
+	var mu sync.Mutex
+	inflight, most := 0, 0
+	perTarget := map[string]int{}
+	var order []string
+	release := make(chan struct{})
+	e.srv.handle = func(_ context.Context, _ string, req proto.Message) (proto.Message, error) {
+		r := req.(*csi.ControllerExpandVolumeRequest)
+		mu.Lock()
+		inflight++
+		most = max(most, inflight)
+		perTarget[r.GetVolumeId()]++
+		if perTarget[r.GetVolumeId()] > 1 {
+			t.Errorf("two calls of %s at once", r.GetVolumeId())
+		}
+		order = append(order, fmt.Sprintf("%s/%d", r.GetVolumeId(), r.GetCapacityRange().GetRequiredBytes()))
+		mu.Unlock()
+		<-release
+		mu.Lock()
+		inflight--
+		perTarget[r.GetVolumeId()]--
+		mu.Unlock()
+		return &csi.ControllerExpandVolumeResponse{}, nil
+	}
+	var calls []*nodecall.Call
+	now := time.Now()
+	for _, size := range []int64{2, 1} { // the second issued first
+		for _, v := range []string{"local.a", "local.b", "local.c"} {
+			calls = append(calls, e.call(t, "b", "ControllerExpandVolume", v,
+				&csi.ControllerExpandVolumeRequest{VolumeId: v, CapacityRange: &csi.CapacityRange{RequiredBytes: size}}, now.Add(time.Duration(size)*time.Second)))
+		}
+	}
+	w, _ := New(e.deps)
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- w.Run(ctx) }()
+	defer func() {
+		cancel()
+		<-done
+	}()
+	poll := func(what string, cond func() bool) {
+		t.Helper()
+		if err := wait.PollUntilContextTimeout(ctx, time.Millisecond, 30*time.Second, true, func(context.Context) (bool, error) { return cond(), nil }); err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+	}
+	poll("two calls running", func() bool { mu.Lock(); defer mu.Unlock(); return inflight == 2 })
+	close(release)
+	poll("every call answered", func() bool {
+		for _, c := range calls {
+			if !e.get(t, c.Name).Answered() {
+				return false
+			}
+		}
+		return true
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if most != 2 {
+		t.Errorf("at most %d calls at once, want 2", most)
+	}
+	for _, v := range []string{"local.a", "local.b", "local.c"} {
+		if i, j := slices.Index(order, v+"/1"), slices.Index(order, v+"/2"); i < 0 || j < i {
+			t.Errorf("%s ran in the order %v", v, order)
+		}
 	}
 }
