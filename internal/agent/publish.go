@@ -134,15 +134,18 @@ func (p *Publisher) ensure(ctx context.Context) (*nodecall.PoolNode, error) {
 }
 
 // capacity asks this node's GetCapacity for each local pool, with this node's topology.
-// A pool that does not answer is Unavailable, its figures 0.
+// A pool that does not answer, or not within a heartbeat, is Unavailable, its figures 0:
+// a hung pool must not stop the heartbeat, which says that the agent lives.
 func (p *Publisher) capacity(ctx context.Context) []nodecall.PoolCapacity {
 	out := make([]nodecall.PoolCapacity, 0, len(p.deps.Pools))
 	client := csi.NewControllerClient(p.deps.Conn)
 	for _, name := range p.deps.Pools {
-		resp, err := client.GetCapacity(ctx, &csi.GetCapacityRequest{
+		cctx, cancel := context.WithTimeout(ctx, max(p.deps.Heartbeat, time.Second))
+		resp, err := client.GetCapacity(cctx, &csi.GetCapacityRequest{
 			Parameters:         map[string]string{poolParam: name},
 			AccessibleTopology: &csi.Topology{Segments: map[string]string{topologyKey: p.deps.Node}},
 		})
+		cancel()
 		if err != nil {
 			klog.FromContext(ctx).V(2).Info("Pool capacity unknown; reporting it Unavailable", "pool", name, "code", status.Code(err).String(), "err", err)
 			out = append(out, nodecall.PoolCapacity{Name: name, Condition: nodecall.PoolUnavailable})

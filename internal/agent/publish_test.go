@@ -154,3 +154,22 @@ func TestPublisherCoalesces(t *testing.T) {
 		t.Errorf("Run: %v", err)
 	}
 }
+
+// A pool whose GetCapacity hangs is Unavailable within a heartbeat; the heartbeat goes on.
+func TestPublisherHungPool(t *testing.T) {
+	ctx := context.Background()
+	e := newEnv(t, "b")
+	e.deps.Heartbeat = time.Millisecond // at least a second: the bound of one GetCapacity
+	e.srv.handle = func(ctx context.Context, _ string, _ proto.Message) (proto.Message, error) {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	}
+	_, p := New(e.deps)
+	if err := p.Beat(ctx, false); err != nil {
+		t.Fatal(err)
+	}
+	n, err := e.store.GetNode(ctx, "b")
+	if err != nil || len(n.Status.Pools) != 1 || n.Status.Pools[0].Condition != nodecall.PoolUnavailable || n.Status.RenewTime == nil {
+		t.Errorf("PoolNode %+v %v", n, err)
+	}
+}
