@@ -1,5 +1,8 @@
 package agent
 
+// Only this test imports internal/driver, to stand a real node behind the socket; the
+// package itself never does (`go list -deps ./internal/agent` lists no internal/driver).
+
 import (
 	"context"
 	"os"
