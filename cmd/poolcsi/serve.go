@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/agent"
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/fence"
@@ -69,6 +70,13 @@ type serveOptions struct {
 
 	EphemeralPool  string
 	EphemeralSweep time.Duration
+
+	// The local agent (localagent.go).
+	LocalAgent       bool
+	CallsNamespace   string
+	AgentWorkers     int
+	AgentCallTimeout time.Duration
+	AgentHeartbeat   time.Duration
 }
 
 func newServeOptions() *serveOptions {
@@ -91,6 +99,9 @@ func newServeOptions() *serveOptions {
 		IOLimitsInterval:  driver.DefaultIOLimitsInterval,
 		EphemeralSweep:    driver.DefaultEphemeralSweep,
 		StateDir:          "/var/lib/poolcsi/state",
+		AgentWorkers:      agent.DefaultWorkers,
+		AgentCallTimeout:  agent.DefaultCallTimeout,
+		AgentHeartbeat:    agent.DefaultHeartbeat,
 	}
 }
 
@@ -133,6 +144,11 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.Var(&o.Pools, "pool", "a pool, `NAME=PATH[,OPTION...]`; OPTION: shared, ephemeral or noephemeral (allow or refuse ephemeral inline volumes in it, docs/ephemeral.md); repeatable")
 	fs.StringVar(&o.EphemeralPool, "ephemeral-pool", o.EphemeralPool, "the pool of ephemeral inline volumes whose attributes name none (default: the first local pool that allows them; docs/ephemeral.md)")
 	fs.DurationVar(&o.EphemeralSweep, "ephemeral-sweep-interval", o.EphemeralSweep, "how often the node plugin removes the ephemeral inline volumes of this node that no unpublish removed and whose target no longer holds them, besides once at start; 0: at start only")
+	fs.BoolVar(&o.LocalAgent, "local-agent", o.LocalAgent, "run the PoolCalls a central controller addresses to this node on this node's own socket, and keep this node's PoolNode (heartbeat, capacity of its local pools); needs --mode=all and the poolcalls/poolnodes CRDs (docs/design/central-controller.md)")
+	fs.StringVar(&o.CallsNamespace, "calls-namespace", o.CallsNamespace, "with --local-agent: the namespace of the PoolCalls and PoolNodes (default: the pod's own)")
+	fs.IntVar(&o.AgentWorkers, "agent-workers", o.AgentWorkers, "with --local-agent: how many volumes' (targets') calls run at once; one target's calls run one at a time, in the order issued")
+	fs.DurationVar(&o.AgentCallTimeout, "agent-call-timeout", o.AgentCallTimeout, "with --local-agent: how long one call may run on this node; longer than a sidecar's timeout on purpose (a long copy completes, and the retry finds it done)")
+	fs.DurationVar(&o.AgentHeartbeat, "agent-heartbeat", o.AgentHeartbeat, "with --local-agent: how often this node's PoolNode is renewed; the controller takes a node that stops renewing as down")
 }
 
 // Validate refuses what serve could only fail on later, or would silently
@@ -184,6 +200,7 @@ func (o *serveOptions) Validate() error {
 	if err := o.Freeze.Validate(); err != nil {
 		errs = append(errs, fmt.Errorf("--freeze-poll-interval / --freeze-max-hold / --freeze-ack-timeout: %w", err))
 	}
+	errs = append(errs, o.validateLocalAgent()...)
 	return errors.Join(errs...)
 }
 
@@ -337,12 +354,21 @@ func (o *serveOptions) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	agentStopped, err := o.startLocalAgent(ctx, d, nodeID, opened)
+	if err != nil {
+		return err
+	}
 	err = d.Serve(ctx, o.Endpoint, interceptors...)
 	stop()
 	select {
 	case <-stopped:
 	case <-time.After(5 * time.Second):
 		klog.Background().Info("The kubelet registration did not stop within 5 s; exiting without it")
+	}
+	select {
+	case <-agentStopped:
+	case <-time.After(agentWaitLimit):
+		klog.Background().Info("The local agent did not stop in time; exiting without it", "limit", agentWaitLimit)
 	}
 	return err
 }

@@ -203,6 +203,34 @@ func TestIOLimitsReconcileRunsWithServer(t *testing.T) {
 	}
 }
 
+// TestIOLimitsKick: a kick reaches a running pod at once, long before the
+// reconcile's interval.
+func TestIOLimitsKick(t *testing.T) {
+	td := newTestDriver(t, testOpts{modify: func(o *Options) { o.IOLimitsInterval = time.Hour }})
+	td.serve(t)
+	vc := mountCap(rwo, "ext4")
+	id := td.create(t, "v", vc, nil)
+	if err := td.stage(id, vc); err != nil {
+		t.Fatal(err)
+	}
+	td.host.AddPod(testPod)
+	if err := td.publishPod(id, vc, testPod); err != nil {
+		t.Fatal(err)
+	}
+	td.modify(t, id, map[string]string{"writeBytesPerSecond": "5Mi"})
+	td.KickIOLimits()
+	td.KickIOLimits() // kicks coalesce and never block
+	dev := td.device(t, id)
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		if l, ok := td.host.PodLimits(testPod, dev); ok && l.WriteBPS == 5<<20 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the kick never applied the changed limits")
+		}
+	}
+}
+
 // restart is a new Driver on the same pools and fake kernel: a node plugin
 // restarted (an upgrade, a crash) with every mount and loop device still
 // there and nothing of the old one's memory.

@@ -318,3 +318,8 @@ func (d nodeServer) NodeUnpublishVolume(ctx context.Context, req *csi.NodeUnpubl
 	klog.FromContext(ctx).Info("Unpublished volume", "volume", vid, "target", target)
 	return &csi.NodeUnpublishVolumeResponse{}, nil
 }
+
+// KickIOLimits re-applies the I/O limits of the volumes published on this node now,
+// rather than at the next --io-limits-interval: the local agent calls it after a
+// ControllerModifyVolume it carried out for the central controller.
+func (d nodeServer) KickIOLimits() { d.throttle.Kick() }

@@ -60,6 +60,8 @@ type Throttle struct {
 	deps Deps
 	mu   sync.Mutex
 	pub  map[string]*throttled
+	// kick asks Run for a reconcile now (Kick); one pending kick is enough.
+	kick chan struct{}
 }
 
 // Track remembers a publication of an image volume to a pod and
@@ -172,17 +174,33 @@ func (th *Throttle) Pods() map[string]pool.IOLimits {
 
 // New makes the throttle over deps.
 func New(deps Deps) *Throttle {
-	return &Throttle{deps: deps}
+	return &Throttle{deps: deps, kick: make(chan struct{}, 1)}
 }
 
-// Run re-applies the limits of every publication every interval until ctx
-// ends, first one interval after its start (Rebuild ran before the server).
-func (th *Throttle) Run(ctx context.Context) error {
+// Kick asks Run to re-apply every publication's limits now rather than at the next
+// interval: a VolumeAttributesClass changed on this node reaches running pods at once.
+// Kicks coalesce, and never block.
+func (th *Throttle) Kick() {
 	select {
-	case <-ctx.Done():
-		return nil
-	case <-time.After(th.deps.Interval):
+	case th.kick <- struct{}{}:
+	default:
 	}
-	wait.UntilWithContext(ctx, th.Reconcile, th.deps.Interval)
+}
+
+// Run re-applies the limits of every publication every interval, or at once
+// when kicked, until ctx ends; the first run is one interval after its start
+// (Rebuild ran before the server) unless a kick comes first.
+func (th *Throttle) Run(ctx context.Context) error {
+	wait.UntilWithContext(ctx, func(ctx context.Context) {
+		t := time.NewTimer(th.deps.Interval)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		case <-th.kick:
+		}
+		th.Reconcile(ctx)
+	}, 0)
 	return nil
 }
