@@ -33,6 +33,18 @@ func answerMargin(remaining time.Duration) time.Duration {
 // wait). Its per-volume guard stays held until then, so a retry of the same
 // volume is told ABORTED "busy" instead of racing it, and finds its result.
 func answerInTime(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	return answerBy(ctx, req, info, handler, timerAt)
+}
+
+// timerAt is a timer that fires at at, and its stop.
+func timerAt(at time.Time) (<-chan time.Time, func() bool) {
+	t := time.NewTimer(time.Until(at))
+	return t.C, t.Stop
+}
+
+// answerBy is answerInTime whose answer of a stuck handler waits for
+// answerTimer (the tests fire it themselves).
+func answerBy(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler, answerTimer func(time.Time) (<-chan time.Time, func() bool)) (any, error) {
 	deadline, ok := ctx.Deadline()
 	if !ok {
 		return handler(ctx, req)
@@ -49,12 +61,12 @@ func answerInTime(ctx context.Context, req any, info *grpc.UnaryServerInfo, hand
 		resp, err := handler(hctx, req)
 		done <- result{resp, err}
 	}()
-	timer := time.NewTimer(time.Until(deadline.Add(-margin / 2)))
-	defer timer.Stop()
+	fired, stop := answerTimer(deadline.Add(-margin / 2))
+	defer stop()
 	select {
 	case r := <-done:
 		return r.resp, r.err
-	case <-timer.C:
+	case <-fired:
 		method := "the call"
 		if info != nil {
 			method = info.FullMethod
