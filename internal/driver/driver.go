@@ -92,7 +92,7 @@ type Options struct {
 	PathPrefix string
 	// Host is how the driver reaches the node's kernel; the zero value is
 	// the real one.
-	Host Host
+	Host layout.Host
 	// Readiness are extra checks whose faults Probe logs, such as the pool mounts of the config's
 	// mount stanzas; each returns why the driver is not ready, or nil.
 	Readiness []func() error
