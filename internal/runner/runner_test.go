@@ -73,7 +73,6 @@ func TestStagesStopInOrder(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		stages  [][]*fake
-		cancel  bool   // the parent context ends
 		waitFor string // an event that comes before the parent context ends
 		want    error
 		// events that must come in this order (others may come between)
@@ -84,8 +83,7 @@ func TestStagesStopInOrder(t *testing.T) {
 			{{name: "sweep"}, {name: "server"}},
 			{{name: "keeper"}, {name: "freezer"}},
 		},
-		cancel: true,
-		order:  []string{"server stopped", "keeper stopped"},
+		order: []string{"server stopped", "keeper stopped"},
 	}, {
 		name: "three stages, each after the one before",
 		stages: [][]*fake{
@@ -93,15 +91,13 @@ func TestStagesStopInOrder(t *testing.T) {
 			{{name: "server"}},
 			{{name: "keeper"}},
 		},
-		cancel: true,
-		order:  []string{"sidecar stopped", "server stopped", "keeper stopped"},
+		order: []string{"sidecar stopped", "server stopped", "keeper stopped"},
 	}, {
 		name: "a runner's failure stops nothing",
 		stages: [][]*fake{
 			{{name: "metrics", fail: boom}, {name: "server"}},
 			{{name: "keeper"}},
 		},
-		cancel:  true,
 		waitFor: "metrics failed",
 		want:    boom,
 		order:   []string{"metrics failed", "server stopped", "keeper stopped"},
@@ -111,7 +107,6 @@ func TestStagesStopInOrder(t *testing.T) {
 			{{name: "sweep at start only", once: true}, {name: "server"}},
 			{{name: "keeper"}},
 		},
-		cancel:  true,
 		waitFor: "sweep at start only done",
 		order:   []string{"sweep at start only done", "server stopped", "keeper stopped"},
 	}, {
@@ -120,7 +115,6 @@ func TestStagesStopInOrder(t *testing.T) {
 			{{name: "server"}},
 			{{name: "keeper"}, {name: "freezer", fail: boom}},
 		},
-		cancel:  true,
 		waitFor: "freezer failed",
 		want:    boom,
 		order:   []string{"freezer failed", "server stopped", "keeper stopped"},
@@ -146,9 +140,7 @@ func TestStagesStopInOrder(t *testing.T) {
 			close(r.allStarted)
 			for tc.waitFor != "" && <-r.seen != tc.waitFor {
 			}
-			if tc.cancel {
-				cancel()
-			}
+			cancel()
 			if err := <-done; !errors.Is(err, tc.want) {
 				t.Errorf("Stages returned %v, want %v", err, tc.want)
 			}
