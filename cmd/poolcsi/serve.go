@@ -24,6 +24,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
+	"github.com/poolcsi/poolcsi/internal/runner"
 )
 
 // serveOptions are the flags of `poolcsi serve`. newServeOptions holds the
@@ -304,7 +305,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 		guard = fence.NewStartupFence(ctx, state, o.Lease)
 		defer guard.Started()
 	}
-	opened, readiness, err := o.openPools(ctx, nodeID)
+	opened, readiness, mounts, err := o.openPools(ctx, nodeID)
 	if err != nil {
 		return err
 	}
@@ -345,30 +346,65 @@ func (o *serveOptions) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	// What runs beside the CSI server stops with it, and is waited for: the
-	// registration removes its socket on the way out, which a process that
-	// exited first would leave behind.
-	ctx, stop := context.WithCancel(ctx)
-	defer stop()
-	interceptors, stopped, err := o.startSidecars(ctx, d, mode, nodeID, opened)
+	interceptors, sidecars, err := o.sidecars(d, mode, nodeID, opened)
 	if err != nil {
 		return err
 	}
-	agentStopped, err := o.startLocalAgent(ctx, d, nodeID, opened)
+	// The local agent (off unless --local-agent) replays calls on this
+	// process's own socket: it starts once the socket answers and stops with
+	// ctx, and is awaited after the server, longer than the loops beside it,
+	// for the answers of the calls it ran.
+	agentCtx, stopAgent := context.WithCancel(ctx)
+	defer stopAgent()
+	agentStopped, err := o.startLocalAgent(agentCtx, d, nodeID, opened)
 	if err != nil {
 		return err
 	}
-	err = d.Serve(ctx, o.Endpoint, interceptors...)
-	stop()
-	select {
-	case <-stopped:
-	case <-time.After(5 * time.Second):
-		klog.Background().Info("The kubelet registration did not stop within 5 s; exiting without it")
-	}
+	server := runner.Func(func(ctx context.Context) error { return d.Serve(ctx, o.Endpoint, interceptors...) })
+	err = runLoops(ctx, server, append(mounts, sidecars...), sidecarGrace)
+	stopAgent()
 	select {
 	case <-agentStopped:
 	case <-time.After(agentWaitLimit):
 		klog.Background().Info("The local agent did not stop in time; exiting without it", "limit", agentWaitLimit)
+	}
+	return err
+}
+
+// sidecarGrace bounds how long serve waits, once the CSI server has
+// stopped, for the loops beside it (the kubelet registration removes its
+// socket on the way out, which a process that exited first would leave
+// behind; a leader election releases its lease).
+const sidecarGrace = 5 * time.Second
+
+// runLoops is every long-running loop of serve, in one place, and the order
+// they stop in:
+//
+//  1. the loops beside the CSI server (the retries of the pools' mounts,
+//     metrics, claim events, snapshot claims, /healthz, the kubelet
+//     registration) start first and stop when ctx ends, or when the server
+//     has returned: one that fails stops nothing else;
+//  2. the CSI server (Driver.Serve) stops when ctx ends: it lets the calls
+//     under way finish, then stops the loops of its own life, and only then
+//     its lease keeper and freeze agent (they must outlive every call that
+//     may stage or freeze a volume), then removes its socket;
+//  3. runLoops returns what the server returned, once the loops beside it
+//     have returned too, or after grace.
+func runLoops(ctx context.Context, server runner.Runner, beside []runner.Runner, grace time.Duration) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stopBeside := runner.Start(ctx, beside...)
+	err := server.Run(ctx)
+	cancel()
+	stopped := make(chan error, 1)
+	go func() { stopped <- stopBeside() }()
+	select {
+	case serr := <-stopped:
+		if serr != nil {
+			klog.ErrorS(serr, "A loop beside the CSI server failed")
+		}
+	case <-time.After(grace):
+		klog.Background().Info("The loops beside the CSI server did not stop in time; exiting without them", "grace", grace)
 	}
 	return err
 }
@@ -405,47 +441,48 @@ func (o *serveOptions) checkStateDir(mode driver.Mode) error {
 }
 
 // openPools opens the configured pools, mounting those with a mount stanza
-// first; the readiness checks are those of the mounts.
-func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Pool, []func() error, error) {
+// first; the readiness checks are those of the mounts, and the runners
+// retry the mounts that fail.
+func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Pool, []func() error, []runner.Runner, error) {
 	var file config.File
 	if o.ConfigFile != "" {
 		var err error
 		if file, err = config.Load(o.ConfigFile); err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 	}
 	mounts := config.Mounts(file, o.Pools)
 	var readiness []func() error
+	var keep []runner.Runner
 	var opened []*pool.Pool
 	for _, c := range config.Pools(file, o.Pools) {
 		if spec, ok := mounts[c.Name]; ok {
 			m, err := poolmount.New(c.Name, c.Path, spec)
 			if err != nil {
-				return nil, nil, err
+				return nil, nil, nil, err
 			}
 			// A pool that cannot be mounted is reported by Probe, not fatal: the
 			// other pools keep serving and the mount is retried.
 			if err := m.Ensure(ctx); err != nil {
 				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
 			}
-			go m.Keep(ctx, o.MountRetry)
+			keep = append(keep, m.Keep(o.MountRetry))
 			readiness = append(readiness, m.Ready)
 		}
 		p, err := pool.Open(c, pool.WithNode(nodeID))
 		if err != nil {
-			return nil, nil, err
+			return nil, nil, nil, err
 		}
 		opened = append(opened, p)
 	}
-	return opened, readiness, nil
+	return opened, readiness, keep, nil
 }
 
-// startSidecars starts what serve runs beside the CSI server, each only when
-// its flag asks: metrics (whose interceptor it returns), claim events,
-// snapshot claims, /healthz and the kubelet registration.
-func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode driver.Mode, nodeID string, opened []*pool.Pool) (interceptors []grpc.UnaryServerInterceptor, registered <-chan struct{}, err error) {
-	done := make(chan struct{})
-	registered = done
+// sidecars makes what serve runs beside the CSI server, each only when its
+// flag asks: metrics (whose interceptor it returns), claim events, snapshot
+// claims, /healthz and the kubelet registration. It opens their listeners
+// and clients, so a bad address fails the start; runLoops runs them.
+func (o *serveOptions) sidecars(d *driver.Driver, mode driver.Mode, nodeID string, opened []*pool.Pool) (interceptors []grpc.UnaryServerInterceptor, runners []runner.Runner, err error) {
 	if o.MetricsAddr != "" {
 		mx := metrics.New(o.DriverName, nodeID, opened, o.healthOptions())
 		if mode == driver.ModeNode || mode == driver.ModeAll {
@@ -454,25 +491,33 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 		if mode == driver.ModeController || mode == driver.ModeAll {
 			mx.WatchPeerLeases(func() []metrics.PeerLeaseState { return peerLeaseStates(d) })
 		}
-		if _, err := mx.Serve(ctx, o.MetricsAddr); err != nil {
+		r, err := listenHTTP("metrics", o.MetricsAddr, "/metrics", mx.Handler(), 5*time.Second)
+		if err != nil {
 			return nil, nil, err
 		}
+		runners = append(runners, r)
 		interceptors = append(interceptors, mx.Interceptor)
 	}
 	if o.PVCEventsInterval > 0 {
-		if err := startPVCEvents(ctx, d, o.DriverName, o.Kubeconfig, o.LeaseNamespace, o.PVCEventsInterval); err != nil {
+		r, err := pvcEvents(d, o.DriverName, o.Kubeconfig, o.LeaseNamespace, o.PVCEventsInterval)
+		if err != nil {
 			return nil, nil, err
 		}
+		runners = append(runners, r)
 	}
 	if o.ClaimSnapshots {
-		if err := startSnapshotClaims(ctx, d, o.DriverName, nodeID, o.Kubeconfig); err != nil {
+		r, err := snapshotClaims(d, o.DriverName, nodeID, o.Kubeconfig)
+		if err != nil {
 			return nil, nil, err
 		}
+		runners = append(runners, r)
 	}
 	if o.HealthzAddr != "" {
-		if err := serveHealthz(ctx, o.HealthzAddr, d); err != nil {
+		r, err := listenHTTP("healthz", o.HealthzAddr, "/healthz", kubeletplugin.Healthz(d, 3*time.Second), 2*time.Second)
+		if err != nil {
 			return nil, nil, err
 		}
+		runners = append(runners, r)
 	}
 	if o.RegistrationDir != "" {
 		csiPath := o.KubeletEndpoint
@@ -480,16 +525,14 @@ func (o *serveOptions) startSidecars(ctx context.Context, d *driver.Driver, mode
 			csiPath = strings.TrimPrefix(o.Endpoint, "unix://")
 		}
 		r := &kubeletplugin.Registrar{DriverName: o.DriverName, Endpoint: csiPath, Dir: o.RegistrationDir}
-		go func() {
-			defer close(done)
+		runners = append(runners, runner.Func(func(ctx context.Context) error {
 			if err := r.Run(ctx, probeEndpoint(o.Endpoint)); err != nil {
 				klog.ErrorS(err, "Kubelet plugin registration stopped; kubelet will not use this node plugin until it restarts")
 			}
-		}()
-	} else {
-		close(done)
+			return nil
+		}))
 	}
-	return interceptors, registered, nil
+	return interceptors, runners, nil
 }
 
 // sweepInterval turns --ephemeral-sweep-interval into the driver's option.

@@ -12,8 +12,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/poolcsi/poolcsi/internal/driver"
-	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
 	"github.com/poolcsi/poolcsi/internal/pvcevents"
+	"github.com/poolcsi/poolcsi/internal/runner"
 	"github.com/poolcsi/poolcsi/internal/snapclaim"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -32,27 +32,47 @@ import (
 
 // The optional parts of serve that talk to kubelet or the API server.
 
-// serveHealthz serves /healthz (Probe, in-process) on addr until ctx ends.
-func serveHealthz(ctx context.Context, addr string, d *driver.Driver) error {
+// httpServer serves one handler on a listener until its context ends, then
+// shuts down within grace.
+type httpServer struct {
+	name  string
+	srv   *http.Server
+	lis   net.Listener
+	grace time.Duration
+}
+
+// listenHTTP opens addr (host:port) for handler at path, so a bad address
+// fails the start; Run serves it.
+func listenHTTP(name, addr, path string, handler http.Handler, grace time.Duration) (*httpServer, error) {
 	lis, err := net.Listen("tcp", addr)
 	if err != nil {
-		return fmt.Errorf("healthz address %s: %w", addr, err)
+		return nil, fmt.Errorf("%s address %s: %w", name, addr, err)
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/healthz", kubeletplugin.Healthz(d, 3*time.Second))
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-	go func() {
-		<-ctx.Done()
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
-		defer cancel()
-		_ = srv.Shutdown(sctx) // the process is ending
-	}()
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			klog.ErrorS(err, "healthz server stopped", "address", addr)
-		}
-	}()
-	klog.InfoS("Serving /healthz", "address", lis.Addr().String())
+	mux.Handle(path, handler)
+	klog.InfoS("Serving "+path, "address", lis.Addr().String())
+	return &httpServer{name: name, lis: lis, grace: grace, srv: &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}}, nil
+}
+
+// Run serves until ctx ends; a server that fails is logged, and stops nothing else.
+func (h *httpServer) Run(ctx context.Context) error {
+	served := make(chan error, 1)
+	go func() { served <- h.srv.Serve(h.lis) }()
+	select {
+	case err := <-served:
+		klog.ErrorS(err, "HTTP server stopped", "server", h.name, "address", h.lis.Addr().String())
+		return nil
+	case <-ctx.Done():
+	}
+	// ctx is done: the shutdown gets a deadline of its own.
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.grace)
+	defer cancel()
+	if err := h.srv.Shutdown(sctx); err != nil {
+		klog.ErrorS(err, "HTTP server did not shut down cleanly", "server", h.name, "address", h.lis.Addr().String())
+	}
+	if err := <-served; err != nil && !errors.Is(err, http.ErrServerClosed) {
+		klog.ErrorS(err, "HTTP server stopped", "server", h.name)
+	}
 	return nil
 }
 
@@ -70,16 +90,16 @@ func probeEndpoint(endpoint string) func(context.Context) error {
 	}
 }
 
-// startPVCEvents reports volume health on the claims every interval, in the
-// background, through the API server kubeconfig (or the service account) names.
-func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, leaseNamespace string, interval time.Duration) error {
+// pvcEvents reports volume health on the claims every interval, through the
+// API server kubeconfig (or the service account) names.
+func pvcEvents(d *driver.Driver, name, kubeconfig, leaseNamespace string, interval time.Duration) (runner.Runner, error) {
 	cfg, err := apiServerConfig(kubeconfig)
 	if err != nil {
-		return fmt.Errorf("--pvc-events-interval: %w", err)
+		return nil, fmt.Errorf("--pvc-events-interval: %w", err)
 	}
 	client, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
-		return fmt.Errorf("--pvc-events-interval: %w", err)
+		return nil, fmt.Errorf("--pvc-events-interval: %w", err)
 	}
 	r := &pvcevents.Reporter{Client: client, Driver: name, Conditions: func(ctx context.Context) (map[string]pvcevents.Condition, error) {
 		sick, err := d.AbnormalVolumes(ctx)
@@ -90,9 +110,11 @@ func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, lea
 		return out, err
 	}}
 	if leaseNamespace == "" {
-		go r.Run(ctx, interval)
-		klog.InfoS("Reporting volume health on claims", "interval", interval)
-		return nil
+		return runner.Func(func(ctx context.Context) error {
+			klog.InfoS("Reporting volume health on claims", "interval", interval)
+			r.Run(ctx, interval)
+			return nil
+		}), nil
 	}
 	id, _ := os.Hostname() // the pod's name
 	lock := &resourcelock.LeaseLock{
@@ -100,7 +122,7 @@ func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, lea
 		Client:     client.CoordinationV1(),
 		LockConfig: resourcelock.ResourceLockConfig{Identity: id},
 	}
-	go leaderelection.RunOrDie(ctx, leaderelection.LeaderElectionConfig{
+	elect := leaderelection.LeaderElectionConfig{
 		Lock: lock, ReleaseOnCancel: true,
 		LeaseDuration: 15 * time.Second, RenewDeadline: 10 * time.Second, RetryPeriod: 5 * time.Second,
 		Callbacks: leaderelection.LeaderCallbacks{
@@ -110,8 +132,8 @@ func startPVCEvents(ctx context.Context, d *driver.Driver, name, kubeconfig, lea
 			},
 			OnStoppedLeading: func() { klog.InfoS("No longer reporting volume health on claims", "identity", id) },
 		},
-	})
-	return nil
+	}
+	return runner.Func(func(ctx context.Context) error { leaderelection.RunOrDie(ctx, elect); return nil }), nil
 }
 
 // apiServerConfig is the kubeconfig's API server, or the pod's service account's.
@@ -129,30 +151,32 @@ func apiServerConfig(kubeconfig string) (*rest.Config, error) {
 	return cfg, nil
 }
 
-// startSnapshotClaims labels, for this node's csi-snapshotter, the snapshot contents
+// snapshotClaims labels, for this node's csi-snapshotter, the snapshot contents
 // nobody labelled whose source this node's pools hold (package snapclaim): pre-provisioned
 // VolumeSnapshotContents, group members, and VolumeGroupSnapshotContents if the cluster
 // serves them.
-func startSnapshotClaims(ctx context.Context, d *driver.Driver, name, node, kubeconfig string) error {
+func snapshotClaims(d *driver.Driver, name, node, kubeconfig string) (runner.Runner, error) {
 	cfg, err := apiServerConfig(kubeconfig)
 	if err != nil {
-		return fmt.Errorf("--claim-local-snapshots: %w", err)
+		return nil, fmt.Errorf("--claim-local-snapshots: %w", err)
 	}
 	client, err := dynamic.NewForConfig(cfg)
 	if err != nil {
-		return fmt.Errorf("--claim-local-snapshots: %w", err)
+		return nil, fmt.Errorf("--claim-local-snapshots: %w", err)
 	}
 	disc, err := discovery.NewDiscoveryClientForConfig(cfg)
 	if err != nil {
-		return fmt.Errorf("--claim-local-snapshots: %w", err)
+		return nil, fmt.Errorf("--claim-local-snapshots: %w", err)
 	}
 	c := &snapclaim.Claimer{
 		Client: client, Discovery: disc, Driver: name, Node: node,
 		Holds: snapshotHere(d), HoldsVolume: volumeHere(d), HoldsGroup: groupHere(d),
 	}
-	go c.Run(ctx, 10*time.Minute)
-	klog.InfoS("Claiming unlabelled snapshot contents held here for this node's snapshotter", "node", node)
-	return nil
+	return runner.Func(func(ctx context.Context) error {
+		klog.InfoS("Claiming unlabelled snapshot contents held here for this node's snapshotter", "node", node)
+		c.Run(ctx, 10*time.Minute)
+		return nil
+	}), nil
 }
 
 // The claim's lookups are the CSI calls, in process: they parse a handle as the RPCs do

@@ -7,6 +7,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"google.golang.org/grpc/codes"
@@ -25,7 +26,7 @@ func TestClaimLookups(t *testing.T) {
 	h := fake.New()
 	d, err := driver.New(driver.Options{
 		Name: "local.test", Version: "v-test", NodeID: "node-1", Mode: driver.ModeAll, Pools: []*pool.Pool{p},
-		Host: driver.Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h},
+		Host: layout.Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -32,7 +33,7 @@ func realNode(t *testing.T) *grpc.ClientConn {
 	}
 	h := fake.New()
 	d, err := driver.New(driver.Options{Name: "poolcsi.test", Version: "test", NodeID: "b", Mode: driver.ModeAll, Pools: []*pool.Pool{p},
-		Host: driver.Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h}})
+		Host: layout.Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -28,7 +29,7 @@ func secondController(t *testing.T, td *testDriver) *Driver {
 	h := fake.New()
 	d, err := New(Options{
 		Name: "poolcsi.test", Version: "test", NodeID: "controller-2", Mode: ModeController, Pools: []*pool.Pool{p},
-		Host: Host{Mounts: h, Loops: h, Devices: h, FS: h},
+		Host: layout.Host{Mounts: h, Loops: h, Devices: h, FS: h},
 	})
 	if err != nil {
 		t.Fatal(err)

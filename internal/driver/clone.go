@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 )
@@ -27,7 +28,7 @@ func (d controllerServer) csiContentSource(p *pool.Pool, r *pool.ContentSource) 
 
 // resolveContentSource finds the snapshot or volume a CreateVolume copies:
 // NOT_FOUND when it does not exist, INVALID_ARGUMENT when it is malformed.
-func (d controllerServer) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc poolset.Access) (*contentSource, error) {
+func (d controllerServer) resolveContentSource(ctx context.Context, src *csi.VolumeContentSource, acc poolset.Access) (*layout.ContentSource, error) {
 	if src == nil {
 		return nil, nil
 	}
@@ -45,14 +46,14 @@ func (d controllerServer) resolveContentSource(ctx context.Context, src *csi.Vol
 		if err != nil {
 			return nil, err
 		}
-		return &contentSource{Pool: p, Record: pool.ContentSource{Snapshot: s.ID}, Layout: s.Layout, Access: s.AccessType, FSType: s.FSType, Size: s.SizeBytes, SnapID: sid}, nil
+		return &layout.ContentSource{Pool: p, Record: pool.ContentSource{Snapshot: s.ID}, Layout: s.Layout, Access: s.AccessType, FSType: s.FSType, Size: s.SizeBytes, SnapID: sid}, nil
 	case src.GetVolume() != nil:
 		rq, err := d.resolve(ctx, rpcCloneSource, src.GetVolume().GetVolumeId(), acc, nil)
 		if err != nil {
 			return nil, err
 		}
 		vid, p, v := rq.id, rq.pool, rq.vol
-		return &contentSource{Pool: p, Record: pool.ContentSource{Volume: v.ID}, Layout: v.Layout, Access: v.AccessType, FSType: v.FSType, Size: v.CapacityBytes, VolID: vid, Vol: v}, nil
+		return &layout.ContentSource{Pool: p, Record: pool.ContentSource{Volume: v.ID}, Layout: v.Layout, Access: v.AccessType, FSType: v.FSType, Size: v.CapacityBytes, VolID: vid, Vol: v}, nil
 	}
 	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
 }
@@ -60,7 +61,7 @@ func (d controllerServer) resolveContentSource(ctx context.Context, src *csi.Vol
 // finishClone fills a volume still in state creating with its source's data and
 // marks it ready. An image copy is grown to the volume's size; its filesystem
 // grows at the next NodeStageVolume, like any volume expanded while unstaged.
-func (d controllerServer) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *contentSource) error {
+func (d controllerServer) finishClone(ctx context.Context, p *pool.Pool, v *pool.Volume, src *layout.ContentSource) error {
 	if !src.IsSnapshot() {
 		// Copying a volume: hold it against concurrent grow, stage and delete.
 		sv, release, err := d.holdVolume(ctx, holdCloneSource, p, src.VolID)

@@ -17,7 +17,7 @@ import (
 type volumeCreate struct {
 	name string
 	params.Volume
-	src      *contentSource // nil for an empty volume
+	src      *layout.ContentSource // nil for an empty volume
 	source   *pool.ContentSource
 	pool     *pool.Pool
 	lay      layout.Layout

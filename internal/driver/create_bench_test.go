@@ -16,6 +16,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"github.com/moby/sys/mountinfo"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
@@ -84,7 +85,7 @@ func newBenchPool(b *testing.B) *benchPool {
 		}
 		h := fake.New()
 		d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: fmt.Sprintf("node-%d", i+1), Mode: ModeController,
-			Pools: []*pool.Pool{p}, Host: Host{Mounts: h, Loops: h, Devices: h, FS: h},
+			Pools: []*pool.Pool{p}, Host: layout.Host{Mounts: h, Loops: h, Devices: h, FS: h},
 			// The cluster's share key, as the chart deploys it: it signs the
 			// shared pool's ledger, which then admits without a scan.
 			ShareKeys: [][]byte{[]byte("bench share key, 32 bytes or more")}})

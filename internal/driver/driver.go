@@ -29,6 +29,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 	"github.com/poolcsi/poolcsi/internal/rpc"
+	"github.com/poolcsi/poolcsi/internal/runner"
 	"github.com/poolcsi/poolcsi/internal/unixsock"
 )
 
@@ -92,7 +93,7 @@ type Options struct {
 	PathPrefix string
 	// Host is how the driver reaches the node's kernel; the zero value is
 	// the real one.
-	Host Host
+	Host layout.Host
 	// Readiness are extra checks whose faults Probe logs, such as the pool mounts of the config's
 	// mount stanzas; each returns why the driver is not ready, or nil.
 	Readiness []func() error
@@ -337,8 +338,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	d.detectQuotas(ctx)
 	d.registerNode(ctx)
 	d.freezes.ThawAfterCrash(ctx)
-	// The socket goes last: the deferred stops below run before this one,
-	// so every loop has returned before the socket is removed.
+	// The socket goes last: every loop has returned before it is removed.
 	defer func() {
 		if err := lis.Remove(); err != nil {
 			klog.ErrorS(err, "Not removing the CSI socket")
@@ -349,45 +349,48 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 		// node plugin knows its pods again only from the mount table.
 		d.throttle.Rebuild(ctx)
 	}
-	// The loops of the server's life stop with ctx, beside the server; the
-	// lease keeper and the freeze agent stop only once the server has
-	// stopped (a call under way at the stop may still stage a volume, or
-	// freeze one), and the freeze agent thaws what it holds as it stops.
+	// The server and the loops of its life stop with ctx; the lease keeper
+	// and the freeze agent only once all of them have returned (a call
+	// under way at the stop may still stage a volume, or freeze one), and
+	// the freeze agent thaws what it holds as it stops. A server that fails
+	// ends ctx for the rest; what a loop returned is logged, what the server
+	// returned is Serve's.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var served error
+	server := runner.Func(func(ctx context.Context) error {
+		defer cancel()
+		go func() {
+			<-ctx.Done()
+			srv.GracefulStop()
+		}()
+		klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
+			"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.pools.Names(), "shareTypes", d.pools.ShareTypes())
+		if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
+			served = fmt.Errorf("serve %s: %w", endpoint, err)
+		}
+		return nil
+	})
 	withServer, afterServer := d.runners()
-	defer logStop(start(context.WithoutCancel(ctx), afterServer...))
-	defer logStop(start(ctx, withServer...))
-	go func() {
-		<-ctx.Done()
-		srv.GracefulStop()
-	}()
-	klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
-		"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.pools.Names(), "shareTypes", d.pools.ShareTypes())
-	if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-		return fmt.Errorf("serve %s: %w", endpoint, err)
+	if err := runner.Stages(ctx, append(withServer, server), afterServer); err != nil {
+		klog.ErrorS(err, "A loop of the driver failed")
 	}
-	return nil
+	return served
 }
 
 // runners are the driver's long-running loops: those that stop with the
 // server's context, and those that stop only after the server has stopped.
-func (d *Driver) runners() (withServer, afterServer []Runner) {
+func (d *Driver) runners() (withServer, afterServer []runner.Runner) {
 	if d.opts.Mode.controller() && d.leases != nil {
 		// What the lease cannot cover, made visible (internal/fence, peers.go).
-		withServer = append(withServer, Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
+		withServer = append(withServer, runner.Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
 	}
 	if d.opts.Mode.node() {
 		withServer = append(withServer, d.throttle,
-			Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.inline.Sweep(ctx) }})
+			runner.Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.inline.Sweep(ctx) }})
 		afterServer = append(afterServer, d.leases, d.freezes)
 	}
 	return withServer, afterServer
-}
-
-// logStop stops runners and logs what one of them returned.
-func logStop(stop func() error) {
-	if err := stop(); err != nil {
-		klog.ErrorS(err, "A loop of the driver failed")
-	}
 }
 
 // Listen opens a unix socket endpoint, replacing a stale socket file left by a

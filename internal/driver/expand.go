@@ -84,5 +84,5 @@ func (d nodeServer) NodeExpandVolume(ctx context.Context, req *csi.NodeExpandVol
 	if err := d.checkCapability(v, req.GetVolumeCapability()); err != nil {
 		return nil, err
 	}
-	return d.layoutOf(v.Layout).ExpandNode(ctx, nodeVolume{ID: vid, Pool: p, Vol: v}, req, path)
+	return d.layoutOf(v.Layout).ExpandNode(ctx, layout.NodeVolume{ID: vid, Pool: p, Vol: v}, req, path)
 }

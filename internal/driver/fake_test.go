@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/mount/fake"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -54,7 +55,7 @@ func newTestDriver(t testing.TB, o testOpts) *testDriver {
 	opts := Options{
 		Name: "poolcsi.test", Version: "test", NodeID: "node-1", Mode: ModeAll, Pools: pools,
 		MaxVolumesPerNode: o.maxVols,
-		Host:              Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h},
+		Host:              layout.Host{Mounts: h, Loops: h, Devices: h, FS: h, Cgroups: h},
 	}
 	if o.modify != nil {
 		o.modify(&opts)

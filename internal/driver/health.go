@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolset"
 )
@@ -201,9 +202,9 @@ func (d nodeServer) nodeIssues(p *pool.Pool, vid pool.VolumeID, staging, publish
 // nodeHost is the driver's host as the node-side health checks read it: the
 // same kernel, or the same fake, as every other node call.
 type nodeHost struct {
-	MountTable
-	LoopDevices
-	Filesystems
+	layout.MountTable
+	layout.LoopDevices
+	layout.Filesystems
 }
 
 var _ health.Node = nodeHost{}

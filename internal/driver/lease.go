@@ -11,6 +11,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/fence"
 	"github.com/poolcsi/poolcsi/internal/iolimits"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -63,7 +64,7 @@ func (d *core) fenceIfTaken(ctx context.Context, p *pool.Pool, vid pool.VolumeID
 // the device detached if nothing else mounts it; the stage then starts anew.
 // Reusing it would serve a stale page cache and write it back over the other
 // node's data.
-func (d *core) dropStaleStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
+func (d *core) dropStaleStage(ctx context.Context, nv layout.NodeVolume, staging string, readOnly bool) error {
 	// A read-only stage writes nothing back; on one machine running two node
 	// plugins (the tests) the device it finds is the other node's read-only one.
 	if readOnly || !nv.Pool.Shared() || nv.Vol.Layout != pool.LayoutImage {

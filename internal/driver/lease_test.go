@@ -54,7 +54,7 @@ func newLeaseNode(t *testing.T, dir, node string) *leaseNode {
 	}
 	h := fake.New()
 	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: node, Mode: ModeAll, Pools: []*pool.Pool{p},
-		Host: Host{Mounts: h, Loops: h, Devices: h, FS: h}})
+		Host: layout.Host{Mounts: h, Loops: h, Devices: h, FS: h}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -396,7 +396,7 @@ func restartNode(t *testing.T, old *leaseNode, path string) *leaseNode {
 		t.Fatal(err)
 	}
 	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: old.opts.NodeID, Mode: ModeAll, Pools: []*pool.Pool{p},
-		Host: Host{Mounts: old.host, Loops: old.host, Devices: old.host, FS: old.host}, State: old.opts.State})
+		Host: layout.Host{Mounts: old.host, Loops: old.host, Devices: old.host, FS: old.host}, State: old.opts.State})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -659,7 +659,7 @@ func TestAdoptDevicesStagedBeforeRecords(t *testing.T) {
 	// Another node's plugin on the same kernel and path (as in tests) does
 	// not take A's device for its own.
 	other, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-c", Mode: ModeAll, Pools: a.opts.Pools,
-		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}})
+		Host: layout.Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -806,7 +806,7 @@ func TestFenceOfAPoolNotServed(t *testing.T) {
 		t.Fatal(err)
 	}
 	d, err := New(Options{Name: "poolcsi.test", Version: "test", NodeID: "node-a", Mode: ModeAll, Pools: []*pool.Pool{p},
-		Host: Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}, State: a.opts.State})
+		Host: layout.Host{Mounts: a.host, Loops: a.host, Devices: a.host, FS: a.host}, State: a.opts.State})
 	if err != nil {
 		t.Fatal(err)
 	}

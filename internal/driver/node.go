@@ -53,7 +53,7 @@ func (d nodeServer) NodeGetInfo(context.Context, *csi.NodeGetInfoRequest) (*csi.
 // capability every one carries (checked before anything is locked), then the
 // front hall (request.go), then what the volume must be for the capability.
 // The caller defers release.
-func (d nodeServer) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc poolset.Access) (nodeVolume, func(), error) {
+func (d nodeServer) nodeVolume(ctx context.Context, call holder, volumeID string, vc *csi.VolumeCapability, acc poolset.Access) (layout.NodeVolume, func(), error) {
 	var caps params.Caps
 	rq, err := d.resolve(ctx, call, volumeID, acc, func() (err error) {
 		if vc == nil {
@@ -63,9 +63,9 @@ func (d nodeServer) nodeVolume(ctx context.Context, call holder, volumeID string
 		return err
 	})
 	if err != nil {
-		return nodeVolume{}, nil, err
+		return layout.NodeVolume{}, nil, err
 	}
-	nv := nodeVolume{ID: rq.id, Pool: rq.pool, Vol: rq.vol, Caps: caps}
+	nv := layout.NodeVolume{ID: rq.id, Pool: rq.pool, Vol: rq.vol, Caps: caps}
 	if err := d.CheckNodeUse(nv, vc); err != nil {
 		rq.release()
 		return nv, nil, err
@@ -88,7 +88,7 @@ func (d nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolum
 		return nil, err
 	}
 	defer release()
-	readOnly := layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	readOnly := params.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	if !readOnly && nv.Vol.Layout == pool.LayoutImage {
 		// A node that cannot renew its lease would not fence itself if cut
 		// off: it takes no image read-write meanwhile.
@@ -127,7 +127,7 @@ func (d nodeServer) NodeStageVolume(ctx context.Context, req *csi.NodeStageVolum
 // check made apart from the record would let two nodes both pass it. claimed
 // tells whether this call added the record (a retried stage finds it there).
 // The record also makes the controller refuse to delete the volume meanwhile.
-func (d nodeServer) claimStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) (claimed bool, err error) {
+func (d nodeServer) claimStage(ctx context.Context, nv layout.NodeVolume, staging string, readOnly bool) (claimed bool, err error) {
 	err = updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		if err := d.layoutOf(v.Layout).Fence(v, d.opts.NodeID, readOnly); err != nil {
 			return false, csierr.Failf(csierr.ErrInUse, "refusing to stage here (node %s): %w", d.opts.NodeID, err)
@@ -146,7 +146,7 @@ func (d nodeServer) claimStage(ctx context.Context, nv nodeVolume, staging strin
 
 // recordStage makes this node's stage record say staging and readOnly, after a
 // stage that found an older record of this node.
-func (d nodeServer) recordStage(ctx context.Context, nv nodeVolume, staging string, readOnly bool) error {
+func (d nodeServer) recordStage(ctx context.Context, nv layout.NodeVolume, staging string, readOnly bool) error {
 	return updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		for _, s := range v.Staged {
 			if s.Node == d.opts.NodeID && s.Path == staging && s.ReadOnly == readOnly {
@@ -159,7 +159,7 @@ func (d nodeServer) recordStage(ctx context.Context, nv nodeVolume, staging stri
 }
 
 // unclaimStage takes back a claim whose stage failed, so it fences nothing.
-func (d nodeServer) unclaimStage(ctx context.Context, nv nodeVolume) {
+func (d nodeServer) unclaimStage(ctx context.Context, nv layout.NodeVolume) {
 	err := updateVolume(ctx, nv.Pool, nv.ID, func(v *pool.Volume) (bool, error) {
 		before := len(v.Staged)
 		v.ClearStaged(d.opts.NodeID)

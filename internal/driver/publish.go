@@ -92,7 +92,7 @@ func (d controllerServer) ControllerPublishVolume(ctx context.Context, req *csi.
 	// Update holds the pool's volume lock, a lock file: controllers of other
 	// nodes sharing the pool wait on the same one, so two of them cannot both
 	// grant a writer.
-	readOnly := req.GetReadonly() || layout.ReadOnlyMode(vc.GetAccessMode().GetMode())
+	readOnly := req.GetReadonly() || params.ReadOnlyMode(vc.GetAccessMode().GetMode())
 	var v *pool.Volume
 	err = updateVolume(ctx, p, vid, func(cur *pool.Volume) (bool, error) {
 		v = cur

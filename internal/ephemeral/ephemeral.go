@@ -296,7 +296,7 @@ func (e *Volumes) Publish(ctx context.Context, req *csi.NodePublishVolumeRequest
 		return csierr.Failf(pool.ErrExists, "ephemeral volume %s exists in pool %s, the request names pool %s", s.handle, found.Name(), s.pool.Name())
 	}
 	p := s.pool
-	readOnly := req.GetReadonly() || layout.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
+	readOnly := req.GetReadonly() || params.ReadOnlyMode(req.GetVolumeCapability().GetAccessMode().GetMode())
 	var topology map[string]string
 	if !p.Shared() {
 		topology = e.deps.Topology()

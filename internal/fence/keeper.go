@@ -28,6 +28,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
+	"github.com/poolcsi/poolcsi/internal/runner"
 )
 
 // Node leases in shared pools (docs/fencing.md). A node plugin renews its lease
@@ -135,30 +136,38 @@ func (k *Keeper) Run(ctx context.Context) error {
 		k.StartLeases(ctx, g.at)
 		g.Started()
 	}
-	// On its own: with many stale records, or a hung backing file anywhere
-	// on the node, the pass takes longer than half the margin, and the fence
-	// must not wait behind it (a fence that runs first and meets a stale
-	// record fails closed: it fences more, never less).
-	go k.DropStaleRecords(ctx)
+	// The start-up passes run on their own: with many stale records, or a
+	// hung backing file anywhere on the node, a pass takes longer than half
+	// the margin, and the fence must not wait behind it (a fence that runs
+	// first and meets a stale record fails closed: it fences more, never
+	// less); a pool may hang its pass. The renewals and the fence check are
+	// two loops, the check's first one interval after the start (it gives
+	// the first renewal, started at once, that long to land).
+	passes := []runner.Runner{runner.Func(func(ctx context.Context) error { k.DropStaleRecords(ctx); return nil })}
 	for _, p := range k.SharedPools() {
-		go k.AdoptDevices(ctx, p) // on its own: a pool may hang
+		passes = append(passes, runner.Func(func(ctx context.Context) error { k.AdoptDevices(ctx, p); return nil }))
 	}
+	stopPasses := runner.Start(ctx, passes...)
 	t := k.timing
-	renew := time.NewTicker(t.Interval)
-	defer renew.Stop()
-	watch := time.NewTicker(min(time.Second, t.Interval/2))
-	defer watch.Stop()
-	k.renewAll(ctx)
-	for {
-		select {
-		case <-ctx.Done():
-			k.ReleaseLeases()
-			return nil
-		case <-renew.C:
-			k.renewAll(ctx)
-		case <-watch.C:
-			k.FenceExpired(ctx)
-		}
+	_ = runner.Stages(ctx, []runner.Runner{
+		runner.Every{Interval: t.Interval, AtStart: true, F: k.renewAll},
+		runner.Every{Interval: min(time.Second, t.Interval/2), F: k.FenceExpired},
+	})
+	k.ReleaseLeases()
+	// A pass stuck on a hung pool is not waited for past releaseWait: the
+	// process may end without it, as it may with a renewal stuck there.
+	waitPasses(ctx, stopPasses)
+	return nil
+}
+
+// waitPasses waits for the start-up passes stop stops, at most releaseWait.
+func waitPasses(ctx context.Context, stop func() error) {
+	done := make(chan struct{})
+	go func() { defer close(done); _ = stop() }()
+	select {
+	case <-done:
+	case <-time.After(releaseWait):
+		klog.FromContext(ctx).Info("A start-up pass over this node's stage records has not ended (a pool that hangs?); stopping without it")
 	}
 }
 
@@ -557,6 +566,10 @@ func unidentified(devs []mount.LoopDevice) []string {
 	return out
 }
 
+// releaseWait bounds what the keeper waits for on its way out, in a pool
+// that may hang: a lease's release, the start-up passes.
+const releaseWait = 2 * time.Second
+
 // ReleaseLeases marks released the leases of the pools where this node holds
 // no loop device by its own records (a record goes only once the kernel shows
 // its device detached): a controller may then take their volumes at once. A
@@ -583,7 +596,7 @@ func (k *Keeper) ReleaseLeases() {
 			if err != nil {
 				klog.ErrorS(err, "Releasing this node's lease", "pool", p.Name())
 			}
-		case <-time.After(2 * time.Second):
+		case <-time.After(releaseWait):
 		}
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
@@ -118,22 +119,21 @@ func (f *Freezer) QuiesceAll(ctx context.Context, members []Member) (thaw func()
 // acknowledgement timeout; done is false when that passed first. ctx ending
 // is an error.
 func (f *Freezer) pollNodes(ctx context.Context, step func() (done bool, err error)) (bool, error) {
-	tick := time.NewTicker(min(f.Timing.Poll, 100*time.Millisecond))
-	defer tick.Stop()
-	timeout := time.NewTimer(f.Timing.AckTimeout)
-	defer timeout.Stop()
-	for {
-		if done, err := step(); done || err != nil {
-			return done, err
-		}
-		select {
-		case <-ctx.Done():
-			return false, ctx.Err()
-		case <-timeout.C:
-			return false, nil
-		case <-tick.C:
-		}
+	var stepErr error
+	err := wait.PollUntilContextTimeout(ctx, min(f.Timing.Poll, 100*time.Millisecond), f.Timing.AckTimeout, true, func(context.Context) (bool, error) {
+		done, err := step()
+		stepErr = err
+		return done, err
+	})
+	switch {
+	case stepErr != nil:
+		return false, stepErr
+	case err == nil:
+		return true, nil
+	case ctx.Err() != nil:
+		return false, ctx.Err()
 	}
+	return false, nil // the acknowledgement timeout passed
 }
 
 // awaitFreezes waits for every node's answer, or for the acknowledgement

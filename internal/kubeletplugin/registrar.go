@@ -75,19 +75,16 @@ func (r *Registrar) Run(ctx context.Context, ready func(context.Context) error) 
 		return err
 	}
 	log := klog.FromContext(ctx).WithValues("driver", r.DriverName, "socket", r.SocketPath())
-	for {
+	if err := wait.PollUntilContextCancel(ctx, time.Second, true, func(ctx context.Context) (bool, error) {
 		pctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-		err := ready(pctx)
-		cancel()
-		if err == nil {
-			break
+		defer cancel()
+		if err := ready(pctx); err != nil {
+			log.V(2).Info("Waiting for the CSI socket before registering with kubelet", "err", err)
+			return false, nil
 		}
-		log.V(2).Info("Waiting for the CSI socket before registering with kubelet", "err", err)
-		select {
-		case <-ctx.Done():
-			return nil
-		case <-time.After(time.Second):
-		}
+		return true, nil
+	}); err != nil {
+		return nil // ctx ended
 	}
 	lis := r.listen(ctx, log)
 	if lis == nil {

@@ -14,6 +14,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/fsx"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/quota"
 )
@@ -61,7 +62,7 @@ func logQuota(ctx context.Context, p *pool.Pool, b quota.Backend) {
 
 // allowed: a directory is shared by bind mounts, so every access mode works,
 // but it is no block device.
-func (dirLayout) Allowed(s Caps) error {
+func (dirLayout) Allowed(s params.Caps) error {
 	if s.Access == pool.AccessBlock {
 		return csierr.Failf(csierr.ErrInvalid, "layout dir volumes are directories: block access needs layout image")
 	}
@@ -167,13 +168,13 @@ func (d dirLayout) Delete(ctx context.Context, p *pool.Pool, vid pool.VolumeID, 
 	})
 }
 
-func (dirLayout) MinSize(Caps) int64 { return mount.MinSize("") }
+func (dirLayout) MinSize(params.Caps) int64 { return mount.MinSize("") }
 
 func (dirLayout) MountFS(*pool.Volume) string { return "" }
 
 // fsType: a dir volume has the pool's filesystem, whatever the CO names.
-func (dirLayout) FSType(Caps) string                     { return "" }
-func (dirLayout) SameFS(Caps, string) bool               { return true }
+func (dirLayout) FSType(params.Caps) string              { return "" }
+func (dirLayout) SameFS(params.Caps, string) bool        { return true }
 func (dirLayout) Fence(*pool.Volume, string, bool) error { return nil }
 
 // expand raises a dir volume's quota limit. Nothing changes on the nodes (a

@@ -11,6 +11,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -25,7 +26,7 @@ func (d dirLayout) Stage(ctx context.Context, nv NodeVolume, staging string, vc 
 		return err
 	}
 	defer h.Close()
-	readOnly := ReadOnlyMode(vc.GetAccessMode().GetMode())
+	readOnly := params.ReadOnlyMode(vc.GetAccessMode().GetMode())
 	if err := d.Mounts.Bind(ctx, h.Path(), staging, readOnly, mount.BindOptions(vc.GetMount().GetMountFlags())); err != nil {
 		if errors.Is(err, mount.ErrMountConflict) {
 			return csierr.Failf(csierr.ErrPathTaken, "staging path %s: %w", staging, err)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -27,7 +28,7 @@ var imageModes = map[csi.VolumeCapability_AccessMode_Mode]bool{
 	csi.VolumeCapability_AccessMode_MULTI_NODE_READER_ONLY:    true,
 }
 
-func (imageLayout) Allowed(s Caps) error {
+func (imageLayout) Allowed(s params.Caps) error {
 	for _, m := range s.Modes {
 		if !imageModes[m] {
 			return csierr.Failf(csierr.ErrInvalid, "access mode %s is not supported by image volumes (single-node writer or multi-node read-only); use layout dir for multi-node writers", m)
@@ -36,21 +37,21 @@ func (imageLayout) Allowed(s Caps) error {
 	return nil
 }
 
-func (imageLayout) MinSize(s Caps) int64 {
+func (imageLayout) MinSize(s params.Caps) int64 {
 	if s.Access == pool.AccessBlock {
 		return mount.MinSize("")
 	}
 	return mount.MinSize(s.FSType)
 }
 
-func (imageLayout) FSType(s Caps) string {
+func (imageLayout) FSType(s params.Caps) string {
 	if s.Access == pool.AccessBlock {
 		return ""
 	}
 	return s.FSType
 }
 
-func (imageLayout) SameFS(s Caps, fsType string) bool {
+func (imageLayout) SameFS(s params.Caps, fsType string) bool {
 	return s.Access != pool.AccessFilesystem || s.FSType == "" || s.FSType == fsType
 }
 

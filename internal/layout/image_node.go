@@ -10,6 +10,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -97,7 +98,7 @@ func (d imageLayout) Publish(ctx context.Context, nv NodeVolume, staging, target
 // stageFilesystem converges the staging path to "the volume's filesystem is mounted
 // here" from whatever state a previous, possibly interrupted, call left.
 func (d imageLayout) stageFilesystem(ctx context.Context, nv NodeVolume, image, staging string, vc *csi.VolumeCapability) error {
-	readOnly := ReadOnlyMode(vc.GetAccessMode().GetMode())
+	readOnly := params.ReadOnlyMode(vc.GetAccessMode().GetMode())
 	info, mounted, err := d.Mounts.Info(staging)
 	if err != nil {
 		return fmt.Errorf("inspect %s: %w", staging, err)

@@ -12,6 +12,7 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 
 	"github.com/poolcsi/poolcsi/internal/nodestate"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -28,13 +29,13 @@ type Layout interface {
 // layoutFacts are what a layout is: answers that act on nothing.
 type layoutFacts interface {
 	// allowed refuses capabilities the layout cannot honour (INVALID_ARGUMENT).
-	Allowed(s Caps) error
+	Allowed(s params.Caps) error
 	// minSize is the smallest volume of the layout for s.
-	MinSize(s Caps) int64
+	MinSize(s params.Caps) int64
 	// fsType is the filesystem volume.json records for a volume made for s.
-	FSType(s Caps) string
+	FSType(s params.Caps) string
 	// sameFS refuses a request whose fs_type the volume does not have.
-	SameFS(s Caps, fsType string) bool
+	SameFS(s params.Caps, fsType string) bool
 	// mountFS is the filesystem whose mount options a stage or publish of v
 	// may carry ("" for a bind of a directory).
 	MountFS(v *pool.Volume) string

@@ -13,6 +13,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/mount"
+	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -85,7 +86,7 @@ type poolRecord struct {
 var recordsMu sync.Mutex
 
 // readOnlyCaps tells whether a node call's capability only ever reads.
-func readOnlyCaps(c Caps) bool { return c.ReadOnly() }
+func readOnlyCaps(c params.Caps) bool { return c.ReadOnly() }
 
 // noteStage writes the record of image before it is attached, so that no
 // crash between the two can leave a device this node does not know of. image

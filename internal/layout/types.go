@@ -11,20 +11,13 @@ import (
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
-// Caps are a request's capabilities folded into one spec, as internal/params
-// parses them: what a layout checks and formats by.
-type Caps = params.Caps
-
-// ReadOnlyMode tells whether an access mode only ever reads.
-func ReadOnlyMode(m csi.VolumeCapability_AccessMode_Mode) bool { return params.ReadOnlyMode(m) }
-
 // NodeVolume is what every node call resolves first: the volume, its pool and its
 // parsed capability.
 type NodeVolume struct {
 	ID   pool.VolumeID
 	Pool *pool.Pool
 	Vol  *pool.Volume
-	Caps Caps
+	Caps params.Caps
 }
 
 // isVolumeMount tells whether a mount comes from the loop device backed by
@@ -82,7 +75,7 @@ func Writers(v *pool.Volume, node string) []string {
 
 // Check refuses a copy the source cannot give: another pool, another
 // layout, access type or filesystem (INVALID_ARGUMENT).
-func (c *ContentSource) Check(p *pool.Pool, layout pool.Layout, lay Layout, caps Caps) error {
+func (c *ContentSource) Check(p *pool.Pool, layout pool.Layout, lay Layout, caps params.Caps) error {
 	what := "volume " + c.Record.Volume
 	if c.IsSnapshot() {
 		what = "snapshot " + c.Record.Snapshot

@@ -19,7 +19,7 @@ import (
 
 // Compatible refuses capabilities s that volume v cannot serve: another
 // access type, another filesystem, or what its layout does not allow.
-func (d *Deps) Compatible(s Caps, v *pool.Volume) error {
+func (d *Deps) Compatible(s params.Caps, v *pool.Volume) error {
 	if s.Access != v.AccessType {
 		return fmt.Errorf("volume %s is a %s volume, the request asks for %s access", v.ID, v.AccessType, s.Access)
 	}
@@ -73,7 +73,7 @@ func VolumeFlags(p *pool.Pool, v *pool.Volume, vc *csi.VolumeCapability) []strin
 // CreateCompatible refuses a volume v that a CreateVolume of the same name
 // found, when it is not what the request asks for: other capabilities (caps),
 // other mutable parameters, a capacity outside the range r.
-func (d *Deps) CreateCompatible(v *pool.Volume, caps Caps, r *csi.CapacityRange, mutable pool.Volume) error {
+func (d *Deps) CreateCompatible(v *pool.Volume, caps params.Caps, r *csi.CapacityRange, mutable pool.Volume) error {
 	if err := d.Compatible(caps, v); err != nil {
 		return err
 	}

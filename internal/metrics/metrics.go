@@ -14,9 +14,6 @@ package metrics
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"net"
 	"net/http"
 	"time"
 
@@ -25,7 +22,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
-	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -69,32 +65,4 @@ func (m *Metrics) Interceptor(ctx context.Context, req any, info *grpc.UnaryServ
 // Handler serves the registry in the Prometheus text format.
 func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.Registry, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
-}
-
-// Serve listens on addr (host:port) and serves /metrics until ctx ends. It
-// returns once the listener is open, so a bad address fails start-up.
-func (m *Metrics) Serve(ctx context.Context, addr string) (net.Addr, error) {
-	lis, err := net.Listen("tcp", addr)
-	if err != nil {
-		return nil, fmt.Errorf("metrics address %s: %w", addr, err)
-	}
-	mux := http.NewServeMux()
-	mux.Handle("/metrics", m.Handler())
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	go func() {
-		<-ctx.Done()
-		// ctx is done: the shutdown gets a deadline of its own.
-		shutdown, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		if err := srv.Shutdown(shutdown); err != nil {
-			klog.ErrorS(err, "Metrics server did not shut down cleanly", "address", addr)
-		}
-	}()
-	go func() {
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-			klog.ErrorS(err, "Metrics server stopped", "address", addr)
-		}
-	}()
-	klog.InfoS("Serving metrics", "address", lis.Addr().String(), "path", "/metrics")
-	return lis.Addr(), nil
 }

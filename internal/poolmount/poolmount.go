@@ -16,6 +16,8 @@ import (
 	"github.com/moby/sys/mountinfo"
 	"k8s.io/klog/v2"
 	mountutils "k8s.io/mount-utils"
+
+	"github.com/poolcsi/poolcsi/internal/runner"
 )
 
 // DefaultTimeout bounds one mount attempt. An unreachable NFS server otherwise
@@ -215,21 +217,15 @@ func (m *Mounter) Ready() error {
 	return fmt.Errorf("pool %s: %s is not mounted yet", m.Pool, m.Path)
 }
 
-// Keep retries Ensure every interval until ctx ends, so a pool whose server was
-// down at start-up is mounted when it comes back, without a driver restart.
-func (m *Mounter) Keep(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			if err := m.Ensure(ctx); err != nil {
-				klog.FromContext(ctx).Error(err, "Pool still not mounted", "pool", m.Pool)
-			}
+// Keep retries Ensure every interval, the first one interval after the
+// start, until its context ends, so a pool whose server was down at
+// start-up is mounted when it comes back, without a driver restart.
+func (m *Mounter) Keep(interval time.Duration) runner.Runner {
+	return runner.Every{Interval: interval, F: func(ctx context.Context) {
+		if err := m.Ensure(ctx); err != nil {
+			klog.FromContext(ctx).Error(err, "Pool still not mounted", "pool", m.Pool)
 		}
-	}
+	}}
 }
 
 // busy tells whether a mount process of this mounter is still running.

@@ -13,6 +13,7 @@ import (
 
 	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/scheme"
 	typedcorev1 "k8s.io/client-go/kubernetes/typed/core/v1"
@@ -52,18 +53,11 @@ func (r *Reporter) Run(ctx context.Context, interval time.Duration) {
 	b.StartRecordingToSink(&typedcorev1.EventSinkImpl{Interface: r.Client.CoreV1().Events("")})
 	defer b.Shutdown()
 	r.recorder = b.NewRecorder(scheme.Scheme, corev1.EventSource{Component: r.Driver + "-health"})
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
+	wait.UntilWithContext(ctx, func(ctx context.Context) {
 		if err := r.Report(ctx); err != nil {
 			klog.FromContext(ctx).Error(err, "Reporting volume health on claims")
 		}
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-	}
+	}, interval)
 }
 
 // Report records one round of events: Warning for every abnormal volume's
