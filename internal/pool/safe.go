@@ -132,6 +132,9 @@ func (p *Pool) writeBeneath(rel string, data []byte, durable bool) error {
 
 // readDir lists a directory of the pool, reached without links.
 func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
+	if p.OpenPending() {
+		return nil, p.OpenError()
+	}
 	des, err := fsx.ReadDir(p.cfg.Path, rel)
 	return des, unsafe(err)
 }
