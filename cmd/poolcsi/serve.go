@@ -285,8 +285,22 @@ func (o *serveOptions) run(ctx context.Context) error {
 			return fmt.Errorf("--state-dir: %w", err)
 		}
 		guard = fence.NewStartupFence(ctx, state, o.Lease)
-		defer guard.Started()
 	}
+	err = o.start(ctx, mode, nodeID, state, guard)
+	if err != nil {
+		// Whatever failed (a config it cannot read, a pool mount stanza it
+		// refuses, the socket), the process exits without its lease keeper:
+		// nothing renews this node's leases, and its start-up fence must
+		// have fenced before it goes, not be dropped with it.
+		guard.Abandon(ctx, err)
+	}
+	guard.Started()
+	return err
+}
+
+// start is run's part after the node's records are open and the start-up
+// fence guards the start: it opens the pools and serves until ctx ends.
+func (o *serveOptions) start(ctx context.Context, mode driver.Mode, nodeID string, state *nodestate.Store, guard *fence.StartupFence) error {
 	opened, readiness, err := o.openPools(ctx, nodeID)
 	if err != nil {
 		return err
@@ -405,13 +419,31 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 			go m.Keep(ctx, o.MountRetry)
 			readiness = append(readiness, m.Ready)
 		}
-		p, err := pool.Open(c, pool.WithNode(nodeID))
+		// Only a configuration that can never work fails the start. A pool
+		// whose filesystem is dead, missing, unreadable or hangs is served
+		// unavailable (Probe, health, metrics and poolcsi status say why) and
+		// used once it answers: the other pools keep serving, and the
+		// process never dies on a lost pool (docs/fencing.md).
+		p, err := pool.Open(c, pool.WithNode(nodeID), pool.WithOpenWait(o.poolOpenWait()))
 		if err != nil {
 			return nil, nil, err
+		}
+		switch {
+		case p.OpenPending():
+			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
+		case p.OpenError() != nil:
+			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
 		}
 		opened = append(opened, p)
 	}
 	return opened, readiness, nil
+}
+
+// poolOpenWait is how long the start waits for one pool's filesystem: a
+// pool that hangs longer is served unavailable. It is well inside half the
+// lease margin, when a start that has not reached its lease keeper fences.
+func (o *serveOptions) poolOpenWait() time.Duration {
+	return max(min(o.Lease.Margin/4, 5*time.Second), 100*time.Millisecond)
 }
 
 // startSidecars starts what serve runs beside the CSI server, each only when
