@@ -193,7 +193,7 @@ func (p *Pool) OpenPending() bool {
 // unavailable, which Check finds again.
 func (p *Pool) layOutAtOpen() error {
 	cfg := p.cfg
-	st, err := os.Stat(cfg.Path)
+	st, err := statPath(cfg.Path)
 	switch {
 	case err == nil && !st.IsDir():
 		return fmt.Errorf("%w: pool %s: %s is not a directory", ErrUnavailable, cfg.Name, cfg.Path)
@@ -227,12 +227,16 @@ func (p *Pool) layOutAtOpen() error {
 	return nil
 }
 
+// statPath is os.Stat; tests make it fail as the kernel will not for root
+// (EACCES) or hang.
+var statPath = os.Stat
+
 // mkdirMissing makes dir and the parents it lacks, like os.MkdirAll, but
 // only below a parent that answered: a component whose stat fails with
 // anything but ENOENT (a dead mount point, which mkdir answers with EEXIST)
 // stops it with that error.
 func mkdirMissing(dir string) error {
-	st, err := os.Stat(dir)
+	st, err := statPath(dir)
 	switch {
 	case err == nil && st.IsDir():
 		return nil
