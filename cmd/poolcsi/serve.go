@@ -431,6 +431,13 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 		switch {
 		case p.OpenPending():
 			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
+			go func(name string, since time.Time) {
+				select {
+				case <-p.Opened():
+					klog.InfoS("Pool answered after the start's wait", "pool", name, "after", time.Since(since).Round(time.Millisecond).String(), "err", fmt.Sprint(p.OpenError()))
+				case <-ctx.Done():
+				}
+			}(c.Name, time.Now())
 		case p.OpenError() != nil:
 			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
 		}

@@ -20,9 +20,9 @@ func (p *Pool) MetadataPath(id VolumeID) string { return filepath.Join(p.Dir(id)
 
 // VolumeExists tells whether the volume's directory exists, metadata or not.
 func (p *Pool) VolumeExists(id VolumeID) bool {
-	if p.OpenPending() {
-		// Not answering since Open: what a dead pool answers, without the
-		// wait (OpenPending).
+	if p.awaitOpen() != nil {
+		// Not answering since Open: what a dead pool answers, after a
+		// bounded wait instead of the hang (OpenPending).
 		return false
 	}
 	_, err := os.Lstat(p.Dir(id))

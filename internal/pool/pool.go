@@ -85,6 +85,7 @@ type Pool struct {
 	// opened is what Open's layout found (OpenError).
 	openWait time.Duration
 	opened   atomic.Pointer[openOutcome]
+	openDone chan struct{} // closed when Open's layout returned
 }
 
 // Option sets up a pool at Open with what its configuration does not hold.
@@ -135,8 +136,10 @@ func Open(cfg Config, opts ...Option) (*Pool, error) {
 	if cfg.Share != nil {
 		p.share = cfg.Share.payload()
 	}
+	p.openDone = make(chan struct{})
 	if p.openWait <= 0 {
 		p.opened.Store(&openOutcome{err: p.layOutAtOpen()})
+		close(p.openDone)
 		return p, nil
 	}
 	// A filesystem that does not answer (a FUSE daemon stopped, a hard NFS
@@ -144,17 +147,36 @@ func Open(cfg Config, opts ...Option) (*Pool, error) {
 	// hangs: the caller gets the pool after wait, unavailable until it
 	// answers; the layout goes on meanwhile, as a Check would.
 	p.opened.Store(&openOutcome{err: fmt.Errorf("%w: pool %s: %s has not answered since the pool was opened (waited %s; a filesystem that hangs, such as a FUSE daemon stopped or a hard NFS mount whose server is gone)", ErrUnavailable, cfg.Name, cfg.Path, p.openWait), pending: true})
-	done := make(chan struct{})
 	go func() {
-		defer close(done)
+		defer close(p.openDone)
 		p.opened.Store(&openOutcome{err: p.layOutAtOpen()})
 	}()
 	select {
-	case <-done:
+	case <-p.openDone:
 	case <-time.After(p.openWait):
 	}
 	return p, nil
 }
+
+// awaitOpen waits, at most the open's wait again, for an Open whose layout
+// had not returned: a filesystem that is slow (a CephFS revoking another
+// client's capabilities takes seconds) is then used as soon as it answers,
+// and one that hangs costs each caller a bounded wait, never the hang.
+func (p *Pool) awaitOpen() error {
+	if !p.OpenPending() {
+		return nil
+	}
+	select {
+	case <-p.openDone:
+		return nil
+	case <-time.After(p.openWait):
+		return p.OpenError()
+	}
+}
+
+// Opened is closed once Open's layout has returned (at once, unless the
+// pool's filesystem did not answer within WithOpenWait).
+func (p *Pool) Opened() <-chan struct{} { return p.openDone }
 
 // WithOpenWait bounds how long Open waits for the pool's filesystem: after
 // wait, Open returns the pool, unavailable until the filesystem answers
@@ -180,8 +202,8 @@ func (p *Pool) OpenError() error {
 
 // OpenPending tells whether Open's layout has not returned yet: the pool's
 // filesystem did not answer within WithOpenWait and still does not. Until it
-// does, Check and every listing fail at once with OpenError instead of
-// waiting behind it.
+// does, Check and every listing wait for it at most the open's wait again,
+// then fail with OpenError instead of hanging behind it.
 func (p *Pool) OpenPending() bool {
 	o := p.opened.Load()
 	return o != nil && o.pending
@@ -428,10 +450,10 @@ func (p *Pool) mkdirVolumes() error {
 // Every error it returns wraps ErrUnavailable (and never ErrNotFound: a missing
 // pool directory is an unavailable pool, not a missing volume).
 func (p *Pool) Check() error {
-	if p.OpenPending() {
+	if err := p.awaitOpen(); err != nil {
 		// Its filesystem has not answered since Open: every look at it
 		// would hang the caller (a start, a Probe) behind Open's.
-		return p.OpenError()
+		return err
 	}
 	if err := p.check(); err != nil {
 		if errors.Is(err, ErrUnavailable) {

@@ -132,8 +132,8 @@ func (p *Pool) writeBeneath(rel string, data []byte, durable bool) error {
 
 // readDir lists a directory of the pool, reached without links.
 func (p *Pool) readDir(rel string) ([]os.DirEntry, error) {
-	if p.OpenPending() {
-		return nil, p.OpenError()
+	if err := p.awaitOpen(); err != nil {
+		return nil, err
 	}
 	des, err := fsx.ReadDir(p.cfg.Path, rel)
 	return des, unsafe(err)
