@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
@@ -342,6 +343,7 @@ func (o *serveOptions) start(ctx context.Context, mode driver.Mode, nodeID strin
 	if err != nil {
 		return err
 	}
+	answered(ctx, d, opened)
 	// What runs beside the CSI server stops with it, and is waited for: the
 	// registration removes its socket on the way out, which a process that
 	// exited first would leave behind.
@@ -431,19 +433,36 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 		switch {
 		case p.OpenPending():
 			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
-			go func(name string, since time.Time) {
-				select {
-				case <-p.Opened():
-					klog.InfoS("Pool answered after the start's wait", "pool", name, "after", time.Since(since).Round(time.Millisecond).String(), "err", fmt.Sprint(p.OpenError()))
-				case <-ctx.Done():
-				}
-			}(c.Name, time.Now())
 		case p.OpenError() != nil:
 			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
 		}
 		opened = append(opened, p)
 	}
 	return opened, readiness, nil
+}
+
+// answered watches the pools whose filesystem did not answer within the
+// start's wait: once one answers, it says so and runs Probe's pool checks,
+// which register this node with the pool (the start's registration skipped
+// it), instead of leaving that to the next probe.
+func answered(ctx context.Context, d *driver.Driver, opened []*pool.Pool) {
+	start := time.Now()
+	for _, p := range opened {
+		if !p.OpenPending() {
+			continue
+		}
+		go func() {
+			select {
+			case <-p.Opened():
+			case <-ctx.Done():
+				return
+			}
+			klog.InfoS("Pool answered after the start's wait", "pool", p.Name(), "after", time.Since(start).Round(time.Millisecond).String(), "err", fmt.Sprint(p.OpenError()))
+			if _, err := d.Probe(ctx, &csi.ProbeRequest{}); err != nil {
+				klog.ErrorS(err, "Probe after a pool answered", "pool", p.Name())
+			}
+		}()
+	}
 }
 
 // poolOpenWait is how long the start waits for one pool's filesystem: a

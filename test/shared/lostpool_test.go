@@ -278,7 +278,18 @@ func testLostPool(t *testing.T, backend string, m lostMode, restart bool) {
 			releaseVolume(id)
 		}
 	})
-	must(dB.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}))(t)
+	// A pool that is slow to answer (a CephFS client waits for another's
+	// capabilities) is served before node A registered with it: the attacher
+	// retries, as here.
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		_, err := dB.Controller().ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc})
+		if err == nil {
+			break
+		}
+		if status.Code(err) != codes.NotFound || time.Now().After(deadline) {
+			t.Fatalf("publish to node A: %v", err)
+		}
+	}
 	aDir := filepath.Join(root, "node-a")
 	stagingA, targetA := filepath.Join(aDir, "staging"), filepath.Join(aDir, "target")
 	must(dA.Node().NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: stagingA, VolumeCapability: vc}))(t)
