@@ -458,8 +458,16 @@ func answered(ctx context.Context, d *driver.Driver, opened []*pool.Pool) {
 				return
 			}
 			klog.InfoS("Pool answered after the start's wait", "pool", p.Name(), "after", time.Since(start).Round(time.Millisecond).String(), "err", fmt.Sprint(p.OpenError()))
-			if _, err := d.Probe(ctx, &csi.ProbeRequest{}); err != nil {
-				klog.ErrorS(err, "Probe after a pool answered", "pool", p.Name())
+			// Twice: the first may join a round of checks that began
+			// before the pool answered (and skipped it); the second
+			// starts one after it.
+			for range 2 {
+				pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				_, err := d.Probe(pctx, &csi.ProbeRequest{})
+				cancel()
+				if err != nil {
+					klog.ErrorS(err, "Probe after a pool answered", "pool", p.Name())
+				}
 			}
 		}()
 	}
