@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"k8s.io/klog/v2"
 
@@ -303,8 +304,22 @@ func (o *serveOptions) run(ctx context.Context) error {
 			return fmt.Errorf("--state-dir: %w", err)
 		}
 		guard = fence.NewStartupFence(ctx, state, o.Lease)
-		defer guard.Started()
 	}
+	err = o.start(ctx, mode, nodeID, state, guard)
+	if err != nil {
+		// Whatever failed (a config it cannot read, a pool mount stanza it
+		// refuses, the socket), the process exits without its lease keeper:
+		// nothing renews this node's leases, and its start-up fence must
+		// have fenced before it goes, not be dropped with it.
+		guard.Abandon(ctx, err)
+	}
+	guard.Started()
+	return err
+}
+
+// start is run's part after the node's records are open and the start-up
+// fence guards the start: it opens the pools and serves until ctx ends.
+func (o *serveOptions) start(ctx context.Context, mode driver.Mode, nodeID string, state *nodestate.Store, guard *fence.StartupFence) error {
 	opened, readiness, mounts, err := o.openPools(ctx, nodeID)
 	if err != nil {
 		return err
@@ -346,6 +361,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	answered(ctx, d, opened)
 	interceptors, sidecars, err := o.sidecars(d, mode, nodeID, opened)
 	if err != nil {
 		return err
@@ -469,13 +485,63 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 			keep = append(keep, m.Keep(o.MountRetry))
 			readiness = append(readiness, m.Ready)
 		}
-		p, err := pool.Open(c, pool.WithNode(nodeID))
+		// Only a configuration that can never work fails the start. A pool
+		// whose filesystem is dead, missing, unreadable or hangs is served
+		// unavailable (Probe, health, metrics and poolcsi status say why) and
+		// used once it answers: the other pools keep serving, and the
+		// process never dies on a lost pool (docs/fencing.md).
+		p, err := pool.Open(c, pool.WithNode(nodeID), pool.WithOpenWait(o.poolOpenWait()))
 		if err != nil {
 			return nil, nil, nil, err
+		}
+		switch {
+		case p.OpenPending():
+			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
+		case p.OpenError() != nil:
+			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
 		}
 		opened = append(opened, p)
 	}
 	return opened, readiness, keep, nil
+}
+
+// answered watches the pools whose filesystem did not answer within the
+// start's wait: once one answers, it says so and runs Probe's pool checks,
+// which register this node with the pool (the start's registration skipped
+// it), instead of leaving that to the next probe.
+func answered(ctx context.Context, d *driver.Driver, opened []*pool.Pool) {
+	start := time.Now()
+	for _, p := range opened {
+		if !p.OpenPending() {
+			continue
+		}
+		go func() {
+			select {
+			case <-p.Opened():
+			case <-ctx.Done():
+				return
+			}
+			klog.InfoS("Pool answered after the start's wait", "pool", p.Name(), "after", time.Since(start).Round(time.Millisecond).String(), "err", fmt.Sprint(p.OpenError()))
+			// Twice: the first may join a round of checks that began
+			// before the pool answered (and skipped it); the second
+			// starts one after it.
+			for range 2 {
+				pctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+				_, err := d.Probe(pctx, &csi.ProbeRequest{})
+				cancel()
+				if err != nil {
+					klog.ErrorS(err, "Probe after a pool answered", "pool", p.Name())
+				}
+			}
+		}()
+	}
+}
+
+// poolOpenWait is how long the start waits for one pool's filesystem: a
+// pool that hangs longer is served unavailable. It is well inside half the
+// lease margin, when a start that has not reached its lease keeper fences.
+func (o *serveOptions) poolOpenWait() time.Duration {
+	return max(min(o.Lease.Margin/4, 5*time.Second), 100*time.Millisecond)
 }
 
 // sidecars makes what serve runs beside the CSI server, each only when its

@@ -456,43 +456,65 @@ func (k *Keeper) fence(ctx context.Context, name string, pl *poolLease, at, sinc
 // Started is called first, it fences at half the margin after it was made
 // (when a started node plugin that cannot renew fences) every pool this
 // node's records name, from the records alone: the previous process's last
-// renewal cannot be known.
+// renewal cannot be known. A start that fails hands it to Abandon, which
+// keeps the process until that fence is done.
 type StartupFence struct {
 	at      time.Time
+	delay   time.Duration // from at to the fence
+	state   *nodestate.Store
 	started chan struct{}
 	once    sync.Once
+	// done is closed when the guard is over: stopped by Started or ctx
+	// before it fenced, or its fence decided and every device's fence
+	// returned.
+	done chan struct{}
 }
 
 // NewStartupFence starts the guard over the records in state, with the
 // node's lease timing t.
 func NewStartupFence(ctx context.Context, state *nodestate.Store, t lease.Timing) *StartupFence {
-	g := &StartupFence{at: time.Now(), started: make(chan struct{})}
+	g := &StartupFence{at: time.Now(), delay: min(t.Margin/2, t.Duration), state: state, started: make(chan struct{}), done: make(chan struct{})}
 	go func() {
+		defer close(g.done)
 		select {
 		case <-g.started:
 			return
 		case <-ctx.Done():
 			return
-		case <-time.After(min(t.Margin/2, t.Duration)):
+		case <-time.After(g.delay):
 		}
 		deps := &layout.Deps{State: state, Loops: new(mount.Loops)}
-		keys, err := state.Keys(layout.StagesKind)
+		pools, err := g.recordedPools()
 		if err != nil {
 			klog.FromContext(ctx).Error(err, "The node plugin has not started its lease keeper within half the lease margin and cannot read its stage records to fence")
 		}
-		var pools []string
-		for _, k := range keys {
-			var r layout.StageRecord
-			if ok, err := state.Get(layout.StagesKind, k, &r); err == nil && ok && !slices.Contains(pools, r.Pool) {
-				pools = append(pools, r.Pool)
-			}
-		}
+		var fenced []<-chan struct{}
 		for _, name := range pools {
-			fencePool(ctx, deps, name, min(layout.IdentifyWait, t.Margin/4),
-				errors.New("the node plugin has not started its lease keeper within half the lease margin (a pool that hangs at start), so it cannot renew"), nil)
+			fenced = append(fenced, fencePool(ctx, deps, name, min(layout.IdentifyWait, t.Margin/4),
+				errors.New("the node plugin has not started its lease keeper within half the lease margin (a pool that hangs at start, or a start that failed), so it cannot renew"), nil))
+		}
+		for _, done := range fenced {
+			select {
+			case <-done:
+			case <-ctx.Done():
+				return
+			}
 		}
 	}()
 	return g
+}
+
+// recordedPools are the pools this node's stage records name.
+func (g *StartupFence) recordedPools() ([]string, error) {
+	keys, err := g.state.Keys(layout.StagesKind)
+	var pools []string
+	for _, k := range keys {
+		var r layout.StageRecord
+		if ok, err := g.state.Get(layout.StagesKind, k, &r); err == nil && ok && !slices.Contains(pools, r.Pool) {
+			pools = append(pools, r.Pool)
+		}
+	}
+	return pools, err
 }
 
 // Started tells the guard the lease keeper runs; nil does nothing.
@@ -502,10 +524,55 @@ func (g *StartupFence) Started() {
 	}
 }
 
+// Abandon is for a start that failed (cause): the process is about to exit
+// without its lease keeper, so nothing renews this node's leases and another
+// node may take its volumes once they expire, while their loop devices here
+// still take writes. Unless the lease keeper ran (Started), Abandon does not
+// stop the guard: it waits until the guard has fenced every pool the node's
+// records name, at half the margin after the start as a node plugin that
+// cannot renew does, and every device's fence has returned; or until ctx
+// ends. A node without stage records has nothing to fence: it returns at
+// once. nil does nothing.
+func (g *StartupFence) Abandon(ctx context.Context, cause error) {
+	if g == nil {
+		return
+	}
+	select {
+	case <-g.started:
+		return
+	case <-g.done:
+		return
+	default:
+	}
+	log := klog.FromContext(ctx)
+	pools, err := g.recordedPools()
+	if err == nil && len(pools) == 0 {
+		g.Started()
+		return
+	}
+	log.Error(cause, "The node plugin failed to start; it stays until its start-up fence has fenced this node off the pools its records name, as a node plugin that cannot renew its leases must, then exits",
+		"pools", pools, "recordsError", fmt.Sprint(err), "fenceDecidesIn", time.Until(g.at.Add(g.delay)).Round(time.Millisecond).String())
+	every := time.NewTicker(10 * time.Second)
+	defer every.Stop()
+	for {
+		select {
+		case <-g.done:
+			log.Info("The start-up fence is done; exiting")
+			return
+		case <-ctx.Done():
+			log.Info("Stopped before the start-up fence was done", "cause", fmt.Sprint(context.Cause(ctx)))
+			return
+		case <-every.C:
+			log.Info("Still waiting for the start-up fence's loop devices before exiting (a device's fence waits for what its backing file's filesystem has queued)")
+		}
+	}
+}
+
 // fencePool fences pool name off this node, from the node's records and the
 // kernel's loop devices (planFence), waiting at most wait for the kernel to
-// identify them; planned gets the plan before any device is fenced.
-func fencePool(ctx context.Context, deps *layout.Deps, name string, wait time.Duration, cause error, planned func(fencePlan)) {
+// identify them; planned gets the plan before any device is fenced. The
+// channel it returns is closed once every device's fence has returned.
+func fencePool(ctx context.Context, deps *layout.Deps, name string, wait time.Duration, cause error, planned func(fencePlan)) <-chan struct{} {
 	log := klog.FromContext(ctx).WithValues("pool", name)
 	recs, rerr := deps.PoolRecords(name)
 	if rerr != nil {
@@ -541,10 +608,13 @@ func fencePool(ctx context.Context, deps *layout.Deps, name string, wait time.Du
 		log.Error(cause, "Fencing this node off the pool: its lease was not renewed for the lease duration, so another node may take its volumes; I/O through their loop devices stops for good (until they are unstaged)",
 			"devices", plan.devices)
 	}
+	var wg sync.WaitGroup
 	for _, dev := range plan.devices {
 		// Each on its own: the kernel flushes what a device has queued
 		// before it changes it, which on a hung filesystem waits for it.
+		wg.Add(1)
 		go func() {
+			defer wg.Done()
 			if err := deps.Loops.Fence(dev); err != nil {
 				log.Error(err, "Fencing a loop device failed", "device", dev)
 				return
@@ -552,6 +622,12 @@ func fencePool(ctx context.Context, deps *layout.Deps, name string, wait time.Du
 			log.Info("Fenced a loop device", "device", dev)
 		}()
 	}
+	done := make(chan struct{})
+	go func() {
+		wg.Wait()
+		close(done)
+	}()
+	return done
 }
 
 // unidentified lists the devices whose backing file the kernel did not

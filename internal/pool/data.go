@@ -20,6 +20,11 @@ func (p *Pool) MetadataPath(id VolumeID) string { return filepath.Join(p.Dir(id)
 
 // VolumeExists tells whether the volume's directory exists, metadata or not.
 func (p *Pool) VolumeExists(id VolumeID) bool {
+	if p.awaitOpen() != nil {
+		// Not answering since Open: what a dead pool answers, after a
+		// bounded wait instead of the hang (OpenPending).
+		return false
+	}
 	_, err := os.Lstat(p.Dir(id))
 	return err == nil
 }

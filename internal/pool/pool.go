@@ -12,6 +12,7 @@ import (
 	"sort"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -80,6 +81,11 @@ type Pool struct {
 	// quotaIndexed is set once the quota ID index is known to exist
 	// (QuotaIDs().ensureIndex).
 	quotaIndexed atomic.Bool
+	// openWait bounds Open's wait for the filesystem (WithOpenWait);
+	// opened is what Open's layout found (OpenError).
+	openWait time.Duration
+	opened   atomic.Pointer[openOutcome]
+	openDone chan struct{} // closed when Open's layout returned
 }
 
 // Option sets up a pool at Open with what its configuration does not hold.
@@ -93,6 +99,15 @@ func WithNode(node string) Option { return func(p *Pool) { p.node = node } }
 // created if missing; a shared pool's directory is a mount point the admin (or the
 // driver's mount stanza) provides, so it is never created here — creating it would
 // quietly put "shared" volumes on the node's root disk.
+//
+// Only a configuration that can never work is an error. Whatever the pool's
+// filesystem does — its path a dead mount point (ENOTCONN, EIO, ESTALE), missing,
+// covered, unreadable, holding a damaged pool.json, or not answering at all —
+// leaves the pool unavailable, not the caller without it: Check says why, and
+// lays the pool out once it answers. A node plugin must not die on one pool it
+// cannot use, least of all before its start-up fence is done (docs/fencing.md).
+// Nothing is created through a path whose stat failed with anything but
+// ENOENT: a dead FUSE mount point stats with an error and mkdirs with EEXIST.
 func Open(cfg Config, opts ...Option) (*Pool, error) {
 	if err := ValidatePoolName(cfg.Name); err != nil {
 		return nil, err
@@ -121,22 +136,154 @@ func Open(cfg Config, opts ...Option) (*Pool, error) {
 	if cfg.Share != nil {
 		p.share = cfg.Share.payload()
 	}
-	if !cfg.Shared {
-		if err := os.MkdirAll(cfg.Path, 0o750); err != nil {
-			return nil, fmt.Errorf("pool %s: %w", cfg.Name, err)
-		}
+	p.openDone = make(chan struct{})
+	if p.openWait <= 0 {
+		p.opened.Store(&openOutcome{err: p.layOutAtOpen()})
+		close(p.openDone)
+		return p, nil
 	}
-	// A missing or uninitialised shared pool is not fatal: Probe reports it until
-	// it appears.
-	if _, err := os.Stat(cfg.Path); err == nil && p.mountReady() == nil {
-		// A pool whose pool.json is damaged or names another pool is
-		// unavailable (Check says why), not fatal: on a shared pool anyone
-		// can write that file, and one pool must never stop a driver.
-		if err := p.init(p.mayInit()); err != nil && !errors.Is(err, ErrUnavailable) {
-			return nil, err
-		}
+	// A filesystem that does not answer (a FUSE daemon stopped, a hard NFS
+	// mount whose server is gone) blocks the stat itself, for as long as it
+	// hangs: the caller gets the pool after wait, unavailable until it
+	// answers; the layout goes on meanwhile, as a Check would.
+	p.opened.Store(&openOutcome{err: fmt.Errorf("%w: pool %s: %s has not answered since the pool was opened (waited %s; a filesystem that hangs, such as a FUSE daemon stopped or a hard NFS mount whose server is gone)", ErrUnavailable, cfg.Name, cfg.Path, p.openWait), pending: true})
+	go func() {
+		defer close(p.openDone)
+		p.opened.Store(&openOutcome{err: p.layOutAtOpen()})
+	}()
+	select {
+	case <-p.openDone:
+	case <-time.After(p.openWait):
 	}
 	return p, nil
+}
+
+// awaitOpen waits, at most the open's wait again, for an Open whose layout
+// had not returned: a filesystem that is slow (a CephFS revoking another
+// client's capabilities takes seconds) is then used as soon as it answers,
+// and one that hangs costs each caller a bounded wait, never the hang.
+func (p *Pool) awaitOpen() error {
+	if !p.OpenPending() {
+		return nil
+	}
+	select {
+	case <-p.openDone:
+		return nil
+	case <-time.After(p.openWait):
+		return p.OpenError()
+	}
+}
+
+// Opened is closed once Open's layout has returned (at once, unless the
+// pool's filesystem did not answer within WithOpenWait).
+func (p *Pool) Opened() <-chan struct{} { return p.openDone }
+
+// WithOpenWait bounds how long Open waits for the pool's filesystem: after
+// wait, Open returns the pool, unavailable until the filesystem answers
+// (OpenError). Zero: Open waits as long as the filesystem takes.
+func WithOpenWait(wait time.Duration) Option { return func(p *Pool) { p.openWait = wait } }
+
+// openOutcome is what Open's layout found (OpenError).
+type openOutcome struct {
+	err error
+	// pending: the layout had not returned when Open did.
+	pending bool
+}
+
+// OpenError is why Open left the pool unavailable, wrapping ErrUnavailable
+// (nil: the pool was there and laid out). Check finds the same again; this
+// is for the start's log.
+func (p *Pool) OpenError() error {
+	if o := p.opened.Load(); o != nil {
+		return o.err
+	}
+	return nil
+}
+
+// OpenPending tells whether Open's layout has not returned yet: the pool's
+// filesystem did not answer within WithOpenWait and still does not. Until it
+// does, Check and every listing wait for it at most the open's wait again,
+// then fail with OpenError instead of hanging behind it.
+func (p *Pool) OpenPending() bool {
+	o := p.opened.Load()
+	return o != nil && o.pending
+}
+
+// layOutAtOpen is Open's part on the filesystem: it creates a missing local
+// pool's directory and lays the pool out where it may. It never fails the
+// Open: what it returns (wrapping ErrUnavailable) is why the pool is
+// unavailable, which Check finds again.
+func (p *Pool) layOutAtOpen() error {
+	cfg := p.cfg
+	st, err := statPath(cfg.Path)
+	switch {
+	case err == nil && !st.IsDir():
+		return fmt.Errorf("%w: pool %s: %s is not a directory", ErrUnavailable, cfg.Name, cfg.Path)
+	case err == nil:
+	case errors.Is(err, unix.ENOENT) && !cfg.Shared:
+		if err := mkdirMissing(cfg.Path); err != nil {
+			return fmt.Errorf("%w: pool %s: create its directory: %w", ErrUnavailable, cfg.Name, err)
+		}
+	case errors.Is(err, unix.ENOENT):
+		// A shared pool's directory is never made here: Probe reports it
+		// until it appears.
+		return fmt.Errorf("%w: shared pool %s: %s is missing (is the share mounted?): %w", ErrUnavailable, cfg.Name, cfg.Path, err)
+	default:
+		// A dead mount point (ENOTCONN, EIO, ESTALE), a path it may not
+		// look at (EACCES), a file on the way (ENOTDIR), a loop of links:
+		// the directory may well be there, and nothing is made through it.
+		return fmt.Errorf("%w: pool %s: %s cannot be looked at (a dead mount, or no access): %w", ErrUnavailable, cfg.Name, cfg.Path, err)
+	}
+	if err := p.mountReady(); err != nil {
+		return err
+	}
+	// A pool whose pool.json is damaged or names another pool is
+	// unavailable (Check says why), not fatal: on a shared pool anyone can
+	// write that file, and one pool must never stop a driver.
+	if err := p.init(p.mayInit()); err != nil {
+		if !errors.Is(err, ErrUnavailable) {
+			err = fmt.Errorf("%w: %w", ErrUnavailable, err)
+		}
+		return err
+	}
+	return nil
+}
+
+// statPath is os.Stat; tests make it fail as the kernel will not for root
+// (EACCES) or hang.
+var statPath = os.Stat
+
+// mkdirMissing makes dir and the parents it lacks, like os.MkdirAll, but
+// only below a parent that answered: a component whose stat fails with
+// anything but ENOENT (a dead mount point, which mkdir answers with EEXIST)
+// stops it with that error.
+func mkdirMissing(dir string) error {
+	st, err := statPath(dir)
+	switch {
+	case err == nil && st.IsDir():
+		return nil
+	case err == nil:
+		return &os.PathError{Op: "mkdir", Path: dir, Err: unix.ENOTDIR}
+	case !errors.Is(err, unix.ENOENT):
+		return err
+	}
+	if parent := filepath.Dir(dir); parent != dir {
+		if err := mkdirMissing(parent); err != nil {
+			return err
+		}
+	}
+	if err := os.Mkdir(dir, 0o750); err != nil {
+		if errors.Is(err, unix.EEXIST) {
+			// Made meanwhile, or a mount point that stopped answering:
+			// only a directory that stats is one.
+			if st, serr := os.Stat(dir); serr != nil || !st.IsDir() {
+				return err
+			}
+			return nil
+		}
+		return err
+	}
+	return nil
 }
 
 // Initialise lays out a new pool at cfg.Path — the operator's one explicit step
@@ -246,8 +393,8 @@ func (p *Pool) init(may bool) error {
 	err := p.readMeta()
 	switch {
 	case err == nil:
-		if err := os.MkdirAll(filepath.Join(p.cfg.Path, volumesDir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
+		if err := p.mkdirVolumes(); err != nil {
+			return err
 		}
 		return nil
 	case missing(err):
@@ -258,8 +405,8 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("%w: shared pool %s: %s has no %s — the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s)",
 				ErrUnavailable, p.cfg.Name, p.cfg.Path, poolMeta, p.cfg.Path, p.cfg.Name)
 		}
-		if err := os.MkdirAll(filepath.Join(p.cfg.Path, volumesDir), 0o750); err != nil {
-			return fmt.Errorf("pool %s: %w", p.cfg.Name, err)
+		if err := p.mkdirVolumes(); err != nil {
+			return err
 		}
 		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, Share: p.cfg.Share})
 		if err := p.files().writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
@@ -271,11 +418,43 @@ func (p *Pool) init(may bool) error {
 	}
 }
 
+// mkdirVolumes makes the pool's volumes directory if it is missing: one
+// mkdir below the pool's root, which just answered. Never MkdirAll: a root
+// that stopped answering since stats with an error, and MkdirAll would
+// "create" it (EEXIST, and the start failed on it).
+func (p *Pool) mkdirVolumes() error {
+	dir := filepath.Join(p.cfg.Path, volumesDir)
+	st, err := os.Stat(dir)
+	switch {
+	case err == nil && st.IsDir():
+		return nil
+	case err == nil:
+		return fmt.Errorf("%w: pool %s: %s is not a directory", ErrUnavailable, p.cfg.Name, dir)
+	case !errors.Is(err, unix.ENOENT):
+		return fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	if err := os.Mkdir(dir, 0o750); err != nil && !errors.Is(err, unix.EEXIST) {
+		return fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
+		if err == nil {
+			err = &os.PathError{Op: "mkdir", Path: dir, Err: unix.ENOTDIR}
+		}
+		return fmt.Errorf("%w: pool %s: %w", ErrUnavailable, p.cfg.Name, err)
+	}
+	return nil
+}
+
 // Check tells whether the pool can serve requests now: present, initialised and
 // writable. It costs a few system calls, so Probe can call it every few seconds.
 // Every error it returns wraps ErrUnavailable (and never ErrNotFound: a missing
 // pool directory is an unavailable pool, not a missing volume).
 func (p *Pool) Check() error {
+	if err := p.awaitOpen(); err != nil {
+		// Its filesystem has not answered since Open: every look at it
+		// would hang the caller (a start, a Probe) behind Open's.
+		return err
+	}
 	if err := p.check(); err != nil {
 		if errors.Is(err, ErrUnavailable) {
 			return err

@@ -49,10 +49,17 @@ const (
 // so the rules above live in one type. It holds only what the checks need: the
 // root the operator configured, the pool's name for errors and the node named
 // in lock files.
-type files struct{ root, name, node string }
+type files struct {
+	root, name, node string
+	// await waits, a bounded time, for an open still pending on a pool
+	// whose filesystem has not answered yet (Pool.awaitOpen).
+	await func() error
+}
 
 // files is the pool's safe-file layer.
-func (p *Pool) files() files { return files{root: p.cfg.Path, name: p.cfg.Name, node: p.node} }
+func (p *Pool) files() files {
+	return files{root: p.cfg.Path, name: p.cfg.Name, node: p.node, await: p.awaitOpen}
+}
 
 // unsafe turns fsx's classification into the pool's: a file that is a link,
 // of the wrong kind or too large is damage.
@@ -142,6 +149,11 @@ func (fl files) writeBeneath(rel string, data []byte, durable bool) error {
 
 // readDir lists a directory of the pool, reached without links.
 func (fl files) readDir(rel string) ([]os.DirEntry, error) {
+	if fl.await != nil {
+		if err := fl.await(); err != nil {
+			return nil, err
+		}
+	}
 	des, err := fsx.ReadDir(fl.root, rel)
 	return des, unsafe(err)
 }
