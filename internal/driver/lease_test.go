@@ -254,6 +254,62 @@ func TestStageNeedsALease(t *testing.T) {
 	}
 }
 
+// TestStageWaitsForARenewalUnderWay: a stage that needs a fresh lease while
+// a renewal is already under way (the keeper's first one, on a pool slow to
+// answer) waits for that renewal's outcome instead of answering that the
+// pool is busy; and a renewal that fails under it still refuses the stage.
+func TestStageWaitsForARenewalUnderWay(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		outcome error
+		want    codes.Code
+	}{
+		{"the renewal succeeds", nil, codes.OK},
+		{"the renewal fails", errors.New("the pool does not answer"), codes.Unavailable},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			a := newLeaseNode(t, newLeasePool(t), "node-a")
+			vc := mountCap(rwo, "ext4")
+			resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			entered, release := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			a.leases.SetRenewal(func(p *pool.Pool, l pool.Lease) error {
+				once.Do(func() { close(entered) })
+				<-release
+				if tt.outcome != nil {
+					return tt.outcome
+				}
+				return p.Leases().Write(l)
+			}, nil)
+			for _, p := range a.leases.SharedPools() {
+				a.leases.RenewAsync(ctx, p, nil) // the keeper's renewal, under way
+			}
+			<-entered
+			staged := make(chan error, 1)
+			go func() {
+				sctx, cancel := context.WithTimeout(ctx, time.Minute)
+				defer cancel()
+				_, err := a.NodeStageVolume(sctx, &csi.NodeStageVolumeRequest{VolumeId: resp.GetVolume().GetVolumeId(), StagingTargetPath: filepath.Join(a.root, "s"), VolumeCapability: vc})
+				staged <- err
+			}()
+			select {
+			case err := <-staged:
+				t.Fatalf("the stage answered before the renewal under way ended: %v", err)
+			case <-time.After(50 * time.Millisecond):
+			}
+			close(release)
+			err = <-staged
+			if status.Code(err) != tt.want {
+				t.Fatalf("stage = %v, want code %s", err, tt.want)
+			}
+		})
+	}
+}
+
 // TestRejoiningNodeFencesATakenVolume: node A stages an image read-write and
 // goes silent without fencing (its node plugin was down, or the node was
 // powered off with its kernel's mounts kept, as on one test machine); the

@@ -87,7 +87,10 @@ type poolLease struct {
 	counter  uint64
 	inFlight bool
 	started  time.Time // when the renewal under way (inFlight) began
-	lastErr  error
+	// waiters get the outcome of the renewal under way (RenewAsync with a
+	// done channel while one was in flight).
+	waiters []chan<- error
+	lastErr error
 	// logged spaces out the log lines of a failure that repeats at every
 	// renewal (a pool never laid out: forever)
 	logged logrepeat.Failures
@@ -217,16 +220,19 @@ func (k *Keeper) renewAll(ctx context.Context) {
 }
 
 // RenewAsync starts one renewal of p unless one is under way; done, if not
-// nil, gets its outcome (or the one under way's, ErrBusy).
+// nil (and buffered), gets its outcome, or the outcome of the one under way.
 func (k *Keeper) RenewAsync(ctx context.Context, p *pool.Pool, done chan<- error) {
 	ls := k
 	ls.mu.Lock()
 	pl := ls.state(p.Name())
 	if pl.inFlight {
-		ls.mu.Unlock()
+		// A caller that wants an outcome waits for the renewal under way
+		// (the keeper's first one on a slow pool, say) rather than being
+		// told the pool is busy; it bounds the wait with its own context.
 		if done != nil {
-			done <- fmt.Errorf("%w: a renewal of the lease in pool %s is still under way", pool.ErrBusy, p.Name())
+			pl.waiters = append(pl.waiters, done)
 		}
+		ls.mu.Unlock()
 		return
 	}
 	pl.inFlight = true
@@ -254,6 +260,8 @@ func (k *Keeper) RenewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		ls.mu.Lock()
 		pl.inFlight = false
 		pl.lastErr = err
+		waiters := pl.waiters
+		pl.waiters = nil
 		var logIt bool
 		var suppressed, recovered int
 		if err != nil {
@@ -284,6 +292,9 @@ func (k *Keeper) RenewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 		}
 		if done != nil {
 			done <- err
+		}
+		for _, w := range waiters {
+			w <- err // buffered: a waiter that gave up is not waited for
 		}
 	}()
 }
@@ -704,9 +715,15 @@ func (k *Keeper) EnsureLease(ctx context.Context, p *pool.Pool) error {
 		}
 		ls.mu.Lock()
 		fenced := !pl.fenced.IsZero()
+		// The renewal waited for may have started long before this call
+		// (one that hung, then answered): what counts is when it began.
+		stale := ls.now().Sub(pl.last) >= ls.timing.Duration/2
 		ls.mu.Unlock()
 		if fenced {
 			return csierr.Failf(pool.ErrUnavailable, "node %s fenced itself off pool %s and has not renewed its lease since: not taking a volume read-write", k.deps.NodeID, p.Name())
+		}
+		if stale {
+			return csierr.Failf(pool.ErrUnavailable, "node %s: the renewal of its lease in pool %s that this call waited for began too long ago to count: not taking a volume read-write", k.deps.NodeID, p.Name())
 		}
 		return nil
 	case <-ctx.Done():
