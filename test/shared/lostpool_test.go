@@ -3,6 +3,7 @@ package shared
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -161,9 +162,25 @@ func lazyUnmount(t *testing.T, l *lostPool) {
 
 func remount(t *testing.T, l *lostPool) { run(t, "mount", "--bind", l.aSrc, l.aPool) }
 
+// uncover removes the covers. The driver's loops (lease renewals, the
+// fence's checks, Probe) may hold a descriptor on the cover for a moment, so
+// a busy unmount is tried again for a while before it is detached lazily,
+// as an operator would.
 func uncover(t *testing.T, l *lostPool) {
 	for ; l.covered > 0; l.covered-- {
-		run(t, "umount", l.aPool)
+		var err error
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(100 * time.Millisecond) {
+			if err = unix.Unmount(l.aPool, 0); !errors.Is(err, unix.EBUSY) {
+				break
+			}
+		}
+		if errors.Is(err, unix.EBUSY) {
+			t.Logf("the cover of %s stayed busy for 10 s: detaching it lazily", l.aPool)
+			err = unix.Unmount(l.aPool, unix.MNT_DETACH)
+		}
+		if err != nil {
+			t.Fatalf("umount %s: %v", l.aPool, err)
+		}
 	}
 }
 
