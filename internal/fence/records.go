@@ -2,6 +2,9 @@ package fence
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -72,10 +75,21 @@ func (k *Keeper) DropStaleRecords(ctx context.Context) {
 // stages. Read-only or not cannot be told: it is recorded
 // read-write (a fence that misses it then fails closed).
 func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
+	if err := k.adoptDevices(ctx, p); err != nil {
+		klog.FromContext(ctx).Error(err, "Recording the loop devices staged before this node kept records left some undecided", "pool", p.Name())
+	}
+}
+
+// adoptDevices is AdoptDevices, returning what it could not decide: the
+// pool or the kernel's list that did not answer, a device that may be one of
+// this node's images of p but could not be checked or recorded. Until it has
+// returned nil, this node's records may miss a device it holds.
+func (k *Keeper) adoptDevices(ctx context.Context, p *pool.Pool) error {
 	devs, err := k.deps.Node.Loops.List(layout.IdentifyWait)
 	if err != nil {
-		return
+		return fmt.Errorf("listing the kernel's loop devices: %w", err)
 	}
+	var undecided []error
 	for _, ld := range devs {
 		// The path shown names the volume, not the pool: a device attached by
 		// the plugin of an earlier container (an upgrade) shows its file
@@ -92,19 +106,41 @@ func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
 		}
 		rec := layout.StageRecord{Pool: p.Name(), Volume: vid.String(), FileDev: ld.Dev, FileIno: ld.Ino, Device: ld.Device, At: time.Now().UTC()}
 		var old layout.StageRecord
-		if ok, err := k.deps.Node.State.Get(layout.StagesKind, rec.Key(), &old); err != nil || ok {
+		if ok, err := k.deps.Node.State.Get(layout.StagesKind, rec.Key(), &old); err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: reading its record: %w", ld.Device, err))
+			continue
+		} else if ok {
 			continue
 		}
 		var st unix.Stat_t
-		if unix.Stat(p.ImagePath(vid), &st) != nil || st.Dev != ld.Dev || st.Ino != ld.Ino {
+		image := p.ImagePath(vid)
+		err = unix.Stat(image, &st)
+		if errors.Is(err, unix.ENOENT) {
+			// Not this pool's image (a device of another pool whose path
+			// looks alike) only if the pool's volumes are there to say so:
+			// a pool gone shows no image at all.
+			var vols unix.Stat_t
+			if verr := unix.Stat(filepath.Dir(filepath.Dir(image)), &vols); verr == nil {
+				continue
+			}
+		}
+		if err == nil && (st.Dev != ld.Dev || st.Ino != ld.Ino) {
+			continue
+		} else if err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: identifying the image of volume %s: %w", ld.Device, vid, err))
 			continue
 		}
 		v, err := p.Load(vid)
-		if err != nil || !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == k.deps.NodeID }) {
+		if err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: reading volume %s: %w", ld.Device, vid, err))
+			continue
+		}
+		if !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == k.deps.NodeID }) {
 			continue
 		}
 		release, err := k.deps.Lock(vid.String(), "adoptDevices")
 		if err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s of volume %s: %w", ld.Device, vid, err))
 			continue
 		}
 		err = k.deps.Node.NotePool(p, ld.Dev)
@@ -114,10 +150,12 @@ func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
 		release()
 		if err != nil {
 			klog.FromContext(ctx).Error(err, "Recording a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
+			undecided = append(undecided, fmt.Errorf("device %s of volume %s: recording it: %w", ld.Device, vid, err))
 			continue
 		}
 		klog.FromContext(ctx).Info("Recorded a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
 	}
+	return errors.Join(undecided...)
 }
 
 // fencePlan is what a fence does in one pool.
