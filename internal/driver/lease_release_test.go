@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/poolcsi/poolcsi/internal/layout"
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -25,25 +26,40 @@ func TestStopDuringAdoptionKeepsTheLease(t *testing.T) {
 		staged bool
 		// setup makes the kernel's list, the adoption's first step, hang
 		// or fail; it returns what ends the hang.
-		setup        func(n *leaseNode) (unblock func())
+		setup        func(t *testing.T, n *leaseNode, id string) (unblock func())
 		wantReleased bool
 	}{
-		{"adoption hangs on an unrecorded device", true, func(n *leaseNode) func() {
+		{"adoption hangs on an unrecorded device", true, func(t *testing.T, n *leaseNode, _ string) func() {
 			block := make(chan struct{})
 			n.host.Faults.OnCall("List", func() { <-block })
 			var once sync.Once
 			return func() { once.Do(func() { close(block) }) }
 		}, false},
-		{"adoption cannot list the devices", true, func(n *leaseNode) func() {
+		{"adoption cannot list the devices", true, func(t *testing.T, n *leaseNode, _ string) func() {
 			n.host.Faults.FailFrom("List", 1, errors.New("sysfs does not answer"))
 			return func() {}
 		}, false},
-		{"adoption over, nothing staged", false, func(*leaseNode) func() { return func() {} }, true},
+		{"adoption meets an unrecorded device the kernel cannot identify", true, func(t *testing.T, n *leaseNode, _ string) func() {
+			// Its backing file's filesystem hangs: the kernel names the
+			// file but not its identity, so nothing tells it is not ours.
+			n.host.SetUnidentified(n.pools.Pool("shared").Path(), mount.ErrNotIdentified)
+			return func() {}
+		}, false},
+		{"adoption cannot lock the volume of an unrecorded device", true, func(t *testing.T, n *leaseNode, id string) func() {
+			// A call on the volume holds its lock through the adoption.
+			release, err := n.lockFor(id, "test")
+			if err != nil {
+				t.Fatal(err)
+			}
+			var once sync.Once
+			return func() { once.Do(release) }
+		}, false},
+		{"adoption over, nothing staged", false, func(*testing.T, *leaseNode, string) func() { return func() {} }, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var a *leaseNode
+			var id string
 			if tc.staged {
-				var id string
 				_, a, _, _, id, _ = stagedOnA(t)
 				vid, _ := pool.ParseVolumeID(id)
 				recs, err := a.VolumeRecords(vid)
@@ -57,7 +73,7 @@ func TestStopDuringAdoptionKeepsTheLease(t *testing.T) {
 			} else {
 				a = newLeaseNode(t, newLeasePool(t), "node-a")
 			}
-			unblock := tc.setup(a)
+			unblock := tc.setup(t, a, id)
 			t.Cleanup(unblock)
 			ctx, cancel := context.WithCancel(context.Background())
 			done := make(chan struct{})

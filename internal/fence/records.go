@@ -13,6 +13,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 )
 
@@ -64,6 +65,13 @@ func (k *Keeper) DropStaleRecords(ctx context.Context) {
 	}
 }
 
+// adoptLockWait bounds how long the adoption tries to take a busy volume's
+// lock, every adoptLockRetry.
+const (
+	adoptLockWait  = 2 * time.Second
+	adoptLockRetry = 100 * time.Millisecond
+)
+
 // AdoptDevices records, while pool p answers, the loop devices of its images
 // that this node holds without a record: those staged by a node plugin from
 // before the records existed (an upgrade with volumes staged), whose fence
@@ -96,12 +104,19 @@ func (k *Keeper) adoptDevices(ctx context.Context, p *pool.Pool) error {
 		// relative to the pool's filesystem, as that container's mounts are
 		// gone. Which pool and image it is, is the st_dev/st_ino check below.
 		parts := strings.Split(ld.Backing, "/")
-		if len(parts) < 3 || ld.Err != nil || ld.Fenced || parts[len(parts)-1] != "disk.img" || parts[len(parts)-3] != "volumes" {
+		if len(parts) < 3 || ld.Fenced || parts[len(parts)-1] != "disk.img" || parts[len(parts)-3] != "volumes" {
 			continue
 		}
 		key := parts[len(parts)-2]
 		vid, err := pool.ParseVolumeID(p.Name() + "." + key)
 		if err != nil {
+			continue
+		}
+		if ld.Err != nil {
+			// Its filesystem does not answer the kernel: nothing tells
+			// whether it is this node's image of p, and it cannot be
+			// recorded by identity.
+			undecided = append(undecided, fmt.Errorf("device %s (%s): the kernel cannot identify its backing file: %w", ld.Device, ld.Backing, ld.Err))
 			continue
 		}
 		rec := layout.StageRecord{Pool: p.Name(), Volume: vid.String(), FileDev: ld.Dev, FileIno: ld.Ino, Device: ld.Device, At: time.Now().UTC()}
@@ -138,9 +153,16 @@ func (k *Keeper) adoptDevices(ctx context.Context, p *pool.Pool) error {
 		if !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == k.deps.NodeID }) {
 			continue
 		}
-		release, err := k.deps.Lock(vid.String(), "adoptDevices")
-		if err != nil {
-			undecided = append(undecided, fmt.Errorf("device %s of volume %s: %w", ld.Device, vid, err))
+		// A call under way on the volume holds its lock for a moment: try
+		// again for a while before calling the device undecided, which
+		// keeps the leases from being released on the way out.
+		var release func()
+		var lockErr error
+		if err := wait.PollUntilContextTimeout(ctx, adoptLockRetry, adoptLockWait, true, func(context.Context) (bool, error) {
+			release, lockErr = k.deps.Lock(vid.String(), "adoptDevices")
+			return lockErr == nil, nil
+		}); err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s of volume %s: %w", ld.Device, vid, errors.Join(lockErr, err)))
 			continue
 		}
 		err = k.deps.Node.NotePool(p, ld.Dev)
