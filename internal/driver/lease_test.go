@@ -670,7 +670,7 @@ func TestStageRecords(t *testing.T) {
 	if recs := records(); len(recs) != 1 {
 		t.Fatalf("records after a failed detach: %+v", recs)
 	}
-	a.leases.ReleaseLeases()
+	a.leases.ReleaseLeases(ctx)
 	if l, ok, err := a.pools.Pool("shared").Leases().Read("node-a"); err != nil || !ok || l.Released {
 		t.Fatalf("lease released while a recorded device is attached: %+v %v %v", l, ok, err)
 	}
@@ -680,7 +680,7 @@ func TestStageRecords(t *testing.T) {
 	if recs := records(); len(recs) != 0 {
 		t.Fatalf("records after the unstage: %+v", recs)
 	}
-	a.leases.ReleaseLeases()
+	a.leases.ReleaseLeases(ctx)
 	if l, ok, err := a.pools.Pool("shared").Leases().Read("node-a"); err != nil || !ok || !l.Released {
 		t.Fatalf("lease not released with nothing staged: %+v %v %v", l, ok, err)
 	}

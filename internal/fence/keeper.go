@@ -78,7 +78,16 @@ type Keeper struct {
 	write func(p *pool.Pool, l pool.Lease) error
 	// repair removes a damaged lease entry of this node (pool.Leases().Repair).
 	repair func(p *pool.Pool, node string) error
+	// adoption is, by pool, how the start-up pass that adds records
+	// (AdoptDevices) ended: errAdoptionUnderWay until it returns, then what
+	// it could not decide (nil: nothing). Until every one is nil, this
+	// node's records may miss a device it holds, and ReleaseLeases releases
+	// nothing.
+	adoption map[string]error
 }
+
+// errAdoptionUnderWay marks a start-up adoption pass that has not returned.
+var errAdoptionUnderWay = errors.New("the start-up pass recording loop devices staged before this node kept records has not finished (a pool that is slow or hangs?)")
 
 // poolLease is this node's lease in one pool.
 type poolLease struct {
@@ -107,7 +116,7 @@ func NewKeeper(deps Deps) *Keeper {
 	_, _ = rand.Read(b[:])
 	ls := &Keeper{
 		deps: deps, timing: deps.Timing, instance: hex.EncodeToString(b[:]),
-		pools: map[string]*poolLease{}, now: time.Now,
+		pools: map[string]*poolLease{}, adoption: map[string]error{}, now: time.Now,
 		write:  func(p *pool.Pool, l pool.Lease) error { return p.Leases().Write(l) },
 		repair: func(p *pool.Pool, node string) error { return p.Leases().Repair(node) },
 	}
@@ -146,9 +155,24 @@ func (k *Keeper) Run(ctx context.Context) error {
 	// less); a pool may hang its pass. The renewals and the fence check are
 	// two loops, the check's first one interval after the start (it gives
 	// the first renewal, started at once, that long to land).
+	// An adoption pass adds records: until it has ended having decided
+	// every device, the records may miss one this node holds, and no lease
+	// is released from them (ReleaseLeases).
 	passes := []runner.Runner{runner.Func(func(ctx context.Context) error { k.DropStaleRecords(ctx); return nil })}
 	for _, p := range k.SharedPools() {
-		passes = append(passes, runner.Func(func(ctx context.Context) error { k.AdoptDevices(ctx, p); return nil }))
+		k.mu.Lock()
+		k.adoption[p.Name()] = errAdoptionUnderWay
+		k.mu.Unlock()
+		passes = append(passes, runner.Func(func(ctx context.Context) error {
+			err := k.adoptDevices(ctx, p)
+			if err != nil {
+				klog.FromContext(ctx).Error(err, "Recording the loop devices staged before this node kept records left some undecided: this process will not release its leases on its way out (they expire)", "pool", p.Name())
+			}
+			k.mu.Lock()
+			k.adoption[p.Name()] = err
+			k.mu.Unlock()
+			return nil
+		}))
 	}
 	stopPasses := runner.Start(ctx, passes...)
 	t := k.timing
@@ -156,10 +180,12 @@ func (k *Keeper) Run(ctx context.Context) error {
 		runner.Every{Interval: t.Interval, AtStart: true, F: k.renewAll},
 		runner.Every{Interval: min(time.Second, t.Interval/2), F: k.FenceExpired},
 	})
-	k.ReleaseLeases()
-	// A pass stuck on a hung pool is not waited for past releaseWait: the
-	// process may end without it, as it may with a renewal stuck there.
+	// The passes are waited for before the release, which decides from
+	// the records they complete. A pass stuck on a hung pool is not waited
+	// for past releaseWait: the process may end without it, as it may with
+	// a renewal stuck there, and then releases nothing.
 	waitPasses(ctx, stopPasses)
+	k.ReleaseLeases(ctx)
 	return nil
 }
 
@@ -661,9 +687,26 @@ const releaseWait = 2 * time.Second
 // no loop device by its own records (a record goes only once the kernel shows
 // its device detached): a controller may then take their volumes at once. A
 // node that still holds one, or cannot read its records, leaves its lease to
-// expire.
-func (k *Keeper) ReleaseLeases() {
+// expire. So does every pool while a start-up pass that adds records has not
+// ended, or left a device undecided: the records may then miss a device this
+// node holds, and a release would let another node take its volume at once,
+// beside this node's device (two writers); an expiry makes the taker wait
+// for it, as after a crash.
+func (k *Keeper) ReleaseLeases(ctx context.Context) {
 	ls := k
+	k.mu.Lock()
+	var incomplete []error
+	for name, err := range k.adoption {
+		if err != nil {
+			incomplete = append(incomplete, fmt.Errorf("pool %s: %w", name, err))
+		}
+	}
+	k.mu.Unlock()
+	if len(incomplete) > 0 {
+		klog.FromContext(ctx).Info("Not releasing this node's leases: its records may not list every loop device it holds, as a start-up pass that records them has not finished or left a device undecided; the leases expire instead, and another node waits for that expiry to take a volume",
+			"why", errors.Join(incomplete...).Error())
+		return
+	}
 	for _, p := range k.SharedPools() {
 		ls.mu.Lock()
 		pl := ls.state(p.Name())
@@ -681,7 +724,7 @@ func (k *Keeper) ReleaseLeases() {
 		select {
 		case err := <-done:
 			if err != nil {
-				klog.ErrorS(err, "Releasing this node's lease", "pool", p.Name())
+				klog.FromContext(ctx).Error(err, "Releasing this node's lease", "pool", p.Name())
 			}
 		case <-time.After(releaseWait):
 		}

@@ -2,6 +2,9 @@ package fence
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -10,6 +13,7 @@ import (
 	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"golang.org/x/sys/unix"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/klog/v2"
 )
 
@@ -61,6 +65,13 @@ func (k *Keeper) DropStaleRecords(ctx context.Context) {
 	}
 }
 
+// adoptLockWait bounds how long the adoption tries to take a busy volume's
+// lock, every adoptLockRetry.
+const (
+	adoptLockWait  = 2 * time.Second
+	adoptLockRetry = 100 * time.Millisecond
+)
+
 // AdoptDevices records, while pool p answers, the loop devices of its images
 // that this node holds without a record: those staged by a node plugin from
 // before the records existed (an upgrade with volumes staged), whose fence
@@ -72,17 +83,28 @@ func (k *Keeper) DropStaleRecords(ctx context.Context) {
 // stages. Read-only or not cannot be told: it is recorded
 // read-write (a fence that misses it then fails closed).
 func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
+	if err := k.adoptDevices(ctx, p); err != nil {
+		klog.FromContext(ctx).Error(err, "Recording the loop devices staged before this node kept records left some undecided", "pool", p.Name())
+	}
+}
+
+// adoptDevices is AdoptDevices, returning what it could not decide: the
+// pool or the kernel's list that did not answer, a device that may be one of
+// this node's images of p but could not be checked or recorded. Until it has
+// returned nil, this node's records may miss a device it holds.
+func (k *Keeper) adoptDevices(ctx context.Context, p *pool.Pool) error {
 	devs, err := k.deps.Node.Loops.List(layout.IdentifyWait)
 	if err != nil {
-		return
+		return fmt.Errorf("listing the kernel's loop devices: %w", err)
 	}
+	var undecided []error
 	for _, ld := range devs {
 		// The path shown names the volume, not the pool: a device attached by
 		// the plugin of an earlier container (an upgrade) shows its file
 		// relative to the pool's filesystem, as that container's mounts are
 		// gone. Which pool and image it is, is the st_dev/st_ino check below.
 		parts := strings.Split(ld.Backing, "/")
-		if len(parts) < 3 || ld.Err != nil || ld.Fenced || parts[len(parts)-1] != "disk.img" || parts[len(parts)-3] != "volumes" {
+		if len(parts) < 3 || ld.Fenced || parts[len(parts)-1] != "disk.img" || parts[len(parts)-3] != "volumes" {
 			continue
 		}
 		key := parts[len(parts)-2]
@@ -90,21 +112,57 @@ func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
 		if err != nil {
 			continue
 		}
+		if ld.Err != nil {
+			// Its filesystem does not answer the kernel: nothing tells
+			// whether it is this node's image of p, and it cannot be
+			// recorded by identity.
+			undecided = append(undecided, fmt.Errorf("device %s (%s): the kernel cannot identify its backing file: %w", ld.Device, ld.Backing, ld.Err))
+			continue
+		}
 		rec := layout.StageRecord{Pool: p.Name(), Volume: vid.String(), FileDev: ld.Dev, FileIno: ld.Ino, Device: ld.Device, At: time.Now().UTC()}
 		var old layout.StageRecord
-		if ok, err := k.deps.Node.State.Get(layout.StagesKind, rec.Key(), &old); err != nil || ok {
+		if ok, err := k.deps.Node.State.Get(layout.StagesKind, rec.Key(), &old); err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: reading its record: %w", ld.Device, err))
+			continue
+		} else if ok {
 			continue
 		}
 		var st unix.Stat_t
-		if unix.Stat(p.ImagePath(vid), &st) != nil || st.Dev != ld.Dev || st.Ino != ld.Ino {
+		image := p.ImagePath(vid)
+		err = unix.Stat(image, &st)
+		if errors.Is(err, unix.ENOENT) {
+			// Not this pool's image (a device of another pool whose path
+			// looks alike) only if the pool's volumes are there to say so:
+			// a pool gone shows no image at all.
+			var vols unix.Stat_t
+			if verr := unix.Stat(filepath.Dir(filepath.Dir(image)), &vols); verr == nil {
+				continue
+			}
+		}
+		if err == nil && (st.Dev != ld.Dev || st.Ino != ld.Ino) {
+			continue
+		} else if err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: identifying the image of volume %s: %w", ld.Device, vid, err))
 			continue
 		}
 		v, err := p.Load(vid)
-		if err != nil || !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == k.deps.NodeID }) {
+		if err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s: reading volume %s: %w", ld.Device, vid, err))
 			continue
 		}
-		release, err := k.deps.Lock(vid.String(), "adoptDevices")
-		if err != nil {
+		if !slices.ContainsFunc(v.Staged, func(s pool.StageRecord) bool { return s.Node == k.deps.NodeID }) {
+			continue
+		}
+		// A call under way on the volume holds its lock for a moment: try
+		// again for a while before calling the device undecided, which
+		// keeps the leases from being released on the way out.
+		var release func()
+		var lockErr error
+		if err := wait.PollUntilContextTimeout(ctx, adoptLockRetry, adoptLockWait, true, func(context.Context) (bool, error) {
+			release, lockErr = k.deps.Lock(vid.String(), "adoptDevices")
+			return lockErr == nil, nil
+		}); err != nil {
+			undecided = append(undecided, fmt.Errorf("device %s of volume %s: %w", ld.Device, vid, errors.Join(lockErr, err)))
 			continue
 		}
 		err = k.deps.Node.NotePool(p, ld.Dev)
@@ -114,10 +172,12 @@ func (k *Keeper) AdoptDevices(ctx context.Context, p *pool.Pool) {
 		release()
 		if err != nil {
 			klog.FromContext(ctx).Error(err, "Recording a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
+			undecided = append(undecided, fmt.Errorf("device %s of volume %s: recording it: %w", ld.Device, vid, err))
 			continue
 		}
 		klog.FromContext(ctx).Info("Recorded a loop device staged before this node kept records", "volume", vid, "device", ld.Device)
 	}
+	return errors.Join(undecided...)
 }
 
 // fencePlan is what a fence does in one pool.
