@@ -41,7 +41,9 @@ func deadFUSELoop(t *testing.T) string {
 	t.Cleanup(func() {
 		_ = daemon.Process.Kill()
 		_ = daemon.Wait()
-		if ok, _ := mountinfo.Mounted(fuse); ok {
+		// Mounted cannot tell for a dead FUSE (its stat fails): asked
+		// through the mount table instead.
+		if ok, err := mountedInTable(fuse); ok || err != nil {
 			if out, err := exec.Command("umount", "-l", fuse).CombinedOutput(); err != nil {
 				t.Errorf("umount -l %s: %v\n%s", fuse, err, out)
 			}
@@ -97,6 +99,11 @@ func deadFUSELoop(t *testing.T) string {
 		t.Fatalf("stat %s after killing bindfs: %v, want ENOTCONN-like", img, err)
 	}
 	return mnt
+}
+
+func mountedInTable(path string) (bool, error) {
+	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
+	return len(ms) > 0, err
 }
 
 // TestFormatWithDeadFUSEMount: a dead FUSE mount holding a mounted loop

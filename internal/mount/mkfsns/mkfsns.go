@@ -22,6 +22,7 @@ import (
 	"os/exec"
 	"runtime"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/moby/sys/mountinfo"
@@ -75,7 +76,7 @@ func runIsolated(ctx context.Context, target string, dead []string, name string,
 	for _, mp := range dead {
 		// A mount already gone with a detached parent answers EINVAL or
 		// ENOENT; one that cannot be detached is left to mkfs to judge.
-		if err := unix.Unmount(mp, unix.MNT_DETACH); err != nil {
+		if err := unix.Unmount(mp, unix.MNT_DETACH|unix.UMOUNT_NOFOLLOW); err != nil {
 			klog.FromContext(ctx).V(4).Info("Cannot detach unreachable mount for mkfs", "mountpoint", mp, "err", err)
 		}
 	}
@@ -90,7 +91,26 @@ func runIsolated(ctx context.Context, target string, dead []string, name string,
 
 // scanTimeout bounds the scan: a paused FUSE daemon can block a stat for as
 // long as it stays paused.
-const scanTimeout = 5 * time.Second
+// Variables for the tests.
+var (
+	scanTimeout = 5 * time.Second
+	scanFunc    = scanMounts
+)
+
+// scan is the one scan in flight: callers share it, so a scan blocked on a
+// paused FUSE holds one goroutine, not one per mkfs, and delays each mkfs
+// by at most what is left of its scanTimeout.
+var scan struct {
+	sync.Mutex
+	cur *scanRun
+}
+
+type scanRun struct {
+	deadline time.Time
+	done     chan struct{} // closed when dead and err are set
+	dead     []string
+	err      error
+}
 
 // unreachableMounts returns the mount points of the host's mounts whose
 // source or loop backing file (what btrfs-progs stats) cannot be stat-ed for
@@ -98,19 +118,24 @@ const scanTimeout = 5 * time.Second
 // scanTimeout is given up (its goroutine ends when the stat returns) and mkfs
 // runs as it always did.
 func unreachableMounts(ctx context.Context) ([]string, error) {
-	type result struct {
-		dead []string
-		err  error
+	scan.Lock()
+	r := scan.cur
+	if r == nil {
+		r = &scanRun{deadline: time.Now().Add(scanTimeout), done: make(chan struct{})}
+		scan.cur = r
+		go func() {
+			r.dead, r.err = scanFunc()
+			scan.Lock()
+			scan.cur = nil
+			scan.Unlock()
+			close(r.done)
+		}()
 	}
-	done := make(chan result, 1)
-	go func() {
-		dead, err := scanMounts()
-		done <- result{dead, err}
-	}()
-	t := time.NewTimer(scanTimeout)
+	scan.Unlock()
+	t := time.NewTimer(time.Until(r.deadline))
 	defer t.Stop()
 	select {
-	case r := <-done:
+	case <-r.done:
 		return r.dead, r.err
 	case <-ctx.Done():
 		return nil, ctx.Err()
