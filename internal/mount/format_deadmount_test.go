@@ -23,7 +23,9 @@ import (
 // (bindfs, SIGKILLed) holding an ext4 image attached to a loop device and
 // mounted. Stat-ing the image then fails with ENOTCONN or ESHUTDOWN. The
 // cleanups (unmount, detach, kill, lazy unmount of the FUSE) run even when
-// the test fails. It returns the loop device's mount point.
+// the test fails. It returns the loop device's mount point, where
+// shadowedImage names an empty file both on the mounted filesystem and, under
+// it, in the directory it is mounted on.
 func deadFUSELoop(t *testing.T) string {
 	t.Helper()
 	testutil.RequireCommands(t, "bindfs", "losetup", "mount", "umount", "mkfs.ext4")
@@ -87,8 +89,15 @@ func deadFUSELoop(t *testing.T) string {
 			}
 		}
 	})
+	shadowed := filepath.Join(mnt, shadowedImage)
+	if err := os.WriteFile(shadowed, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	if out, err := exec.Command("mount", dev, mnt).CombinedOutput(); err != nil {
 		t.Fatalf("mount %s: %v\n%s", dev, err, out)
+	}
+	if err := os.WriteFile(shadowed, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
 	}
 	if err := daemon.Process.Signal(syscall.SIGKILL); err != nil {
 		t.Fatal(err)
@@ -100,6 +109,8 @@ func deadFUSELoop(t *testing.T) string {
 	}
 	return mnt
 }
+
+const shadowedImage = "shadowed.img"
 
 func mountedInTable(path string) (bool, error) {
 	ms, err := mountinfo.GetMounts(mountinfo.SingleEntryFilter(path))
@@ -180,5 +191,17 @@ func TestMkfsStillRefusesMounted(t *testing.T) {
 				t.Fatalf("%s %v on a mounted filesystem: %v, %s; want it refused as mounted", cmd, args, err, out)
 			}
 		})
+	}
+}
+
+// TestMkfsNeverFormatsAnotherFile: a target reached through one of the
+// mounts detached from mkfs's view would be another file (or none) there;
+// mkfs must not run.
+func TestMkfsNeverFormatsAnotherFile(t *testing.T) {
+	requireLoops(t, "mkfs.ext4")
+	target := filepath.Join(deadFUSELoop(t), shadowedImage)
+	out, err := mkfsns.Run(context.Background(), target, "mkfs.ext4", "-F", "-q", target)
+	if err == nil || !strings.Contains(err.Error(), "another file") {
+		t.Fatalf("mkfs of %s through a detached mount: %v, %s; want it refused as another file", target, err, out)
 	}
 }

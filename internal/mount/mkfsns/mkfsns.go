@@ -83,8 +83,11 @@ func runIsolated(ctx context.Context, target string, dead []string, name string,
 	// The target must be the same file it was in the host's namespace: a
 	// detached mount must never make mkfs format something else.
 	after, err := os.Stat(target)
-	if err != nil || !os.SameFile(before, after) {
-		return nil, fmt.Errorf("mkfs target %s changed when the unreachable mounts %v were detached (%v)", target, dead, err)
+	if err != nil {
+		return nil, fmt.Errorf("mkfs target after detaching the unreachable mounts %v: %w", dead, err)
+	}
+	if !os.SameFile(before, after) {
+		return nil, fmt.Errorf("mkfs target %s is another file once the unreachable mounts %v are detached", target, dead)
 	}
 	return exec.CommandContext(ctx, name, args...).CombinedOutput()
 }
