@@ -65,13 +65,17 @@ func runIsolated(ctx context.Context, target string, dead []string, name string,
 	if err != nil {
 		return nil, fmt.Errorf("stat mkfs target: %w", err)
 	}
+	// Without the right to (no CAP_SYS_ADMIN), mkfs runs as it always did:
+	// only mkfs.btrfs needs the dead mounts gone, and it reports them.
 	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
-		return nil, fmt.Errorf("unshare mount namespace for mkfs: %w", err)
+		klog.FromContext(ctx).V(2).Info("Cannot unshare the mount namespace for mkfs; running it in the host's", "err", err)
+		return exec.CommandContext(ctx, name, args...).CombinedOutput()
 	}
 	// Private before anything is detached: a shared mount's unmount would
 	// otherwise propagate to the host.
 	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-		return nil, fmt.Errorf("make mkfs's mount namespace private: %w", err)
+		klog.FromContext(ctx).V(2).Info("Cannot make mkfs's mount namespace private; detaching nothing", "err", err)
+		return exec.CommandContext(ctx, name, args...).CombinedOutput()
 	}
 	for _, mp := range dead {
 		// A mount already gone with a detached parent answers EINVAL or
