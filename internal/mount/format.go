@@ -4,13 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os/exec"
 	"strings"
 	"time"
 
 	"k8s.io/klog/v2"
 	mountutils "k8s.io/mount-utils"
 	utilexec "k8s.io/utils/exec"
+
+	"github.com/poolcsi/poolcsi/internal/mount/mkfsns"
 )
 
 // ErrAlreadyFormatted is returned by Format when the target carries any
@@ -84,7 +85,9 @@ func Format(ctx context.Context, target, fsType string) error {
 	}
 	cmd, args := mkfsArgs(fsType, target)
 	start := time.Now()
-	out, err := exec.CommandContext(ctx, cmd, args...).CombinedOutput()
+	// Without the host's unreachable mounts in view (a lost pool's), which
+	// would fail mkfs.btrfs's mount check (mkfsns).
+	out, err := mkfsns.Run(ctx, target, cmd, args...)
 	if err != nil {
 		return fmt.Errorf("format %s: %s %s: %w: %s", target, cmd, strings.Join(args, " "), err, strings.TrimSpace(string(out)))
 	}

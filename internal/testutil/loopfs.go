@@ -1,12 +1,15 @@
 package testutil
 
 import (
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"testing"
 
 	"github.com/moby/sys/mountinfo"
+
+	"github.com/poolcsi/poolcsi/internal/mount/mkfsns"
 )
 
 // LoopFS makes a filesystem of fsType in a sparse image of size bytes under dir,
@@ -28,7 +31,9 @@ func LoopFS(t testing.TB, dir, fsType string, size int64, mkfsArgs ...string) st
 	}
 	f.Close()
 	args := append(append([]string{}, mkfsArgs...), img)
-	if out, err := exec.Command("mkfs."+fsType, args...).CombinedOutput(); err != nil {
+	// Through the driver's mkfs path, so a dead mount left by another test
+	// (a lost FUSE pool) cannot fail it.
+	if out, err := mkfsns.Run(context.Background(), img, "mkfs."+fsType, args...); err != nil {
 		t.Fatalf("mkfs.%s: %v\n%s", fsType, err, out)
 	}
 	if err := os.MkdirAll(mnt, 0o755); err != nil {
