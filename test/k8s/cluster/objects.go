@@ -70,21 +70,31 @@ func (c *Cluster) Applier() *Applier {
 	}
 }
 
+// resource is the client of obj's resource: namespaced ones in obj's
+// namespace, else default.
+func (a *Applier) resource(obj *unstructured.Unstructured) (dynamic.ResourceInterface, error) {
+	gvk := obj.GroupVersionKind()
+	m, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", gvk.Kind, obj.GetName(), err)
+	}
+	if m.Scope.Name() != meta.RESTScopeNameNamespace {
+		return a.dyn.Resource(m.Resource), nil
+	}
+	ns := obj.GetNamespace()
+	if ns == "" {
+		ns = "default"
+	}
+	return a.dyn.Resource(m.Resource).Namespace(ns), nil
+}
+
 // Apply applies obj; with dryRun the API server validates, defaults and admits it but
 // stores nothing.
 func (a *Applier) Apply(ctx context.Context, obj *unstructured.Unstructured, dryRun bool) error {
 	gvk := obj.GroupVersionKind()
-	m, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	ri, err := a.resource(obj)
 	if err != nil {
-		return fmt.Errorf("%s %s: %w", gvk.Kind, obj.GetName(), err)
-	}
-	var ri dynamic.ResourceInterface = a.dyn.Resource(m.Resource)
-	if m.Scope.Name() == meta.RESTScopeNameNamespace {
-		ns := obj.GetNamespace()
-		if ns == "" {
-			ns = "default"
-		}
-		ri = a.dyn.Resource(m.Resource).Namespace(ns)
+		return err
 	}
 	data, err := json.Marshal(obj.Object)
 	if err != nil {
@@ -104,17 +114,9 @@ func (a *Applier) Apply(ctx context.Context, obj *unstructured.Unstructured, dry
 // Delete deletes obj (namespaced: in its namespace, else default); gone already is no error.
 func (a *Applier) Delete(ctx context.Context, obj *unstructured.Unstructured) error {
 	gvk := obj.GroupVersionKind()
-	m, err := a.mapper.RESTMapping(gvk.GroupKind(), gvk.Version)
+	ri, err := a.resource(obj)
 	if err != nil {
-		return fmt.Errorf("%s %s: %w", gvk.Kind, obj.GetName(), err)
-	}
-	var ri dynamic.ResourceInterface = a.dyn.Resource(m.Resource)
-	if m.Scope.Name() == meta.RESTScopeNameNamespace {
-		ns := obj.GetNamespace()
-		if ns == "" {
-			ns = "default"
-		}
-		ri = a.dyn.Resource(m.Resource).Namespace(ns)
+		return err
 	}
 	if err := ri.Delete(ctx, obj.GetName(), metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 		return fmt.Errorf("%s %s/%s: %w", gvk.Kind, obj.GetNamespace(), obj.GetName(), err)
