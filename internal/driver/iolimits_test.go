@@ -179,34 +179,25 @@ func TestIOLimitsReachRestartedContainers(t *testing.T) {
 // TestIOLimitsReconcileRunsWithServer: the periodic reconcile started by Serve
 // brings a changed class to a running pod, and stops with the server.
 func TestIOLimitsReconcileRunsWithServer(t *testing.T) {
-	td := newTestDriver(t, testOpts{modify: func(o *Options) { o.IOLimitsInterval = 5 * time.Millisecond }})
-	td.serve(t)
-	vc := mountCap(rwo, "ext4")
-	id := td.create(t, "v", vc, nil)
-	if err := td.stage(id, vc); err != nil {
-		t.Fatal(err)
-	}
-	td.host.AddPod(testPod)
-	if err := td.publishPod(id, vc, testPod); err != nil {
-		t.Fatal(err)
-	}
-	td.modify(t, id, map[string]string{"writeBytesPerSecond": "5Mi"})
-	dev := td.device(t, id)
-	// Polled, not timed: the test asserts that it happens, not how fast.
-	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		if l, ok := td.host.PodLimits(testPod, dev); ok && l.WriteBPS == 5<<20 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("the reconcile never applied the changed limits")
-		}
-	}
+	td, id := servedPodWithChangedClass(t, 5*time.Millisecond)
+	waitPodWriteLimit(t, td, id, 5<<20, "the reconcile never applied the changed limits")
 }
 
 // TestIOLimitsKick: a kick reaches a running pod at once, long before the
 // reconcile's interval.
 func TestIOLimitsKick(t *testing.T) {
-	td := newTestDriver(t, testOpts{modify: func(o *Options) { o.IOLimitsInterval = time.Hour }})
+	td, id := servedPodWithChangedClass(t, time.Hour)
+	td.KickIOLimits()
+	td.KickIOLimits() // kicks coalesce and never block
+	waitPodWriteLimit(t, td, id, 5<<20, "the kick never applied the changed limits")
+}
+
+// servedPodWithChangedClass serves a driver whose I/O-limit reconcile runs
+// every interval, publishes a volume to testPod and changes its class to a
+// write limit of 5 MiB/s.
+func servedPodWithChangedClass(t *testing.T, interval time.Duration) (*testDriver, string) {
+	t.Helper()
+	td := newTestDriver(t, testOpts{modify: func(o *Options) { o.IOLimitsInterval = interval }})
 	td.serve(t)
 	vc := mountCap(rwo, "ext4")
 	id := td.create(t, "v", vc, nil)
@@ -218,15 +209,20 @@ func TestIOLimitsKick(t *testing.T) {
 		t.Fatal(err)
 	}
 	td.modify(t, id, map[string]string{"writeBytesPerSecond": "5Mi"})
-	td.KickIOLimits()
-	td.KickIOLimits() // kicks coalesce and never block
+	return td, id
+}
+
+// waitPodWriteLimit polls until testPod's limit on the volume's device is
+// bps. Polled, not timed: the tests assert that it happens, not how fast.
+func waitPodWriteLimit(t *testing.T, td *testDriver, id string, bps int64, never string) {
+	t.Helper()
 	dev := td.device(t, id)
 	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		if l, ok := td.host.PodLimits(testPod, dev); ok && l.WriteBPS == 5<<20 {
-			break
+		if l, ok := td.host.PodLimits(testPod, dev); ok && l.WriteBPS == bps {
+			return
 		}
 		if time.Now().After(deadline) {
-			t.Fatal("the kick never applied the changed limits")
+			t.Fatal(never)
 		}
 	}
 }
