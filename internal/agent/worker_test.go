@@ -297,7 +297,7 @@ func TestBadRequestAndKick(t *testing.T) {
 	e.deps.Kick = func() { kicks.Add(1) }
 	bad := e.call(t, "b", "DeleteVolume", "local.v", deleteReq("local.v"), start)
 	u, _ := e.client.Resource(nodecall.CallsResource).Namespace("poolcsi").Get(ctx, bad.Name, metav1GetOptions)
-	_ = unstructuredSet(u.Object, `{"volumeId":"local.v","secretz":{}}`, "spec", "request")
+	_ = unstructuredSet(u.Object, `{"volumeId":5}`, "spec", "request") // a field of the wrong type
 	if _, err := e.client.Resource(nodecall.CallsResource).Namespace("poolcsi").Update(ctx, u, metav1UpdateOptions); err != nil {
 		t.Fatal(err)
 	}

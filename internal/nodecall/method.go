@@ -153,13 +153,20 @@ func encode(m proto.Message, limit int) (string, error) {
 	return string(b), nil
 }
 
-// decode reads s, written by whoever may write calls: over the cap, unknown fields or a
-// field of the wrong type are errors, and secrets, which no call may hold, are dropped.
+// decode reads s, written by whoever may write calls: over the cap or a field of the
+// wrong type are errors, and secrets, which no call may hold, are dropped.
+//
+// A field this build does not know is dropped, as a gRPC server built on an older CSI
+// spec drops a newer sidecar's field: during an upgrade the controller (a Deployment) and
+// the agents (a DaemonSet that rolls node by node) run different versions, and refusing
+// the field would fail every call of the window with INVALID_ARGUMENT. Only the
+// controller may create calls (RBAC) and an agent may answer only its own node's
+// (the admission policy), so this widens nothing a hostile writer can reach.
 func decode(s string, m proto.Message, limit int) error {
 	if len(s) > limit {
 		return fmt.Errorf("%d bytes: %w (at most %d)", len(s), ErrTooLarge, limit)
 	}
-	if err := protojson.Unmarshal([]byte(s), m); err != nil {
+	if err := (protojson.UnmarshalOptions{DiscardUnknown: true}).Unmarshal([]byte(s), m); err != nil {
 		return err
 	}
 	Strip(m)

@@ -1,0 +1,108 @@
+// Package central is the local driver's central controller
+// (docs/design/central-controller.md): one leader-elected process, beside the released
+// provisioner, resizer and snapshotter in their normal central mode, that serves the
+// local driver's Identity, Controller and GroupController services and carries every
+// call about a node's local pool to that node's agent (internal/agent) through the
+// Kubernetes API (internal/nodecall's PoolCall), never over a network listener on nodes.
+//
+// A local pool is readable only on its node and its records are the truth, so no view of
+// volumes or snapshots is kept here: every call about one goes to its node, and only
+// capacity, which is advisory, is answered from a view (the nodes' PoolNodes).
+//
+// The seams, so that each part is tested alone:
+//   - Caller (call.go): one call on one node, the protocol of §2.3 (liveness, find or
+//     create by deterministic name, supersede, wait on informer events, answer).
+//   - Nodes (nodes.go): the PoolNodes as this process's informer saw them, liveness by
+//     this process's clock; GetCapacity is answered from it (capacity.go).
+//   - Hints (locate.go): the node an ID lives on, from PVs, snapshot contents and answers
+//     learnt; the server confirms a hint and asks every node where there is none.
+//   - Server (server.go, create.go): the CSI services; arguments are checked here before
+//     any call exists, and again on the node.
+//
+// The package imports params, pool's ID parsers, csierr, rpc and nodecall; never
+// internal/driver.
+package central
+
+import (
+	"context"
+	"time"
+
+	"google.golang.org/protobuf/proto"
+	"k8s.io/utils/clock"
+
+	"github.com/poolcsi/poolcsi/internal/nodecall"
+	"github.com/poolcsi/poolcsi/internal/params"
+)
+
+// Defaults of the central flags (cmd/poolcsi: --node-stale-after, --node-call-pickup).
+const (
+	// DefaultStaleAfter: a node whose PoolNode this process has not seen change for this
+	// long is down (four missed heartbeats of agent.DefaultHeartbeat).
+	DefaultStaleAfter = 20 * time.Second
+	// DefaultPickup: a call no agent has taken (written Running) within this long
+	// answers UNAVAILABLE; the call stays for the sidecar's retry.
+	DefaultPickup = 10 * time.Second
+	// DefaultCallLifetime is how long after it was issued an agent may still start a
+	// call (its notAfter), and how long the sweeper keeps one no agent took.
+	DefaultCallLifetime = 15 * time.Minute
+)
+
+// Caller runs one Controller call on one node's agent (call.go).
+type Caller interface {
+	// Call asks node to run method (a nodecall allow-listed name, e.g. "CreateVolume")
+	// with req, about target (the ID the call is about; a create: the ID its name maps
+	// to), and waits for the answer within ctx's deadline less rpc.AnswerMargin.
+	//
+	// It returns the node's response, or a gRPC status error: the node's own code and
+	// message; UNAVAILABLE when the node is not live (nothing created), when no agent
+	// took the call within the pickup time, or when the call was deleted while waited on;
+	// ABORTED when the call is still running at the deadline (the retry finds the same
+	// call and its answer).
+	Call(ctx context.Context, node, method, target string, req proto.Message) (proto.Message, error)
+}
+
+// Nodes is the controller's view of the nodes' PoolNodes (nodes.go).
+type Nodes interface {
+	// Live says whether node's PoolNode was seen changing by this process within the
+	// stale limit, and how long ago it was last seen changing (by this process's clock;
+	// the PoolNode's renewTime is never compared with it). A node never seen: false.
+	Live(node string) (live bool, since time.Duration)
+	// Known lists the nodes that have a PoolNode, live or not, sorted.
+	Known() []string
+	// Pools is node's pools as its agent last published them (nil when unknown).
+	Pools(node string) []nodecall.PoolCapacity
+	// Synced says whether the view has its first full list (Probe is not ready before).
+	Synced() bool
+}
+
+// Hints names the node an ID was last known on (locate.go). A hint is only a hint: the
+// server confirms it with the node (a NOT_FOUND there makes it ask every node).
+type Hints interface {
+	// VolumeNode is the node of a volume ID: its PV's topology.poolcsi.io/node term.
+	VolumeNode(volumeID string) (node string, ok bool)
+	// SnapshotNode is the node of a snapshot ID: its content's source volume's node, else
+	// its managed-by label.
+	SnapshotNode(snapshotID string) (node string, ok bool)
+	// GroupNode is the node of a group snapshot ID.
+	GroupNode(groupID string) (node string, ok bool)
+	// Learn records that id answered on node (after a Done call).
+	Learn(id, node string)
+	// Synced says whether the hints' informers have their first full list.
+	Synced() bool
+}
+
+// Deps is what the server acts through.
+type Deps struct {
+	// Name and Version are the local driver's, as its node plugins register them.
+	Name, Version string
+	// TopologyKey is the node topology key the nodes register (topology.poolcsi.io/node).
+	TopologyKey string
+	// Params is what the parsers know of the local driver: its pool names (from the same
+	// local.yaml the nodes read), no shares.
+	Params params.Config
+	Calls  Caller
+	Nodes  Nodes
+	Hints  Hints
+	// Clock is the controller's clock (nil: the real one).
+	Clock clock.Clock
+}
