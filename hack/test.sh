@@ -59,8 +59,6 @@ phase "golangci-lint (go vet's analyzers included)"
 hack/lint.sh
 phase "unit tests without root, and internal/driver coverage (make unit)"
 hack/unit.sh
-phase "fuzzing, bounded (make fuzz)"
-hack/fuzz.sh
 phase "go test"
 # CI=true turns every missing prerequisite into a failure instead of a skip.
 # -race everywhere: the root suites drive a separately built binary, so the race
@@ -72,30 +70,46 @@ phase "go test"
 go test -race $(go list ./... | grep -v '/test/shared$') -count=1 -timeout 40m
 phase "shared pools across nodes (test/shared), alone"
 go test -race ./test/shared -count=1 -timeout 30m
-phase "legacy CSI client (test/legacy, spec v1.12.0)"
-(cd test/legacy && go test ./... -count=1 -timeout 10m)
 if [ -f test/k8s/go.mod ]; then
 	# The storage e2e suite (TestE2EStorage, TestE2ETools) is make e2e and make conformance:
 	# building e2e.test alone took 16 min of a cold run here, which put make test past an
 	# hour. What the suite found is in docs/conformance.md.
-	phase "Kubernetes harness (test/k8s), without the storage e2e suite (make e2e, make conformance), and the release tools (hack/release)"
+	phase "Kubernetes harness (test/k8s), without the storage e2e suite (make e2e, make conformance); beside it the release tools, fuzzing and the legacy client"
 	if [ -n "$prebuild_pid" ]; then
 		wait "$prebuild_pid" || echo "prebuild failed; the harness builds what is missing:"
 		prebuild_pid=
 		cat "$prebuild_log"
 	fi
-	# The release tools (hack/release, a module of their own: TestMakeRelease runs make
-	# release into a temp dir, ~6 min, the Debian and OCI packages' tests) run beside the
-	# harness, as they did when they were part of test/k8s.
-	(cd hack/release && go test ./... -count=1 -timeout 30m) &
-	release_pid=$!
+	# Beside the harness, which mostly waits on its cluster (31 of a cold run's 75 min, the
+	# longest phase): one after another, so that at most one of them competes with it, the
+	# release tools (hack/release, a module of their own: TestMakeRelease runs make release
+	# into a temp dir, ~6 min), the bounded fuzzing (make fuzz, ~4 min) and the legacy CSI
+	# client (test/legacy, spec v1.12.0). Their output is printed when the harness is done.
+	beside_log=$(mktemp)
+	(
+		set -e
+		echo "== release tools (hack/release), beside the harness"
+		(cd hack/release && go test ./... -count=1 -timeout 30m)
+		echo "== fuzzing, bounded (make fuzz), beside the harness"
+		hack/fuzz.sh
+		echo "== legacy CSI client (test/legacy, spec v1.12.0), beside the harness"
+		(cd test/legacy && go test ./... -count=1 -timeout 10m)
+	) >"$beside_log" 2>&1 &
+	beside_pid=$!
 	k8s_rc=0
 	(cd test/k8s && go test ./... -count=1 -timeout 80m -skip '^TestE2E') || k8s_rc=$?
-	release_rc=0
-	wait "$release_pid" || release_rc=$?
-	if [ "$k8s_rc" != 0 ] || [ "$release_rc" != 0 ]; then
-		echo "test/k8s: exit $k8s_rc; hack/release: exit $release_rc" >&2
+	beside_rc=0
+	wait "$beside_pid" || beside_rc=$?
+	cat "$beside_log"
+	rm -f "$beside_log"
+	if [ "$k8s_rc" != 0 ] || [ "$beside_rc" != 0 ]; then
+		echo "test/k8s: exit $k8s_rc; beside it (release tools, fuzzing, legacy client): exit $beside_rc" >&2
 		exit 1
 	fi
+else
+	phase "fuzzing, bounded (make fuzz)"
+	hack/fuzz.sh
+	phase "legacy CSI client (test/legacy, spec v1.12.0)"
+	(cd test/legacy && go test ./... -count=1 -timeout 10m)
 fi
 phase "done"
