@@ -243,26 +243,30 @@ func TestDamagedLedgerIsRebuiltNeverTrusted(t *testing.T) {
 			path := filepath.Join(p.cfg.Path, ledgerFile)
 			_ = os.Remove(path)
 			tt.plant(t, path)
-			// The pool can back exactly its free space less what big
-			// promises: one byte more is refused, whatever the ledger said.
-			// The pool shares its filesystem (the temp directory) with
-			// whatever else runs on the machine, so free space measured
-			// before the create may have grown by the time it is admitted:
-			// an admission is a failure only if the space was not there
+			// The pool can back its free space less what big promises: a
+			// create beyond that is refused, whatever the ledger said. A
+			// ledger trusted while damaged would forget big's 64 MiB, so
+			// asking for half of that beyond what is available tells the
+			// two apart, with room for the free space of the temp
+			// directory, which the pool shares with whatever else runs on
+			// the machine, to move meanwhile by tens of MiB (it did by
+			// more than 2 MiB under load, the margin this test had).
+			// An admission is a failure only if the space was not there
 			// after it either, and is tried again (a few times) if it was.
+			const margin = 32 * MiB
 			for try := 1; ; try++ {
 				u, err := p.Ledger().Usage()
 				if err != nil {
 					t.Fatal(err)
 				}
 				avail := p.Ledger().AvailableBytes(u)
-				over := (avail/MiB + 2) * MiB
+				over := (avail/MiB)*MiB + margin
 				v, err := p.Reserve(context.Background(), Spec{Name: "over-" + strconv.Itoa(try), Layout: LayoutDir, AccessType: AccessFilesystem, CapacityBytes: over})
 				if errors.Is(err, ErrNoSpace) {
 					break
 				}
 				after, uerr := p.Ledger().Usage()
-				if err == nil && uerr == nil && try < 5 && p.Ledger().AvailableBytes(after)+over > avail+2*MiB {
+				if err == nil && uerr == nil && try < 5 && p.Ledger().AvailableBytes(after)+over > avail+margin {
 					t.Logf("try %d: the temp directory's free space grew meanwhile (%d then %d bytes before this create); trying again", try, avail, p.Ledger().AvailableBytes(after)+over)
 					id, _ := ParseVolumeID(v.ID)
 					if derr := p.Delete(context.Background(), id); derr != nil {
