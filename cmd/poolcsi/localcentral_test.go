@@ -32,6 +32,9 @@ func TestLocalCentralFlags(t *testing.T) {
 	}{
 		{name: "off by default, in any mode", args: []string{"--mode=node"}},
 		{name: "on in controller mode", args: []string{on, ctl, "--node-stale-after=30s", "--node-call-pickup=5s", "--healthz-address=:0"}},
+		// What the chart's local-controller Deployment passes (templates/localcontroller.yaml).
+		{name: "the chart's", args: []string{ctl, on, "--driver-name=local.poolcsi.io", "--endpoint=unix:///csi/csi.sock",
+			"--config=/etc/poolcsi/local.yaml", "--calls-namespace=poolcsi", "--healthz-address=:9821"}},
 		{name: "on in mode all", args: []string{on}, want: "--local-central needs --mode=controller"},
 		{name: "on in node mode", args: []string{on, "--mode=node"}, want: "--local-central needs --mode=controller"},
 		{name: "with the agent", args: []string{on, ctl, "--local-agent"}, want: "excludes --local-agent"},
