@@ -22,11 +22,11 @@ const DefaultMigrateInterval = 5 * time.Minute
 
 // The labels csi-provisioner puts on the CSIStorageCapacity objects it keeps.
 const (
-	capacityDriverLabel    = "csi.storage.k8s.io/drivername"
-	capacityManagedByLabel = "csi.storage.k8s.io/managed-by"
-	// managedByBase is csi-provisioner's managed-by value; with --node-deployment it is
-	// managedByBase-<node>, cut to a label's length (nodeManagedBy).
-	managedByBase = "external-provisioner"
+	migrateDriverLabel    = "csi.storage.k8s.io/drivername"
+	migrateManagedByLabel = "csi.storage.k8s.io/managed-by"
+	// migrateManagedByBase is csi-provisioner's managed-by value; with --node-deployment it is
+	// migrateManagedByBase-<node>, cut to a label's length (nodeManagedBy).
+	migrateManagedByBase = "external-provisioner"
 )
 
 // CapacityMigration deletes what the per-node provisioners of the old layout left
@@ -79,7 +79,7 @@ func (m *CapacityMigration) Once(ctx context.Context) (int, error) {
 		return 0, nil
 	}
 	list, err := m.Client.StorageV1().CSIStorageCapacities(m.Namespace).List(ctx, metav1.ListOptions{
-		LabelSelector: labels.SelectorFromSet(labels.Set{capacityDriverLabel: m.Driver}).String(),
+		LabelSelector: labels.SelectorFromSet(labels.Set{migrateDriverLabel: m.Driver}).String(),
 	})
 	if err != nil {
 		return 0, fmt.Errorf("list CSIStorageCapacities of %s: %w", m.Driver, err)
@@ -90,10 +90,10 @@ func (m *CapacityMigration) Once(ctx context.Context) (int, error) {
 	for i := range list.Items {
 		c := &list.Items[i]
 		// The label selector is the server's; the reader checks it again.
-		if c.Labels[capacityDriverLabel] != m.Driver {
+		if c.Labels[migrateDriverLabel] != m.Driver {
 			continue
 		}
-		node, ok := rolled[c.Labels[capacityManagedByLabel]]
+		node, ok := rolled[c.Labels[migrateManagedByLabel]]
 		if !ok {
 			continue
 		}
@@ -118,25 +118,25 @@ func (m *CapacityMigration) Once(ctx context.Context) (int, error) {
 }
 
 // nodeManagedBy is the managed-by value csi-provisioner --node-deployment gives the
-// objects of node: managedByBase-<node> when that fits a label value (63); else the
+// objects of node: migrateManagedByBase-<node> when that fits a label value (63); else the
 // base is cut and an 8-hex FNV-1a hash of the base stands between it and the node name;
 // a node name too long for even that gives the base, cut, and the hash of the whole
 // name (external-provisioner's getNameWithMaxLength, cmd/csi-provisioner/util.go).
 func nodeManagedBy(node string) string {
 	const maxLen = validation.DNS1035LabelMaxLength
-	name := managedByBase + "-" + node
+	name := migrateManagedByBase + "-" + node
 	if len(name) <= maxLen {
 		return name
 	}
 	keep := maxLen - len("-12345678-") - len(node)
 	if keep > 0 {
-		return managedByBase[:keep] + "-" + fnv32a(managedByBase) + "-" + node
+		return migrateManagedByBase[:keep] + "-" + migrateFNV(migrateManagedByBase) + "-" + node
 	}
-	short := managedByBase[:min(len(managedByBase), maxLen-9)] + "-" + fnv32a(name)
+	short := migrateManagedByBase[:min(len(migrateManagedByBase), maxLen-9)] + "-" + migrateFNV(name)
 	return short[:min(maxLen, len(short))]
 }
 
-func fnv32a(s string) string {
+func migrateFNV(s string) string {
 	h := fnv.New32a()
 	_, _ = h.Write([]byte(s))
 	return fmt.Sprintf("%08x", h.Sum32())

@@ -34,24 +34,24 @@ func (n migrateNodes) Known() []string {
 func (n migrateNodes) Pools(string) []nodecall.PoolCapacity { return nil }
 func (n migrateNodes) Synced() bool                         { return n.synced }
 
-func capacityObject(ns, name, driver, managedBy string) *storagev1.CSIStorageCapacity {
+func migrateCapacity(ns, name, driver, managedBy string) *storagev1.CSIStorageCapacity {
 	return &storagev1.CSIStorageCapacity{
 		ObjectMeta: metav1.ObjectMeta{
 			Namespace: ns, Name: name, UID: types.UID("uid-" + name),
-			Labels: map[string]string{capacityDriverLabel: driver, capacityManagedByLabel: managedBy},
+			Labels: map[string]string{migrateDriverLabel: driver, migrateManagedByLabel: managedBy},
 		},
 		StorageClassName: "poolcsi-local",
 	}
 }
 
 const (
-	longNode     = "nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn"              // 50: the base is cut
-	tooLongNode  = "mmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmm"    // 60: the node is dropped
-	longManaged  = "ext-53f40b57-nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn" // csi-provisioner's value for longNode
-	tooLongValue = "external-provisioner-9aba7cd2"                                   // and for tooLongNode
-	localDriver  = "local.poolcsi.io"
-	otherDriver  = "shared.poolcsi.io"
-	releaseNS    = "poolcsi"
+	migrateLongNode     = "nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn"              // 50: the base is cut
+	migrateTooLongNode  = "mmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmmm"    // 60: the node is dropped
+	migrateLongValue    = "ext-53f40b57-nnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnnn" // csi-provisioner's value for migrateLongNode
+	migrateTooLongValue = "external-provisioner-9aba7cd2"                                   // and for migrateTooLongNode
+	migrateLocalDriver  = "local.poolcsi.io"
+	migrateOtherDriver  = "shared.poolcsi.io"
+	migrateNS           = "poolcsi"
 )
 
 // The value csi-provisioner --node-deployment gives a node's objects, for node names
@@ -61,8 +61,8 @@ func TestNodeManagedBy(t *testing.T) {
 	for _, tc := range []struct{ node, want string }{
 		{"node-a", "external-provisioner-node-a"},
 		{strings.Repeat("x", 42), "external-provisioner-" + strings.Repeat("x", 42)}, // exactly 63
-		{longNode, longManaged},
-		{tooLongNode, tooLongValue},
+		{migrateLongNode, migrateLongValue},
+		{migrateTooLongNode, migrateTooLongValue},
 	} {
 		got := nodeManagedBy(tc.node)
 		if got != tc.want {
@@ -76,17 +76,17 @@ func TestNodeManagedBy(t *testing.T) {
 
 func TestCapacityMigration(t *testing.T) {
 	objects := []*storagev1.CSIStorageCapacity{
-		capacityObject(releaseNS, "csisc-a", localDriver, "external-provisioner-node-a"),      // rolled: goes
-		capacityObject(releaseNS, "csisc-a2", localDriver, "external-provisioner-node-a"),     // its second class: goes
-		capacityObject(releaseNS, "csisc-b", localDriver, "external-provisioner-node-b"),      // not live: stays
-		capacityObject(releaseNS, "csisc-c", localDriver, "external-provisioner-node-c"),      // no PoolNode: stays
-		capacityObject(releaseNS, "csisc-long", localDriver, longManaged),                     // rolled, long name: goes
-		capacityObject(releaseNS, "csisc-toolong", localDriver, tooLongValue),                 // rolled, name dropped: goes
-		capacityObject(releaseNS, "csisc-central", localDriver, "external-provisioner"),       // the central provisioner's: stays
-		capacityObject(releaseNS, "csisc-shared", otherDriver, "external-provisioner-node-a"), // another driver's: stays
-		capacityObject("elsewhere", "csisc-other-ns", localDriver, "external-provisioner-node-a"),
+		migrateCapacity(migrateNS, "csisc-a", migrateLocalDriver, "external-provisioner-node-a"),      // rolled: goes
+		migrateCapacity(migrateNS, "csisc-a2", migrateLocalDriver, "external-provisioner-node-a"),     // its second class: goes
+		migrateCapacity(migrateNS, "csisc-b", migrateLocalDriver, "external-provisioner-node-b"),      // not live: stays
+		migrateCapacity(migrateNS, "csisc-c", migrateLocalDriver, "external-provisioner-node-c"),      // no PoolNode: stays
+		migrateCapacity(migrateNS, "csisc-long", migrateLocalDriver, migrateLongValue),                // rolled, long name: goes
+		migrateCapacity(migrateNS, "csisc-toolong", migrateLocalDriver, migrateTooLongValue),          // rolled, name dropped: goes
+		migrateCapacity(migrateNS, "csisc-central", migrateLocalDriver, "external-provisioner"),       // the central provisioner's: stays
+		migrateCapacity(migrateNS, "csisc-shared", migrateOtherDriver, "external-provisioner-node-a"), // another driver's: stays
+		migrateCapacity("elsewhere", "csisc-other-ns", migrateLocalDriver, "external-provisioner-node-a"),
 	}
-	nodes := migrateNodes{synced: true, live: map[string]bool{"node-a": true, "node-b": false, longNode: true, tooLongNode: true}}
+	nodes := migrateNodes{synced: true, live: map[string]bool{"node-a": true, "node-b": false, migrateLongNode: true, migrateTooLongNode: true}}
 	wantLeft := []string{"csisc-b", "csisc-c", "csisc-central", "csisc-other-ns", "csisc-shared"}
 
 	for _, tc := range []struct {
@@ -107,7 +107,7 @@ func TestCapacityMigration(t *testing.T) {
 				}
 				all = append(all, o.Name)
 			}
-			m := &CapacityMigration{Client: client, Namespace: releaseNS, Driver: localDriver, Nodes: tc.nodes}
+			m := &CapacityMigration{Client: client, Namespace: migrateNS, Driver: migrateLocalDriver, Nodes: tc.nodes}
 			n, err := m.Once(context.Background())
 			if err != nil {
 				t.Fatal(err)
@@ -116,7 +116,7 @@ func TestCapacityMigration(t *testing.T) {
 			if left == nil {
 				left = all
 			}
-			got := remaining(t, client)
+			got := migrateLeft(t, client)
 			sort.Strings(left)
 			if !slices.Equal(got, left) {
 				t.Errorf("left %v, want %v", got, left)
@@ -132,7 +132,7 @@ func TestCapacityMigration(t *testing.T) {
 	}
 }
 
-func remaining(t *testing.T, client *fake.Clientset) []string {
+func migrateLeft(t *testing.T, client *fake.Clientset) []string {
 	t.Helper()
 	list, err := client.StorageV1().CSIStorageCapacities("").List(context.Background(), metav1.ListOptions{})
 	if err != nil {
@@ -148,7 +148,7 @@ func remaining(t *testing.T, client *fake.Clientset) []string {
 
 // Run stops with its context.
 func TestCapacityMigrationRunStops(t *testing.T) {
-	m := &CapacityMigration{Client: fake.NewClientset(), Namespace: releaseNS, Driver: localDriver, Nodes: migrateNodes{}, Interval: time.Millisecond}
+	m := &CapacityMigration{Client: fake.NewClientset(), Namespace: migrateNS, Driver: migrateLocalDriver, Nodes: migrateNodes{}, Interval: time.Millisecond}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- m.Run(ctx) }()
