@@ -15,6 +15,7 @@ import (
 	"k8s.io/klog/v2"
 
 	"github.com/poolcsi/poolcsi/internal/agent"
+	"github.com/poolcsi/poolcsi/internal/central"
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/driver"
 	"github.com/poolcsi/poolcsi/internal/fence"
@@ -79,6 +80,11 @@ type serveOptions struct {
 	AgentWorkers     int
 	AgentCallTimeout time.Duration
 	AgentHeartbeat   time.Duration
+
+	// The local driver's central controller (localcentral.go).
+	LocalCentral   bool
+	NodeStaleAfter time.Duration
+	NodeCallPickup time.Duration
 }
 
 func newServeOptions() *serveOptions {
@@ -104,6 +110,8 @@ func newServeOptions() *serveOptions {
 		AgentWorkers:      agent.DefaultWorkers,
 		AgentCallTimeout:  agent.DefaultCallTimeout,
 		AgentHeartbeat:    agent.DefaultHeartbeat,
+		NodeStaleAfter:    central.DefaultStaleAfter,
+		NodeCallPickup:    central.DefaultPickup,
 	}
 }
 
@@ -147,10 +155,13 @@ func (o *serveOptions) AddFlags(fs *flag.FlagSet) {
 	fs.StringVar(&o.EphemeralPool, "ephemeral-pool", o.EphemeralPool, "the pool of ephemeral inline volumes whose attributes name none (default: the first local pool that allows them; docs/ephemeral.md)")
 	fs.DurationVar(&o.EphemeralSweep, "ephemeral-sweep-interval", o.EphemeralSweep, "how often the node plugin removes the ephemeral inline volumes of this node that no unpublish removed and whose target no longer holds them, besides once at start; 0: at start only")
 	fs.BoolVar(&o.LocalAgent, "local-agent", o.LocalAgent, "run the PoolCalls a central controller addresses to this node on this node's own socket, and keep this node's PoolNode (heartbeat, capacity of its local pools); needs --mode=all and the poolcalls/poolnodes CRDs (docs/design/central-controller.md)")
-	fs.StringVar(&o.CallsNamespace, "calls-namespace", o.CallsNamespace, "with --local-agent: the namespace of the PoolCalls and PoolNodes (default: the pod's own)")
+	fs.StringVar(&o.CallsNamespace, "calls-namespace", o.CallsNamespace, "with --local-agent or --local-central: the namespace of the PoolCalls and PoolNodes (default: the pod's own)")
 	fs.IntVar(&o.AgentWorkers, "agent-workers", o.AgentWorkers, "with --local-agent: how many volumes' (targets') calls run at once; one target's calls run one at a time, in the order issued")
 	fs.DurationVar(&o.AgentCallTimeout, "agent-call-timeout", o.AgentCallTimeout, "with --local-agent: how long one call may run on this node; longer than a sidecar's timeout on purpose (a long copy completes, and the retry finds it done)")
 	fs.DurationVar(&o.AgentHeartbeat, "agent-heartbeat", o.AgentHeartbeat, "with --local-agent: how often this node's PoolNode is renewed; the controller takes a node that stops renewing as down")
+	fs.BoolVar(&o.LocalCentral, "local-central", o.LocalCentral, "serve the local driver's central controller on --endpoint instead of a driver: Identity, Controller and GroupController, each call about a node's local pool carried to that node's --local-agent through a PoolCall; opens no pool (reads only the pool names of --config and --pool) and does no node work; needs --mode=controller and the poolcalls/poolnodes CRDs; the local driver takes no shares, so --share-dir and --share-types are not used (docs/design/central-controller.md)")
+	fs.DurationVar(&o.NodeStaleAfter, "node-stale-after", o.NodeStaleAfter, "with --local-central: a node whose PoolNode this process has not seen change for this long, by its own clock, is down: its calls answer UNAVAILABLE at once and none is made")
+	fs.DurationVar(&o.NodeCallPickup, "node-call-pickup", o.NodeCallPickup, "with --local-central: a call no node agent has taken within this long answers UNAVAILABLE (the call stays for the sidecar's retry)")
 }
 
 // Validate refuses what serve could only fail on later, or would silently
@@ -203,6 +214,7 @@ func (o *serveOptions) Validate() error {
 		errs = append(errs, fmt.Errorf("--freeze-poll-interval / --freeze-max-hold / --freeze-ack-timeout: %w", err))
 	}
 	errs = append(errs, o.validateLocalAgent()...)
+	errs = append(errs, o.validateLocalCentral()...)
 	return errors.Join(errs...)
 }
 
@@ -281,6 +293,9 @@ func logStop(ctx context.Context, logger klog.Logger, err error) {
 
 // run starts the driver o describes and serves until ctx ends.
 func (o *serveOptions) run(ctx context.Context) error {
+	if o.LocalCentral {
+		return o.runCentral(ctx)
+	}
 	mode, err := driver.ParseMode(o.Mode)
 	if err != nil {
 		return err

@@ -24,8 +24,9 @@ func centralValues() map[string]any {
 }
 
 // centralObjects are the objects localController.central adds, and nothing else
-// (docs/design/central-controller.md §2, §3).
+// (docs/design/central-controller.md §1, §2, §3).
 var centralObjects = []string{
+	"Deployment/poolcsi-local-controller",
 	"CustomResourceDefinition/poolcalls.poolcsi.io",
 	"CustomResourceDefinition/poolnodes.poolcsi.io",
 	"ServiceAccount/poolcsi-local-controller",
@@ -38,6 +39,14 @@ var centralObjects = []string{
 	"ValidatingAdmissionPolicy/poolcsi-node-scope",
 	"ValidatingAdmissionPolicyBinding/poolcsi-node-scope",
 }
+
+// centralChanged are the objects localController.central changes: the node pod loses its
+// local sidecars and runs the agent, and the node's ClusterRole what only they needed.
+var centralChanged = []string{"ClusterRole/poolcsi-node", "DaemonSet/poolcsi-node"}
+
+// centralRemoved are the objects it removes: the node's Role served only the sidecars
+// (leases, CSIStorageCapacity, the DaemonSet lookup).
+var centralRemoved = []string{"Role/poolcsi-node", "RoleBinding/poolcsi-node"}
 
 func renderMap(t *testing.T, overrides map[string]any) map[string]render.Doc {
 	t.Helper()
@@ -75,8 +84,10 @@ func TestLocalControllerOff(t *testing.T) {
 	}
 }
 
-// TestLocalControllerCentral: localController.central adds the CRDs, their RBAC and the
-// per-node admission policy, changes no other object, and each is what the design says:
+// TestLocalControllerCentral: localController.central adds the central Deployment, the
+// CRDs, their RBAC and the per-node admission policy, changes only the node pod and its
+// ClusterRole (localcontroller_test.go checks those), removes the node's Role, and each is
+// what the design says:
 // the field names the Go types (internal/nodecall) use, the node agent's rights and the
 // policy's subject.
 func TestLocalControllerCentral(t *testing.T) {
@@ -89,9 +100,18 @@ func TestLocalControllerCentral(t *testing.T) {
 			added = append(added, k)
 			continue
 		}
-		if old.YAML != d.YAML {
+		if old.YAML != d.YAML && !slices.Contains(centralChanged, k) {
 			t.Errorf("%s changes with localController.central", k)
 		}
+	}
+	var removed []string
+	for k := range def {
+		if _, ok := on[k]; !ok {
+			removed = append(removed, k)
+		}
+	}
+	if !slices.Equal(sorted(removed), sorted(centralRemoved)) {
+		t.Errorf("localController.central removes %v, want %v", sorted(removed), sorted(centralRemoved))
 	}
 	sort.Strings(added)
 	want := slices.Clone(centralObjects)
@@ -99,7 +119,7 @@ func TestLocalControllerCentral(t *testing.T) {
 	if !slices.Equal(added, want) {
 		t.Errorf("localController.central adds %v, want %v", added, want)
 	}
-	if len(on) != len(def)+len(centralObjects) {
+	if len(on) != len(def)+len(centralObjects)-len(centralRemoved) {
 		t.Errorf("%d objects with it, %d without", len(on), len(def))
 	}
 
@@ -214,12 +234,9 @@ func TestLocalControllerCentral(t *testing.T) {
 		}
 		checkBinding(t, on["RoleBinding/poolcsi-local-controller"], "Role", "poolcsi-local-controller", "poolcsi-local-controller")
 		checkBinding(t, on["ClusterRoleBinding/poolcsi-local-controller"], "ClusterRole", "poolcsi-local-controller", "poolcsi-local-controller")
-		// The node's own ClusterRole and Role are today's: the sidecars still run in the
-		// DaemonSet until the central controller replaces them.
-		for _, k := range []string{"ClusterRole/poolcsi-node", "Role/poolcsi-node"} {
-			if strings.Contains(on[k].YAML, "poolcsi.io") && !strings.Contains(def[k].YAML, "poolcsi.io") {
-				t.Errorf("%s gains poolcsi.io rights", k)
-			}
+		// The node's own ClusterRole gains nothing of poolcsi.io: that is the agent's Role.
+		if strings.Contains(on["ClusterRole/poolcsi-node"].YAML, "poolcsi.io") {
+			t.Errorf("ClusterRole/poolcsi-node gains poolcsi.io rights")
 		}
 	})
 

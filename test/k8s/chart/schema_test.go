@@ -301,6 +301,11 @@ func TestNotes(t *testing.T) {
 			"shareKey": map[string]any{"existingSecret": "k"}},
 			[]string{"kubectl get csidriver poolcsi.io\n", "poolcsi pool check --path /mnt/nfs"},
 			[]string{"poolcsi-local", "pool init"}},
+		{"the central local controller", map[string]any{"localController": map[string]any{"central": true},
+			"node": map[string]any{"localResizer": false}},
+			[]string{"kubectl -n poolcsi rollout status deployment/poolcsi-local-controller",
+				"node.localResizer is not used with localController.central"},
+			[]string{"deployment/poolcsi-controller"}},
 	}
 	cmd := regexp.MustCompile(`-- (poolcsi [a-z]+(?: [a-z]+)?)`)
 	for _, tc := range cases {
