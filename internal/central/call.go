@@ -405,7 +405,7 @@ func (cw *callWait) findOrCreate(c *nodecall.Call) (*nodecall.Call, error) {
 			return cur, nil
 		}
 		// Being deleted (a finalizer someone added): wait for it to go.
-		for !cw.goneFromCache(cur.UID) {
+		for !cw.goneNow(cur.UID) {
 			if wk := cw.next(); wk != wakeEvent {
 				return nil, cw.ended(wk, cur, false, "")
 			}
@@ -413,14 +413,16 @@ func (cw *callWait) findOrCreate(c *nodecall.Call) (*nodecall.Call, error) {
 	}
 }
 
-// goneFromCache reports whether the object uid of the call's name is gone: deleted while
-// waited on, or replaced by another object of the name.
-func (cw *callWait) goneFromCache(uid types.UID) bool {
+// goneNow reports whether the object uid of the call's name is gone: its deletion seen,
+// or the API server holding no object of the name or another one. It reads the API
+// server only after an event of the name (the cache may lag: an object of another UID
+// in it may be an older one as well as a newer one).
+func (cw *callWait) goneNow(uid types.UID) bool {
 	if cw.ch.isGone(cw.w, uid) {
 		return true
 	}
-	c := cw.ch.cached(cw.name)
-	return c != nil && c.UID != uid
+	c, err := cw.ch.d.Store.Get(cw.ctx, cw.name)
+	return apierrors.IsNotFound(err) || (err == nil && c.UID != uid)
 }
 
 // answer waits for cur's answer: Done with its nonce.
@@ -429,16 +431,20 @@ func (cw *callWait) answer(cur *nodecall.Call, what string) (*nodecall.Call, err
 	last := cur
 	taken := false
 	inCache := false
-	for {
-		if last.Answered() {
-			return last, nil
-		}
+	// look judges what the cache holds now: the answer, the end of the call, or nothing.
+	look := func() (*nodecall.Call, error) {
 		if cw.ch.isGone(cw.w, uid) {
 			return nil, deletedMeanwhile(cw.node, last)
 		}
 		if c := cw.ch.cached(cw.name); c != nil {
 			if c.UID != uid {
-				return nil, deletedMeanwhile(cw.node, last)
+				if inCache {
+					// Ours was in the cache, and another object of the name replaced it.
+					return nil, deletedMeanwhile(cw.node, last)
+				}
+				// An older object of the name the cache still holds: its deletion and
+				// ours will come as events.
+				return nil, nil
 			}
 			inCache = true
 			// The cache may still hold a version older than the one read: a status
@@ -455,14 +461,27 @@ func (cw *callWait) answer(cur *nodecall.Call, what string) (*nodecall.Call, err
 		if last.Answered() {
 			return last, nil
 		}
-		wk := cw.next()
-		switch {
-		case wk == wakeEvent:
-		case wk == wakePickup && taken:
-			// Taken in time: only the budget, the node and ctx end the wait now.
-		default:
-			return nil, cw.ended(wk, last, taken, what)
+		return nil, nil
+	}
+	for {
+		if last.Answered() {
+			return last, nil
 		}
+		if done, err := look(); done != nil || err != nil {
+			return done, err
+		}
+		wk := cw.next()
+		if wk == wakeEvent {
+			continue
+		}
+		// A timer or the caller's end: judged on what the cache holds by then.
+		if done, err := look(); done != nil || err != nil {
+			return done, err
+		}
+		if wk == wakePickup && taken {
+			continue // taken in time: only the budget, the node and ctx end the wait now
+		}
+		return nil, cw.ended(wk, last, taken, what)
 	}
 }
 
