@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/proto"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -192,3 +193,5 @@ func (e *env) settle(t *testing.T, timers int) {
 }
 
 func metav1Now(e *env) metav1.Time { return metav1.NewTime(e.clock.Now()) }
+
+func deleteReq(id string) *csi.DeleteVolumeRequest { return &csi.DeleteVolumeRequest{VolumeId: id} }
