@@ -84,6 +84,7 @@ func TestCall(t *testing.T) {
 		}, wantCode: codes.Unavailable, wantMsg: "poolcsi on node b has not renewed for 20 s"},
 		{desc: "running at the budget", agent: func(t *testing.T, e *env, name string) {
 			e.answer(t, name, running)
+			e.seenRunning(t, name)
 			e.nodes.setLimit(time.Hour) // the node stays live past the budget
 			e.clock.Step(time.Minute)
 		}, wantCode: codes.Aborted, wantMsg: "CreateVolume of pvc-1 in progress on node b (attempt 1, 60 s)"},

@@ -195,3 +195,25 @@ func (e *env) settle(t *testing.T, timers int) {
 func metav1Now(e *env) metav1.Time { return metav1.NewTime(e.clock.Now()) }
 
 func deleteReq(id string) *csi.DeleteVolumeRequest { return &csi.DeleteVolumeRequest{VolumeId: id} }
+
+// judged waits until the sweeper's handler has seen the call name in state.
+func (e *env) judged(t *testing.T, name string, state nodecall.Phase) {
+	t.Helper()
+	until(t, "the sweeper to see "+name+" "+string(state), func() bool {
+		e.sweep.mu.Lock()
+		defer e.sweep.mu.Unlock()
+		o, ok := e.sweep.seen[name]
+		return ok && o.state == state
+	})
+}
+
+// seenRunning waits until the Channel's handler has seen the call name Running.
+func (e *env) seenRunning(t *testing.T, name string) {
+	t.Helper()
+	until(t, "the Channel to see "+name+" Running", func() bool {
+		e.ch.mu.Lock()
+		defer e.ch.mu.Unlock()
+		_, ok := e.ch.running[name]
+		return ok
+	})
+}

@@ -55,12 +55,9 @@ func TestNodeView(t *testing.T) {
 			t.Fatal(err)
 		}
 		until(t, "the view to see "+node+" "+out.ResourceVersion, func() bool {
-			obj, ok, _ := inf.GetStore().GetByKey("poolcsi/" + node)
-			if !ok {
-				return false
-			}
-			m, _ := obj.(metav1.Object)
-			return m.GetResourceVersion() == out.ResourceVersion
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			return v.seen[node].rv == out.ResourceVersion
 		})
 	}
 	type want struct {

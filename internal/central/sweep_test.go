@@ -44,13 +44,17 @@ func TestSweeperAgesByObservation(t *testing.T) {
 				t.Fatal(err)
 			}
 			e.cached(t, made.Name, made.ResourceVersion)
+			e.judged(t, made.Name, "")
 			if tc.status != nil {
+				var state nodecall.Phase
 				e.answer(t, made.Name, func(c *nodecall.Call) nodecall.CallStatus {
 					st := tc.status(c)
 					at := metav1.NewTime(long)
 					st.Started, st.Finished = &at, &at
+					state = stateOf(&nodecall.Call{Spec: c.Spec, Status: st})
 					return st
 				})
+				e.judged(t, made.Name, state)
 			}
 			exists := func() bool {
 				_, err := e.store.Get(ctx, made.Name)
@@ -91,11 +95,14 @@ func TestSweeperPreconditions(t *testing.T) {
 		t.Fatal(err)
 	}
 	e.cached(t, made.Name, made.ResourceVersion)
+	e.judged(t, made.Name, "")
 	e.clock.Step(UntakenFor - time.Minute)
 	// Taken at last: Running restarts the age, and Done after it.
 	e.answer(t, made.Name, running)
+	e.judged(t, made.Name, nodecall.Running)
 	e.clock.Step(time.Hour)
 	e.answer(t, made.Name, done(codes.OK, "", ""))
+	e.judged(t, made.Name, nodecall.Done)
 	e.clock.Step(DoneFor - time.Second)
 	e.sweep.Sweep(ctx)
 	if _, err := e.store.Get(ctx, made.Name); err != nil {
