@@ -265,3 +265,38 @@ func TestSupersede(t *testing.T) {
 	}
 	// Creates never supersede: each is its own volume.
 }
+
+// Every method of the allow-list: the response decodes to the method's own type, and an
+// error is the node's exact code and message.
+func TestCallEveryMethod(t *testing.T) {
+	for _, method := range nodecall.Methods() {
+		t.Run(method, func(t *testing.T) {
+			m, _ := nodecall.Lookup(method)
+			for _, tc := range []struct {
+				code codes.Code
+				msg  string
+			}{{codes.OK, ""}, {codes.NotFound, "snapshot local@k not found on node b"}} {
+				e := newEnv(t)
+				req := m.NewRequest()
+				name := nameOf(t, "b", method, req)
+				res := e.call("b", method, "local.t", req)
+				e.cached(t, name, "")
+				resp := ""
+				if tc.code == codes.OK {
+					var err error
+					if resp, err = m.EncodeResponse(m.NewResponse()); err != nil {
+						t.Fatal(err)
+					}
+				}
+				e.answer(t, name, done(tc.code, tc.msg, resp))
+				r := <-res
+				if got := status.Convert(r.err); got.Code() != tc.code || got.Message() != tc.msg {
+					t.Errorf("answer %v, want %v %q", r.err, tc.code, tc.msg)
+				}
+				if tc.code == codes.OK && (r.resp == nil || r.resp.ProtoReflect().Descriptor() != m.NewResponse().ProtoReflect().Descriptor()) {
+					t.Errorf("response %T", r.resp)
+				}
+			}
+		})
+	}
+}
