@@ -227,7 +227,7 @@ func (ch *Channel) Call(ctx context.Context, node, method, target string, req pr
 	}
 
 	// 4. Wait.
-	done, err := cw.answer(cur, subject(method, target, req))
+	done, err := cw.answer(cur, subject(target, req))
 	if err != nil {
 		return nil, err
 	}
@@ -260,7 +260,7 @@ func seconds(d time.Duration) int64 { return int64(d.Round(time.Second) / time.S
 
 // subject is what the ABORTED message names: the request's name (a create), else the
 // target.
-func subject(method, target string, req proto.Message) string {
+func subject(target string, req proto.Message) string {
 	if n, ok := req.(interface{ GetName() string }); ok && n.GetName() != "" {
 		return n.GetName()
 	}
