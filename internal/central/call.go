@@ -273,12 +273,11 @@ type staleLimit interface{ StaleAfter() time.Duration }
 
 // callWait is one Call's wait: its subscription and its timers, on the Channel's clock.
 type callWait struct {
-	ch    *Channel
-	ctx   context.Context
-	node  string
-	name  string
-	w     *waiter
-	start time.Time
+	ch   *Channel
+	ctx  context.Context
+	node string
+	name string
+	w    *waiter
 
 	budget, pickup, stale clock.Timer
 }
@@ -294,7 +293,7 @@ const (
 )
 
 func (ch *Channel) newWait(ctx context.Context, node, name string, now time.Time) *callWait {
-	cw := &callWait{ch: ch, ctx: ctx, node: node, name: name, w: ch.subscribe(name), start: now}
+	cw := &callWait{ch: ch, ctx: ctx, node: node, name: name, w: ch.subscribe(name)}
 	if deadline, ok := ctx.Deadline(); ok {
 		left := deadline.Sub(now)
 		cw.budget = ch.d.Clock.NewTimer(left - rpc.AnswerMargin(left))
