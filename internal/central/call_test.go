@@ -300,3 +300,24 @@ func TestCallEveryMethod(t *testing.T) {
 		})
 	}
 }
+
+// The caller gone: its own code, and the call stays for the retry.
+func TestCallerGone(t *testing.T) {
+	e := newEnv(t)
+	req := createReq("pvc-1")
+	name := nameOf(t, "b", "CreateVolume", req)
+	ctx, cancel := context.WithCancel(context.Background())
+	res := make(chan error, 1)
+	go func() {
+		_, err := e.ch.Call(ctx, "b", "CreateVolume", "local.1", req)
+		res <- err
+	}()
+	e.cached(t, name, "")
+	cancel()
+	if err := <-res; status.Code(err) != codes.Canceled {
+		t.Fatalf("Call: %v", err)
+	}
+	if _, err := e.store.Get(context.Background(), name); err != nil {
+		t.Errorf("the call is gone: %v", err)
+	}
+}
