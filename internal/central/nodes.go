@@ -1,0 +1,141 @@
+package central
+
+import (
+	"slices"
+	"sync"
+	"time"
+
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/utils/clock"
+
+	"github.com/poolcsi/poolcsi/internal/nodecall"
+)
+
+// NodeView is the controller's view of the nodes' PoolNodes, over a PoolNode informer
+// (nodecall.Store.NodeInformer). It implements Nodes.
+//
+// A node is live while this process has seen its PoolNode change (a new resourceVersion)
+// within staleAfter, timed by this process's clock: the agent's renewTime is never
+// compared with it (DESIGN.md: "by the reader's own clock"). The first sighting of a
+// PoolNode (the informer's initial list, after a restart of this process) is not a
+// change: a PoolNode a dead agent left behind looks exactly like a live one until its
+// next write, so a node counts as live from the first heartbeat this process sees.
+type NodeView struct {
+	inf        cache.SharedIndexInformer
+	staleAfter time.Duration
+	clk        clock.Clock
+
+	mu   sync.Mutex
+	seen map[string]sighting
+}
+
+// sighting is what this process last saw of one PoolNode.
+type sighting struct {
+	rv string
+	// changed is when this process saw the resourceVersion change (zero: not yet).
+	changed time.Time
+	pools   []nodecall.PoolCapacity
+}
+
+// NewNodeView returns the view of the PoolNodes inf watches and registers its handler
+// on inf (before or after inf runs). staleAfter 0 is DefaultStaleAfter; clk nil the real
+// clock.
+func NewNodeView(inf cache.SharedIndexInformer, staleAfter time.Duration, clk clock.Clock) *NodeView {
+	if staleAfter <= 0 {
+		staleAfter = DefaultStaleAfter
+	}
+	if clk == nil {
+		clk = clock.RealClock{}
+	}
+	v := &NodeView{inf: inf, staleAfter: staleAfter, clk: clk, seen: map[string]sighting{}}
+	// The error is only that inf was stopped; a stopped informer never syncs, so Probe
+	// says why.
+	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    v.observe,
+		UpdateFunc: func(_, obj any) { v.observe(obj) },
+		DeleteFunc: v.forget,
+	})
+	return v
+}
+
+func (v *NodeView) observe(obj any) {
+	u, ok := obj.(*unstructured.Unstructured)
+	if !ok {
+		return
+	}
+	n, err := nodecall.NodeFrom(u)
+	name := u.GetName()
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, known := v.seen[name]
+	rv := u.GetResourceVersion()
+	if known && rv != s.rv {
+		s.changed = v.clk.Now()
+	}
+	s.rv = rv
+	if err == nil {
+		s.pools = n.Status.Pools
+	} else {
+		// Written by someone who may write PoolNodes, badly: no figures.
+		s.pools = nil
+	}
+	v.seen[name] = s
+}
+
+func (v *NodeView) forget(obj any) {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		obj = t.Obj
+	}
+	u, ok := obj.(*unstructured.Unstructured)
+	if !ok {
+		return
+	}
+	v.mu.Lock()
+	delete(v.seen, u.GetName())
+	v.mu.Unlock()
+}
+
+// Live reports whether this process saw node's PoolNode change within the stale limit,
+// and how long ago it last saw it change (0 when it never did).
+func (v *NodeView) Live(node string) (bool, time.Duration) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, ok := v.seen[node]
+	if !ok || s.changed.IsZero() {
+		return false, 0
+	}
+	since := v.clk.Since(s.changed)
+	return since < v.staleAfter, since
+}
+
+// StaleAfter is the stale limit: a node not seen changing for this long is not live.
+func (v *NodeView) StaleAfter() time.Duration { return v.staleAfter }
+
+// Known lists the nodes that have a PoolNode, live or not, sorted.
+func (v *NodeView) Known() []string {
+	v.mu.Lock()
+	out := make([]string, 0, len(v.seen))
+	for name := range v.seen {
+		out = append(out, name)
+	}
+	v.mu.Unlock()
+	slices.Sort(out)
+	return out
+}
+
+// Pools is node's pools as its agent last published them (nil when unknown).
+func (v *NodeView) Pools(node string) []nodecall.PoolCapacity {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, ok := v.seen[node]
+	if !ok {
+		return nil
+	}
+	return slices.Clone(s.pools)
+}
+
+// Synced says whether the informer has its first full list.
+func (v *NodeView) Synced() bool { return v.inf.HasSynced() }
+
+var _ Nodes = (*NodeView)(nil)

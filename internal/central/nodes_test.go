@@ -1,0 +1,101 @@
+package central
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/tools/cache"
+	clocktesting "k8s.io/utils/clock/testing"
+
+	"github.com/poolcsi/poolcsi/internal/nodecall"
+	"github.com/poolcsi/poolcsi/internal/nodecall/nodecalltest"
+)
+
+// A node is live while this process sees its PoolNode change, by this process's clock:
+// a first sighting is no change, renewTime is never read, and a PoolNode that stops
+// changing goes stale after staleAfter.
+func TestNodeView(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	client := nodecalltest.NewClient()
+	store := nodecall.Store{Client: client, Namespace: "poolcsi"}
+	clk := clocktesting.NewFakeClock(time.Now())
+	// A PoolNode a dead agent left before this process started.
+	if _, err := store.CreateNode(ctx, &nodecall.PoolNode{ObjectMeta: metav1.ObjectMeta{Name: "b"}}); err != nil {
+		t.Fatal(err)
+	}
+	inf := store.NodeInformer(0)
+	v := NewNodeView(inf, 0, clk)
+	if v.Synced() {
+		t.Error("synced before the informer ran")
+	}
+	done := make(chan struct{})
+	go func() { inf.RunWithContext(ctx); close(done) }()
+	defer func() { cancel(); <-done }()
+	if !cache.WaitForCacheSync(ctx.Done(), inf.HasSynced) || !v.Synced() {
+		t.Fatal("not synced")
+	}
+
+	// beat writes node's status as its agent does; renewTime far in the past on purpose.
+	beat := func(node string, pools ...nodecall.PoolCapacity) {
+		t.Helper()
+		n, err := store.GetNode(ctx, node)
+		if err != nil {
+			n, err = store.CreateNode(ctx, &nodecall.PoolNode{ObjectMeta: metav1.ObjectMeta{Name: node}})
+			if err != nil {
+				t.Fatal(err)
+			}
+		}
+		old := metav1.NewMicroTime(time.Date(2001, 1, 1, 0, 0, 0, 0, time.UTC))
+		n.Status = nodecall.PoolNodeStatus{RenewTime: &old, Pools: pools}
+		out, err := store.UpdateNodeStatus(ctx, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		until(t, "the view to see "+node+" "+out.ResourceVersion, func() bool {
+			v.mu.Lock()
+			defer v.mu.Unlock()
+			return v.seen[node].rv == out.ResourceVersion
+		})
+	}
+	type want struct {
+		node  string
+		live  bool
+		since time.Duration
+	}
+	check := func(step string, wants ...want) {
+		t.Helper()
+		for _, w := range wants {
+			if live, since := v.Live(w.node); live != w.live || since != w.since {
+				t.Errorf("%s: Live(%s) = %v, %v; want %v, %v", step, w.node, live, since, w.live, w.since)
+			}
+		}
+	}
+	check("first sighting", want{"b", false, 0}, want{"a", false, 0})
+	if got := v.Known(); len(got) != 1 || got[0] != "b" {
+		t.Errorf("Known = %v", got)
+	}
+
+	local := nodecall.PoolCapacity{Name: "local", AvailableBytes: 1 << 30, Condition: nodecall.PoolOk}
+	beat("b", local)
+	beat("a")
+	check("renewed", want{"b", true, 0}, want{"a", true, 0})
+	clk.Step(DefaultStaleAfter - time.Second)
+	check("just in time", want{"b", true, DefaultStaleAfter - time.Second})
+	beat("a")
+	clk.Step(time.Second)
+	check("b stale, a renewed", want{"b", false, DefaultStaleAfter}, want{"a", true, time.Second})
+	if p := v.Pools("b"); len(p) != 1 || p[0] != local {
+		t.Errorf("Pools(b) = %v", p)
+	}
+	if got := v.Known(); len(got) != 2 || got[0] != "a" || got[1] != "b" {
+		t.Errorf("Known = %v", got)
+	}
+	beat("b")
+	check("b back", want{"b", true, 0})
+	if p := v.Pools("b"); len(p) != 0 || v.Pools("c") != nil {
+		t.Errorf("Pools: %v %v", p, v.Pools("c"))
+	}
+}
