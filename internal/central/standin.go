@@ -1,6 +1,6 @@
 package central
 
-// Stand-in until call39/server39 merge; the lead deletes this file.
+// Stand-in until server39 merges; the lead deletes this file.
 //
 // These are the signatures cmd/poolcsi (--local-central) wires, so that the wiring
 // builds and its tests run before the real NodeView, Channel, Sweeper, Server and
@@ -13,68 +13,9 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"k8s.io/client-go/discovery"
 	"k8s.io/client-go/dynamic"
-	"k8s.io/client-go/tools/cache"
-	"k8s.io/utils/clock"
-
-	"github.com/poolcsi/poolcsi/internal/nodecall"
 )
-
-// NodeView is a stand-in (nodes.go).
-type NodeView struct{ inf cache.SharedIndexInformer }
-
-// NewNodeView is a stand-in (nodes.go).
-func NewNodeView(inf cache.SharedIndexInformer, staleAfter time.Duration, clk clock.Clock) *NodeView {
-	return &NodeView{inf: inf}
-}
-
-// Live is a stand-in: no node is live.
-func (v *NodeView) Live(string) (bool, time.Duration) { return false, 0 }
-
-// Known is a stand-in.
-func (v *NodeView) Known() []string { return nil }
-
-// Pools is a stand-in.
-func (v *NodeView) Pools(string) []nodecall.PoolCapacity { return nil }
-
-// Synced is the informer's.
-func (v *NodeView) Synced() bool { return v.inf.HasSynced() }
-
-// ChannelDeps is a stand-in (call.go).
-type ChannelDeps struct {
-	Store            nodecall.Store
-	Calls            cache.SharedIndexInformer
-	Nodes            Nodes
-	NodeUID          func(ctx context.Context, node string) (string, error)
-	Clock            clock.Clock
-	Pickup, Lifetime time.Duration
-}
-
-// Channel is a stand-in (call.go).
-type Channel struct{}
-
-// NewChannel is a stand-in (call.go).
-func NewChannel(d ChannelDeps) *Channel { return &Channel{} }
-
-// Call is a stand-in: UNIMPLEMENTED.
-func (c *Channel) Call(context.Context, string, string, string, proto.Message) (proto.Message, error) {
-	return nil, status.Error(codes.Unimplemented, "central: stand-in channel")
-}
-
-// Sweeper is a stand-in (sweep.go).
-type Sweeper struct{}
-
-// NewSweeper is a stand-in (sweep.go).
-func NewSweeper(store nodecall.Store, calls cache.SharedIndexInformer, clk clock.Clock) *Sweeper {
-	return &Sweeper{}
-}
-
-// Run waits for ctx.
-func (s *Sweeper) Run(ctx context.Context) error { <-ctx.Done(); return nil }
 
 // Server is a stand-in (server.go): GetPluginInfo only, the rest UNIMPLEMENTED.
 type Server struct {
@@ -131,8 +72,4 @@ func (h *HintIndex) Synced() bool { return true }
 // Run waits for ctx.
 func (h *HintIndex) Run(ctx context.Context) error { <-ctx.Done(); return nil }
 
-var (
-	_ Nodes  = (*NodeView)(nil)
-	_ Caller = (*Channel)(nil)
-	_ Hints  = (*HintIndex)(nil)
-)
+var _ Hints = (*HintIndex)(nil)
