@@ -218,20 +218,23 @@ func TestLocalControllerNodePod(t *testing.T) {
 func TestLocalControllerRBAC(t *testing.T) {
 	def := renderMap(t, nil)
 	on := renderMap(t, centralValues())
+	// The node's RBAC is the per-node layout's while that layout exists: an upgrade
+	// changes RBAC at once and rolls the DaemonSet node by node, and the pods not yet
+	// rolled still run the per-node sidecars, which must go on serving their nodes' claims
+	// (docs/design/central-controller.md §8 item 3). The agent needs nodes get of it.
+	for _, k := range []string{"ClusterRole/poolcsi-node", "Role/poolcsi-node", "RoleBinding/poolcsi-node"} {
+		if def[k].YAML == "" || on[k].YAML != def[k].YAML {
+			t.Errorf("%s differs with localController.central (the upgrade window needs it as it was)", k)
+		}
+	}
 	var node rbacv1.ClusterRole
 	strict(t, on["ClusterRole/poolcsi-node"], &node)
-	want := []rbacv1.PolicyRule{{APIGroups: []string{""}, Resources: []string{"nodes"}, Verbs: []string{"get"}}}
-	if len(node.Rules) != 1 || !slices.Equal(node.Rules[0].APIGroups, want[0].APIGroups) ||
-		!slices.Equal(node.Rules[0].Resources, want[0].Resources) || !slices.Equal(node.Rules[0].Verbs, want[0].Verbs) {
-		t.Errorf("the node's ClusterRole: %+v, want nodes get alone", node.Rules)
+	nodeGet := false
+	for _, r := range node.Rules {
+		nodeGet = nodeGet || (slices.Contains(r.APIGroups, "") && slices.Contains(r.Resources, "nodes") && slices.Contains(r.Verbs, "get"))
 	}
-	for _, gone := range []string{"persistentvolumes", "csistoragecapacities", "daemonsets", "volumesnapshotcontents"} {
-		if !strings.Contains(def["ClusterRole/poolcsi-node"].YAML+def["Role/poolcsi-node"].YAML, gone) {
-			t.Errorf("the per-node layout's node RBAC has no %s: the test checks nothing", gone)
-		}
-		if strings.Contains(on["ClusterRole/poolcsi-node"].YAML, gone) {
-			t.Errorf("the node's ClusterRole keeps %s", gone)
-		}
+	if !nodeGet {
+		t.Errorf("the node's ClusterRole lacks nodes get, which the agent needs: %+v", node.Rules)
 	}
 	checkBinding(t, on["ClusterRoleBinding/poolcsi-node"], "ClusterRole", "poolcsi-node", "poolcsi-node")
 

@@ -41,12 +41,12 @@ var centralObjects = []string{
 }
 
 // centralChanged are the objects localController.central changes: the node pod loses its
-// local sidecars and runs the agent, and the node's ClusterRole what only they needed.
-var centralChanged = []string{"ClusterRole/poolcsi-node", "DaemonSet/poolcsi-node"}
+// local sidecars and runs the agent. The node's RBAC is not among them: the pods of nodes
+// an upgrade has not rolled yet still run the sidecars (TestLocalControllerRBAC).
+var centralChanged = []string{"DaemonSet/poolcsi-node"}
 
-// centralRemoved are the objects it removes: the node's Role served only the sidecars
-// (leases, CSIStorageCapacity, the DaemonSet lookup).
-var centralRemoved = []string{"Role/poolcsi-node", "RoleBinding/poolcsi-node"}
+// centralRemoved are the objects it removes: none while the per-node path exists.
+var centralRemoved = []string{}
 
 func renderMap(t *testing.T, overrides map[string]any) map[string]render.Doc {
 	t.Helper()
