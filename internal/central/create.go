@@ -50,10 +50,11 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 	if err != nil {
 		return nil, err
 	}
+	// Learnt before the call, not after: a call still running at the sidecar's deadline
+	// (ABORTED) or not yet taken (UNAVAILABLE) may yet make the volume there, and the
+	// retry must go to the same node, whatever the figures say by then.
+	s.d.Hints.Learn(id, node)
 	resp, err := s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
-	if err == nil {
-		s.d.Hints.Learn(id, node)
-	}
 	return as[*csi.CreateVolumeResponse](resp, err)
 }
 

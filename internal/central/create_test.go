@@ -106,6 +106,39 @@ func TestCreateVolume(t *testing.T) {
 // TestCreateFromSource: a clone or a restore is made on its source's node, and a
 // claim whose topology excludes that node is RESOURCE_EXHAUSTED (csi-provisioner
 // reschedules it).
+// TestCreateRetryStays: a create still running at the deadline is retried on the same
+// node even when that node's figures no longer fit (the first attempt reserved the
+// space), so a same-ID volume is never made on a second node.
+func TestCreateRetryStays(t *testing.T) {
+	ctx := context.Background()
+	e := newSrvEnv()
+	e.world.fail = func(node, method string) error {
+		if method == "CreateVolume" {
+			return statusErr(codes.Aborted) // still running there
+		}
+		return nil
+	}
+	req := &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(), Parameters: map[string]string{"pool": "local"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 5 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo("a", "b", "c"), Preferred: topo("c", "b", "a")}}
+	if _, err := e.ctrl().CreateVolume(ctx, req); codeOf(err) != codes.Aborted {
+		t.Fatalf("first attempt: %v", err)
+	}
+	e.nodes.pools["c"][0].AvailableBytes = 1 << 30
+	e.world.fail = nil
+	if _, err := e.ctrl().CreateVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	var on []string
+	for _, c := range e.world.made() {
+		if c.method == "CreateVolume" {
+			on = append(on, c.node)
+		}
+	}
+	if !slices.Equal(on, []string{"c", "c"}) {
+		t.Errorf("CreateVolume on %v, want c twice", on)
+	}
+}
+
 func TestCreateFromSource(t *testing.T) {
 	ctx := context.Background()
 	for _, c := range []struct {
