@@ -104,6 +104,9 @@ type srvWorld struct {
 	// snaps: node → snapshot ID → source volume ID
 	groups map[string]map[string]bool
 	calls  []srvCall
+	// cut, when set, is the most a node lists in one answer without max_entries (a
+	// node cuts a listing to fit a PoolCall's response).
+	cut int
 	// fail, when set, answers a call instead of the model.
 	fail func(node, method string) error
 }
@@ -226,7 +229,11 @@ func (w *srvWorld) list(node string, r *csi.ListSnapshotsRequest) *csi.ListSnaps
 		start, _ := pool.ParseSnapshotID(t)
 		ids = slices.DeleteFunc(ids, func(id pool.SnapshotID) bool { return compareSnapshotIDs(id, start) < 0 })
 	}
-	if m := int(r.GetMaxEntries()); m > 0 && len(ids) > m {
+	m := int(r.GetMaxEntries())
+	if m == 0 {
+		m = w.cut
+	}
+	if m > 0 && len(ids) > m {
 		out.NextToken = ids[m].String()
 		ids = ids[:m]
 	}

@@ -9,6 +9,8 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+
+	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 func mountCap() []*csi.VolumeCapability {
@@ -310,6 +312,34 @@ func TestLocateOnlyNodesOfThePool(t *testing.T) {
 	}
 }
 
+// TestNotOurPool: an ID of a pool the driver does not have (another one, a share's)
+// names nothing: NOT_FOUND, OK for a delete, and no node is asked.
+func TestNotOurPool(t *testing.T) {
+	ctx := context.Background()
+	e := newSrvEnv()
+	share := pool.NewShareVolumeID(pool.ShareRef{Type: "nfs", Source: "server:/export"}, "pvc-1").Wire()
+	for _, id := range []string{"other.0123456789abcdef0123456789abcdef", share} {
+		if _, err := e.ctrl().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+			t.Errorf("DeleteVolume %s: %v", id, err)
+		}
+		if _, err := e.ctrl().ControllerGetVolume(ctx, &csi.ControllerGetVolumeRequest{VolumeId: id}); codeOf(err) != codes.NotFound {
+			t.Errorf("ControllerGetVolume %s: %v", id, err)
+		}
+	}
+	if _, err := e.ctrl().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "other@0123456789abcdef0123456789abcdef"}); err != nil {
+		t.Errorf("DeleteSnapshot: %v", err)
+	}
+	if _, err := e.ctrl().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: "pvc-snapshot-of-another-driver"}); err != nil {
+		t.Errorf("DeleteSnapshot of another form: %v", err)
+	}
+	if _, err := e.ctrl().ControllerModifyVolume(ctx, &csi.ControllerModifyVolumeRequest{VolumeId: "vol-of-another-driver"}); codeOf(err) != codes.NotFound {
+		t.Errorf("ControllerModifyVolume of another form: %v", err)
+	}
+	if calls := e.world.made(); len(calls) > 0 {
+		t.Errorf("calls made: %v", calls)
+	}
+}
+
 // TestLocateTwoHolders: the same ID on two nodes is refused, not guessed.
 func TestLocateTwoHolders(t *testing.T) {
 	e := newSrvEnv()
@@ -442,7 +472,9 @@ func TestListSnapshotsEverywhere(t *testing.T) {
 	e.world.snaps["b"][fid] = "fast.0123456789abcdef0123456789abcdef"
 	want = append(want, fid)
 	slices.SortFunc(want, func(a, b string) int { return strings.Compare(sortKey(a), sortKey(b)) })
-	for _, max := range []int32{0, 1, 2, 3, 100} {
+	for _, c := range []struct{ max, cut int32 }{{0, 0}, {1, 0}, {2, 0}, {3, 0}, {100, 0}, {0, 1}, {0, 2}, {3, 1}} {
+		max := c.max
+		e.world.cut = int(c.cut)
 		var got []string
 		token := ""
 		for pages := 0; ; pages++ {
@@ -464,7 +496,7 @@ func TestListSnapshotsEverywhere(t *testing.T) {
 			}
 		}
 		if !slices.Equal(got, want) {
-			t.Errorf("max %d: listed %v, want %v", max, got, want)
+			t.Errorf("max %d, nodes cut at %d: listed %v, want %v", max, c.cut, got, want)
 		}
 	}
 	e.nodes.down["c"] = true
