@@ -43,6 +43,13 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 
 	var node string
 	if src != nil {
+		// The source's hint, where the claim may go, is taken at its word: the node
+		// finds the source itself, and only its NOT_FOUND costs the confirming calls.
+		if n, ok := s.hint(src.kind, src.id); ok && (len(requisite) == 0 || slices.Contains(requisite, n)) {
+			if resp, err := s.create(ctx, n, id, req); status.Code(err) != codes.NotFound {
+				return as[*csi.CreateVolumeResponse](resp, err)
+			}
+		}
 		node, err = s.sourceNode(ctx, src, requisite)
 	} else {
 		node, err = s.placeNew(ctx, id, poolName, req.GetCapacityRange().GetRequiredBytes(), requisite, preferred)
@@ -50,12 +57,17 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 	if err != nil {
 		return nil, err
 	}
-	// Learnt before the call, not after: a call still running at the sidecar's deadline
-	// (ABORTED) or not yet taken (UNAVAILABLE) may yet make the volume there, and the
-	// retry must go to the same node, whatever the figures say by then.
-	s.d.Hints.Learn(id, node)
-	resp, err := s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
+	resp, err := s.create(ctx, node, id, req)
 	return as[*csi.CreateVolumeResponse](resp, err)
+}
+
+// create is the CreateVolume of the volume id on node. The node is learnt before the
+// call, not after: a call still running at the sidecar's deadline (ABORTED) or not yet
+// taken (UNAVAILABLE) may yet make the volume there, and the retry must go to the same
+// node, whatever the figures say by then.
+func (s *Server) create(ctx context.Context, node, id string, req *csi.CreateVolumeRequest) (proto.Message, error) {
+	s.d.Hints.Learn(id, node)
+	return s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
 }
 
 // contentSource is a CreateVolume's source, parsed.
@@ -273,6 +285,14 @@ func (s groupServer) createGroup(ctx context.Context, req *csi.CreateVolumeGroup
 		}
 		vids[i] = vid
 	}
+	gid := pool.GroupSnapshotID{SnapshotID: pool.NewSnapshotID(vids[0].Pool, name)}.String()
+	// Members hinted on one node are taken at their word: the node finds them itself, and
+	// only its NOT_FOUND (or hints that disagree) costs the confirming calls.
+	if n, ok := s.sameHint(vids); ok {
+		if resp, err := s.groupOn(ctx, n, gid, req); status.Code(err) != codes.NotFound {
+			return resp, err
+		}
+	}
 	nodes := make([]string, len(vids))
 	for i, vid := range vids {
 		src := &contentSource{kind: volumeKind, id: vid.String(), pool: vid.Pool}
@@ -287,13 +307,31 @@ func (s groupServer) createGroup(ctx context.Context, req *csi.CreateVolumeGroup
 			return nil, status.Errorf(codes.InvalidArgument, "a group snapshot of a local pool takes volumes of one node; %s is on %s, %s on %s", vids[0], nodes[0], vids[i], nodes[i])
 		}
 	}
-	gid := pool.GroupSnapshotID{SnapshotID: pool.NewSnapshotID(vids[0].Pool, name)}.String()
-	resp, err := s.d.Calls.Call(ctx, nodes[0], "CreateVolumeGroupSnapshot", gid, req)
+	return s.groupOn(ctx, nodes[0], gid, req)
+}
+
+// sameHint is the node every volume is hinted on, if they all are, on one node.
+func (s *Server) sameHint(vids []pool.VolumeID) (string, bool) {
+	node := ""
+	for _, vid := range vids {
+		n, ok := s.d.Hints.VolumeNode(vid.String())
+		if !ok || (node != "" && n != node) {
+			return "", false
+		}
+		node = n
+	}
+	return node, node != ""
+}
+
+// groupOn is the CreateVolumeGroupSnapshot on node; the group and its members are learnt
+// there.
+func (s *Server) groupOn(ctx context.Context, node, gid string, req *csi.CreateVolumeGroupSnapshotRequest) (proto.Message, error) {
+	resp, err := s.d.Calls.Call(ctx, node, "CreateVolumeGroupSnapshot", gid, req)
 	if err == nil {
-		s.d.Hints.Learn(gid, nodes[0])
+		s.d.Hints.Learn(gid, node)
 		if g, ok := resp.(*csi.CreateVolumeGroupSnapshotResponse); ok {
 			for _, sn := range g.GetGroupSnapshot().GetSnapshots() {
-				s.d.Hints.Learn(sn.GetSnapshotId(), nodes[0])
+				s.d.Hints.Learn(sn.GetSnapshotId(), node)
 			}
 		}
 	}

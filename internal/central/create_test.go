@@ -148,8 +148,15 @@ func TestCreateFromSource(t *testing.T) {
 		requisite []string
 		down      []string
 		want      codes.Code
+		wrongHint string   // the source hinted on this node instead
+		calls     []string // every call, probes sorted (nil: not checked)
 	}{
-		{name: "clone next to its source", requisite: []string{"b"}, hinted: true},
+		// A hint where the claim may go is taken at its word: one call.
+		{name: "clone next to its source", requisite: []string{"b"}, hinted: true, calls: []string{"b:CreateVolume"}},
+		{name: "clone, hint wrong", requisite: []string{"a", "b"}, wrongHint: "a",
+			calls: []string{"a:CreateVolume", "a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "b:CreateVolume"}},
+		{name: "restore, hint wrong", snapshot: true, requisite: []string{"b", "c"}, wrongHint: "c",
+			calls: []string{"c:CreateVolume", "a:ListSnapshots", "b:ListSnapshots", "c:ListSnapshots", "b:CreateVolume"}},
 		{name: "clone, source found by asking", requisite: []string{"b"}},
 		{name: "clone elsewhere", requisite: []string{"a"}, hinted: true, want: codes.ResourceExhausted},
 		{name: "clone, Immediate, source in the requisite", requisite: []string{"a", "b", "c"}},
@@ -169,6 +176,9 @@ func TestCreateFromSource(t *testing.T) {
 			if c.hinted {
 				e.hints.vol[vid], e.hints.snap[sid] = "b", "b"
 			}
+			if c.wrongHint != "" {
+				e.hints.vol[vid], e.hints.snap[sid] = c.wrongHint, c.wrongHint
+			}
 			for _, n := range c.down {
 				e.nodes.down[n] = true
 			}
@@ -184,13 +194,22 @@ func TestCreateFromSource(t *testing.T) {
 			if c.want == codes.ResourceExhausted && !strings.Contains(err.Error(), "the source is on node b; a local clone is made next to its source") {
 				t.Errorf("message: %v", err)
 			}
+			if c.calls != nil {
+				if got := sortProbes(e.world.methods()); !slices.Equal(got, c.calls) {
+					t.Errorf("calls %v, want %v", got, c.calls)
+				}
+			}
 			var created []string
 			for _, call := range e.world.made() {
 				if call.method == "CreateVolume" {
 					created = append(created, call.node)
 				}
 			}
-			if want := []string{"b"}; c.want == codes.OK && !slices.Equal(created, want) || c.want != codes.OK && len(created) > 0 {
+			want := []string{"b"}
+			if c.wrongHint != "" {
+				want = []string{c.wrongHint, "b"} // answered NOT_FOUND there: no source
+			}
+			if c.want == codes.OK && !slices.Equal(created, want) || c.want != codes.OK && len(created) > 0 {
 				t.Errorf("CreateVolume on %v", created)
 			}
 		})

@@ -151,6 +151,14 @@ func (w *srvWorld) Call(_ context.Context, node, method, target string, req prot
 	}
 	switch r := req.(type) {
 	case *csi.CreateVolumeRequest:
+		if v := r.GetVolumeContentSource().GetVolume(); v != nil && !w.vols[node][v.GetVolumeId()] {
+			return nil, notFound()
+		}
+		if sn := r.GetVolumeContentSource().GetSnapshot(); sn != nil {
+			if _, ok := w.snaps[node][sn.GetSnapshotId()]; !ok {
+				return nil, notFound()
+			}
+		}
 		id := pool.NewVolumeID(poolParam(r.GetParameters()), r.GetName()).String()
 		w.hold(w.vols, node, id)
 		return &csi.CreateVolumeResponse{Volume: &csi.Volume{VolumeId: id}}, nil
@@ -194,6 +202,11 @@ func (w *srvWorld) Call(_ context.Context, node, method, target string, req prot
 	case *csi.ListSnapshotsRequest:
 		return w.list(node, r), nil
 	case *csi.CreateVolumeGroupSnapshotRequest:
+		for _, v := range r.GetSourceVolumeIds() {
+			if !w.vols[node][v] {
+				return nil, notFound()
+			}
+		}
 		gid := pool.GroupSnapshotID{SnapshotID: pool.NewSnapshotID("local", r.GetName())}.String()
 		w.hold(w.groups, node, gid)
 		return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: &csi.VolumeGroupSnapshot{GroupSnapshotId: gid}}, nil

@@ -449,6 +449,29 @@ func TestSnapshotsAndGroups(t *testing.T) {
 			t.Error("group not deleted (the learnt hint was not used)")
 		}
 	})
+	t.Run("group hinted on one node: one call", func(t *testing.T) {
+		e := newSrvEnv()
+		v1, v2 := e.vol("c", "pvc-1"), e.vol("c", "pvc-2")
+		e.hints.vol[v1], e.hints.vol[v2] = "c", "c"
+		if _, err := e.group().CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "g", SourceVolumeIds: []string{v1, v2}}); err != nil {
+			t.Fatal(err)
+		}
+		if got := e.world.methods(); !slices.Equal(got, []string{"c:CreateVolumeGroupSnapshot"}) {
+			t.Errorf("calls %v", got)
+		}
+	})
+	t.Run("group hinted wrong", func(t *testing.T) {
+		e := newSrvEnv()
+		v1, v2 := e.vol("c", "pvc-1"), e.vol("c", "pvc-2")
+		e.hints.vol[v1], e.hints.vol[v2] = "a", "a"
+		if _, err := e.group().CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "g", SourceVolumeIds: []string{v1, v2}}); err != nil {
+			t.Fatal(err)
+		}
+		calls := e.world.made()
+		if first, last := calls[0], calls[len(calls)-1]; first.node != "a" || last.node != "c" || last.method != "CreateVolumeGroupSnapshot" {
+			t.Errorf("calls %v", calls)
+		}
+	})
 	t.Run("get group nowhere", func(t *testing.T) {
 		e := newSrvEnv()
 		_, err := e.group().GetVolumeGroupSnapshot(ctx, &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: "local@g-0123456789abcdef0123456789abcdef", SnapshotIds: []string{"local@0123456789abcdef0123456789abcdef"}})
