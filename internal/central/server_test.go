@@ -408,6 +408,39 @@ func TestSnapshotsAndGroups(t *testing.T) {
 			t.Fatalf("got %v", err)
 		}
 	})
+	t.Run("list by snapshot ID, hint wrong: the holder's answer, no second call", func(t *testing.T) {
+		e := newSrvEnv()
+		sid := e.snap("c", "snap-1", "local.0123456789abcdef0123456789abcdef")
+		e.hints.snap[sid] = "a"
+		resp, err := e.ctrl().ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: sid})
+		if err != nil || len(resp.GetEntries()) != 1 || resp.GetEntries()[0].GetSnapshot().GetSnapshotId() != sid {
+			t.Fatalf("got %v %v", resp, err)
+		}
+		if got := sortProbes(e.world.methods()); !slices.Equal(got, []string{"a:ListSnapshots", "b:ListSnapshots", "c:ListSnapshots"}) {
+			t.Errorf("calls %v", got)
+		}
+		if e.hints.learnt[sid] != "c" {
+			t.Errorf("learnt %q", e.hints.learnt[sid])
+		}
+	})
+	t.Run("delete group, no hint, other members: the node's own answer", func(t *testing.T) {
+		e := newSrvEnv()
+		gid := "local@g-0123456789abcdef0123456789abcdef"
+		e.world.hold(e.world.groups, "b", gid)
+		e.world.fail = func(node, method string) error {
+			if node == "b" && (method == "GetVolumeGroupSnapshot" || method == "DeleteVolumeGroupSnapshot") {
+				return statusErr(codes.InvalidArgument)
+			}
+			return nil
+		}
+		_, err := e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: gid, SnapshotIds: []string{"local@0123456789abcdef0123456789abcdef"}})
+		if codeOf(err) != codes.InvalidArgument {
+			t.Fatalf("got %v", err)
+		}
+		if got := sortProbes(e.world.methods()); !slices.Equal(got, []string{"a:GetVolumeGroupSnapshot", "b:GetVolumeGroupSnapshot", "c:GetVolumeGroupSnapshot", "b:DeleteVolumeGroupSnapshot"}) {
+			t.Errorf("calls %v", got)
+		}
+	})
 	t.Run("list by snapshot ID nowhere is empty", func(t *testing.T) {
 		e := newSrvEnv()
 		resp, err := e.ctrl().ListSnapshots(ctx, &csi.ListSnapshotsRequest{SnapshotId: "local@0123456789abcdef0123456789abcdef"})
