@@ -86,7 +86,8 @@ func (s *Server) hint(kind idKind, id string) (string, bool) {
 	return s.d.Hints.VolumeNode(id)
 }
 
-// live is nil when node is live, else the UNAVAILABLE that says what is there.
+// live is nil when node is live, else the UNAVAILABLE that says why it matters (what:
+// "volume X is there").
 func (s *Server) live(node, what string) error {
 	ok, since := s.d.Nodes.Live(node)
 	if ok {
@@ -94,10 +95,10 @@ func (s *Server) live(node, what string) error {
 	}
 	for _, k := range s.d.Nodes.Known() {
 		if k == node {
-			return status.Errorf(codes.Unavailable, "poolcsi on node %s has not renewed for %s; %s is there: retry once it is back", node, since.Round(time.Second), what)
+			return status.Errorf(codes.Unavailable, "poolcsi on node %s has not renewed for %s; %s: retry once it is back", node, since.Round(time.Second), what)
 		}
 	}
-	return status.Errorf(codes.Unavailable, "poolcsi on node %s has no PoolNode (its agent never started, or the node is gone); %s is there", node, what)
+	return status.Errorf(codes.Unavailable, "poolcsi on node %s has no PoolNode (its agent never started, or the node is gone); %s", node, what)
 }
 
 // locate runs l's call on the node that holds its ID.
@@ -105,7 +106,7 @@ func (s *Server) locate(ctx context.Context, l lookup) (proto.Message, error) {
 	what := l.kind.String() + " " + l.id
 	tried := ""
 	if node, ok := s.hint(l.kind, l.id); ok {
-		if err := s.live(node, what); err != nil {
+		if err := s.live(node, what+" is there"); err != nil {
 			return nil, err
 		}
 		resp, err := l.call(ctx, node)
@@ -214,7 +215,7 @@ func (s *Server) askNodes(ctx context.Context, l lookup, nodes []string) (string
 	var wg sync.WaitGroup
 	for i, n := range nodes {
 		answers[i].node = n
-		if err := s.live(n, what+" may be"); err != nil {
+		if err := s.live(n, what+" may be there"); err != nil {
 			answers[i].err = err
 			continue
 		}
@@ -269,7 +270,7 @@ const listTarget = "snapshots"
 func (s *Server) listEverywhere(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
 	nodes := s.d.Nodes.Known()
 	for _, n := range nodes {
-		if err := s.live(n, "some snapshots"); err != nil {
+		if err := s.live(n, "its snapshots are not listed"); err != nil {
 			return nil, err
 		}
 	}

@@ -411,7 +411,7 @@ func (s controllerServer) ListSnapshots(ctx context.Context, req *csi.ListSnapsh
 		// A volume's snapshots are in its pool, on its node; a source whose PV is gone
 		// has no hint, and every node is asked.
 		if node, ok := s.d.Hints.VolumeNode(vid.String()); ok {
-			if err := s.live(node, vid.String()); err != nil {
+			if err := s.live(node, "the snapshots of "+vid.String()+" are there"); err != nil {
 				return nil, err
 			}
 			resp, err := s.d.Calls.Call(ctx, node, "ListSnapshots", vid.String(), req)

@@ -223,10 +223,12 @@ func TestLocate(t *testing.T) {
 		want         codes.Code
 		wantCalls    []string // node:method, in order (probes of several nodes sorted)
 		learnt       string
+		msg          string // in the error
 	}{
 		{name: "hint right", holder: "b", hint: "b", call: expand, want: codes.OK,
 			wantCalls: []string{"b:ControllerExpandVolume"}, learnt: "b"},
-		{name: "hinted node down", holder: "b", hint: "b", down: []string{"b"}, call: expand, want: codes.Unavailable},
+		{name: "hinted node down", holder: "b", hint: "b", down: []string{"b"}, call: expand, want: codes.Unavailable,
+			msg: "poolcsi on node b has not renewed for 34s; volume local.0123456789abcdef0123456789abcdef is there: retry once it is back"},
 		{name: "hint wrong", holder: "c", hint: "a", call: expand, want: codes.OK,
 			wantCalls: []string{"a:ControllerExpandVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "c:ControllerExpandVolume"}, learnt: "c"},
 		{name: "no hint", holder: "b", call: expand, want: codes.OK,
@@ -235,7 +237,7 @@ func TestLocate(t *testing.T) {
 			wantCalls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "b:ControllerExpandVolume"}, learnt: "b"},
 		{name: "nowhere, all live", call: expand, want: codes.NotFound,
 			wantCalls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume"}},
-		{name: "nowhere, one down", down: []string{"c"}, call: expand, want: codes.Unavailable,
+		{name: "nowhere, one down", down: []string{"c"}, call: expand, want: codes.Unavailable, msg: "volume local.0123456789abcdef0123456789abcdef may be there",
 			wantCalls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume"}},
 		{name: "delete hinted", holder: "b", hint: "b", call: del, want: codes.OK,
 			wantCalls: []string{"b:DeleteVolume"}, learnt: "b"},
@@ -262,6 +264,9 @@ func TestLocate(t *testing.T) {
 			err := c.call(e, id)
 			if codeOf(err) != c.want {
 				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if c.msg != "" && !strings.Contains(err.Error(), c.msg) {
+				t.Errorf("message %q lacks %q", err, c.msg)
 			}
 			if c.want == codes.Unavailable && !strings.Contains(err.Error(), "node") {
 				t.Errorf("UNAVAILABLE does not name the node: %v", err)
