@@ -1,0 +1,339 @@
+package central
+
+import (
+	"context"
+	"slices"
+	"strings"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/poolcsi/poolcsi/internal/csierr"
+	"github.com/poolcsi/poolcsi/internal/nodecall"
+	"github.com/poolcsi/poolcsi/internal/params"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+// CreateVolume's node (docs/design/central-controller.md §5). The node's own checks
+// run again there; this one refuses a hostile request before any call exists and
+// chooses where the call goes.
+func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (_ *csi.CreateVolumeResponse, err error) {
+	defer csierr.ToStatus(&err)
+	name := req.GetName()
+	if err := params.CheckVolumeName(name); err != nil {
+		return nil, err
+	}
+	src, err := s.sourceArg(req.GetVolumeContentSource())
+	if err != nil {
+		return nil, err
+	}
+	poolName, err := s.createParams(req, src)
+	if err != nil {
+		return nil, err
+	}
+	if r := req.GetCapacityRange(); r.GetRequiredBytes() < 0 || r.GetLimitBytes() < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "capacity_range must not be negative (required %d, limit %d)", r.GetRequiredBytes(), r.GetLimitBytes())
+	}
+	// The ID the node will give the volume: the node's own derivation (pool.Pool.NewID
+	// of a configured pool), so the call's target is the volume's ID.
+	id := pool.NewVolumeID(poolName, name).String()
+	requisite, preferred := s.topologyNodes(req.GetAccessibilityRequirements())
+
+	var node string
+	if src != nil {
+		// The source's hint, where the claim may go, is taken at its word: the node
+		// finds the source itself, and only its NOT_FOUND costs the confirming calls.
+		if n, ok := s.hint(src.kind, src.id); ok && (len(requisite) == 0 || slices.Contains(requisite, n)) {
+			if resp, err := s.create(ctx, n, id, req); status.Code(err) != codes.NotFound {
+				return as[*csi.CreateVolumeResponse](resp, err)
+			}
+		}
+		node, err = s.sourceNode(ctx, src, requisite)
+	} else {
+		node, err = s.placeNew(ctx, id, poolName, req.GetCapacityRange().GetRequiredBytes(), requisite, preferred)
+	}
+	if err != nil {
+		return nil, err
+	}
+	resp, err := s.create(ctx, node, id, req)
+	return as[*csi.CreateVolumeResponse](resp, err)
+}
+
+// create is the CreateVolume of the volume id on node. The node is learnt before the
+// call, not after: a call still running at the sidecar's deadline (ABORTED) or not yet
+// taken (UNAVAILABLE) may yet make the volume there, and the retry must go to the same
+// node, whatever the figures say by then.
+func (s *Server) create(ctx context.Context, node, id string, req *csi.CreateVolumeRequest) (proto.Message, error) {
+	s.d.Hints.Learn(id, node)
+	return s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
+}
+
+// contentSource is a CreateVolume's source, parsed.
+type contentSource struct {
+	kind idKind // volumeKind or snapshotKind
+	id   string
+	pool string
+}
+
+// sourceArg parses a content source as the node does: a malformed ID is
+// INVALID_ARGUMENT, a snapshot ID of another form (not hostile) or a pool that is not
+// the driver's is NOT_FOUND.
+func (s *Server) sourceArg(src *csi.VolumeContentSource) (*contentSource, error) {
+	switch {
+	case src == nil:
+		return nil, nil
+	case src.GetSnapshot() != nil:
+		raw := src.GetSnapshot().GetSnapshotId()
+		sid, ok, err := s.snapshotArg("volume_content_source.snapshot.snapshot_id", raw)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, status.Errorf(codes.NotFound, "source snapshot %q does not exist (not a snapshot of this driver)", raw)
+		}
+		return &contentSource{kind: snapshotKind, id: sid.String(), pool: sid.Pool}, nil
+	case src.GetVolume() != nil:
+		vid, ok, err := s.volumeArg(src.GetVolume().GetVolumeId(), false)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			return nil, status.Errorf(codes.NotFound, "source volume %s does not exist (pool %s is not one of this driver's)", vid, vid.Pool)
+		}
+		return &contentSource{kind: volumeKind, id: vid.String(), pool: vid.Pool}, nil
+	}
+	return nil, status.Error(codes.InvalidArgument, "volume_content_source names neither a snapshot nor a volume")
+}
+
+// createParams checks the parameters, mutable parameters and capabilities, and returns
+// the pool of the new volume. A copy stays in its source's pool (params.WithSource),
+// whose layout only its node knows: the layout and the mutable parameters' fit to it are
+// checked there.
+func (s *Server) createParams(req *csi.CreateVolumeRequest, src *contentSource) (string, error) {
+	if src == nil {
+		v, err := params.ParseVolume(req, nil, s.d.Params)
+		if err != nil {
+			return "", err
+		}
+		return v.Params.Pool, nil
+	}
+	in := map[string]string{params.ParamPool: src.pool}
+	for k, v := range req.GetParameters() {
+		in[k] = v
+	}
+	cp, err := params.ParseCreate(in, s.d.Params)
+	if err != nil {
+		return "", err
+	}
+	if cp.Pool != src.pool {
+		return "", status.Errorf(codes.InvalidArgument, "parameter pool=%s: the source %s is in pool %s, and a copy stays in its source's pool", cp.Pool, src.id, src.pool)
+	}
+	if _, err := params.ParseMutable(req.GetMutableParameters()); err != nil {
+		return "", err
+	}
+	if _, err := params.ParseCaps(req.GetVolumeCapabilities(), params.DefaultFSType); err != nil {
+		return "", err
+	}
+	return cp.Pool, nil
+}
+
+// topologyNodes are the nodes the requisite and preferred topologies name by the
+// node key, each once, in their order. A segment without the key names no node.
+func (s *Server) topologyNodes(tr *csi.TopologyRequirement) (requisite, preferred []string) {
+	add := func(list []string, ts []*csi.Topology) []string {
+		for _, t := range ts {
+			if n := t.GetSegments()[s.d.TopologyKey]; n != "" && !slices.Contains(list, n) {
+				list = append(list, n)
+			}
+		}
+		return list
+	}
+	return add(nil, tr.GetRequisite()), add(nil, tr.GetPreferred())
+}
+
+// sourceNode is the node of a clone's or a restore's source, which must be in the
+// request's requisite (where it has one): a local copy is made next to its source.
+func (s *Server) sourceNode(ctx context.Context, src *contentSource, requisite []string) (string, error) {
+	l := lookup{kind: src.kind, id: src.id, pool: src.pool, probeHit: true,
+		absent: func() (proto.Message, error) {
+			return nil, status.Errorf(codes.NotFound, "source %s %s does not exist on any node", src.kind, src.id)
+		},
+	}
+	if src.kind == snapshotKind {
+		l.call = s.callOn("ListSnapshots", src.id, &csi.ListSnapshotsRequest{SnapshotId: src.id})
+		l.notHere = emptyList
+	} else {
+		l.call = s.callOn("ControllerGetVolume", src.id, &csi.ControllerGetVolumeRequest{VolumeId: src.id})
+	}
+	var node string
+	located := l.call
+	l.call = func(ctx context.Context, n string) (proto.Message, error) {
+		resp, err := located(ctx, n)
+		if err == nil && !l.isNotHere(resp, err) {
+			node = n
+		}
+		return resp, err
+	}
+	if _, err := s.locate(ctx, l); err != nil {
+		return "", err
+	}
+	if len(requisite) > 0 && !slices.Contains(requisite, node) {
+		return "", status.Errorf(codes.ResourceExhausted, "the source is on node %s; a local clone is made next to its source (this claim's topology allows %s)", node, strings.Join(requisite, ", "))
+	}
+	return node, nil
+}
+
+// placeNew chooses the node of a new empty volume. One requisite node (a
+// WaitForFirstConsumer claim: --strict-topology makes the selected node the whole
+// requisite) is that node. Otherwise (Immediate) the volume may already exist, made by
+// an earlier attempt on a node the retry would not choose again (its call swept since):
+// the hint, then every requisite node holding the pool is asked first, and one of them
+// down makes the answer UNAVAILABLE. Else the first requisite node, in
+// preferred order, whose live PoolNode shows the pool Ok with room for required.
+func (s *Server) placeNew(ctx context.Context, id, poolName string, required int64, requisite, preferred []string) (string, error) {
+	if len(requisite) == 1 {
+		return requisite[0], nil
+	}
+	candidates := s.holders(poolName, "")
+	if len(requisite) > 0 {
+		candidates = slices.DeleteFunc(candidates, func(n string) bool { return !slices.Contains(requisite, n) })
+	}
+	if len(candidates) == 0 {
+		return "", status.Errorf(codes.ResourceExhausted, "no node of this claim's topology (%s) has pool %s", strings.Join(requisite, ", "), poolName)
+	}
+	// The duplicate guard: a volume of this ID anywhere fixes the node.
+	if n, ok := s.d.Hints.VolumeNode(id); ok {
+		if slices.Contains(candidates, n) || len(requisite) == 0 {
+			return n, nil
+		}
+		return "", status.Errorf(codes.ResourceExhausted, "volume %s was already made on node %s, outside this claim's topology (%s)", id, n, strings.Join(requisite, ", "))
+	}
+	// Every candidate is asked, and one that is down makes the create UNAVAILABLE: it
+	// may hold the volume an earlier attempt made there.
+	holder, _, err := s.askNodes(ctx, lookup{kind: volumeKind, id: id, pool: poolName}, candidates)
+	if err != nil {
+		return "", err
+	}
+	if holder != "" {
+		return holder, nil
+	}
+	// In preferred order, then the rest of the requisite in its order.
+	order := slices.Clone(preferred)
+	for _, n := range candidates {
+		if !slices.Contains(order, n) {
+			order = append(order, n)
+		}
+	}
+	for _, n := range order {
+		if !slices.Contains(candidates, n) {
+			continue
+		}
+		if live, _ := s.d.Nodes.Live(n); !live {
+			continue
+		}
+		if pc, ok := poolOf(s.d.Nodes.Pools(n), poolName); ok && pc.Condition == nodecall.PoolOk && pc.AvailableBytes >= required {
+			return n, nil
+		}
+	}
+	return "", status.Errorf(codes.ResourceExhausted, "no live node of this claim's topology has %d bytes free in pool %s", required, poolName)
+}
+
+func poolOf(pools []nodecall.PoolCapacity, name string) (nodecall.PoolCapacity, bool) {
+	for _, p := range pools {
+		if p.Name == name {
+			return p, true
+		}
+	}
+	return nodecall.PoolCapacity{}, false
+}
+
+// createGroup checks a group snapshot's arguments, locates its volumes and sends it to
+// their node: a local pool exists once per node, and a group takes volumes of one pool.
+func (s groupServer) createGroup(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (proto.Message, error) {
+	name := req.GetName()
+	if err := params.CheckRequestName("group snapshot", name); err != nil {
+		return nil, err
+	}
+	if err := checkSnapshotParams(req.GetParameters(), true); err != nil {
+		return nil, err
+	}
+	raws := req.GetSourceVolumeIds()
+	if len(raws) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "source_volume_ids is required")
+	}
+	if len(raws) > pool.MaxGroupMembers {
+		return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: %d volumes, a group snapshot takes at most %d", len(raws), pool.MaxGroupMembers)
+	}
+	vids := make([]pool.VolumeID, len(raws))
+	seen := map[string]bool{}
+	for i, raw := range raws {
+		vid, ok, err := s.volumeArg(raw, false)
+		if err != nil {
+			return nil, err
+		}
+		if seen[vid.String()] {
+			return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volume %s is named twice", vid)
+		}
+		seen[vid.String()] = true
+		if vid.Pool != vids[0].Pool && i > 0 {
+			return nil, status.Errorf(codes.InvalidArgument, "source_volume_ids: volumes %s and %s are in different pools; a group snapshot takes volumes of one pool", vids[0], vid)
+		}
+		if !ok {
+			return nil, status.Errorf(codes.NotFound, "volume %s does not exist (pool %s is not one of this driver's)", vid, vid.Pool)
+		}
+		vids[i] = vid
+	}
+	gid := pool.GroupSnapshotID{SnapshotID: pool.NewSnapshotID(vids[0].Pool, name)}.String()
+	// Members hinted on one node are taken at their word: the node finds them itself, and
+	// only its NOT_FOUND (or hints that disagree) costs the confirming calls.
+	if n, ok := s.sameHint(vids); ok {
+		if resp, err := s.groupOn(ctx, n, gid, req); status.Code(err) != codes.NotFound {
+			return resp, err
+		}
+	}
+	nodes := make([]string, len(vids))
+	for i, vid := range vids {
+		src := &contentSource{kind: volumeKind, id: vid.String(), pool: vid.Pool}
+		n, err := s.sourceNode(ctx, src, nil)
+		if err != nil {
+			return nil, err
+		}
+		nodes[i] = n
+	}
+	for i := range nodes {
+		if nodes[i] != nodes[0] {
+			return nil, status.Errorf(codes.InvalidArgument, "a group snapshot of a local pool takes volumes of one node; %s is on %s, %s on %s", vids[0], nodes[0], vids[i], nodes[i])
+		}
+	}
+	return s.groupOn(ctx, nodes[0], gid, req)
+}
+
+// sameHint is the node every volume is hinted on, if they all are, on one node.
+func (s *Server) sameHint(vids []pool.VolumeID) (string, bool) {
+	node := ""
+	for _, vid := range vids {
+		n, ok := s.d.Hints.VolumeNode(vid.String())
+		if !ok || (node != "" && n != node) {
+			return "", false
+		}
+		node = n
+	}
+	return node, node != ""
+}
+
+// groupOn is the CreateVolumeGroupSnapshot on node; the group and its members are learnt
+// there.
+func (s *Server) groupOn(ctx context.Context, node, gid string, req *csi.CreateVolumeGroupSnapshotRequest) (proto.Message, error) {
+	resp, err := s.d.Calls.Call(ctx, node, "CreateVolumeGroupSnapshot", gid, req)
+	if err == nil {
+		s.d.Hints.Learn(gid, node)
+		if g, ok := resp.(*csi.CreateVolumeGroupSnapshotResponse); ok {
+			for _, sn := range g.GetGroupSnapshot().GetSnapshots() {
+				s.d.Hints.Learn(sn.GetSnapshotId(), node)
+			}
+		}
+	}
+	return resp, err
+}

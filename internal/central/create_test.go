@@ -1,0 +1,268 @@
+package central
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"testing"
+
+	"github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+
+	"github.com/poolcsi/poolcsi/internal/nodecall"
+	"github.com/poolcsi/poolcsi/internal/pool"
+)
+
+func topo(nodes ...string) []*csi.Topology {
+	var out []*csi.Topology
+	for _, n := range nodes {
+		out = append(out, &csi.Topology{Segments: map[string]string{testKey: n}})
+	}
+	return out
+}
+
+func TestCreateVolume(t *testing.T) {
+	ctx := context.Background()
+	id := pool.NewVolumeID("local", "pvc-1").String()
+	for _, c := range []struct {
+		name                 string
+		requisite, preferred []string
+		required             int64
+		setup                func(e *srvEnv)
+		want                 codes.Code
+		node                 string   // where CreateVolume went
+		calls                []string // every call, probes sorted
+	}{
+		{name: "WaitForFirstConsumer: the selected node", requisite: []string{"b"}, preferred: []string{"b"}, node: "b",
+			calls: []string{"b:CreateVolume"}},
+		{name: "WaitForFirstConsumer: the selected node down", requisite: []string{"b"}, setup: func(e *srvEnv) { e.nodes.down["b"] = true },
+			want: codes.Unavailable},
+		{name: "Immediate: preferred first", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "a", "b"}, node: "c",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "c:CreateVolume"}},
+		{name: "Immediate: the preferred node is full", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "a", "b"}, required: 5 << 30,
+			setup: func(e *srvEnv) { e.nodes.pools["c"][0].AvailableBytes = 1 << 30 }, node: "a",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "a:CreateVolume"}},
+		// A node down may hold the volume an earlier attempt made: nothing is made.
+		{name: "Immediate: a requisite node down", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.nodes.down["c"] = true }, want: codes.Unavailable,
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume"}},
+		{name: "Immediate: a node down outside the requisite", requisite: []string{"a", "b"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.nodes.down["c"] = true }, node: "b",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "b:CreateVolume"}},
+		{name: "Immediate: the preferred node's pool Unavailable", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.nodes.pools["c"][0].Condition = nodecall.PoolUnavailable }, node: "b",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "b:CreateVolume"}},
+		{name: "Immediate: only requisite nodes", requisite: []string{"a", "b"}, preferred: []string{"c", "b", "a"}, node: "b",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "b:CreateVolume"}},
+		{name: "Immediate: no room anywhere", requisite: []string{"a", "b"}, required: 100 << 30, want: codes.ResourceExhausted,
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume"}},
+		// The duplicate guard: an earlier attempt made the volume on a (its call swept
+		// since); the retry prefers c but goes to a.
+		{name: "Immediate: the ID exists already", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.world.hold(e.world.vols, "a", id) }, node: "a",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "a:CreateVolume"}},
+		{name: "Immediate: the ID learnt", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.hints.learnt[id] = "b" }, node: "b", calls: []string{"b:CreateVolume"}},
+		{name: "Immediate: a probe that cannot tell", requisite: []string{"a", "b"},
+			setup: func(e *srvEnv) {
+				e.world.fail = func(node, method string) error {
+					if node == "a" && method == "ControllerGetVolume" {
+						return statusErr(codes.Aborted)
+					}
+					return nil
+				}
+			}, want: codes.Aborted, calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			if c.setup != nil {
+				c.setup(e)
+			}
+			resp, err := e.ctrl().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(),
+				Parameters:                map[string]string{"pool": "local", "csi.storage.k8s.io/pvc/name": "data"},
+				CapacityRange:             &csi.CapacityRange{RequiredBytes: c.required},
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo(c.requisite...), Preferred: topo(c.preferred...)}})
+			if codeOf(err) != c.want {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if got := sortProbes(e.world.methods()); c.calls != nil && !slices.Equal(got, c.calls) {
+				t.Errorf("calls %v, want %v", got, c.calls)
+			}
+			if err != nil {
+				return
+			}
+			calls := e.world.made()
+			last := calls[len(calls)-1]
+			if last.node != c.node || last.method != "CreateVolume" || last.target != id || resp.GetVolume().GetVolumeId() != id {
+				t.Errorf("created by %v, answer %v; want on %s, target %s", last, resp, c.node, id)
+			}
+			if e.hints.learnt[id] != c.node {
+				t.Errorf("learnt %q", e.hints.learnt[id])
+			}
+		})
+	}
+}
+
+// TestCreateFromSource: a clone or a restore is made on its source's node, and a
+// claim whose topology excludes that node is RESOURCE_EXHAUSTED (csi-provisioner
+// reschedules it).
+// TestCreateRetryStays: a create still running at the deadline is retried on the same
+// node even when that node's figures no longer fit (the first attempt reserved the
+// space), so a same-ID volume is never made on a second node.
+func TestCreateRetryStays(t *testing.T) {
+	ctx := context.Background()
+	e := newSrvEnv()
+	e.world.fail = func(node, method string) error {
+		if method == "CreateVolume" {
+			return statusErr(codes.Aborted) // still running there
+		}
+		return nil
+	}
+	req := &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(), Parameters: map[string]string{"pool": "local"}, CapacityRange: &csi.CapacityRange{RequiredBytes: 5 << 30},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo("a", "b", "c"), Preferred: topo("c", "b", "a")}}
+	if _, err := e.ctrl().CreateVolume(ctx, req); codeOf(err) != codes.Aborted {
+		t.Fatalf("first attempt: %v", err)
+	}
+	e.nodes.pools["c"][0].AvailableBytes = 1 << 30
+	e.world.fail = nil
+	if _, err := e.ctrl().CreateVolume(ctx, req); err != nil {
+		t.Fatal(err)
+	}
+	var on []string
+	for _, c := range e.world.made() {
+		if c.method == "CreateVolume" {
+			on = append(on, c.node)
+		}
+	}
+	if !slices.Equal(on, []string{"c", "c"}) {
+		t.Errorf("CreateVolume on %v, want c twice", on)
+	}
+}
+
+func TestCreateFromSource(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		name      string
+		snapshot  bool
+		hinted    bool
+		requisite []string
+		down      []string
+		want      codes.Code
+		wrongHint string   // the source hinted on this node instead
+		calls     []string // every call, probes sorted (nil: not checked)
+	}{
+		// A hint where the claim may go is taken at its word: one call.
+		{name: "clone next to its source", requisite: []string{"b"}, hinted: true, calls: []string{"b:CreateVolume"}},
+		{name: "clone, hint wrong", requisite: []string{"a", "b"}, wrongHint: "a",
+			calls: []string{"a:CreateVolume", "a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "b:CreateVolume"}},
+		{name: "restore, hint wrong", snapshot: true, requisite: []string{"b", "c"}, wrongHint: "c",
+			calls: []string{"c:CreateVolume", "a:ListSnapshots", "b:ListSnapshots", "c:ListSnapshots", "b:CreateVolume"}},
+		{name: "clone, source found by asking", requisite: []string{"b"}},
+		{name: "clone elsewhere", requisite: []string{"a"}, hinted: true, want: codes.ResourceExhausted},
+		{name: "clone, Immediate, source in the requisite", requisite: []string{"a", "b", "c"}},
+		{name: "clone, source's node down", requisite: []string{"b"}, hinted: true, down: []string{"b"}, want: codes.Unavailable},
+		{name: "restore next to its source", snapshot: true, requisite: []string{"b"}, hinted: true},
+		{name: "restore, found by asking", snapshot: true, requisite: []string{"b"}},
+		{name: "restore elsewhere", snapshot: true, requisite: []string{"c"}, want: codes.ResourceExhausted},
+		{name: "restore of nothing", snapshot: true, requisite: []string{"b"}, down: nil, want: codes.NotFound},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			vid := e.vol("b", "src")
+			sid := pool.NewSnapshotID("local", "snap").String()
+			if c.want != codes.NotFound {
+				e.snap("b", "snap", vid)
+			}
+			if c.hinted {
+				e.hints.vol[vid], e.hints.snap[sid] = "b", "b"
+			}
+			if c.wrongHint != "" {
+				e.hints.vol[vid], e.hints.snap[sid] = c.wrongHint, c.wrongHint
+			}
+			for _, n := range c.down {
+				e.nodes.down[n] = true
+			}
+			src := &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: vid}}}
+			if c.snapshot {
+				src = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Snapshot{Snapshot: &csi.VolumeContentSource_SnapshotSource{SnapshotId: sid}}}
+			}
+			_, err := e.ctrl().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(), VolumeContentSource: src,
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo(c.requisite...)}})
+			if codeOf(err) != c.want {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if c.want == codes.ResourceExhausted && !strings.Contains(err.Error(), "the source is on node b; a local clone is made next to its source") {
+				t.Errorf("message: %v", err)
+			}
+			if c.calls != nil {
+				if got := sortProbes(e.world.methods()); !slices.Equal(got, c.calls) {
+					t.Errorf("calls %v, want %v", got, c.calls)
+				}
+			}
+			var created []string
+			for _, call := range e.world.made() {
+				if call.method == "CreateVolume" {
+					created = append(created, call.node)
+				}
+			}
+			want := []string{"b"}
+			if c.wrongHint != "" {
+				want = []string{c.wrongHint, "b"} // answered NOT_FOUND there: no source
+			}
+			if c.want == codes.OK && !slices.Equal(created, want) || c.want != codes.OK && len(created) > 0 {
+				t.Errorf("CreateVolume on %v", created)
+			}
+		})
+	}
+}
+
+func TestGetCapacity(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		name      string
+		params    map[string]string
+		topology  map[string]string
+		setup     func(e *srvEnv)
+		want, max int64
+	}{
+		{name: "live", params: map[string]string{"pool": "local"}, topology: map[string]string{testKey: "a"}, want: 10 << 30, max: 10 << 30},
+		{name: "other pool", params: map[string]string{"pool": "fast"}, topology: map[string]string{testKey: "a"}, want: 1 << 30, max: 1 << 30},
+		{name: "stale", params: map[string]string{"pool": "local"}, topology: map[string]string{testKey: "a"}, setup: func(e *srvEnv) { e.nodes.down["a"] = true }},
+		{name: "unknown node", params: map[string]string{"pool": "local"}, topology: map[string]string{testKey: "z"}},
+		{name: "pool Unavailable", params: map[string]string{"pool": "local"}, topology: map[string]string{testKey: "a"},
+			setup: func(e *srvEnv) {
+				e.nodes.pools["a"][0] = nodecall.PoolCapacity{Name: "local", Condition: nodecall.PoolUnavailable, AvailableBytes: 5}
+			}},
+		{name: "pool not on the node", params: map[string]string{"pool": "fast"}, topology: map[string]string{testKey: "a"},
+			setup: func(e *srvEnv) { e.nodes.pools["a"] = e.nodes.pools["a"][:1] }},
+		{name: "another topology key", params: map[string]string{"pool": "local"}, topology: map[string]string{"zone": "x"}},
+		{name: "no topology: the sum of live nodes", params: map[string]string{"pool": "local"},
+			setup: func(e *srvEnv) {
+				e.nodes.down["c"] = true
+				e.nodes.pools["b"][0].AvailableBytes = 20 << 30
+				e.nodes.pools["b"][0].MaximumVolumeSize = 20 << 30
+			},
+			want: 30 << 30, max: 20 << 30},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			if c.setup != nil {
+				c.setup(e)
+			}
+			req := &csi.GetCapacityRequest{Parameters: c.params}
+			if c.topology != nil {
+				req.AccessibleTopology = &csi.Topology{Segments: c.topology}
+			}
+			resp, err := e.ctrl().GetCapacity(ctx, req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if resp.GetAvailableCapacity() != c.want || resp.GetMaximumVolumeSize().GetValue() != c.max {
+				t.Errorf("got %d (max %d), want %d (max %d)", resp.GetAvailableCapacity(), resp.GetMaximumVolumeSize().GetValue(), c.want, c.max)
+			}
+			if len(e.world.made()) > 0 {
+				t.Errorf("GetCapacity made calls: %v", e.world.made())
+			}
+		})
+	}
+}
