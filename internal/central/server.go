@@ -90,6 +90,11 @@ func (s identityServer) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeRes
 	return &csi.ProbeResponse{Ready: wrapperspb.Bool(s.d.Nodes.Synced() && s.d.Hints.Synced())}, nil
 }
 
+// Probe is the Identity service's Probe, for the built-in /healthz (--healthz-address).
+func (s *Server) Probe(ctx context.Context, req *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return identityServer{Server: s}.Probe(ctx, req)
+}
+
 // controllerCaps (docs/design/central-controller.md §5): the node driver's for a local
 // pool less PUBLISH_* (nothing to attach), LIST_VOLUMES and the volume-health ones
 // (health stays on the node, in NodeGetVolumeStats).
