@@ -374,7 +374,7 @@ func openLoopNode(dev string, n int) (int, error) {
 func backingBlockSize(stDev uint64) uint32 {
 	p := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(stDev), unix.Minor(stDev))
 	for _, q := range []string{"queue/logical_block_size", "../queue/logical_block_size"} {
-		b, err := os.ReadFile(filepath.Join(p, q))
+		b, err := readSys(filepath.Join(p, q))
 		if err != nil {
 			continue
 		}
@@ -410,7 +410,7 @@ func (l *Loops) detach(backingFile string) (dev, backing string, pending bool, e
 	if dev == "" {
 		return "", "", false, nil
 	}
-	raw, _ := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
+	raw, _ := readSys(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
 	pending, err = l.detachDevice(dev)
 	return dev, string(raw), pending, err
 }
@@ -468,7 +468,7 @@ func (l *Loops) Backs(device, backingFile string) bool {
 
 // backingPath is the path sysfs shows for a loop device's backing file.
 func backingPath(device string) string {
-	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(device), "loop", "backing_file"))
+	b, err := readSys(filepath.Join(sysBlock, filepath.Base(device), "loop", "backing_file"))
 	if err != nil {
 		return ""
 	}
@@ -498,7 +498,7 @@ func fencedByPath(path string) []string {
 // rejoining after a cut) fails that stat, so the fenced device would never be
 // recognised, and never detached.
 func sysFenced(dev string) bool {
-	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "sizelimit"))
+	b, err := readSys(filepath.Join(sysBlock, filepath.Base(dev), "loop", "sizelimit"))
 	if err != nil {
 		return false
 	}
@@ -518,7 +518,7 @@ func waitDetached(ctx context.Context, dev, backing string) {
 	ctx, cancel := context.WithTimeout(ctx, detachWait)
 	defer cancel()
 	for {
-		now, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
+		now, err := readSys(filepath.Join(sysBlock, filepath.Base(dev), "loop", "backing_file"))
 		if err != nil || string(now) != backing {
 			klog.FromContext(ctx).V(2).Info("Detached loop device", "device", dev)
 			return
@@ -592,7 +592,7 @@ func (l *Loops) Status(device string) (LoopStatus, error) {
 	if !strings.HasPrefix(name, "loop") {
 		return LoopStatus{}, fmt.Errorf("%s is not a loop device: %w", device, os.ErrNotExist)
 	}
-	backing, err := os.ReadFile(filepath.Join(sysBlock, name, "loop", "backing_file"))
+	backing, err := readSys(filepath.Join(sysBlock, name, "loop", "backing_file"))
 	if err != nil {
 		return LoopStatus{}, fmt.Errorf("%s is not attached: %w", device, err)
 	}
@@ -604,7 +604,7 @@ func (l *Loops) Status(device string) (LoopStatus, error) {
 	if s.DirectIO, err = readSysBool(device, "loop/dio"); err != nil {
 		return LoopStatus{}, err
 	}
-	sectors, err := os.ReadFile(filepath.Join(sysBlock, name, "size"))
+	sectors, err := readSys(filepath.Join(sysBlock, name, "size"))
 	if err != nil {
 		return LoopStatus{}, fmt.Errorf("status %s: %w", device, err)
 	}
@@ -618,7 +618,7 @@ func (l *Loops) Status(device string) (LoopStatus, error) {
 }
 
 func readSysBool(device, attr string) (bool, error) {
-	b, err := os.ReadFile(filepath.Join(sysBlock, filepath.Base(device), attr))
+	b, err := readSys(filepath.Join(sysBlock, filepath.Base(device), attr))
 	if err != nil {
 		return false, fmt.Errorf("read %s of %s: %w", attr, device, err)
 	}
@@ -707,7 +707,7 @@ func (l *Loops) List(wait time.Duration) ([]LoopDevice, error) {
 	}
 	var out []LoopDevice
 	for _, sys := range names {
-		b, err := os.ReadFile(filepath.Join(sys, "loop", "backing_file"))
+		b, err := readSys(filepath.Join(sys, "loop", "backing_file"))
 		if err != nil {
 			continue // not bound
 		}
@@ -810,7 +810,7 @@ func (l *Loops) Fence(device string) error {
 func sysStatus(device string) (*unix.LoopInfo64, error) {
 	dir := filepath.Join(sysBlock, filepath.Base(device), "loop")
 	num := func(name string) (uint64, error) {
-		b, err := os.ReadFile(filepath.Join(dir, name))
+		b, err := readSys(filepath.Join(dir, name))
 		if err != nil {
 			return 0, err
 		}
@@ -866,3 +866,7 @@ func FenceHolds() (bool, string) {
 	}
 	return major > 6 || major == 6 && minor >= 5, release
 }
+
+// readSys reads a sysfs attribute (at most a page, which is all sysfs ever
+// prints) with bare system calls: a scan reads two for every bound loop device.
+func readSys(path string) ([]byte, error) { return fsx.ReadKernelFile(path, 8192) }
