@@ -520,4 +520,39 @@ func (ch *Channel) supersede(ctx context.Context, cur *nodecall.Call) {
 	}
 }
 
-var _ Caller = (*Channel)(nil)
+// Pending is the node of a call of method about target in this process's view that
+// may still make, or has made, what it asks (PendingCalls).
+func (ch *Channel) Pending(method, target string) (string, bool) {
+	var objs []any
+	if o, err := ch.d.Calls.GetIndexer().ByIndex(byTarget, target); err == nil {
+		objs = o
+	} else {
+		objs = ch.d.Calls.GetStore().List()
+	}
+	var best *nodecall.Call
+	taken := func(c *nodecall.Call) bool { return c.Status.Nonce == c.Spec.Nonce && c.Status.Phase != "" }
+	for _, o := range objs {
+		c := nodecall.FromCache(o)
+		if c == nil || c.Spec.Target != target || c.Spec.Method != method || c.DeletionTimestamp != nil {
+			continue
+		}
+		if c.Answered() && c.Status.Code != 0 {
+			continue // the node refused it: nothing was made there
+		}
+		switch {
+		case best == nil,
+			taken(c) && !taken(best),
+			taken(c) == taken(best) && c.Spec.Issued.Before(&best.Spec.Issued):
+			best = c
+		}
+	}
+	if best == nil {
+		return "", false
+	}
+	return best.Spec.Node, true
+}
+
+var (
+	_ Caller       = (*Channel)(nil)
+	_ PendingCalls = (*Channel)(nil)
+)

@@ -321,3 +321,46 @@ func TestCallerGone(t *testing.T) {
 		t.Errorf("the call is gone: %v", err)
 	}
 }
+
+// TestPending: the node of a create under way, for a leader that learnt nothing: a call
+// not yet taken or running counts, one taken beats one not taken, one the node refused
+// does not count, nor a call of another method or target.
+func TestPending(t *testing.T) {
+	e := newEnv(t)
+	e.nodes.setLimit(time.Hour)
+	if n, ok := e.ch.Pending("CreateVolume", "local.1"); ok {
+		t.Fatalf("no call yet, pending on %s", n)
+	}
+	req := createReq("pvc-1")
+	// On a first: taken, still running when its caller gave up (ABORTED), so nothing
+	// deletes it when its answer comes.
+	onA := nameOf(t, "a", "CreateVolume", req)
+	res := e.call("a", "CreateVolume", "local.1", req)
+	e.cached(t, onA, "")
+	e.settle(t, 3)
+	e.answer(t, onA, running)
+	e.clock.Step(time.Minute)
+	if r := <-res; status.Code(r.err) != codes.Aborted {
+		t.Fatalf("at the budget: %v", r.err)
+	}
+	// Then on b, not taken.
+	onB := nameOf(t, "b", "CreateVolume", req)
+	e.call("b", "CreateVolume", "local.1", req)
+	e.cached(t, onB, "")
+	if n, ok := e.ch.Pending("CreateVolume", "local.1"); !ok || n != "a" {
+		t.Errorf("taken on a, not yet on b: %q %v", n, ok)
+	}
+	for _, other := range [][2]string{{"DeleteVolume", "local.1"}, {"CreateVolume", "local.2"}} {
+		if n, ok := e.ch.Pending(other[0], other[1]); ok {
+			t.Errorf("%v: pending on %s", other, n)
+		}
+	}
+	// a refused it: nothing was made there, and b's call stands.
+	e.answer(t, onA, done(codes.ResourceExhausted, "full", ""))
+	if c := e.cached(t, onA, ""); !c.Answered() {
+		t.Fatalf("a's answer not seen: %+v", c.Status)
+	}
+	if n, ok := e.ch.Pending("CreateVolume", "local.1"); !ok || n != "b" {
+		t.Errorf("a refused: %q %v", n, ok)
+	}
+}

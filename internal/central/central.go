@@ -61,6 +61,18 @@ type Caller interface {
 	Call(ctx context.Context, node, method, target string, req proto.Message) (proto.Message, error)
 }
 
+// PendingCalls is what a Caller that keeps the calls in view (the Channel) also
+// answers: where a call about a target already is. A new leader knows nothing learnt by
+// the old one, and a create still running or not yet taken on one node must fix that
+// node for the retry: a volume not made yet answers NOT_FOUND to every probe, so only
+// the call itself shows where it will be made.
+type PendingCalls interface {
+	// Pending is the node of a call of method about target that may still make or has
+	// made what it asks: not being deleted and not answered with an error. Of several,
+	// one an agent took wins, then the oldest.
+	Pending(method, target string) (node string, ok bool)
+}
+
 // Nodes is the controller's view of the nodes' PoolNodes (nodes.go).
 type Nodes interface {
 	// Live says whether node's PoolNode was seen changing by this process within the

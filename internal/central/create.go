@@ -203,12 +203,20 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 	if len(candidates) == 0 {
 		return "", status.Errorf(codes.ResourceExhausted, "no node of this claim's topology (%s) has pool %s", strings.Join(requisite, ", "), poolName)
 	}
-	// The duplicate guard: a volume of this ID anywhere fixes the node.
-	if n, ok := s.d.Hints.VolumeNode(id); ok {
+	// The duplicate guard: a volume of this ID anywhere fixes the node, and so does a
+	// CreateVolume call for it still under way or not yet taken (a new leader has
+	// learnt nothing, and a volume not made yet answers no probe).
+	n, ok := s.d.Hints.VolumeNode(id)
+	if !ok {
+		if p, isPending := s.d.Calls.(PendingCalls); isPending {
+			n, ok = p.Pending("CreateVolume", id)
+		}
+	}
+	if ok {
 		if slices.Contains(candidates, n) || len(requisite) == 0 {
 			return n, nil
 		}
-		return "", status.Errorf(codes.ResourceExhausted, "volume %s was already made on node %s, outside this claim's topology (%s)", id, n, strings.Join(requisite, ", "))
+		return "", status.Errorf(codes.ResourceExhausted, "volume %s was made or is being made on node %s, outside this claim's topology (%s)", id, n, strings.Join(requisite, ", "))
 	}
 	// Every candidate is asked, and one that is down makes the create UNAVAILABLE: it
 	// may hold the volume an earlier attempt made there.

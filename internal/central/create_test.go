@@ -63,6 +63,15 @@ func TestCreateVolume(t *testing.T) {
 			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "a:CreateVolume"}},
 		{name: "Immediate: the ID learnt", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
 			setup: func(e *srvEnv) { e.hints.learnt[id] = "b" }, node: "b", calls: []string{"b:CreateVolume"}},
+		// A new leader has learnt nothing, and the volume an earlier attempt is making on
+		// a answers no probe yet: the call under way fixes the node.
+		{name: "Immediate: a create under way on another node", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.world.pending[[2]string{"CreateVolume", id}] = "a" }, node: "a", calls: []string{"a:CreateVolume"}},
+		{name: "Immediate: a create under way outside the topology", requisite: []string{"b", "c"}, preferred: []string{"c", "b"},
+			setup: func(e *srvEnv) { e.world.pending[[2]string{"CreateVolume", id}] = "a" }, want: codes.ResourceExhausted, calls: []string{}},
+		{name: "Immediate: another method's call does not fix the node", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.world.pending[[2]string{"DeleteVolume", id}] = "a" }, node: "c",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "c:CreateVolume"}},
 		{name: "Immediate: a probe that cannot tell", requisite: []string{"a", "b"},
 			setup: func(e *srvEnv) {
 				e.world.fail = func(node, method string) error {

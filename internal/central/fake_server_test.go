@@ -109,6 +109,15 @@ type srvWorld struct {
 	cut int
 	// fail, when set, answers a call instead of the model.
 	fail func(node, method string) error
+	// pending is where a call is under way, by method and target (PendingCalls).
+	pending map[[2]string]string
+}
+
+func (w *srvWorld) Pending(method, target string) (string, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n, ok := w.pending[[2]string{method, target}]
+	return n, ok
 }
 
 func (w *srvWorld) hold(m map[string]map[string]bool, node, id string) {
@@ -283,7 +292,7 @@ func newSrvEnv(nodes ...string) *srvEnv {
 	for _, node := range nodes {
 		n.pools[node] = []nodecall.PoolCapacity{okPool("local", 10<<30), okPool("fast", 1<<30)}
 	}
-	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}}
+	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, pending: map[[2]string]string{}}
 	h := newSrvHints()
 	s := NewServer(Deps{Name: "local.poolcsi.io", Version: "test", TopologyKey: testKey,
 		Params: params.Config{Pools: []string{"fast", "local"}}, Calls: w, Nodes: n, Hints: h})
