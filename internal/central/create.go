@@ -67,7 +67,38 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 // node, whatever the figures say by then.
 func (s *Server) create(ctx context.Context, node, id string, req *csi.CreateVolumeRequest) (proto.Message, error) {
 	s.d.Hints.Learn(id, node)
-	return s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
+	resp, err := s.d.Calls.Call(ctx, node, "CreateVolume", id, req)
+	if err != nil {
+		return resp, err
+	}
+	return s.checkCreated(node, id, resp)
+}
+
+// checkCreated holds a node's answer to a create to what was asked: the volume's ID is
+// the one its name maps to, and it is reachable from that node alone. The answer
+// becomes a PersistentVolume (handle and node affinity), and a node may write only its
+// own calls' answers: a node that answered with another volume's ID, or with another
+// node's topology, would point a claim at data it does not hold (another claim's volume
+// on another node). No PV is made of such an answer.
+func (s *Server) checkCreated(node, id string, resp proto.Message) (proto.Message, error) {
+	cr, ok := resp.(*csi.CreateVolumeResponse)
+	if !ok || cr.GetVolume() == nil {
+		return nil, status.Errorf(codes.Internal, "node %s answered the create of %s without a volume", node, id)
+	}
+	v := cr.GetVolume()
+	if v.GetVolumeId() != id {
+		return nil, status.Errorf(codes.Internal, "node %s answered the create of %s with volume %q", node, id, v.GetVolumeId())
+	}
+	for _, t := range v.GetAccessibleTopology() {
+		if got := t.GetSegments()[s.d.TopologyKey]; got != node {
+			return nil, status.Errorf(codes.Internal, "node %s answered the create of %s with the topology of node %q", node, id, got)
+		}
+	}
+	if len(v.GetAccessibleTopology()) == 0 {
+		// A local volume is reachable from its node alone, whatever the answer left out.
+		v.AccessibleTopology = []*csi.Topology{{Segments: map[string]string{s.d.TopologyKey: node}}}
+	}
+	return cr, nil
 }
 
 // contentSource is a CreateVolume's source, parsed.

@@ -8,6 +8,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -273,5 +274,84 @@ func TestGetCapacity(t *testing.T) {
 				t.Errorf("GetCapacity made calls: %v", e.world.made())
 			}
 		})
+	}
+}
+
+// TestAnswerHeldToTheAsk: a node may write only its own calls' answers, but what it
+// writes becomes a PersistentVolume or a VolumeSnapshotContent. An answer naming
+// another volume or snapshot, or another node's topology, is refused (INTERNAL), so no
+// claim is pointed at data its node does not hold; an answer without topology gets its
+// node's.
+func TestAnswerHeldToTheAsk(t *testing.T) {
+	ctx := context.Background()
+	other := pool.NewVolumeID("local", "pvc-other").String()
+	createReq := &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(), Parameters: map[string]string{"pool": "local"},
+		AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo("b"), Preferred: topo("b")}}
+	for _, c := range []struct {
+		name   string
+		tamper func(node string, resp proto.Message)
+		want   codes.Code
+	}{
+		{"as asked, no topology: its node's", nil, codes.OK},
+		{"as asked, its own topology", func(node string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateVolumeResponse); ok {
+				r.Volume.AccessibleTopology = topo(node)
+			}
+		}, codes.OK},
+		{"another volume's ID", func(_ string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateVolumeResponse); ok {
+				r.Volume.VolumeId = other
+			}
+		}, codes.Internal},
+		{"another node's topology", func(_ string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateVolumeResponse); ok {
+				r.Volume.AccessibleTopology = topo("a")
+			}
+		}, codes.Internal},
+		{"its own and another node's topology", func(node string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateVolumeResponse); ok {
+				r.Volume.AccessibleTopology = topo(node, "a")
+			}
+		}, codes.Internal},
+		{"no volume", func(_ string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateVolumeResponse); ok {
+				r.Volume = nil
+			}
+		}, codes.Internal},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			e.world.tamper = c.tamper
+			resp, err := e.ctrl().CreateVolume(ctx, createReq)
+			if codeOf(err) != c.want {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			if err == nil {
+				if got := resp.GetVolume().GetAccessibleTopology(); len(got) != 1 || got[0].GetSegments()[testKey] != "b" {
+					t.Errorf("topology %v, want node b's", got)
+				}
+			}
+		})
+	}
+
+	e := newSrvEnv()
+	src := e.vol("b", "pvc-src")
+	snapReq := &csi.CreateSnapshotRequest{Name: "snap-1", SourceVolumeId: src}
+	if _, err := e.ctrl().CreateSnapshot(ctx, snapReq); err != nil {
+		t.Fatalf("snapshot as asked: %v", err)
+	}
+	for name, tamper := range map[string]func(*csi.Snapshot){
+		"another snapshot's ID":    func(s *csi.Snapshot) { s.SnapshotId = pool.NewSnapshotID("local", "snap-other").String() },
+		"another source volume":    func(s *csi.Snapshot) { s.SourceVolumeId = other },
+		"a snapshot of other pool": func(s *csi.Snapshot) { s.SnapshotId = pool.NewSnapshotID("fast", "snap-1").String() },
+	} {
+		e.world.tamper = func(_ string, resp proto.Message) {
+			if r, ok := resp.(*csi.CreateSnapshotResponse); ok && r.Snapshot != nil {
+				tamper(r.Snapshot)
+			}
+		}
+		if _, err := e.ctrl().CreateSnapshot(ctx, snapReq); codeOf(err) != codes.Internal {
+			t.Errorf("snapshot answered with %s: %v, want INTERNAL", name, err)
+		}
 	}
 }

@@ -109,6 +109,8 @@ type srvWorld struct {
 	cut int
 	// fail, when set, answers a call instead of the model.
 	fail func(node, method string) error
+	// tamper, when set, changes a node's answer as a hostile node would.
+	tamper func(node string, resp proto.Message)
 	// pending is where a call is under way, by method and target (PendingCalls).
 	pending map[[2]string]string
 }
@@ -143,7 +145,15 @@ func (w *srvWorld) methods() []string {
 
 func notFound() error { return status.Error(codes.NotFound, "not here") }
 
-func (w *srvWorld) Call(_ context.Context, node, method, target string, req proto.Message) (proto.Message, error) {
+func (w *srvWorld) Call(ctx context.Context, node, method, target string, req proto.Message) (proto.Message, error) {
+	resp, err := w.call(ctx, node, method, target, req)
+	if err == nil && w.tamper != nil {
+		w.tamper(node, resp)
+	}
+	return resp, err
+}
+
+func (w *srvWorld) call(_ context.Context, node, method, target string, req proto.Message) (proto.Message, error) {
 	if live, _ := w.nodes.Live(node); !live {
 		return nil, status.Errorf(codes.Unavailable, "node %s down", node)
 	}

@@ -330,6 +330,18 @@ func (s controllerServer) CreateSnapshot(ctx context.Context, req *csi.CreateSna
 		also: []string{sid},
 	}
 	resp, err := s.locate(ctx, l)
+	if err == nil {
+		// As for a create (checkCreated): the answer becomes a VolumeSnapshotContent, and
+		// a restore goes where its handle says.
+		cs, ok := resp.(*csi.CreateSnapshotResponse)
+		switch {
+		case !ok || cs.GetSnapshot() == nil:
+			return nil, status.Errorf(codes.Internal, "the create of snapshot %s was answered without a snapshot", sid)
+		case cs.GetSnapshot().GetSnapshotId() != sid || cs.GetSnapshot().GetSourceVolumeId() != vid.String():
+			return nil, status.Errorf(codes.Internal, "the create of snapshot %s of %s was answered with snapshot %q of %q", sid, vid,
+				cs.GetSnapshot().GetSnapshotId(), cs.GetSnapshot().GetSourceVolumeId())
+		}
+	}
 	return as[*csi.CreateSnapshotResponse](resp, err)
 }
 
