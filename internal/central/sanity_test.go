@@ -61,6 +61,9 @@ func TestSanityThroughCentral(t *testing.T) {
 	}
 	for _, mode := range []string{"mount", "block", "dir"} {
 		t.Run(mode, func(t *testing.T) {
+			// The children wait on agents and informers as much as they compute: run
+			// side by side they take little more than one.
+			t.Parallel()
 			args := []string{"-test.run=^TestSanityThroughCentral$", "-test.count=1"}
 			if dir := os.Getenv("POOLCSI_COVER_DIR"); dir != "" {
 				args = append(args, "-test.coverprofile="+filepath.Join(dir, "central-sanity-"+mode+".out"))
