@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/central/centraltest"
 	"github.com/poolcsi/poolcsi/internal/nodecall"
+	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 const topologyKey = "topology.poolcsi.io/node"
@@ -130,5 +131,79 @@ func TestEndToEnd(t *testing.T) {
 	}
 	if got := volumes(t, c.Node("a")); len(got) != 0 {
 		t.Errorf("a's pool: %v", got)
+	}
+}
+
+// TestEndToEndSnapshotCrash: b's agent dies after the node made the snapshot, before its
+// answer was written; the retry through the restarted agent answers the same snapshot,
+// and the pool holds one.
+func TestEndToEndSnapshotCrash(t *testing.T) {
+	c := centraltest.New(t, "b")
+	b := c.Node("b")
+	ctx := context.Background()
+	vol, err := c.Channel.Call(ctx, "b", "CreateVolume", "local.x", createOn("b", "pvc-1"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	vid := vol.(*csi.CreateVolumeResponse).GetVolume().GetVolumeId()
+	req := &csi.CreateSnapshotRequest{Name: "snap-1", SourceVolumeId: vid}
+	sid := pool.NewSnapshotID(centraltest.Pool, req.GetName()).String()
+	call := func() (*csi.CreateSnapshotResponse, error) {
+		ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		defer cancel()
+		resp, err := c.Channel.Call(ctx, "b", "CreateSnapshot", sid, req)
+		if err != nil {
+			return nil, err
+		}
+		return resp.(*csi.CreateSnapshotResponse), nil
+	}
+
+	b.StopAgent()
+	m, _ := nodecall.Lookup("CreateSnapshot")
+	name, err := m.ObjectName("b", req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		resp *csi.CreateSnapshotResponse
+		err  error
+	}
+	res := make(chan result, 1)
+	go func() {
+		r, err := call()
+		res <- result{r, err}
+	}()
+	made := c.WaitCached(t, name, func(*nodecall.Call) bool { return true })
+	// What the agent did before it died: Running written, the node ran the call.
+	made.Status = nodecall.CallStatus{Nonce: made.Spec.Nonce, Phase: nodecall.Running, Attempts: 1}
+	if _, err := c.Store.UpdateStatus(ctx, made); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := csi.NewControllerClient(b.Conn).CreateSnapshot(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.WaitCached(t, name, func(cl *nodecall.Call) bool { return cl.Status.Phase == nodecall.Running })
+	c.WaitTimers(t, 3) // the Call's budget, pickup and stale timers
+	c.Clock.Step(40 * time.Second)
+	if r := <-res; status.Code(r.err) != codes.Aborted {
+		t.Fatalf("running at the budget: %v %v", r.resp, r.err)
+	}
+
+	b.StartAgent(t)
+	c.WaitLive(t, "b")
+	again, err := call()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := again.GetSnapshot().GetSnapshotId(), snap.GetSnapshot().GetSnapshotId(); got != want || got != sid {
+		t.Errorf("retry answered snapshot %s, the node made %s (target %s)", got, want, sid)
+	}
+	l, err := csi.NewControllerClient(b.Conn).ListSnapshots(ctx, &csi.ListSnapshotsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(l.GetEntries()); n != 1 {
+		t.Errorf("b's pool holds %d snapshots after the crash, want 1: %v", n, l.GetEntries())
 	}
 }

@@ -452,11 +452,13 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if err != nil {
 		return nil, err
 	}
-	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
-		return nil, err
-	}
+	// A group of no pool of this driver is gone whatever members the call names, as
+	// the node driver answers it (it compares them only with a group it holds).
 	if !ok {
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+	}
+	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
+		return nil, err
 	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(),
 		call:   s.callOn("DeleteVolumeGroupSnapshot", gid.String(), req),
@@ -471,11 +473,11 @@ func (s groupServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVol
 	if err != nil {
 		return nil, err
 	}
-	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
-		return nil, err
-	}
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "group snapshot %q does not exist (not a group snapshot of this driver)", req.GetGroupSnapshotId())
+	}
+	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
+		return nil, err
 	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds(),
 		call: s.callOn("GetVolumeGroupSnapshot", gid.String(), req),

@@ -67,6 +67,8 @@ type Node struct {
 	Name string
 	// Conn is the node's own CSI socket.
 	Conn *grpc.ClientConn
+	// Endpoint is that socket's address (unix://...), for a client of its own.
+	Endpoint string
 
 	deps agent.Deps
 	mu   sync.Mutex
@@ -103,7 +105,8 @@ func New(t testing.TB, names ...string) *Cluster {
 		t.Fatal("centraltest: the informers never synced")
 	}
 	for _, name := range names {
-		n := &Node{Name: name, Conn: serveNode(t, name)}
+		n := &Node{Name: name}
+		n.Conn, n.Endpoint = serveNode(t, name)
 		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: n.Conn, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
 		c.nodes[name] = n
 		n.StartAgent(t)
@@ -205,8 +208,8 @@ func (n *Node) StopAgent() {
 }
 
 // serveNode serves a real driver for node, pool Pool over the fake kernel, on a unix
-// socket, and returns a connection to it.
-func serveNode(t testing.TB, node string) *grpc.ClientConn {
+// socket, and returns a connection to it and its endpoint.
+func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
 	t.Helper()
 	root := t.TempDir()
 	p, err := pool.Initialise(pool.Config{Name: Pool, Path: filepath.Join(root, "pool")})
@@ -240,5 +243,5 @@ func serveNode(t testing.TB, node string) *grpc.ClientConn {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return conn
+	return conn, endpoint
 }
