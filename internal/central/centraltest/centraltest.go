@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"k8s.io/apimachinery/pkg/runtime"
@@ -243,5 +244,13 @@ func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
+	// Serve listens on its own goroutine: a call made before it does fails at once
+	// (UNAVAILABLE, "no such file or directory"), as an agent's first call did under
+	// load. The node is handed out once its socket answers.
+	wctx, wcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer wcancel()
+	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(wctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("centraltest: node %s: its socket never answered: %v", node, err)
+	}
 	return conn, endpoint
 }
