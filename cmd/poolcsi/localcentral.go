@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"slices"
 	"strings"
@@ -218,21 +217,11 @@ func (c *centralController) run(ctx context.Context) error {
 	c.server.Register(srv)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var served error
-	server := runner.Func(func(ctx context.Context) error {
-		defer cancel()
-		go func() {
-			<-ctx.Done()
-			srv.GracefulStop()
-		}()
+	server := &rpc.Serving{Server: srv, Listener: lis, Endpoint: c.endpoint, Stop: cancel, Started: func() {
 		klog.InfoS("Serving CSI (central)", "endpoint", c.endpoint)
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			served = fmt.Errorf("serve %s: %w", c.endpoint, err)
-		}
-		return nil
-	})
+	}}
 	if err := runner.Stages(ctx, append(slices.Clone(beside), server), c.informers); err != nil {
 		klog.ErrorS(err, "A loop of the central controller failed")
 	}
-	return served
+	return server.Err()
 }

@@ -357,25 +357,15 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	// returned is Serve's.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var served error
-	server := runner.Func(func(ctx context.Context) error {
-		defer cancel()
-		go func() {
-			<-ctx.Done()
-			srv.GracefulStop()
-		}()
+	server := &rpc.Serving{Server: srv, Listener: lis, Endpoint: endpoint, Stop: cancel, Started: func() {
 		klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
 			"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.pools.Names(), "shareTypes", d.pools.ShareTypes())
-		if err := srv.Serve(lis); err != nil && !errors.Is(err, grpc.ErrServerStopped) {
-			served = fmt.Errorf("serve %s: %w", endpoint, err)
-		}
-		return nil
-	})
+	}}
 	withServer, afterServer := d.runners()
 	if err := runner.Stages(ctx, append(withServer, server), afterServer); err != nil {
 		klog.ErrorS(err, "A loop of the driver failed")
 	}
-	return served
+	return server.Err()
 }
 
 // runners are the driver's long-running loops: those that stop with the
