@@ -158,7 +158,12 @@ func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []s
 	nodes := central.NewNodeView(poolNodes, o.NodeStaleAfter, clk)
 	channel := central.NewChannel(central.ChannelDeps{
 		Store: store, Calls: calls, Nodes: nodes,
+		// The Node's UID as its PoolNode's owner names it; a read of the Node only when
+		// the view has none (a PoolNode without its owner).
 		NodeUID: func(ctx context.Context, node string) (string, error) {
+			if uid, ok := nodes.NodeUID(node); ok {
+				return uid, nil
+			}
 			uid, err := store.NodeUID(ctx, node)
 			return string(uid), err
 		},

@@ -36,6 +36,9 @@ type sighting struct {
 	// changed is when this process saw the resourceVersion change (zero: not yet).
 	changed time.Time
 	pools   []nodecall.PoolCapacity
+	// nodeUID is the UID of the Node the PoolNode names as its owner (its agent read it):
+	// the owner of that node's calls, without a read of the Node per call.
+	nodeUID string
 }
 
 // NewNodeView returns the view of the PoolNodes inf watches and registers its handler
@@ -74,6 +77,12 @@ func (v *NodeView) observe(obj any) {
 		s.changed = v.clk.Now()
 	}
 	s.rv = rv
+	s.nodeUID = ""
+	for _, o := range u.GetOwnerReferences() {
+		if o.APIVersion == "v1" && o.Kind == "Node" && o.Name == name {
+			s.nodeUID = string(o.UID)
+		}
+	}
 	if err == nil {
 		s.pools = n.Status.Pools
 	} else {
@@ -133,6 +142,16 @@ func (v *NodeView) Pools(node string) []nodecall.PoolCapacity {
 		return nil
 	}
 	return slices.Clone(s.pools)
+}
+
+// NodeUID is the UID of node's Node as its PoolNode's owner names it ("", false when
+// unknown). A wrong one, written by that node's own agent, only gets that node's calls
+// collected: the admission policy lets a node write its own PoolNode alone.
+func (v *NodeView) NodeUID(node string) (string, bool) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	s, ok := v.seen[node]
+	return s.nodeUID, ok && s.nodeUID != ""
 }
 
 // Synced says whether the informer has its first full list.

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/tools/cache"
 	clocktesting "k8s.io/utils/clock/testing"
 
@@ -97,5 +98,28 @@ func TestNodeView(t *testing.T) {
 	check("b back", want{"b", true, 0})
 	if p := v.Pools("b"); len(p) != 0 || v.Pools("c") != nil {
 		t.Errorf("Pools: %v %v", p, v.Pools("c"))
+	}
+}
+
+// The Node's UID comes from the PoolNode's owner, so a call needs no read of the Node;
+// an owner that is not that Node is no UID.
+func TestNodeViewNodeUID(t *testing.T) {
+	v := NewNodeView(cache.NewSharedIndexInformer(&cache.ListWatch{}, &unstructured.Unstructured{}, 0, cache.Indexers{}), 0, nil)
+	pn := func(name string, owners ...metav1.OwnerReference) *unstructured.Unstructured {
+		u := &unstructured.Unstructured{}
+		u.SetAPIVersion("poolcsi.io/v1alpha1")
+		u.SetKind("PoolNode")
+		u.SetName(name)
+		u.SetResourceVersion("1")
+		u.SetOwnerReferences(owners)
+		return u
+	}
+	v.observe(pn("a", nodecall.NodeOwner("a", "uid-a")))
+	v.observe(pn("b", nodecall.NodeOwner("c", "uid-c"), metav1.OwnerReference{APIVersion: "apps/v1", Kind: "DaemonSet", Name: "b", UID: "uid-ds"}))
+	v.observe(pn("d"))
+	for node, want := range map[string]string{"a": "uid-a", "b": "", "d": "", "unknown": ""} {
+		if got, ok := v.NodeUID(node); got != want || ok != (want != "") {
+			t.Errorf("NodeUID(%s) = %q %v, want %q", node, got, ok, want)
+		}
 	}
 }
