@@ -84,3 +84,41 @@ func TestOpenWaitsBoundedForAHungPool(t *testing.T) {
 		t.Fatalf("Check once the pool answers: %v", err)
 	}
 }
+
+// TestHungPoolWaitsOnlyOnceMore: the callers of a pool whose open is still
+// pending wait for it only until the open's wait has passed once more since
+// Open returned; later callers get ErrUnavailable at once. Before, each
+// caller waited the whole wait again: every start-up pass waited once per
+// hung pool, and every Probe of a pool hung for hours waited.
+func TestHungPoolWaitsOnlyOnceMore(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pool")
+	release := make(chan struct{})
+	stat := statPath
+	t.Cleanup(func() { statPath = stat })
+	statPath = func(name string) (os.FileInfo, error) {
+		if name == path {
+			<-release
+		}
+		return stat(name)
+	}
+	p, err := Open(Config{Name: "p", Path: path}, WithOpenWait(10*time.Millisecond))
+	if err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	// The layout goes on once the stat returns; the temp dir goes after it.
+	t.Cleanup(func() { close(release); <-p.Opened() })
+	// The window after Open is over, and a wait would now be an hour.
+	p.openWait = time.Hour
+	p.awaitUntil = time.Now().Add(-time.Second)
+	done := make(chan error, 1)
+	go func() { done <- p.Check() }()
+	select {
+	case err := <-done:
+		if !errors.Is(err, ErrUnavailable) {
+			t.Errorf("Check of a pool hung since long before: %v, want ErrUnavailable", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("Check waited again for a pool whose open has been pending past its window")
+	}
+}
