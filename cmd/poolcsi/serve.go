@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -474,6 +475,17 @@ func (o *serveOptions) checkStateDir(mode driver.Mode) error {
 // openPools opens the configured pools, mounting those with a mount stanza
 // first; the readiness checks are those of the mounts, and the runners
 // retry the mounts that fail.
+//
+// The pools are opened side by side, and each one's mount and open together
+// get one open wait (poolOpenWait): the start-up fence fences every pool of
+// this node at half the lease margin unless the lease keeper runs by then,
+// so a start must not wait for its hung pools one after another (three hung
+// pools took three waits, past the fence, which then fenced the volumes of
+// the healthy pools under their pods), nor for a mount that hangs up to its
+// stanza's timeout (30 s by default, the whole margin). A mount still under
+// way goes on in the background and its pool is opened unmounted: a pool
+// with a mount stanza must be a mount point, so it is unavailable, never laid
+// out on the disk below, until the mount lands.
 func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Pool, []func() error, []runner.Runner, error) {
 	var file config.File
 	if o.ConfigFile != "" {
@@ -483,39 +495,73 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 		}
 	}
 	mounts := config.Mounts(file, o.Pools)
-	var readiness []func() error
-	var keep []runner.Runner
-	var opened []*pool.Pool
-	for _, c := range config.Pools(file, o.Pools) {
+	cfgs := config.Pools(file, o.Pools)
+	// Refused stanzas fail the start before anything is mounted.
+	mounters := make([]*poolmount.Mounter, len(cfgs))
+	for i, c := range cfgs {
 		if spec, ok := mounts[c.Name]; ok {
 			m, err := poolmount.New(c.Name, c.Path, spec)
 			if err != nil {
 				return nil, nil, nil, err
 			}
-			// A pool that cannot be mounted is reported by Probe, not fatal: the
-			// other pools keep serving and the mount is retried.
-			if err := m.Ensure(ctx); err != nil {
-				klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
+			mounters[i] = m
+		}
+	}
+	wait := o.poolOpenWait()
+	opened := make([]*pool.Pool, len(cfgs))
+	errs := make([]error, len(cfgs))
+	var wg sync.WaitGroup
+	for i, c := range cfgs {
+		wg.Go(func() {
+			deadline := time.Now().Add(wait)
+			if m := mounters[i]; m != nil {
+				ensured := make(chan error, 1)
+				// Ensure ends at the stanza's timeout at the latest; the
+				// mount's retries (Keep) wait for it.
+				go func() { ensured <- m.Ensure(ctx) }()
+				select {
+				case err := <-ensured:
+					// A pool that cannot be mounted is reported by Probe,
+					// not fatal: the other pools keep serving and the
+					// mount is retried.
+					if err != nil {
+						klog.ErrorS(err, "Pool not mounted at start-up; retrying in the background", "pool", c.Name)
+					}
+				case <-time.After(wait):
+					klog.ErrorS(nil, "Pool's mount still under way after the start's wait; serving the other pools, and this one once it is mounted", "pool", c.Name, "waited", wait.String())
+				}
 			}
+			// Only a configuration that can never work fails the start. A
+			// pool whose filesystem is dead, missing, unreadable or hangs is
+			// served unavailable (Probe, health, metrics and poolcsi status
+			// say why) and used once it answers: the other pools keep
+			// serving, and the process never dies on a lost pool
+			// (docs/fencing.md).
+			p, err := pool.Open(c, pool.WithNode(nodeID), pool.WithOpenWait(max(time.Until(deadline), minPoolOpenWait)))
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			switch {
+			case p.OpenPending():
+				klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
+			case p.OpenError() != nil:
+				klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
+			}
+			opened[i] = p
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return nil, nil, nil, err
+	}
+	var readiness []func() error
+	var keep []runner.Runner
+	for _, m := range mounters {
+		if m != nil {
 			keep = append(keep, m.Keep(o.MountRetry))
 			readiness = append(readiness, m.Ready)
 		}
-		// Only a configuration that can never work fails the start. A pool
-		// whose filesystem is dead, missing, unreadable or hangs is served
-		// unavailable (Probe, health, metrics and poolcsi status say why) and
-		// used once it answers: the other pools keep serving, and the
-		// process never dies on a lost pool (docs/fencing.md).
-		p, err := pool.Open(c, pool.WithNode(nodeID), pool.WithOpenWait(o.poolOpenWait()))
-		if err != nil {
-			return nil, nil, nil, err
-		}
-		switch {
-		case p.OpenPending():
-			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up: its filesystem does not answer; serving the other pools, and this one once it answers", "pool", c.Name)
-		case p.OpenError() != nil:
-			klog.ErrorS(p.OpenError(), "Pool unavailable at start-up; serving the other pools, and this one once it is repaired", "pool", c.Name)
-		}
-		opened = append(opened, p)
 	}
 	return opened, readiness, keep, nil
 }
@@ -556,8 +602,12 @@ func answered(ctx context.Context, d *driver.Driver, opened []*pool.Pool) {
 // pool that hangs longer is served unavailable. It is well inside half the
 // lease margin, when a start that has not reached its lease keeper fences.
 func (o *serveOptions) poolOpenWait() time.Duration {
-	return max(min(o.Lease.Margin/4, 5*time.Second), 100*time.Millisecond)
+	return max(min(o.Lease.Margin/4, 5*time.Second), minPoolOpenWait)
 }
+
+// minPoolOpenWait is the least wait a pool's open gets at start, even when
+// its mount took the rest of the start's wait.
+const minPoolOpenWait = 100 * time.Millisecond
 
 // sidecars makes what serve runs beside the CSI server, each only when its
 // flag asks: metrics (whose interceptor it returns), claim events, snapshot

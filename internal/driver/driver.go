@@ -334,43 +334,59 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
-	d.pools.Recover(ctx)
-	d.detectQuotas(ctx)
-	d.registerNode(ctx)
-	d.freezes.ThawAfterCrash(ctx)
 	// The socket goes last: every loop has returned before it is removed.
 	defer func() {
 		if err := lis.Remove(); err != nil {
 			klog.ErrorS(err, "Not removing the CSI socket")
 		}
 	}()
-	if d.opts.Mode.node() {
-		// Before the first reconcile and before any publish: a restarted
-		// node plugin knows its pods again only from the mount table.
-		d.throttle.Rebuild(ctx)
-	}
-	// The server and the loops of its life stop with ctx; the lease keeper
-	// and the freeze agent only once all of them have returned (a call
-	// under way at the stop may still stage a volume, or freeze one), and
-	// the freeze agent thaws what it holds as it stops. A server that fails
-	// ends ctx for the rest; what a loop returned is logged, what the server
-	// returned is Serve's.
+	// The server and the loops of its life stop with ctx; the freeze agent
+	// only once all of them have returned (a call under way at the stop may
+	// still freeze a volume; it thaws what it holds as it stops), and the
+	// lease keeper last (a call under way may still stage a volume). A
+	// server that fails ends ctx for the rest; what a loop returned is
+	// logged, what the server returned is Serve's.
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	server := &rpc.Serving{Server: srv, Listener: lis, Endpoint: endpoint, Stop: cancel, Started: func() {
 		klog.InfoS("Serving CSI", "endpoint", endpoint, "driver", d.opts.Name, "version", d.opts.Version,
 			"mode", d.opts.Mode, "node", d.opts.NodeID, "pools", d.pools.Names(), "shareTypes", d.pools.ShareTypes())
 	}}
-	withServer, afterServer := d.runners()
-	if err := runner.Stages(ctx, append(withServer, server), afterServer); err != nil {
+	withServer, afterServer, keeper := d.runners()
+	// The lease keeper starts before the start-up passes below, which look
+	// at every pool and wait for one that hangs (each look at a pool whose
+	// filesystem has not answered since the start waits the open's wait
+	// again): behind them, a node with a few hung pools renewed no lease for
+	// tens of seconds, and its start-up fence fenced the volumes of its
+	// healthy pools under their pods. The keeper renews the pools that answer
+	// whatever the others do, and a share's pool the passes recover counts
+	// from when it is added.
+	serve := runner.Func(func(ctx context.Context) error {
+		d.pools.Recover(ctx)
+		d.detectQuotas(ctx)
+		d.registerNode(ctx)
+		d.freezes.ThawAfterCrash(ctx)
+		if d.opts.Mode.node() {
+			// Before the first reconcile and before any publish: a
+			// restarted node plugin knows its pods again only from the
+			// mount table.
+			d.throttle.Rebuild(ctx)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		return runner.Stages(ctx, append(withServer, server), afterServer)
+	})
+	if err := runner.Stages(ctx, []runner.Runner{serve}, keeper); err != nil {
 		klog.ErrorS(err, "A loop of the driver failed")
 	}
 	return server.Err()
 }
 
 // runners are the driver's long-running loops: those that stop with the
-// server's context, and those that stop only after the server has stopped.
-func (d *Driver) runners() (withServer, afterServer []runner.Runner) {
+// server's context, those that stop only after the server has stopped, and
+// the lease keeper, which stops after all of them.
+func (d *Driver) runners() (withServer, afterServer, keeper []runner.Runner) {
 	if d.opts.Mode.controller() && d.leases != nil {
 		// What the lease cannot cover, made visible (internal/fence, peers.go).
 		withServer = append(withServer, runner.Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
@@ -378,9 +394,10 @@ func (d *Driver) runners() (withServer, afterServer []runner.Runner) {
 	if d.opts.Mode.node() {
 		withServer = append(withServer, d.throttle,
 			runner.Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.inline.Sweep(ctx) }})
-		afterServer = append(afterServer, d.leases, d.freezes)
+		afterServer = append(afterServer, d.freezes)
+		keeper = append(keeper, d.leases)
 	}
-	return withServer, afterServer
+	return withServer, afterServer, keeper
 }
 
 // Listen opens a unix socket endpoint, replacing a stale socket file left by a

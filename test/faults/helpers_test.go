@@ -25,6 +25,16 @@ type env struct {
 	root string
 	pool string // pool directory
 	d    *csiproc.Driver
+	// poolName, when set, is the pool parameter of create (needed when
+	// several pools are configured).
+	poolName string
+}
+
+func (e *env) params() map[string]string {
+	if e.poolName == "" {
+		return nil
+	}
+	return map[string]string{"pool": e.poolName}
 }
 
 // start runs poolcsi on a pool under a fresh temp dir. poolDir, when set, is a
@@ -66,6 +76,7 @@ func (e *env) create(name, fs string, size int64) *vol {
 	c := mountCap(fs)
 	resp, err := e.d.Controller().CreateVolume(ctx(e.t), &csi.CreateVolumeRequest{
 		Name: name, CapacityRange: &csi.CapacityRange{RequiredBytes: size}, VolumeCapabilities: []*csi.VolumeCapability{c},
+		Parameters: e.params(),
 	})
 	if err != nil {
 		e.t.Fatalf("CreateVolume %s: %v", name, err)

@@ -355,3 +355,120 @@ func fencedLoops(image string) []string {
 	}
 	return out
 }
+
+// A node plugin restarted while other pools hang does not fence the volumes
+// of its healthy pool: the start waits for its hung pools side by side, one
+// open wait in all, and for a pool's mount no longer than that, with its
+// lease keeper running before the passes over the pools. Before, three hung
+// pools took three open waits (a quarter of the lease margin each), past
+// the start-up fence's half margin, and a mount that hung took its stanza's
+// whole timeout; either way the start-up fence then fenced the loop device
+// of the healthy pool's staged volume under its pod, and the CSI server did
+// not answer for tens of seconds.
+func TestHungPoolsAtStartDoNotFenceTheHealthyOnes(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "losetup", "mount")
+	for _, tc := range []struct {
+		name string
+		// hang makes, under root, what hangs at the restart: the pools
+		// (NAME=PATH) and config file (or "") the node plugin runs with,
+		// answering at first, and what makes them hang and answer again.
+		hang func(t *testing.T, root string) (pools []string, config string, stop, resume func())
+	}{
+		{"three pools whose filesystems hang", func(t *testing.T, root string) ([]string, string, func(), func()) {
+			var pools []string
+			var daemons []*exec.Cmd
+			for _, name := range []string{"hung1", "hung2", "hung3"} {
+				path := filepath.Join(root, name)
+				daemons = append(daemons, fuseOver(t, filepath.Join(root, name+"-src"), path))
+				pools = append(pools, name+"="+path)
+			}
+			return pools, "", func() { signalAll(t, daemons, syscall.SIGSTOP) }, func() { signalAll(t, daemons, syscall.SIGCONT) }
+		}},
+		{"a pool whose mount hangs", func(t *testing.T, root string) ([]string, string, func(), func()) {
+			// A bind mount from below a FUSE mount whose daemon is
+			// stopped: mount(8) waits in the kernel until its timeout
+			// kills it. Before the restart it mounts.
+			src := filepath.Join(root, "fuse")
+			daemon := fuseOver(t, filepath.Join(root, "fuse-src"), src)
+			if err := os.Mkdir(filepath.Join(src, "pool"), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			path := filepath.Join(root, "mounted")
+			t.Cleanup(func() {
+				for range 2 {
+					if unix.Unmount(path, unix.MNT_DETACH) != nil {
+						break
+					}
+				}
+			})
+			cfg := filepath.Join(root, "pools.yaml")
+			if err := os.WriteFile(cfg, []byte("pools:\n- name: mounted\n  path: "+path+"\n  mount:\n    source: "+filepath.Join(src, "pool")+"\n    options: [bind]\n    timeout: 40s\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			stop := func() {
+				// Unmounted, so the restart mounts it again.
+				if err := unix.Unmount(path, 0); err != nil {
+					t.Fatalf("unmount the pool before the restart: %v", err)
+				}
+				signalAll(t, []*exec.Cmd{daemon}, syscall.SIGSTOP)
+			}
+			return nil, cfg, stop, func() { signalAll(t, []*exec.Cmd{daemon}, syscall.SIGCONT) }
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			csiproc.CheckNoLeaks(t, root)
+			dir := filepath.Join(root, "pool")
+			if err := os.Mkdir(dir, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			bin := csiproc.Binary(t)
+			if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+				t.Fatalf("pool init: %v\n%s", err, out)
+			}
+			// Margin 12 s: the start-up fence fires 6 s after the start,
+			// and a hung pool's open wait is 3 s.
+			args := []string{"--state-dir=" + filepath.Join(root, "state"), "--lease-duration=24s", "--lease-renew-interval=2s", "--lease-margin=12s"}
+			more, cfg, stop, resume := tc.hang(t, root)
+			if cfg != "" {
+				args = append(args, "--config", cfg)
+			}
+			d := csiproc.Start(t, csiproc.Options{NodeID: "node-a", Pools: append([]string{"shared=" + dir + ",shared"}, more...), Args: args})
+			e := &env{t: t, root: root, pool: dir, d: d, poolName: "shared"}
+			v := e.create("healthy", "ext4", 32<<20)
+			if _, err := d.Controller().ControllerPublishVolume(ctx(t), &csi.ControllerPublishVolumeRequest{VolumeId: v.id, NodeId: "node-a", VolumeCapability: v.cap}); err != nil {
+				t.Fatal(err)
+			}
+			e.stage(v)
+
+			d.Kill()
+			stop()
+			t.Cleanup(resume)
+			start := time.Now()
+			d.Launch(t)
+			t.Logf("restarted in %s", time.Since(start).Round(time.Millisecond))
+			if devs := fencedLoops(v.image); len(devs) != 0 {
+				t.Errorf("the healthy pool's staged volume was fenced by the start (%v)\n%s", devs, d.Log())
+			}
+			if strings.Contains(d.Log(), "has not started its lease keeper") {
+				t.Errorf("the start-up fence fired\n%s", d.Log())
+			}
+			resume()
+			e.unstage(v)
+			if _, err := d.Controller().ControllerUnpublishVolume(ctx(t), &csi.ControllerUnpublishVolumeRequest{VolumeId: v.id, NodeId: "node-a"}); err != nil {
+				t.Errorf("ControllerUnpublishVolume: %v", err)
+			}
+		})
+	}
+}
+
+// signalAll sends sig to every daemon.
+func signalAll(t *testing.T, daemons []*exec.Cmd, sig syscall.Signal) {
+	t.Helper()
+	for _, d := range daemons {
+		if err := d.Process.Signal(sig); err != nil {
+			t.Errorf("signal %v to %s: %v", sig, d.Path, err)
+		}
+	}
+}
