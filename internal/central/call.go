@@ -523,6 +523,20 @@ func (ch *Channel) supersede(ctx context.Context, cur *nodecall.Call) {
 // Pending is the node of a call of method about target in this process's view that
 // may still make, or has made, what it asks (PendingCalls).
 func (ch *Channel) Pending(method, target string) (string, bool) {
+	return ch.pick(method, target, func(c *nodecall.Call) bool {
+		return !c.Answered() || c.Status.Code == 0 // the node refused it: nothing was made there
+	})
+}
+
+// Underway is the node of a call of method about target in this process's view not
+// answered yet (PendingCalls).
+func (ch *Channel) Underway(method, target string) (string, bool) {
+	return ch.pick(method, target, func(c *nodecall.Call) bool { return !c.Answered() })
+}
+
+// pick is the node of the call of method about target, not being deleted, that keep
+// admits: one an agent took first, then the oldest.
+func (ch *Channel) pick(method, target string, keep func(*nodecall.Call) bool) (string, bool) {
 	var objs []any
 	if o, err := ch.d.Calls.GetIndexer().ByIndex(byTarget, target); err == nil {
 		objs = o
@@ -536,8 +550,8 @@ func (ch *Channel) Pending(method, target string) (string, bool) {
 		if c == nil || c.Spec.Target != target || c.Spec.Method != method || c.DeletionTimestamp != nil {
 			continue
 		}
-		if c.Answered() && c.Status.Code != 0 {
-			continue // the node refused it: nothing was made there
+		if !keep(c) {
+			continue
 		}
 		switch {
 		case best == nil,
