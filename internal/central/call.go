@@ -39,6 +39,8 @@ type ChannelDeps struct {
 	Pickup time.Duration
 	// Lifetime: a call's notAfter is issued + Lifetime (0: DefaultCallLifetime).
 	Lifetime time.Duration
+	// Metrics records each call (nil: none).
+	Metrics *Metrics
 }
 
 // Channel carries one Controller call to one node's agent as a PoolCall and waits for
@@ -185,12 +187,23 @@ func (ch *Channel) cached(name string) *nodecall.Call {
 
 // Call runs method on node's agent and waits for its answer (Caller).
 func (ch *Channel) Call(ctx context.Context, node, method, target string, req proto.Message) (proto.Message, error) {
-	log := klog.FromContext(ctx).WithValues("node", node, "method", method, "target", target)
-	ctx = klog.NewContext(ctx, log)
 	m, ok := nodecall.Lookup(method)
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "%s is not a call a node runs for the controller", method)
 	}
+	// Recorded by the allow-listed method only: the label's values are bounded.
+	start := ch.d.Clock.Now()
+	end := ch.d.Metrics.start(node, method)
+	resp, err := ch.call(ctx, node, m, target, req)
+	end(err, ch.d.Clock.Since(start))
+	return resp, err
+}
+
+// call is Call of the allow-listed method m.
+func (ch *Channel) call(ctx context.Context, node string, m nodecall.Method, target string, req proto.Message) (proto.Message, error) {
+	method := m.Name
+	log := klog.FromContext(ctx).WithValues("node", node, "method", method, "target", target)
+	ctx = klog.NewContext(ctx, log)
 	// 1. Liveness: nothing is created for a node that is down.
 	if live, since := ch.d.Nodes.Live(node); !live {
 		return nil, notLive(node, since)
