@@ -18,7 +18,9 @@ import (
 	"github.com/poolcsi/poolcsi/internal/central"
 	"github.com/poolcsi/poolcsi/internal/config"
 	"github.com/poolcsi/poolcsi/internal/driver"
+	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
+	"github.com/poolcsi/poolcsi/internal/metrics"
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/poolset"
@@ -61,7 +63,6 @@ func (o *serveOptions) validateLocalCentral() []error {
 		{o.RegistrationDir != "", "--registration-dir (the node plugins register with kubelet)"},
 		{o.ClaimSnapshots, "--claim-local-snapshots (the central snapshotter serves every content)"},
 		{o.PVCEventsInterval > 0, "--pvc-events-interval (volume health is the nodes')"},
-		{o.MetricsAddr != "", "--metrics-address (not served by the central controller yet)"},
 		{o.ShareKeyFile != "", "--share-key-file (the local driver takes no shares)"},
 	} {
 		if c.set {
@@ -126,7 +127,10 @@ func (o *serveOptions) runCentral(ctx context.Context) error {
 	if err != nil {
 		return fmt.Errorf("--local-central: %w", err)
 	}
-	c := o.newCentral(centralClients{Dynamic: dyn, Kube: kube, Discovery: disc}, ns, pools, clock.RealClock{})
+	c, err := o.newCentral(centralClients{Dynamic: dyn, Kube: kube, Discovery: disc}, ns, pools, clock.RealClock{})
+	if err != nil {
+		return fmt.Errorf("--local-central: %w", err)
+	}
 	klog.FromContext(ctx).Info("Serving the local driver's central controller", "namespace", ns, "pools", pools,
 		"nodeStaleAfter", o.NodeStaleAfter, "nodeCallPickup", o.NodeCallPickup)
 	return c.run(ctx)
@@ -144,18 +148,41 @@ type centralController struct {
 	endpoint    string
 	healthzAddr string
 	server      *central.Server
+	// metrics serves /metrics (nil without --metrics-address); interceptors record the
+	// CSI calls served, as the node driver's do.
+	metrics      *httpServer
+	interceptors []grpc.UnaryServerInterceptor
 	// informers stop after the server: a call under way waits on their events.
 	informers []runner.Runner
 	// beside are the loops that stop with the server.
 	beside []runner.Runner
 }
 
-// newCentral wires the central controller's parts over clients.
-func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []string, clk clock.Clock) *centralController {
+// newCentral wires the central controller's parts over clients. With --metrics-address
+// it opens the metrics listener, so a bad address fails the start.
+func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []string, clk clock.Clock) (*centralController, error) {
 	store := nodecall.Store{Client: cl.Dynamic, Namespace: namespace}
 	calls := store.Informer("", centralInformerResync) // every node's calls
 	poolNodes := store.NodeInformer(centralInformerResync)
 	nodes := central.NewNodeView(poolNodes, o.NodeStaleAfter, clk)
+	c := &centralController{endpoint: o.Endpoint, healthzAddr: o.HealthzAddr}
+	var cm *central.Metrics
+	if o.MetricsAddr != "" {
+		// The node driver's registry and call histogram (csi_plugin_operations_seconds,
+		// the Go and process collectors; no pool is opened here, so no pool gauges),
+		// and the channel's own metrics on the same registry.
+		mx := metrics.New(o.DriverName, "", nil, health.Options{})
+		var err error
+		if cm, err = central.NewMetrics(central.MetricsDeps{Registry: mx.Registry, Nodes: nodes, Calls: calls}); err != nil {
+			return nil, err
+		}
+		h, err := listenHTTP("metrics", o.MetricsAddr, "/metrics", mx.Handler(), 5*time.Second)
+		if err != nil {
+			return nil, err
+		}
+		c.metrics = h
+		c.interceptors = append(c.interceptors, mx.Interceptor)
+	}
 	channel := central.NewChannel(central.ChannelDeps{
 		Store: store, Calls: calls, Nodes: nodes,
 		// The Node's UID as its PoolNode's owner names it; a read of the Node only when
@@ -168,6 +195,7 @@ func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []s
 			return string(uid), err
 		},
 		Clock: clk, Pickup: o.NodeCallPickup, Lifetime: central.DefaultCallLifetime,
+		Metrics: cm,
 	})
 	hints := central.NewHints(central.HintsDeps{
 		Client: cl.Dynamic, Driver: o.DriverName, TopologyKey: poolset.TopologyKey,
@@ -179,13 +207,12 @@ func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []s
 		Calls:  channel, Nodes: nodes, Hints: hints, Clock: clk,
 	})
 	migration := &central.CapacityMigration{Client: cl.Kube, Namespace: namespace, Driver: o.DriverName, Nodes: nodes}
-	return &centralController{
-		endpoint:    o.Endpoint,
-		healthzAddr: o.HealthzAddr,
-		server:      server,
-		informers:   []runner.Runner{informerRunner(calls), informerRunner(poolNodes), hints},
-		beside:      []runner.Runner{central.NewSweeper(store, calls, clk), migration},
-	}
+	sweeper := central.NewSweeper(store, calls, clk)
+	sweeper.Metrics = cm
+	c.server = server
+	c.informers = []runner.Runner{informerRunner(calls), informerRunner(poolNodes), hints}
+	c.beside = []runner.Runner{sweeper, migration}
+	return c, nil
 }
 
 // informerRunner runs an informer until its context ends.
@@ -218,7 +245,10 @@ func (c *centralController) run(ctx context.Context) error {
 		}
 		beside = append(slices.Clone(beside), h)
 	}
-	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(rpc.Interceptors()...))
+	if c.metrics != nil {
+		beside = append(slices.Clone(beside), c.metrics)
+	}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(rpc.Interceptors(c.interceptors...)...))
 	c.server.Register(srv)
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()

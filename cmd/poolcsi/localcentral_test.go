@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"slices"
@@ -12,8 +14,10 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
 	fakediscovery "k8s.io/client-go/discovery/fake"
 	dynamicfake "k8s.io/client-go/dynamic/fake"
 	kubefake "k8s.io/client-go/kubernetes/fake"
@@ -34,14 +38,14 @@ func TestLocalCentralFlags(t *testing.T) {
 		{name: "on in controller mode", args: []string{on, ctl, "--node-stale-after=30s", "--node-call-pickup=5s", "--healthz-address=:0"}},
 		// What the chart's local-controller Deployment passes (templates/localcontroller.yaml).
 		{name: "the chart's", args: []string{ctl, on, "--driver-name=local.poolcsi.io", "--endpoint=unix:///csi/csi.sock",
-			"--config=/etc/poolcsi/local.yaml", "--calls-namespace=poolcsi", "--healthz-address=:9821"}},
+			"--config=/etc/poolcsi/local.yaml", "--calls-namespace=poolcsi", "--healthz-address=:9821", "--metrics-address=:9824"}},
 		{name: "on in mode all", args: []string{on}, want: "--local-central needs --mode=controller"},
 		{name: "on in node mode", args: []string{on, "--mode=node"}, want: "--local-central needs --mode=controller"},
 		{name: "with the agent", args: []string{on, ctl, "--local-agent"}, want: "excludes --local-agent"},
 		{name: "with the kubelet registration", args: []string{on, ctl, "--registration-dir=/registration"}, want: "excludes --registration-dir"},
 		{name: "with snapshot claims", args: []string{on, ctl, "--claim-local-snapshots"}, want: "excludes --claim-local-snapshots"},
 		{name: "with claim events", args: []string{on, ctl, "--pvc-events-interval=1m"}, want: "excludes --pvc-events-interval"},
-		{name: "with metrics", args: []string{on, ctl, "--metrics-address=:9090"}, want: "excludes --metrics-address"},
+		{name: "with metrics", args: []string{on, ctl, "--metrics-address=:9090"}},
 		{name: "with a share key", args: []string{on, ctl, "--share-key-file=/k"}, want: "excludes --share-key-file"},
 		{name: "zero stale limit", args: []string{"--node-stale-after=0"}, want: "--node-stale-after"},
 		{name: "negative pickup", args: []string{on, ctl, "--node-call-pickup=-1s"}, want: "--node-call-pickup"},
@@ -143,7 +147,10 @@ func TestLocalCentralServesAndStops(t *testing.T) {
 	if err := o.Validate(); err != nil {
 		t.Fatal(err)
 	}
-	c := o.newCentral(centralTestClients(), "poolcsi", []string{"local"}, clock.RealClock{})
+	c, err := o.newCentral(centralTestClients(), "poolcsi", []string{"local"}, clock.RealClock{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	done := make(chan error, 1)
@@ -195,4 +202,77 @@ func grpcServices(t *testing.T, c *centralController) []string {
 		out = append(out, name)
 	}
 	return out
+}
+
+// With --metrics-address the central controller serves /metrics: the node driver's CSI
+// call histogram for its own calls (one dashboard for both) and the channel's metrics,
+// the node view among them.
+func TestLocalCentralServesMetrics(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "csi.sock")
+	o := parseServeFlags(t, "--local-central", "--mode=controller", "--driver-name=local.poolcsi.io",
+		"--endpoint=unix://"+sock, "--metrics-address=127.0.0.1:0")
+	if err := o.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	cl := centralTestClients()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// A PoolNode this process has not seen change: known, not live.
+	store := nodecall.Store{Client: cl.Dynamic, Namespace: "poolcsi"}
+	if _, err := store.CreateNode(ctx, &nodecall.PoolNode{ObjectMeta: metav1.ObjectMeta{Name: "node-1"}}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := o.newCentral(cl, "poolcsi", []string{"local"}, clock.RealClock{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- c.run(ctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("run: %v", err)
+		}
+	}()
+	conn, err := grpc.NewClient("unix://"+sock, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close() }()
+	cctx, ccancel := context.WithTimeout(ctx, 30*time.Second)
+	defer ccancel()
+	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(cctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("GetPluginInfo: %v", err)
+	}
+	url := "http://" + c.metrics.lis.Addr().String() + "/metrics"
+	want := []string{
+		`csi_plugin_operations_seconds_count{driver_name="local.poolcsi.io",grpc_status_code="OK",method_name="/csi.v1.Identity/GetPluginInfo"} 1`,
+		`poolcsi_central_node_live{node="node-1"} 0`,
+		`poolcsi_central_node_unchanged_seconds{node="node-1"} -1`,
+	}
+	var body string
+	if err := wait.PollUntilContextTimeout(ctx, 10*time.Millisecond, 30*time.Second, true, func(ctx context.Context) (bool, error) {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		if err != nil {
+			return false, err
+		}
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			return false, nil
+		}
+		defer func() { _ = resp.Body.Close() }()
+		b, err := io.ReadAll(resp.Body)
+		if err != nil {
+			return false, nil
+		}
+		body = string(b)
+		for _, w := range want {
+			if !strings.Contains(body, w) {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatalf("/metrics never held %q: %v\n%s", want, err, body)
+	}
 }

@@ -39,6 +39,8 @@ type ChannelDeps struct {
 	Pickup time.Duration
 	// Lifetime: a call's notAfter is issued + Lifetime (0: DefaultCallLifetime).
 	Lifetime time.Duration
+	// Metrics records each call (nil: none).
+	Metrics *Metrics
 }
 
 // Channel carries one Controller call to one node's agent as a PoolCall and waits for
@@ -185,12 +187,23 @@ func (ch *Channel) cached(name string) *nodecall.Call {
 
 // Call runs method on node's agent and waits for its answer (Caller).
 func (ch *Channel) Call(ctx context.Context, node, method, target string, req proto.Message) (proto.Message, error) {
-	log := klog.FromContext(ctx).WithValues("node", node, "method", method, "target", target)
-	ctx = klog.NewContext(ctx, log)
 	m, ok := nodecall.Lookup(method)
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "%s is not a call a node runs for the controller", method)
 	}
+	// Recorded by the allow-listed method only: the label's values are bounded.
+	start := ch.d.Clock.Now()
+	end := ch.d.Metrics.start(node, method)
+	resp, err := ch.call(ctx, node, m, target, req)
+	end(err, ch.d.Clock.Since(start))
+	return resp, err
+}
+
+// call is Call of the allow-listed method m.
+func (ch *Channel) call(ctx context.Context, node string, m nodecall.Method, target string, req proto.Message) (proto.Message, error) {
+	method := m.Name
+	log := klog.FromContext(ctx).WithValues("node", node, "method", method, "target", target)
+	ctx = klog.NewContext(ctx, log)
 	// 1. Liveness: nothing is created for a node that is down.
 	if live, since := ch.d.Nodes.Live(node); !live {
 		return nil, notLive(node, since)
@@ -523,6 +536,20 @@ func (ch *Channel) supersede(ctx context.Context, cur *nodecall.Call) {
 // Pending is the node of a call of method about target in this process's view that
 // may still make, or has made, what it asks (PendingCalls).
 func (ch *Channel) Pending(method, target string) (string, bool) {
+	return ch.pick(method, target, func(c *nodecall.Call) bool {
+		return !c.Answered() || c.Status.Code == 0 // the node refused it: nothing was made there
+	})
+}
+
+// Underway is the node of a call of method about target in this process's view not
+// answered yet (PendingCalls).
+func (ch *Channel) Underway(method, target string) (string, bool) {
+	return ch.pick(method, target, func(c *nodecall.Call) bool { return !c.Answered() })
+}
+
+// pick is the node of the call of method about target, not being deleted, that keep
+// admits: one an agent took first, then the oldest.
+func (ch *Channel) pick(method, target string, keep func(*nodecall.Call) bool) (string, bool) {
 	var objs []any
 	if o, err := ch.d.Calls.GetIndexer().ByIndex(byTarget, target); err == nil {
 		objs = o
@@ -536,8 +563,8 @@ func (ch *Channel) Pending(method, target string) (string, bool) {
 		if c == nil || c.Spec.Target != target || c.Spec.Method != method || c.DeletionTimestamp != nil {
 			continue
 		}
-		if c.Answered() && c.Status.Code != 0 {
-			continue // the node refused it: nothing was made there
+		if !keep(c) {
+			continue
 		}
 		switch {
 		case best == nil,

@@ -324,7 +324,8 @@ func TestCallerGone(t *testing.T) {
 
 // TestPending: the node of a create under way, for a leader that learnt nothing: a call
 // not yet taken or running counts, one taken beats one not taken, one the node refused
-// does not count, nor a call of another method or target.
+// does not count, nor a call of another method or target; Underway counts only calls
+// not answered yet.
 func TestPending(t *testing.T) {
 	e := newEnv(t)
 	e.nodes.setLimit(time.Hour)
@@ -345,7 +346,7 @@ func TestPending(t *testing.T) {
 	}
 	// Then on b, not taken.
 	onB := nameOf(t, "b", "CreateVolume", req)
-	e.call("b", "CreateVolume", "local.1", req)
+	resB := e.call("b", "CreateVolume", "local.1", req)
 	e.cached(t, onB, "")
 	if n, ok := e.ch.Pending("CreateVolume", "local.1"); !ok || n != "a" {
 		t.Errorf("taken on a, not yet on b: %q %v", n, ok)
@@ -362,5 +363,17 @@ func TestPending(t *testing.T) {
 	}
 	if n, ok := e.ch.Pending("CreateVolume", "local.1"); !ok || n != "b" {
 		t.Errorf("a refused: %q %v", n, ok)
+	}
+	if n, ok := e.ch.Underway("CreateVolume", "local.1"); !ok || n != "b" {
+		t.Errorf("under way on b: %q %v", n, ok)
+	}
+	// b made it: no longer under way (its caller saw the answer in the cache, and the
+	// call is answered there or deleted).
+	e.answer(t, onB, done(codes.OK, "", `{"volume":{"volumeId":"local.1"}}`))
+	if r := <-resB; r.err != nil {
+		t.Fatalf("b's answer: %v", r.err)
+	}
+	if n, ok := e.ch.Underway("CreateVolume", "local.1"); ok {
+		t.Errorf("answered, still under way on %s", n)
 	}
 }

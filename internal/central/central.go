@@ -71,6 +71,10 @@ type PendingCalls interface {
 	// made what it asks: not being deleted and not answered with an error. Of several,
 	// one an agent took wins, then the oldest.
 	Pending(method, target string) (node string, ok bool)
+	// Underway is the node of a call of method about target not answered yet and not
+	// being deleted: one whose effect may still come. Of several, one an agent took
+	// wins, then the oldest.
+	Underway(method, target string) (node string, ok bool)
 }
 
 // Nodes is the controller's view of the nodes' PoolNodes (nodes.go).

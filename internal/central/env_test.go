@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
+	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/protobuf/proto"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
@@ -88,6 +89,8 @@ type env struct {
 	nodes  *fakeNodes
 	ch     *Channel
 	sweep  *Sweeper
+	// reg holds the Channel's and the Sweeper's metrics.
+	reg    *prometheus.Registry
 	cancel context.CancelFunc
 }
 
@@ -99,8 +102,14 @@ func newEnv(t *testing.T) *env {
 	e.nodes = newFakeNodes(e.clock)
 	e.nodes.renew("a")
 	e.nodes.renew("b")
-	e.ch = NewChannel(ChannelDeps{Store: e.store, Calls: e.calls, Nodes: e.nodes, Clock: e.clock})
+	e.reg = prometheus.NewRegistry()
+	mx, err := NewMetrics(MetricsDeps{Registry: e.reg, Calls: e.calls})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.ch = NewChannel(ChannelDeps{Store: e.store, Calls: e.calls, Nodes: e.nodes, Clock: e.clock, Metrics: mx})
 	e.sweep = NewSweeper(e.store, e.calls, e.clock)
+	e.sweep.Metrics = mx
 	ctx, cancel := context.WithCancel(context.Background())
 	e.cancel = cancel
 	done := make(chan struct{})

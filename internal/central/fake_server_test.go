@@ -113,6 +113,15 @@ type srvWorld struct {
 	tamper func(node string, resp proto.Message)
 	// pending is where a call is under way, by method and target (PendingCalls).
 	pending map[[2]string]string
+	// underway is where a call is under way and not yet answered, by method and target.
+	underway map[[2]string]string
+}
+
+func (w *srvWorld) Underway(method, target string) (string, bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n, ok := w.underway[[2]string{method, target}]
+	return n, ok
 }
 
 func (w *srvWorld) Pending(method, target string) (string, bool) {
@@ -302,7 +311,7 @@ func newSrvEnv(nodes ...string) *srvEnv {
 	for _, node := range nodes {
 		n.pools[node] = []nodecall.PoolCapacity{okPool("local", 10<<30), okPool("fast", 1<<30)}
 	}
-	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, pending: map[[2]string]string{}}
+	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, pending: map[[2]string]string{}, underway: map[[2]string]string{}}
 	h := newSrvHints()
 	s := NewServer(Deps{Name: "local.poolcsi.io", Version: "test", TopologyKey: testKey,
 		Params: params.Config{Pools: []string{"fast", "local"}}, Calls: w, Nodes: n, Hints: h})

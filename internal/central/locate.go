@@ -59,6 +59,10 @@ type lookup struct {
 	members []string
 	// also are IDs learnt on the node with id once the call is done (a new snapshot).
 	also []string
+	// madeBy is the method that makes the ID (CreateVolume, …) when a "not found" of
+	// this call is final (a delete's OK, an expand's NOT_FOUND): while a call of it
+	// about the ID is under way, the ID answers no probe yet, and this call is ABORTED.
+	madeBy string
 }
 
 func (l lookup) isNotHere(resp proto.Message, err error) bool {
@@ -104,6 +108,9 @@ func (s *Server) live(node, what string) error {
 // locate runs l's call on the node that holds its ID.
 func (s *Server) locate(ctx context.Context, l lookup) (proto.Message, error) {
 	what := l.kind.String() + " " + l.id
+	if err := s.underway(l, what); err != nil {
+		return nil, err
+	}
 	tried := ""
 	if node, ok := s.hint(l.kind, l.id); ok {
 		if err := s.live(node, what+" is there"); err != nil {
@@ -130,6 +137,26 @@ func (s *Server) locate(ctx context.Context, l lookup) (proto.Message, error) {
 	resp, err = l.call(ctx, holder)
 	s.learn(l, holder, err)
 	return resp, err
+}
+
+// underway is ABORTED when l's ID is being made: a volume or snapshot whose create is
+// still running (or not yet taken) on a node answers NOT_FOUND to every probe, so a
+// delete would answer OK and the create then leave it behind, and an expand or modify
+// would answer a final NOT_FOUND. The sidecar retries, and the create's answer comes
+// first. Even with a hint on the create's node (the agent runs a target's calls in the
+// order issued), waiting is simpler and as correct.
+func (s *Server) underway(l lookup, what string) error {
+	if l.madeBy == "" {
+		return nil
+	}
+	p, ok := s.d.Calls.(PendingCalls)
+	if !ok {
+		return nil
+	}
+	if node, ok := p.Underway(l.madeBy, l.id); ok {
+		return status.Errorf(codes.Aborted, "%s: a %s of this ID is under way on node %s; retry once it is answered", what, l.madeBy, node)
+	}
+	return nil
 }
 
 func (s *Server) learn(l lookup, node string, err error) {

@@ -213,7 +213,7 @@ func (s controllerServer) DeleteVolume(ctx context.Context, req *csi.DeleteVolum
 	if !ok {
 		return &csi.DeleteVolumeResponse{}, nil // no pool of this driver: nothing of it exists
 	}
-	resp, err := s.locate(ctx, lookup{kind: volumeKind, id: id.String(), pool: id.Pool, trustHint: true,
+	resp, err := s.locate(ctx, lookup{kind: volumeKind, id: id.String(), pool: id.Pool, trustHint: true, madeBy: "CreateVolume",
 		call:   s.callOn("DeleteVolume", id.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteVolumeResponse{}, nil },
 	})
@@ -270,7 +270,9 @@ func (s controllerServer) ControllerExpandVolume(ctx context.Context, req *csi.C
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "volume %s does not exist (pool %s is not one of this driver's)", id, id.Pool)
 	}
-	resp, err := s.locate(ctx, s.volumeLookup(id, "ControllerExpandVolume", req))
+	l := s.volumeLookup(id, "ControllerExpandVolume", req)
+	l.madeBy = "CreateVolume"
+	resp, err := s.locate(ctx, l)
 	return as[*csi.ControllerExpandVolumeResponse](resp, err)
 }
 
@@ -286,7 +288,9 @@ func (s controllerServer) ControllerModifyVolume(ctx context.Context, req *csi.C
 	if !ok {
 		return nil, status.Errorf(codes.NotFound, "volume %q does not exist (not a volume of this driver)", req.GetVolumeId())
 	}
-	resp, err := s.locate(ctx, s.volumeLookup(id, "ControllerModifyVolume", req))
+	l := s.volumeLookup(id, "ControllerModifyVolume", req)
+	l.madeBy = "CreateVolume"
+	resp, err := s.locate(ctx, l)
 	return as[*csi.ControllerModifyVolumeResponse](resp, err)
 }
 
@@ -354,7 +358,7 @@ func (s controllerServer) DeleteSnapshot(ctx context.Context, req *csi.DeleteSna
 	if !ok {
 		return &csi.DeleteSnapshotResponse{}, nil
 	}
-	resp, err := s.locate(ctx, lookup{kind: snapshotKind, id: sid.String(), pool: sid.Pool, trustHint: true,
+	resp, err := s.locate(ctx, lookup{kind: snapshotKind, id: sid.String(), pool: sid.Pool, trustHint: true, madeBy: "CreateSnapshot",
 		call:   s.callOn("DeleteSnapshot", sid.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteSnapshotResponse{}, nil },
 	})
@@ -460,7 +464,7 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
-	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(),
+	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(), madeBy: "CreateVolumeGroupSnapshot",
 		call:   s.callOn("DeleteVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteVolumeGroupSnapshotResponse{}, nil },
 	})

@@ -597,3 +597,69 @@ func TestListSnapshotsBySource(t *testing.T) {
 		}
 	}
 }
+
+// TestCreateUnderway: a call whose "not found" would be final (a delete answers OK, an
+// expand or modify NOT_FOUND) about an ID whose create is still under way on a node
+// answers ABORTED and makes no call: the volume or snapshot not made yet answers no
+// probe, and a delete that said OK would leave it behind once the create finished.
+func TestCreateUnderway(t *testing.T) {
+	ctx := context.Background()
+	vid := pool.NewVolumeID("local", "pvc-1").String()
+	sid := pool.NewSnapshotID("local", "snap-1").String()
+	gid := pool.GroupSnapshotID{SnapshotID: pool.NewSnapshotID("local", "group-1")}.String()
+	for _, c := range []struct {
+		name   string
+		create string // the method that makes the ID, and the ID
+		id     string
+		hint   bool
+		call   func(e *srvEnv) error
+	}{
+		{name: "delete volume", create: "CreateVolume", id: vid, call: func(e *srvEnv) error {
+			_, err := e.ctrl().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vid})
+			return err
+		}},
+		{name: "delete volume, hinted", create: "CreateVolume", id: vid, hint: true, call: func(e *srvEnv) error {
+			_, err := e.ctrl().DeleteVolume(ctx, &csi.DeleteVolumeRequest{VolumeId: vid})
+			return err
+		}},
+		{name: "expand", create: "CreateVolume", id: vid, call: func(e *srvEnv) error {
+			_, err := e.ctrl().ControllerExpandVolume(ctx, &csi.ControllerExpandVolumeRequest{VolumeId: vid, CapacityRange: &csi.CapacityRange{RequiredBytes: 1 << 30}})
+			return err
+		}},
+		{name: "modify", create: "CreateVolume", id: vid, call: func(e *srvEnv) error {
+			_, err := e.ctrl().ControllerModifyVolume(ctx, &csi.ControllerModifyVolumeRequest{VolumeId: vid})
+			return err
+		}},
+		{name: "delete snapshot", create: "CreateSnapshot", id: sid, call: func(e *srvEnv) error {
+			_, err := e.ctrl().DeleteSnapshot(ctx, &csi.DeleteSnapshotRequest{SnapshotId: sid})
+			return err
+		}},
+		{name: "delete group snapshot", create: "CreateVolumeGroupSnapshot", id: gid, call: func(e *srvEnv) error {
+			_, err := e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: gid, SnapshotIds: []string{sid}})
+			return err
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			e.world.underway[[2]string{c.create, c.id}] = "b"
+			if c.hint {
+				e.hints.vol[c.id] = "b"
+			}
+			err := c.call(e)
+			if codeOf(err) != codes.Aborted {
+				t.Fatalf("got %v, want ABORTED while the create is under way", err)
+			}
+			if !strings.Contains(err.Error(), "under way on node b") {
+				t.Errorf("message %q does not name the node of the create", err)
+			}
+			if got := e.world.made(); len(got) != 0 {
+				t.Errorf("calls made: %v", got)
+			}
+			// Once the create is answered, the call goes ahead.
+			delete(e.world.underway, [2]string{c.create, c.id})
+			if err := c.call(e); codeOf(err) == codes.Aborted {
+				t.Errorf("after the create: %v", err)
+			}
+		})
+	}
+}

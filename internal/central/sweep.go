@@ -35,6 +35,9 @@ const (
 // point or another replica's sweep ends with one winner. No two machines' clocks are
 // compared: an age is how long this process has seen the call in its state.
 type Sweeper struct {
+	// Metrics counts the calls swept (nil: none); set before Run.
+	Metrics *Metrics
+
 	store nodecall.Store
 	calls cache.SharedIndexInformer
 	clk   clock.Clock
@@ -123,12 +126,12 @@ func (s *Sweeper) Sweep(ctx context.Context) {
 		}
 		s.mu.Unlock()
 
-		var why string
+		var why, reason string
 		switch {
 		case o.state == nodecall.Done && age >= DoneFor:
-			why = "answered and never asked for again"
+			why, reason = "answered and never asked for again", sweptAnswered
 		case o.state == "" && age >= UntakenFor:
-			why = "no agent took it"
+			why, reason = "no agent took it", sweptUntaken
 		case logRunning:
 			log.Info("PoolCall running for long on its node; the node owns it", "call", c.Name, "node", c.Spec.Node,
 				"method", c.Spec.Method, "target", c.Spec.Target, "attempts", c.Status.Attempts, "seenRunningFor", age.Round(time.Second))
@@ -139,6 +142,7 @@ func (s *Sweeper) Sweep(ctx context.Context) {
 		err := s.store.Delete(ctx, c.Name, c.ResourceVersion)
 		switch {
 		case err == nil:
+			s.Metrics.sweptOne(reason)
 			log.V(2).Info("Swept PoolCall", "call", c.Name, "node", c.Spec.Node, "method", c.Spec.Method, "reason", why, "for", age.Round(time.Second))
 		case apierrors.IsNotFound(err) || apierrors.IsConflict(err):
 			// Gone, or changed since it was judged: its new state is judged afresh.

@@ -7,14 +7,20 @@ import (
 	"sort"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/client-go/tools/cache"
 
+	"github.com/poolcsi/poolcsi/internal/central"
 	"github.com/poolcsi/poolcsi/internal/health"
+	"github.com/poolcsi/poolcsi/internal/nodecall"
 )
 
 // registeredNames is every metric family a poolcsi process registers: the call histogram,
-// the pool gauges, the lease gauges and the Go and process collectors.
+// the pool gauges, the lease gauges, the Go and process collectors, and the central
+// controller's.
 func registeredNames(t *testing.T) map[string]bool {
 	t.Helper()
 	m := New("poolcsi.io", "node-1", nil, health.Options{})
@@ -41,8 +47,46 @@ func registeredNames(t *testing.T) map[string]bool {
 		}
 		names[match[1]] = true
 	}
+	// The central controller's (--local-central): every collector it registers,
+	// described (its vectors gather nothing before a call).
+	capture := &capturing{}
+	calls := cache.NewSharedIndexInformer(&cache.ListWatch{}, &unstructured.Unstructured{}, 0, nil)
+	if _, err := central.NewMetrics(central.MetricsDeps{Registry: capture, Nodes: noNodes{}, Calls: calls}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range capture.cs {
+		ch := make(chan *prometheus.Desc, 64)
+		c.Describe(ch)
+		close(ch)
+		for d := range ch {
+			match := fq.FindStringSubmatch(d.String())
+			if match == nil {
+				t.Fatalf("cannot read the name of %s", d)
+			}
+			names[match[1]] = true
+		}
+	}
 	return names
 }
+
+// capturing is a prometheus.Registerer that keeps what is registered.
+type capturing struct{ cs []prometheus.Collector }
+
+func (c *capturing) Register(col prometheus.Collector) error {
+	c.cs = append(c.cs, col)
+	return nil
+}
+
+func (c *capturing) MustRegister(cols ...prometheus.Collector) { c.cs = append(c.cs, cols...) }
+func (c *capturing) Unregister(prometheus.Collector) bool      { return false }
+
+// noNodes is a central.Nodes without nodes.
+type noNodes struct{}
+
+func (noNodes) Live(string) (bool, time.Duration)    { return false, 0 }
+func (noNodes) Known() []string                      { return nil }
+func (noNodes) Pools(string) []nodecall.PoolCapacity { return nil }
+func (noNodes) Synced() bool                         { return true }
 
 // metricRef matches a poolcsi metric name where the chart's rules, its dashboard and
 // docs/metrics.md write one.

@@ -83,9 +83,13 @@ func TestLocalControllerDeployment(t *testing.T) {
 	p := container(t, pod, "poolcsi")
 	hasArgs(t, p, "serve", "--mode=controller", "--local-central", "--driver-name=local.poolcsi.io",
 		"--endpoint=unix:///csi/csi.sock", "--config=/etc/poolcsi/local.yaml", "--calls-namespace="+render.Namespace,
-		"--healthz-address=:9821")
+		"--healthz-address=:9821", "--metrics-address=:9824")
+	// The metrics port has the name the chart's monitors scrape (TestMonitoringKit).
+	if !slices.ContainsFunc(p.Ports, func(cp corev1.ContainerPort) bool { return cp.Name == "local-metrics" && cp.ContainerPort == 9824 }) {
+		t.Errorf("poolcsi does not declare the port local-metrics 9824: %v", p.Ports)
+	}
 	for _, a := range p.Args {
-		for _, no := range []string{"--local-agent", "--registration-dir", "--claim-local-snapshots", "--pool=", "--metrics-address"} {
+		for _, no := range []string{"--local-agent", "--registration-dir", "--claim-local-snapshots", "--pool="} {
 			if strings.HasPrefix(a, no) {
 				t.Errorf("poolcsi has %s, which --local-central refuses", a)
 			}

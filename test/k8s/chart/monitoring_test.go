@@ -46,6 +46,8 @@ func TestMonitoringKit(t *testing.T) {
 	}{
 		{"local pool only", map[string]any{"monitoring": monitoringOn()}, []string{"local-metrics"}},
 		{"with a shared pool", withSharedPool(map[string]any{"monitoring": monitoringOn()}), []string{"metrics", "local-metrics"}},
+		// The local driver's central controller serves local-metrics too.
+		{"central local controller", withCentral(map[string]any{"monitoring": monitoringOn()}), []string{"local-metrics"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			docs, err := render.Render(render.ChartDir(), "", tc.values)
@@ -59,6 +61,9 @@ func TestMonitoringKit(t *testing.T) {
 				if d.Kind == "DaemonSet" || d.Kind == "Deployment" {
 					podYAML += d.YAML
 				}
+			}
+			if d, ok := have["Deployment/poolcsi-local-controller"]; ok && !strings.Contains(d.YAML, "- name: local-metrics\n") {
+				t.Errorf("the local controller does not declare the port local-metrics:\n%s", d.YAML)
 			}
 			for _, k := range kinds {
 				if _, ok := have[k]; !ok {
@@ -103,7 +108,8 @@ func TestAlertRules(t *testing.T) {
 	if err != nil {
 		t.Fatalf("promtool is needed to check the chart's alert rules: install Debian's prometheus package (apt-get install prometheus; hack/install-deps.sh does): %v", err)
 	}
-	docs, err := render.Render(render.ChartDir(), "", withSharedPool(map[string]any{"monitoring": monitoringOn()}))
+	// Every rule: a shared pool's, and the local driver's central controller's.
+	docs, err := render.Render(render.ChartDir(), "", withSharedPool(withCentral(map[string]any{"monitoring": monitoringOn()})))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +178,7 @@ func TestAlertRules(t *testing.T) {
 		t.Fatalf("promtool test rules: %v\n%s", err, out)
 	}
 	for _, want := range []string{"PoolcsiPoolDown", "PoolcsiVolumeAbnormal", "PoolcsiVolumeDataLoss", "PoolcsiNodeFenced",
-		"PoolcsiLeaseNotRenewed", "PoolcsiPoolCapacityLow", "PoolcsiCSIErrors"} {
+		"PoolcsiLeaseNotRenewed", "PoolcsiPoolCapacityLow", "PoolcsiCSIErrors", "PoolcsiCentralNodeNotLive", "PoolcsiCentralNodeCallsFailing"} {
 		if !strings.Contains(string(b), "alert: "+want+"\n") {
 			t.Errorf("the rules lack the alert %s", want)
 		}
@@ -201,6 +207,18 @@ tests:
         values: '5x20'
       - series: 'poolcsi_pool_size_bytes{pool="local", node="b"}'
         values: '100x20'
+      - series: 'poolcsi_central_node_live{namespace="poolcsi", pod="ctl-1", node="a"}'
+        values: '1 1 0x10'
+      - series: 'poolcsi_central_node_live{namespace="poolcsi", pod="ctl-1", node="b"}'
+        values: '1x20'
+      - series: 'poolcsi_central_node_calls_total{namespace="poolcsi", pod="ctl-1", node="a", method="CreateVolume", code="OK"}'
+        values: '0+1x30'
+      - series: 'poolcsi_central_node_calls_total{namespace="poolcsi", pod="ctl-1", node="a", method="CreateVolume", code="Unavailable"}'
+        values: '0+1x30'
+      - series: 'poolcsi_central_node_calls_total{namespace="poolcsi", pod="ctl-1", node="b", method="CreateVolume", code="OK"}'
+        values: '0+10x30'
+      - series: 'poolcsi_central_node_calls_total{namespace="poolcsi", pod="ctl-1", node="b", method="DeleteVolume", code="Aborted"}'
+        values: '0+10x30'
     alert_rule_test:
       - eval_time: 6m
         alertname: PoolcsiPoolDown
@@ -221,4 +239,15 @@ tests:
         alertname: PoolcsiLeaseNeverRenewed
         exp_alerts:
           - exp_labels: {severity: warning, pool: shared, node: b}
+      - eval_time: 6m
+        alertname: PoolcsiCentralNodeNotLive
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: PoolcsiCentralNodeNotLive
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: poolcsi, node: a}
+      - eval_time: 26m
+        alertname: PoolcsiCentralNodeCallsFailing
+        exp_alerts:
+          - exp_labels: {severity: warning, namespace: poolcsi, node: a}
 `
