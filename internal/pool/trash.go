@@ -19,9 +19,12 @@ import (
 // A crash before it leaves the entry in trash/, which the emptier removes at
 // the next start.
 type trashQueue struct {
-	mu      sync.Mutex
-	wake    func()   // nil: no emptier serves the pool; deletes empty it themselves
-	pending []string // trash entries this process's deletes queued
+	// emptying is held while EmptyTrash removes entries, so Settle waits
+	// for a removal under way.
+	emptying sync.Mutex
+	mu       sync.Mutex
+	wake     func()   // nil: no emptier serves the pool; deletes empty it themselves
+	pending  []string // trash entries this process's deletes queued
 }
 
 // served reports whether an emptier serves the pool now.
@@ -72,6 +75,8 @@ func (p *Pool) ServeTrash(wake func()) {
 // reached through the trash directory's descriptor, never by a path a link
 // could redirect.
 func (p *Pool) EmptyTrash(all bool) error {
+	p.trash.emptying.Lock()
+	defer p.trash.emptying.Unlock()
 	queued := p.trash.take()
 	if len(queued) == 0 && !all {
 		return nil
@@ -139,4 +144,13 @@ func openTrashDir(fl files) (*os.File, error) {
 // nothing outside the entry goes.
 func removeTrashEntry(dir, name string) error {
 	return os.RemoveAll(filepath.Join(dir, name))
+}
+
+// settleTrash removes what this process's deletes queued and waits for a
+// removal under way, so the free space a capacity decision or figure reads
+// holds the blocks of every volume this process answered deleted. Nothing
+// queued (the emptier runs within milliseconds of a delete) costs a mutex.
+// What it cannot remove stays for the emptier, which reports it.
+func (p *Pool) settleTrash() {
+	_ = p.EmptyTrash(false)
 }
