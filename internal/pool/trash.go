@@ -78,7 +78,9 @@ func (p *Pool) EmptyTrash(all bool) error {
 	p.trash.emptying.Lock()
 	defer p.trash.emptying.Unlock()
 	queued := p.trash.take()
-	if len(queued) == 0 && !all {
+	if len(queued) == 0 && (!all || p.OpenPending()) {
+		// Nothing queued, or a pool whose filesystem has not answered yet
+		// (nothing of it was deleted here): no pass that could hang on it.
 		return nil
 	}
 	fl := p.files()
