@@ -391,6 +391,10 @@ func (d *Driver) runners() (withServer, afterServer, keeper []runner.Runner) {
 		// What the lease cannot cover, made visible (internal/fence, peers.go).
 		withServer = append(withServer, runner.Every{Interval: d.opts.Lease.Interval, F: d.leases.WatchPeers})
 	}
+	if d.opts.Mode.controller() {
+		// Stops after the server: no delete queues for it once it is gone.
+		afterServer = append(afterServer, trashEmptier{pools: d.servedPools})
+	}
 	if d.opts.Mode.node() {
 		withServer = append(withServer, d.throttle,
 			runner.Every{Interval: d.opts.EphemeralSweepInterval, AtStart: true, F: func(ctx context.Context) { d.inline.Sweep(ctx) }})
@@ -398,6 +402,17 @@ func (d *Driver) runners() (withServer, afterServer, keeper []runner.Runner) {
 		keeper = append(keeper, d.leases)
 	}
 	return withServer, afterServer, keeper
+}
+
+// servedPools is every pool the driver serves now, configured or a share's.
+func (d *Driver) servedPools() []*pool.Pool {
+	var ps []*pool.Pool
+	for _, name := range d.pools.Names() {
+		if p := d.pools.Pool(name); p != nil {
+			ps = append(ps, p)
+		}
+	}
+	return ps
 }
 
 // Listen opens a unix socket endpoint, replacing a stale socket file left by a

@@ -92,6 +92,7 @@ func (lg Ledger) AvailableBytes(u Usage) int64 {
 // (volume.json only when it changed). Capacity decisions use the ledger
 // (ledger.go), and measure only a pool the ledger's bound would refuse.
 func (lg Ledger) Usage() (Usage, error) {
+	lg.p.settleTrash()
 	var st unix.Statfs_t
 	if err := unix.Statfs(lg.p.cfg.Path, &st); err != nil {
 		return Usage{}, fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, lg.p.cfg.Name, err)
@@ -235,6 +236,7 @@ func (lg Ledger) Capacity() (int64, error) {
 // capacityUsage is the free and unbacked bytes Capacity decides from, and
 // whether they came from the ledger (else from a measurement of the pool).
 func (lg Ledger) capacityUsage() (Usage, bool, error) {
+	lg.p.settleTrash()
 	l, err := lg.read()
 	if err != nil || !lg.decides() {
 		u, err := lg.Usage()

@@ -230,7 +230,7 @@ func (gs Groups) Delete(ctx context.Context, id GroupSnapshotID) error {
 	}
 	var ours []string
 	if err = gs.p.files().checkDir(groupsDir); err == nil {
-		_, ours, err = gs.p.files().toTrash(groupsDir, id.Key, "g-")
+		_, ours, err = gs.p.files().toTrash(groupsDir, id.Key, "g-", false)
 	} else if missing(err) {
 		err = nil
 	}

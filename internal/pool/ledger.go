@@ -482,6 +482,7 @@ func (tx *ledgerTx) applyAs(change func(l *ledger), durable bool) error {
 // pool (and checks the ledger against it) before the answer.
 func (tx *ledgerTx) admit(need int64, what string) error {
 	p := tx.p
+	p.settleTrash()
 	if !tx.degraded && p.Ledger().decides() {
 		var st unix.Statfs_t
 		if err := unix.Statfs(p.cfg.Path, &st); err != nil {
@@ -517,6 +518,7 @@ func (tx *ledgerTx) admit(need int64, what string) error {
 // refuse measures the pool.
 func (tx *ledgerTx) admitAllocation(need, promised int64, what string) error {
 	p := tx.p
+	p.settleTrash()
 	var st unix.Statfs_t
 	if err := unix.Statfs(p.cfg.Path, &st); err != nil {
 		return fmt.Errorf("%w: statfs pool %s: %w", ErrUnavailable, p.cfg.Name, err)

@@ -111,7 +111,7 @@ func TestLedgerConvergesAfterAKillAtEveryStep(t *testing.T) {
 				t.Fatal(err)
 			}
 			v, _ := p.Load(p.NewID("a"))
-			if _, _, err := p.files().toTrash(volumesDir, p.NewID("a").Key, "v-"); err != nil {
+			if _, _, err := p.files().toTrash(volumesDir, p.NewID("a").Key, "v-", false); err != nil {
 				t.Fatal(err)
 			}
 			if err := tx.apply(func(l *ledger) { l.Volumes--; l.ProvisionedBytes -= v.CapacityBytes }); err != nil {

@@ -272,12 +272,16 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 		return err
 	}
 	v, lerr := p.Load(id)
+	// The removal may be left to the trash's emptier (trash.go) when one
+	// serves this pool and nothing is to be done after it: no step on the
+	// data, no quota ID to give back once the data is gone.
+	later := before == nil && (lerr != nil || v.Quota == nil) && p.trash.served()
 	// A delete gives room back: on a full pool it may spend the reserve.
 	var moved bool
 	var ours []string
 	err = p.Ledger().freeing(func() (err error) {
 		var more []string
-		moved, more, err = p.files().toTrash(volumesDir, id.Key, "v-")
+		moved, more, err = p.files().toTrash(volumesDir, id.Key, "v-", later)
 		ours = append(ours, more...)
 		return err
 	})
@@ -295,6 +299,12 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 	if err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
+	// The rename is durable (toTrash synced both directories): the volume
+	// is gone for every reader and stays gone after a crash, so what is left
+	// is only removing its blocks, which need not delay the answer.
+	if later && len(ours) > 0 && p.trash.queue(ours) {
+		return nil
+	}
 	if err := p.files().emptyTrash("v-"+id.Key, ours, inTrash); err != nil {
 		return fmt.Errorf("delete volume %s: %w", id, err)
 	}
@@ -308,12 +318,14 @@ func (p *Pool) DeleteWith(ctx context.Context, id VolumeID, before func(data str
 // delete left of it (parentRel/.deleting-key), into the pool's trash, under a
 // name of its own (prefix, key, a time), and returns those names. moved tells
 // whether parentRel/key existed. The caller holds the pool lock: the rename
-// changes parentRel, which the ledger stamps.
+// changes parentRel, which the ledger stamps. With durable, both directories
+// are synced after a rename, so the move survives a crash before the trash
+// entry is removed (otherwise the removal's sync of the trash makes it so).
 //
 // Both directories are opened once, below the pool and through no link, and
 // the rename acts on those descriptors: a link swapped in for either after the
 // check (anyone may write a shared pool) cannot move a volume elsewhere.
-func (fl files) toTrash(parentRel, key, prefix string) (moved bool, ours []string, err error) {
+func (fl files) toTrash(parentRel, key, prefix string, durable bool) (moved bool, ours []string, err error) {
 	parent, err := fsx.OpenDir(fl.root, parentRel)
 	if err != nil {
 		return false, nil, unsafe(err)
@@ -345,6 +357,14 @@ func (fl files) toTrash(parentRel, key, prefix string) (moved bool, ours []strin
 			ours = append(ours, dst)
 		case !errors.Is(err, unix.ENOENT):
 			return moved, ours, fmt.Errorf("rename %s into %s: %w", filepath.Join(fl.root, parentRel, name), filepath.Join(fl.root, trashDir), err)
+		}
+	}
+	if durable && len(ours) > 0 {
+		// The source first: its entry's absence is what a reader sees.
+		for _, d := range []*os.File{parent, trash} {
+			if err := d.Sync(); err != nil {
+				return moved, ours, fmt.Errorf("sync %s: %w", d.Name(), err)
+			}
 		}
 	}
 	return moved, ours, nil
@@ -401,8 +421,7 @@ func (fl files) emptyTrash(name string, ours []string, before func(dir string) e
 				return err
 			}
 		}
-		// RemoveAll does not follow links: nothing outside the entry goes.
-		if err := os.RemoveAll(filepath.Join(dir, de.Name())); err != nil {
+		if err := removeTrashEntry(dir, de.Name()); err != nil {
 			return err
 		}
 		removed = true

@@ -69,6 +69,8 @@ type Pool struct {
 	meta sync.Map
 	// capacity caches what GetCapacity measures of the images (capacity.go).
 	capacity capacityCache
+	// trash is what deletes left for the trash's emptier (trash.go).
+	trash trashQueue
 	// reserve is this process's view of the pool's reserve file (reserve.go).
 	reserve reserveState
 	// ledgerKeysP signs the ledger (Ledger().SetKeys); ledgerSeq is the

@@ -342,7 +342,7 @@ func (ss Snapshots) Delete(ctx context.Context, id SnapshotID) error {
 	var ours []string
 	err = ss.p.Ledger().freeing(func() (err error) {
 		var more []string
-		moved, more, err = ss.p.files().toTrash(snapshotsDir, id.Key, "s-")
+		moved, more, err = ss.p.files().toTrash(snapshotsDir, id.Key, "s-", false)
 		ours = append(ours, more...)
 		return err
 	})
