@@ -284,8 +284,9 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 
 // notMixed refuses to place an Immediate claim (no selected node) while a node of its
 // topology has no PoolNode at all (docs/design/central-controller.md §8, item 3).
-// csi-provisioner's requisite for such a claim is every node whose CSINode lists the
-// driver (or the class's allowedTopologies), so a node in it that never wrote a
+// csi-provisioner's requisite for such a claim is every Node labelled with the driver's
+// topology key, which the driver's registration there sets (or the class's
+// allowedTopologies), so a node in it that never wrote a
 // PoolNode is one the DaemonSet has not rolled yet: it still runs its per-node
 // provisioner, which races for Immediate claims (--node-deployment-immediate-binding)
 // and would make the same claim's volume there while this one makes it on a rolled
