@@ -227,6 +227,9 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 	if len(requisite) == 1 {
 		return requisite[0], nil
 	}
+	if err := s.notMixed(requisite); err != nil {
+		return "", err
+	}
 	candidates := s.holders(poolName, "")
 	if len(requisite) > 0 {
 		candidates = slices.DeleteFunc(candidates, func(n string) bool { return !slices.Contains(requisite, n) })
@@ -277,6 +280,33 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 		}
 	}
 	return "", status.Errorf(codes.ResourceExhausted, "no live node of this claim's topology has %d bytes free in pool %s", required, poolName)
+}
+
+// notMixed refuses to place an Immediate claim (no selected node) while a node of its
+// topology has no PoolNode at all (docs/design/central-controller.md §8, item 3).
+// csi-provisioner's requisite for such a claim is every Node labelled with the driver's
+// topology key, which the driver's registration there sets (or the class's
+// allowedTopologies), so a node in it that never wrote a
+// PoolNode is one the DaemonSet has not rolled yet: it still runs its per-node
+// provisioner, which races for Immediate claims (--node-deployment-immediate-binding)
+// and would make the same claim's volume there while this one makes it on a rolled
+// node. UNAVAILABLE is not final for csi-provisioner: it retries the claim, which the
+// node's own provisioner takes meanwhile (its selected-node makes the requisite that
+// node alone, answered by the Caller), or which this one places once every node has
+// rolled. A PoolNode that is stale (a rolled node that is down) does not count: no
+// per-node provisioner runs there, and the probes below cover the volume it may hold.
+func (s *Server) notMixed(requisite []string) error {
+	known := s.d.Nodes.Known()
+	var old []string
+	for _, n := range requisite {
+		if !slices.Contains(known, n) {
+			old = append(old, n)
+		}
+	}
+	if len(old) == 0 {
+		return nil
+	}
+	return status.Errorf(codes.Unavailable, "nodes %s of this claim's topology have no PoolNode: during the upgrade to the central controller they still run their own provisioner, which takes Immediate claims; this claim is placed once they have rolled (or once a node that is gone is deleted or left out of the class's allowedTopologies)", strings.Join(old, ", "))
 }
 
 func poolOf(pools []nodecall.PoolCapacity, name string) (nodecall.PoolCapacity, bool) {

@@ -73,6 +73,22 @@ func TestCreateVolume(t *testing.T) {
 		{name: "Immediate: another method's call does not fix the node", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
 			setup: func(e *srvEnv) { e.world.pending[[2]string{"DeleteVolume", id}] = "a" }, node: "c",
 			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "c:ControllerGetVolume", "c:CreateVolume"}},
+		// The upgrade's mixed window (docs/design/central-controller.md §8): d has the
+		// driver registered (csi-provisioner's requisite for an Immediate claim is every
+		// node whose CSINode has it) but no PoolNode, so it still runs its per-node
+		// provisioner, which may take this claim: the central one places nothing.
+		{name: "Immediate: a requisite node not rolled", requisite: []string{"a", "b", "c", "d"}, preferred: []string{"c", "d", "a", "b"},
+			want: codes.Unavailable, calls: []string{}},
+		{name: "Immediate: a requisite node not rolled, the ID learnt", requisite: []string{"a", "b", "d"},
+			setup: func(e *srvEnv) { e.hints.learnt[id] = "b" }, want: codes.Unavailable, calls: []string{}},
+		// A rolled node (it has a PoolNode) runs no per-node provisioner, even when its
+		// PoolNode lists no pool of this claim: not the mixed window.
+		{name: "Immediate: a rolled node without the pool", requisite: []string{"a", "b", "c"}, preferred: []string{"c", "b", "a"},
+			setup: func(e *srvEnv) { e.nodes.pools["c"] = nil }, node: "b",
+			calls: []string{"a:ControllerGetVolume", "b:ControllerGetVolume", "b:CreateVolume"}},
+		// The per-node provisioner of d took the claim (selected-node d): the requisite
+		// is d alone, d has no PoolNode, and the call is UNAVAILABLE (nothing made).
+		{name: "Immediate: taken by a node not rolled", requisite: []string{"d"}, want: codes.Unavailable, calls: []string{}},
 		{name: "Immediate: a probe that cannot tell", requisite: []string{"a", "b"},
 			setup: func(e *srvEnv) {
 				e.world.fail = func(node, method string) error {
