@@ -653,6 +653,7 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 
 	tk := e.failAndTakeOver(t, "poweroff", victim, survivor, func() { victim.PowerOff(t) })
 	// The taint deleted the local pod too; its replacement has no node to go to.
+	var replaced types.UID
 	cluster.WaitFor(t, 60*time.Second, "the local pod replaced", func() error {
 		p, err := e.Cluster.Client.CoreV1().Pods(local).Get(context.Background(), "l-0", metav1.GetOptions{})
 		if err != nil {
@@ -661,9 +662,13 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 		if p.UID == first.UID {
 			return errors.New("still the pod of before the power-off")
 		}
+		replaced = p.UID
 		return nil
 	})
-	msg := e.WaitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
+	// The replacement's own event: the first pod may have had one of its own (with the
+	// central controller, node-b's capacity is 0 from the earlier tests' failures until the
+	// provisioner's next poll).
+	msg := e.WaitEventOf(t, local, "Pod", "l-0", string(replaced), "FailedScheduling", 60*time.Second)
 	for _, want := range []string{"didn't match PersistentVolume's node affinity", "untolerated taint"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("the local pod's FailedScheduling event does not say %q: %s", want, msg)
