@@ -65,13 +65,13 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	return out, nil
 }
 
-// livePool is node's figures for poolName, if the node is live and the pool Ok.
 // verdictWaiter is a Nodes that can wait until it can tell whether a node is live
 // (NodeView.AwaitVerdict).
 type verdictWaiter interface {
 	AwaitVerdict(ctx context.Context, node string)
 }
 
+// livePool is node's figures for poolName, if the node is live and the pool Ok.
 func (s *Server) livePool(node, poolName string) (nodecall.PoolCapacity, bool) {
 	if live, _ := s.d.Nodes.Live(node); !live {
 		return nodecall.PoolCapacity{}, false
