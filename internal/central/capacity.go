@@ -14,7 +14,9 @@ import (
 // GetCapacity answers from the nodes' PoolNodes (docs/design/central-controller.md §6):
 // a cache read, no call. With the node key in accessible_topology it is that node's
 // pool: 0 when the node is not live, has no PoolNode, does not list the pool, or lists
-// it Unavailable, so that no new claim goes to a node that cannot serve it.
+// it Unavailable, so that no new claim goes to a node that cannot serve it. A node this
+// process cannot judge yet (just started) is waited for, up to one stale limit
+// (NodeView.AwaitVerdict).
 //
 // Without a topology (csi-provisioner always sends one with --enable-capacity; only
 // another caller asks so) it is what the CSI spec asks for "any topology": the available
@@ -33,6 +35,9 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	}
 	seg := req.GetAccessibleTopology().GetSegments()
 	if node, ok := seg[s.d.TopologyKey]; ok {
+		if w, ok := s.d.Nodes.(verdictWaiter); ok {
+			w.AwaitVerdict(ctx, node)
+		}
 		pc, ok := s.livePool(node, cp.Pool)
 		if !ok {
 			return &csi.GetCapacityResponse{}, nil
@@ -58,6 +63,12 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 		}
 	}
 	return out, nil
+}
+
+// verdictWaiter is a Nodes that can wait until it can tell whether a node is live
+// (NodeView.AwaitVerdict).
+type verdictWaiter interface {
+	AwaitVerdict(ctx context.Context, node string)
 }
 
 // livePool is node's figures for poolName, if the node is live and the pool Ok.

@@ -1,6 +1,7 @@
 package central
 
 import (
+	"context"
 	"slices"
 	"sync"
 	"time"
@@ -28,6 +29,10 @@ type NodeView struct {
 
 	mu   sync.Mutex
 	seen map[string]sighting
+	// made is when the view was made: a node never seen is judged staleAfter later.
+	made time.Time
+	// wake is closed, and replaced, at each event: AwaitVerdict's waiters look again.
+	wake chan struct{}
 }
 
 // sighting is what this process last saw of one PoolNode.
@@ -35,7 +40,10 @@ type sighting struct {
 	rv string
 	// changed is when this process saw the resourceVersion change (zero: not yet).
 	changed time.Time
-	pools   []nodecall.PoolCapacity
+	// first is when this process first saw it: with no change seen, the node is
+	// judged (not live) staleAfter later.
+	first time.Time
+	pools []nodecall.PoolCapacity
 	// nodeUID is the UID of the Node the PoolNode names as its owner (its agent read it):
 	// the owner of that node's calls, without a read of the Node per call.
 	nodeUID string
@@ -51,7 +59,7 @@ func NewNodeView(inf cache.SharedIndexInformer, staleAfter time.Duration, clk cl
 	if clk == nil {
 		clk = clock.RealClock{}
 	}
-	v := &NodeView{inf: inf, staleAfter: staleAfter, clk: clk, seen: map[string]sighting{}}
+	v := &NodeView{inf: inf, staleAfter: staleAfter, clk: clk, seen: map[string]sighting{}, made: clk.Now(), wake: make(chan struct{})}
 	// The error is only that inf was stopped; a stopped informer never syncs, so Probe
 	// says why.
 	_, _ = inf.AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -76,6 +84,11 @@ func (v *NodeView) observe(obj any) {
 	if known && rv != s.rv {
 		s.changed = v.clk.Now()
 	}
+	if !known {
+		s.first = v.clk.Now()
+	}
+	close(v.wake)
+	v.wake = make(chan struct{})
 	s.rv = rv
 	s.nodeUID = ""
 	for _, o := range u.GetOwnerReferences() {
@@ -116,6 +129,41 @@ func (v *NodeView) Live(node string) (bool, time.Duration) {
 	}
 	since := v.clk.Since(s.changed)
 	return since < v.staleAfter, since
+}
+
+// AwaitVerdict waits, at most until ctx ends, until this process can tell whether node
+// is live: it has seen node's PoolNode change, or staleAfter has passed since it first saw
+// it (since the view was made, for a node it never saw). Right after this process starts
+// no node is live yet (a first sighting is no change); what answers from liveness once,
+// and is not asked again soon, waits here for the nodes' next heartbeat instead of taking
+// every node for down: GetCapacity, which csi-provisioner polls once a minute, would
+// otherwise publish 0 for every node after each start of the controller, and no new local
+// claim would be scheduled until the next poll.
+func (v *NodeView) AwaitVerdict(ctx context.Context, node string) {
+	for {
+		v.mu.Lock()
+		s, ok := v.seen[node]
+		from := v.made
+		if ok {
+			from = s.first
+		}
+		judged := ok && !s.changed.IsZero()
+		wait, wake := v.staleAfter-v.clk.Since(from), v.wake
+		v.mu.Unlock()
+		if judged || wait <= 0 {
+			return
+		}
+		t := v.clk.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return
+		case <-t.C():
+			return
+		case <-wake:
+			t.Stop()
+		}
+	}
 }
 
 // StaleAfter is the stale limit: a node not seen changing for this long is not live.

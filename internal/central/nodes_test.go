@@ -5,6 +5,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/container-storage-interface/spec/lib/go/csi"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/tools/cache"
@@ -12,6 +13,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/nodecall/nodecalltest"
+	"github.com/poolcsi/poolcsi/internal/params"
 )
 
 // A node is live while this process sees its PoolNode change, by this process's clock:
@@ -122,4 +124,84 @@ func TestNodeViewNodeUID(t *testing.T) {
 			t.Errorf("NodeUID(%s) = %q %v, want %q", node, got, ok, want)
 		}
 	}
+}
+
+// Right after the controller starts no node is live (a first sighting is no change), and
+// csi-provisioner polls GetCapacity once a minute: GetCapacity waits for the node's next
+// heartbeat, so the figures it publishes after a start are the nodes' own, not 0 for
+// every node until the next poll. A node whose PoolNode never changes is 0 one stale limit
+// after its first sighting; a caller that gives up gets 0 at once.
+func TestGetCapacityAfterStart(t *testing.T) {
+	clk := clocktesting.NewFakeClock(time.Now())
+	v := NewNodeView(cache.NewSharedIndexInformer(&cache.ListWatch{}, &unstructured.Unstructured{}, 0, cache.Indexers{}), 0, clk)
+	pn := func(name, rv string) *unstructured.Unstructured {
+		n := &nodecall.PoolNode{ObjectMeta: metav1.ObjectMeta{Name: name, ResourceVersion: rv}}
+		n.Status.Pools = []nodecall.PoolCapacity{okPool("local", 10<<30)}
+		u, err := n.ToUnstructured()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return u
+	}
+	s := NewServer(Deps{Name: "local.poolcsi.io", Version: "test", TopologyKey: testKey,
+		Params: params.Config{Pools: []string{"local"}}, Calls: &srvWorld{}, Nodes: v, Hints: newSrvHints()})
+	ask := func(ctx context.Context, node string) <-chan int64 {
+		out := make(chan int64, 1)
+		go func() {
+			resp, err := controllerServer{Server: s}.GetCapacity(ctx, &csi.GetCapacityRequest{
+				Parameters: map[string]string{"pool": "local"}, AccessibleTopology: &csi.Topology{Segments: map[string]string{testKey: node}}})
+			if err != nil {
+				t.Error(err)
+			}
+			out <- resp.GetAvailableCapacity()
+		}()
+		return out
+	}
+	answered := func(step string, got <-chan int64, want int64) {
+		t.Helper()
+		select {
+		case n := <-got:
+			if n != want {
+				t.Errorf("%s: GetCapacity %d, want %d", step, n, want)
+			}
+		case <-time.After(5 * time.Second):
+			t.Fatalf("%s: GetCapacity did not answer", step)
+		}
+	}
+	waiting := func(step string, got <-chan int64) {
+		t.Helper()
+		select {
+		case n := <-got:
+			t.Fatalf("%s: GetCapacity answered %d before the node could be judged", step, n)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+
+	// The informer's first list: a, b and c as their agents last wrote them.
+	for _, n := range []string{"a", "b", "c"} {
+		v.observe(pn(n, "1"))
+	}
+	a := ask(context.Background(), "a")
+	waiting("a before its next heartbeat", a)
+	v.observe(pn("a", "2"))
+	answered("a after its heartbeat", a, 10<<30)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	b := ask(ctx, "b")
+	waiting("b", b)
+	cancel()
+	answered("b, its caller gone", b, 0)
+
+	c := ask(context.Background(), "c")
+	waiting("c", c)
+	for !clk.HasWaiters() {
+		time.Sleep(time.Millisecond)
+	}
+	clk.Step(DefaultStaleAfter)
+	answered("c, no heartbeat within the stale limit", c, 0)
+	answered("c, judged", ask(context.Background(), "c"), 0)
+	v.observe(pn("a", "3"))
+	answered("a, renewed", ask(context.Background(), "a"), 10<<30)
+	// A node never seen is judged one stale limit after the view was made.
+	answered("z, never seen", ask(context.Background(), "z"), 0)
 }

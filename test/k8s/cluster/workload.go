@@ -241,10 +241,20 @@ func (e *Env) WaitMetric(t testing.TB, name, ns, claim string, timeout time.Dura
 // WaitEvent waits for an event of that reason on the object (kind, name).
 func (e *Env) WaitEvent(t testing.TB, ns, kind, name, reason string, timeout time.Duration) string {
 	t.Helper()
+	return e.WaitEventOf(t, ns, kind, name, "", reason, timeout)
+}
+
+// WaitEventOf is WaitEvent on the object of that UID ("": any of that name), where an
+// object of the same name came before it (a StatefulSet's pod replaced) and had events.
+func (e *Env) WaitEventOf(t testing.TB, ns, kind, name, uid, reason string, timeout time.Duration) string {
+	t.Helper()
 	var msg string
+	sel := "involvedObject.kind=" + kind + ",involvedObject.name=" + name
+	if uid != "" {
+		sel += ",involvedObject.uid=" + uid
+	}
 	WaitFor(t, timeout, reason+" event on "+kind+" "+ns+"/"+name, func() error {
-		evs, err := e.Cluster.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{
-			FieldSelector: "involvedObject.kind=" + kind + ",involvedObject.name=" + name})
+		evs, err := e.Cluster.Client.CoreV1().Events(ns).List(context.Background(), metav1.ListOptions{FieldSelector: sel})
 		if err != nil {
 			return err
 		}

@@ -146,7 +146,11 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 
 // groupCase is one driver's group snapshot through kubelet: its VolumeGroupSnapshotClass
 // and the storage classes of the data and WAL claims.
-type groupCase struct{ driver, class, data, wal string }
+type groupCase struct {
+	driver, class, data, wal string
+	node                     string // the node every pod runs on ("": the scheduler's choice)
+	chartClass               bool   // the chart made the class (else the case makes it)
+}
 
 // groupSnapshotOneInstant: a writer appends to a data log and then a WAL without pause; a
 // VolumeGroupSnapshot of both claims, restored, ends the two at one point in time.
@@ -162,7 +166,7 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 	}
 	// A writer that appends n to the data log, then n to the WAL: at any one point in
 	// time the WAL's last n is the data's last n or one less.
-	writer := cluster.PodObject(ns, cluster.PodSpec{Name: "db", Claims: []string{"data", "wal"}})
+	writer := cluster.PodObject(ns, cluster.PodSpec{Name: "db", Claims: []string{"data", "wal"}, Node: g.node})
 	writer.Spec.Containers[0].Command = []string{"sh", "-c", "n=0; while :; do n=$((n+1)); echo $n >> /data/log; echo $n >> /data2/log; done"}
 	if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, writer, metav1.CreateOptions{}); err != nil {
 		t.Fatal(err)
@@ -176,7 +180,7 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 		return nil
 	})
 	meta := map[string]any{"name": g.class}
-	if g.driver == cluster.LocalDriver {
+	if g.driver == cluster.LocalDriver && !g.chartClass {
 		// csi-snapshotter v8.7 --node-deployment sees only the group classes labelled
 		// with its node (docs/snapshots.md, "Group snapshots of local pools").
 		meta["labels"] = map[string]any{"snapshot.storage.kubernetes.io/managed-by": env.Node.Name}
@@ -189,7 +193,11 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 		"metadata": map[string]any{"name": "db-snap", "namespace": ns},
 		"spec": map[string]any{"volumeGroupSnapshotClassName": g.class,
 			"source": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "db"}}}}}}
-	for _, o := range []*unstructured.Unstructured{class, vgs} {
+	objs := []*unstructured.Unstructured{class, vgs}
+	if g.chartClass {
+		objs = objs[1:]
+	}
+	for _, o := range objs {
 		if err := env.Cluster.Applier().Apply(ctx, o, false); err != nil {
 			t.Fatal(err)
 		}
@@ -214,7 +222,8 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 		member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.VolumeHandle(t, ns, c))))
 		env.Claim(t, ns, cluster.ClaimSpec{Name: c + "-restored", Class: map[string]string{"data": g.data, "wal": g.wal}[c], Size: "300Mi", DataSource: member})
 	}
-	env.Pod(t, ns, cluster.PodSpec{Name: "check", Claims: []string{"data-restored", "wal-restored"}})
+	// A local snapshot restores on its node: g.node keeps the pod there.
+	env.Pod(t, ns, cluster.PodSpec{Name: "check", Claims: []string{"data-restored", "wal-restored"}, Node: g.node})
 	last := func(path string) int {
 		out := env.MustExec(t, ns, "check", "tail -c 64 "+path+" | tail -n1; tail -c1 "+path+" | od -An -c")
 		lines := strings.Split(strings.TrimSpace(out), "\n")

@@ -42,13 +42,22 @@ func TestTwoNodes(t *testing.T) {
 }
 
 func testTwoNodes(t *testing.T, cephFS bool) {
-	env := startEnv(t, cluster.EnvOptions{Nodes: 2, CephFS: cephFS, Values: map[string]any{
+	values := map[string]any{
 		"fencing": twoNodeLease,
 		// The controller stays on node-a: the partition test cuts node-b off the pool
 		// and the API server, and a controller cut off both would hold its leader lease
-		// until it ran out, as on a real cluster, only slower.
+		// until it ran out, as on a real cluster, only slower. The local controller
+		// (btrfs) takes the controller's nodeSelector: it stays on node-a too.
 		"controller": map[string]any{"nodeSelector": map[string]any{"kubernetes.io/hostname": "node-a"}},
-	}})
+	}
+	if !cephFS {
+		// The local driver's central controller (docs/design/central-controller.md): its
+		// csi-snapshotter takes the local snapshots, with the chart's local classes.
+		values["localController"] = map[string]any{"central": true}
+		values["snapshotClass"] = map[string]any{"create": true}
+		values["groupSnapshotClass"] = map[string]any{"create": true}
+	}
+	env := startEnv(t, cluster.EnvOptions{Nodes: 2, CephFS: cephFS, Values: values})
 	env.storageClasses(t)
 	nodeA, nodeB := env.Nodes[0], env.Nodes[1]
 
@@ -57,6 +66,16 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 	t.Run("ROX image claim read on both nodes", func(t *testing.T) { env.roxTwoNodes(t) })
 	if !cephFS {
 		t.Run("local claim keeps its pod on its node", func(t *testing.T) { env.localStays(t) })
+		// What the central controller reaches on the node that does not run it, through
+		// PoolCalls to node-b's agent; one claim and pod serve the first three.
+		b := &localOnB{env: env, node: nodeB.Name}
+		t.Run("node-b local claim: VolumeAttributesClass change reaches its running pod", func(t *testing.T) { b.modify(t) })
+		t.Run("node-b local claim: expanded while its pod runs", func(t *testing.T) { b.expand(t) })
+		t.Run("node-b local claim: snapshot restored into a new claim", func(t *testing.T) { b.snapshot(t) })
+		t.Run("node-b local claims: group snapshot restored to one instant", func(t *testing.T) {
+			groupSnapshotOneInstant(t, env, groupCase{driver: cluster.LocalDriver, class: "poolcsi-local-group",
+				data: "local-xfs", wal: "local-ext4", node: nodeB.Name, chartClass: true})
+		})
 	}
 	if cephFS {
 		t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
@@ -634,6 +653,7 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 
 	tk := e.failAndTakeOver(t, "poweroff", victim, survivor, func() { victim.PowerOff(t) })
 	// The taint deleted the local pod too; its replacement has no node to go to.
+	var replaced types.UID
 	cluster.WaitFor(t, 60*time.Second, "the local pod replaced", func() error {
 		p, err := e.Cluster.Client.CoreV1().Pods(local).Get(context.Background(), "l-0", metav1.GetOptions{})
 		if err != nil {
@@ -642,9 +662,13 @@ func (e *kubeletEnv) powerOffTakeover(t *testing.T, victim, survivor *cluster.No
 		if p.UID == first.UID {
 			return errors.New("still the pod of before the power-off")
 		}
+		replaced = p.UID
 		return nil
 	})
-	msg := e.WaitEvent(t, local, "Pod", "l-0", "FailedScheduling", 60*time.Second)
+	// The replacement's own event: the first pod may have had one of its own (with the
+	// central controller, node-b's capacity is 0 from the earlier tests' failures until the
+	// provisioner's next poll).
+	msg := e.WaitEventOf(t, local, "Pod", "l-0", string(replaced), "FailedScheduling", 60*time.Second)
 	for _, want := range []string{"didn't match PersistentVolume's node affinity", "untolerated taint"} {
 		if !strings.Contains(msg, want) {
 			t.Errorf("the local pod's FailedScheduling event does not say %q: %s", want, msg)
