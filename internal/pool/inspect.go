@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"time"
 
@@ -326,6 +327,20 @@ func (fl files) damagedFiles() []Leftover {
 // renaming it there, outside the pool lock (snapshots have no lock file).
 const trashGrace = 10 * time.Minute
 
+// trashEntryTime is the time a trash entry's name gives (<prefix><key>-<unix
+// nanoseconds>, toTrash).
+func trashEntryTime(name string) (time.Time, bool) {
+	i := strings.LastIndexByte(name, '-')
+	if i < 0 {
+		return time.Time{}, false
+	}
+	ns, err := strconv.ParseInt(name[i+1:], 10, 64)
+	if err != nil || ns <= 0 {
+		return time.Time{}, false
+	}
+	return time.Unix(0, ns), true
+}
+
 // trashLeftovers lists what interrupted deletes left in the pool's trash.
 func (fl files) trashLeftovers(now time.Time) []Leftover {
 	des, err := fl.readDir(trashDir)
@@ -338,9 +353,16 @@ func (fl files) trashLeftovers(now time.Time) []Leftover {
 		if lockHeld(fl.root, filepath.Join(trashDir, de.Name(), lockFile)) {
 			continue // a delete under way, here or on another node
 		}
-		// The change time: a rename sets it, and keeps the mtime.
+		// The change time: a rename sets it, and keeps the mtime. Not every
+		// filesystem's rename sets it (a CephFS kept the old one, and a
+		// delete still under way on another node was reported), so the
+		// time in the entry's name, which the rename gave it, counts too. A
+		// name anyone wrote can only hide a leftover from this report.
 		var st unix.Stat_t
 		if err := unix.Lstat(path, &st); err == nil && now.Sub(time.Unix(st.Ctim.Unix())) < trashGrace {
+			continue
+		}
+		if at, ok := trashEntryTime(de.Name()); ok && now.Sub(at) < trashGrace {
 			continue
 		}
 		out = append(out, Leftover{path, "an interrupted delete; the volume or snapshot is gone, its data remains: retry the delete or remove it"})

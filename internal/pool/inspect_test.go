@@ -2,8 +2,10 @@ package pool
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -186,5 +188,33 @@ func TestFreezeLeftovers(t *testing.T) {
 	}
 	if len(got) != 4 {
 		t.Errorf("leftovers: %v, want 4", got)
+	}
+}
+
+// TestTrashLeftoversByNameTime: an unlocked trash entry is a leftover only once
+// neither its change time nor the time in its name (the rename's) is recent: a
+// filesystem whose rename keeps the change time (a CephFS did) made a delete
+// still under way on another node a leftover.
+func TestTrashLeftoversByNameTime(t *testing.T) {
+	dir := t.TempDir()
+	fl := files{root: dir}
+	later := time.Now().Add(time.Hour) // every change time is then an hour old
+	for _, name := range []string{
+		fmt.Sprintf("v-%s-%d", strings.Repeat("a", 32), later.Add(-time.Minute).UnixNano()), // renamed a minute before
+		fmt.Sprintf("v-%s-%d", strings.Repeat("b", 32), later.Add(-time.Hour).UnixNano()),   // an hour before
+		"v-" + strings.Repeat("c", 32) + "-notatime",
+	} {
+		if err := os.MkdirAll(filepath.Join(dir, trashDir, name), 0o750); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	for _, l := range fl.trashLeftovers(later) {
+		got = append(got, filepath.Base(l.Path))
+	}
+	slices.Sort(got)
+	want := []string{fmt.Sprintf("v-%s-%d", strings.Repeat("b", 32), later.Add(-time.Hour).UnixNano()), "v-" + strings.Repeat("c", 32) + "-notatime"}
+	if !slices.Equal(got, want) {
+		t.Errorf("leftovers %v, want %v", got, want)
 	}
 }
