@@ -89,8 +89,8 @@ type Pool struct {
 	// awaitUntil is how long callers wait for an open still pending
 	// (awaitOpen); set before Open returns.
 	awaitUntil time.Time
-	opened   atomic.Pointer[openOutcome]
-	openDone chan struct{} // closed when Open's layout returned
+	opened     atomic.Pointer[openOutcome]
+	openDone   chan struct{} // closed when Open's layout returned
 }
 
 // Option sets up a pool at Open with what its configuration does not hold.
