@@ -32,6 +32,7 @@ stop_prebuild() {
 # devices in their cleanup, which a kill would skip.
 shared_pid=
 shared_log=$(mktemp)
+unit_skips=$(mktemp)
 finish_shared() {
 	local rc=0
 	wait "$shared_pid" || rc=$?
@@ -45,7 +46,7 @@ on_exit() {
 		echo "hack/test.sh: waiting for test/shared, beside the failed phase, to end"
 		finish_shared || true
 	fi
-	rm -f "$shared_log"
+	rm -f "$shared_log" "$unit_skips"
 	stop_prebuild
 }
 trap on_exit EXIT
@@ -89,7 +90,9 @@ go test -race ./test/shared -count=1 -timeout 30m >"$shared_log" 2>&1 &
 shared_pid=$!
 hack/lint.sh
 phase "unit tests without root, and internal/driver coverage (make unit)"
-hack/unit.sh
+# Every test make unit skips for needing root, loop devices or tools is recorded
+# (internal/testutil) and runs in the go test phase below; make unit runs the rest.
+POOLCSI_UNIT_SKIPS="$unit_skips" hack/unit.sh
 phase "shared pools across nodes (test/shared): its end"
 shared_rc=0
 finish_shared || shared_rc=$?
@@ -101,7 +104,19 @@ phase "go test"
 # CI=true turns every missing prerequisite into a failure instead of a skip.
 # -race everywhere: the root suites drive a separately built binary, so the race
 # detector watches the test code and the in-process driver of the unit tests.
-go test -race $(go list ./... | grep -v '/test/shared$') -count=1 -timeout 40m
+# make unit ran the internal/ and cmd/ packages as root too, with -race, and the only
+# difference here is POOLCSI_UNIT_ONLY: of them, only the tests it skipped (recorded,
+# each top-level test whole) run again. Every other package runs whole.
+module=$(go list -m)
+skipped_pkgs=()
+while read -r dir; do skipped_pkgs+=("./${dir#"$PWD"/}"); done < <(cut -f1 "$unit_skips" | sort -u)
+skipped_tests=$(cut -f2 "$unit_skips" | sort -u | paste -sd '|')
+if [ -n "$skipped_tests" ]; then
+	# A name another of these packages also has runs there too: more, never less.
+	go test -race "${skipped_pkgs[@]}" -run "^($skipped_tests)\$" -count=1 -timeout 40m
+fi
+mapfile -t root_pkgs < <(go list ./... | grep -v -e '/test/shared$' -e "^$module/internal/" -e "^$module/cmd/")
+go test -race "${root_pkgs[@]}" -count=1 -timeout 40m
 if [ -f test/k8s/go.mod ]; then
 	# The storage e2e suite (TestE2EStorage, TestE2ETools) is make e2e and make conformance:
 	# building e2e.test alone took 16 min of a cold run here, which put make test past an
