@@ -27,7 +27,29 @@ stop_prebuild() {
 	[ -z "$prebuild_pid" ] || kill -- -"$prebuild_pid" 2>/dev/null || true
 	rm -f "$prebuild_log"
 }
-trap stop_prebuild EXIT
+# test/shared runs beside lint and make unit (below); finish_shared waits for it and prints
+# its output, which a failed phase before it also does: its tests detach their loop
+# devices in their cleanup, which a kill would skip.
+shared_pid=
+shared_log=$(mktemp)
+unit_skips=$(mktemp)
+finish_shared() {
+	local rc=0
+	wait "$shared_pid" || rc=$?
+	shared_pid=
+	echo "== shared pools across nodes (test/shared), run beside lint and make unit: exit $rc"
+	cat "$shared_log"
+	return "$rc"
+}
+on_exit() {
+	if [ -n "$shared_pid" ]; then
+		echo "hack/test.sh: waiting for test/shared, beside the failed phase, to end"
+		finish_shared || true
+	fi
+	rm -f "$shared_log" "$unit_skips"
+	stop_prebuild
+}
+trap on_exit EXIT
 if [ -f test/k8s/go.mod ]; then
 	# setsid: its own process group, so that the trap stops the compilers as well.
 	(cd test/k8s && exec setsid nice -n 10 go run ./cmd/prebuild) >"$prebuild_log" 2>&1 &
@@ -55,21 +77,55 @@ fi
 # golangci-lint runs go vet's analyzers (its govet linter, .golangci.yml) over the three
 # modules: a separate go vet computed the same facts over every dependency again, minutes
 # of a cold run.
-phase "golangci-lint (go vet's analyzers included)"
+# The shared-pool suite (test/shared, ~10.5 min alone, mostly waiting on leases, fences
+# and a one-node CephFS) runs beside lint and make unit, which are CPU-bound and neither
+# mount anything nor run mkfs. Its tests run in a private mount namespace of their own
+# (test/support/mountns, from its TestMain): its lost-pool tests leave FUSE mounts whose
+# daemon is stopped or killed for seconds, which in the host's mount table would fail
+# mkfs.btrfs anywhere on the machine meanwhile ("cannot check mount status ...: Transport
+# endpoint is not connected"). Its output is printed when make unit is done, and its
+# failure fails the run. It runs at a higher priority (nice -5) than lint and unit: it
+# needs little CPU (~100 s in all) but its lease tests need it on time (a node's fence
+# must come within its lease's duration of its last renewal; the test allows at most a
+# renewal interval more, 0 to 1 s).
+phase "golangci-lint (go vet's analyzers included); beside it and make unit, test/shared"
+nice -n -5 go test -race ./test/shared -count=1 -timeout 30m >"$shared_log" 2>&1 &
+shared_pid=$!
 hack/lint.sh
 phase "unit tests without root, and internal/driver coverage (make unit)"
-hack/unit.sh
+# Every test make unit skips for needing root, loop devices or tools is recorded
+# (internal/testutil) and runs in the go test phase below; make unit runs the rest.
+POOLCSI_UNIT_SKIPS="$unit_skips" hack/unit.sh
+phase "shared pools across nodes (test/shared): its end"
+shared_rc=0
+finish_shared || shared_rc=$?
+if [ "$shared_rc" != 0 ]; then
+	echo "test/shared: exit $shared_rc" >&2
+	exit 1
+fi
 phase "go test"
 # CI=true turns every missing prerequisite into a failure instead of a skip.
 # -race everywhere: the root suites drive a separately built binary, so the race
 # detector watches the test code and the in-process driver of the unit tests.
-# test/shared runs alone, after the rest: its lost-pool tests leave a FUSE mount whose
-# daemon is stopped or killed for seconds at a time, and while one is on the machine
-# mkfs.btrfs fails everywhere ("cannot check mount status ...: Transport endpoint is not
-# connected"), so a package running beside it would fail for nothing of its own.
-go test -race $(go list ./... | grep -v '/test/shared$') -count=1 -timeout 40m
-phase "shared pools across nodes (test/shared), alone"
-go test -race ./test/shared -count=1 -timeout 30m
+# make unit ran the internal/ and cmd/ packages as root too, with -race, and the only
+# difference here is POOLCSI_UNIT_ONLY: of them, only the tests it skipped (recorded,
+# each top-level test whole) run again. Every other package runs whole.
+module=$(go list -m)
+skipped_pkgs=()
+# (A directory outside $PWD, through a symbolic link, is given as it is: go takes both.)
+while read -r dir; do
+	case $dir in
+	"$PWD"/*) skipped_pkgs+=("./${dir#"$PWD"/}") ;;
+	*) skipped_pkgs+=("$dir") ;;
+	esac
+done < <(cut -f1 "$unit_skips" | sort -u)
+skipped_tests=$(cut -f2 "$unit_skips" | sort -u | paste -sd '|')
+if [ -n "$skipped_tests" ]; then
+	# A name another of these packages also has runs there too: more, never less.
+	go test -race "${skipped_pkgs[@]}" -run "^($skipped_tests)\$" -count=1 -timeout 40m
+fi
+mapfile -t root_pkgs < <(go list ./... | grep -v -e '/test/shared$' -e "^$module/internal/" -e "^$module/cmd/")
+go test -race "${root_pkgs[@]}" -count=1 -timeout 40m
 if [ -f test/k8s/go.mod ]; then
 	# The storage e2e suite (TestE2EStorage, TestE2ETools) is make e2e and make conformance:
 	# building e2e.test alone took 16 min of a cold run here, which put make test past an

@@ -26,12 +26,19 @@ import (
 	"github.com/poolcsi/poolcsi/internal/testutil"
 	"github.com/poolcsi/poolcsi/test/csiproc"
 	"github.com/poolcsi/poolcsi/test/support/cephfs"
+	"github.com/poolcsi/poolcsi/test/support/mountns"
 )
 
 const mib = int64(1) << 20
 
-// TestMain tears down the CephFS once every test is done, if one was started.
-func TestMain(m *testing.M) { os.Exit(cephfs.Main(m)) }
+// TestMain runs the tests in a private mount namespace (test/support/mountns:
+// their lost-pool mounts, whose daemon is stopped for seconds, would otherwise
+// fail mkfs.btrfs anywhere on the machine meanwhile) and tears down the CephFS
+// once every test is done, if one was started.
+func TestMain(m *testing.M) {
+	mountns.Isolate()
+	os.Exit(cephfs.Main(m))
+}
 
 type env struct {
 	backend string
