@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -57,6 +58,13 @@ func realNode(t *testing.T) *grpc.ClientConn {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
+	// Serve listens on its own goroutine: the node is handed out once its socket
+	// answers (a first call failed with "no such file or directory" under load).
+	wctx, wcancel := context.WithTimeout(ctx, 30*time.Second)
+	defer wcancel()
+	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(wctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("the driver's socket never answered: %v", err)
+	}
 	return conn
 }
 
