@@ -86,11 +86,8 @@ type Pool struct {
 	// openWait bounds Open's wait for the filesystem (WithOpenWait);
 	// opened is what Open's layout found (OpenError).
 	openWait time.Duration
-	// awaitUntil is how long callers wait for an open still pending
-	// (awaitOpen); set before Open returns.
-	awaitUntil time.Time
-	opened     atomic.Pointer[openOutcome]
-	openDone   chan struct{} // closed when Open's layout returned
+	opened   atomic.Pointer[openOutcome]
+	openDone chan struct{} // closed when Open's layout returned
 }
 
 // Option sets up a pool at Open with what its configuration does not hold.
@@ -159,37 +156,22 @@ func Open(cfg Config, opts ...Option) (*Pool, error) {
 	select {
 	case <-p.openDone:
 	case <-time.After(p.openWait):
-		p.awaitUntil = time.Now().Add(p.openWait)
 	}
 	return p, nil
 }
 
-// awaitOpen waits for an Open whose layout had not returned, until the
-// open's wait has passed once more since Open returned: a filesystem that is
-// slow (a CephFS revoking another client's capabilities takes seconds) is
-// then used as soon as it answers, and one that hangs costs the callers of
-// that window a bounded wait, never the hang, and later callers none. Each
-// caller waiting the whole wait again made every pass over the pools at
-// start-up wait once per hung pool (three hung pools kept the CSI server
-// from answering for half a minute), and every Probe of a pool hung for
-// hours wait longer than the liveness probe's timeout.
+// awaitOpen waits, at most the open's wait again, for an Open whose layout
+// had not returned: a filesystem that is slow (a CephFS revoking another
+// client's capabilities takes seconds) is then used as soon as it answers,
+// and one that hangs costs each caller a bounded wait, never the hang.
 func (p *Pool) awaitOpen() error {
 	if !p.OpenPending() {
 		return nil
 	}
-	left := time.Until(p.awaitUntil)
-	if left <= 0 {
-		select {
-		case <-p.openDone:
-			return nil
-		default:
-			return p.OpenError()
-		}
-	}
 	select {
 	case <-p.openDone:
 		return nil
-	case <-time.After(left):
+	case <-time.After(p.openWait):
 		return p.OpenError()
 	}
 }
