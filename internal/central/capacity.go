@@ -35,9 +35,7 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	}
 	seg := req.GetAccessibleTopology().GetSegments()
 	if node, ok := seg[s.d.TopologyKey]; ok {
-		if w, ok := s.d.Nodes.(verdictWaiter); ok {
-			w.AwaitVerdict(ctx, node)
-		}
+		s.d.Nodes.AwaitVerdict(ctx, node)
 		pc, ok := s.livePool(node, cp.Pool)
 		if !ok {
 			return &csi.GetCapacityResponse{}, nil
@@ -63,12 +61,6 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 		}
 	}
 	return out, nil
-}
-
-// verdictWaiter is a Nodes that can wait until it can tell whether a node is live
-// (NodeView.AwaitVerdict).
-type verdictWaiter interface {
-	AwaitVerdict(ctx context.Context, node string)
 }
 
 // livePool is node's figures for poolName, if the node is live and the pool Ok.

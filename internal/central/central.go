@@ -89,6 +89,9 @@ type Nodes interface {
 	Pools(node string) []nodecall.PoolCapacity
 	// Synced says whether the view has its first full list (Probe is not ready before).
 	Synced() bool
+	// AwaitVerdict waits, at most until ctx ends, until Live can tell whether node is
+	// live (right after a start no node is: a first sighting is no change).
+	AwaitVerdict(ctx context.Context, node string)
 }
 
 // Hints names the node an ID was last known on (locate.go). A hint is only a hint: the

@@ -45,6 +45,9 @@ func (f *fakeNodes) Live(node string) (bool, time.Duration) {
 	return since < f.limit, since
 }
 
+// AwaitVerdict: this fake judges every node at once.
+func (f *fakeNodes) AwaitVerdict(context.Context, string) {}
+
 func (f *fakeNodes) StaleAfter() time.Duration {
 	f.mu.Lock()
 	defer f.mu.Unlock()
