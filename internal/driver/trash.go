@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"k8s.io/klog/v2"
@@ -39,7 +40,9 @@ func (t trashEmptier) Run(ctx context.Context) error {
 		for _, p := range t.pools() {
 			if all {
 				p.ServeTrash(signal)
-				served = appendNew(served, p)
+				if !slices.Contains(served, p) {
+					served = append(served, p)
+				}
 			}
 			if err := p.EmptyTrash(all); err != nil {
 				logger.Error(err, "Emptying a pool's trash", "pool", p.Name())
@@ -69,11 +72,3 @@ func (t trashEmptier) Run(ctx context.Context) error {
 	}
 }
 
-func appendNew(ps []*pool.Pool, p *pool.Pool) []*pool.Pool {
-	for _, q := range ps {
-		if q == p {
-			return ps
-		}
-	}
-	return append(ps, p)
-}
