@@ -71,4 +71,3 @@ func (t trashEmptier) Run(ctx context.Context) error {
 		}
 	}
 }
-
