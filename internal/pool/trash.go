@@ -25,6 +25,8 @@ type trashQueue struct {
 	mu       sync.Mutex
 	wake     func()   // nil: no emptier serves the pool; deletes empty it themselves
 	pending  []string // trash entries this process's deletes queued
+	// taken counts queued entries an EmptyTrash took and has not removed yet.
+	taken int
 }
 
 // served reports whether an emptier serves the pool now.
@@ -53,7 +55,23 @@ func (q *trashQueue) take() []string {
 	defer q.mu.Unlock()
 	names := q.pending
 	q.pending = nil
+	q.taken = len(names)
 	return names
+}
+
+// busy reports whether entries this process's deletes queued are not removed
+// yet (queued, or being removed).
+func (q *trashQueue) busy() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.pending) > 0 || q.taken > 0
+}
+
+// removed records that the entries take returned are removed (or failed).
+func (q *trashQueue) removed() {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.taken = 0
 }
 
 // ServeTrash makes wake the emptier of the pool's trash: a volume delete
@@ -78,6 +96,7 @@ func (p *Pool) EmptyTrash(all bool) error {
 	p.trash.emptying.Lock()
 	defer p.trash.emptying.Unlock()
 	queued := p.trash.take()
+	defer p.trash.removed()
 	if len(queued) == 0 && (!all || p.OpenPending()) {
 		// Nothing queued, or a pool whose filesystem has not answered yet
 		// (nothing of it was deleted here): no pass that could hang on it.
@@ -101,6 +120,10 @@ func (p *Pool) EmptyTrash(all bool) error {
 		}
 		removed = true
 	}
+	// What this process's deletes queued is gone: a settle no longer waits
+	// for this pass (a whole-trash pass may hang on a pool that stopped
+	// answering; a capacity decision must not hang behind it).
+	p.trash.removed()
 	if all {
 		des, err := trash.ReadDir(-1)
 		if err != nil {
@@ -154,5 +177,8 @@ func removeTrashEntry(dir, name string) error {
 // queued (the emptier runs within milliseconds of a delete) costs a mutex.
 // What it cannot remove stays for the emptier, which reports it.
 func (p *Pool) settleTrash() {
+	if !p.trash.busy() {
+		return
+	}
 	_ = p.EmptyTrash(false)
 }
