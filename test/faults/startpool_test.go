@@ -287,16 +287,7 @@ func TestFailedStartFencesBeforeItExits(t *testing.T) {
 		{"pool path refused", "pools:\n- name: bad\n  path: relative/dir\n"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			root := t.TempDir()
-			csiproc.CheckNoLeaks(t, root)
-			dir := filepath.Join(root, "pool")
-			if err := os.Mkdir(dir, 0o755); err != nil {
-				t.Fatal(err)
-			}
-			bin := csiproc.Binary(t)
-			if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
-				t.Fatalf("pool init: %v\n%s", err, out)
-			}
+			root, dir := sharedPoolDir(t)
 			state := filepath.Join(root, "state")
 			d := csiproc.Start(t, csiproc.Options{NodeID: "node-a", Pools: []string{"shared=" + dir + ",shared"},
 				Args: append([]string{"--state-dir=" + state}, startLeaseArgs...)})
@@ -317,7 +308,7 @@ func TestFailedStartFencesBeforeItExits(t *testing.T) {
 			cctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 			defer cancel()
 			start := time.Now()
-			out, err := exec.CommandContext(cctx, bin, args...).CombinedOutput()
+			out, err := exec.CommandContext(cctx, csiproc.Binary(t), args...).CombinedOutput()
 			if cctx.Err() != nil {
 				t.Fatalf("the failed start never exited\n%s", out)
 			}
@@ -417,16 +408,7 @@ func TestHungPoolsAtStartDoNotFenceTheHealthyOnes(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			root := t.TempDir()
-			csiproc.CheckNoLeaks(t, root)
-			dir := filepath.Join(root, "pool")
-			if err := os.Mkdir(dir, 0o755); err != nil {
-				t.Fatal(err)
-			}
-			bin := csiproc.Binary(t)
-			if out, err := exec.Command(bin, "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
-				t.Fatalf("pool init: %v\n%s", err, out)
-			}
+			root, dir := sharedPoolDir(t)
 			// Margin 8 s: the start-up fence fires 4 s after the start,
 			// and a hung pool's open wait is 2 s (three in a row: 6 s).
 			// Each pass over the pools at start then waits 2 s per hung
@@ -473,4 +455,20 @@ func signalAll(t *testing.T, daemons []*exec.Cmd, sig syscall.Signal) {
 			t.Errorf("signal %v to %s: %v", sig, d.Path, err)
 		}
 	}
+}
+
+// sharedPoolDir makes a temp root, checked for leaks after the test, with a
+// shared pool "shared" initialised at <root>/pool (not a mount point).
+func sharedPoolDir(t *testing.T) (root, dir string) {
+	t.Helper()
+	root = t.TempDir()
+	csiproc.CheckNoLeaks(t, root)
+	dir = filepath.Join(root, "pool")
+	if err := os.Mkdir(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", dir, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
+		t.Fatalf("pool init: %v\n%s", err, out)
+	}
+	return root, dir
 }
