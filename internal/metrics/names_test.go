@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -84,6 +85,7 @@ func (c *capturing) Unregister(prometheus.Collector) bool      { return false }
 type noNodes struct{}
 
 func (noNodes) Live(string) (bool, time.Duration)    { return false, 0 }
+func (noNodes) AwaitVerdict(context.Context, string) {}
 func (noNodes) Known() []string                      { return nil }
 func (noNodes) Pools(string) []nodecall.PoolCapacity { return nil }
 func (noNodes) Synced() bool                         { return true }
