@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -78,6 +79,7 @@ var errorCodes = []struct {
 	{os.ErrDeadlineExceeded, codes.DeadlineExceeded},
 	{pool.ErrUnavailable, codes.Unavailable},
 	{pool.ErrBusy, codes.Aborted},
+	{mount.ErrGrowUnderWay, codes.Aborted},
 	{pool.ErrInvalidID, codes.InvalidArgument},
 	{pool.ErrBadRange, codes.InvalidArgument},
 	{ErrInvalid, codes.InvalidArgument},

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
@@ -27,6 +28,9 @@ func TestGRPCErrorTable(t *testing.T) {
 		pool.ErrUnavailable: codes.Unavailable,
 		pool.ErrNotFound:    codes.NotFound,
 		pool.ErrBusy:        codes.Aborted,
+		// A growth the kernel still runs: the caller retries (the chaos
+		// test's kill during NodeExpandVolume answered INTERNAL).
+		mount.ErrGrowUnderWay: codes.Aborted,
 	}
 	// The driver's own classes, with the codes the statuses they replace had.
 	for s, c := range map[error]codes.Code{

@@ -63,7 +63,7 @@ type BlockDevices interface {
 	Size(device string) (int64, error)
 	ReadOnly(device string) (bool, error)
 	SetReadOnly(device string, readOnly bool) error
-	NeedResize(device, mountPath string) (bool, error)
+	NeedResize(ctx context.Context, device, mountPath string) (bool, error)
 	ResizeFS(ctx context.Context, device, mountPath string) error
 }
 

@@ -312,7 +312,7 @@ func (d imageLayout) ExpandNode(ctx context.Context, nv NodeVolume, req *csi.Nod
 			return nil, csierr.Failf(csierr.ErrState,
 				"volume %s is mounted read-only at %s: its filesystem cannot grow to %d bytes until the volume is staged read-write, which grows it", nv.ID, path, size)
 		}
-		need, err := d.Devs.NeedResize(dev, path)
+		need, err := d.Devs.NeedResize(ctx, dev, path)
 		if err != nil {
 			return nil, fmt.Errorf("volume %s: %w", nv.ID, err)
 		}

@@ -142,8 +142,8 @@ func (Devices) FilesystemSize(device string) (string, int64, error) { return Fil
 func (Devices) Size(device string) (int64, error)                   { return DeviceSize(device) }
 func (Devices) ReadOnly(device string) (bool, error)                { return DeviceReadOnly(device) }
 func (Devices) SetReadOnly(device string, readOnly bool) error      { return SetReadOnly(device, readOnly) }
-func (d Devices) NeedResize(device, mountPath string) (bool, error) {
-	return d.m.NeedResize(device, mountPath)
+func (d Devices) NeedResize(ctx context.Context, device, mountPath string) (bool, error) {
+	return d.m.NeedResize(ctx, device, mountPath)
 }
 func (d Devices) ResizeFS(ctx context.Context, device, mountPath string) error {
 	return d.m.ResizeFS(ctx, device, mountPath)

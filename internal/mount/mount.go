@@ -430,7 +430,10 @@ func removeEmpty(target string) error {
 
 // ResizeFS grows the filesystem on device to the device's size. ext4 can be
 // grown unmounted (mountPath "" or not a mount point): e2fsck -f runs first
-// because resize2fs insists on it. xfs and btrfs only grow mounted.
+// because resize2fs insists on it. xfs and btrfs only grow mounted; xfs
+// through its ioctl (xfsgrow.go says why not xfs_growfs). A growth that finds
+// another one of the same filesystem under way waits for it a bounded time,
+// then answers ErrGrowUnderWay.
 func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error {
 	fsType, err := DiskFormat(ctx, device)
 	if err != nil {
@@ -464,8 +467,20 @@ func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error 
 			return fmt.Errorf("resize %s: e2fsck: %w: %s", device, err, out)
 		}
 	}
-	r := mountutils.NewResizeFs(ctxExec{ctx: ctx, Interface: utilexec.New()})
-	if _, err := r.Resize(device, mountPath); err != nil {
+	err = waitForGrowth(ctx, device, func() error {
+		if fsType == "xfs" {
+			return m.growXFS(ctx, device, mountPath)
+		}
+		r := mountutils.NewResizeFs(ctxExec{ctx: ctx, Interface: utilexec.New()})
+		if _, err := r.Resize(device, mountPath); err != nil {
+			if growUnderWayOutput(err) {
+				return fmt.Errorf("%w: %w", ErrGrowUnderWay, err)
+			}
+			return err
+		}
+		return nil
+	})
+	if err != nil {
 		return fmt.Errorf("resize %s: %w", device, err)
 	}
 	klog.FromContext(ctx).V(2).Info("Resized filesystem", "device", device, "mountPath", mountPath, "fsType", fsType, "online", mounted)
@@ -473,10 +488,11 @@ func (m *Mounter) ResizeFS(ctx context.Context, device, mountPath string) error 
 }
 
 // NeedResize follows mount-utils: false on a read-only or blank device, a
-// size comparison for btrfs, and always true for ext4/xfs (their resize tools
-// are cheap no-ops when there is nothing to do).
-func (m *Mounter) NeedResize(device, mountPath string) (bool, error) {
-	need, err := mountutils.NewResizeFs(utilexec.New()).NeedResize(device, mountPath)
+// size comparison for btrfs, and always true for ext4/xfs (their growth is a
+// cheap no-op when there is nothing to do). Its tools (blockdev, blkid) read
+// the device, which waits as long as the pool under it does: ctx ends them.
+func (m *Mounter) NeedResize(ctx context.Context, device, mountPath string) (bool, error) {
+	need, err := mountutils.NewResizeFs(ctxExec{ctx: ctx, Interface: utilexec.New()}).NeedResize(device, mountPath)
 	if err != nil {
 		return false, fmt.Errorf("need resize %s: %w", device, err)
 	}

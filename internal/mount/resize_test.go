@@ -38,7 +38,7 @@ func TestOnlineResize(t *testing.T) {
 			if err := l.Refresh(dev); err != nil {
 				t.Fatal(err)
 			}
-			need, err := m.NeedResize(dev, target)
+			need, err := m.NeedResize(context.Background(), dev, target)
 			if err != nil || !need {
 				t.Fatalf("NeedResize = %t, %v; want true", need, err)
 			}

@@ -517,7 +517,7 @@ func (h *Host) SetReadOnly(dev string, readOnly bool) error {
 	return nil
 }
 
-func (h *Host) NeedResize(dev, mountPath string) (bool, error) {
+func (h *Host) NeedResize(_ context.Context, dev, mountPath string) (bool, error) {
 	if err := h.Faults.hit("NeedResize"); err != nil {
 		return false, err
 	}
