@@ -136,6 +136,14 @@ type Deps struct {
 	// does not (its agent not started) is only no candidate. Nil: every node without a
 	// PoolNode is taken to run one.
 	Rollout Rollout
+	// PlaceWithoutTopology lets a CreateVolume whose topology names no node go to any
+	// node with room (a clone or restore: its source's), as the CSI spec reads a missing
+	// requirement. Off, as --local-central runs, it is FAILED_PRECONDITION:
+	// csi-provisioner (--strict-topology) sends no topology only for a claim with no
+	// selected node of an Immediate class while --immediate-topology is false, i.e.
+	// node.localImmediateBinding false, which leaves such claims Pending for the user's
+	// own controller to place (docs/deploy.md), as the per-node provisioners did.
+	PlaceWithoutTopology bool
 	// Clock is the controller's clock (nil: the real one).
 	Clock clock.Clock
 }

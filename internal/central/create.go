@@ -40,6 +40,11 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 	// of a configured pool), so the call's target is the volume's ID.
 	id := pool.NewVolumeID(poolName, name).String()
 	requisite, preferred := s.topologyNodes(req.GetAccessibilityRequirements())
+	if len(requisite) == 0 && len(preferred) == 0 && !s.d.PlaceWithoutTopology {
+		// Not final: csi-provisioner retries, and once something sets the claim's
+		// selected-node, its topology is that node.
+		return nil, status.Errorf(codes.FailedPrecondition, "the create of %s names no node: a claim of an Immediate class gets none while node.localImmediateBinding is false (csi-provisioner --immediate-topology=false), and then stays Pending until volume.kubernetes.io/selected-node names its node; set node.localImmediateBinding to true to have such claims placed, or use a WaitForFirstConsumer class", name)
+	}
 
 	var node string
 	if src != nil {

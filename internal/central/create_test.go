@@ -456,3 +456,58 @@ func TestCreateVolumeMixedWindow(t *testing.T) {
 		})
 	}
 }
+
+// A CreateVolume that names no node: csi-provisioner sends one only for an Immediate
+// claim with no selected node while node.localImmediateBinding is false
+// (--immediate-topology=false), whose claims stay Pending, as the per-node layout left
+// them, for the user's own controller to place. The central controller placed them on
+// any node with room: the "as --local-central runs" cases failed (OK, a call made).
+func TestCreateVolumeWithoutTopology(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		name     string
+		anywhere bool
+		topology *csi.TopologyRequirement
+		source   bool // a clone of a volume on b
+		want     codes.Code
+		node     string
+	}{
+		{name: "as --local-central runs", want: codes.FailedPrecondition},
+		{name: "as --local-central runs, an empty requirement", topology: &csi.TopologyRequirement{}, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, segments without the node key",
+			topology: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z"}}}}, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, a clone", source: true, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, a selected node", topology: &csi.TopologyRequirement{Requisite: topo("b"), Preferred: topo("b")}, node: "b"},
+		{name: "anywhere allowed", anywhere: true, node: "a"},
+		{name: "anywhere allowed, a clone", anywhere: true, source: true, node: "b"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			e.s.d.PlaceWithoutTopology = c.anywhere
+			req := &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(),
+				Parameters: map[string]string{"pool": "local"}, AccessibilityRequirements: c.topology}
+			if c.source {
+				src := e.vol("b", "pvc-src")
+				e.hints.vol[src] = "b"
+				req.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: src}}}
+			}
+			_, err := e.ctrl().CreateVolume(ctx, req)
+			if codeOf(err) != c.want {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			made := e.world.made()
+			if err != nil {
+				if len(made) != 0 {
+					t.Errorf("calls made: %v", made)
+				}
+				if !strings.Contains(err.Error(), "node.localImmediateBinding") {
+					t.Errorf("message %q does not name the value", err)
+				}
+				return
+			}
+			if last := made[len(made)-1]; last.node != c.node || last.method != "CreateVolume" {
+				t.Errorf("created by %v; want on %s", last, c.node)
+			}
+		})
+	}
+}
