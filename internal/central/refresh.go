@@ -4,7 +4,9 @@ import (
 	"context"
 	"fmt"
 	"maps"
+	"slices"
 	"sync"
+	"time"
 
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -45,6 +47,7 @@ type CapacityRefresh struct {
 	pending map[string]int  // node → looks left
 	due     map[string]bool // nodes with an event not looked at yet
 	kick    chan struct{}
+	gap     time.Duration
 }
 
 // RefreshDeps is what CapacityRefresh acts through.
@@ -63,7 +66,7 @@ type RefreshDeps struct {
 
 // NewCapacityRefresh returns the refresher of d.View's nodes, registered on it.
 func NewCapacityRefresh(d RefreshDeps) *CapacityRefresh {
-	r := &CapacityRefresh{d: d, pending: map[string]int{}, due: map[string]bool{}, kick: make(chan struct{}, 1)}
+	r := &CapacityRefresh{d: d, pending: map[string]int{}, due: map[string]bool{}, kick: make(chan struct{}, 1), gap: refreshGap}
 	d.View.OnChange(r.changed)
 	return r
 }
@@ -85,6 +88,11 @@ func (r *CapacityRefresh) changed(node string, rose bool) {
 	}
 }
 
+// refreshGap is the least time between two looks: one look lists the objects of every
+// node with an event since the last, so the heartbeats of a controller's start (every
+// node's first change is a rise) cost one list a second, not one per node.
+const refreshGap = time.Second
+
 // Run looks at the nodes made servable again until ctx ends.
 func (r *CapacityRefresh) Run(ctx context.Context) error {
 	for {
@@ -94,50 +102,63 @@ func (r *CapacityRefresh) Run(ctx context.Context) error {
 		case <-r.kick:
 			r.drain(ctx)
 		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(r.gap):
+		}
 	}
 }
 
-// drain looks once at each node with an event not looked at yet.
+// drain looks once at the nodes with an event not looked at yet.
 func (r *CapacityRefresh) drain(ctx context.Context) {
 	r.mu.Lock()
-	due := r.due
+	due := slices.Sorted(maps.Keys(r.due))
 	r.due = map[string]bool{}
 	r.mu.Unlock()
-	for node := range due {
-		n, err := r.Once(ctx, node)
-		if err != nil {
-			klog.FromContext(ctx).Error(err, "Not refreshing the capacity of a node back", "node", node)
-		}
-		r.mu.Lock()
+	if len(due) == 0 {
+		return
+	}
+	deleted, err := r.Once(ctx, due...)
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "Not refreshing the capacity of nodes that serve again", "nodes", due)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, node := range due {
 		left := r.pending[node] - 1
-		if (err == nil && n == 0) || left <= 0 {
+		if (err == nil && deleted[node] == 0) || left <= 0 {
 			delete(r.pending, node)
 		} else {
 			r.pending[node] = left
 		}
-		r.mu.Unlock()
 	}
 }
 
-// Once deletes the central provisioner's CSIStorageCapacity objects of node that say 0
-// while GetCapacity would answer more for their class now, and says how many went.
-func (r *CapacityRefresh) Once(ctx context.Context, node string) (int, error) {
+// Once deletes the central provisioner's CSIStorageCapacity objects of nodes that say 0
+// while GetCapacity would answer more for their class now, and says how many went of
+// each node. One list serves every node.
+func (r *CapacityRefresh) Once(ctx context.Context, nodes ...string) (map[string]int, error) {
 	list, err := r.d.Client.StorageV1().CSIStorageCapacities(r.d.Namespace).List(ctx, metav1.ListOptions{
 		LabelSelector: labels.SelectorFromSet(labels.Set{migrateDriverLabel: r.d.Driver, migrateManagedByLabel: migrateManagedByBase}).String(),
 	})
 	if err != nil {
-		return 0, fmt.Errorf("list CSIStorageCapacities of %s: %w", r.d.Driver, err)
+		return nil, fmt.Errorf("list CSIStorageCapacities of %s: %w", r.d.Driver, err)
 	}
 	classes := map[string]*storagev1.StorageClass{}
-	deleted := 0
+	deleted := map[string]int{}
 	var firstErr error
 	for i := range list.Items {
 		c := &list.Items[i]
+		node, ok := r.nodeOf(c.NodeTopology)
+		if !ok || !slices.Contains(nodes, node) {
+			continue
+		}
 		// The label selector is the server's; the reader checks it again. A per-node
 		// provisioner's objects (managed-by external-provisioner-<node>) are the
 		// migration's.
 		if c.Labels[migrateDriverLabel] != r.d.Driver || c.Labels[migrateManagedByLabel] != migrateManagedByBase ||
-			!r.selects(c.NodeTopology, node) || (c.Capacity != nil && c.Capacity.Sign() > 0) {
+			(c.Capacity != nil && c.Capacity.Sign() > 0) {
 			continue
 		}
 		sc, seen := classes[c.StorageClassName]
@@ -167,7 +188,7 @@ func (r *CapacityRefresh) Once(ctx context.Context, node string) (int, error) {
 		})
 		switch {
 		case err == nil:
-			deleted++
+			deleted[node]++
 			klog.FromContext(ctx).Info("Deleted a CSIStorageCapacity at 0 of a node that serves again, for the provisioner to ask GetCapacity again now",
 				"name", c.Name, "node", node, "storageClass", c.StorageClassName, "pool", cp.Pool)
 		case apierrors.IsNotFound(err), apierrors.IsConflict(err):
@@ -180,8 +201,12 @@ func (r *CapacityRefresh) Once(ctx context.Context, node string) (int, error) {
 	return deleted, firstErr
 }
 
-// selects says whether sel is csi-provisioner's segment of node: the node key alone, the
-// only key a local node registers.
-func (r *CapacityRefresh) selects(sel *metav1.LabelSelector, node string) bool {
-	return sel != nil && len(sel.MatchExpressions) == 0 && maps.Equal(sel.MatchLabels, map[string]string{r.d.TopologyKey: node})
+// nodeOf is the node whose csi-provisioner segment sel is: the node key alone, the only
+// key a local node registers.
+func (r *CapacityRefresh) nodeOf(sel *metav1.LabelSelector) (string, bool) {
+	if sel == nil || len(sel.MatchExpressions) != 0 || len(sel.MatchLabels) != 1 {
+		return "", false
+	}
+	node, ok := sel.MatchLabels[r.d.TopologyKey]
+	return node, ok && node != ""
 }

@@ -164,6 +164,7 @@ func TestCapacityRefreshRun(t *testing.T) {
 	view := NewNodeView(cache.NewSharedIndexInformer(&cache.ListWatch{}, &unstructured.Unstructured{}, 0, cache.Indexers{}), 0, clk)
 	r := NewCapacityRefresh(RefreshDeps{Client: client, Namespace: migrateNS, Driver: migrateLocalDriver, TopologyKey: refreshKey,
 		Params: params.Config{Pools: []string{"local"}}, View: view})
+	r.gap = time.Millisecond
 	done := make(chan struct{})
 	go func() { _ = r.Run(ctx); close(done) }()
 	defer func() { cancel(); <-done }()
@@ -220,4 +221,35 @@ func refreshPoolNode(t *testing.T, node string, rv int, pools []nodecall.PoolCap
 		t.Fatal(err)
 	}
 	return u
+}
+
+// One look lists the objects once for every node with an event since the last: a
+// controller's start, when every node's first change is a rise, costs one list, not one
+// per node.
+func TestCapacityRefreshOneList(t *testing.T) {
+	ctx := context.Background()
+	client := fake.NewClientset(refreshClass("local", "local"), refreshObject("a-local", "local", "a", 0, nil), refreshObject("b-local", "local", "b", 0, nil))
+	view := NewNodeView(cache.NewSharedIndexInformer(&cache.ListWatch{}, &unstructured.Unstructured{}, 0, cache.Indexers{}), 0, clocktesting.NewFakeClock(time.Now()))
+	r := NewCapacityRefresh(RefreshDeps{Client: client, Namespace: migrateNS, Driver: migrateLocalDriver, TopologyKey: refreshKey,
+		Params: params.Config{Pools: []string{"local"}}, View: view})
+	pools := []nodecall.PoolCapacity{{Name: "local", AvailableBytes: 1 << 30, Condition: nodecall.PoolOk}}
+	for _, node := range []string{"a", "b"} {
+		view.observe(refreshPoolNode(t, node, 1, pools))
+		view.observe(refreshPoolNode(t, node, 2, pools))
+	}
+	client.ClearActions()
+	r.drain(ctx)
+	lists := 0
+	for _, a := range client.Actions() {
+		if a.GetVerb() == "list" && a.GetResource().Resource == "csistoragecapacities" {
+			lists++
+		}
+	}
+	l, err := client.StorageV1().CSIStorageCapacities(migrateNS).List(ctx, metav1.ListOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lists != 1 || len(l.Items) != 0 {
+		t.Errorf("%d lists, %d objects left; want 1, 0", lists, len(l.Items))
+	}
 }
