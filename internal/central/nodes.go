@@ -137,7 +137,7 @@ func (v *NodeView) servable(s sighting) map[string]bool {
 // lock, from the informer's goroutine: f must not block). rose says that the event
 // made GetCapacity answer more than 0 for a pool of node for which it answered 0 just
 // before: the node live again (a first heartbeat after it went stale, or the first
-// one this process sees), or a pool Ok again or with room again. csi-provisioner
+// change of its PoolNode this process sees), or a pool Ok again or with room again. csi-provisioner
 // asks GetCapacity only once per poll (a minute): CapacityRefresh uses rose to make it
 // ask again at once.
 func (v *NodeView) OnChange(f func(node string, rose bool)) {
