@@ -205,13 +205,19 @@ func (o *serveOptions) newCentral(cl centralClients, namespace string, pools []s
 		Name: o.DriverName, Version: buildVersion(), TopologyKey: poolset.TopologyKey,
 		Params: params.Config{Pools: pools},
 		Calls:  channel, Nodes: nodes, Hints: hints, Clock: clk,
+		// The node pods of the release: which nodes still run the per-node provisioner.
+		Rollout: central.PodRollout{Client: cl.Kube, Namespace: namespace},
 	})
 	migration := &central.CapacityMigration{Client: cl.Kube, Namespace: namespace, Driver: o.DriverName, Nodes: nodes}
+	// A node that serves again has the central provisioner's objects at 0 re-made now,
+	// not at its next poll.
+	refresh := central.NewCapacityRefresh(central.RefreshDeps{Client: cl.Kube, Namespace: namespace, Driver: o.DriverName,
+		TopologyKey: poolset.TopologyKey, Params: params.Config{Pools: pools}, View: nodes})
 	sweeper := central.NewSweeper(store, calls, clk)
 	sweeper.Metrics = cm
 	c.server = server
 	c.informers = []runner.Runner{informerRunner(calls), informerRunner(poolNodes), hints}
-	c.beside = []runner.Runner{sweeper, migration}
+	c.beside = []runner.Runner{sweeper, migration, refresh}
 	return c, nil
 }
 

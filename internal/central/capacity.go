@@ -36,7 +36,7 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	seg := req.GetAccessibleTopology().GetSegments()
 	if node, ok := seg[s.d.TopologyKey]; ok {
 		s.d.Nodes.AwaitVerdict(ctx, node)
-		pc, ok := s.livePool(node, cp.Pool)
+		pc, ok := livePool(s.d.Nodes, node, cp.Pool)
 		if !ok {
 			return &csi.GetCapacityResponse{}, nil
 		}
@@ -47,7 +47,7 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 	}
 	out := &csi.GetCapacityResponse{}
 	for _, node := range s.d.Nodes.Known() {
-		pc, ok := s.livePool(node, cp.Pool)
+		pc, ok := livePool(s.d.Nodes, node, cp.Pool)
 		if !ok {
 			continue
 		}
@@ -64,11 +64,11 @@ func (s controllerServer) GetCapacity(ctx context.Context, req *csi.GetCapacityR
 }
 
 // livePool is node's figures for poolName, if the node is live and the pool Ok.
-func (s *Server) livePool(node, poolName string) (nodecall.PoolCapacity, bool) {
-	if live, _ := s.d.Nodes.Live(node); !live {
+func livePool(nodes Nodes, node, poolName string) (nodecall.PoolCapacity, bool) {
+	if live, _ := nodes.Live(node); !live {
 		return nodecall.PoolCapacity{}, false
 	}
-	pc, ok := poolOf(s.d.Nodes.Pools(node), poolName)
+	pc, ok := poolOf(nodes.Pools(node), poolName)
 	if !ok || pc.Condition != nodecall.PoolOk {
 		return nodecall.PoolCapacity{}, false
 	}

@@ -110,6 +110,15 @@ type Hints interface {
 	Synced() bool
 }
 
+// Rollout tells whether a node still runs the per-node layout's provisioner, which
+// takes Immediate claims too (docs/design/central-controller.md §8 item 3; rollout.go).
+type Rollout interface {
+	// PerNodeProvisioner names a pod on node that runs the per-node layout's
+	// csi-provisioner and whose containers may still run (terminating counts), "" when
+	// there is none.
+	PerNodeProvisioner(ctx context.Context, node string) (pod string, err error)
+}
+
 // Deps is what the server acts through.
 type Deps struct {
 	// Name and Version are the local driver's, as its node plugins register them.
@@ -122,6 +131,19 @@ type Deps struct {
 	Calls  Caller
 	Nodes  Nodes
 	Hints  Hints
+	// Rollout tells the nodes of an Immediate claim's topology that have no PoolNode
+	// apart: one that still runs the per-node provisioner holds the claim back, one that
+	// does not (its agent not started) is only no candidate. Nil: every node without a
+	// PoolNode is taken to run one.
+	Rollout Rollout
+	// PlaceWithoutTopology lets a CreateVolume whose topology names no node go to any
+	// node with room (a clone or restore: its source's), as the CSI spec reads a missing
+	// requirement. Off, as --local-central runs, it is FAILED_PRECONDITION:
+	// csi-provisioner (--strict-topology) sends no topology only for a claim with no
+	// selected node of an Immediate class while --immediate-topology is false, i.e.
+	// node.localImmediateBinding false, which leaves such claims Pending for the user's
+	// own controller to place (docs/deploy.md), as the per-node provisioners did.
+	PlaceWithoutTopology bool
 	// Clock is the controller's clock (nil: the real one).
 	Clock clock.Clock
 }

@@ -40,6 +40,11 @@ func (s controllerServer) CreateVolume(ctx context.Context, req *csi.CreateVolum
 	// of a configured pool), so the call's target is the volume's ID.
 	id := pool.NewVolumeID(poolName, name).String()
 	requisite, preferred := s.topologyNodes(req.GetAccessibilityRequirements())
+	if len(requisite) == 0 && len(preferred) == 0 && !s.d.PlaceWithoutTopology {
+		// Not final: csi-provisioner retries, and once something sets the claim's
+		// selected-node, its topology is that node.
+		return nil, status.Errorf(codes.FailedPrecondition, "the create of %s names no node: a claim of an Immediate class gets none while node.localImmediateBinding is false (csi-provisioner --immediate-topology=false), and then stays Pending until volume.kubernetes.io/selected-node names its node; set node.localImmediateBinding to true to have such claims placed, or use a WaitForFirstConsumer class", name)
+	}
 
 	var node string
 	if src != nil {
@@ -227,7 +232,7 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 	if len(requisite) == 1 {
 		return requisite[0], nil
 	}
-	if err := s.notMixed(requisite); err != nil {
+	if err := s.notMixed(ctx, requisite); err != nil {
 		return "", err
 	}
 	candidates := s.holders(poolName, "")
@@ -283,30 +288,53 @@ func (s *Server) placeNew(ctx context.Context, id, poolName string, required int
 }
 
 // notMixed refuses to place an Immediate claim (no selected node) while a node of its
-// topology has no PoolNode at all (docs/design/central-controller.md §8, item 3).
-// csi-provisioner's requisite for such a claim is every Node labelled with the driver's
-// topology key, which the driver's registration there sets (or the class's
-// allowedTopologies), so a node in it that never wrote a
-// PoolNode is one the DaemonSet has not rolled yet: it still runs its per-node
-// provisioner, which races for Immediate claims (--node-deployment-immediate-binding)
-// and would make the same claim's volume there while this one makes it on a rolled
-// node. UNAVAILABLE is not final for csi-provisioner: it retries the claim, which the
-// node's own provisioner takes meanwhile (its selected-node makes the requisite that
-// node alone, answered by the Caller), or which this one places once every node has
-// rolled. A PoolNode that is stale (a rolled node that is down) does not count: no
+// topology still runs the per-node layout's provisioner (docs/design/central-controller.md
+// §8, item 3). csi-provisioner's requisite for such a claim is every Node labelled with
+// the driver's topology key, which the driver's registration there sets (or the class's
+// allowedTopologies). A node in it with a PoolNode has rolled: its pod runs the agent,
+// and no per-node provisioner. One without may not have: its per-node provisioner races
+// for Immediate claims (--node-deployment-immediate-binding) and would make the same
+// claim's volume there while this one makes it on a rolled node. Rollout tells such a
+// node apart from one whose new pod runs but whose agent never wrote a PoolNode (or
+// that runs no poolcsi pod at all): only the first holds the claim back, the second is
+// only no candidate (it has no PoolNode), so a node whose agent does not start does
+// not hold every Immediate claim back for ever. Without a Rollout, or when it cannot
+// tell, the node is taken to run one: two provisioners must never both create a
+// volume for one claim, while waiting costs only Immediate claims.
+//
+// UNAVAILABLE is not final for csi-provisioner: it retries the claim, which the node's
+// own provisioner takes meanwhile (its selected-node makes the requisite that node
+// alone, answered by the Caller), or which this one places once that node's pod is
+// replaced. A PoolNode that is stale (a rolled node that is down) does not count: no
 // per-node provisioner runs there, and the probes below cover the volume it may hold.
-func (s *Server) notMixed(requisite []string) error {
+// One look-up per node without a PoolNode, up to the first that holds the claim back.
+func (s *Server) notMixed(ctx context.Context, requisite []string) error {
 	known := s.d.Nodes.Known()
-	var old []string
+	var unrolled []string
 	for _, n := range requisite {
 		if !slices.Contains(known, n) {
-			old = append(old, n)
+			unrolled = append(unrolled, n)
 		}
 	}
-	if len(old) == 0 {
+	if len(unrolled) == 0 {
 		return nil
 	}
-	return status.Errorf(codes.Unavailable, "nodes %s of this claim's topology have no PoolNode: during the upgrade to the central controller they still run their own provisioner, which takes Immediate claims; this claim is placed once they have rolled (or once a node that is gone is deleted or left out of the class's allowedTopologies)", strings.Join(old, ", "))
+	const remedy = "the central controller places no Immediate claim while a per-node provisioner may take it too. " +
+		"Finish the node DaemonSet's roll (kubectl rollout status daemonset); a node that is gone for good: delete its Node object " +
+		"(or leave it out of the class's allowedTopologies); a pod left Terminating on a node that is down for good: delete that pod"
+	if s.d.Rollout == nil {
+		return status.Errorf(codes.Unavailable, "nodes %s of this claim's topology have no PoolNode, so they may still run the per-node provisioner, which takes Immediate claims: %s", strings.Join(unrolled, ", "), remedy)
+	}
+	for _, n := range unrolled {
+		pod, err := s.d.Rollout.PerNodeProvisioner(ctx, n)
+		if err != nil {
+			return status.Errorf(codes.Unavailable, "node %s of this claim's topology has no PoolNode, and whether it still runs the per-node provisioner is unknown (%v): %s", n, err, remedy)
+		}
+		if pod != "" {
+			return status.Errorf(codes.Unavailable, "node %s of this claim's topology still runs the per-node provisioner (pod %s), which takes Immediate claims; its pod has not been replaced by the central layout's yet: %s", n, pod, remedy)
+		}
+	}
+	return nil
 }
 
 func poolOf(pools []nodecall.PoolCapacity, name string) (nodecall.PoolCapacity, bool) {

@@ -2,6 +2,8 @@ package central
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"slices"
 	"strings"
 	"testing"
@@ -9,6 +11,11 @@ import (
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/protobuf/proto"
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/pool"
@@ -369,5 +376,138 @@ func TestAnswerHeldToTheAsk(t *testing.T) {
 		if _, err := e.ctrl().CreateSnapshot(ctx, snapReq); codeOf(err) != codes.Internal {
 			t.Errorf("snapshot answered with %s: %v, want INTERNAL", name, err)
 		}
+	}
+}
+
+// The upgrade's mixed window ends, node by node, when a node of an Immediate claim's
+// topology that has no PoolNode no longer runs the per-node provisioner (its pod
+// replaced by the DaemonSet's roll), not when it gets a PoolNode: a node whose new pod
+// runs but whose agent never starts held every Immediate claim back for ever. Before
+// PodRollout, "the new pod's agent never started", "an evicted old pod" and "no pod at
+// all" failed (UNAVAILABLE).
+func TestCreateVolumeMixedWindow(t *testing.T) {
+	ctx := context.Background()
+	id := pool.NewVolumeID("local", "pvc-1").String()
+	pod := func(name, node string, mod func(*corev1.Pod), containers ...corev1.Container) *corev1.Pod {
+		p := &corev1.Pod{ObjectMeta: metav1.ObjectMeta{Namespace: "poolcsi", Name: name},
+			Spec: corev1.PodSpec{NodeName: node, Containers: containers}, Status: corev1.PodStatus{Phase: corev1.PodRunning}}
+		if mod != nil {
+			mod(p)
+		}
+		return p
+	}
+	agent := corev1.Container{Name: "poolcsi-local", Args: []string{"serve", "--local-agent"}}
+	old := corev1.Container{Name: "csi-provisioner-local", Args: []string{"--node-deployment", "--node-deployment-immediate-binding=true"}}
+	renamed := corev1.Container{Name: "provisioner", Args: []string{"--node-deployment", "--node-deployment-immediate-binding=true"}}
+	for _, c := range []struct {
+		name    string
+		pods    []runtime.Object
+		nilRoll bool  // no Rollout: every node without a PoolNode counts as not rolled
+		fail    error // the pod list fails
+		want    codes.Code
+		node    string // where CreateVolume went
+		message string // in the error
+	}{
+		{name: "d still runs the per-node provisioner", pods: []runtime.Object{pod("node-d", "d", nil, agent, old)},
+			want: codes.Unavailable, message: "node d of this claim's topology still runs the per-node provisioner (pod poolcsi/node-d)"},
+		{name: "a renamed per-node provisioner", pods: []runtime.Object{pod("node-d", "d", nil, agent, renamed)},
+			want: codes.Unavailable, message: "pod poolcsi/node-d"},
+		{name: "its pod terminating", pods: []runtime.Object{pod("node-d", "d", func(p *corev1.Pod) {
+			now := metav1.Now()
+			p.DeletionTimestamp = &now
+		}, agent, old)}, want: codes.Unavailable, message: "pod poolcsi/node-d"},
+		{name: "the new pod's agent never started", pods: []runtime.Object{pod("node-d", "d", nil, agent)}, node: "c"},
+		{name: "an evicted old pod", pods: []runtime.Object{pod("node-d", "d", func(p *corev1.Pod) { p.Status.Phase = corev1.PodFailed }, agent, old)}, node: "c"},
+		{name: "no pod at all", node: "c"},
+		{name: "another node's old pod", pods: []runtime.Object{pod("node-e", "e", nil, agent, old)}, node: "c"},
+		{name: "another namespace's pod", pods: []runtime.Object{func() *corev1.Pod {
+			p := pod("node-d", "d", nil, agent, old)
+			p.Namespace = "other"
+			return p
+		}()}, node: "c"},
+		{name: "the pods unknown", fail: errors.New("forbidden"), want: codes.Unavailable, message: "forbidden"},
+		{name: "no Rollout", nilRoll: true, want: codes.Unavailable, message: "nodes d of this claim's topology have no PoolNode"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			client := fake.NewClientset(c.pods...)
+			if c.fail != nil {
+				client.PrependReactor("list", "pods", func(k8stesting.Action) (bool, runtime.Object, error) { return true, nil, c.fail })
+			}
+			if !c.nilRoll {
+				e.s.d.Rollout = PodRollout{Client: client, Namespace: "poolcsi"}
+			}
+			resp, err := e.ctrl().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(),
+				Parameters:                map[string]string{"pool": "local"},
+				AccessibilityRequirements: &csi.TopologyRequirement{Requisite: topo("a", "b", "c", "d"), Preferred: topo("d", "c", "a", "b")}})
+			if codeOf(err) != c.want || !strings.Contains(fmt.Sprint(err), c.message) {
+				t.Fatalf("got %v, want %v with %q", err, c.want, c.message)
+			}
+			if err != nil {
+				if made := e.world.made(); len(made) != 0 {
+					t.Errorf("calls made: %v", made)
+				}
+				return
+			}
+			calls := e.world.made()
+			if last := calls[len(calls)-1]; last.node != c.node || last.method != "CreateVolume" || resp.GetVolume().GetVolumeId() != id {
+				t.Errorf("created by %v; want on %s", last, c.node)
+			}
+		})
+	}
+}
+
+// A CreateVolume that names no node: csi-provisioner sends one only for an Immediate
+// claim with no selected node while node.localImmediateBinding is false
+// (--immediate-topology=false), whose claims stay Pending, as the per-node layout left
+// them, for the user's own controller to place. The central controller placed them on
+// any node with room: the "as --local-central runs" cases failed (OK, a call made).
+func TestCreateVolumeWithoutTopology(t *testing.T) {
+	ctx := context.Background()
+	for _, c := range []struct {
+		name     string
+		anywhere bool
+		topology *csi.TopologyRequirement
+		source   bool // a clone of a volume on b
+		want     codes.Code
+		node     string
+	}{
+		{name: "as --local-central runs", want: codes.FailedPrecondition},
+		{name: "as --local-central runs, an empty requirement", topology: &csi.TopologyRequirement{}, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, segments without the node key",
+			topology: &csi.TopologyRequirement{Requisite: []*csi.Topology{{Segments: map[string]string{"zone": "z"}}}}, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, a clone", source: true, want: codes.FailedPrecondition},
+		{name: "as --local-central runs, a selected node", topology: &csi.TopologyRequirement{Requisite: topo("b"), Preferred: topo("b")}, node: "b"},
+		{name: "anywhere allowed", anywhere: true, node: "a"},
+		{name: "anywhere allowed, a clone", anywhere: true, source: true, node: "b"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newSrvEnv()
+			e.s.d.PlaceWithoutTopology = c.anywhere
+			req := &csi.CreateVolumeRequest{Name: "pvc-1", VolumeCapabilities: mountCap(),
+				Parameters: map[string]string{"pool": "local"}, AccessibilityRequirements: c.topology}
+			if c.source {
+				src := e.vol("b", "pvc-src")
+				e.hints.vol[src] = "b"
+				req.VolumeContentSource = &csi.VolumeContentSource{Type: &csi.VolumeContentSource_Volume{Volume: &csi.VolumeContentSource_VolumeSource{VolumeId: src}}}
+			}
+			_, err := e.ctrl().CreateVolume(ctx, req)
+			if codeOf(err) != c.want {
+				t.Fatalf("got %v, want %v", err, c.want)
+			}
+			made := e.world.made()
+			if err != nil {
+				if len(made) != 0 {
+					t.Errorf("calls made: %v", made)
+				}
+				if !strings.Contains(err.Error(), "node.localImmediateBinding") {
+					t.Errorf("message %q does not name the value", err)
+				}
+				return
+			}
+			if last := made[len(made)-1]; last.node != c.node || last.method != "CreateVolume" {
+				t.Errorf("created by %v; want on %s", last, c.node)
+			}
+		})
 	}
 }

@@ -317,7 +317,7 @@ func newSrvEnv(nodes ...string) *srvEnv {
 	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, pending: map[[2]string]string{}, underway: map[[2]string]string{}}
 	h := newSrvHints()
 	s := NewServer(Deps{Name: "local.poolcsi.io", Version: "test", TopologyKey: testKey,
-		Params: params.Config{Pools: []string{"fast", "local"}}, Calls: w, Nodes: n, Hints: h})
+		Params: params.Config{Pools: []string{"fast", "local"}}, Calls: w, Nodes: n, Hints: h, PlaceWithoutTopology: true})
 	return &srvEnv{s: s, nodes: n, hints: h, world: w}
 }
 

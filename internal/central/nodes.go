@@ -33,6 +33,8 @@ type NodeView struct {
 	made time.Time
 	// wake is closed, and replaced, at each event: AwaitVerdict's waiters look again.
 	wake chan struct{}
+	// listeners are told of each event, after the view has taken it (OnChange).
+	listeners []func(node string, rose bool)
 }
 
 // sighting is what this process last saw of one PoolNode.
@@ -78,8 +80,8 @@ func (v *NodeView) observe(obj any) {
 	n, err := nodecall.NodeFrom(u)
 	name := u.GetName()
 	v.mu.Lock()
-	defer v.mu.Unlock()
 	s, known := v.seen[name]
+	before := v.servable(s)
 	rv := u.GetResourceVersion()
 	if known && rv != s.rv {
 		s.changed = v.clk.Now()
@@ -103,6 +105,45 @@ func (v *NodeView) observe(obj any) {
 		s.pools = nil
 	}
 	v.seen[name] = s
+	rose := false
+	for p := range v.servable(s) {
+		if !before[p] {
+			rose = true
+		}
+	}
+	listeners := v.listeners
+	v.mu.Unlock()
+	for _, f := range listeners {
+		f(name, rose)
+	}
+}
+
+// servable is the pools of s for which GetCapacity answers more than 0 now: the node
+// live, the pool Ok with bytes available. v.mu is held.
+func (v *NodeView) servable(s sighting) map[string]bool {
+	if s.changed.IsZero() || v.clk.Since(s.changed) >= v.staleAfter {
+		return nil
+	}
+	out := map[string]bool{}
+	for _, p := range s.pools {
+		if p.Condition == nodecall.PoolOk && p.AvailableBytes > 0 {
+			out[p.Name] = true
+		}
+	}
+	return out
+}
+
+// OnChange registers f, called after each event of a PoolNode (never under the view's
+// lock, from the informer's goroutine: f must not block). rose says that the event
+// made GetCapacity answer more than 0 for a pool of node for which it answered 0 just
+// before: the node live again (a first heartbeat after it went stale, or the first
+// change of its PoolNode this process sees), or a pool Ok again or with room again. csi-provisioner
+// asks GetCapacity only once per poll (a minute): CapacityRefresh uses rose to make it
+// ask again at once.
+func (v *NodeView) OnChange(f func(node string, rose bool)) {
+	v.mu.Lock()
+	v.listeners = append(slices.Clip(v.listeners), f)
+	v.mu.Unlock()
 }
 
 func (v *NodeView) forget(obj any) {

@@ -118,7 +118,9 @@ func runCentralSanity(t *testing.T, mode string) {
 	// timers never fire, and the nodes stay live; every call ends with its answer.
 	s := central.NewServer(central.Deps{Name: centraltest.DriverName, Version: "test", TopologyKey: topologyKey,
 		Params: params.Config{Pools: []string{centraltest.Pool}},
-		Calls:  c.Channel, Nodes: c.Nodes, Hints: &learntHints{m: map[string]string{}}, Clock: c.Clock})
+		Calls:  c.Channel, Nodes: c.Nodes, Hints: &learntHints{m: map[string]string{}}, Clock: c.Clock,
+		// The suite's creates name no topology.
+		PlaceWithoutTopology: true})
 	root := t.TempDir()
 	cfg := sanity.NewTestConfig()
 	cfg.ControllerAddress = serveCentral(t, s)

@@ -273,6 +273,7 @@ func TestLocalControllerRBAC(t *testing.T) {
 		{"apps", "deployments", "get"},
 		{"apps", "replicasets", "get"},
 		{"", "pods", "get"},
+		{"", "pods", "list"},
 	} {
 		if !grants(role.Rules, g.group, g.resource, g.verb) {
 			t.Errorf("the local controller's Role lacks %s %s/%s", g.verb, g.group, g.resource)
