@@ -157,7 +157,25 @@ func TestFormatWithDeadFUSEMount(t *testing.T) {
 // namespace.
 func TestMkfsStillRefusesMounted(t *testing.T) {
 	requireLoops(t, "mkfs.ext4", "mkfs.xfs", "mkfs.btrfs", "mount", "umount", "losetup")
-	deadFUSELoop(t)
+	t.Run("dead FUSE", func(t *testing.T) {
+		deadFUSELoop(t)
+		mkfsRefusesMounted(t, func() {})
+	})
+	t.Run("hung FUSE", func(t *testing.T) {
+		fuse, daemon := pausedFUSE(t, t.TempDir())
+		grownXFS(t, newLoops(t), NewMounter(), filepath.Join(fuse, "disk.img"))
+		// The targets are mounted first: mount(8) and losetup(8) ask every
+		// loop device for its backing file, which a hung pool's never
+		// answers.
+		mkfsRefusesMounted(t, func() { stop(t, daemon) })
+	})
+}
+
+// mkfsRefusesMounted mounts a target of each case, calls hang, and then
+// expects each mkfs refused.
+func mkfsRefusesMounted(t *testing.T, hang func()) {
+	type target struct{ name, fs, path string }
+	var targets []target
 	for _, tc := range []struct {
 		fs     string
 		device bool
@@ -170,23 +188,29 @@ func TestMkfsStillRefusesMounted(t *testing.T) {
 		if tc.device {
 			name = tc.fs + "/device"
 		}
-		t.Run(name, func(t *testing.T) {
-			dir := t.TempDir()
-			testutil.LoopFS(t, dir, tc.fs, MinSize(tc.fs))
-			target := filepath.Join(dir, tc.fs+".img")
-			if tc.device {
-				out, err := exec.Command("losetup", "-j", target).Output()
-				dev, _, ok := strings.Cut(string(out), ":")
-				if err != nil || !ok {
-					t.Fatalf("losetup -j %s: %v, %q", target, err, out)
-				}
-				target = dev
+		dir := t.TempDir()
+		testutil.LoopFS(t, dir, tc.fs, MinSize(tc.fs))
+		path := filepath.Join(dir, tc.fs+".img")
+		if tc.device {
+			out, err := exec.Command("losetup", "-j", path).Output()
+			dev, _, ok := strings.Cut(string(out), ":")
+			if err != nil || !ok {
+				t.Fatalf("losetup -j %s: %v, %q", path, err, out)
 			}
-			cmd, args := mkfsArgs(tc.fs, target)
+			path = dev
+		}
+		targets = append(targets, target{name, tc.fs, path})
+	}
+	hang()
+	for _, tc := range targets {
+		t.Run(tc.name, func(t *testing.T) {
+			cmd, args := mkfsArgs(tc.fs, tc.path)
 			if tc.fs != "ext4" {
 				args = append([]string{"-f"}, args...)
 			}
-			out, err := mkfsns.Run(context.Background(), target, cmd, args...)
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			out, err := mkfsns.Run(ctx, tc.path, cmd, args...)
 			if err == nil || !strings.Contains(string(out), "mounted") {
 				t.Fatalf("%s %v on a mounted filesystem: %v, %s; want it refused as mounted", cmd, args, err, out)
 			}
@@ -203,5 +227,44 @@ func TestMkfsNeverFormatsAnotherFile(t *testing.T) {
 	out, err := mkfsns.Run(context.Background(), target, "mkfs.ext4", "-F", "-q", target)
 	if err == nil || !strings.Contains(err.Error(), "another file") {
 		t.Fatalf("mkfs of %s through a detached mount: %v, %s; want it refused as another file", target, err, out)
+	}
+}
+
+// hungFUSELoop leaves on the host what a shared pool whose client hangs
+// leaves: an xfs image on a FUSE passthrough whose daemon is stopped,
+// attached to a loop device and mounted. Stat-ing the image then blocks until
+// the test ends (cleanup lets the daemon run again first).
+func hungFUSELoop(t *testing.T) string {
+	t.Helper()
+	requireLoops(t, "bindfs", "mkfs.xfs")
+	fuse, daemon := pausedFUSE(t, t.TempDir())
+	_, target := grownXFS(t, newLoops(t), NewMounter(), filepath.Join(fuse, "disk.img"))
+	stop(t, daemon)
+	return target
+}
+
+// TestFormatWithHungFUSELoop: mkfs.btrfs and mkfs.ext4 stat the backing
+// file of every mounted loop device, so one image of a hung shared pool staged
+// on the node hung every btrfs and ext4 mkfs there until the request's
+// deadline (the scan for unreachable mounts gave up after its timeout and mkfs
+// ran in the host's namespace). Each format must end, and the hung pool's
+// mount stay on the host.
+func TestFormatWithHungFUSELoop(t *testing.T) {
+	requireLoops(t, "bindfs", "mkfs.ext4", "mkfs.xfs", "mkfs.btrfs", "blkid")
+	hung := hungFUSELoop(t)
+	for _, fs := range []string{"btrfs", "ext4", "xfs"} {
+		t.Run(fs, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			img := newImage(t, MinSize(fs))
+			start := time.Now()
+			if err := Format(ctx, img, fs); err != nil {
+				t.Fatalf("Format(%s) with a hung pool's image mounted on the node: %v", fs, err)
+			}
+			t.Logf("formatted in %v", time.Since(start))
+		})
+	}
+	if ok, err := mountedInTable(hung); err != nil || !ok {
+		t.Fatalf("the hung pool's loop mount %s is gone from the host: %v, %v", hung, ok, err)
 	}
 }

@@ -34,7 +34,9 @@ func pausedFUSE(t *testing.T, dir string) (fuse string, daemon *os.Process) {
 			t.Fatal(err)
 		}
 	}
-	cmd := exec.Command("bindfs", "-f", src, fuse)
+	// No attribute caching: a stat while the daemon is stopped must reach it,
+	// as it does once a real client's cache expires.
+	cmd := exec.Command("bindfs", "-f", "-o", "attr_timeout=0,entry_timeout=0", src, fuse)
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("bindfs: %v", err)
 	}

@@ -4,14 +4,18 @@
 // mkfs.btrfs (btrfs-progs) checks that its target is not mounted by walking
 // every entry of /proc/self/mounts, stat-ing each source and, for loop
 // devices, each backing file; one error other than "does not exist" aborts the
-// whole mkfs ("cannot check mount status"). A shared pool whose FUSE client
-// died leaves exactly such entries: the fence deliberately keeps the loop
-// devices of its images attached (and mounted), and their backing files then
-// answer ENOTCONN. One lost pool must not stop new btrfs volumes on every
-// other pool, so when the host shows such mounts, mkfs runs in a private copy
-// of the mount namespace from which only those mounts are lazily detached.
-// Every other mount, the target's own included, stays visible to mkfs's
-// check, and the host's namespace is never changed.
+// whole mkfs ("cannot check mount status"); mkfs.ext4 stats them too, and
+// mkfs.xfs stats mount points. A shared pool whose FUSE client died leaves
+// exactly such entries: the fence deliberately keeps the loop devices of its
+// images attached (and mounted), and their backing files then answer
+// ENOTCONN; one whose client hangs leaves backing files whose stat never
+// returns, which hung every btrfs and ext4 mkfs on the node. One lost pool
+// must not stop new volumes on every other pool, so when the host shows such
+// mounts (a stat that fails, or has not answered within statWait), mkfs runs
+// in a private copy of the mount namespace from which only those mounts are
+// lazily detached. Every other mount, and every mount of the target itself
+// however slow, stays visible to mkfs's check, and the host's namespace is
+// never changed.
 package mkfsns
 
 import (
@@ -21,6 +25,7 @@ import (
 	"os"
 	"os/exec"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -38,6 +43,9 @@ func Run(ctx context.Context, target, name string, args ...string) ([]byte, erro
 		if err != nil {
 			klog.FromContext(ctx).V(2).Info("Cannot list mounts; running mkfs in the host's mount namespace", "err", err)
 		}
+		return exec.CommandContext(ctx, name, args...).CombinedOutput()
+	}
+	if dead = sparing(dead, target); len(dead) == 0 {
 		return exec.CommandContext(ctx, name, args...).CombinedOutput()
 	}
 	klog.FromContext(ctx).V(2).Info("Running mkfs without the unreachable mounts", "target", target, "mountpoints", dead)
@@ -151,14 +159,60 @@ func unreachableMounts(ctx context.Context) ([]string, error) {
 	}
 }
 
+// statWait bounds each stat of a scan: a path that has not answered by then
+// is counted unreachable, as a FUSE or network mount whose server stopped
+// answering is. mkfs.btrfs and mkfs.ext4 stat the backing file of every
+// mounted loop device, so one image of a hung shared pool staged on the node
+// hung every ext4 or btrfs mkfs there. Counting a merely slow mount is cheap:
+// it is detached from mkfs's private copy of the namespace only.
+var statWait = time.Second
+
+// stuck holds the paths whose stat of an earlier scan has not returned: they
+// count as unreachable without another goroutine blocking on them.
+var stuck sync.Map
+
 func scanMounts() ([]string, error) {
 	mounts, err := mountinfo.GetMounts(nil)
 	if err != nil {
 		return nil, err
 	}
+	// One stat per path: a device mounted twice is looked at once, so that
+	// stuck only ever holds the stats of earlier scans.
+	answers := map[string]chan bool{}
+	for _, m := range mounts {
+		for _, p := range probed(m) {
+			if _, ok := answers[p]; ok || !strings.HasPrefix(p, "/") {
+				continue
+			}
+			ch := make(chan bool, 1)
+			answers[p] = ch
+			go func() { ch <- stuckOrUnreachable(p) }()
+		}
+	}
+	gone := map[string]bool{}
+	timeout := time.NewTimer(statWait)
+	defer timeout.Stop()
+	expired := false
+	for p, ch := range answers {
+		if expired {
+			// Every stat had as long: one that has not answered yet is
+			// as blocked as those before it.
+			select {
+			case gone[p] = <-ch:
+			default:
+				gone[p] = true
+			}
+			continue
+		}
+		select {
+		case gone[p] = <-ch:
+		case <-timeout.C:
+			gone[p], expired = true, true
+		}
+	}
 	var dead []string
 	for _, m := range mounts {
-		if unreachable(m.Source) || unreachable(loopBackingFile(m.Source)) {
+		if slices.ContainsFunc(probed(m), func(p string) bool { return gone[p] }) {
 			dead = append(dead, m.Mountpoint)
 		}
 	}
@@ -168,6 +222,102 @@ func scanMounts() ([]string, error) {
 		dead[i], dead[j] = dead[j], dead[i]
 	}
 	return dead, nil
+}
+
+// probed are the paths of a mount that mkfs may stat: its source and, for a
+// loop device, the backing file (mkfs.btrfs, mkfs.ext4), and its mount point
+// (mkfs.xfs, checking whether a block device is mounted).
+func probed(m *mountinfo.Info) []string {
+	return []string{m.Source, loopBackingFile(m.Source), m.Mountpoint}
+}
+
+// stuckOrUnreachable reports whether p is unreachable, or still blocked in a
+// stat of an earlier scan.
+func stuckOrUnreachable(p string) bool {
+	if _, blocked := stuck.LoadOrStore(p, struct{}{}); blocked {
+		return true
+	}
+	defer stuck.Delete(p)
+	return unreachable(p)
+}
+
+// sparing returns dead without the mounts of target itself: a mount of the
+// device mkfs formats, or of a loop device backed by the image it formats.
+// mkfs's own check must keep seeing those, however slow their stat was, so
+// a target that is mounted is refused in any namespace.
+func sparing(dead []string, target string) []string {
+	var t unix.Stat_t
+	if err := unix.Stat(target, &t); err != nil {
+		return dead
+	}
+	name := target
+	if l, err := os.Readlink(target); err == nil && strings.HasPrefix(target, "/proc/") {
+		name = l // the driver formats through /proc/self/fd/N
+	}
+	mounts, err := mountinfo.GetMounts(nil)
+	if err != nil {
+		return nil // cannot tell: detach nothing
+	}
+	source := map[string]string{}
+	for _, m := range mounts {
+		source[m.Mountpoint] = m.Source
+	}
+	var out []string
+	for _, mp := range dead {
+		if !holdsTarget(source[mp], name, &t) {
+			out = append(out, mp)
+		}
+	}
+	return out
+}
+
+// holdsTarget tells whether the device dev is the target t, or a loop device
+// backed by it: by the backing file's name the kernel records, or by its
+// device and inode. The kernel answers the latter with a getattr of the
+// backing file, which blocks as long as its filesystem does; one that has
+// not answered within statWait is not the target's, whose stat just answered.
+func holdsTarget(dev, name string, t *unix.Stat_t) bool {
+	if !strings.HasPrefix(dev, "/dev/") {
+		return false
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(dev, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		return false
+	}
+	if t.Mode&unix.S_IFMT == unix.S_IFBLK && st.Rdev == t.Rdev {
+		return true
+	}
+	backing := loopBackingFile(dev)
+	if t.Mode&unix.S_IFMT != unix.S_IFREG || backing == "" {
+		return false
+	}
+	if backing == name {
+		return true
+	}
+	same := make(chan bool, 1)
+	go func() {
+		if _, blocked := stuck.LoadOrStore("loop:"+dev, struct{}{}); blocked {
+			same <- false
+			return
+		}
+		defer stuck.Delete("loop:" + dev)
+		fd, err := unix.Open(dev, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			same <- true // cannot tell: keep it visible to mkfs
+			return
+		}
+		defer unix.Close(fd)
+		info, err := unix.IoctlLoopGetStatus64(fd)
+		same <- err != nil || (info.Device == t.Dev && info.Inode == t.Ino)
+	}()
+	timeout := time.NewTimer(statWait)
+	defer timeout.Stop()
+	select {
+	case s := <-same:
+		return s
+	case <-timeout.C:
+		return false
+	}
 }
 
 // unreachable reports whether the absolute path p exists but cannot be
