@@ -17,11 +17,13 @@ import (
 // thaw of what a crash left frozen, the I/O limits' publications found
 // again). Each pool gets them on a goroutine of its own, once it answers, and
 // is held (poolset.Hold: its calls answer UNAVAILABLE) until they have run.
-// The server answers once every pool's passes have run, or after one start
-// wait (Options.StartWait) at the latest: a pool whose filesystem hangs, at
-// the open or in the middle of a pass, costs the start that one wait and
-// then holds up only itself. The lease keeper does not wait for any of this
-// (it is its own stage, docs/fencing.md).
+// The server answers once the passes of every pool that opened at start have
+// run, or after one start wait (Options.StartWait) at the latest; a pool
+// whose open is still pending (its filesystem hangs) or failed is not waited
+// for at all. So a pool that hangs costs the start the open's one wait, or
+// one start wait if it hangs in the middle of a pass, and then holds up only
+// itself. The lease keeper does not wait for any of this (it is its own
+// stage, docs/fencing.md).
 
 // poolRetry is how often a pool that is not available yet (its open failed,
 // or its filesystem answered with an error) is looked at again for its
@@ -121,9 +123,7 @@ func (st *startup) run(ctx context.Context, p *pool.Pool) {
 	if ctx.Err() != nil {
 		return
 	}
-	if _, err := d.QuotaFor(ctx, p); err != nil {
-		log.V(2).Info("Quota detection postponed", "err", err)
-	}
+	d.detectQuota(ctx, p)
 	if d.opts.Mode.node() {
 		d.registerPool(ctx, p)
 		// Before the pool serves any publish: a restarted node plugin
@@ -211,4 +211,27 @@ func (d *core) startPasses(ctx context.Context) {
 		return
 	}
 	log.V(2).Info("Start-up passes done", "after", time.Since(start).Round(time.Millisecond).String())
+}
+
+// detectQuota runs quota detection for p, so the log says at once what its
+// dir volumes get, waiting for it at most one start wait: detection holds one
+// lock for every pool (layout.Deps.QuotaFor), so a pool that hangs in it
+// would hold up the passes of the others. Nothing is lost by not waiting: a
+// dir volume's create detects again what is not known.
+func (d *core) detectQuota(ctx context.Context, p *pool.Pool) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if _, err := d.QuotaFor(ctx, p); err != nil {
+			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", p.Name(), "err", err)
+		}
+	}()
+	t := time.NewTimer(d.startWait())
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		klog.FromContext(ctx).Info("Quota detection still under way; the pool serves without waiting for it (a dir volume's create detects it)", "pool", p.Name(), "waited", d.startWait().String())
+	case <-ctx.Done():
+	}
 }
