@@ -162,7 +162,7 @@ func TestMkfsStillRefusesMounted(t *testing.T) {
 		mkfsRefusesMounted(t, func() {})
 	})
 	t.Run("hung FUSE", func(t *testing.T) {
-		fuse, daemon := pausedFUSE(t, t.TempDir())
+		fuse, daemon := pausedFUSE(t, t.TempDir(), false)
 		grownXFS(t, newLoops(t), NewMounter(), filepath.Join(fuse, "disk.img"))
 		// The targets are mounted first: mount(8) and losetup(8) ask every
 		// loop device for its backing file, which a hung pool's never
@@ -237,7 +237,7 @@ func TestMkfsNeverFormatsAnotherFile(t *testing.T) {
 func hungFUSELoop(t *testing.T) string {
 	t.Helper()
 	requireLoops(t, "bindfs", "mkfs.xfs")
-	fuse, daemon := pausedFUSE(t, t.TempDir())
+	fuse, daemon := pausedFUSE(t, t.TempDir(), false)
 	_, target := grownXFS(t, newLoops(t), NewMounter(), filepath.Join(fuse, "disk.img"))
 	stop(t, daemon)
 	return target

@@ -25,7 +25,13 @@ import (
 // pausedFUSE mounts a bindfs passthrough at dir/fuse over dir/src and returns
 // its daemon. Cleanup lets the daemon run again, kills it and lazily unmounts
 // the mount, after (registered before) whatever the test mounted on it.
-func pausedFUSE(t *testing.T, dir string) (fuse string, daemon *os.Process) {
+//
+// cacheAttrs keeps the files' attributes in the kernel for an hour: a stat (and
+// a LOOP_GET_STATUS64 of a loop device on it, which losetup -a and mount -o
+// loop anywhere on the machine make) answers while the daemon is stopped, and
+// only reads and writes wait. Without it every stat reaches the daemon, as it
+// does for a real client once its cache expires.
+func pausedFUSE(t *testing.T, dir string, cacheAttrs bool) (fuse string, daemon *os.Process) {
 	t.Helper()
 	testutil.RequireCommands(t, "bindfs")
 	src, fuse := filepath.Join(dir, "src"), filepath.Join(dir, "fuse")
@@ -34,9 +40,11 @@ func pausedFUSE(t *testing.T, dir string) (fuse string, daemon *os.Process) {
 			t.Fatal(err)
 		}
 	}
-	// No attribute caching: a stat while the daemon is stopped must reach it,
-	// as it does once a real client's cache expires.
-	cmd := exec.Command("bindfs", "-f", "-o", "attr_timeout=0,entry_timeout=0", src, fuse)
+	opts := "attr_timeout=0,entry_timeout=0"
+	if cacheAttrs {
+		opts = "attr_timeout=3600,entry_timeout=3600"
+	}
+	cmd := exec.Command("bindfs", "-f", "-o", opts, src, fuse)
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("bindfs: %v", err)
 	}
@@ -94,7 +102,7 @@ func grownXFS(t *testing.T, l *Loops, m *Mounter, file string) (dev, target stri
 func TestGrowXFSWhileAnotherMountHangs(t *testing.T) {
 	requireLoops(t, "bindfs", "mkfs.xfs")
 	l, m := newLoops(t), NewMounter()
-	_, daemon := pausedFUSE(t, t.TempDir())
+	_, daemon := pausedFUSE(t, t.TempDir(), false)
 	dev, target := grownXFS(t, l, m, filepath.Join(t.TempDir(), "disk.img"))
 	before := fsBytes(t, target)
 
@@ -116,10 +124,12 @@ func TestGrowXFSWhileAnotherMountHangs(t *testing.T) {
 func TestGrowWaitsForAGrowthUnderWay(t *testing.T) {
 	requireLoops(t, "bindfs", "mkfs.xfs")
 	l, m := newLoops(t), NewMounter()
-	fuse, daemon := pausedFUSE(t, t.TempDir())
 	// The image lives on the FUSE mount: with its daemon stopped, the
 	// kernel's growth blocks reading the new last block, holding xfs's grow
-	// lock, as a growth on a hung shared pool does.
+	// lock, as a growth on a hung shared pool does. Its attributes stay
+	// cached, so that nothing else on the machine that lists loop devices
+	// waits meanwhile.
+	fuse, daemon := pausedFUSE(t, t.TempDir(), true)
 	dev, target := grownXFS(t, l, m, filepath.Join(fuse, "disk.img"))
 	before := fsBytes(t, target)
 	saved := growWait
