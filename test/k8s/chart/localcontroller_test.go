@@ -13,13 +13,23 @@ import (
 	rbacv1 "k8s.io/api/rbac/v1"
 )
 
-// withCentral is overrides with localController.central on.
+// withCentral is overrides with localController.central on (the default, said explicitly).
 func withCentral(overrides map[string]any) map[string]any {
 	out := maps.Clone(overrides)
 	if out == nil {
 		out = map[string]any{}
 	}
 	maps.Copy(out, centralValues())
+	return out
+}
+
+// withPerNode is overrides with localController.central off: the per-node layout.
+func withPerNode(overrides map[string]any) map[string]any {
+	out := maps.Clone(overrides)
+	if out == nil {
+		out = map[string]any{}
+	}
+	maps.Copy(out, perNodeValues())
 	return out
 }
 
@@ -57,7 +67,7 @@ func hasArgs(t *testing.T, c corev1.Container, want ...string) {
 // leader-elected central mode, with the images the node pod's local sidecars have without
 // it; poolcsi there opens no pool (no hostPath, not privileged).
 func TestLocalControllerDeployment(t *testing.T) {
-	def := renderMap(t, nil)
+	def := renderMap(t, perNodeValues())
 	on := renderMap(t, centralValues())
 	var dep appsv1.Deployment
 	strict(t, on["Deployment/poolcsi-local-controller"], &dep)
@@ -132,7 +142,7 @@ func TestLocalControllerDeployment(t *testing.T) {
 	}
 	// The snapshotter's image is the one the node pod has with snapshots.local.
 	var snapDS appsv1.DaemonSet
-	strict(t, renderMap(t, map[string]any{"snapshots": map[string]any{"local": true}})["DaemonSet/poolcsi-node"], &snapDS)
+	strict(t, renderMap(t, withPerNode(map[string]any{"snapshots": map[string]any{"local": true}}))["DaemonSet/poolcsi-node"], &snapDS)
 	if want := container(t, snapDS.Spec.Template.Spec, "csi-snapshotter-local").Image; snap.Image != want {
 		t.Errorf("csi-snapshotter runs %q, the node pod's %q", snap.Image, want)
 	}
@@ -189,7 +199,8 @@ func TestLocalControllerNodePod(t *testing.T) {
 	}{
 		{"central", withCentral(all), true},
 		{"central, plain sidecars", withCentral(map[string]any{"node": map[string]any{"builtinRegistration": false}}), true},
-		{"per node", all, false},
+		{"defaults", nil, true},
+		{"per node", withPerNode(all), false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var ds appsv1.DaemonSet
@@ -220,7 +231,7 @@ func TestLocalControllerNodePod(t *testing.T) {
 // migration and the owner lookup need; the node's ClusterRole keeps only its Node's
 // lookup, and the node's Role (leases, CSIStorageCapacity, the DaemonSet) goes.
 func TestLocalControllerRBAC(t *testing.T) {
-	def := renderMap(t, nil)
+	def := renderMap(t, perNodeValues())
 	on := renderMap(t, centralValues())
 	// The node's RBAC is the per-node layout's while that layout exists: an upgrade
 	// changes RBAC at once and rolls the DaemonSet node by node, and the pods not yet

@@ -6,11 +6,12 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
-// TestLocalControllerSnapshotClasses: with localController.central the local driver's
-// VolumeSnapshotClass follows snapshots.enabled (the central csi-snapshotter), not
-// snapshots.local, and groupSnapshotClass.create adds the local VolumeGroupSnapshotClass
-// poolcsi-local-group beside the shared one; per node (the default) there is no local group
-// class, and the local VolumeSnapshotClass still needs snapshots.local.
+// TestLocalControllerSnapshotClasses: with localController.central (the default) the local
+// driver's VolumeSnapshotClass follows snapshots.enabled (the central csi-snapshotter, on by
+// default), not snapshots.local, and groupSnapshotClass.create adds the local
+// VolumeGroupSnapshotClass poolcsi-local-group beside the shared one; per node
+// (localController.central false) there is no local group class, and the local
+// VolumeSnapshotClass still needs snapshots.local.
 func TestLocalControllerSnapshotClasses(t *testing.T) {
 	classes := map[string]any{
 		"snapshotClass":      map[string]any{"create": true},
@@ -42,11 +43,15 @@ func TestLocalControllerSnapshotClasses(t *testing.T) {
 			[]string{"VolumeSnapshotClass/poolcsi-local", "VolumeGroupSnapshotClass/poolcsi-local-group"}},
 		{"central, the group class named", withCentral(with(classes, "groupSnapshotClass", map[string]any{"create": true, "default": true, "localName": "fast-group"})),
 			map[string]string{"VolumeGroupSnapshotClass/fast-group": "local.poolcsi.io"}, []string{"VolumeGroupSnapshotClass/poolcsi-local-group"}},
-		{"per node", withSharedPool(classes), map[string]string{
+		{"defaults", classes, map[string]string{
+			"VolumeSnapshotClass/poolcsi-local":            "local.poolcsi.io",
+			"VolumeGroupSnapshotClass/poolcsi-local-group": "local.poolcsi.io",
+		}, nil},
+		{"per node", withPerNode(withSharedPool(classes)), map[string]string{
 			"VolumeSnapshotClass/poolcsi-shared":            "poolcsi.io",
 			"VolumeGroupSnapshotClass/poolcsi-shared-group": "poolcsi.io",
 		}, []string{"VolumeSnapshotClass/poolcsi-local", "VolumeGroupSnapshotClass/poolcsi-local-group"}},
-		{"per node with snapshots.local", withSharedPool(with(classes, "snapshots", map[string]any{"local": true})), map[string]string{
+		{"per node with snapshots.local", withPerNode(withSharedPool(with(classes, "snapshots", map[string]any{"local": true}))), map[string]string{
 			"VolumeSnapshotClass/poolcsi-local": "local.poolcsi.io",
 		}, []string{"VolumeGroupSnapshotClass/poolcsi-local-group"}},
 	} {

@@ -2,6 +2,8 @@ package chart
 
 import (
 	"bytes"
+	"os"
+	"path/filepath"
 	"reflect"
 	"slices"
 	"sort"
@@ -61,26 +63,75 @@ func renderMap(t *testing.T, overrides map[string]any) map[string]render.Doc {
 	return m
 }
 
-// TestLocalControllerOff: localController.central false, as by default, renders the chart
-// byte for byte as before it existed (deploy/kubernetes/poolcsi.yaml is checked by
-// TestRenderedYAMLMatchesChart), and nothing of the channel.
+// perNodeValues turns the local pools' central controller off: the per-node layout, the
+// node pods running the local provisioner, resizer and (snapshots.local) snapshotter.
+func perNodeValues() map[string]any {
+	return map[string]any{"localController": map[string]any{"central": false}}
+}
+
+// perNodeGolden is the plain YAML (deploy/kubernetes/values.yaml) with
+// localController.central false, the chart's version written VERSION: the per-node layout
+// as it was the default until the central controller became it.
+var perNodeGolden = filepath.Join("testdata", "pernode.yaml")
+
+// TestLocalControllerOff: localController.central false renders the per-node layout byte
+// for byte as it was when it was the default (testdata/pernode.yaml, so that an installed
+// chart that keeps it upgrades to the same objects), and nothing of the channel. A change
+// to the per-node layout meant on purpose rewrites the file with POOLCSI_UPDATE_GOLDEN=1.
 func TestLocalControllerOff(t *testing.T) {
-	def, err := render.Render(render.ChartDir(), render.RenderedValues(), nil)
+	off, err := render.Render(render.ChartDir(), render.RenderedValues(), perNodeValues())
 	if err != nil {
 		t.Fatal(err)
 	}
-	off, err := render.Render(render.ChartDir(), render.RenderedValues(), map[string]any{"localController": map[string]any{"central": false}})
+	ch, err := loader.Load(render.ChartDir())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(render.Join(def), render.Join(off)) {
-		t.Error("localController.central=false renders otherwise than the defaults")
+	got := bytes.ReplaceAll(render.Join(off), []byte(ch.Metadata.Version), []byte("VERSION"))
+	if os.Getenv("POOLCSI_UPDATE_GOLDEN") == "1" {
+		if err := os.WriteFile(perNodeGolden, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(perNodeGolden)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		g, w := strings.Split(string(got), "\n"), strings.Split(string(want), "\n")
+		i := 0
+		for i < len(g) && i < len(w) && g[i] == w[i] {
+			i++
+		}
+		line := func(l []string) string {
+			if i < len(l) {
+				return l[i]
+			}
+			return "(end)"
+		}
+		t.Errorf("localController.central=false renders otherwise than %s: first difference at line %d:\n  file:  %q\n  chart: %q",
+			perNodeGolden, i+1, line(w), line(g))
 	}
 	for _, d := range off {
 		if strings.Contains(d.YAML, "poolcsi.io/v1alpha1") || strings.Contains(d.YAML, "poolcalls") ||
 			d.Kind == "CustomResourceDefinition" || strings.HasPrefix(d.Kind, "ValidatingAdmissionPolicy") {
 			t.Errorf("with the central controller off: %s/%s from %s", d.Kind, d.Name, d.Source)
 		}
+	}
+}
+
+// TestLocalControllerDefault: the chart's defaults are the central layout.
+func TestLocalControllerDefault(t *testing.T) {
+	def, err := render.Render(render.ChartDir(), render.RenderedValues(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	on, err := render.Render(render.ChartDir(), render.RenderedValues(), centralValues())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(render.Join(def), render.Join(on)) {
+		t.Error("the defaults render otherwise than localController.central=true")
 	}
 }
 
@@ -91,7 +142,7 @@ func TestLocalControllerOff(t *testing.T) {
 // the field names the Go types (internal/nodecall) use, the node agent's rights and the
 // policy's subject.
 func TestLocalControllerCentral(t *testing.T) {
-	def := renderMap(t, nil)
+	def := renderMap(t, perNodeValues())
 	on := renderMap(t, centralValues())
 	var added []string
 	for k, d := range on {

@@ -54,9 +54,13 @@ type chartVariant struct {
 var chartVariants = []chartVariant{
 	// The default install: the local pool only, which needs nothing on the nodes (issue: a
 	// default shared pool kept every node pod in FailedMount where it was not mounted).
+	// The local pools' central controller is the default layout.
 	{"defaults", nil,
+		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node", "Deployment/poolcsi-local-controller"},
+		[]string{"Namespace/poolcsi", "StorageClass/", "Secret/", "Deployment/poolcsi-controller", "CSIDriver/poolcsi.io", "ClusterRole/poolcsi-controller"}},
+	{"the per-node layout", perNodeValues(),
 		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
-		[]string{"Namespace/poolcsi", "StorageClass/", "Secret/", "Deployment/", "CSIDriver/poolcsi.io", "ClusterRole/poolcsi-controller"}},
+		[]string{"Namespace/poolcsi", "StorageClass/", "Secret/", "Deployment/", "CSIDriver/poolcsi.io", "ClusterRole/poolcsi-controller", "CustomResourceDefinition/"}},
 	{"a shared pool mounted by the admin, its share key from an existing Secret", withSharedPool(nil),
 		[]string{"CSIDriver/poolcsi.io", "CSIDriver/local.poolcsi.io", "Deployment/poolcsi-controller", "DaemonSet/poolcsi-node"},
 		[]string{"Secret/"}},
@@ -67,8 +71,8 @@ var chartVariants = []chartVariant{
 	{"shares off", map[string]any{"pools": render.SharedPoolValues()["pools"], "shares": map[string]any{"enabled": false}},
 		[]string{"Deployment/poolcsi-controller"}, []string{"Secret/"}},
 	{"local pools only", map[string]any{"pools": map[string]any{"shared": []any{}}},
-		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node"},
-		[]string{"CSIDriver/poolcsi.io", "Deployment/", "ClusterRole/poolcsi-controller"}},
+		[]string{"CSIDriver/local.poolcsi.io", "DaemonSet/poolcsi-node", "ClusterRole/poolcsi-node", "Deployment/poolcsi-local-controller"},
+		[]string{"CSIDriver/poolcsi.io", "Deployment/poolcsi-controller", "ClusterRole/poolcsi-controller"}},
 	{"shared pools only, mounted by poolcsi", map[string]any{"pools": map[string]any{"local": []any{},
 		"shared": []any{map[string]any{"name": "nfs", "path": "/mnt/nfs", "mount": map[string]any{"type": "nfs", "source": "server:/export", "options": []any{"nfsvers=4.1"}}}}},
 		"shareKey": map[string]any{"existingSecret": "my-key"}},
@@ -84,13 +88,16 @@ var chartVariants = []chartVariant{
 		map[string]any{"name": "poolcsi-local", "pool": "local", "layout": "image", "fsType": "xfs", "default": true},
 		map[string]any{"name": "poolcsi-shared-dir", "pool": "shared", "layout": "dir", "shared": true, "allowVolumeExpansion": false},
 	}}), []string{"StorageClass/poolcsi-local", "StorageClass/poolcsi-shared-dir", "Namespace/poolcsi"}, nil},
-	{"snapshots: local node deployment and classes", withSharedPool(map[string]any{
+	{"snapshots: local node deployment and classes", withPerNode(withSharedPool(map[string]any{
 		"snapshots":     map[string]any{"local": true},
-		"snapshotClass": map[string]any{"create": true, "default": true}}),
+		"snapshotClass": map[string]any{"create": true, "default": true}})),
 		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
 	{"the local pools' central controller: its channel", map[string]any{"localController": map[string]any{"central": true}},
 		[]string{"CustomResourceDefinition/poolcalls.poolcsi.io", "CustomResourceDefinition/poolnodes.poolcsi.io",
 			"ValidatingAdmissionPolicy/poolcsi-node-scope", "Role/poolcsi-node-agent", "DaemonSet/poolcsi-node"}, nil},
+	{"snapshots: the central layout's classes", withSharedPool(map[string]any{
+		"snapshotClass": map[string]any{"create": true, "default": true}}),
+		[]string{"VolumeSnapshotClass/poolcsi-shared", "VolumeSnapshotClass/poolcsi-local"}, nil},
 	{"snapshots disabled", withSharedPool(map[string]any{
 		"snapshots":     map[string]any{"enabled": false},
 		"snapshotClass": map[string]any{"create": true}}),
@@ -161,7 +168,7 @@ func TestChartVariants(t *testing.T) {
 	}
 }
 
-// checkSnapshotters: csi-snapshotter runs leader-elected in the Deployment unless
+// checkSnapshotters: csi-snapshotter runs leader-elected in the Deployments unless
 // snapshots.enabled is false, and per node (--node-deployment, never leader-elected, which
 // the sidecar refuses) in the DaemonSet only with snapshots.local.
 func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]render.Doc) {
@@ -180,6 +187,13 @@ func checkSnapshotters(t *testing.T, overrides map[string]any, have map[string]r
 		}
 		if got := strings.Contains(have["ClusterRole/poolcsi-controller"].YAML, "volumesnapshotcontents/status"); got != wantShared {
 			t.Errorf("ClusterRole poolcsi-controller may update volumesnapshotcontents/status: %v, want %v", got, wantShared)
+		}
+	}
+	// The local pools' central controller (the default layout) takes every local snapshot
+	// with snapshots.enabled; snapshots.local is the per-node layout's alone.
+	if dep, ok := have["Deployment/poolcsi-local-controller"]; ok {
+		if got := strings.Contains(dep.YAML, "- name: csi-snapshotter\n"); got != wantShared {
+			t.Errorf("the local controller has csi-snapshotter: %v, want %v", got, wantShared)
 		}
 	}
 	ds, ok := have["DaemonSet/poolcsi-node"]

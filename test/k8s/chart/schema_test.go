@@ -281,7 +281,12 @@ func TestNotes(t *testing.T) {
 			"-c poolcsi-local -- poolcsi pool list --path /var/lib/poolcsi/pools/local",
 			"kubectl get storageclass",
 			"This release made none",
-		}, []string{"poolcsi-controller", "poolcsi.io local", "pool init"}},
+			"Served by the central local controller (deployment/poolcsi-local-controller)",
+			"kubectl -n poolcsi rollout status deployment/poolcsi-local-controller",
+		}, []string{"poolcsi-controller", "poolcsi.io local", "pool init", "being built", "Per-node layout"}},
+		{"the per-node layout", perNodeValues(),
+			[]string{"Per-node layout (localController.central false)", "exec POD -c poolcsi-local -- poolcsi status\n"},
+			[]string{"local-controller", "poolcsi-controller"}},
 		{"a shared pool mounted by the admin", withSharedPool(nil), []string{
 			"kubectl -n poolcsi get daemonset poolcsi-node",
 			"kubectl -n poolcsi rollout status deployment/poolcsi-controller",

@@ -98,6 +98,27 @@ type EnvOptions struct {
 	Prev *Release
 }
 
+// PerNodeLayout reports whether chart values turn the local pools' central controller off
+// (localController.central false): the local driver's sidecars then run in every node pod.
+func PerNodeLayout(values map[string]any) bool {
+	lc, _ := values["localController"].(map[string]any)
+	central, ok := lc["central"].(bool)
+	return ok && !central
+}
+
+// snapshotControllerArgs: the cluster's snapshot-controller as it comes, for the chart's
+// default layout, the local pools' central controller, whose csi-snapshotter takes every
+// local snapshot. Only the per-node layout (localController.central false, or an earlier
+// release that has it) needs distributed snapshotting: each node's csi-snapshotter-local
+// sees only the contents labelled with its node.
+func snapshotControllerArgs(c *Cluster, opts EnvOptions) []string {
+	args := []string{"--kubeconfig=" + c.AdminKube, "--retry-interval-max=5s", "--v=2"}
+	if opts.Prev != nil || (!opts.Defaults && PerNodeLayout(opts.Values)) {
+		args = append(args, "--enable-distributed-snapshotting")
+	}
+	return args
+}
+
 // StartEnv brings up the control plane, its nodes (a real kubelet each) and the chart,
 // rendered with image overrides and opts's values, applied as it is; it returns once the
 // drivers are registered with kubelet on every node. It holds the environment lock
@@ -127,11 +148,7 @@ func StartEnv(t testing.TB, opts EnvOptions) *Env {
 	c := StartClusterWith(t, dir, ClusterOptions{NodeIP: ip})
 	c.OnHostPath = func(kind, path string) { log.note(t, kind, path) }
 	InstallSnapshotCRDs(t, c)
-	// Distributed snapshotting, for a chart with snapshots.local (the e2e run's): local volumes
-	// are snapshotted by their node's csi-snapshotter, which only sees contents labelled with
-	// its node.
-	c.Start(t, "snapshot-controller", tools.SnapshotController.Path(t), nil, "--kubeconfig="+c.AdminKube,
-		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=2").MustRun(t)
+	c.Start(t, "snapshot-controller", tools.SnapshotController.Path(t), nil, snapshotControllerArgs(c, opts)...).MustRun(t)
 
 	bin := BuildPoolcsi(t, dir)
 	pause := buildPause(t, dir)

@@ -98,7 +98,8 @@ func Storage(t testing.TB, cfg Config) {
 	// volume's pod moved to another node, one volume used from two) and its topology specs
 	// need them. Beside the chart's defaults, what the driver definitions claim and a
 	// cluster turns on:
-	//   - local snapshots (snapshots.local; snapshot-controller runs distributed);
+	//   - snapshots (snapshots.enabled: the local ones through the central local
+	//     controller, the chart's default layout; snapshot-controller not distributed);
 	//   - inline volumes in the shared pool too (ephemeralVolumes.shared and the pool's
 	//     ephemeral: true), which shared-image.yaml's InlineVolumes name;
 	//   - a volume limit per node and driver (node.maxVolumes), which every definition's
@@ -130,7 +131,7 @@ func Storage(t testing.TB, cfg Config) {
 
 // e2eValues are the chart values of the storage e2e suite's cluster (see Storage).
 var e2eValues = map[string]any{
-	"snapshots":        map[string]any{"enabled": true, "local": true},
+	"snapshots":        map[string]any{"enabled": true},
 	"ephemeralVolumes": map[string]any{"shared": true},
 	"pools": map[string]any{"shared": []any{
 		map[string]any{"name": "shared", "path": cluster.SharedPoolPath, "ephemeral": true},

@@ -103,9 +103,8 @@ func kubeletFeatures(t *testing.T, env *kubeletEnv) {
 	})
 
 	// Shared: the controller asks the writer's node to freeze (freeze inboxes); local: the
-	// node's own csi-snapshotter takes it, the group content labelled for the node by
-	// poolcsi (--claim-local-snapshots), with a class labelled for the node, and freezes in
-	// place.
+	// local controller's csi-snapshotter takes it (the chart's default layout), with a class
+	// of no node, and the node's agent freezes in place.
 	for _, g := range []groupCase{
 		{driver: cluster.SharedDriver, class: "shared-group", data: "shared-xfs", wal: "shared-ext4"},
 		{driver: cluster.LocalDriver, class: "local-group", data: "local-xfs", wal: "local-ext4"},
@@ -150,6 +149,7 @@ type groupCase struct {
 	driver, class, data, wal string
 	node                     string // the node every pod runs on ("": the scheduler's choice)
 	chartClass               bool   // the chart made the class (else the case makes it)
+	perNode                  bool   // the local driver's per-node layout (localController.central false)
 }
 
 // groupSnapshotOneInstant: a writer appends to a data log and then a WAL without pause; a
@@ -180,7 +180,7 @@ func groupSnapshotOneInstant(t *testing.T, env *kubeletEnv, g groupCase) {
 		return nil
 	})
 	meta := map[string]any{"name": g.class}
-	if g.driver == cluster.LocalDriver && !g.chartClass {
+	if g.driver == cluster.LocalDriver && g.perNode && !g.chartClass {
 		// csi-snapshotter v8.7 --node-deployment sees only the group classes labelled
 		// with its node (docs/snapshots.md, "Group snapshots of local pools").
 		meta["labels"] = map[string]any{"snapshot.storage.kubernetes.io/managed-by": env.Node.Name}

@@ -228,7 +228,10 @@ func TestKubernetes(t *testing.T) {
 
 	// The plain YAML installs the local pool only (the chart's defaults); this test drives
 	// both drivers, so it runs the plain YAML's values plus the shared pool, which an
-	// operator opts into. The plain YAML itself is dry-run below as well.
+	// operator opts into. The plain YAML itself is dry-run below as well. The drivers run
+	// as processes in the per-node layout (localController.central false), its sidecars
+	// each talking to one node's local driver; the central layout, the default, is
+	// TestKubelet's and TestTwoNodes's.
 	renderedBytes, err := os.ReadFile(chart.RenderedFile())
 	if err != nil {
 		t.Fatal(err)
@@ -237,7 +240,7 @@ func TestKubernetes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sharedDocs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), chart.SharedPoolValues())
+	sharedDocs, err := chart.Render(chart.ChartDir(), chart.RenderedValues(), perNodeValues(chart.SharedPoolValues()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -389,7 +392,8 @@ func TestKubernetes(t *testing.T) {
 	localResizer := startSidecar(t, c, resizer, "csi-resizer-local", ds, "csi-resizer-local", local.sock, nodeKube, nil, "--retry-interval-max=5s")
 	// The cluster's common snapshot controller (not part of the chart; an admin's, hence the
 	// admin credentials, like kube-controller-manager), with distributed snapshotting so
-	// that local snapshots reach their node's csi-snapshotter-local.
+	// that local snapshots reach their node's csi-snapshotter-local: the per-node layout
+	// needs it (cluster.StartEnv starts it without, for the central one).
 	c.Start(t, "snapshot-controller", snapshotController, nil, "--kubeconfig="+c.AdminKube,
 		"--enable-distributed-snapshotting", "--retry-interval-max=5s", "--v=4").MustRun(t)
 	sharedSnapshotter := startSidecar(t, c, snapshotter, "csi-snapshotter", dep, "csi-snapshotter", shared.sock, ctrlKube, nil, "--retry-interval-max=5s")

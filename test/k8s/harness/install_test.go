@@ -88,6 +88,22 @@ func TestDefaultInstall(t *testing.T) {
 	if out, err := env.ExecIn(t, chart.Namespace, node, "poolcsi-local", "poolcsi", "status"); err != nil {
 		t.Fatalf("poolcsi status in %s: %v\n%s", node, err, out)
 	}
+	// The default layout: the local pools' central controller took the claim, and the node
+	// pod runs the local driver alone, no sidecar of its own.
+	if dep, err := env.Cluster.Client.AppsV1().Deployments(chart.Namespace).Get(ctx, "poolcsi-local-controller", metav1.GetOptions{}); err != nil {
+		t.Fatalf("the local controller: %v", err)
+	} else if dep.Status.ReadyReplicas != 1 {
+		t.Errorf("the local controller has %d replicas ready, want 1", dep.Status.ReadyReplicas)
+	}
+	np, err := env.Cluster.Client.CoreV1().Pods(chart.Namespace).Get(ctx, node, metav1.GetOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range np.Spec.Containers {
+		if strings.HasPrefix(c.Name, "csi-") {
+			t.Errorf("the node pod runs %s: the central layout's node pod has no sidecar", c.Name)
+		}
+	}
 	t.Logf("default install: the example pod Running %s after the test started", time.Since(start).Round(time.Second))
 
 	// Deleting the claim deletes the volume (the driver is still there: before deleteAll).

@@ -99,9 +99,10 @@ func (e *kubeletEnv) blobPod(t testing.TB, name string, claims ...cluster.ClaimS
 
 // TestKubelet drives poolcsi through a real kubelet, with the chart running as pods.
 func TestKubelet(t *testing.T) {
-	// Local snapshots on (the chart's opt-in snapshots.local; the environment's
-	// snapshot-controller is distributed): the local group snapshot case needs them.
-	env := startKubeletEnvWith(t, nil, map[string]any{"snapshots": map[string]any{"enabled": true, "local": true}})
+	// The chart's default layout: the local pools' central controller, whose csi-snapshotter
+	// takes the local snapshots (snapshots.enabled, on by default) with a snapshot-controller
+	// that is not distributed; the local group snapshot case needs them.
+	env := startKubeletEnvWith(t, nil, map[string]any{"snapshots": map[string]any{"enabled": true}})
 	env.storageClasses(t)
 
 	// Both driver names of the chart: data written in one pod is there, bit for bit, in
@@ -159,9 +160,8 @@ func kubeletCases(t *testing.T, env *kubeletEnv) {
 	})
 
 	t.Run("local claim of an Immediate class", func(t *testing.T) {
-		// No pod yet: a node's provisioner takes the claim (csi-provisioner's distributed
-		// immediate binding, after a random wait of up to its 20 s base delay), and the pod
-		// then goes where the volume is.
+		// No pod yet: the local controller's provisioner (--immediate-topology) has the
+		// claim made on a node with room, and the pod then goes where the volume is.
 		ns := env.Namespace(t, "immediate")
 		env.Claim(t, ns, cluster.ClaimSpec{Name: "c", Class: "local-immediate", Size: "300Mi"})
 		cluster.WaitFor(t, 2*time.Minute, "claim "+ns+"/c of an Immediate local class bound without a pod", func() error {

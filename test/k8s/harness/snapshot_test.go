@@ -34,11 +34,18 @@ var (
 	}
 )
 
-// snapshotVariant renders the chart as the plain YAML is, plus the shared pool, local
-// snapshots and the VolumeSnapshotClasses, which the plain YAML leaves out (they need the CRDs).
+// perNodeValues is values with the local pools' central controller off.
+func perNodeValues(values map[string]any) map[string]any {
+	values["localController"] = map[string]any{"central": false}
+	return values
+}
+
+// snapshotVariant renders the chart as the plain YAML is in the per-node layout
+// (TestKubernetes's), plus the shared pool, local snapshots (csi-snapshotter-local) and the
+// VolumeSnapshotClasses, which the plain YAML leaves out (they need the CRDs).
 func snapshotVariant(t *testing.T) []*unstructured.Unstructured {
 	t.Helper()
-	values := chart.SharedPoolValues() // the shared driver's VolumeSnapshotClass needs its pool
+	values := perNodeValues(chart.SharedPoolValues()) // the shared driver's VolumeSnapshotClass needs its pool
 	for k, v := range snapValues {
 		values[k] = v
 	}
