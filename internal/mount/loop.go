@@ -628,23 +628,30 @@ func readSysBool(device, attr string) (bool, error) {
 // DeviceSize returns the size of a block device in bytes (of a regular file,
 // its length).
 func DeviceSize(device string) (int64, error) {
+	_, size, err := statDevice(device)
+	return size, err
+}
+
+// statDevice returns what device is (its stat) and its size in bytes, both
+// from one open: the size of a block device, the length of a regular file.
+func statDevice(device string) (unix.Stat_t, int64, error) {
+	var st unix.Stat_t
 	fd, err := unix.Open(device, unix.O_RDONLY|unix.O_CLOEXEC, 0)
 	if err != nil {
-		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "open", Path: device, Err: err})
+		return st, 0, fmt.Errorf("device size: %w", &os.PathError{Op: "open", Path: device, Err: err})
 	}
 	defer unix.Close(fd)
-	var st unix.Stat_t
 	if err := unix.Fstat(fd, &st); err != nil {
-		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "fstat", Path: device, Err: err})
+		return st, 0, fmt.Errorf("device size: %w", &os.PathError{Op: "fstat", Path: device, Err: err})
 	}
 	if st.Mode&unix.S_IFMT == unix.S_IFREG {
-		return st.Size, nil
+		return st, st.Size, nil
 	}
 	var size uint64
-	if _, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.BLKGETSIZE64, uintptr(unsafe.Pointer(&size))); errno != 0 {
-		return 0, fmt.Errorf("device size: %w", &os.PathError{Op: "BLKGETSIZE64", Path: device, Err: errno})
+	if err := ioctlPtr(fd, unix.BLKGETSIZE64, unsafe.Pointer(&size)); err != nil {
+		return st, 0, fmt.Errorf("device size: %w", &os.PathError{Op: "BLKGETSIZE64", Path: device, Err: err})
 	}
-	return int64(size), nil
+	return st, int64(size), nil
 }
 
 // SetReadOnly sets or clears the kernel read-only flag of a block device

@@ -99,10 +99,13 @@ func (m *Mounter) growXFS(ctx context.Context, device, mountPath string) error {
 	}
 	// Whatever happens to ctx, the descriptor is closed when the ioctl
 	// returns: a growth waiting on its device ends in the kernel, never here.
+	// It is closed before the answer: an unmount right after the answer must
+	// not find the mount still held open.
 	done := make(chan error, 1)
 	go func() {
-		defer dir.Close()
-		done <- growXFSAt(ctx, dir, device)
+		err := growXFSAt(ctx, dir, device)
+		dir.Close()
+		done <- err
 	}()
 	select {
 	case err := <-done:
@@ -139,12 +142,13 @@ func growXFSAt(ctx context.Context, dir *os.File, device string) error {
 	if fsStat.Type != xfsSuperMagic {
 		return fmt.Errorf("grow xfs on %s: %s is not on an xfs filesystem: %w", device, dir.Name(), ErrMountConflict)
 	}
-	var dirStat, devStat unix.Stat_t
+	var dirStat unix.Stat_t
 	if err := unix.Fstat(fd, &dirStat); err != nil {
 		return &os.PathError{Op: "stat", Path: dir.Name(), Err: err}
 	}
-	if err := unix.Stat(device, &devStat); err != nil {
-		return &os.PathError{Op: "stat", Path: device, Err: err}
+	devStat, size, err := statDevice(device)
+	if err != nil {
+		return err
 	}
 	if devStat.Mode&unix.S_IFMT != unix.S_IFBLK || dirStat.Dev != devStat.Rdev {
 		return fmt.Errorf("grow xfs on %s: %s is on device %d:%d: %w", device, dir.Name(),
@@ -156,10 +160,6 @@ func growXFSAt(ctx context.Context, dir *os.File, device string) error {
 	}
 	if geo.BlockSize == 0 {
 		return fmt.Errorf("grow xfs on %s: the kernel answered a block size of 0", device)
-	}
-	size, err := DeviceSize(device)
-	if err != nil {
-		return err
 	}
 	newBlocks := uint64(size) / uint64(geo.BlockSize)
 	if newBlocks <= geo.DataBlocks {
