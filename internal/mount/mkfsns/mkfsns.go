@@ -178,9 +178,11 @@ func scanMounts() ([]string, error) {
 	}
 	// One stat per path: a device mounted twice is looked at once, so that
 	// stuck only ever holds the stats of earlier scans.
+	paths := make([][]string, len(mounts))
 	answers := map[string]chan bool{}
-	for _, m := range mounts {
-		for _, p := range probed(m) {
+	for i, m := range mounts {
+		paths[i] = probed(m)
+		for _, p := range paths[i] {
 			if _, ok := answers[p]; ok || !strings.HasPrefix(p, "/") {
 				continue
 			}
@@ -189,38 +191,31 @@ func scanMounts() ([]string, error) {
 			go func() { ch <- stuckOrUnreachable(p) }()
 		}
 	}
+	// Every stat gets the same second: one that has not answered by its end
+	// is as blocked as the first that did not.
+	waited, cancel := context.WithTimeout(context.Background(), statWait)
+	defer cancel()
 	gone := map[string]bool{}
-	timeout := time.NewTimer(statWait)
-	defer timeout.Stop()
-	expired := false
 	for p, ch := range answers {
-		if expired {
-			// Every stat had as long: one that has not answered yet is
-			// as blocked as those before it.
+		select {
+		case gone[p] = <-ch:
+		case <-waited.Done():
 			select {
 			case gone[p] = <-ch:
 			default:
 				gone[p] = true
 			}
-			continue
-		}
-		select {
-		case gone[p] = <-ch:
-		case <-timeout.C:
-			gone[p], expired = true, true
 		}
 	}
 	var dead []string
-	for _, m := range mounts {
-		if slices.ContainsFunc(probed(m), func(p string) bool { return gone[p] }) {
+	for i, m := range mounts {
+		if slices.ContainsFunc(paths[i], func(p string) bool { return gone[p] }) {
 			dead = append(dead, m.Mountpoint)
 		}
 	}
 	// Children before parents: a parent's detach takes its children along,
 	// after which their paths no longer resolve.
-	for i, j := 0, len(dead)-1; i < j; i, j = i+1, j-1 {
-		dead[i], dead[j] = dead[j], dead[i]
-	}
+	slices.Reverse(dead)
 	return dead, nil
 }
 
