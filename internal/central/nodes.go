@@ -121,7 +121,7 @@ func (v *NodeView) observe(obj any) {
 // servable is the pools of s for which GetCapacity answers more than 0 now: the node
 // live, the pool Ok with bytes available. v.mu is held.
 func (v *NodeView) servable(s sighting) map[string]bool {
-	if s.changed.IsZero() || v.clk.Since(s.changed) >= v.staleAfter {
+	if live, _ := v.live(s); !live {
 		return nil
 	}
 	out := map[string]bool{}
@@ -164,8 +164,12 @@ func (v *NodeView) forget(obj any) {
 func (v *NodeView) Live(node string) (bool, time.Duration) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	s, ok := v.seen[node]
-	if !ok || s.changed.IsZero() {
+	return v.live(v.seen[node])
+}
+
+// live is Live of a sighting (the zero one for a node never seen); v.mu is held.
+func (v *NodeView) live(s sighting) (bool, time.Duration) {
+	if s.changed.IsZero() {
 		return false, 0
 	}
 	since := v.clk.Since(s.changed)

@@ -3,6 +3,7 @@ package central
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 
 	corev1 "k8s.io/api/core/v1"
@@ -56,7 +57,7 @@ func isPerNodeProvisioner(c corev1.Container) bool {
 	if c.Name == perNodeProvisionerContainer {
 		return true
 	}
-	for _, a := range append(c.Command[:len(c.Command):len(c.Command)], c.Args...) {
+	for _, a := range slices.Concat(c.Command, c.Args) {
 		if strings.HasPrefix(a, "--node-deployment-immediate-binding") {
 			return true
 		}
