@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"sync"
 
 	"github.com/moby/sys/mountinfo"
 	"golang.org/x/sys/unix"
@@ -32,6 +33,10 @@ type Mounter struct {
 	// creates anything ("" for /), each path resolved once without links
 	// (beneath.go).
 	root string
+	// left counts growths whose caller stopped waiting (its deadline) while
+	// the kernel still grows: each holds the mount point open until its
+	// ioctl returns. Tests wait for them before they unmount.
+	left sync.WaitGroup
 }
 
 // NewMounter mounts with mount(2) and umount2(2) (syscall.go says why not

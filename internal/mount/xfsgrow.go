@@ -102,7 +102,9 @@ func (m *Mounter) growXFS(ctx context.Context, device, mountPath string) error {
 	// It is closed before the answer: an unmount right after the answer must
 	// not find the mount still held open.
 	done := make(chan error, 1)
+	m.left.Add(1)
 	go func() {
+		defer m.left.Done()
 		err := growXFSAt(ctx, dir, device)
 		dir.Close()
 		done <- err
