@@ -189,7 +189,7 @@ func TestUpgrade(t *testing.T) {
 	}
 	// The new chart keeps the per-node layout here, as docs/upgrade.md tells an operator who
 	// is not moving yet (localController.central=false): the move to the central layout,
-	// the new default, is an upgrade test of its own (design §12 step 3).
+	// the new default, is an upgrade test of its own: TestUpgradeToCentral.
 	newValues := env.Overrides()
 	newValues["localController"] = map[string]any{"central": false}
 	newDocs, err := chart.Render(chart.ChartDir(), "", newValues)
