@@ -176,6 +176,17 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 	}
 	switch {
 	case err == nil:
+	case errors.Is(err, poolset.ErrStarting) && r.pool == poolIfServed:
+		// Served here, its start-up passes not run yet (start.go): an
+		// unpublish takes a pod's bind mount away, which none of them
+		// needs (the I/O limits' rebuild finds only what is still
+		// mounted), and must not wait for a pool that may never answer.
+		rq.pool = d.pools.Pool(poolName(rq.id))
+		return rq, nil
+	case errors.Is(err, poolset.ErrStarting):
+		// Served here, its start-up passes not run yet: every other call
+		// waits for them (UNAVAILABLE).
+		return fail(err)
 	case r.pool == poolIfServed, r.pool == noPoolIsGone && errors.Is(err, csierr.ErrNoPool):
 		rq.pool = nil
 		return rq, nil
@@ -188,6 +199,15 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		}
 	}
 	return rq, nil
+}
+
+// poolName is the name of the pool vid names: a configured pool's, or its
+// share's.
+func poolName(vid pool.VolumeID) string {
+	if r, isShare := vid.ShareRef(); isShare {
+		return r.PoolName()
+	}
+	return vid.Pool
 }
 
 // hold takes the in-process lock of an ID a call made or parsed itself (a new

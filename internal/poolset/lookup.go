@@ -61,7 +61,7 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 		if p == nil {
 			return nil, csierr.Failf(csierr.ErrNoPool, "%s: pool %q is not configured on this driver (pools: %s)", ref.what, ref.pool, JoinNames(s.configured))
 		}
-		return p, nil
+		return s.ready(p)
 	}
 	r := ref.share
 	name := r.PoolName()
@@ -73,7 +73,9 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 	}
 	// A served pool passed allowed when it joined, and the allow-list does
 	// not change while the driver runs.
-	if p := s.Pool(name); p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
+	if p := s.Pool(name); p != nil && s.Held(name) {
+		return s.ready(p)
+	} else if p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
 		return p, nil
 	}
 	if s.shares.m == nil {

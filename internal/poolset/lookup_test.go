@@ -86,3 +86,32 @@ func mustID(t *testing.T, s string) pool.VolumeID {
 	}
 	return id
 }
+
+// TestHeldPoolAnswersUnavailable: a pool held for its start-up passes is
+// found by no call (UNAVAILABLE, ErrStarting), stays listed for the driver's
+// own passes, and is found again once released.
+func TestHeldPoolAnswersUnavailable(t *testing.T) {
+	s, _, _ := newSet(t)
+	p := s.Pool("local")
+	vid := p.NewID("v")
+	s.Hold("local")
+	if got := s.Served(); len(got) != 0 {
+		t.Errorf("Served while held: %v", got)
+	}
+	if s.Pool("local") != p {
+		t.Error("a held pool is not listed for the driver's own passes")
+	}
+	for name, find := range map[string]func() (*pool.Pool, error){
+		"Lookup": func() (*pool.Pool, error) { return s.Lookup(VolumeRef(vid)) },
+		"Ensure": func() (*pool.Pool, error) { return s.Ensure(context.Background(), VolumeRef(vid), Access{}) },
+	} {
+		got, err := find()
+		if got != nil || !errors.Is(err, ErrStarting) || status.Code(csierr.GRPCError(err)) != codes.Unavailable {
+			t.Errorf("%s of a held pool: %v, %v; want UNAVAILABLE (ErrStarting)", name, got, err)
+		}
+	}
+	s.Release("local")
+	if got, err := s.Lookup(VolumeRef(vid)); got != p || err != nil {
+		t.Errorf("Lookup once released: %v, %v", got, err)
+	}
+}

@@ -8,6 +8,7 @@ package poolset
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
@@ -15,6 +16,7 @@ import (
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -33,6 +35,10 @@ type Deps struct {
 	// Joined is called when a share's pool joins the set (the node
 	// registers with it); may be nil.
 	Joined func(ctx context.Context)
+	// Recovered is called for each share's pool Recover serves, which it
+	// holds (Hold) first: the driver runs the pool's start-up passes, then
+	// releases it. nil: Recover holds nothing.
+	Recovered func(p *pool.Pool)
 }
 
 // Set is the pools this driver serves.
@@ -46,6 +52,53 @@ type Set struct {
 	// configured are the names of the operator's pools, sorted.
 	configured []string
 	shares     shareState
+	// starting are the served pools whose start-up passes have not run
+	// (Hold): name → struct{}.
+	starting sync.Map
+}
+
+// ErrStarting is why a pool held by Hold answers no call: its start-up
+// passes (the recovery of what a restart interrupted) have not run yet.
+// Errors that carry it are UNAVAILABLE (pool.ErrUnavailable).
+var ErrStarting = errors.New("the pool's start-up passes have not run yet")
+
+// Hold keeps the pool of name from every call that finds a pool through the
+// set (Lookup, Ensure, ForCreate): each answers UNAVAILABLE until Release.
+// The pool stays listed (Names, Pool), so what must reach it whatever it is
+// (the lease keeper, the start-up passes themselves) still does.
+func (s *Set) Hold(name string) { s.starting.Store(name, struct{}{}) }
+
+// Release ends Hold: the pool's start-up passes have run.
+func (s *Set) Release(name string) { s.starting.Delete(name) }
+
+// Held tells whether the pool of name is held (Hold).
+func (s *Set) Held(name string) bool {
+	_, held := s.starting.Load(name)
+	return held
+}
+
+// Served is Names without the pools held (Hold): the pools the driver's
+// own loops may act on for calls.
+func (s *Set) Served() []string {
+	var out []string
+	for _, n := range s.Names() {
+		if !s.Held(n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// ready refuses a pool that is held (Hold).
+func (s *Set) ready(p *pool.Pool) (*pool.Pool, error) {
+	if p != nil && s.Held(p.Name()) {
+		why := "it has not answered since this process started"
+		if err := p.OpenError(); err != nil {
+			why = err.Error()
+		}
+		return nil, csierr.Failf(pool.ErrUnavailable, "pool %s on node %s: %w (%s); its calls are answered once they have", p.Name(), s.deps.NodeID, ErrStarting, why)
+	}
+	return p, nil
 }
 
 // New makes the set of the operator's pools.
@@ -96,12 +149,31 @@ func (s *Set) Add(p *pool.Pool) *pool.Pool {
 	if old, ok := s.pools[p.Name()]; ok {
 		return old
 	}
+	s.addLocked(p)
+	return p
+}
+
+// add adds p unless a pool of its name is served, held (Hold) if hold; it
+// tells whether it added p.
+func (s *Set) add(p *pool.Pool, hold bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.pools[p.Name()]; ok {
+		return false
+	}
+	if hold {
+		s.Hold(p.Name())
+	}
+	s.addLocked(p)
+	return true
+}
+
+func (s *Set) addLocked(p *pool.Pool) {
 	p.Ledger().SetKeys(s.deps.ShareKeys)
 	s.pools[p.Name()] = p
 	names := append(append([]string(nil), s.names...), p.Name())
 	sort.Strings(names)
 	s.names = names
-	return p
 }
 
 // Params is what the request parsers know of this set: the configured
@@ -138,18 +210,30 @@ func (s *Set) Recover(ctx context.Context) {
 		log.Error(err, "Looking for shares mounted before a restart")
 		return
 	}
+	// Side by side: a share whose filesystem hangs holds up only itself.
+	var wg sync.WaitGroup
 	for r, path := range known {
 		if s.shares.allowed(r) != nil {
 			log.Info("A share mounted before is not of an allowed type now; not served", "share", r.String())
 			continue
 		}
-		p, err := s.openSharePool(r, path)
-		if err != nil || !p.LaidOut() {
-			continue
-		}
-		s.Add(p)
-		log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
+		wg.Go(func() {
+			p, err := s.openSharePool(r, path)
+			if err != nil || !p.LaidOut() {
+				return
+			}
+			// Held before anyone can find it: its start-up passes
+			// (Recovered) release it.
+			if !s.add(p, s.deps.Recovered != nil) {
+				return // a call mounted it meanwhile
+			}
+			log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
+			if s.deps.Recovered != nil {
+				s.deps.Recovered(p)
+			}
+		})
 	}
+	wg.Wait()
 }
 
 // JoinNames lists pool names in a message.
