@@ -310,7 +310,10 @@ func New(opts Options) (*Driver, error) {
 		return p.Snapshots().Fill(ctx, s, v, nil)
 	}
 	if d.pools, err = poolset.New(poolset.Deps{NodeID: opts.NodeID, Shares: opts.Shares, ShareTypes: opts.ShareTypes,
-		ShareKeys: opts.ShareKeys, Joined: d.registerNode, Recovered: d.recovered}, opts.Pools); err != nil {
+		ShareKeys: opts.ShareKeys, Joined: d.registerNode, Recovered: d.recovered,
+		// As long as a call on a pool whose open was pending waited before:
+		// a slow pool serves, a hung one answers UNAVAILABLE within the margin.
+		HeldWait: opts.Lease.Margin}, opts.Pools); err != nil {
 		return nil, err
 	}
 	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Interval: opts.IOLimitsInterval})

@@ -13,6 +13,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 
@@ -39,6 +40,11 @@ type Deps struct {
 	// holds (Hold) first: the driver runs the pool's start-up passes, then
 	// releases it. nil: Recover holds nothing.
 	Recovered func(p *pool.Pool)
+	// HeldWait is how long a call that finds its pool held (Hold) waits for
+	// the pool's start-up passes before it answers UNAVAILABLE: a pool only
+	// slow to open (a CephFS client revoking capabilities) serves its first
+	// calls as it did when each call waited the pool's open. 0: no wait.
+	HeldWait time.Duration
 }
 
 // Set is the pools this driver serves.
@@ -53,7 +59,7 @@ type Set struct {
 	configured []string
 	shares     shareState
 	// starting are the served pools whose start-up passes have not run
-	// (Hold): name → struct{}.
+	// (Hold): name → chan struct{}, closed by Release.
 	starting sync.Map
 }
 
@@ -66,10 +72,14 @@ var ErrStarting = errors.New("the pool's start-up passes have not run yet")
 // set (Lookup, Ensure, ForCreate): each answers UNAVAILABLE until Release.
 // The pool stays listed (Names, Pool), so what must reach it whatever it is
 // (the lease keeper, the start-up passes themselves) still does.
-func (s *Set) Hold(name string) { s.starting.Store(name, struct{}{}) }
+func (s *Set) Hold(name string) { s.starting.LoadOrStore(name, make(chan struct{})) }
 
 // Release ends Hold: the pool's start-up passes have run.
-func (s *Set) Release(name string) { s.starting.Delete(name) }
+func (s *Set) Release(name string) {
+	if ch, ok := s.starting.LoadAndDelete(name); ok {
+		close(ch.(chan struct{}))
+	}
+}
 
 // Held tells whether the pool of name is held (Hold).
 func (s *Set) Held(name string) bool {
@@ -91,7 +101,18 @@ func (s *Set) Served() []string {
 
 // ready refuses a pool that is held (Hold).
 func (s *Set) ready(p *pool.Pool) (*pool.Pool, error) {
-	if p != nil && s.Held(p.Name()) {
+	if p == nil {
+		return p, nil
+	}
+	if ch, held := s.starting.Load(p.Name()); held && s.deps.HeldWait > 0 {
+		t := time.NewTimer(s.deps.HeldWait)
+		select {
+		case <-ch.(chan struct{}):
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	if s.Held(p.Name()) {
 		why := "it has not answered since this process started"
 		if err := p.OpenError(); err != nil {
 			why = err.Error()
