@@ -138,7 +138,8 @@ type Options struct {
 	// StartWait bounds how long Serve waits for the pools' start-up passes
 	// before the server answers (start.go); 0: a quarter of the lease
 	// margin, at most 5 s. A pool whose passes have not run by then answers
-	// UNAVAILABLE until they have.
+	// UNAVAILABLE, after each call waited at most the lease margin, until
+	// they have.
 	StartWait time.Duration
 }
 

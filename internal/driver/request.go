@@ -169,23 +169,30 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		rq.release()
 		return volumeRequest{release: noRelease}, err
 	}
+	if r.pool == poolIfServed && d.pools.Held(poolName(rq.id)) {
+		// Served here, its start-up passes not run yet (start.go): an
+		// unpublish takes a pod's bind mount away, which none of them
+		// needs (the I/O limits' rebuild finds only what is still
+		// mounted), and must not wait for a pool that may never answer
+		// (poolset's HeldWait).
+		rq.pool = d.pools.Pool(poolName(rq.id))
+		return rq, nil
+	}
 	if r.mount {
 		rq.pool, err = d.pools.Ensure(ctx, poolset.VolumeRef(rq.id), acc)
 	} else {
-		rq.pool, err = d.pools.Lookup(poolset.VolumeRef(rq.id))
+		rq.pool, err = d.pools.Lookup(ctx, poolset.VolumeRef(rq.id))
 	}
 	switch {
 	case err == nil:
 	case errors.Is(err, poolset.ErrStarting) && r.pool == poolIfServed:
-		// Served here, its start-up passes not run yet (start.go): an
-		// unpublish takes a pod's bind mount away, which none of them
-		// needs (the I/O limits' rebuild finds only what is still
-		// mounted), and must not wait for a pool that may never answer.
+		// Held since the look above (a share's pool Recover served):
+		// the same.
 		rq.pool = d.pools.Pool(poolName(rq.id))
 		return rq, nil
 	case errors.Is(err, poolset.ErrStarting):
 		// Served here, its start-up passes not run yet: every other call
-		// waits for them (UNAVAILABLE).
+		// waited for them at most poolset's HeldWait (UNAVAILABLE).
 		return fail(err)
 	case r.pool == poolIfServed, r.pool == noPoolIsGone && errors.Is(err, csierr.ErrNoPool):
 		rq.pool = nil

@@ -16,7 +16,8 @@ import (
 // the pool serves a call (the node's registration, quota detection, the
 // thaw of what a crash left frozen, the I/O limits' publications found
 // again). Each pool gets them on a goroutine of its own, once it answers, and
-// is held (poolset.Hold: its calls answer UNAVAILABLE) until they have run.
+// is held (poolset.Hold: its calls wait for them at most the lease margin,
+// then answer UNAVAILABLE) until they have run.
 // The server answers once the passes of every pool that opened at start have
 // run, or after one start wait (Options.StartWait) at the latest; a pool
 // whose open is still pending (its filesystem hangs) or failed is not waited
@@ -207,7 +208,7 @@ func (d *core) startPasses(ctx context.Context) {
 	d.freezes.ThawAfterCrashOf(ctx, early)
 	log := klog.FromContext(ctx)
 	if len(left) > 0 {
-		log.Info("Serving before the start-up passes of some pools ran (their filesystem has not answered): their calls answer UNAVAILABLE until they have", "pools", left, "waited", time.Since(start).Round(time.Millisecond).String())
+		log.Info("Serving before the start-up passes of some pools ran (their filesystem has not answered): their calls wait for them at most the lease margin, then answer UNAVAILABLE", "pools", left, "waited", time.Since(start).Round(time.Millisecond).String())
 		return
 	}
 	log.V(2).Info("Start-up passes done", "after", time.Since(start).Round(time.Millisecond).String())

@@ -2,6 +2,7 @@ package driver
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync/atomic"
@@ -14,18 +15,24 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/iolimits"
+	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
 
 // TestPoolServesOnlyAfterItsStartPasses: the server answers while a pool's
 // start-up passes are held up (as by a filesystem that hangs after its open
 // answered), after one start wait; every call that reaches that pool answers
-// UNAVAILABLE (but an unpublish) until its passes have run (here: the
-// publication of its volume to a pod found again for the I/O limits), while
-// the other pool serves. Before, the server answered only once every pass had
-// run over every pool.
+// UNAVAILABLE (but an unpublish) after waiting at most the lease margin, and
+// changes nothing, until its passes have run (here: the publication of its
+// volume to a pod found again for the I/O limits), while the other pool
+// serves. Before, the server answered only once every pass had run over every
+// pool.
 func TestPoolServesOnlyAfterItsStartPasses(t *testing.T) {
-	first := newTestDriver(t, testOpts{extraPool: true, modify: func(o *Options) { o.StartWait = 50 * time.Millisecond }})
+	first := newTestDriver(t, testOpts{extraPool: true, modify: func(o *Options) {
+		o.StartWait = 50 * time.Millisecond
+		// A call on the held pool waits the margin before it answers.
+		o.Lease = lease.Timing{Duration: time.Second, Interval: 100 * time.Millisecond, Margin: 200 * time.Millisecond}
+	}})
 	c := mountCap(rwo, "ext4")
 	resp, err := first.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "held", Parameters: map[string]string{"pool": "other"},
 		VolumeCapabilities: []*csi.VolumeCapability{c}, CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20},
@@ -69,6 +76,7 @@ func TestPoolServesOnlyAfterItsStartPasses(t *testing.T) {
 		t.Fatal("the pool's passes never started")
 	}
 	ctrl, node := csi.NewControllerClient(conn), csi.NewNodeClient(conn)
+	staging := t.TempDir()
 	validate := func() error {
 		_, err := ctrl.ValidateVolumeCapabilities(ctx, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: id, VolumeCapabilities: []*csi.VolumeCapability{c}})
 		return err
@@ -88,7 +96,7 @@ func TestPoolServesOnlyAfterItsStartPasses(t *testing.T) {
 			return err
 		}},
 		{"NodeStageVolume", func() error {
-			_, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: t.TempDir(), VolumeCapability: c})
+			_, err := node.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: c})
 			return err
 		}},
 	} {
@@ -116,6 +124,20 @@ func TestPoolServesOnlyAfterItsStartPasses(t *testing.T) {
 	}
 	if !tracked() {
 		t.Error("the pool served before its publication to a pod was found again for the I/O limits")
+	}
+	// The refused calls changed nothing: the volume is still there (the
+	// validate above), no other was made in the pool, nothing was staged.
+	list, err := ctrl.ListVolumes(ctx, &csi.ListVolumesRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range list.GetEntries() {
+		if vid := e.GetVolume().GetVolumeId(); vid != id && strings.HasPrefix(vid, "other.") {
+			t.Errorf("a refused call made volume %s in the held pool", vid)
+		}
+	}
+	if got, err := os.ReadDir(staging); err != nil || len(got) > 0 {
+		t.Errorf("the refused stage left %v (%v) in its staging path", got, err)
 	}
 }
 

@@ -69,8 +69,8 @@ type Set struct {
 var ErrStarting = errors.New("the pool's start-up passes have not run yet")
 
 // Hold keeps the pool of name from every call that finds a pool through the
-// set (Lookup, Ensure, ForCreate): each answers UNAVAILABLE until Release.
-// The pool stays listed (Names, Pool), so what must reach it whatever it is
+// set (Lookup, Ensure, ForCreate): each waits for Release at most
+// Deps.HeldWait, then answers UNAVAILABLE (ready). The pool stays listed (Names, Pool), so what must reach it whatever it is
 // (the lease keeper, the start-up passes themselves) still does.
 func (s *Set) Hold(name string) { s.starting.LoadOrStore(name, make(chan struct{})) }
 
@@ -99,8 +99,11 @@ func (s *Set) Served() []string {
 	return out
 }
 
-// ready refuses a pool that is held (Hold).
-func (s *Set) ready(p *pool.Pool) (*pool.Pool, error) {
+// ready refuses a pool that is held (Hold), after waiting for its start-up
+// passes at most HeldWait or until ctx ends, whichever comes first: a pool
+// only slow to open serves the call, one that hangs answers UNAVAILABLE
+// within the wait. Calls on other pools never wait for it.
+func (s *Set) ready(ctx context.Context, p *pool.Pool) (*pool.Pool, error) {
 	if p == nil {
 		return p, nil
 	}
@@ -109,6 +112,7 @@ func (s *Set) ready(p *pool.Pool) (*pool.Pool, error) {
 		select {
 		case <-ch.(chan struct{}):
 		case <-t.C:
+		case <-ctx.Done():
 		}
 		t.Stop()
 	}

@@ -3,6 +3,7 @@ package faults
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -476,9 +477,11 @@ func sharedPoolDir(t *testing.T) (root, dir string) {
 }
 
 // A node plugin restarted while three of its pools hang answers at once, not
-// after its start-up passes have each waited for every hung pool; a hung pool
-// is UNAVAILABLE until it answers, and then serves only once its own passes
-// have run (here: the node's registration with it is written again). Before,
+// after its start-up passes have each waited for every hung pool; the other
+// pool serves at once while the hung ones are held; a call on a hung pool
+// waits at most the lease margin, then answers UNAVAILABLE and changes
+// nothing, until the pool answers, and the pool then serves only once its own
+// passes have run (here: the node's registration with it is written again). Before,
 // Recover, quota detection, the registration, the crash thaw and the I/O
 // limits' rebuild each waited each hung pool's open wait again: with three
 // hung pools the server answered after about ten open waits (20 s at an 8 s
@@ -507,6 +510,12 @@ func TestRestartWithHungPoolsAnswersAtOnce(t *testing.T) {
 		t.Fatalf("create in hung1 while it answers: %v", err)
 	}
 	late := resp.GetVolume().GetVolumeId()
+	resp, err = d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "healthy", Parameters: map[string]string{"pool": "shared", "layout": "dir"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatalf("create in the healthy pool: %v", err)
+	}
+	healthy := resp.GetVolume().GetVolumeId()
 	record := filepath.Join(root, "hung1-src", "nodes", "node-a.json")
 	registered := func() time.Time {
 		t.Helper()
@@ -541,13 +550,55 @@ func TestRestartWithHungPoolsAnswersAtOnce(t *testing.T) {
 	if limit := (1 + 3*hung) * openWait / 2; info >= limit {
 		t.Errorf("the restarted server answered after %s, want well under the %s of a start that waits each hung pool in each pass", info.Round(time.Millisecond), limit)
 	}
-	validate := func(c context.Context) error {
-		_, err := d.Controller().ValidateVolumeCapabilities(c, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: late,
+	validateID := func(c context.Context, id string) error {
+		_, err := d.Controller().ValidateVolumeCapabilities(c, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: id,
 			VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}})
 		return err
 	}
+	validate := func(c context.Context) error { return validateID(c, late) }
+	createIn := func(c context.Context, name, poolName string) (string, error) {
+		resp, err := d.Controller().CreateVolume(c, &csi.CreateVolumeRequest{Name: name, Parameters: map[string]string{"pool": poolName, "layout": "dir"},
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+		return resp.GetVolume().GetVolumeId(), err
+	}
+	// A call on a hung pool waits for its passes at most the lease margin,
+	// then answers UNAVAILABLE: a generous bound, four margins, well within
+	// the call's own deadline, tells a bounded wait from one for the pool.
+	hungCall := func(name string, call func(context.Context) error) <-chan error {
+		out := make(chan error, 1)
+		go func() {
+			c, cancel := context.WithTimeout(context.Background(), 4*8*time.Second)
+			defer cancel()
+			err := call(c)
+			if status.Code(err) != codes.Unavailable {
+				err = fmt.Errorf("%s on a hung pool: %w, want UNAVAILABLE within the lease margin", name, err)
+			} else {
+				err = nil
+			}
+			out <- err
+		}()
+		return out
+	}
+	refused := hungCall("CreateVolume", func(c context.Context) error { _, err := createIn(c, "refused", "hung2"); return err })
+	waited := hungCall("ValidateVolumeCapabilities", validate)
+	// Meanwhile the healthy pool serves, at once.
+	if err := validateID(ctx(t), healthy); err != nil {
+		t.Errorf("a call on the healthy pool's volume while the others are held: %v", err)
+	}
+	if id, err := createIn(ctx(t), "beside", "shared"); err != nil {
+		t.Errorf("a create in the healthy pool while the others are held: %v", err)
+	} else if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Errorf("a delete in the healthy pool while the others are held: %v", err)
+	}
+	for _, ch := range []<-chan error{refused, waited} {
+		if err := <-ch; err != nil {
+			t.Error(err)
+		}
+	}
+	// Still held after the healthy pool's calls (its filesystem still
+	// hangs): those were served while it was.
 	if err := validate(ctx(t)); status.Code(err) != codes.Unavailable {
-		t.Errorf("a call on the hung pool's volume: %v, want UNAVAILABLE", err)
+		t.Errorf("a call on the hung pool's volume after the healthy pool's: %v, want UNAVAILABLE", err)
 	}
 
 	signalAll(t, daemons, syscall.SIGCONT)
@@ -561,6 +612,10 @@ func TestRestartWithHungPoolsAnswersAtOnce(t *testing.T) {
 			t.Fatalf("a call on the volume of the pool that answers again: %v", err)
 		}
 	}
+	// The refused create made nothing in hung2.
+	if got := entries(t, filepath.Join(root, "hung2-src", "volumes")); len(got) > 0 {
+		t.Errorf("the create refused in the held pool made %v", got)
+	}
 	// It served only once its passes had run: the registration among them.
 	if after := registered(); !after.After(before) {
 		t.Errorf("hung1 served before the node registered with it again (registration of %s, restart at %s)", after, start)
@@ -573,5 +628,8 @@ func TestRestartWithHungPoolsAnswersAtOnce(t *testing.T) {
 	// .fuse_hidden files, which a delete may meet: not this test's.
 	if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: late}); err != nil {
 		t.Logf("delete in the FUSE pool: %v", err)
+	}
+	if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: healthy}); err != nil {
+		t.Errorf("delete in the healthy pool: %v", err)
 	}
 }
