@@ -155,3 +155,62 @@ func untilAvailable(ctx context.Context, f func() error) error {
 		}
 	}
 }
+
+// TestTeardownGoesThroughAHeldPool: kubelet's teardown of a pod's volume
+// (unpublish, then unstage) goes through at once on a pool held for its
+// start-up passes, which may never run (a CephFS client the MDS evicted
+// while the node plugin restarted answers ESHUTDOWN for good), and leaves
+// nothing of the volume on this node. Before, the unstage waited the lease
+// margin and answered UNAVAILABLE, for as long as the pool did not answer,
+// and the volume's fenced loop device stayed attached (test/shared's
+// lost-pool case "hang+restart" on CephFS). Each call's deadline is a third
+// of the margin: one that waited for the pool would miss it.
+func TestTeardownGoesThroughAHeldPool(t *testing.T) {
+	first := newTestDriver(t, testOpts{extraPool: true, modify: func(o *Options) { o.StartWait = 50 * time.Millisecond }})
+	c := mountCap(rwo, "ext4")
+	resp, err := first.CreateVolume(context.Background(), &csi.CreateVolumeRequest{Name: "torn", Parameters: map[string]string{"pool": "other"},
+		VolumeCapabilities: []*csi.VolumeCapability{c}, CapacityRange: &csi.CapacityRange{RequiredBytes: 64 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetVolume().GetVolumeId()
+	const pod = "22222222-2222-4222-8222-222222222222"
+	staging := filepath.Join(first.root, "staging", id)
+	target := filepath.Join(first.root, "kubelet/pods", pod, "volumes/kubernetes.io~csi/pv-torn/mount")
+	if err := first.stage(id, c); err != nil {
+		t.Fatal(err)
+	}
+	first.host.AddPod(pod)
+	if _, err := first.NodePublishVolume(context.Background(), &csi.NodePublishVolumeRequest{VolumeId: id,
+		StagingTargetPath: staging, TargetPath: target, VolumeCapability: c}); err != nil {
+		t.Fatal(err)
+	}
+
+	td := first.restart(t)
+	td.beforePasses = func(ctx context.Context, p *pool.Pool) {
+		if p.Name() == "other" {
+			<-ctx.Done() // never answers while the test runs
+		}
+	}
+	_, conn := td.serve(t)
+	if !td.pools.Held("other") {
+		t.Fatal("the pool is not held")
+	}
+	node := csi.NewNodeClient(conn)
+	call := func() (context.Context, context.CancelFunc) {
+		return context.WithTimeout(context.Background(), td.opts.Lease.Margin/3)
+	}
+	ctx, cancel := call()
+	defer cancel()
+	if _, err := node.NodeUnpublishVolume(ctx, &csi.NodeUnpublishVolumeRequest{VolumeId: id, TargetPath: target}); err != nil {
+		t.Errorf("NodeUnpublishVolume in the held pool: %v", err)
+	}
+	ctx, cancel = call()
+	defer cancel()
+	if _, err := node.NodeUnstageVolume(ctx, &csi.NodeUnstageVolumeRequest{VolumeId: id, StagingTargetPath: staging}); err != nil {
+		t.Errorf("NodeUnstageVolume in the held pool: %v", err)
+	}
+	if m, a := td.host.Mounts(), td.host.Attached(); len(m) != 0 || len(a) != 0 {
+		t.Errorf("after the teardown this node still has mounts %v and loop devices %v", m, a)
+	}
+}
