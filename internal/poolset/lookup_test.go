@@ -3,6 +3,7 @@ package poolset
 import (
 	"context"
 	"errors"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -129,8 +130,12 @@ func TestHeldPoolAnswersUnavailable(t *testing.T) {
 func TestHeldPoolWaitsAtMostHeldWait(t *testing.T) {
 	root := t.TempDir()
 	var pools []*pool.Pool
-	for _, name := range []string{"held", "other"} {
-		p, err := pool.Open(pool.Config{Name: name, Path: filepath.Join(root, name)})
+	failed := filepath.Join(root, "failed") // a shared pool without pool.json
+	if err := os.Mkdir(failed, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range []string{"held", "other", "failed"} {
+		p, err := pool.Open(pool.Config{Name: name, Path: filepath.Join(root, name), Shared: name == "failed"})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -150,6 +155,7 @@ func TestHeldPoolWaitsAtMostHeldWait(t *testing.T) {
 		{name: "the call's context ends first", wait: never, pool: "held", deadline: soon, want: ErrStarting},
 		{name: "another pool", wait: never, pool: "other"},
 		{name: "no wait", wait: 0, pool: "held", want: ErrStarting},
+		{name: "its open failed", wait: never, pool: "failed", want: ErrStarting},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s, err := New(Deps{NodeID: "node-1", HeldWait: tc.wait}, pools)
@@ -157,6 +163,7 @@ func TestHeldPoolWaitsAtMostHeldWait(t *testing.T) {
 				t.Fatal(err)
 			}
 			s.Hold("held")
+			s.Hold("failed")
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			if tc.deadline > 0 {

@@ -102,12 +102,16 @@ func (s *Set) Served() []string {
 // ready refuses a pool that is held (Hold), after waiting for its start-up
 // passes at most HeldWait or until ctx ends, whichever comes first: a pool
 // only slow to open serves the call, one that hangs answers UNAVAILABLE
+// within the wait. A pool whose open failed (its filesystem answered with an
+// error: no pool.json, a client evicted) is refused at once, with the open's
+// error, as it was before the passes held pools: nothing it could answer
 // within the wait. Calls on other pools never wait for it.
 func (s *Set) ready(ctx context.Context, p *pool.Pool) (*pool.Pool, error) {
 	if p == nil {
 		return p, nil
 	}
-	if ch, held := s.starting.Load(p.Name()); held && s.deps.HeldWait > 0 {
+	openFailed := !p.OpenPending() && p.OpenError() != nil
+	if ch, held := s.starting.Load(p.Name()); held && s.deps.HeldWait > 0 && !openFailed {
 		t := time.NewTimer(s.deps.HeldWait)
 		select {
 		case <-ch.(chan struct{}):
