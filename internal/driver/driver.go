@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -134,6 +135,12 @@ type Options struct {
 	// StartupFence, if set, is the guard over this process's start: its
 	// lease keeper stops it, and counts from its start (lease.go).
 	StartupFence *fence.StartupFence
+	// StartWait bounds how long Serve waits for the pools' start-up passes
+	// before the server answers (start.go); 0: a quarter of the lease
+	// margin, at most 5 s. A pool whose passes have not run by then answers
+	// UNAVAILABLE, after each call waited at most the lease margin, until
+	// they have.
+	StartWait time.Duration
 }
 
 // Driver serves the CSI services over one pool set: a server type per
@@ -207,6 +214,12 @@ type core struct {
 	ephemeralPool *pool.Pool
 	// inline are this node's ephemeral inline volumes (internal/ephemeral).
 	inline *ephemeral.Volumes
+	// starting is the start-up passes of Serve's start (start.go), nil
+	// before it.
+	starting atomic.Pointer[startup]
+	// beforePasses, if set, runs first in each pool's start-up passes:
+	// tests hold a pool there as a filesystem that hangs would.
+	beforePasses func(ctx context.Context, p *pool.Pool)
 }
 
 // CSI ephemeral inline volumes (docs/ephemeral.md) are internal/ephemeral's.
@@ -298,7 +311,10 @@ func New(opts Options) (*Driver, error) {
 		return p.Snapshots().Fill(ctx, s, v, nil)
 	}
 	if d.pools, err = poolset.New(poolset.Deps{NodeID: opts.NodeID, Shares: opts.Shares, ShareTypes: opts.ShareTypes,
-		ShareKeys: opts.ShareKeys, Joined: d.registerNode}, opts.Pools); err != nil {
+		ShareKeys: opts.ShareKeys, Joined: d.registerNode, Recovered: d.recovered,
+		// As long as a call on a pool whose open was pending waited before:
+		// a slow pool serves, a hung one answers UNAVAILABLE within the margin.
+		HeldWait: opts.Lease.Margin}, opts.Pools); err != nil {
 		return nil, err
 	}
 	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Interval: opts.IOLimitsInterval})
@@ -362,16 +378,7 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	// whatever the others do, and a share's pool the passes recover counts
 	// from when it is added.
 	serve := runner.Func(func(ctx context.Context) error {
-		d.pools.Recover(ctx)
-		d.detectQuotas(ctx)
-		d.registerNode(ctx)
-		d.freezes.ThawAfterCrash(ctx)
-		if d.opts.Mode.node() {
-			// Before the first reconcile and before any publish: a
-			// restarted node plugin knows its pods again only from the
-			// mount table.
-			d.throttle.Rebuild(ctx)
-		}
+		d.startPasses(ctx)
 		if ctx.Err() != nil {
 			return nil
 		}
@@ -443,7 +450,9 @@ func Listen(endpoint string) (*unixsock.Socket, error) {
 // newFreezes is the driver's freezes, holding nothing: what a process
 // starts with.
 func newFreezes(d *core) *freeze.Freezer {
-	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Lock: d.lockFor,
+	// The freeze agent answers no request in a pool held for its start-up
+	// passes (start.go): its crash thaw has not run yet.
+	return freeze.New(freeze.Deps{NodeID: d.opts.NodeID, Node: &d.Deps, Names: d.pools.Served, Pool: d.pools.Pool, Lock: d.lockFor,
 		Verdict: func(p *pool.Pool, node string, staged bool) (lease.Verdict, error) {
 			return d.leases.Verdict(p, node, staged)
 		},
@@ -452,16 +461,6 @@ func newFreezes(d *core) *freeze.Freezer {
 
 // isLocal reports whether volumes of p live on this node only.
 func isLocal(p *pool.Pool) bool { return !p.Shared() }
-
-// detectQuotas runs detection for every pool present at start-up, so the log
-// says at once what dir volumes will get.
-func (d *core) detectQuotas(ctx context.Context) {
-	for _, pn := range d.pools.Names() {
-		if _, err := d.QuotaFor(ctx, d.pools.Pool(pn)); err != nil {
-			klog.FromContext(ctx).V(2).Info("Quota detection postponed", "pool", pn, "err", err)
-		}
-	}
-}
 
 // layoutOf returns the implementation of l; an unknown layout (a volume.json
 // written by a newer driver) is treated as an image, whose checks refuse

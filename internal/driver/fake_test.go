@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/grpc"
@@ -92,6 +93,13 @@ func (td *testDriver) serve(t testing.TB) (endpoint string, conn *grpc.ClientCon
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
+	// Until the server answers, its start-up passes may hold the pools
+	// (start.go): a test that calls the handlers directly waits for it too.
+	pctx, pcancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer pcancel()
+	if _, err := csi.NewIdentityClient(conn).Probe(pctx, &csi.ProbeRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("the served driver never answered Probe: %v", err)
+	}
 	return endpoint, conn
 }
 

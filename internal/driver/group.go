@@ -459,7 +459,7 @@ func (d controllerServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.G
 	if !known {
 		return nil, csierr.Failf(pool.ErrNotFound, "group snapshot %q does not exist (not a poolcsi group snapshot ID)", req.GetGroupSnapshotId())
 	}
-	p, err := d.pools.Lookup(poolset.SnapshotRef(gid.SnapshotID))
+	p, err := d.pools.Lookup(ctx, poolset.SnapshotRef(gid.SnapshotID))
 	if err != nil {
 		return nil, err
 	}

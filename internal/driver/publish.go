@@ -27,20 +27,26 @@ func (d *core) registerNode(ctx context.Context) {
 		return
 	}
 	for _, pn := range d.pools.Names() {
-		if _, done := d.registered.Load(pn); done {
-			continue
+		if p := d.pools.Pool(pn); p != nil {
+			d.registerPool(ctx, p)
 		}
-		p := d.pools.Pool(pn)
-		if p.Check() != nil {
-			continue // not mounted yet: Probe tries again
-		}
-		if err := p.Publications().RegisterNode(d.opts.NodeID, d.pools.Topology(), d.opts.MaxVolumesPerNode); err != nil {
-			klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", pn)
-			continue
-		}
-		d.registered.Store(pn, true)
-		klog.FromContext(ctx).V(2).Info("Registered node with pool", "pool", pn, "node", d.opts.NodeID)
 	}
+}
+
+// registerPool is registerNode for one pool (a start-up pass, start.go).
+func (d *core) registerPool(ctx context.Context, p *pool.Pool) {
+	if _, done := d.registered.Load(p.Name()); done {
+		return
+	}
+	if p.Check() != nil {
+		return // not mounted yet: Probe tries again
+	}
+	if err := p.Publications().RegisterNode(d.opts.NodeID, d.pools.Topology(), d.opts.MaxVolumesPerNode); err != nil {
+		klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", p.Name())
+		return
+	}
+	d.registered.Store(p.Name(), true)
+	klog.FromContext(ctx).V(2).Info("Registered node with pool", "pool", p.Name(), "node", d.opts.NodeID)
 }
 
 // checkNode validates a node ID for a volume: syntactically, then that the node

@@ -95,6 +95,13 @@ type route struct {
 	// foreignIsNotFound: an ID of another format names no volume of this
 	// driver, NOT_FOUND; a hostile one is still INVALID_ARGUMENT.
 	foreignIsNotFound bool
+	// whileHeld: the call goes through at once on a pool held for its
+	// start-up passes (start.go), which it does not need: kubelet's
+	// teardown of a pod's volume on this node, which must not wait for a
+	// pool that may never answer again (a CephFS client the MDS evicted
+	// while the node plugin restarted) and works from this node's own
+	// records and mounts, as it does on any pool that does not answer.
+	whileHeld bool
 }
 
 // routes is the lock table, in one place.
@@ -112,9 +119,9 @@ var routes = map[holder]route{
 	rpcNodeStageVolume:            {lock: true, mount: true, load: true},
 	// The stage mounted the share; publish, unstage, expand and the reads
 	// are answered from the pools served here.
-	rpcNodeUnstageVolume:   {lock: true},
+	rpcNodeUnstageVolume:   {lock: true, whileHeld: true},
 	rpcNodePublishVolume:   {lock: true, load: true},
-	rpcNodeUnpublishVolume: {lock: true, pool: poolIfServed},
+	rpcNodeUnpublishVolume: {lock: true, pool: poolIfServed, whileHeld: true},
 	rpcNodeExpandVolume:    {lock: true, load: true},
 	rpcNodeGetVolumeStats:  {},
 	rpcNodeGetVolumeHealth: {},
@@ -169,13 +176,33 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		rq.release()
 		return volumeRequest{release: noRelease}, err
 	}
+	if r.whileHeld && d.pools.Held(poolName(rq.id)) {
+		// Served here, its start-up passes not run yet (start.go): an
+		// unpublish takes a pod's bind mount away, an unstage the
+		// stage's mount and device, which none of them needs (the I/O
+		// limits' rebuild finds only what is still mounted; the crash
+		// thaw of this node's own records runs under the volume's lock),
+		// and neither may wait for a pool that may never answer
+		// (poolset's HeldWait).
+		rq.pool = d.pools.Pool(poolName(rq.id))
+		return rq, nil
+	}
 	if r.mount {
 		rq.pool, err = d.pools.Ensure(ctx, poolset.VolumeRef(rq.id), acc)
 	} else {
-		rq.pool, err = d.pools.Lookup(poolset.VolumeRef(rq.id))
+		rq.pool, err = d.pools.Lookup(ctx, poolset.VolumeRef(rq.id))
 	}
 	switch {
 	case err == nil:
+	case errors.Is(err, poolset.ErrStarting) && r.whileHeld:
+		// Held since the look above (a share's pool Recover served):
+		// the same.
+		rq.pool = d.pools.Pool(poolName(rq.id))
+		return rq, nil
+	case errors.Is(err, poolset.ErrStarting):
+		// Served here, its start-up passes not run yet: every other call
+		// waited for them at most poolset's HeldWait (UNAVAILABLE).
+		return fail(err)
 	case r.pool == poolIfServed, r.pool == noPoolIsGone && errors.Is(err, csierr.ErrNoPool):
 		rq.pool = nil
 		return rq, nil
@@ -188,6 +215,15 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		}
 	}
 	return rq, nil
+}
+
+// poolName is the name of the pool vid names: a configured pool's, or its
+// share's.
+func poolName(vid pool.VolumeID) string {
+	if r, isShare := vid.ShareRef(); isShare {
+		return r.PoolName()
+	}
+	return vid.Pool
 }
 
 // hold takes the in-process lock of an ID a call made or parsed itself (a new

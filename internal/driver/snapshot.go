@@ -205,7 +205,7 @@ func (d controllerServer) loadSnapshot(ctx context.Context, sid pool.SnapshotID,
 	if acc != nil {
 		p, err = d.pools.Ensure(ctx, poolset.SnapshotRef(sid), *acc)
 	} else {
-		p, err = d.pools.Lookup(poolset.SnapshotRef(sid))
+		p, err = d.pools.Lookup(ctx, poolset.SnapshotRef(sid))
 	}
 	if err != nil {
 		return nil, nil, err

@@ -30,6 +30,20 @@ func (f *Freezer) clearFreeze(ctx context.Context, vid pool.VolumeID) {
 // or a mount does. The freeze agent and local freezes start freezing only
 // once it is done, so its thaws never end a new freeze.
 func (f *Freezer) ThawAfterCrash(ctx context.Context) {
+	var pools []*pool.Pool
+	for _, pn := range f.deps.Names() {
+		if p := f.deps.Pool(pn); p != nil {
+			pools = append(pools, p)
+		}
+	}
+	f.ThawAfterCrashOf(ctx, pools)
+}
+
+// ThawAfterCrashOf is ThawAfterCrash over the pools given: a pool that did
+// not answer at start gets its part later, before it serves (ThawPool).
+// What this node's own records say it froze is thawed whatever pools are
+// given.
+func (f *Freezer) ThawAfterCrashOf(ctx context.Context, pools []*pool.Pool) {
 	if !f.deps.NodePlugin {
 		return
 	}
@@ -40,7 +54,7 @@ func (f *Freezer) ThawAfterCrash(ctx context.Context) {
 	timeout := f.RecoveryTimeout
 	go func() {
 		defer close(done)
-		f.recoverFreezes(context.WithoutCancel(ctx), timeout)
+		f.recoverFreezes(context.WithoutCancel(ctx), pools, timeout)
 	}()
 }
 
@@ -52,16 +66,14 @@ func (f *Freezer) ThawAfterCrash(ctx context.Context) {
 // the same checks as a freeze. A pool's records are never opened as paths:
 // a "frozen" file an older version left in a volume's directory only selects
 // which of this node's own mounts of that volume is thawed.
-func (f *Freezer) recoverFreezes(ctx context.Context, timeout time.Duration) {
+func (f *Freezer) recoverFreezes(ctx context.Context, pools []*pool.Pool, timeout time.Duration) {
 	log := klog.FromContext(ctx)
 	deadline := time.Now().Add(timeout)
-	var pools []func()
-	for _, pn := range f.deps.Names() {
-		if p := f.deps.Pool(pn); p != nil {
-			pools = append(pools, func() { f.abandonFreezeAnswers(ctx, p) })
-		}
+	var answers []func()
+	for _, p := range pools {
+		answers = append(answers, func() { f.abandonFreezeAnswers(ctx, p) })
 	}
-	if !runUntil(deadline, pools) {
+	if !runUntil(deadline, answers) {
 		log.Info("A pool did not answer while the thaws of a crashed freeze were written down; thawing all the same", "timeout", timeout)
 	}
 	var thaws []func()
@@ -82,30 +94,44 @@ func (f *Freezer) recoverFreezes(ctx context.Context, timeout time.Duration) {
 	}
 	// Older versions recorded freezes in the pool: only which volume is
 	// taken from those, never a path.
-	for _, pn := range f.deps.Names() {
-		p := f.deps.Pool(pn)
-		if p == nil {
-			continue
-		}
-		thaws = append(thaws, func() {
-			freezes, err := p.Freezes().Records()
-			if err != nil {
-				log.V(2).Info("Cannot look for freezes an older version recorded in the pool", "pool", pn, "err", err)
-				return
-			}
-			for _, old := range freezes {
-				if old.Node != f.deps.NodeID {
-					continue // another node's freeze, on a shared pool
-				}
-				f.recoveryThaw(ctx, old.Volume.String(), func() (string, error) { return f.thawVolumeHere(p, old.Volume) })()
-				if err := p.Freezes().ClearRecord(old.Volume); err != nil {
-					log.Error(err, "Removing an older version's freeze record failed", "volume", old.Volume)
-				}
-			}
-		})
+	for _, p := range pools {
+		thaws = append(thaws, func() { f.thawOlderRecords(ctx, p) })
 	}
 	if !runUntil(deadline, thaws) {
 		log.Info("Thawing what a crash left frozen has not finished; the freeze agent starts all the same (a volume still being thawed stays locked)", "timeout", timeout)
+	}
+}
+
+// ThawPool is the part of ThawAfterCrash that reads pool p, for a pool that
+// did not answer when ThawAfterCrashOf ran: this node's "frozen" answers in it
+// are rewritten "thawed", then what an older version recorded there as frozen
+// by this node is thawed. It returns when done; the caller keeps the pool
+// from every call (and from the freeze agent) until then.
+func (f *Freezer) ThawPool(ctx context.Context, p *pool.Pool) {
+	if !f.deps.NodePlugin {
+		return
+	}
+	f.abandonFreezeAnswers(ctx, p)
+	f.thawOlderRecords(ctx, p)
+}
+
+// thawOlderRecords thaws what an older version recorded in p as frozen by
+// this node: only which volume is taken from those records, never a path.
+func (f *Freezer) thawOlderRecords(ctx context.Context, p *pool.Pool) {
+	log := klog.FromContext(ctx)
+	freezes, err := p.Freezes().Records()
+	if err != nil {
+		log.V(2).Info("Cannot look for freezes an older version recorded in the pool", "pool", p.Name(), "err", err)
+		return
+	}
+	for _, old := range freezes {
+		if old.Node != f.deps.NodeID {
+			continue // another node's freeze, on a shared pool
+		}
+		f.recoveryThaw(ctx, old.Volume.String(), func() (string, error) { return f.thawVolumeHere(p, old.Volume) })()
+		if err := p.Freezes().ClearRecord(old.Volume); err != nil {
+			log.Error(err, "Removing an older version's freeze record failed", "volume", old.Volume)
+		}
 	}
 }
 

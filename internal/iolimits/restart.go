@@ -51,29 +51,39 @@ func podUIDOfTarget(target string) (string, bool) {
 // holds, so the reconcile writes only what differs. It runs before the
 // server serves; a publication a handler tracked first is kept.
 func (th *Throttle) Rebuild(ctx context.Context) {
-	logger := klog.FromContext(ctx)
 	found := 0
 	for _, name := range th.deps.Names() {
-		p := th.deps.Pool(name)
-		if p == nil {
-			continue
-		}
-		entries, err := p.List()
-		if err != nil {
-			logger.Error(err, "I/O limits: cannot list the pool's volumes; its running pods keep the limits they have until published again", "pool", name)
-			continue
-		}
-		for _, e := range entries {
-			if ctx.Err() != nil {
-				return
-			}
-			if e.Err != nil || e.Volume == nil || e.Volume.Layout != pool.LayoutImage {
-				continue
-			}
-			found += th.rediscoverPublishes(ctx, p, e.ID, e.Volume)
+		if p := th.deps.Pool(name); p != nil {
+			found += th.rebuildPool(ctx, p)
 		}
 	}
-	logger.Info("I/O limits: found the publications of this node again", "count", found)
+	klog.FromContext(ctx).Info("I/O limits: found the publications of this node again", "count", found)
+}
+
+// RebuildPool is Rebuild for one pool, for a pool that did not answer when
+// Rebuild ran: it must run before the pool serves any call.
+func (th *Throttle) RebuildPool(ctx context.Context, p *pool.Pool) {
+	found := th.rebuildPool(ctx, p)
+	klog.FromContext(ctx).Info("I/O limits: found the publications of this node in a pool again", "pool", p.Name(), "count", found)
+}
+
+func (th *Throttle) rebuildPool(ctx context.Context, p *pool.Pool) int {
+	entries, err := p.List()
+	if err != nil {
+		klog.FromContext(ctx).Error(err, "I/O limits: cannot list the pool's volumes; its running pods keep the limits they have until published again", "pool", p.Name())
+		return 0
+	}
+	found := 0
+	for _, e := range entries {
+		if ctx.Err() != nil {
+			return found
+		}
+		if e.Err != nil || e.Volume == nil || e.Volume.Layout != pool.LayoutImage {
+			continue
+		}
+		found += th.rediscoverPublishes(ctx, p, e.ID, e.Volume)
+	}
+	return found
 }
 
 // rediscoverPublishes tracks the publications of one volume: the mount points

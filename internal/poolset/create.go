@@ -18,7 +18,7 @@ const TopologyKey = "topology.poolcsi.io/node"
 // flags and what the request's secrets brought, acc) and laid out if new.
 func (s *Set) ForCreate(ctx context.Context, sc params.Create, caps []*csi.VolumeCapability, acc Access) (*pool.Pool, error) {
 	if sc.Share == nil {
-		return s.Pool(sc.Pool), nil
+		return s.ready(ctx, s.Pool(sc.Pool))
 	}
 	acc.fromStorageClass = true
 	acc.scOptions = append(acc.scOptions, sc.Share.Options...)

@@ -40,9 +40,10 @@ func ShareRef(r pool.ShareRef) Ref { return Ref{share: r, isShare: true} }
 
 // Lookup returns the pool ref names among those served here; it never
 // mounts anything. A share not served is UNAVAILABLE: the next call that may
-// mount it does.
-func (s *Set) Lookup(ref Ref) (*pool.Pool, error) {
-	return s.get(context.Background(), ref, Access{}, false)
+// mount it does. A pool held for its start-up passes is waited for as ready
+// says, at most until ctx ends.
+func (s *Set) Lookup(ctx context.Context, ref Ref) (*pool.Pool, error) {
+	return s.get(ctx, ref, Access{}, false)
 }
 
 // Ensure returns the pool ref names, mounting its share on this node when
@@ -61,7 +62,7 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 		if p == nil {
 			return nil, csierr.Failf(csierr.ErrNoPool, "%s: pool %q is not configured on this driver (pools: %s)", ref.what, ref.pool, JoinNames(s.configured))
 		}
-		return p, nil
+		return s.ready(ctx, p)
 	}
 	r := ref.share
 	name := r.PoolName()
@@ -73,7 +74,9 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 	}
 	// A served pool passed allowed when it joined, and the allow-list does
 	// not change while the driver runs.
-	if p := s.Pool(name); p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
+	if p := s.Pool(name); p != nil && s.Held(name) {
+		return s.ready(ctx, p)
+	} else if p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
 		return p, nil
 	}
 	if s.shares.m == nil {

@@ -8,13 +8,16 @@ package poolset
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sort"
 	"strings"
 	"sync"
+	"time"
 
 	"k8s.io/klog/v2"
 
+	"github.com/poolcsi/poolcsi/internal/csierr"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -33,6 +36,15 @@ type Deps struct {
 	// Joined is called when a share's pool joins the set (the node
 	// registers with it); may be nil.
 	Joined func(ctx context.Context)
+	// Recovered is called for each share's pool Recover serves, which it
+	// holds (Hold) first: the driver runs the pool's start-up passes, then
+	// releases it. nil: Recover holds nothing.
+	Recovered func(p *pool.Pool)
+	// HeldWait is how long a call that finds its pool held (Hold) waits for
+	// the pool's start-up passes before it answers UNAVAILABLE: a pool only
+	// slow to open (a CephFS client revoking capabilities) serves its first
+	// calls as it did when each call waited the pool's open. 0: no wait.
+	HeldWait time.Duration
 }
 
 // Set is the pools this driver serves.
@@ -46,6 +58,76 @@ type Set struct {
 	// configured are the names of the operator's pools, sorted.
 	configured []string
 	shares     shareState
+	// starting are the served pools whose start-up passes have not run
+	// (Hold): name → chan struct{}, closed by Release.
+	starting sync.Map
+}
+
+// ErrStarting is why a pool held by Hold answers no call: its start-up
+// passes (the recovery of what a restart interrupted) have not run yet.
+// Errors that carry it are UNAVAILABLE (pool.ErrUnavailable).
+var ErrStarting = errors.New("the pool's start-up passes have not run yet")
+
+// Hold keeps the pool of name from every call that finds a pool through the
+// set (Lookup, Ensure, ForCreate): each waits for Release at most
+// Deps.HeldWait, then answers UNAVAILABLE (ready). The pool stays listed (Names, Pool), so what must reach it whatever it is
+// (the lease keeper, the start-up passes themselves) still does.
+func (s *Set) Hold(name string) { s.starting.LoadOrStore(name, make(chan struct{})) }
+
+// Release ends Hold: the pool's start-up passes have run.
+func (s *Set) Release(name string) {
+	if ch, ok := s.starting.LoadAndDelete(name); ok {
+		close(ch.(chan struct{}))
+	}
+}
+
+// Held tells whether the pool of name is held (Hold).
+func (s *Set) Held(name string) bool {
+	_, held := s.starting.Load(name)
+	return held
+}
+
+// Served is Names without the pools held (Hold): the pools the driver's
+// own loops may act on for calls.
+func (s *Set) Served() []string {
+	var out []string
+	for _, n := range s.Names() {
+		if !s.Held(n) {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// ready refuses a pool that is held (Hold), after waiting for its start-up
+// passes at most HeldWait or until ctx ends, whichever comes first: a pool
+// only slow to open serves the call, one that hangs answers UNAVAILABLE
+// within the wait. A pool whose open failed (its filesystem answered with an
+// error: no pool.json, a client evicted) is refused at once, with the open's
+// error, as it was before the passes held pools: nothing it could answer
+// within the wait. Calls on other pools never wait for it.
+func (s *Set) ready(ctx context.Context, p *pool.Pool) (*pool.Pool, error) {
+	if p == nil {
+		return p, nil
+	}
+	openFailed := !p.OpenPending() && p.OpenError() != nil
+	if ch, held := s.starting.Load(p.Name()); held && s.deps.HeldWait > 0 && !openFailed {
+		t := time.NewTimer(s.deps.HeldWait)
+		select {
+		case <-ch.(chan struct{}):
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		t.Stop()
+	}
+	if s.Held(p.Name()) {
+		why := "it has not answered since this process started"
+		if err := p.OpenError(); err != nil {
+			why = err.Error()
+		}
+		return nil, csierr.Failf(pool.ErrUnavailable, "pool %s on node %s: %w (%s); its calls are answered once they have", p.Name(), s.deps.NodeID, ErrStarting, why)
+	}
+	return p, nil
 }
 
 // New makes the set of the operator's pools.
@@ -96,12 +178,31 @@ func (s *Set) Add(p *pool.Pool) *pool.Pool {
 	if old, ok := s.pools[p.Name()]; ok {
 		return old
 	}
+	s.addLocked(p)
+	return p
+}
+
+// add adds p unless a pool of its name is served, held (Hold) if hold; it
+// tells whether it added p.
+func (s *Set) add(p *pool.Pool, hold bool) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.pools[p.Name()]; ok {
+		return false
+	}
+	if hold {
+		s.Hold(p.Name())
+	}
+	s.addLocked(p)
+	return true
+}
+
+func (s *Set) addLocked(p *pool.Pool) {
 	p.Ledger().SetKeys(s.deps.ShareKeys)
 	s.pools[p.Name()] = p
 	names := append(append([]string(nil), s.names...), p.Name())
 	sort.Strings(names)
 	s.names = names
-	return p
 }
 
 // Params is what the request parsers know of this set: the configured
@@ -138,18 +239,30 @@ func (s *Set) Recover(ctx context.Context) {
 		log.Error(err, "Looking for shares mounted before a restart")
 		return
 	}
+	// Side by side: a share whose filesystem hangs holds up only itself.
+	var wg sync.WaitGroup
 	for r, path := range known {
 		if s.shares.allowed(r) != nil {
 			log.Info("A share mounted before is not of an allowed type now; not served", "share", r.String())
 			continue
 		}
-		p, err := s.openSharePool(r, path)
-		if err != nil || !p.LaidOut() {
-			continue
-		}
-		s.Add(p)
-		log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
+		wg.Go(func() {
+			p, err := s.openSharePool(r, path)
+			if err != nil || !p.LaidOut() {
+				return
+			}
+			// Held before anyone can find it: its start-up passes
+			// (Recovered) release it.
+			if !s.add(p, s.deps.Recovered != nil) {
+				return // a call mounted it meanwhile
+			}
+			log.Info("Serving the pool on a share mounted before", "pool", p.Name(), "share", r.String(), "path", path)
+			if s.deps.Recovered != nil {
+				s.deps.Recovered(p)
+			}
+		})
 	}
+	wg.Wait()
 }
 
 // JoinNames lists pool names in a message.

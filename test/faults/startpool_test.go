@@ -3,6 +3,7 @@ package faults
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"golang.org/x/sys/unix"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/testutil"
@@ -471,4 +474,162 @@ func sharedPoolDir(t *testing.T) (root, dir string) {
 		t.Fatalf("pool init: %v\n%s", err, out)
 	}
 	return root, dir
+}
+
+// A node plugin restarted while three of its pools hang answers at once, not
+// after its start-up passes have each waited for every hung pool; the other
+// pool serves at once while the hung ones are held; a call on a hung pool
+// waits at most the lease margin, then answers UNAVAILABLE and changes
+// nothing, until the pool answers, and the pool then serves only once its own
+// passes have run (here: the node's registration with it is written again). Before,
+// Recover, quota detection, the registration, the crash thaw and the I/O
+// limits' rebuild each waited each hung pool's open wait again: with three
+// hung pools the server answered after about ten open waits (20 s at an 8 s
+// margin), long enough for kubelet's probes to restart it, which then waited
+// the same again.
+func TestRestartWithHungPoolsAnswersAtOnce(t *testing.T) {
+	testutil.RequireRoot(t)
+	testutil.RequireCommands(t, "mkfs.ext4", "blkid", "losetup", "mount")
+	root, dir := sharedPoolDir(t)
+	const hung = 3
+	var pools []string
+	var daemons []*exec.Cmd
+	for i := range hung {
+		name := "hung" + string(rune('1'+i))
+		path := filepath.Join(root, name)
+		daemons = append(daemons, fuseOver(t, filepath.Join(root, name+"-src"), path))
+		pools = append(pools, name+"="+path)
+	}
+	// Margin 8 s: a hung pool's open wait is 2 s.
+	const openWait = 2 * time.Second
+	args := []string{"--state-dir=" + filepath.Join(root, "state"), "--lease-duration=16s", "--lease-renew-interval=2s", "--lease-margin=8s"}
+	d := csiproc.Start(t, csiproc.Options{NodeID: "node-a", Pools: append([]string{"shared=" + dir + ",shared"}, pools...), Args: args})
+	resp, err := d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "late", Parameters: map[string]string{"pool": "hung1", "layout": "dir"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatalf("create in hung1 while it answers: %v", err)
+	}
+	late := resp.GetVolume().GetVolumeId()
+	resp, err = d.Controller().CreateVolume(ctx(t), &csi.CreateVolumeRequest{Name: "healthy", Parameters: map[string]string{"pool": "shared", "layout": "dir"},
+		VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+	if err != nil {
+		t.Fatalf("create in the healthy pool: %v", err)
+	}
+	healthy := resp.GetVolume().GetVolumeId()
+	record := filepath.Join(root, "hung1-src", "nodes", "node-a.json")
+	registered := func() time.Time {
+		t.Helper()
+		st, err := os.Stat(record)
+		if err != nil {
+			t.Fatalf("the node's registration with hung1: %v", err)
+		}
+		return st.ModTime()
+	}
+	before := registered()
+
+	d.Kill()
+	signalAll(t, daemons, syscall.SIGSTOP)
+	resumed := false
+	t.Cleanup(func() {
+		if !resumed {
+			signalAll(t, daemons, syscall.SIGCONT)
+		}
+	})
+	time.Sleep(10 * time.Millisecond) // a registration rewritten now is newer
+	start := time.Now()
+	d.Launch(t)
+	answered := time.Since(start)
+	if _, err := d.Node().NodeGetInfo(ctx(t), &csi.NodeGetInfoRequest{}); err != nil {
+		t.Errorf("NodeGetInfo: %v", err)
+	}
+	info := time.Since(start)
+	t.Logf("with %d hung pools (open wait %s) the restarted server answered Probe after %s, NodeGetInfo after %s",
+		hung, openWait, answered.Round(time.Millisecond), info.Round(time.Millisecond))
+	// Before: about 1+3N open waits. Half of that is far beyond the one
+	// open wait of the start however loaded the machine is.
+	if limit := (1 + 3*hung) * openWait / 2; info >= limit {
+		t.Errorf("the restarted server answered after %s, want well under the %s of a start that waits each hung pool in each pass", info.Round(time.Millisecond), limit)
+	}
+	validateID := func(c context.Context, id string) error {
+		_, err := d.Controller().ValidateVolumeCapabilities(c, &csi.ValidateVolumeCapabilitiesRequest{VolumeId: id,
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}})
+		return err
+	}
+	validate := func(c context.Context) error { return validateID(c, late) }
+	createIn := func(c context.Context, name, poolName string) (string, error) {
+		resp, err := d.Controller().CreateVolume(c, &csi.CreateVolumeRequest{Name: name, Parameters: map[string]string{"pool": poolName, "layout": "dir"},
+			VolumeCapabilities: []*csi.VolumeCapability{mountCap("ext4")}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
+		return resp.GetVolume().GetVolumeId(), err
+	}
+	// A call on a hung pool waits for its passes at most the lease margin,
+	// then answers UNAVAILABLE: a generous bound, four margins, well within
+	// the call's own deadline, tells a bounded wait from one for the pool.
+	hungCall := func(name string, call func(context.Context) error) <-chan error {
+		out := make(chan error, 1)
+		go func() {
+			c, cancel := context.WithTimeout(context.Background(), 4*8*time.Second)
+			defer cancel()
+			err := call(c)
+			if status.Code(err) != codes.Unavailable {
+				err = fmt.Errorf("%s on a hung pool: %w, want UNAVAILABLE within the lease margin", name, err)
+			} else {
+				err = nil
+			}
+			out <- err
+		}()
+		return out
+	}
+	refused := hungCall("CreateVolume", func(c context.Context) error { _, err := createIn(c, "refused", "hung2"); return err })
+	waited := hungCall("ValidateVolumeCapabilities", validate)
+	// Meanwhile the healthy pool serves, at once.
+	if err := validateID(ctx(t), healthy); err != nil {
+		t.Errorf("a call on the healthy pool's volume while the others are held: %v", err)
+	}
+	if id, err := createIn(ctx(t), "beside", "shared"); err != nil {
+		t.Errorf("a create in the healthy pool while the others are held: %v", err)
+	} else if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: id}); err != nil {
+		t.Errorf("a delete in the healthy pool while the others are held: %v", err)
+	}
+	for _, ch := range []<-chan error{refused, waited} {
+		if err := <-ch; err != nil {
+			t.Error(err)
+		}
+	}
+	// Still held after the healthy pool's calls (its filesystem still
+	// hangs): those were served while it was.
+	if err := validate(ctx(t)); status.Code(err) != codes.Unavailable {
+		t.Errorf("a call on the hung pool's volume after the healthy pool's: %v, want UNAVAILABLE", err)
+	}
+
+	signalAll(t, daemons, syscall.SIGCONT)
+	resumed = true
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		err := validate(ctx(t))
+		if err == nil {
+			break
+		}
+		if status.Code(err) != codes.Unavailable || time.Now().After(deadline) {
+			t.Fatalf("a call on the volume of the pool that answers again: %v", err)
+		}
+	}
+	// The refused create made nothing in hung2.
+	if got := entries(t, filepath.Join(root, "hung2-src", "volumes")); len(got) > 0 {
+		t.Errorf("the create refused in the held pool made %v", got)
+	}
+	// It served only once its passes had run: the registration among them.
+	if after := registered(); !after.After(before) {
+		t.Errorf("hung1 served before the node registered with it again (registration of %s, restart at %s)", after, start)
+	}
+	t.Logf("hung1 served %s after the restart", time.Since(start).Round(time.Millisecond))
+	if !strings.Contains(d.Log(), "Pool answered after the start: its start-up passes have run") {
+		t.Errorf("the log does not say hung1's start-up passes ran when it answered\n%s", d.Log())
+	}
+	// A FUSE passthrough keeps what the create still had open as
+	// .fuse_hidden files, which a delete may meet: not this test's.
+	if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: late}); err != nil {
+		t.Logf("delete in the FUSE pool: %v", err)
+	}
+	if _, err := d.Controller().DeleteVolume(ctx(t), &csi.DeleteVolumeRequest{VolumeId: healthy}); err != nil {
+		t.Errorf("delete in the healthy pool: %v", err)
+	}
 }
