@@ -187,12 +187,12 @@ func TestUpgrade(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The new chart keeps the per-node layout here, as docs/upgrade.md tells an operator who
-	// is not moving yet (localController.central=false): the move to the central layout,
-	// the new default, is an upgrade test of its own: TestUpgradeToCentral.
-	newValues := env.Overrides()
-	newValues["localController"] = map[string]any{"central": false}
-	newDocs, err := chart.Render(chart.ChartDir(), "", newValues)
+	// The new chart with its defaults, as an operator upgrading from 0.1.0 gets it: the local
+	// pools move from 0.1.0's per-node sidecars to the central controller here, and what
+	// the per-node provisioner made is unpublished, unstaged and deleted through it below.
+	// The move's mixed window (a node not yet rolled while the central controller runs) is
+	// TestUpgradeToCentral's.
+	newDocs, err := chart.Render(chart.ChartDir(), "", env.Overrides())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -201,7 +201,7 @@ func TestUpgrade(t *testing.T) {
 		env.deleteObject(t, o)
 	}
 	env.ApplyChart(t, newDocs)
-	env.waitRolledOut(t, cluster.PoolcsiRef+":"+cluster.PoolcsiTag)
+	env.waitRolledOut(t, cluster.PoolcsiRef+":"+cluster.PoolcsiTag, releasePods(t, newDocs, len(env.Nodes)))
 	nodeAfter, err := env.NodePodName(t)
 	if err != nil {
 		t.Fatal(err)
@@ -355,9 +355,46 @@ func (e *kubeletEnv) deleteObject(t testing.TB, o *unstructured.Unstructured) {
 	}
 }
 
-// waitRolledOut waits until every pod of the release runs image, is Ready, and no pod of
-// the release is left with another image: the DaemonSet and the Deployment rolled out.
-func (e *kubeletEnv) waitRolledOut(t testing.TB, image string) {
+// releasePods is how many pods the rendered chart docs run on a cluster of nodes: each
+// Deployment's replicas (1 when unset) and one pod of each DaemonSet per node (the
+// chart's DaemonSets run on every node).
+func releasePods(t testing.TB, docs []chart.Doc, nodes int) int {
+	t.Helper()
+	n := 0
+	for _, d := range docs {
+		objs, err := cluster.ParseObjects([]byte(d.YAML))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, o := range objs {
+			switch o.GetKind() {
+			case "DaemonSet":
+				n += nodes
+			case "Deployment":
+				// Parsed from YAML through JSON, a number is a float64; built in Go, an int64.
+				r, found, err := unstructured.NestedFieldNoCopy(o.Object, "spec", "replicas")
+				switch x := r.(type) {
+				case nil:
+					if err != nil || found {
+						t.Fatalf("Deployment %s: spec.replicas %v: %v", o.GetName(), r, err)
+					}
+					n++
+				case float64:
+					n += int(x)
+				case int64:
+					n += int(x)
+				default:
+					t.Fatalf("Deployment %s: spec.replicas is a %T", o.GetName(), r)
+				}
+			}
+		}
+	}
+	return n
+}
+
+// waitRolledOut waits until want pods of the release run image, are Ready, and no pod of
+// the release is left with another image: the DaemonSet and the Deployments rolled out.
+func (e *kubeletEnv) waitRolledOut(t testing.TB, image string, want int) {
 	t.Helper()
 	ctx := context.Background()
 	cluster.WaitFor(t, 240*time.Second, "the release's pods replaced by "+image, func() error {
@@ -365,7 +402,6 @@ func (e *kubeletEnv) waitRolledOut(t testing.TB, image string) {
 		if err != nil {
 			return err
 		}
-		want := 2 + len(e.Nodes)
 		if len(pods.Items) != want {
 			return fmt.Errorf("%d pods, want %d", len(pods.Items), want)
 		}
