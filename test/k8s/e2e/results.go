@@ -122,6 +122,15 @@ var knownCauses = []struct {
 			"(`requested volume size 1048576 is less than the size 314572800 for the source snapshot`): the members are " +
 			"xfs image volumes of 300 MiB, xfs's smallest. The group snapshot itself became ready; a driver whose " +
 			"smallest volume is 1 MiB passes", "the suite"},
+	// A WaitForFirstConsumer class (the local driver's) only: the shared definitions' classes
+	// bind at once and pass it.
+	{regexp.MustCompile(`volume-modify-stress .* multiple pods should modify volumes with a different volumeAttributesClass`),
+		regexp.MustCompile(`spec is immutable after creation except resources\.requests`),
+		"the spec makes its pods' objects but never creates the pods, so the claims of a WaitForFirstConsumer " +
+			"class (the local driver's: a local volume is made on its pod's node) are never bound, and the API server " +
+			"refuses a class change of an unbound claim (`spec is immutable after creation except resources.requests " +
+			"and volumeAttributesClassName for bound claims`). The driver is not called; the other volume-modify " +
+			"specs, whose pods run, change the class of a bound local claim", "the suite"},
 }
 
 // outsideCauses are the known causes outside the driver (knownCauses) that explain a failed
