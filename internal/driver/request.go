@@ -176,29 +176,16 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		rq.release()
 		return volumeRequest{release: noRelease}, err
 	}
-	if r.whileHeld && d.pools.Held(poolName(rq.id)) {
-		// Served here, its start-up passes not run yet (start.go): an
-		// unpublish takes a pod's bind mount away, an unstage the
-		// stage's mount and device, which none of them needs (the I/O
-		// limits' rebuild finds only what is still mounted; the crash
-		// thaw of this node's own records runs under the volume's lock),
-		// and neither may wait for a pool that may never answer
-		// (poolset's HeldWait).
-		rq.pool = d.pools.Pool(poolName(rq.id))
-		return rq, nil
-	}
-	if r.mount {
+	switch {
+	case r.whileHeld:
+		rq.pool, err = d.pools.LookupHeld(ctx, poolset.VolumeRef(rq.id))
+	case r.mount:
 		rq.pool, err = d.pools.Ensure(ctx, poolset.VolumeRef(rq.id), acc)
-	} else {
+	default:
 		rq.pool, err = d.pools.Lookup(ctx, poolset.VolumeRef(rq.id))
 	}
 	switch {
 	case err == nil:
-	case errors.Is(err, poolset.ErrStarting) && r.whileHeld:
-		// Held since the look above (a share's pool Recover served):
-		// the same.
-		rq.pool = d.pools.Pool(poolName(rq.id))
-		return rq, nil
 	case errors.Is(err, poolset.ErrStarting):
 		// Served here, its start-up passes not run yet: every other call
 		// waited for them at most poolset's HeldWait (UNAVAILABLE).
@@ -215,15 +202,6 @@ func (d *core) resolve(ctx context.Context, call holder, rawID string, acc pools
 		}
 	}
 	return rq, nil
-}
-
-// poolName is the name of the pool vid names: a configured pool's, or its
-// share's.
-func poolName(vid pool.VolumeID) string {
-	if r, isShare := vid.ShareRef(); isShare {
-		return r.PoolName()
-	}
-	return vid.Pool
 }
 
 // hold takes the in-process lock of an ID a call made or parsed itself (a new

@@ -46,6 +46,15 @@ func (s *Set) Lookup(ctx context.Context, ref Ref) (*pool.Pool, error) {
 	return s.get(ctx, ref, Access{}, false)
 }
 
+// LookupHeld is Lookup for a call that needs none of a pool's start-up
+// passes (kubelet's teardown on this node, which works from the node's own
+// records and mounts): a pool held for them (Hold) is returned at once,
+// never waited for, as it may never answer again (a CephFS client the MDS
+// evicted while the node plugin restarted).
+func (s *Set) LookupHeld(ctx context.Context, ref Ref) (*pool.Pool, error) {
+	return s.get(ctx, ref, Access{evenHeld: true}, false)
+}
+
 // Ensure returns the pool ref names, mounting its share on this node when
 // it is not mounted and mayMount allows it, with what the call brings (acc),
 // and laying out a new pool when a StorageClass names the share. A share
@@ -62,7 +71,7 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 		if p == nil {
 			return nil, csierr.Failf(csierr.ErrNoPool, "%s: pool %q is not configured on this driver (pools: %s)", ref.what, ref.pool, JoinNames(s.configured))
 		}
-		return s.ready(ctx, p)
+		return s.readyFor(ctx, p, acc)
 	}
 	r := ref.share
 	name := r.PoolName()
@@ -75,7 +84,7 @@ func (s *Set) get(ctx context.Context, ref Ref, acc Access, mount bool) (*pool.P
 	// A served pool passed allowed when it joined, and the allow-list does
 	// not change while the driver runs.
 	if p := s.Pool(name); p != nil && s.Held(name) {
-		return s.ready(ctx, p)
+		return s.readyFor(ctx, p, acc)
 	} else if p != nil && (!mount || p.MountReady() == nil && (!acc.fromStorageClass || p.LaidOut())) {
 		return p, nil
 	}

@@ -113,6 +113,10 @@ func TestHeldPoolAnswersUnavailable(t *testing.T) {
 			t.Errorf("%s of a held pool: %v, %v; want UNAVAILABLE (ErrStarting)", name, got, err)
 		}
 	}
+	// Kubelet's teardown needs none of the passes: it gets the pool at once.
+	if got, err := s.LookupHeld(context.Background(), VolumeRef(vid)); got != p || err != nil {
+		t.Errorf("LookupHeld of a held pool: %v, %v; want the pool", got, err)
+	}
 	s.Release("local")
 	if got, err := s.Lookup(context.Background(), VolumeRef(vid)); got != p || err != nil {
 		t.Errorf("Lookup once released: %v, %v", got, err)

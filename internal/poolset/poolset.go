@@ -130,6 +130,15 @@ func (s *Set) ready(ctx context.Context, p *pool.Pool) (*pool.Pool, error) {
 	return p, nil
 }
 
+// readyFor is ready, except for a call that needs none of the start-up
+// passes (Access.evenHeld): it gets the pool at once, held or not.
+func (s *Set) readyFor(ctx context.Context, p *pool.Pool, acc Access) (*pool.Pool, error) {
+	if acc.evenHeld {
+		return p, nil
+	}
+	return s.ready(ctx, p)
+}
+
 // New makes the set of the operator's pools.
 func New(deps Deps, pools []*pool.Pool) (*Set, error) {
 	s := &Set{deps: deps, pools: map[string]*pool.Pool{}}

@@ -164,6 +164,9 @@ type Access struct {
 	// mounted again with its recorded options.
 	VolumeContext map[string]string
 	MountFlags    []string
+	// evenHeld: a pool held for its start-up passes is returned at once
+	// (LookupHeld).
+	evenHeld bool
 
 	// fromStorageClass: a StorageClass's parameters named the share (a
 	// CreateVolume or GetCapacity, ForCreate): lay out its pool if new, and
