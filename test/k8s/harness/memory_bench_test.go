@@ -78,16 +78,7 @@ func (e *kubeletEnv) memoryUnload(t testing.TB, ns, prefix string) {
 	if err := e.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).DeleteCollection(ctx, metav1.DeleteOptions{}, metav1.ListOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	cluster.WaitFor(t, 180*time.Second, "every PV deleted", func() error {
-		pvs, err := e.Cluster.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return err
-		}
-		if len(pvs.Items) > 0 {
-			return fmt.Errorf("%d PVs left", len(pvs.Items))
-		}
-		return nil
-	})
+	e.waitNoPVs(t, 180*time.Second)
 }
 
 // releaseMemory is one line per pod of the release: each container's working set in MiB,
@@ -137,4 +128,20 @@ func (e *kubeletEnv) releaseMemory(t testing.TB) []string {
 		t.Fatalf("kubelet /stats/summary has no pod of namespace %s", chart.Namespace)
 	}
 	return lines
+}
+
+// waitNoPVs waits until the cluster has no PersistentVolume left: every volume deleted
+// through the driver.
+func (e *kubeletEnv) waitNoPVs(t testing.TB, timeout time.Duration) {
+	t.Helper()
+	cluster.WaitFor(t, timeout, "every PV deleted", func() error {
+		pvs, err := e.Cluster.Client.CoreV1().PersistentVolumes().List(context.Background(), metav1.ListOptions{})
+		if err != nil {
+			return err
+		}
+		if len(pvs.Items) > 0 {
+			return fmt.Errorf("%d PVs left", len(pvs.Items))
+		}
+		return nil
+	})
 }

@@ -265,16 +265,7 @@ func TestUpgrade(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	cluster.WaitFor(t, 120*time.Second, "every PV deleted", func() error {
-		pvs, err := env.Cluster.Client.CoreV1().PersistentVolumes().List(ctx, metav1.ListOptions{})
-		if err != nil {
-			return err
-		}
-		if len(pvs.Items) > 0 {
-			return fmt.Errorf("%d PVs left", len(pvs.Items))
-		}
-		return nil
-	})
+	env.waitNoPVs(t, 120*time.Second)
 	if left := cluster.OurLoops(cluster.KubeletDir, cluster.LocalPoolPath, cluster.SharedPoolPath); len(left) > 0 {
 		t.Fatalf("loop devices left after the volumes were deleted: %v", left)
 	}
