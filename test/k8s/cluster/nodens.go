@@ -326,8 +326,14 @@ func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 	if n.ns == nil {
 		t.Fatalf("node %s: a partition needs the node's own mount namespace", n.Name)
 	}
+	var dev uint64
 	if path != "" {
 		n.Run(t, "mount", "-t", "tmpfs", "-o", "size=1m", "poolcsi-partition", path)
+		d, err := strconv.ParseUint(strings.TrimSpace(n.Run(t, "stat", "-c", "%d", path)), 10, 64)
+		if err != nil {
+			t.Fatalf("node %s: the device of the tmpfs over %s: %v", n.Name, path, err)
+		}
+		dev = d
 	}
 	// The node's pods lose the API server and this machine (the nodes share its network
 	// namespace: the API server, the other node's pods).
@@ -355,12 +361,56 @@ func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 		if path == "" {
 			return
 		}
-		if out, err := n.Command("umount", path).CombinedOutput(); err != nil {
-			t.Errorf("node %s: healing the partition: umount %s: %v %s", n.Name, path, err, out)
+		if err := n.unmountCover(path, dev); err != nil {
+			t.Errorf("node %s: healing the partition: %v", n.Name, err)
 		}
 	}
 	t.Cleanup(heal)
 	return heal
+}
+
+// unmountCover unmounts the tmpfs Partition laid over path, whose device number is dev.
+// A file of it open anywhere (the node plugin or kubelet looking for the pool as the
+// node comes back, in the node's namespace or a pod's copy of the mount) makes the
+// unmount answer "target is busy" for as long as it stays open: the unmount is tried for
+// 60 s, and what still holds the tmpfs then is named in the error.
+func (n *Node) unmountCover(path string, dev uint64) error {
+	var out []byte
+	var err error
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(time.Second) {
+		if out, err = n.Command("umount", path).CombinedOutput(); err == nil {
+			return nil
+		}
+		if !strings.Contains(string(out), "busy") || time.Now().After(deadline) {
+			break
+		}
+	}
+	return fmt.Errorf("umount %s: %w %s; what holds it: %s", path, err, strings.TrimSpace(string(out)), strings.Join(holdersOf(dev), "; "))
+}
+
+// holdersOf names the processes with a file, a working directory or a root on the
+// filesystem whose device number is dev, in any mount namespace (a descriptor's stat
+// reaches the file itself, whatever path its namespace gives it).
+func holdersOf(dev uint64) []string {
+	var found []string
+	procs, _ := filepath.Glob("/proc/[0-9]*")
+	for _, proc := range procs {
+		links, _ := filepath.Glob(proc + "/fd/*")
+		links = append(links, proc+"/cwd", proc+"/root")
+		for _, l := range links {
+			var st syscall.Stat_t
+			if syscall.Stat(l, &st) != nil || st.Dev != dev {
+				continue
+			}
+			comm, _ := os.ReadFile(proc + "/comm")
+			target, _ := os.Readlink(l)
+			found = append(found, fmt.Sprintf("%s (%s) %s -> %s", filepath.Base(proc), strings.TrimSpace(string(comm)), strings.TrimPrefix(l, proc+"/"), target))
+		}
+	}
+	if len(found) == 0 {
+		return []string{"no process (a mount below it?)"}
+	}
+	return found
 }
 
 // Vanish takes the mount at path away from the node as a lost pool goes (a lazy or forced
