@@ -44,12 +44,16 @@ const (
 // for each of go test's tries. Run with:
 //
 //	cd test/k8s && go test ./harness -run '^$' -bench SideBySide -benchtime 1x -timeout 60m -v
+//
+// With POOLCSI_SIDEBYSIDE_LAYOUT=per-node, poolcsi runs the per-node layout
+// (localController.central=false: each node's own provisioner) instead of the chart's
+// default, the central controller: the two layouts' figures, each against local-path.
 func BenchmarkSideBySide(b *testing.B) {
 	lpp := tools.LocalPath.Path(b)
 	env := startKubeletEnvWith(b, func(t testing.TB) []cluster.Image {
 		helper := cluster.BusyboxImage(t, localPathHelper)
 		return []cluster.Image{cluster.BinaryImage(localPathImage, lpp), helper}
-	}, nil)
+	}, sideBySideValues(b))
 	env.storageClasses(b)
 	env.Log.NoteMount(b, localPathDir)
 	cluster.MountPoolFS(b, nil, localPathDir, "xfs", 16<<30)
@@ -268,4 +272,19 @@ func (e *kubeletEnv) writePastSize(t testing.TB, ns, class string) string {
 		how = "stopped by ENOSPC"
 	}
 	return fmt.Sprintf("a pod wrote %s MiB into a 300 MiB claim (900 MiB asked): %s", written, how)
+}
+
+// sideBySideValues are the chart values of POOLCSI_SIDEBYSIDE_LAYOUT: none for the default
+// layout, localController.central=false for "per-node".
+func sideBySideValues(b *testing.B) map[string]any {
+	switch l := os.Getenv("POOLCSI_SIDEBYSIDE_LAYOUT"); l {
+	case "", "central":
+		return nil
+	case "per-node":
+		b.Log("layout: per-node (localController.central=false)")
+		return map[string]any{"localController": map[string]any{"central": false}}
+	default:
+		b.Fatalf("POOLCSI_SIDEBYSIDE_LAYOUT=%q: want central or per-node", l)
+		return nil
+	}
 }
