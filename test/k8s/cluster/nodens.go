@@ -1,6 +1,7 @@
 package cluster
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -11,6 +12,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // What makes one machine several nodes: each node's processes in a mount namespace of its
@@ -377,13 +380,12 @@ func (n *Node) Partition(t testing.TB, path string) (heal func()) {
 func (n *Node) unmountCover(path string, dev uint64) error {
 	var out []byte
 	var err error
-	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(time.Second) {
-		if out, err = n.Command("umount", path).CombinedOutput(); err == nil {
-			return nil
-		}
-		if !strings.Contains(string(out), "busy") || time.Now().After(deadline) {
-			break
-		}
+	_ = wait.PollUntilContextTimeout(context.Background(), time.Second, 60*time.Second, true, func(context.Context) (bool, error) {
+		out, err = n.Command("umount", path).CombinedOutput()
+		return err == nil || !strings.Contains(string(out), "busy"), nil
+	})
+	if err == nil {
+		return nil
 	}
 	return fmt.Errorf("umount %s: %w %s; what holds it: %s", path, err, strings.TrimSpace(string(out)), strings.Join(holdersOf(dev), "; "))
 }
