@@ -123,7 +123,17 @@ type Options struct {
 	// Binary is the poolcsi binary to run ("": cmd/poolcsi built from this
 	// tree): a benchmark's baseline, built from another commit.
 	Binary string
+	// Verbosity is the driver's klog -v (0: 5, which logs every call's request
+	// and answer, for the tests' failures). A benchmark that times the driver as
+	// operators run it sets ChartLogLevel.
+	Verbosity int
 }
+
+// ChartLogLevel is the chart's default logLevel (deploy/helm/poolcsi/values.yaml):
+// at it a call's request and answer are not logged, and at the tests' 5 each is
+// formatted, secrets stripped, which costs the life of a volume 5-15 % (side by
+// side in BenchmarkLifecycle, docs/performance.md).
+const ChartLogLevel = 2
 
 // The deadlines of the chart's sidecars (--timeout=60s) and of its probes
 // (--probe-timeout=3s), which SidecarDeadlines puts on calls.
@@ -238,7 +248,11 @@ func (d *Driver) Restart(t testing.TB) {
 
 func (d *Driver) launch(t testing.TB) {
 	t.Helper()
-	args := []string{"serve", "--endpoint", d.Endpoint, "--node-id", d.opts.NodeID, "-v", "5"}
+	v := d.opts.Verbosity
+	if v == 0 {
+		v = 5
+	}
+	args := []string{"serve", "--endpoint", d.Endpoint, "--node-id", d.opts.NodeID, "-v", strconv.Itoa(v)}
 	for _, p := range d.opts.Pools {
 		args = append(args, "--pool", p)
 	}

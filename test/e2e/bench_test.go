@@ -70,7 +70,9 @@ func mkfsFor(fsType, target string) []string {
 //     bookkeeping cost.
 //
 // All three format the image file before it is attached, with the driver's
-// mkfs options. Run with
+// mkfs options. Every driver arm runs at the chart's default logLevel
+// (csiproc.ChartLogLevel), as operators run it; the tests' -v 5 formats each
+// call's request and answer into the log, a cost of its own. Run with
 //
 //	go test ./test/e2e -run '^$' -bench Lifecycle -benchtime 20x
 //
@@ -195,7 +197,7 @@ func poolcsiBinaryArm(fs, name, bin string) *lifecycleArm {
 	var staging, target, id string
 	vc := csiproc.MountCap(fs, csiproc.RWO)
 	a.setup = func(b *testing.B, root string) {
-		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}, Binary: bin})
+		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}, Binary: bin, Verbosity: csiproc.ChartLogLevel})
 		staging, target = filepath.Join(root, "staging"), filepath.Join(root, "pod")
 	}
 	a.step = func(b *testing.B, i int, s string) {
@@ -379,7 +381,7 @@ func rpcDurableArm(fs string) *lifecycleArm {
 	durable := durableFloorArm(fs)
 	var d *csiproc.Driver
 	a.setup = func(b *testing.B, root string) {
-		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}})
+		d = csiproc.Start(b, csiproc.Options{Pools: []string{"bench=" + filepath.Join(root, "pool")}, Verbosity: csiproc.ChartLogLevel})
 		durable.setup(b, root)
 	}
 	a.step = func(b *testing.B, i int, s string) {
