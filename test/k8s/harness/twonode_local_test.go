@@ -2,7 +2,11 @@ package harness
 
 import (
 	"context"
+	"crypto/sha256"
 	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -143,4 +147,99 @@ func (b *localOnB) snapshot(t *testing.T) {
 		t.Fatalf("the restored claim has a file written after the snapshot: %q", out)
 	}
 	t.Logf("snapshot of %s (restoreSize %s) restored on %s", env.VolumeHandle(t, ns, "c"), size, b.node)
+}
+
+// groupAcrossNodes: a VolumeGroupSnapshot of two local claims on two nodes ("a" of class
+// local-xfs on nodeA, "b" of local-ext4 on nodeB) is taken at one instant across the nodes
+// (docs/design/central-controller.md §7.1: every node holds its members frozen until all
+// have answered, then each copies its part). The two pods play ping-pong through a host
+// directory both nodes see: a appends an odd n to its log only after b's log ends at n-1,
+// and b appends an even n only after a's ends at n-1. At any one instant the two logs end
+// one apart; snapshots of the two taken at different instants end further apart, or b's
+// ahead of what a had written when it answered.
+func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
+	ctx := context.Background()
+	ns := env.Namespace(t, "group-across")
+	chanDir := filepath.Join(t.TempDir(), "pingpong")
+	if err := os.MkdirAll(chanDir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	players := []struct{ name, class, node, script string }{
+		// Each waits (polling a shell builtin, no process per turn) for the other's turn,
+		// appends its n to its own volume's log, then publishes n in the shared directory.
+		{"a", "local-xfs", nodeA, `n=1; while :; do echo $n >> /data/log; echo $n > /chan/a.tmp; mv /chan/a.tmp /chan/a; ` +
+			`while :; do { read m < /chan/b; } 2>/dev/null; [ "$m" = $((n+1)) ] && break; usleep 500; done; n=$((n+2)); done`},
+		{"b", "local-ext4", nodeB, `n=2; while :; do while :; do { read m < /chan/a; } 2>/dev/null; [ "$m" = $((n-1)) ] && break; usleep 500; done; ` +
+			`echo $n >> /data/log; echo $n > /chan/b.tmp; mv /chan/b.tmp /chan/b; n=$((n+2)); done`},
+	}
+	for _, p := range players {
+		pvc := cluster.ClaimObject(ns, cluster.ClaimSpec{Name: p.name, Class: p.class, Size: "300Mi"})
+		pvc.Labels = map[string]string{"app": "pingpong"}
+		if _, err := env.Cluster.Client.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		pod := cluster.PodObject(ns, cluster.PodSpec{Name: p.name, Claims: []string{p.name}, Node: p.node})
+		dir := corev1.HostPathDirectory
+		pod.Spec.Volumes = append(pod.Spec.Volumes, corev1.Volume{Name: "chan", VolumeSource: corev1.VolumeSource{
+			HostPath: &corev1.HostPathVolumeSource{Path: chanDir, Type: &dir}}})
+		c := &pod.Spec.Containers[0]
+		c.VolumeMounts = append(c.VolumeMounts, corev1.VolumeMount{Name: "chan", MountPath: "/chan"})
+		c.Command = []string{"sh", "-c", p.script}
+		if _, err := env.Cluster.Client.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, p := range players {
+		env.WaitRunning(t, ns, p.name)
+	}
+	cluster.WaitFor(t, 60*time.Second, "the players' first 200 turns", func() error {
+		out, err := env.Exec(t, ns, "b", "tail -n1 /data/log")
+		if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 200 {
+			return fmt.Errorf("b's log ends at %q: %v", out, err)
+		}
+		return nil
+	})
+	vgs := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "groupsnapshot.storage.k8s.io/v1", "kind": "VolumeGroupSnapshot",
+		"metadata": map[string]any{"name": "pingpong", "namespace": ns},
+		"spec": map[string]any{"volumeGroupSnapshotClassName": "poolcsi-local-group",
+			"source": map[string]any{"selector": map[string]any{"matchLabels": map[string]any{"app": "pingpong"}}}}}}
+	if err := env.Cluster.Applier().Apply(ctx, vgs, false); err != nil {
+		t.Fatal(err)
+	}
+	dyn := dynamic.NewForConfigOrDie(env.Cluster.Config)
+	var uid string
+	cluster.WaitFor(t, 3*time.Minute, "VolumeGroupSnapshot "+ns+"/pingpong ready", func() error {
+		got, err := dyn.Resource(vgsGVR).Namespace(ns).Get(ctx, "pingpong", metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		uid = string(got.GetUID())
+		if ready, _, _ := unstructured.NestedBool(got.Object, "status", "readyToUse"); !ready {
+			st, _, _ := unstructured.NestedMap(got.Object, "status")
+			return fmt.Errorf("status %v; events: %s", st, env.Events(ns, "pingpong"))
+		}
+		return nil
+	})
+	// Each member restores on the node that holds it.
+	last := map[string]int{}
+	for _, p := range players {
+		member := fmt.Sprintf("snapshot-%x", sha256.Sum256([]byte(uid+env.VolumeHandle(t, ns, p.name))))
+		env.Claim(t, ns, cluster.ClaimSpec{Name: p.name + "-restored", Class: p.class, Size: "300Mi", DataSource: member})
+		env.Pod(t, ns, cluster.PodSpec{Name: p.name + "-check", Claims: []string{p.name + "-restored"}, Node: p.node})
+		out := env.MustExec(t, ns, p.name+"-check", "tail -c 64 /data/log | tail -n1; tail -c1 /data/log | od -An -c")
+		lines := strings.Split(strings.TrimSpace(out), "\n")
+		if len(lines) != 2 || strings.TrimSpace(lines[1]) != `\n` {
+			t.Fatalf("%s's restored log does not end with a whole line: %q", p.name, out)
+		}
+		n, err := strconv.Atoi(strings.TrimSpace(lines[0]))
+		if err != nil {
+			t.Fatalf("%s's restored log: last line %q", p.name, lines[0])
+		}
+		last[p.name] = n
+	}
+	t.Logf("restored: a's log (on %s) ends at %d, b's (on %s) at %d", nodeA, last["a"], nodeB, last["b"])
+	if d := last["a"] - last["b"]; d != 1 && d != -1 {
+		t.Fatalf("the restored pair is no single instant across the nodes: a ends at %d, b at %d (want them one apart)", last["a"], last["b"])
+	}
 }

@@ -80,6 +80,9 @@ func testTwoNodes(t *testing.T, cephFS bool) {
 			groupSnapshotOneInstant(t, env, groupCase{driver: cluster.LocalDriver, class: "poolcsi-local-group",
 				data: "local-xfs", wal: "local-ext4", node: nodeB.Name, chartClass: true})
 		})
+		t.Run("local claims on both nodes: group snapshot restored to one instant", func(t *testing.T) {
+			groupAcrossNodes(t, env, nodeA.Name, nodeB.Name)
+		})
 	}
 	if cephFS {
 		t.Run("partitioned node taken over through the out-of-service taint", func(t *testing.T) {
