@@ -43,6 +43,8 @@ func (h *learntHints) VolumeNode(id string) (string, bool)   { return h.get(id) 
 func (h *learntHints) SnapshotNode(id string) (string, bool) { return h.get(id) }
 func (h *learntHints) GroupNode(id string) (string, bool)    { return h.get(id) }
 func (h *learntHints) Synced() bool                          { return true }
+func (h *learntHints) GroupNodes(string) []string            { return nil }
+func (h *learntHints) LearnGroup(string, []string)           {}
 func (h *learntHints) Learn(id, node string) {
 	h.mu.Lock()
 	h.m[id] = node

@@ -464,10 +464,17 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
+	// A group across nodes: every node's part (crossgroup.go).
+	if nodes := s.groupNodes(gid.String()); nodes != nil {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(), madeBy: "CreateVolumeGroupSnapshot",
 		call:   s.callOn("DeleteVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteVolumeGroupSnapshotResponse{}, nil },
 	})
+	if nodes, ok := asHolders(err); ok {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
 	return as[*csi.DeleteVolumeGroupSnapshotResponse](resp, err)
 }
 
@@ -483,12 +490,18 @@ func (s groupServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVol
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
+	if nodes := s.groupNodes(gid.String()); nodes != nil {
+		return s.getParts(ctx, gid.String(), nodes, req)
+	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds(),
 		call: s.callOn("GetVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) {
 			return nil, status.Errorf(codes.NotFound, "group snapshot %s does not exist on any node", gid)
 		},
 	})
+	if nodes, ok := asHolders(err); ok {
+		return s.getParts(ctx, gid.String(), nodes, req)
+	}
 	return as[*csi.GetVolumeGroupSnapshotResponse](resp, err)
 }
 
