@@ -34,6 +34,10 @@ import (
 // further (--freeze-max-hold, each volume's budget).
 const maxGroupHoldBound = 10 * time.Minute
 
+// recordedNonce is the hold a node answers for a part it recorded already: no
+// freeze, and SnapshotHeld answers the part.
+const recordedNonce = "recorded"
+
 // groupHoldServer is the GroupHold service.
 type groupHoldServer interface {
 	FreezeGroupHold(context.Context, *structpb.Struct) (*structpb.Struct, error)
@@ -116,9 +120,17 @@ func (d controllerServer) FreezeGroupHold(ctx context.Context, in *structpb.Stru
 	if err != nil {
 		return nil, err
 	}
+	// This node's part recorded already (a retried create): nothing is frozen again,
+	// the copy answers the part.
+	sources := make([]string, len(vids))
 	members := make([]freeze.GroupMember, len(vids))
 	for i, vid := range vids {
+		sources[i] = vid.String()
 		members[i] = freeze.GroupMember{Pool: p, ID: vid}
+	}
+	sort.Strings(sources)
+	if g, err := p.Groups().Load(gid); err == nil && g.ReadyToUse && g.Name == r.Name && slices.Equal(g.Sources(), sources) {
+		return nodecall.ToStruct(nodecall.GroupHeld{Nonce: recordedNonce})
 	}
 	h, err := d.freezes.HoldGroup(ctx, gid.String(), members, bound)
 	if err != nil {

@@ -119,10 +119,18 @@ func TestGroupHoldAcrossNodes(t *testing.T) {
 	if err := f.stage(f.ids[0], mountCap(rwo, "ext4")); err != nil {
 		t.Errorf("stage after the copy: %v", err)
 	}
-	// The retry of the copy answers the part again, copying nothing.
+	// The retry of the copy answers the part again, copying nothing; a retried
+	// create's hold freezes nothing again.
 	again, err := f.snapshotHeld(t, h.Nonce)
 	if err != nil || len(again.GetGroupSnapshot().GetSnapshots()) != 2 || len(f.copies) != 2 {
 		t.Errorf("retried copy: %v %v (copies %v)", again, err, f.copies)
+	}
+	rh, err := f.hold(t, 30*time.Second)
+	if err != nil || f.frozen() != 0 || f.host.Faults.Calls("Freeze") != 2 {
+		t.Errorf("hold of a recorded part: %+v %v, %d frozen, %d freezes", rh, err, f.frozen(), f.host.Faults.Calls("Freeze"))
+	}
+	if again, err := f.snapshotHeld(t, rh.Nonce); err != nil || len(again.GetGroupSnapshot().GetSnapshots()) != 2 || len(f.copies) != 2 {
+		t.Errorf("retried create's copy: %v %v (copies %v)", again, err, f.copies)
 	}
 	if _, err := f.ThawGroup(ctx, holdStruct(t, nodecall.ThawGroup{Group: f.gid, Nonce: h.Nonce})); err != nil {
 		t.Errorf("thaw of a hold gone: %v", err)

@@ -70,6 +70,8 @@ type Node struct {
 	Conn *grpc.ClientConn
 	// Endpoint is that socket's address (unix://...), for a client of its own.
 	Endpoint string
+	// Host is the node's fake kernel (what is mounted, what is frozen).
+	Host *fake.Host
 
 	deps agent.Deps
 	mu   sync.Mutex
@@ -107,7 +109,7 @@ func New(t testing.TB, names ...string) *Cluster {
 	}
 	for _, name := range names {
 		n := &Node{Name: name}
-		n.Conn, n.Endpoint = serveNode(t, name)
+		n.Conn, n.Endpoint, n.Host = serveNode(t, name)
 		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: n.Conn, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
 		c.nodes[name] = n
 		n.StartAgent(t)
@@ -209,8 +211,8 @@ func (n *Node) StopAgent() {
 }
 
 // serveNode serves a real driver for node, pool Pool over the fake kernel, on a unix
-// socket, and returns a connection to it and its endpoint.
-func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
+// socket, and returns a connection to it, its endpoint and its kernel.
+func serveNode(t testing.TB, node string) (*grpc.ClientConn, string, *fake.Host) {
 	t.Helper()
 	root := t.TempDir()
 	p, err := pool.Initialise(pool.Config{Name: Pool, Path: filepath.Join(root, "pool")})
@@ -252,5 +254,5 @@ func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
 	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(wctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
 		t.Fatalf("centraltest: node %s: its socket never answered: %v", node, err)
 	}
-	return conn, endpoint
+	return conn, endpoint, h
 }
