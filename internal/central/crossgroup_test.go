@@ -257,3 +257,18 @@ func TestGroupAcrossNodesNoHint(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestGroupAcrossNodesDeleteWhileUnderway: a delete while a phase of the group's
+// create is under way on a node is ABORTED before any call: its part answers no
+// probe yet.
+func TestGroupAcrossNodesDeleteWhileUnderway(t *testing.T) {
+	e := newCrossEnv()
+	e.world.underway[[2]string{nodecall.MethodSnapshotHeld, e.gid.String()}] = "b"
+	_, err := e.group().DeleteVolumeGroupSnapshot(context.Background(), &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()})
+	if codeOf(err) != codes.Aborted || !strings.Contains(err.Error(), "SnapshotHeld") {
+		t.Fatalf("got %v", err)
+	}
+	if got := e.world.made(); len(got) != 0 {
+		t.Errorf("calls %v", got)
+	}
+}

@@ -464,7 +464,12 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
-	// A group across nodes: every node's part (crossgroup.go).
+	// A phase of a group across nodes under way: its parts answer no probe yet, and a
+	// delete would say OK and leave them (crossgroup.go).
+	if err := s.underwayAcross(gid.String()); err != nil {
+		return nil, err
+	}
+	// A group across nodes: every node's part.
 	if nodes := s.groupNodes(gid.String()); nodes != nil {
 		return s.deleteParts(ctx, gid.String(), nodes, req)
 	}
