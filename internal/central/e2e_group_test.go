@@ -15,6 +15,7 @@ import (
 
 	"github.com/poolcsi/poolcsi/internal/central"
 	"github.com/poolcsi/poolcsi/internal/central/centraltest"
+	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/params"
 	"github.com/poolcsi/poolcsi/internal/pool"
 )
@@ -180,4 +181,81 @@ func dialCentral(t *testing.T, endpoint string) *grpc.ClientConn {
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return conn
+}
+
+// callOf waits until the controller's informer holds a call of method for node for
+// which cond holds.
+func (e *groupEnv) callOf(t *testing.T, node, method string, cond func(*nodecall.Call) bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		for _, o := range e.c.Calls.GetStore().List() {
+			if cl := nodecall.FromCache(o); cl != nil && cl.Spec.Node == node && cl.Spec.Method == method && cond(cl) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s call of node %s as waited for", method, node)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+func done(cl *nodecall.Call) bool { return cl.Answered() }
+
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); !cond(); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("waiting for %s", what)
+		}
+	}
+}
+
+// TestEndToEndGroupAcrossNodesHoldRunsOn: b's hold runs on past the create's
+// budget (its node is stuck): the create is ABORTED, a (which froze its member) is
+// thawed at once, and no part is recorded. When b's hold ends at last, b runs the
+// thaw queued behind it (a node runs a group's calls in the order issued): b is left
+// thawed too.
+func TestEndToEndGroupAcrossNodesHoldRunsOn(t *testing.T) {
+	e := newGroupEnv(t)
+	v1, st1 := e.volume(t, "a", "pvc-1", false)
+	v2, st2 := e.volume(t, "b", "pvc-2", false)
+	b := e.c.Node("b")
+	release := b.Block(nodecall.GroupHoldFullMethod(nodecall.MethodFreezeGroupHold))
+	t.Cleanup(release)
+	res := make(chan error, 1)
+	go func() {
+		_, err := e.grp.CreateVolumeGroupSnapshot(ctx30(t), &csi.CreateVolumeGroupSnapshotRequest{Name: "db", SourceVolumeIds: []string{v1, v2}})
+		res <- err
+	}()
+	// a's hold is answered (its member frozen); b's runs on.
+	a := e.c.Node("a").Host
+	waitUntil(t, "a's member frozen in phase 1", func() bool { return a.Frozen(st1) })
+	e.callOf(t, "b", nodecall.MethodFreezeGroupHold, func(cl *nodecall.Call) bool { return cl.Status.Phase == nodecall.Running })
+	e.c.WaitTimers(t, 3) // b's call's budget, pickup and stale timers
+	e.c.Clock.Step(40 * time.Second)
+	// The abort: a's thaw is answered at once; b's waits behind its hold, not taken.
+	waitUntil(t, "a thawed by the abort", func() bool { return !a.Frozen(st1) })
+	e.callOf(t, "b", nodecall.MethodThawGroup, func(*nodecall.Call) bool { return true })
+	e.c.WaitTimers(t, 3)
+	e.c.Clock.Step(11 * time.Second)
+	if err := <-res; status.Code(err) != codes.Aborted {
+		t.Fatalf("create: %v, want ABORTED", err)
+	}
+	for _, n := range []string{"a", "b"} {
+		if got := e.nodeSnapshots(t, n); len(got) != 0 {
+			t.Errorf("%s's snapshots: %v", n, got)
+		}
+	}
+	// b's hold ends at last: it freezes, then its queued thaw runs.
+	release()
+	e.callOf(t, "b", nodecall.MethodThawGroup, done)
+	h := b.Host
+	if h.Frozen(st2) || h.Faults.Calls("Freeze") != 1 || h.Faults.Calls("Thaw") != 1 {
+		t.Errorf("b after its hold: frozen %v, froze %d, thawed %d; want once each, thawed", h.Frozen(st2), h.Faults.Calls("Freeze"), h.Faults.Calls("Thaw"))
+	}
+	if a.Faults.Calls("Freeze") != 1 || a.Faults.Calls("Thaw") != 1 {
+		t.Errorf("a froze %d, thawed %d; want once each", a.Faults.Calls("Freeze"), a.Faults.Calls("Thaw"))
+	}
 }

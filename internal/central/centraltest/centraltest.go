@@ -76,6 +76,49 @@ type Node struct {
 	deps agent.Deps
 	mu   sync.Mutex
 	stop func()
+	// blocked holds the agent's calls of a gRPC method until the channel closes (Block).
+	blocked map[string]chan struct{}
+}
+
+// Block holds every call the node's agent makes of the gRPC method fullMethod on its
+// socket, until release is called: a node whose call runs on and on.
+func (n *Node) Block(fullMethod string) (release func()) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	ch := make(chan struct{})
+	if n.blocked == nil {
+		n.blocked = map[string]chan struct{}{}
+	}
+	n.blocked[fullMethod] = ch
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			n.mu.Lock()
+			delete(n.blocked, fullMethod)
+			n.mu.Unlock()
+			close(ch)
+		})
+	}
+}
+
+// gatedConn is the agent's connection to its node's socket, through Block.
+type gatedConn struct {
+	grpc.ClientConnInterface
+	n *Node
+}
+
+func (g gatedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	g.n.mu.Lock()
+	ch := g.n.blocked[method]
+	g.n.mu.Unlock()
+	if ch != nil {
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
 }
 
 // New starts the controller's informers and one node per name, each with its agent,
@@ -110,7 +153,7 @@ func New(t testing.TB, names ...string) *Cluster {
 	for _, name := range names {
 		n := &Node{Name: name}
 		n.Conn, n.Endpoint, n.Host = serveNode(t, name)
-		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: n.Conn, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
+		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: gatedConn{ClientConnInterface: n.Conn, n: n}, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
 		c.nodes[name] = n
 		n.StartAgent(t)
 		t.Cleanup(n.StopAgent)
