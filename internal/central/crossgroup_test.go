@@ -247,6 +247,13 @@ func TestGroupAcrossNodesNoHint(t *testing.T) {
 	if err != nil || len(get.GetGroupSnapshot().GetSnapshots()) != 3 {
 		t.Fatalf("get: %v %v", get, err)
 	}
+	// Two parts found while a third node does not answer: it may hold another.
+	e.nodes.down["c"] = true
+	_, err = e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()})
+	if codeOf(err) != codes.Unavailable {
+		t.Fatalf("delete with c down: %v", err)
+	}
+	e.nodes.down["c"] = false
 	if _, err := e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()}); err != nil {
 		t.Fatal(err)
 	}
