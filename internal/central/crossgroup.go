@@ -367,3 +367,36 @@ func asHolders(err error) ([]string, bool) {
 	}
 	return nil, false
 }
+
+// partsBeyondHint tells, for a delete whose group is hinted on one node, whether that
+// node holds only a part of a group across nodes (the other members' PVs gone, and
+// the create's nodes not learnt by this process): its Get lists fewer snapshots than
+// the call names. Then every node holding the pool is asked, and the holders are
+// returned (nil: the one-node path, the hint trusted as before). A delete must not say
+// OK while another node keeps a part. A group of one member is never a part.
+func (s *Server) partsBeyondHint(ctx context.Context, gid pool.GroupSnapshotID, ids []string) ([]string, error) {
+	distinct := slices.Compact(slices.Sorted(slices.Values(ids)))
+	node, ok := s.hint(groupKind, gid.String())
+	if !ok || len(distinct) < 2 {
+		return nil, nil
+	}
+	if err := s.live(node, "group snapshot "+gid.String()+" is there"); err != nil {
+		return nil, err
+	}
+	resp, err := s.d.Calls.Call(ctx, node, "GetVolumeGroupSnapshot", gid.String(), &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: gid.String(), SnapshotIds: ids})
+	g, isGet := resp.(*csi.GetVolumeGroupSnapshotResponse)
+	if err != nil || !isGet || len(g.GetGroupSnapshot().GetSnapshots()) >= len(distinct) {
+		return nil, nil // the node's own answer comes with the delete
+	}
+	holder, _, err := s.askNodes(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: ids}, s.holders(gid.Pool, ""))
+	if nodes, ok := asHolders(err); ok {
+		return nodes, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	if holder == "" {
+		return nil, nil
+	}
+	return []string{holder}, nil
+}

@@ -279,3 +279,20 @@ func TestGroupAcrossNodesDeleteWhileUnderway(t *testing.T) {
 		t.Errorf("calls %v", got)
 	}
 }
+
+// TestGroupAcrossNodesDeleteOneHint: a group across nodes hinted on one node only
+// (the other members' PVs gone, the create's nodes not learnt: a new leader): that
+// node's Get shows a part, and every node's part is deleted.
+func TestGroupAcrossNodesDeleteOneHint(t *testing.T) {
+	ctx := context.Background()
+	e := newCrossEnv()
+	if _, err := e.create(); err != nil {
+		t.Fatal(err)
+	}
+	delete(e.hints.learntGroups, e.gid.String())
+	e.hints.group[e.gid.String()] = "a"
+	if _, err := e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()}); err != nil {
+		t.Fatal(err)
+	}
+	e.nothingLeft(t)
+}

@@ -473,6 +473,11 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if nodes := s.groupNodes(gid.String()); nodes != nil {
 		return s.deleteParts(ctx, gid.String(), nodes, req)
 	}
+	if nodes, err := s.partsBeyondHint(ctx, gid, req.GetSnapshotIds()); err != nil {
+		return nil, err
+	} else if nodes != nil {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(), madeBy: "CreateVolumeGroupSnapshot",
 		call:   s.callOn("DeleteVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteVolumeGroupSnapshotResponse{}, nil },
