@@ -282,7 +282,7 @@ func TestGroupAcrossNodesDeleteWhileUnderway(t *testing.T) {
 
 // TestGroupAcrossNodesDeleteOneHint: a group across nodes hinted on one node only
 // (the other members' PVs gone, the create's nodes not learnt: a new leader): that
-// node's Get shows a part, and every node's part is deleted.
+// node's Get shows a part; a Get merges every node's, a Delete deletes every one.
 func TestGroupAcrossNodesDeleteOneHint(t *testing.T) {
 	ctx := context.Background()
 	e := newCrossEnv()
@@ -291,6 +291,10 @@ func TestGroupAcrossNodesDeleteOneHint(t *testing.T) {
 	}
 	delete(e.hints.learntGroups, e.gid.String())
 	e.hints.group[e.gid.String()] = "a"
+	get, err := e.group().GetVolumeGroupSnapshot(ctx, &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()})
+	if err != nil || len(get.GetGroupSnapshot().GetSnapshots()) != 3 {
+		t.Fatalf("get: %v %v, want the three members of both parts", get, err)
+	}
 	if _, err := e.group().DeleteVolumeGroupSnapshot(ctx, &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: e.gid.String(), SnapshotIds: e.memberIDs()}); err != nil {
 		t.Fatal(err)
 	}

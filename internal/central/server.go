@@ -2,6 +2,7 @@ package central
 
 import (
 	"context"
+	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -511,6 +512,15 @@ func (s groupServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVol
 	})
 	if nodes, ok := asHolders(err); ok {
 		return s.getParts(ctx, gid.String(), nodes, req)
+	}
+	// One node's part of a group across nodes (fewer snapshots than named): every
+	// node holding the pool is asked, and the parts merged.
+	if g, ok := resp.(*csi.GetVolumeGroupSnapshotResponse); err == nil && ok &&
+		len(g.GetGroupSnapshot().GetSnapshots()) < len(slices.Compact(slices.Sorted(slices.Values(req.GetSnapshotIds())))) {
+		_, _, aerr := s.askNodes(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds()}, s.holders(gid.Pool, ""))
+		if nodes, ok := asHolders(aerr); ok {
+			return s.getParts(ctx, gid.String(), nodes, req)
+		}
 	}
 	return as[*csi.GetVolumeGroupSnapshotResponse](resp, err)
 }
