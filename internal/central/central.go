@@ -104,6 +104,12 @@ type Hints interface {
 	SnapshotNode(snapshotID string) (node string, ok bool)
 	// GroupNode is the node of a group snapshot ID.
 	GroupNode(groupID string) (node string, ok bool)
+	// GroupNodes are the nodes of a group snapshot across nodes, sorted: the nodes of
+	// its content's member PVs, else those learnt at its create (LearnGroup); none or
+	// one when it is not known to span nodes.
+	GroupNodes(groupID string) []string
+	// LearnGroup records the nodes a group across nodes was made on.
+	LearnGroup(groupID string, nodes []string)
 	// Learn records that id answered on node (after a Done call).
 	Learn(id, node string)
 	// Synced says whether the hints' informers have their first full list.
@@ -146,4 +152,7 @@ type Deps struct {
 	PlaceWithoutTopology bool
 	// Clock is the controller's clock (nil: the real one).
 	Clock clock.Clock
+	// GroupHold is the bound asked for a group across nodes' holds (0:
+	// DefaultGroupHold); each node caps it.
+	GroupHold time.Duration
 }

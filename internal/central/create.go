@@ -348,6 +348,7 @@ func poolOf(pools []nodecall.PoolCapacity, name string) (nodecall.PoolCapacity, 
 
 // createGroup checks a group snapshot's arguments, locates its volumes and sends it to
 // their node: a local pool exists once per node, and a group takes volumes of one pool.
+// Volumes on several nodes are taken in two phases across them (createAcross).
 func (s groupServer) createGroup(ctx context.Context, req *csi.CreateVolumeGroupSnapshotRequest) (proto.Message, error) {
 	name := req.GetName()
 	if err := params.CheckRequestName("group snapshot", name); err != nil {
@@ -401,7 +402,9 @@ func (s groupServer) createGroup(ctx context.Context, req *csi.CreateVolumeGroup
 	}
 	for i := range nodes {
 		if nodes[i] != nodes[0] {
-			return nil, status.Errorf(codes.InvalidArgument, "a group snapshot of a local pool takes volumes of one node; %s is on %s, %s on %s", vids[0], nodes[0], vids[i], nodes[i])
+			// Members on several nodes: two phases across them (crossgroup.go).
+			gsid, _ := pool.ParseGroupSnapshotID(gid)
+			return s.createAcross(ctx, gsid, name, vids, nodes)
 		}
 	}
 	return s.groupOn(ctx, nodes[0], gid, req)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 	"sort"
+	"strconv"
 	"sync"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/poolcsi/poolcsi/internal/nodecall"
 	"github.com/poolcsi/poolcsi/internal/params"
@@ -68,11 +70,13 @@ type srvHints struct {
 	mu               sync.Mutex
 	vol, snap, group map[string]string
 	learnt           map[string]string
-	synced           bool
+	// groupNodes are the nodes of a group's member PVs; learntGroups those learnt.
+	groupNodes, learntGroups map[string][]string
+	synced                   bool
 }
 
 func newSrvHints() *srvHints {
-	return &srvHints{vol: map[string]string{}, snap: map[string]string{}, group: map[string]string{}, learnt: map[string]string{}, synced: true}
+	return &srvHints{vol: map[string]string{}, snap: map[string]string{}, group: map[string]string{}, learnt: map[string]string{}, groupNodes: map[string][]string{}, learntGroups: map[string][]string{}, synced: true}
 }
 
 func (h *srvHints) get(m map[string]string, id string) (string, bool) {
@@ -89,6 +93,19 @@ func (h *srvHints) VolumeNode(id string) (string, bool)   { return h.get(h.vol, 
 func (h *srvHints) SnapshotNode(id string) (string, bool) { return h.get(h.snap, id) }
 func (h *srvHints) GroupNode(id string) (string, bool)    { return h.get(h.group, id) }
 func (h *srvHints) Synced() bool                          { return h.synced }
+func (h *srvHints) GroupNodes(id string) []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if n := h.groupNodes[id]; n != nil {
+		return n
+	}
+	return h.learntGroups[id]
+}
+func (h *srvHints) LearnGroup(id string, nodes []string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.learntGroups[id] = nodes
+}
 func (h *srvHints) Learn(id, node string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -96,7 +113,10 @@ func (h *srvHints) Learn(id, node string) {
 }
 
 // srvCall is one call the server made.
-type srvCall struct{ node, method, target string }
+type srvCall struct {
+	node, method, target string
+	req                  proto.Message
+}
 
 // srvWorld answers calls as the nodes' drivers would, from what each node holds.
 type srvWorld struct {
@@ -106,7 +126,10 @@ type srvWorld struct {
 	snaps map[string]map[string]string
 	// snaps: node → snapshot ID → source volume ID
 	groups map[string]map[string]bool
-	calls  []srvCall
+	// holds: node → group → nonce of its hold; parts: node → group → its part's snapshots.
+	holds map[string]map[string]string
+	parts map[string]map[string][]*csi.Snapshot
+	calls []srvCall
 	// cut, when set, is the most a node lists in one answer without max_entries (a
 	// node cuts a listing to fit a PoolCall's response).
 	cut int
@@ -174,7 +197,7 @@ func (w *srvWorld) call(_ context.Context, node, method, target string, req prot
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.calls = append(w.calls, srvCall{node, method, target})
+	w.calls = append(w.calls, srvCall{node, method, target, req})
 	if w.fail != nil {
 		if err := w.fail(node, method); err != nil {
 			return nil, err
@@ -245,12 +268,69 @@ func (w *srvWorld) call(_ context.Context, node, method, target string, req prot
 		if !w.groups[node][r.GetGroupSnapshotId()] {
 			return nil, notFound()
 		}
-		return &csi.GetVolumeGroupSnapshotResponse{GroupSnapshot: &csi.VolumeGroupSnapshot{GroupSnapshotId: r.GetGroupSnapshotId()}}, nil
+		return &csi.GetVolumeGroupSnapshotResponse{GroupSnapshot: &csi.VolumeGroupSnapshot{GroupSnapshotId: r.GetGroupSnapshotId(),
+			Snapshots: w.parts[node][r.GetGroupSnapshotId()], ReadyToUse: true}}, nil
 	case *csi.DeleteVolumeGroupSnapshotRequest:
 		delete(w.groups[node], r.GetGroupSnapshotId())
+		delete(w.parts[node], r.GetGroupSnapshotId())
 		return &csi.DeleteVolumeGroupSnapshotResponse{}, nil
+	case *structpb.Struct:
+		return w.groupHold(node, method, r)
 	}
 	return nil, status.Errorf(codes.Unimplemented, "%T", req)
+}
+
+// groupHold plays a node's part of a group across nodes: holds by group and nonce,
+// parts recorded by group.
+func (w *srvWorld) groupHold(node, method string, r *structpb.Struct) (proto.Message, error) {
+	if w.holds[node] == nil {
+		w.holds[node] = map[string]string{}
+	}
+	if w.parts[node] == nil {
+		w.parts[node] = map[string][]*csi.Snapshot{}
+	}
+	switch method {
+	case nodecall.MethodFreezeGroupHold:
+		var h nodecall.FreezeGroupHold
+		if err := nodecall.FromStruct(r, &h); err != nil {
+			return nil, err
+		}
+		for _, v := range h.Members {
+			if !w.vols[node][v] {
+				return nil, notFound()
+			}
+		}
+		nonce := "nonce-" + node + "-" + strconv.Itoa(len(w.calls))
+		w.holds[node][h.Group] = nonce
+		return nodecall.ToStruct(nodecall.GroupHeld{Nonce: nonce, HoldMillis: h.BoundMillis})
+	case nodecall.MethodSnapshotHeld:
+		var h nodecall.SnapshotHeld
+		if err := nodecall.FromStruct(r, &h); err != nil {
+			return nil, err
+		}
+		if w.holds[node][h.Group] != h.Nonce {
+			return nil, status.Error(codes.Aborted, "no such hold")
+		}
+		delete(w.holds[node], h.Group)
+		gid, _ := pool.ParseGroupSnapshotID(h.Group)
+		var snaps []*csi.Snapshot
+		for _, v := range h.Members {
+			snaps = append(snaps, &csi.Snapshot{SnapshotId: pool.GroupMemberID(gid, v).String(), SourceVolumeId: v, GroupSnapshotId: h.Group, ReadyToUse: true})
+		}
+		w.hold(w.groups, node, h.Group)
+		w.parts[node][h.Group] = snaps
+		return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: &csi.VolumeGroupSnapshot{GroupSnapshotId: h.Group, Snapshots: snaps, ReadyToUse: true}}, nil
+	case nodecall.MethodThawGroup:
+		var h nodecall.ThawGroup
+		if err := nodecall.FromStruct(r, &h); err != nil {
+			return nil, err
+		}
+		if h.Nonce == "" || w.holds[node][h.Group] == h.Nonce {
+			delete(w.holds[node], h.Group)
+		}
+		return &structpb.Struct{}, nil
+	}
+	return nil, status.Errorf(codes.Unimplemented, "%s", method)
 }
 
 // list is the node driver's ListSnapshots over the model: by (pool, key), from the
@@ -314,7 +394,7 @@ func newSrvEnv(nodes ...string) *srvEnv {
 	for _, node := range nodes {
 		n.pools[node] = []nodecall.PoolCapacity{okPool("local", 10<<30), okPool("fast", 1<<30)}
 	}
-	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, pending: map[[2]string]string{}, underway: map[[2]string]string{}}
+	w := &srvWorld{nodes: n, vols: map[string]map[string]bool{}, snaps: map[string]map[string]string{}, groups: map[string]map[string]bool{}, holds: map[string]map[string]string{}, parts: map[string]map[string][]*csi.Snapshot{}, pending: map[[2]string]string{}, underway: map[[2]string]string{}}
 	h := newSrvHints()
 	s := NewServer(Deps{Name: "local.poolcsi.io", Version: "test", TopologyKey: testKey,
 		Params: params.Config{Pools: []string{"fast", "local"}}, Calls: w, Nodes: n, Hints: h, PlaceWithoutTopology: true})

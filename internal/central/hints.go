@@ -3,6 +3,7 @@ package central
 import (
 	"context"
 	"fmt"
+	"slices"
 	"sync"
 	"time"
 
@@ -345,6 +346,36 @@ func (h *HintIndex) GroupNode(groupID string) (string, bool) {
 		return n, true
 	}
 	return h.fromLearnt(groupID)
+}
+
+// GroupNodes are the nodes of the group content's member PVs, when they name several,
+// else the nodes learnt at its create.
+func (h *HintIndex) GroupNodes(groupID string) []string {
+	_, _, groups := h.informers()
+	var nodes []string
+	for _, o := range indexed(groups, groupID) {
+		for _, src := range stringList(o[hintSources]) {
+			if n, ok := h.pvNode(src); ok && !slices.Contains(nodes, n) {
+				nodes = append(nodes, n)
+			}
+		}
+	}
+	if len(nodes) < 2 {
+		if v, ok := h.learnt.Get(groupNodesKey + groupID); ok {
+			nodes, _ = v.([]string)
+		}
+	}
+	out := slices.Clone(nodes)
+	slices.Sort(out)
+	return out
+}
+
+// groupNodesKey prefixes a group's learnt nodes: no ID starts with it.
+const groupNodesKey = "nodes:"
+
+// LearnGroup records the nodes a group across nodes was made on.
+func (h *HintIndex) LearnGroup(groupID string, nodes []string) {
+	h.learnt.Add(groupNodesKey+groupID, slices.Clone(nodes))
 }
 
 // Learn records that id answered on node.

@@ -2,6 +2,7 @@ package central
 
 import (
 	"context"
+	"slices"
 	"testing"
 	"time"
 
@@ -208,5 +209,32 @@ func TestHintsWithoutContents(t *testing.T) {
 	}
 	if _, ok := h.SnapshotNode(s2); ok {
 		t.Error("the LRU kept more than its size")
+	}
+}
+
+// TestGroupNodes: a group content whose member PVs sit on two nodes names both; one
+// on one node names none (the one-node path); a group learnt at its create names its
+// nodes.
+func TestGroupNodes(t *testing.T) {
+	v1 := "local.00000000000000000000000000000001"
+	v2 := "local.00000000000000000000000000000002"
+	v3 := "local.00000000000000000000000000000003"
+	across := "local@g-00000000000000000000000000000001"
+	one := "local@g-00000000000000000000000000000002"
+	learnt := "local@g-00000000000000000000000000000003"
+	h, _ := newTestHints(t, true,
+		pv("pv-1", testDriver, v1, "node-b"),
+		pv("pv-2", testDriver, v2, "node-a"),
+		pv("pv-3", testDriver, v3, "node-b"),
+		groupContent("across", map[string]any{"source": map[string]any{"volumeHandles": []any{v1, v2, v3},
+			"groupSnapshotHandles": map[string]any{"volumeGroupSnapshotHandle": across}}}, ""),
+		groupContent("one", map[string]any{"source": map[string]any{"volumeHandles": []any{v1, v3},
+			"groupSnapshotHandles": map[string]any{"volumeGroupSnapshotHandle": one}}}, ""),
+	)
+	h.LearnGroup(learnt, []string{"node-c", "node-a"})
+	for id, want := range map[string][]string{across: {"node-a", "node-b"}, one: {"node-b"}, learnt: {"node-a", "node-c"}} {
+		if got := h.GroupNodes(id); !slices.Equal(got, want) {
+			t.Errorf("GroupNodes(%s) = %v, want %v", id, got, want)
+		}
 	}
 }

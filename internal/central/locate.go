@@ -277,6 +277,14 @@ func (s *Server) askNodes(ctx context.Context, l lookup, nodes []string) (string
 		for _, a := range found {
 			names = append(names, a.node)
 		}
+		if l.kind == groupKind {
+			// Parts of one group across nodes (crossgroup.go); a node that did not
+			// answer may hold another part.
+			if failed != nil {
+				return "", nil, failed
+			}
+			return "", nil, &holdersError{nodes: names}
+		}
 		return "", nil, status.Errorf(codes.FailedPrecondition, "%s exists on nodes %s: a local pool exists once per node and poolcsi cannot tell which one is meant; remove the others by hand", what, strings.Join(names, ", "))
 	case len(down) > 1:
 		return "", nil, status.Errorf(codes.Unavailable, "%s is on no live node; nodes %s are not answering and may hold it: retry once they are back", what, strings.Join(down, ", "))

@@ -31,6 +31,8 @@ const sanityModeEnv = "POOLCSI_CENTRAL_SANITY"
 type learntHints struct {
 	mu sync.Mutex
 	m  map[string]string
+	// groups are the nodes of groups across nodes, learnt at their create.
+	groups map[string][]string
 }
 
 func (h *learntHints) get(id string) (string, bool) {
@@ -43,6 +45,19 @@ func (h *learntHints) VolumeNode(id string) (string, bool)   { return h.get(id) 
 func (h *learntHints) SnapshotNode(id string) (string, bool) { return h.get(id) }
 func (h *learntHints) GroupNode(id string) (string, bool)    { return h.get(id) }
 func (h *learntHints) Synced() bool                          { return true }
+func (h *learntHints) GroupNodes(id string) []string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.groups[id]
+}
+func (h *learntHints) LearnGroup(id string, nodes []string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.groups == nil {
+		h.groups = map[string][]string{}
+	}
+	h.groups[id] = nodes
+}
 func (h *learntHints) Learn(id, node string) {
 	h.mu.Lock()
 	h.m[id] = node

@@ -2,6 +2,7 @@ package central
 
 import (
 	"context"
+	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -464,10 +465,27 @@ func (s groupServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *csi.Del
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
+	// A phase of a group across nodes under way: its parts answer no probe yet, and a
+	// delete would say OK and leave them (crossgroup.go).
+	if err := s.underwayAcross(gid.String()); err != nil {
+		return nil, err
+	}
+	// A group across nodes: every node's part.
+	if nodes := s.groupNodes(gid.String()); nodes != nil {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
+	if nodes, err := s.partsBeyondHint(ctx, gid, req.GetSnapshotIds()); err != nil {
+		return nil, err
+	} else if nodes != nil {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, trustHint: true, members: req.GetSnapshotIds(), madeBy: "CreateVolumeGroupSnapshot",
 		call:   s.callOn("DeleteVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) { return &csi.DeleteVolumeGroupSnapshotResponse{}, nil },
 	})
+	if nodes, ok := asHolders(err); ok {
+		return s.deleteParts(ctx, gid.String(), nodes, req)
+	}
 	return as[*csi.DeleteVolumeGroupSnapshotResponse](resp, err)
 }
 
@@ -483,12 +501,27 @@ func (s groupServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVol
 	if err := checkSnapshotIDs(req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
+	if nodes := s.groupNodes(gid.String()); nodes != nil {
+		return s.getParts(ctx, gid.String(), nodes, req)
+	}
 	resp, err := s.locate(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds(),
 		call: s.callOn("GetVolumeGroupSnapshot", gid.String(), req),
 		absent: func() (proto.Message, error) {
 			return nil, status.Errorf(codes.NotFound, "group snapshot %s does not exist on any node", gid)
 		},
 	})
+	if nodes, ok := asHolders(err); ok {
+		return s.getParts(ctx, gid.String(), nodes, req)
+	}
+	// One node's part of a group across nodes (fewer snapshots than named): every
+	// node holding the pool is asked, and the parts merged.
+	if g, ok := resp.(*csi.GetVolumeGroupSnapshotResponse); err == nil && ok &&
+		len(g.GetGroupSnapshot().GetSnapshots()) < len(slices.Compact(slices.Sorted(slices.Values(req.GetSnapshotIds())))) {
+		_, _, aerr := s.askNodes(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds()}, s.holders(gid.Pool, ""))
+		if nodes, ok := asHolders(aerr); ok {
+			return s.getParts(ctx, gid.String(), nodes, req)
+		}
+	}
 	return as[*csi.GetVolumeGroupSnapshotResponse](resp, err)
 }
 

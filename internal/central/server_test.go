@@ -453,20 +453,6 @@ func TestSnapshotsAndGroups(t *testing.T) {
 			t.Fatalf("got %v %v", resp, err)
 		}
 	})
-	t.Run("group across nodes", func(t *testing.T) {
-		e := newSrvEnv()
-		v1, v2 := e.vol("a", "pvc-1"), e.vol("b", "pvc-2")
-		e.hints.vol[v1], e.hints.vol[v2] = "a", "b"
-		_, err := e.group().CreateVolumeGroupSnapshot(ctx, &csi.CreateVolumeGroupSnapshotRequest{Name: "g", SourceVolumeIds: []string{v1, v2}})
-		if codeOf(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "one node") || !strings.Contains(err.Error(), " on b") {
-			t.Fatalf("got %v", err)
-		}
-		for _, c := range e.world.made() {
-			if c.method == "CreateVolumeGroupSnapshot" {
-				t.Errorf("group call made: %v", c)
-			}
-		}
-	})
 	t.Run("group on one node", func(t *testing.T) {
 		e := newSrvEnv()
 		v1, v2 := e.vol("c", "pvc-1"), e.vol("c", "pvc-2")

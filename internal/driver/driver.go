@@ -350,6 +350,10 @@ func (d *Driver) Serve(ctx context.Context, endpoint string, extra ...grpc.Unary
 	if d.opts.Mode.node() {
 		csi.RegisterNodeServer(srv, d)
 	}
+	if d.opts.Mode.controller() && d.opts.Mode.node() {
+		// A group across nodes' holds need this node's mounts (grouphold.go).
+		srv.RegisterService(&groupHoldDesc, d.controllerServer)
+	}
 	// The socket goes last: every loop has returned before it is removed.
 	defer func() {
 		if err := lis.Remove(); err != nil {

@@ -86,14 +86,14 @@ func groupMembers(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot)
 
 // checkMemberIDs compares the snapshot IDs a call names with the group's
 // members, as a set; a mismatch is INVALID_ARGUMENT (CSI).
-func checkMemberIDs(gid pool.GroupSnapshotID, g *pool.GroupSnapshot, given []string) error {
+//
+// A part of a group across nodes (GroupSources) is checked against the
+// members of the whole group: the call names them all, on every node.
+func checkMemberIDs(p *pool.Pool, gid pool.GroupSnapshotID, g *pool.GroupSnapshot, given []string) error {
 	if len(given) == 0 {
 		return status.Error(codes.InvalidArgument, "snapshot_ids is required")
 	}
-	want := make([]string, len(g.Members))
-	for i, m := range g.Members {
-		want[i] = m.SnapshotID
-	}
+	want := p.Groups().MemberIDs(gid, g)
 	got := make([]string, 0, len(given))
 	for _, raw := range given {
 		sid, known, err := parseSnapshotRef("snapshot_ids", raw)
@@ -440,7 +440,7 @@ func (d controllerServer) DeleteVolumeGroupSnapshot(ctx context.Context, req *cs
 	} else if err != nil {
 		return nil, err
 	}
-	if err := checkMemberIDs(gid, g, req.GetSnapshotIds()); err != nil {
+	if err := checkMemberIDs(p, gid, g, req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
 	if err := removeGroup(ctx, p, gid, g); err != nil {
@@ -469,7 +469,7 @@ func (d controllerServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.G
 	} else if err != nil {
 		return nil, err
 	}
-	if err := checkMemberIDs(gid, g, req.GetSnapshotIds()); err != nil {
+	if err := checkMemberIDs(p, gid, g, req.GetSnapshotIds()); err != nil {
 		return nil, err
 	}
 	members, err := groupMembers(p, gid, g)

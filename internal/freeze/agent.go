@@ -102,6 +102,8 @@ type Freezer struct {
 
 	mu   sync.Mutex
 	held map[string]*heldFreeze // by volume ID
+	// groups are the holds of groups across nodes, by group ID (grouphold.go).
+	groups map[string]*groupHold
 	// spent are the holds of each device that ended within the last hour,
 	// oldest first, by the identity of its backing file (ownDevice): the
 	// budget (allowance).
@@ -120,7 +122,7 @@ func New(deps Deps, t Timing) *Freezer {
 	done := make(chan struct{})
 	close(done)
 	return &Freezer{deps: deps, Timing: t, RecoveryTimeout: DefaultRecoveryTimeout, Now: time.Now,
-		held: map[string]*heldFreeze{}, spent: map[string][]span{}, warned: map[string]bool{}, recovered: done}
+		held: map[string]*heldFreeze{}, groups: map[string]*groupHold{}, spent: map[string][]span{}, warned: map[string]bool{}, recovered: done}
 }
 
 // span is a stretch of time a volume was frozen, by the agent's clock.
@@ -326,6 +328,7 @@ func (f *Freezer) Run(ctx context.Context) error {
 	}
 	t.Stop()
 	f.thawAllHeld(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
+	f.endAllGroupHolds(klog.NewContext(context.Background(), klog.FromContext(ctx)), "the node plugin stopped")
 	return nil
 }
 

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/types/known/structpb"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -67,7 +68,8 @@ func method[Req, Resp any, PReq interface {
 }
 
 // methods is the allow-list (the CRD's spec.method enum, checked again by the agent):
-// node-local Controller work only. Never a publish, never a Node call, never Identity.
+// node-local Controller work only, and the three calls of a group across nodes. Never a
+// publish, never a Node call, never Identity.
 var methods = map[string]Method{}
 
 func init() {
@@ -84,6 +86,10 @@ func init() {
 		method[csi.CreateVolumeGroupSnapshotRequest, csi.CreateVolumeGroupSnapshotResponse]("CreateVolumeGroupSnapshot", "cg", csi.GroupController_CreateVolumeGroupSnapshot_FullMethodName, true),
 		method[csi.DeleteVolumeGroupSnapshotRequest, csi.DeleteVolumeGroupSnapshotResponse]("DeleteVolumeGroupSnapshot", "dg", csi.GroupController_DeleteVolumeGroupSnapshot_FullMethodName, true),
 		method[csi.GetVolumeGroupSnapshotRequest, csi.GetVolumeGroupSnapshotResponse]("GetVolumeGroupSnapshot", "gg", csi.GroupController_GetVolumeGroupSnapshot_FullMethodName, false),
+		// A group across nodes (grouphold.go).
+		method[structpb.Struct, structpb.Struct](MethodFreezeGroupHold, "fh", GroupHoldFullMethod(MethodFreezeGroupHold), false),
+		method[structpb.Struct, csi.CreateVolumeGroupSnapshotResponse](MethodSnapshotHeld, "sh", GroupHoldFullMethod(MethodSnapshotHeld), true),
+		method[structpb.Struct, structpb.Struct](MethodThawGroup, "tg", GroupHoldFullMethod(MethodThawGroup), false),
 	} {
 		methods[m.Name] = m
 	}

@@ -10,6 +10,7 @@ import (
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
 	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/structpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 
@@ -45,7 +46,18 @@ func requests() map[string]proto.Message {
 		"CreateVolumeGroupSnapshot":  &csi.CreateVolumeGroupSnapshotRequest{Name: "group-1", SourceVolumeIds: []string{"local.a", "local.b"}, Secrets: secrets},
 		"DeleteVolumeGroupSnapshot":  &csi.DeleteVolumeGroupSnapshotRequest{GroupSnapshotId: "local@g-1", SnapshotIds: []string{"local@1"}, Secrets: secrets},
 		"GetVolumeGroupSnapshot":     &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: "local@g-1", SnapshotIds: []string{"local@1"}, Secrets: secrets},
+		"FreezeGroupHold":            mustStruct(nodecall.FreezeGroupHold{Group: "local@g-1", Name: "g", Members: []string{"local.a"}, BoundMillis: 30000}),
+		"SnapshotHeld":               mustStruct(nodecall.SnapshotHeld{Group: "local@g-1", Name: "g", Members: []string{"local.a"}, All: []string{"local.a", "local.b"}, Nonce: "n"}),
+		"ThawGroup":                  mustStruct(nodecall.ThawGroup{Group: "local@g-1", Nonce: "n"}),
 	}
+}
+
+func mustStruct(v any) *structpb.Struct {
+	s, err := nodecall.ToStruct(v)
+	if err != nil {
+		panic(err)
+	}
+	return s
 }
 
 func responses() map[string]proto.Message {
@@ -66,14 +78,17 @@ func responses() map[string]proto.Message {
 		"CreateVolumeGroupSnapshot":  &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: group},
 		"DeleteVolumeGroupSnapshot":  &csi.DeleteVolumeGroupSnapshotResponse{},
 		"GetVolumeGroupSnapshot":     &csi.GetVolumeGroupSnapshotResponse{GroupSnapshot: group},
+		"FreezeGroupHold":            mustStruct(nodecall.GroupHeld{Nonce: "n", HoldMillis: 30000}),
+		"SnapshotHeld":               &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: group},
+		"ThawGroup":                  mustStruct(struct{}{}),
 	}
 }
 
 // The allow-list is the design's (§2.1), which the CRD's enum repeats.
 func TestMethodsAreTheAllowList(t *testing.T) {
 	want := []string{"ControllerExpandVolume", "ControllerGetVolume", "ControllerModifyVolume", "CreateSnapshot", "CreateVolume",
-		"CreateVolumeGroupSnapshot", "DeleteSnapshot", "DeleteVolume", "DeleteVolumeGroupSnapshot", "GetVolumeGroupSnapshot",
-		"ListSnapshots", "ValidateVolumeCapabilities"}
+		"CreateVolumeGroupSnapshot", "DeleteSnapshot", "DeleteVolume", "DeleteVolumeGroupSnapshot", "FreezeGroupHold", "GetVolumeGroupSnapshot",
+		"ListSnapshots", "SnapshotHeld", "ThawGroup", "ValidateVolumeCapabilities"}
 	if got := nodecall.Methods(); !slices.Equal(got, want) {
 		t.Fatalf("Methods() = %v, want %v", got, want)
 	}
@@ -153,7 +168,8 @@ func TestCodecRoundTrip(t *testing.T) {
 			if err != nil || !proto.Equal(rback, resp) {
 				t.Errorf("response round trip: %v\n got %v\nwant %v", err, rback, resp)
 			}
-			if _, err := m.EncodeResponse(req); err == nil {
+			// The hold's and the thaw's messages are both Structs.
+			if _, err := m.EncodeResponse(req); err == nil && req.ProtoReflect().Descriptor() != resp.ProtoReflect().Descriptor() {
 				t.Errorf("a request encoded as the response")
 			}
 		})

@@ -89,6 +89,33 @@ type GroupSnapshot struct {
 	// a create under way or one a crash interrupted, which the next create of
 	// the same name rolls back and starts again.
 	ReadyToUse bool `json:"readyToUse"`
+	// GroupSources, set only on a part of a group whose members sit on
+	// several nodes (docs/design/central-controller.md §7.1), are the IDs of
+	// every volume of the whole group, sorted, Members' among them: a Get or
+	// Delete names every member snapshot of the group, and each node checks
+	// them against these. Empty: the group is this record's members alone.
+	GroupSources []string `json:"groupSources,omitempty"`
+}
+
+// MemberIDs are the IDs of the member snapshots of the whole group, this
+// record's and, for a part, those of the other nodes' parts, sorted.
+func (gs Groups) MemberIDs(gid GroupSnapshotID, g *GroupSnapshot) []string {
+	sources := g.GroupSources
+	if len(sources) == 0 {
+		sources = g.Sources()
+	}
+	out := make([]string, len(sources))
+	for i, v := range sources {
+		out[i] = gs.MemberID(gid, v).String()
+	}
+	sort.Strings(out)
+	return out
+}
+
+// GroupMemberID is the ID of the snapshot of volume vid in group gid, as the node
+// holding vid makes it (Groups.MemberID), for whoever does not hold the pool.
+func GroupMemberID(gid GroupSnapshotID, vid string) SnapshotID {
+	return NewSnapshotID(gid.Pool, memberSnapshotName(gid, vid))
 }
 
 // Sources are the IDs of the group's volumes, sorted.
@@ -141,6 +168,9 @@ func (gs Groups) Load(id GroupSnapshotID) (*GroupSnapshot, error) {
 			return nil, fmt.Errorf("%w: %s: member %d is not one a driver writes", ErrCorrupt, filepath.Join(gs.p.cfg.Path, groupRel(id, groupMetaFile)), i)
 		}
 	}
+	if err := checkGroupSources(g.GroupSources, g.Sources()); err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrCorrupt, filepath.Join(gs.p.cfg.Path, groupRel(id, groupMetaFile)), err)
+	}
 	return &g, nil
 }
 
@@ -156,11 +186,49 @@ func (gs Groups) save(id GroupSnapshotID, g *GroupSnapshot) error {
 	return gs.p.files().writeBeneath(groupRel(id, groupMetaFile), append(raw, '\n'), true)
 }
 
+// checkGroupSources checks a part's GroupSources: none, or at most
+// MaxGroupMembers volume IDs of one pool, sorted, each once, and holding
+// every one of members.
+func checkGroupSources(all, members []string) error {
+	if len(all) == 0 {
+		return nil
+	}
+	if len(all) > MaxGroupMembers {
+		return fmt.Errorf("%w: a group snapshot takes at most %d volumes, not %d", ErrInvalidID, MaxGroupMembers, len(all))
+	}
+	var first VolumeID
+	for i, v := range all {
+		vid, err := ParseVolumeID(v)
+		if err != nil {
+			return err
+		}
+		if i == 0 {
+			first = vid
+		}
+		if vid.Pool != first.Pool || vid.Share != first.Share || (i > 0 && all[i-1] >= v) {
+			return fmt.Errorf("%w: the group's volumes are not of one pool, sorted, each once", ErrInvalidID)
+		}
+	}
+	for _, m := range members {
+		if _, ok := slices.BinarySearch(all, m); !ok {
+			return fmt.Errorf("%w: volume %s is not among the group's volumes", ErrInvalidID, m)
+		}
+	}
+	return nil
+}
+
 // Reserve finds or starts the group snapshot named name of the
 // volumes sources: its directory and a group.json with readyToUse false,
 // under the pool lock, so two controllers of a shared pool agree on one
 // record. A group of that name with other volumes is ErrExists.
 func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (*GroupSnapshot, error) {
+	return gs.ReservePart(ctx, name, sources, nil)
+}
+
+// ReservePart is Reserve of this node's part of a group whose volumes sit on
+// several nodes: sources are this node's, all (sorted, holding sources) the
+// whole group's; nil all is Reserve.
+func (gs Groups) ReservePart(ctx context.Context, name string, sources []VolumeID, all []string) (*GroupSnapshot, error) {
 	if err := ValidateVolumeName(name); err != nil {
 		return nil, err
 	}
@@ -181,6 +249,16 @@ func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (
 			return nil, fmt.Errorf("%w: volume %s is named twice", ErrInvalidID, members[i].SourceVolumeID)
 		}
 	}
+	all = slices.Clone(all)
+	if len(all) > 0 {
+		srcs := make([]string, len(members))
+		for i, m := range members {
+			srcs[i] = m.SourceVolumeID
+		}
+		if err := checkGroupSources(all, srcs); err != nil {
+			return nil, err
+		}
+	}
 	unlock, err := gs.p.lockToCreate(ctx)
 	if err != nil {
 		return nil, err
@@ -190,7 +268,7 @@ func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (
 		switch {
 		case g.Name != name:
 			return nil, fmt.Errorf("%w: group snapshot key %s is taken by %q (hash collision)", ErrCorrupt, id.Key, g.Name)
-		case !slices.Equal(g.Members, members):
+		case !slices.Equal(g.Members, members) || !slices.Equal(g.GroupSources, all):
 			return nil, fmt.Errorf("%w: group snapshot %q already exists of volumes %s", ErrExists, name, strings.Join(g.Sources(), ", "))
 		}
 		return g, nil
@@ -200,7 +278,7 @@ func (gs Groups) Reserve(ctx context.Context, name string, sources []VolumeID) (
 	if err := os.MkdirAll(filepath.Join(gs.p.cfg.Path, groupRel(id)), 0o750); err != nil {
 		return nil, fmt.Errorf("create group snapshot %s: %w", id, err)
 	}
-	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: gs.p.cfg.Name, Members: members, CreatedAt: time.Now().UTC()}
+	g := &GroupSnapshot{ID: id.String(), Name: name, Pool: gs.p.cfg.Name, Members: members, CreatedAt: time.Now().UTC(), GroupSources: all}
 	if err := gs.save(id, g); err != nil {
 		return nil, err
 	}

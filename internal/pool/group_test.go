@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 )
@@ -93,5 +94,62 @@ func TestLoadGroupSnapshotRefusesForeignMembers(t *testing.T) {
 	}
 	if err := p.Groups().Delete(ctx, gid); err != nil {
 		t.Errorf("second delete: %v", err)
+	}
+}
+
+// A part of a group across nodes records every volume of the group; what it
+// records is checked when it is made and when it is read, and the member IDs of
+// the whole group are the ones each node derives.
+func TestGroupPart(t *testing.T) {
+	p, err := Initialise(Config{Name: "local", Path: filepath.Join(t.TempDir(), "pool")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	mine := []VolumeID{p.NewID("a")}
+	remote := p.NewID("b").String()
+	all := []string{mine[0].String(), remote}
+	slices.Sort(all)
+	for name, bad := range map[string][]string{
+		"without its members": {remote},
+		"unsorted":            {all[1], all[0]},
+		"a path":              {mine[0].String(), "../x"},
+		"another pool":        {mine[0].String(), "other." + KeyForName("b")},
+		"a volume twice":      {mine[0].String(), mine[0].String()},
+	} {
+		if _, err := p.Groups().ReservePart(ctx, "db", mine, bad); !errors.Is(err, ErrInvalidID) {
+			t.Errorf("%s: %v, want ErrInvalidID", name, err)
+		}
+	}
+	g, err := p.Groups().ReservePart(ctx, "db", mine, all)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gid := p.Groups().NewID("db")
+	want := []string{GroupMemberID(gid, all[0]).String(), GroupMemberID(gid, all[1]).String()}
+	slices.Sort(want)
+	if got := p.Groups().MemberIDs(gid, g); !slices.Equal(got, want) || want[0] == want[1] {
+		t.Errorf("member IDs %v, want %v", got, want)
+	}
+	if GroupMemberID(gid, mine[0].String()) != p.Groups().MemberID(gid, mine[0].String()) {
+		t.Error("GroupMemberID is not the pool's MemberID")
+	}
+	if _, err := p.Groups().ReservePart(ctx, "db", mine, nil); !errors.Is(err, ErrExists) {
+		t.Errorf("the whole group of the same name: %v, want ErrExists", err)
+	}
+	if got, err := p.Groups().Load(gid); err != nil || !slices.Equal(got.GroupSources, all) {
+		t.Fatalf("load: %v %v", got, err)
+	}
+	path := filepath.Join(p.cfg.Path, groupsDir, gid.Key, groupMetaFile)
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	planted := strings.Replace(string(raw), `"`+remote+`"`, `"../../etc"`, 1)
+	if err := os.WriteFile(path, []byte(planted), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := p.Groups().Load(gid); !errors.Is(err, ErrCorrupt) {
+		t.Errorf("a planted groupSources: %v, want ErrCorrupt", err)
 	}
 }

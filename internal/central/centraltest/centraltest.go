@@ -70,10 +70,55 @@ type Node struct {
 	Conn *grpc.ClientConn
 	// Endpoint is that socket's address (unix://...), for a client of its own.
 	Endpoint string
+	// Host is the node's fake kernel (what is mounted, what is frozen).
+	Host *fake.Host
 
 	deps agent.Deps
 	mu   sync.Mutex
 	stop func()
+	// blocked holds the agent's calls of a gRPC method until the channel closes (Block).
+	blocked map[string]chan struct{}
+}
+
+// Block holds every call the node's agent makes of the gRPC method fullMethod on its
+// socket, until release is called: a node whose call runs on and on.
+func (n *Node) Block(fullMethod string) (release func()) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	ch := make(chan struct{})
+	if n.blocked == nil {
+		n.blocked = map[string]chan struct{}{}
+	}
+	n.blocked[fullMethod] = ch
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			n.mu.Lock()
+			delete(n.blocked, fullMethod)
+			n.mu.Unlock()
+			close(ch)
+		})
+	}
+}
+
+// gatedConn is the agent's connection to its node's socket, through Block.
+type gatedConn struct {
+	grpc.ClientConnInterface
+	n *Node
+}
+
+func (g gatedConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	g.n.mu.Lock()
+	ch := g.n.blocked[method]
+	g.n.mu.Unlock()
+	if ch != nil {
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return g.ClientConnInterface.Invoke(ctx, method, args, reply, opts...)
 }
 
 // New starts the controller's informers and one node per name, each with its agent,
@@ -107,8 +152,8 @@ func New(t testing.TB, names ...string) *Cluster {
 	}
 	for _, name := range names {
 		n := &Node{Name: name}
-		n.Conn, n.Endpoint = serveNode(t, name)
-		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: n.Conn, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
+		n.Conn, n.Endpoint, n.Host = serveNode(t, name)
+		n.deps = agent.Deps{Calls: c.Store, Node: name, Conn: gatedConn{ClientConnInterface: n.Conn, n: n}, Pools: []string{Pool}, Heartbeat: Heartbeat, Version: "test", Pod: "poolcsi-" + name}
 		c.nodes[name] = n
 		n.StartAgent(t)
 		t.Cleanup(n.StopAgent)
@@ -209,8 +254,8 @@ func (n *Node) StopAgent() {
 }
 
 // serveNode serves a real driver for node, pool Pool over the fake kernel, on a unix
-// socket, and returns a connection to it and its endpoint.
-func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
+// socket, and returns a connection to it, its endpoint and its kernel.
+func serveNode(t testing.TB, node string) (*grpc.ClientConn, string, *fake.Host) {
 	t.Helper()
 	root := t.TempDir()
 	p, err := pool.Initialise(pool.Config{Name: Pool, Path: filepath.Join(root, "pool")})
@@ -252,5 +297,5 @@ func serveNode(t testing.TB, node string) (*grpc.ClientConn, string) {
 	if _, err := csi.NewIdentityClient(conn).GetPluginInfo(wctx, &csi.GetPluginInfoRequest{}, grpc.WaitForReady(true)); err != nil {
 		t.Fatalf("centraltest: node %s: its socket never answered: %v", node, err)
 	}
-	return conn, endpoint
+	return conn, endpoint, h
 }

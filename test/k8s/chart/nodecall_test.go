@@ -211,7 +211,8 @@ func TestLocalControllerCentral(t *testing.T) {
 		}
 		allow := []string{"CreateVolume", "DeleteVolume", "ControllerExpandVolume", "ControllerModifyVolume", "ControllerGetVolume",
 			"ValidateVolumeCapabilities", "CreateSnapshot", "DeleteSnapshot", "ListSnapshots",
-			"CreateVolumeGroupSnapshot", "DeleteVolumeGroupSnapshot", "GetVolumeGroupSnapshot"}
+			"CreateVolumeGroupSnapshot", "DeleteVolumeGroupSnapshot", "GetVolumeGroupSnapshot",
+			"FreezeGroupHold", "SnapshotHeld", "ThawGroup"}
 		if !slices.Equal(sorted(methods), sorted(allow)) {
 			t.Errorf("method enum %v, want the allow-list %v", methods, allow)
 		}
