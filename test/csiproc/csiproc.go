@@ -130,9 +130,8 @@ type Options struct {
 }
 
 // ChartLogLevel is the chart's default logLevel (deploy/helm/poolcsi/values.yaml):
-// at it a call's request and answer are not logged, and at the tests' 5 each is
-// formatted, secrets stripped, which costs the life of a volume 5-15 % (side by
-// side in BenchmarkLifecycle, docs/performance.md).
+// at it a call's request and answer are not logged; at the tests' 5 each is
+// formatted, secrets stripped, a cost operators do not pay (docs/performance.md).
 const ChartLogLevel = 2
 
 // The deadlines of the chart's sidecars (--timeout=60s) and of its probes
