@@ -100,6 +100,21 @@ func (s groupServer) createAcross(ctx context.Context, gid pool.GroupSnapshotID,
 		s.abortAcross(ctx, gid, all, parts, false)
 		return nil, err
 	}
+	// A part recorded by an earlier try beside holds taken now: that try ended
+	// before every node had its part, and the abort's delete never reached this
+	// one. Its copies are of that try's instant, not of the one these holds make,
+	// so they are deleted with the rest, and the retry takes every part anew. (All
+	// parts recorded is a create that finished: answered again below.)
+	var stale []string
+	for _, p := range parts {
+		if p.held.Nonce == nodecall.RecordedHold {
+			stale = append(stale, p.node)
+		}
+	}
+	if len(stale) > 0 && len(stale) < len(parts) {
+		s.abortAcross(ctx, gid, all, parts, true)
+		return nil, status.Errorf(codes.Aborted, "group snapshot %s: node(s) %s held a part left by an earlier try that did not finish on every node, of another instant; it was deleted and every hold let go: retry", gid, strings.Join(stale, ", "))
+	}
 	log.V(2).Info("Every node holds its members of the group snapshot; copying", "nodes", len(parts))
 
 	// Phase 2: only now, each node copies under its hold.

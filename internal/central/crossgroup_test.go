@@ -300,3 +300,43 @@ func TestGroupAcrossNodesDeleteOneHint(t *testing.T) {
 	}
 	e.nothingLeft(t)
 }
+
+// TestGroupAcrossNodesStalePart: a part an earlier, aborted try left recorded on one
+// node (its delete never reached it) is of another instant than the holds a retry
+// takes on the other nodes: the retry deletes it, lets every hold go and answers
+// ABORTED, and the next try takes every part anew, under its own holds. A create
+// that finished on every node is answered again without a freeze.
+func TestGroupAcrossNodesStalePart(t *testing.T) {
+	e := newCrossEnv()
+	// What the aborted try left on a: its part, ready.
+	e.world.hold(e.world.groups, "a", e.gid.String())
+	e.world.parts["a"] = map[string][]*csi.Snapshot{e.gid.String(): {{SnapshotId: pool.GroupMemberID(e.gid, e.v1).String(), SourceVolumeId: e.v1, GroupSnapshotId: e.gid.String(), ReadyToUse: true}}}
+	_, err := e.create()
+	if codeOf(err) != codes.Aborted || !strings.Contains(err.Error(), "earlier try") {
+		t.Fatalf("create beside a stale part: %v, want ABORTED naming it", err)
+	}
+	if got := e.of(nodecall.MethodSnapshotHeld); len(got) != 0 {
+		t.Errorf("copies asked beside a stale part: %v", got)
+	}
+	e.nothingLeft(t)
+	resp, err := e.create()
+	if err != nil {
+		t.Fatalf("retry: %v", err)
+	}
+	if got := e.of(nodecall.MethodSnapshotHeld); !slices.Equal(got, []string{"a:" + nodecall.MethodSnapshotHeld, "b:" + nodecall.MethodSnapshotHeld}) {
+		t.Errorf("retry's copies: %v, want one on each node", got)
+	}
+	if len(resp.GetGroupSnapshot().GetSnapshots()) != 3 {
+		t.Errorf("retry's group: %v", resp.GetGroupSnapshot())
+	}
+	// Finished everywhere: answered again, nothing frozen anew.
+	again, err := e.create()
+	if err != nil || len(again.GetGroupSnapshot().GetSnapshots()) != 3 {
+		t.Fatalf("a create that finished, again: %v, %v", again, err)
+	}
+	for n, h := range e.world.holds {
+		if len(h) != 0 {
+			t.Errorf("node %s holds %v after the answer", n, h)
+		}
+	}
+}

@@ -300,6 +300,9 @@ func (w *srvWorld) groupHold(node, method string, r *structpb.Struct) (proto.Mes
 				return nil, notFound()
 			}
 		}
+		if w.groups[node][h.Group] {
+			return nodecall.ToStruct(nodecall.GroupHeld{Nonce: nodecall.RecordedHold})
+		}
 		nonce := "nonce-" + node + "-" + strconv.Itoa(len(w.calls))
 		w.holds[node][h.Group] = nonce
 		return nodecall.ToStruct(nodecall.GroupHeld{Nonce: nonce, HoldMillis: h.BoundMillis})
@@ -307,6 +310,9 @@ func (w *srvWorld) groupHold(node, method string, r *structpb.Struct) (proto.Mes
 		var h nodecall.SnapshotHeld
 		if err := nodecall.FromStruct(r, &h); err != nil {
 			return nil, err
+		}
+		if h.Nonce == nodecall.RecordedHold && w.groups[node][h.Group] {
+			return &csi.CreateVolumeGroupSnapshotResponse{GroupSnapshot: &csi.VolumeGroupSnapshot{GroupSnapshotId: h.Group, Snapshots: w.parts[node][h.Group], ReadyToUse: true}}, nil
 		}
 		if w.holds[node][h.Group] != h.Nonce {
 			return nil, status.Error(codes.Aborted, "no such hold")

@@ -34,10 +34,6 @@ import (
 // further (--freeze-max-hold, each volume's budget).
 const maxGroupHoldBound = 10 * time.Minute
 
-// recordedNonce is the hold a node answers for a part it recorded already: no
-// freeze, and SnapshotHeld answers the part.
-const recordedNonce = "recorded"
-
 // groupHoldServer is the GroupHold service.
 type groupHoldServer interface {
 	FreezeGroupHold(context.Context, *structpb.Struct) (*structpb.Struct, error)
@@ -130,7 +126,7 @@ func (d controllerServer) FreezeGroupHold(ctx context.Context, in *structpb.Stru
 	}
 	sort.Strings(sources)
 	if g, err := p.Groups().Load(gid); err == nil && g.ReadyToUse && g.Name == r.Name && slices.Equal(g.Sources(), sources) {
-		return nodecall.ToStruct(nodecall.GroupHeld{Nonce: recordedNonce})
+		return nodecall.ToStruct(nodecall.GroupHeld{Nonce: nodecall.RecordedHold})
 	}
 	h, err := d.freezes.HoldGroup(ctx, gid.String(), members, bound)
 	if err != nil {

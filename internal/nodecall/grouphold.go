@@ -45,6 +45,10 @@ type FreezeGroupHold struct {
 
 // GroupHeld is a node's answer to FreezeGroupHold: the hold's nonce and how long
 // it lasts from its start, by the node's clock.
+//
+// Its nonce is RecordedHold when the node has its part recorded already (a retry
+// of a create that finished there): nothing is frozen, and SnapshotHeld answers
+// the part.
 type GroupHeld struct {
 	Nonce      string `json:"nonce"`
 	HoldMillis int64  `json:"holdMillis"`
@@ -93,3 +97,6 @@ func FromStruct(s *structpb.Struct, v any) error {
 	}
 	return nil
 }
+
+// RecordedHold is the nonce of a hold a node answers for a part it recorded already.
+const RecordedHold = "recorded"
