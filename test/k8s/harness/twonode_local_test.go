@@ -5,17 +5,19 @@ import (
 	"crypto/sha256"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 
+	"github.com/poolcsi/poolcsi/hack/release/chart"
 	"github.com/poolcsi/poolcsi/test/k8s/cluster"
 )
 
@@ -160,10 +162,20 @@ func (b *localOnB) snapshot(t *testing.T) {
 func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
 	ctx := context.Background()
 	ns := env.Namespace(t, "group-across")
-	chanDir := filepath.Join(t.TempDir(), "pingpong")
-	if err := os.MkdirAll(chanDir, 0o777); err != nil {
+	// Not t.TempDir: the players write into it until their pods are gone, which the
+	// cleanup below waits for before it removes the directory.
+	chanDir, err := os.MkdirTemp("", "pingpong-")
+	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() {
+		for _, name := range []string{"a", "b"} {
+			stopPod(env, ns, name)
+		}
+		if err := os.RemoveAll(chanDir); err != nil {
+			t.Errorf("remove the players' directory: %v", err)
+		}
+	})
 	players := []struct{ name, class, node, script string }{
 		// Each waits (polling a shell builtin, no process per turn) for the other's turn,
 		// appends its n to its own volume's log, then publishes n in the shared directory.
@@ -171,6 +183,12 @@ func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
 			`while :; do { read m < /chan/b; } 2>/dev/null; [ "$m" = $((n+1)) ] && break; usleep 500; done; n=$((n+2)); done`},
 		{"b", "local-ext4", nodeB, `n=2; while :; do while :; do { read m < /chan/a; } 2>/dev/null; [ "$m" = $((n-1)) ] && break; usleep 500; done; ` +
 			`echo $n >> /data/log; echo $n > /chan/b.tmp; mv /chan/b.tmp /chan/b; n=$((n+2)); done`},
+	}
+	// The scheduler places a WaitForFirstConsumer claim by the capacity the central
+	// provisioner publishes per node: on a cluster just started it may not have
+	// published a node's yet.
+	for _, p := range players {
+		waitLocalCapacity(t, env, p.class, p.node, 300<<20)
 	}
 	for _, p := range players {
 		pvc := cluster.ClaimObject(ns, cluster.ClaimSpec{Name: p.name, Class: p.class, Size: "300Mi"})
@@ -194,8 +212,11 @@ func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
 	}
 	cluster.WaitFor(t, 60*time.Second, "the players' first 200 turns", func() error {
 		out, err := env.Exec(t, ns, "b", "tail -n1 /data/log")
-		if n, _ := strconv.Atoi(strings.TrimSpace(out)); err != nil || n < 200 {
-			return fmt.Errorf("b's log ends at %q: %v", out, err)
+		if err != nil {
+			return err
+		}
+		if n, _ := strconv.Atoi(strings.TrimSpace(out)); n < 200 {
+			return fmt.Errorf("b's log ends at %q", out)
 		}
 		return nil
 	})
@@ -221,6 +242,10 @@ func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
 		}
 		return nil
 	})
+	// The players stop: the checks below read the restored claims only.
+	for _, p := range players {
+		stopPod(env, ns, p.name)
+	}
 	// Each member restores on the node that holds it.
 	last := map[string]int{}
 	for _, p := range players {
@@ -242,4 +267,66 @@ func groupAcrossNodes(t *testing.T, env *kubeletEnv, nodeA, nodeB string) {
 	if d := last["a"] - last["b"]; d != 1 && d != -1 {
 		t.Fatalf("the restored pair is no single instant across the nodes: a ends at %d, b at %d (want them one apart)", last["a"], last["b"])
 	}
+}
+
+// stopPod deletes a pod, if it is there, and waits up to a minute for it to be gone.
+func stopPod(env *kubeletEnv, ns, name string) {
+	ctx := context.Background()
+	pods := env.Cluster.Client.CoreV1().Pods(ns)
+	if err := pods.Delete(ctx, name, metav1.DeleteOptions{}); apierrors.IsNotFound(err) {
+		return
+	}
+	_ = wait.PollUntilContextTimeout(ctx, time.Second, time.Minute, true, func(ctx context.Context) (bool, error) {
+		_, err := pods.Get(ctx, name, metav1.GetOptions{})
+		return apierrors.IsNotFound(err), nil
+	})
+}
+
+// waitLocalCapacity waits until a CSIStorageCapacity of class for node (a topology
+// label whose value is the node's name) says at least bytes are free; if none does in
+// time, it fails with the node's PoolNode and its local node plugin's last log lines.
+func waitLocalCapacity(t *testing.T, env *kubeletEnv, class, node string, bytes int64) {
+	t.Helper()
+	ctx := context.Background()
+	var seen []string
+	err := wait.PollUntilContextTimeout(ctx, 2*time.Second, 3*time.Minute, true, func(ctx context.Context) (bool, error) {
+		list, err := env.Cluster.Client.StorageV1().CSIStorageCapacities("").List(ctx, metav1.ListOptions{})
+		if err != nil {
+			return false, nil
+		}
+		seen = nil
+		for _, c := range list.Items {
+			if c.StorageClassName != class || c.NodeTopology == nil || c.Capacity == nil {
+				continue
+			}
+			for _, v := range c.NodeTopology.MatchLabels {
+				if v == node {
+					if c.Capacity.Value() >= bytes {
+						return true, nil
+					}
+					seen = append(seen, c.Capacity.String())
+				}
+			}
+		}
+		return false, nil
+	})
+	if err == nil {
+		return
+	}
+	pn, perr := dynamic.NewForConfigOrDie(env.Cluster.Config).Resource(poolNodeGVR).Namespace(chart.Namespace).Get(ctx, node, metav1.GetOptions{})
+	status := fmt.Sprint(perr)
+	if perr == nil {
+		st, _, _ := unstructured.NestedMap(pn.Object, "status")
+		status = fmt.Sprint(st)
+	}
+	logs := "(no log)"
+	for _, c := range []string{"poolcsi-local", "poolcsi"} {
+		p := env.nodePlugin(t, node)
+		tail := int64(40)
+		if b, err := env.Cluster.Client.CoreV1().Pods(chart.Namespace).GetLogs(p.Name, &corev1.PodLogOptions{Container: c, TailLines: &tail}).DoRaw(ctx); err == nil {
+			logs = c + ":\n" + string(b)
+			break
+		}
+	}
+	t.Fatalf("no capacity of class %s published for %s after 3m (published: %v); its PoolNode's status: %s; %s", class, node, seen, status, logs)
 }
