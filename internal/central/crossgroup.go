@@ -390,9 +390,8 @@ func asHolders(err error) ([]string, bool) {
 // returned (nil: the one-node path, the hint trusted as before). A delete must not say
 // OK while another node keeps a part. A group of one member is never a part.
 func (s *Server) partsBeyondHint(ctx context.Context, gid pool.GroupSnapshotID, ids []string) ([]string, error) {
-	distinct := slices.Compact(slices.Sorted(slices.Values(ids)))
 	node, ok := s.hint(groupKind, gid.String())
-	if !ok || len(distinct) < 2 {
+	if !ok || len(distinct(ids)) < 2 {
 		return nil, nil
 	}
 	if err := s.live(node, "group snapshot "+gid.String()+" is there"); err != nil {
@@ -400,18 +399,29 @@ func (s *Server) partsBeyondHint(ctx context.Context, gid pool.GroupSnapshotID, 
 	}
 	resp, err := s.d.Calls.Call(ctx, node, "GetVolumeGroupSnapshot", gid.String(), &csi.GetVolumeGroupSnapshotRequest{GroupSnapshotId: gid.String(), SnapshotIds: ids})
 	g, isGet := resp.(*csi.GetVolumeGroupSnapshotResponse)
-	if err != nil || !isGet || len(g.GetGroupSnapshot().GetSnapshots()) >= len(distinct) {
+	if err != nil || !isGet || !isPart(g, ids) {
 		return nil, nil // the node's own answer comes with the delete
 	}
+	return s.partHolders(ctx, gid, ids)
+}
+
+// isPart tells whether a node's Get of a group is only its part of a group across
+// nodes: fewer snapshots than the call names.
+func isPart(g *csi.GetVolumeGroupSnapshotResponse, ids []string) bool {
+	return len(g.GetGroupSnapshot().GetSnapshots()) < len(distinct(ids))
+}
+
+// partHolders asks every node holding gid's pool for the group: the nodes holding a
+// part of it (none or one: the one-node path), or the lookup's error.
+func (s *Server) partHolders(ctx context.Context, gid pool.GroupSnapshotID, ids []string) ([]string, error) {
 	holder, _, err := s.askNodes(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: ids}, s.holders(gid.Pool, ""))
 	if nodes, ok := asHolders(err); ok {
 		return nodes, nil
 	}
-	if err != nil {
+	if err != nil || holder == "" {
 		return nil, err
-	}
-	if holder == "" {
-		return nil, nil
 	}
 	return []string{holder}, nil
 }
+
+func distinct(ids []string) []string { return slices.Compact(slices.Sorted(slices.Values(ids))) }

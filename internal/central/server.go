@@ -2,7 +2,6 @@ package central
 
 import (
 	"context"
-	"slices"
 	"strings"
 
 	"github.com/container-storage-interface/spec/lib/go/csi"
@@ -515,10 +514,8 @@ func (s groupServer) GetVolumeGroupSnapshot(ctx context.Context, req *csi.GetVol
 	}
 	// One node's part of a group across nodes (fewer snapshots than named): every
 	// node holding the pool is asked, and the parts merged.
-	if g, ok := resp.(*csi.GetVolumeGroupSnapshotResponse); err == nil && ok &&
-		len(g.GetGroupSnapshot().GetSnapshots()) < len(slices.Compact(slices.Sorted(slices.Values(req.GetSnapshotIds())))) {
-		_, _, aerr := s.askNodes(ctx, lookup{kind: groupKind, id: gid.String(), pool: gid.Pool, members: req.GetSnapshotIds()}, s.holders(gid.Pool, ""))
-		if nodes, ok := asHolders(aerr); ok {
+	if g, ok := resp.(*csi.GetVolumeGroupSnapshotResponse); err == nil && ok && isPart(g, req.GetSnapshotIds()) {
+		if nodes, perr := s.partHolders(ctx, gid, req.GetSnapshotIds()); perr == nil && len(nodes) > 1 {
 			return s.getParts(ctx, gid.String(), nodes, req)
 		}
 	}

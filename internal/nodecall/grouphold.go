@@ -54,6 +54,9 @@ type GroupHeld struct {
 	HoldMillis int64  `json:"holdMillis"`
 }
 
+// RecordedHold is the nonce of a hold a node answers for a part it recorded already.
+const RecordedHold = "recorded"
+
 // SnapshotHeld asks a node to copy its members under the hold of that nonce and
 // to record its part of the group; its answer is a CreateVolumeGroupSnapshotResponse
 // of the part.
@@ -97,6 +100,3 @@ func FromStruct(s *structpb.Struct, v any) error {
 	}
 	return nil
 }
-
-// RecordedHold is the nonce of a hold a node answers for a part it recorded already.
-const RecordedHold = "recorded"
