@@ -22,8 +22,10 @@ import (
 	"github.com/poolcsi/poolcsi/internal/fence"
 	"github.com/poolcsi/poolcsi/internal/health"
 	"github.com/poolcsi/poolcsi/internal/kubeletplugin"
+	"github.com/poolcsi/poolcsi/internal/layout"
 	"github.com/poolcsi/poolcsi/internal/lease"
 	"github.com/poolcsi/poolcsi/internal/metrics"
+	"github.com/poolcsi/poolcsi/internal/mount"
 	"github.com/poolcsi/poolcsi/internal/nodestate"
 	"github.com/poolcsi/poolcsi/internal/pool"
 	"github.com/poolcsi/poolcsi/internal/poolmount"
@@ -336,7 +338,7 @@ func (o *serveOptions) run(ctx context.Context) error {
 // start is run's part after the node's records are open and the start-up
 // fence guards the start: it opens the pools and serves until ctx ends.
 func (o *serveOptions) start(ctx context.Context, mode driver.Mode, nodeID string, state *nodestate.Store, guard *fence.StartupFence) error {
-	opened, readiness, mounts, err := o.openPools(ctx, nodeID)
+	opened, readiness, mounts, err := o.openPools(ctx, nodeID, state)
 	if err != nil {
 		return err
 	}
@@ -486,7 +488,12 @@ func (o *serveOptions) checkStateDir(mode driver.Mode) error {
 // way goes on in the background and its pool is opened unmounted: a pool
 // with a mount stanza must be a mount point, so it is unavailable, never laid
 // out on the disk below, until the mount lands.
-func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Pool, []func() error, []runner.Runner, error) {
+func (o *serveOptions) openPools(ctx context.Context, nodeID string, state *nodestate.Store) ([]*pool.Pool, []func() error, []runner.Runner, error) {
+	// A shared pool is not laid out while this node's records hold loop
+	// devices attached from its images: a path without its pool.json is
+	// then the pool gone from the path (covered, unmounted), not a new one
+	// (fence.LayoutGuard), after a restart as well.
+	records := &layout.Deps{State: state, Loops: new(mount.Loops)}
 	var file config.File
 	if o.ConfigFile != "" {
 		var err error
@@ -537,7 +544,11 @@ func (o *serveOptions) openPools(ctx context.Context, nodeID string) ([]*pool.Po
 			// say why) and used once it answers: the other pools keep
 			// serving, and the process never dies on a lost pool
 			// (docs/fencing.md).
-			p, err := pool.Open(c, pool.WithNode(nodeID), pool.WithOpenWait(max(time.Until(deadline), minPoolOpenWait)))
+			opts := []pool.Option{pool.WithNode(nodeID), pool.WithOpenWait(max(time.Until(deadline), minPoolOpenWait))}
+			if c.Shared && state != nil {
+				opts = append(opts, pool.WithLayoutGuard(fence.LayoutGuard(records, c.Name)))
+			}
+			p, err := pool.Open(c, opts...)
 			if err != nil {
 				errs[i] = err
 				return

@@ -314,8 +314,18 @@ func New(opts Options) (*Driver, error) {
 		ShareKeys: opts.ShareKeys, Joined: d.registerNode, Recovered: d.recovered,
 		// As long as a call on a pool whose open was pending waited before:
 		// a slow pool serves, a hung one answers UNAVAILABLE within the margin.
-		HeldWait: opts.Lease.Margin}, opts.Pools); err != nil {
+		HeldWait: opts.Lease.Margin,
+		// A share's pool is not laid out while this node's records hold
+		// loop devices of its images (fence.LayoutGuard).
+		LayoutGuard: func(name string) func() error { return fence.LayoutGuard(&d.Deps, name) }}, opts.Pools); err != nil {
 		return nil, err
+	}
+	// The same guard over the configured shared pools, through this
+	// driver's kernel (the start opened them with one through the real one).
+	for _, p := range opts.Pools {
+		if p.Shared() {
+			p.SetLayoutGuard(fence.LayoutGuard(&d.Deps, p.Name()))
+		}
 	}
 	d.throttle = iolimits.New(iolimits.Deps{Cgroups: host.Cgroups, Node: &d.Deps, Names: d.pools.Names, Pool: d.pools.Pool, Interval: opts.IOLimitsInterval})
 	d.leases = fence.NewKeeper(fence.Deps{NodeID: opts.NodeID, Timing: opts.Lease, Names: d.pools.Names, Pool: d.pools.Pool,

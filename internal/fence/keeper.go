@@ -268,7 +268,13 @@ func (k *Keeper) RenewAsync(ctx context.Context, p *pool.Pool, done chan<- error
 	write, repair := ls.write, ls.repair
 	ls.mu.Unlock()
 	go func() {
-		err := write(p, rec)
+		// Only where this node's writers are: a lease renewed into a
+		// filesystem that covers the pool keeps the fence quiet while the
+		// pool's other nodes see this node silent (writers.go).
+		err := k.VerifyWriters(p)
+		if err == nil {
+			err = write(p, rec)
+		}
 		if renewalCause(err) == causeDamaged {
 			// The pool answers; only this node's own entry is wrong (anyone
 			// who can write the pool can put a directory or a link there).

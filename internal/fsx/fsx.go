@@ -296,7 +296,16 @@ func tooLarge(name string, size, max int64) error {
 // a link swapped in meanwhile redirects nothing. Temp files an earlier crash
 // left there (older than StaleTemp) are removed first.
 func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
-	return writeFileAtomic(root, rel, data, true, durable)
+	return writeFileAtomic(root, rel, data, true, durable, false)
+}
+
+// CreateFileAtomic is WriteFileAtomic for a file that must not be replaced:
+// the temp file is linked to rel (link(2) fails where rel exists, on NFS as
+// well, where a rename without replacement is not supported), so of two
+// writers at once one creates it and the other gets an error wrapping
+// fs.ErrExist.
+func CreateFileAtomic(root, rel string, data []byte, durable bool) error {
+	return writeFileAtomic(root, rel, data, true, durable, true)
 }
 
 // WriteDerivedFile is WriteFileAtomic without any fsync, for a file derived
@@ -307,10 +316,10 @@ func WriteFileAtomic(root, rel string, data []byte, durable bool) error {
 // (or no longer matches the stamps), and the others fail the checksum. Never
 // for a record: a record's content must survive the rename that publishes it.
 func WriteDerivedFile(root, rel string, data []byte) error {
-	return writeFileAtomic(root, rel, data, false, false)
+	return writeFileAtomic(root, rel, data, false, false, false)
 }
 
-func writeFileAtomic(root, rel string, data []byte, syncFile, syncDir bool) error {
+func writeFileAtomic(root, rel string, data []byte, syncFile, syncDir, exclusive bool) error {
 	dir, base := filepath.Split(rel)
 	d, err := OpenDir(root, filepath.Clean("./"+dir))
 	if err != nil {
@@ -328,7 +337,7 @@ func writeFileAtomic(root, rel string, data []byte, syncFile, syncDir bool) erro
 		return &os.PathError{Op: "create", Path: filepath.Join(d.Name(), tmp), Err: err}
 	}
 	f := os.NewFile(uintptr(fd), filepath.Join(d.Name(), tmp))
-	defer func() { _ = unix.Unlinkat(dfd, tmp, 0) }() // a no-op after the rename
+	defer func() { _ = unix.Unlinkat(dfd, tmp, 0) }() // a no-op after the rename; after a link, the temp name goes
 	if _, err := f.Write(data); err != nil {
 		f.Close()
 		return fmt.Errorf("write %s: %w", f.Name(), err)
@@ -342,7 +351,11 @@ func writeFileAtomic(root, rel string, data []byte, syncFile, syncDir bool) erro
 	if err := f.Close(); err != nil {
 		return fmt.Errorf("close %s: %w", f.Name(), err)
 	}
-	if err := unix.Renameat(dfd, tmp, dfd, base); err != nil {
+	if exclusive {
+		if err := unix.Linkat(dfd, tmp, dfd, base, 0); err != nil {
+			return &os.PathError{Op: "link", Path: name, Err: err}
+		}
+	} else if err := unix.Renameat(dfd, tmp, dfd, base); err != nil {
 		return &os.PathError{Op: "rename", Path: name, Err: err}
 	}
 	if !syncDir {

@@ -111,3 +111,22 @@ func (im Images) Stat(id VolumeID) (size, allocated int64, err error) {
 	}
 	return st.Size, st.Blocks * 512, nil
 }
+
+// Identity is the (st_dev, st_ino) of volume id's image as the pool's path
+// resolves it now, reached below the pool's root without following a link
+// and never opened for I/O: what a loop device attached from it reports
+// (lo_device, lo_inode) while the path shows the filesystem it writes to.
+// A missing image is ErrNotFound; a pool's root that does not open,
+// ErrUnavailable.
+func (im Images) Identity(id VolumeID) (dev, ino uint64, err error) {
+	h, err := im.p.OpenImage(id)
+	if err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	defer h.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
+		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	return st.Dev, st.Ino, nil
+}

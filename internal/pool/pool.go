@@ -4,9 +4,12 @@
 package pool
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"sort"
@@ -88,7 +91,24 @@ type Pool struct {
 	openWait time.Duration
 	opened   atomic.Pointer[openOutcome]
 	openDone chan struct{} // closed when Open's layout returned
+	// seen is the pool.json this process first saw at the pool's path (nil:
+	// none yet). A pool that showed itself is never laid out again by this
+	// process, and a pool.json of another uid is another pool (init,
+	// readMeta): a path that stops showing the pool is the pool lost (its
+	// filesystem covered, unmounted, replaced), never a pool mounted late.
+	// Nothing of it is kept on disk: a new process starts without it, and a
+	// pool deliberately wiped and laid out again is served by the next one.
+	seen atomic.Pointer[seenPool]
+	// layoutMu serialises this process's late layouts, so that two checks
+	// at once never write two uids.
+	layoutMu sync.Mutex
+	// layoutGuard, if set, is asked before a layout the pool makes by itself
+	// or by LayOut (WithLayoutGuard).
+	layoutGuard atomic.Pointer[func() error]
 }
+
+// seenPool is what this process saw of the pool's pool.json.
+type seenPool struct{ uid string }
 
 // Option sets up a pool at Open with what its configuration does not hold.
 type Option func(*Pool)
@@ -96,6 +116,25 @@ type Option func(*Pool)
 // WithNode names this process's node in the lock files the pool takes, so an
 // operator (and a node that finds a lock held) can tell whose it is.
 func WithNode(node string) Option { return func(p *Pool) { p.node = node } }
+
+// WithLayoutGuard makes the pool ask guard before it lays itself out (a pool
+// that never showed itself to this process: Open, Check, LayOut); an error
+// keeps the pool unavailable and nothing is written. The node plugin's guard
+// refuses while this node's own records hold loop devices attached from
+// images of the pool (fence.LayoutGuard): the pool was there, so a path
+// without pool.json is the pool lost, after a restart as well.
+func WithLayoutGuard(guard func() error) Option {
+	return func(p *Pool) { p.SetLayoutGuard(guard) }
+}
+
+// SetLayoutGuard is WithLayoutGuard on an opened pool (nil: none).
+func (p *Pool) SetLayoutGuard(guard func() error) {
+	if guard == nil {
+		p.layoutGuard.Store(nil)
+		return
+	}
+	p.layoutGuard.Store(&guard)
+}
 
 // Open validates cfg and makes the pool's layout. A local pool's directory is
 // created if missing; a shared pool's directory is a mount point the admin (or the
@@ -357,6 +396,11 @@ func (p *Pool) mayInit() bool { return !p.cfg.NoLayout && (!p.cfg.Shared || p.cf
 type poolInfo struct {
 	SchemaVersion int    `json:"schemaVersion"`
 	Name          string `json:"name"`
+	// UID is drawn at random when the pool is laid out: what tells this
+	// pool from another of the same name laid out over its path (a
+	// process that saw one refuses the other, readMeta). Pools laid out
+	// before it have none.
+	UID string `json:"uid,omitempty"`
 	// Share is the share a pool on a share a StorageClass names is on, so
 	// operator tools opening the directory know its volume IDs.
 	Share *ShareRef `json:"share,omitempty"`
@@ -384,14 +428,47 @@ func (p *Pool) readMeta() error {
 	if info.Name != p.cfg.Name {
 		return fmt.Errorf("%w: pool %s: %s belongs to pool %q; give it that name or use another directory", ErrUnavailable, p.cfg.Name, p.cfg.Path, info.Name)
 	}
-	return nil
+	return p.sawPool(info.UID)
+}
+
+// sawPool remembers the uid of the first pool.json this process saw, and
+// fails (ErrUnavailable) on one of another uid, or none where one was seen:
+// another pool of the name now shows at the path, over or instead of the one
+// this process served. Its volumes are not the ones this node has attached,
+// and a lease renewed there renews nothing the pool's other nodes read.
+func (p *Pool) sawPool(uid string) error {
+	s := p.seen.Load()
+	if s == nil {
+		if p.seen.CompareAndSwap(nil, &seenPool{uid: uid}) {
+			return nil
+		}
+		s = p.seen.Load()
+	}
+	if s.uid == uid {
+		return nil
+	}
+	return fmt.Errorf("%w: pool %s: %s shows another pool of the name (uid %q; this process served uid %q): the pool's filesystem was covered (another mount over the path) or replaced; nothing is written there. Restore the pool's filesystem at the path; a pool deliberately laid out anew is served once the node plugin restarts",
+		ErrUnavailable, p.cfg.Name, p.cfg.Path, uid, s.uid)
+}
+
+// errLost is why a pool that showed itself to this process and shows no
+// pool.json now is not laid out again.
+func (p *Pool) errLost() error {
+	return fmt.Errorf("%w: pool %s: %s shows no %s, but this process served the pool there: its filesystem is gone from the path (unmounted, covered by another mount, the export replaced by an empty one); the pool is lost, not late, and nothing is laid out or written there. Restore the pool's filesystem at the path; a pool deliberately wiped is laid out again once the node plugin restarts",
+		ErrUnavailable, p.cfg.Name, p.cfg.Path, poolMeta)
+}
+
+// newPoolUID is a new pool's uid.
+func newPoolUID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
 }
 
 // init writes pool.json once and refuses a directory that already belongs to a
 // pool of another name: two names over one directory would double-count capacity
 // and give one volume two IDs.
 func (p *Pool) init(may bool) error {
-	metaPath := filepath.Join(p.cfg.Path, poolMeta)
 	err := p.readMeta()
 	switch {
 	case err == nil:
@@ -400,6 +477,13 @@ func (p *Pool) init(may bool) error {
 		}
 		return nil
 	case missing(err):
+		// A pool this process saw is never laid out again: laying it out
+		// would put volumes, and the lease that keeps the self-fence
+		// quiet, on whatever covers its filesystem, while this node's
+		// loop devices still write the real one.
+		if p.seen.Load() != nil {
+			return p.errLost()
+		}
 		if !may {
 			if p.cfg.Share != nil {
 				return fmt.Errorf("%w: share %s mounted at %s holds no poolcsi pool (no %s)", ErrUnavailable, p.cfg.Share, p.cfg.Path, poolMeta)
@@ -407,17 +491,50 @@ func (p *Pool) init(may bool) error {
 			return fmt.Errorf("%w: shared pool %s: %s has no %s — the share is not mounted on this node, or the pool was never initialised (then run, once: poolcsi pool init --path %s --name %s)",
 				ErrUnavailable, p.cfg.Name, p.cfg.Path, poolMeta, p.cfg.Path, p.cfg.Name)
 		}
-		if err := p.mkdirVolumes(); err != nil {
-			return err
-		}
-		raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, Share: p.cfg.Share})
-		if err := p.files().writeBeneath(poolMeta, append(raw, '\n'), true); err != nil {
-			return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, metaPath, err)
-		}
-		return nil
+		return p.layOut()
 	default:
 		return err
 	}
+}
+
+// layOut writes a new pool.json (with a new uid) where none is, once: under
+// layoutMu, after the guard, and never over one another process (another
+// node's) wrote meanwhile, which is then the pool this process saw.
+func (p *Pool) layOut() error {
+	p.layoutMu.Lock()
+	defer p.layoutMu.Unlock()
+	if err := p.readMeta(); !missing(err) {
+		if err != nil {
+			return err
+		}
+		return p.mkdirVolumes()
+	}
+	if p.seen.Load() != nil {
+		return p.errLost()
+	}
+	if g := p.layoutGuard.Load(); g != nil {
+		if err := (*g)(); err != nil {
+			if !errors.Is(err, ErrUnavailable) {
+				err = fmt.Errorf("%w: pool %s: not laid out at %s: %w", ErrUnavailable, p.cfg.Name, p.cfg.Path, err)
+			}
+			return err
+		}
+	}
+	if err := p.mkdirVolumes(); err != nil {
+		return err
+	}
+	uid := newPoolUID()
+	raw, _ := json.Marshal(poolInfo{SchemaVersion: SchemaVersion, Name: p.cfg.Name, UID: uid, Share: p.cfg.Share})
+	err := unsafe(fsx.CreateFileAtomic(p.cfg.Path, poolMeta, append(raw, '\n'), true))
+	if errors.Is(err, fs.ErrExist) {
+		// Laid out meanwhile by another node (every node of a mount
+		// stanza lays a new share out at once): that is the pool.
+		return p.readMeta()
+	}
+	if err != nil {
+		return fmt.Errorf("pool %s: write %s: %w", p.cfg.Name, filepath.Join(p.cfg.Path, poolMeta), err)
+	}
+	return p.sawPool(uid)
 }
 
 // mkdirVolumes makes the pool's volumes directory if it is missing: one

@@ -3,6 +3,7 @@ package pool
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -108,9 +109,23 @@ func (p *Pool) Dir(id VolumeID) string { return filepath.Join(p.cfg.Path, volume
 // ImagePath is the image file of an image-layout volume.
 func (p *Pool) ImagePath(id VolumeID) string { return filepath.Join(p.Dir(id), imageFile) }
 
-// Load reads volume.json. A missing volume is ErrNotFound.
+// Load reads volume.json. A missing volume is ErrNotFound where the path
+// shows the pool; where it does not (no pool.json, or not the pool this
+// process saw there), ErrUnavailable.
 func (p *Pool) Load(id VolumeID) (*Volume, error) {
 	raw, err := p.files().readBeneath(volumeRel(id, metadataFile), maxVolumeMeta)
+	if missing(err) {
+		// A volume is missing from the pool only if the path shows the
+		// pool: over an empty filesystem covering it (or another pool's),
+		// every volume is missing, and "not found" would tell the caller
+		// (kubelet) to give up on one that exists.
+		if merr := p.readMeta(); merr != nil {
+			if !errors.Is(merr, ErrUnavailable) {
+				merr = fmt.Errorf("%w: pool %s: %s does not show the pool: %w", ErrUnavailable, p.cfg.Name, p.cfg.Path, merr)
+			}
+			return nil, fmt.Errorf("volume %s: %w", id, merr)
+		}
+	}
 	return p.parseVolume(id, raw, err)
 }
 

@@ -45,6 +45,9 @@ type Deps struct {
 	// slow to open (a CephFS client revoking capabilities) serves its first
 	// calls as it did when each call waited the pool's open. 0: no wait.
 	HeldWait time.Duration
+	// LayoutGuard, if set, is the guard each pool on a share is opened
+	// with (pool.WithLayoutGuard), given the pool's name.
+	LayoutGuard func(name string) func() error
 }
 
 // Set is the pools this driver serves.

@@ -198,5 +198,9 @@ func splitList(s string) []string {
 // openSharePool opens the pool on share r, mounted at path. Only LayOut lays
 // it out: a share is a pool once its pool.json says so.
 func (s *Set) openSharePool(r pool.ShareRef, path string) (*pool.Pool, error) {
-	return pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: s.shares.m.RequireMount(), Share: &r, NoLayout: true}, pool.WithNode(s.deps.NodeID))
+	opts := []pool.Option{pool.WithNode(s.deps.NodeID)}
+	if s.deps.LayoutGuard != nil {
+		opts = append(opts, pool.WithLayoutGuard(s.deps.LayoutGuard(r.PoolName())))
+	}
+	return pool.Open(pool.Config{Name: r.PoolName(), Path: path, Shared: true, RequireMount: s.shares.m.RequireMount(), Share: &r, NoLayout: true}, opts...)
 }
