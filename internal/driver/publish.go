@@ -41,6 +41,13 @@ func (d *core) registerPool(ctx context.Context, p *pool.Pool) {
 	if p.Check() != nil {
 		return // not mounted yet: Probe tries again
 	}
+	if p.Shared() && d.leases.VerifyWriters(p) != nil {
+		// The path does not show the images this node's loop devices
+		// hold (another pool of the name over it, seen first by this
+		// process after a restart): nothing is written there. The
+		// renewals fail alike, and the node fences.
+		return
+	}
 	if err := p.Publications().RegisterNode(d.opts.NodeID, d.pools.Topology(), d.opts.MaxVolumesPerNode); err != nil {
 		klog.FromContext(ctx).Error(err, "Registering this node with the pool failed", "pool", p.Name())
 		return
