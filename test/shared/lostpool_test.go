@@ -77,6 +77,10 @@ type lostMode struct {
 	// force-detach went through when backEarly, else after B wrote.
 	lose, evict, back func(t *testing.T, l *lostPool)
 	backEarly         bool
+	// layOut: A's pool is one the driver may lay out by itself (a config
+	// file's pool with requireMount, as a mount stanza makes it), not one
+	// an admin laid out once.
+	layOut bool
 }
 
 // lostPool is the test's pool as node A sees it.
@@ -91,6 +95,10 @@ type lostPool struct {
 var lostModes = []lostMode{
 	{name: "vanish", lose: lazyUnmount, back: remount},
 	{name: "cover", lose: cover, back: uncover},
+	// cover-layout: the cover of a pool the driver may lay out by itself. It
+	// used to lay the pool out again in the empty tmpfs and renew A's lease
+	// there: A never fenced while its device still wrote the pool.
+	{name: "cover-layout", layOut: true, lose: cover, back: uncoverUntouched},
 	{name: "remount", lose: lazyUnmount, back: remount, backEarly: true},
 	{name: "readonly", lose: readOnly, back: uncover},
 	{name: "hang", fuse: true, lose: func(t *testing.T, l *lostPool) {
@@ -182,6 +190,19 @@ func uncover(t *testing.T, l *lostPool) {
 			t.Fatalf("umount %s: %v", l.aPool, err)
 		}
 	}
+}
+
+// uncoverUntouched is uncover, once it checked that node A wrote nothing
+// into the cover (no pool laid out, no lease, no registration).
+func uncoverUntouched(t *testing.T, l *lostPool) {
+	if ents, err := os.ReadDir(l.aPool); err != nil || len(ents) != 0 {
+		var names []string
+		for _, e := range ents {
+			names = append(names, e.Name())
+		}
+		t.Errorf("node A wrote into the cover of its pool: %v (%v)", names, err)
+	}
+	uncover(t, l)
 }
 
 // killDaemon kills node A's FUSE daemon: the kernel then fails everything
@@ -284,7 +305,15 @@ func testLostPool(t *testing.T, backend string, m lostMode, restart bool) {
 	if out, err := exec.Command(csiproc.Binary(t), "pool", "init", "--path", l.bPool, "--name", "shared", "--not-a-mount-point-ok").CombinedOutput(); err != nil {
 		t.Fatalf("poolcsi pool init: %v\n%s", err, out)
 	}
-	dA := csiproc.Start(t, csiproc.Options{NodeID: "node-a", Pools: []string{"shared=" + l.aPool + ",shared"}, Args: leaseArgs})
+	aOpts := csiproc.Options{NodeID: "node-a", Pools: []string{"shared=" + l.aPool + ",shared"}, Args: leaseArgs}
+	if m.layOut {
+		conf := filepath.Join(root, "node-a.yaml")
+		if err := os.WriteFile(conf, []byte("pools:\n- name: shared\n  path: "+l.aPool+"\n  shared: true\n  requireMount: true\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		aOpts.Pools, aOpts.Args = nil, append([]string{"--config", conf}, leaseArgs...)
+	}
+	dA := csiproc.Start(t, aOpts)
 	dB := csiproc.Start(t, csiproc.Options{NodeID: "node-b", Pools: []string{"shared=" + l.bPool + ",shared"}, Args: leaseArgs})
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	v := must(dB.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-lost", VolumeCapabilities: []*csi.VolumeCapability{vc},
