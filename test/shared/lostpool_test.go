@@ -314,6 +314,22 @@ func testLostPool(t *testing.T, backend string, m lostMode, restart bool) {
 		aOpts.Pools, aOpts.Args = nil, append([]string{"--config", conf}, leaseArgs...)
 	}
 	dA := csiproc.Start(t, aOpts)
+	if m.layOut {
+		// The chart's livenessprobe asks node A's Probe every few seconds
+		// (here every half second, 3 s deadline): Probe runs the pools'
+		// checks, which is where a pool is laid out late.
+		probeCtx, stopProbes := context.WithCancel(ctx)
+		probed := make(chan struct{})
+		t.Cleanup(func() { stopProbes(); <-probed })
+		go func() {
+			defer close(probed)
+			for ; probeCtx.Err() == nil; time.Sleep(500 * time.Millisecond) {
+				pctx, cancel := context.WithTimeout(probeCtx, csiproc.ProbeTimeout)
+				_, _ = dA.Identity().Probe(pctx, &csi.ProbeRequest{})
+				cancel()
+			}
+		}()
+	}
 	dB := csiproc.Start(t, csiproc.Options{NodeID: "node-b", Pools: []string{"shared=" + l.bPool + ",shared"}, Args: leaseArgs})
 	vc := mountCap(csi.VolumeCapability_AccessMode_SINGLE_NODE_WRITER, "ext4")
 	v := must(dB.Controller().CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-lost", VolumeCapabilities: []*csi.VolumeCapability{vc},
