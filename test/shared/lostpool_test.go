@@ -39,6 +39,13 @@ import (
 // backing file of a detached mount without the pool's prefix), and A's writes
 // reached the volume after B had it.
 //
+// Before a pool seen once was never laid out again and each renewal checked
+// that the path shows the images of the node's attached devices,
+// "cover-layout" (the cover of a pool with requireMount, which the driver
+// may lay out by itself), with or without a restart, laid the pool out again
+// in the cover and renewed A's lease there: A never fenced, and B took the
+// volume beside A's live device.
+//
 // On the CephFS ("cephfs/..."), A's pool is a bind mount of a directory of
 // its own ceph-fuse client's mount, B's the same directory through B's client;
 // the FUSE modes act on A's ceph-fuse: paused (hang), or killed (eio), and
