@@ -97,8 +97,11 @@ func (k *Keeper) VerifyWriters(p *pool.Pool) error {
 // device (the file's stat and the kernel differ on some filesystems, btrfs
 // subvolumes among them, and the node records both: layout.NoteDevice).
 func sameImage(recs []layout.StageRecord, r layout.StageRecord, dev, ino uint64) bool {
-	return slices.ContainsFunc(recs, func(o layout.StageRecord) bool {
-		return o.Volume == r.Volume && (o.Device == r.Device || o.Key() == r.Key()) && o.FileDev == dev && o.FileIno == ino
+	if r.FileDev == dev && r.FileIno == ino {
+		return true
+	}
+	return r.Device != "" && slices.ContainsFunc(recs, func(o layout.StageRecord) bool {
+		return o.Volume == r.Volume && o.Device == r.Device && o.FileDev == dev && o.FileIno == ino
 	})
 }
 
