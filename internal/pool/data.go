@@ -100,14 +100,9 @@ func (im Images) Size(id VolumeID) (int64, error) {
 // pool's filesystem, from a descriptor opened without following links (errors
 // as Size).
 func (im Images) Stat(id VolumeID) (size, allocated int64, err error) {
-	h, err := im.p.OpenImage(id)
+	st, err := im.fstat(id)
 	if err != nil {
-		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
-	}
-	defer h.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
-		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+		return 0, 0, err
 	}
 	return st.Size, st.Blocks * 512, nil
 }
@@ -119,14 +114,24 @@ func (im Images) Stat(id VolumeID) (size, allocated int64, err error) {
 // A missing image is ErrNotFound; a pool's root that does not open,
 // ErrUnavailable.
 func (im Images) Identity(id VolumeID) (dev, ino uint64, err error) {
-	h, err := im.p.OpenImage(id)
+	st, err := im.fstat(id)
 	if err != nil {
-		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
-	}
-	defer h.Close()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
-		return 0, 0, fmt.Errorf("volume %s: image: %w", id, err)
+		return 0, 0, err
 	}
 	return st.Dev, st.Ino, nil
+}
+
+// fstat is the stat of volume id's image through a descriptor opened below
+// the pool's root without following links.
+func (im Images) fstat(id VolumeID) (unix.Stat_t, error) {
+	var st unix.Stat_t
+	h, err := im.p.OpenImage(id)
+	if err != nil {
+		return st, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	defer h.Close()
+	if err := unix.Fstat(int(h.f.Fd()), &st); err != nil {
+		return st, fmt.Errorf("volume %s: image: %w", id, err)
+	}
+	return st, nil
 }
