@@ -28,16 +28,6 @@ import (
 // answer a stage UNAVAILABLE (docs/fencing.md, "Every way of losing the
 // pool").
 
-// mountTmpfs mounts a new, empty tmpfs at dir, unmounted (lazily, whatever
-// is on top) at the test's end.
-func mountTmpfs(t *testing.T, dir string) {
-	t.Helper()
-	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=4g"); err != nil {
-		t.Fatalf("mount tmpfs at %s: %v", dir, err)
-	}
-	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-}
-
 func mustUnmount(t *testing.T, dir string) {
 	t.Helper()
 	if err := unix.Unmount(dir, 0); err != nil {
@@ -72,7 +62,7 @@ var coverWays = []struct {
 	fault func(t *testing.T, dir string) (uncover func())
 }{
 	{"tmpfs over the path", func(t *testing.T, dir string) func() {
-		mountTmpfs(t, dir)
+		testutil.Tmpfs(t, dir, "4g")
 		return func() { mustUnmount(t, dir) }
 	}},
 	{"empty dir bound over the path", func(t *testing.T, dir string) func() {
@@ -82,11 +72,11 @@ var coverWays = []struct {
 	{"the pool's mount gone, the bare directory left", goneAside},
 	{"the pool's mount gone, the bare directory covered", func(t *testing.T, dir string) func() {
 		back := goneAside(t, dir)
-		mountTmpfs(t, dir)
+		testutil.Tmpfs(t, dir, "4g")
 		return func() { mustUnmount(t, dir); back() }
 	}},
 	{"another pool of the same name over the path", func(t *testing.T, dir string) func() {
-		mountTmpfs(t, dir)
+		testutil.Tmpfs(t, dir, "4g")
 		if _, err := pool.Initialise(pool.Config{Name: "shared", Path: dir, Shared: true}); err != nil {
 			t.Fatal(err)
 		}
@@ -138,7 +128,7 @@ func newCoveredPool(t *testing.T) (dir string, state *nodestate.Store) {
 	if err := os.Mkdir(dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	mountTmpfs(t, dir) // the share the pool is on
+	testutil.Tmpfs(t, dir, "4g") // the share the pool is on
 	state, err := nodestate.Open(t.TempDir(), "node-a")
 	if err != nil {
 		t.Fatal(err)
@@ -160,6 +150,18 @@ func createPublished(t *testing.T, a *leaseNode) (id string, vc *csi.VolumeCapab
 		t.Fatal(err)
 	}
 	return id, vc
+}
+
+// createStaged is createPublished, then the volume staged read-write on a
+// at <a.root>/staging.
+func createStaged(t *testing.T, a *leaseNode) (id string, vc *csi.VolumeCapability, staging string) {
+	t.Helper()
+	id, vc = createPublished(t, a)
+	staging = filepath.Join(a.root, "staging")
+	if _, err := a.NodeStageVolume(context.Background(), &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
+		t.Fatal(err)
+	}
+	return id, vc, staging
 }
 
 // TestStageOnCoveredPool: a node whose pool's path no longer shows the pool
@@ -221,10 +223,7 @@ func coveredPoolFences(t *testing.T, fault func(t *testing.T, dir string) func()
 	dir, state := newCoveredPool(t)
 	h := fake.New()
 	a := coveredNode(t, dir, state, h)
-	id, vc := createPublished(t, a)
-	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "staging"), VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
+	createStaged(t, a)
 	dev := mustFind(t, h, dir)
 	if err := a.renew(t); err != nil {
 		t.Fatalf("renewal in the pool: %v", err)
@@ -267,10 +266,7 @@ func TestRenewalChecksWriters(t *testing.T) {
 	dir, state := newCoveredPool(t)
 	h := fake.New()
 	a := coveredNode(t, dir, state, h)
-	id, vc := createPublished(t, a)
-	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: filepath.Join(a.root, "staging"), VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
+	id, _, staging := createStaged(t, a)
 	vid, _ := pool.ParseVolumeID(id)
 	image := a.pools.Pool("shared").ImagePath(vid)
 	// The image replaced by another file under its name: the device holds
@@ -286,7 +282,7 @@ func TestRenewalChecksWriters(t *testing.T) {
 	}
 	// Detached without its record dropped (a crash between the two), and
 	// the image deleted: a stale record.
-	if err := h.UnmountChecked(ctx, filepath.Join(a.root, "staging"), nil); err != nil {
+	if err := h.UnmountChecked(ctx, staging, nil); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.Detach(ctx, image); err != nil { // the fake kernel's name of it
@@ -343,7 +339,7 @@ func TestShareReplacedByAnEmptyExport(t *testing.T) {
 		t.Fatalf("no pool laid out on the share: %v", err)
 	}
 
-	mountTmpfs(t, path) // the export, empty now
+	testutil.Tmpfs(t, path, "4g") // the export, empty now
 	_, err = td.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc-2", VolumeCapabilities: []*csi.VolumeCapability{vc}, Parameters: nfsParams()})
 	wantCode(t, err, codes.Unavailable)
 	_, err = td.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{

@@ -160,22 +160,9 @@ func TestFenceAndForceDetach(t *testing.T) {
 // read-write at staging.
 func stagedOnA(t *testing.T) (dir string, a, b *leaseNode, vc *csi.VolumeCapability, id, staging string) {
 	t.Helper()
-	ctx := context.Background()
 	dir = newLeasePool(t)
 	a, b = newLeaseNode(t, dir, "node-a"), newLeaseNode(t, dir, "node-b")
-	vc = mountCap(rwo, "ext4")
-	resp, err := a.CreateVolume(ctx, &csi.CreateVolumeRequest{Name: "pvc", VolumeCapabilities: []*csi.VolumeCapability{vc}, CapacityRange: &csi.CapacityRange{RequiredBytes: 16 << 20}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id = resp.GetVolume().GetVolumeId()
-	if _, err := a.ControllerPublishVolume(ctx, &csi.ControllerPublishVolumeRequest{VolumeId: id, NodeId: "node-a", VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
-	staging = filepath.Join(a.root, "staging")
-	if _, err := a.NodeStageVolume(ctx, &csi.NodeStageVolumeRequest{VolumeId: id, StagingTargetPath: staging, VolumeCapability: vc}); err != nil {
-		t.Fatal(err)
-	}
+	id, vc, staging = createStaged(t, a)
 	return dir, a, b, vc, id, staging
 }
 

@@ -16,16 +16,6 @@ import (
 	"github.com/poolcsi/poolcsi/internal/testutil"
 )
 
-// mountTmpfs mounts a new, empty tmpfs at dir, unmounted (lazily, whatever
-// is on top) at the test's end.
-func mountTmpfs(t *testing.T, dir string) {
-	t.Helper()
-	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=64m"); err != nil {
-		t.Fatalf("mount tmpfs at %s: %v", dir, err)
-	}
-	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
-}
-
 // listTree is every path below root with its kind and size, sorted.
 func listTree(t *testing.T, root string) string {
 	t.Helper()
@@ -54,7 +44,7 @@ var coverWays = []struct {
 	name  string
 	cover func(t *testing.T, dir string)
 }{
-	{"tmpfs over the path", func(t *testing.T, dir string) { mountTmpfs(t, dir) }},
+	{"tmpfs over the path", func(t *testing.T, dir string) { testutil.Tmpfs(t, dir, "64m") }},
 	{"empty dir bound over the path", func(t *testing.T, dir string) {
 		if err := unix.Mount(t.TempDir(), dir, "", unix.MS_BIND, ""); err != nil {
 			t.Fatal(err)
@@ -65,10 +55,10 @@ var coverWays = []struct {
 		if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
 			t.Fatal(err)
 		}
-		mountTmpfs(t, dir)
+		testutil.Tmpfs(t, dir, "64m")
 	}},
 	{"another pool of the same name over the path", func(t *testing.T, dir string) {
-		mountTmpfs(t, dir)
+		testutil.Tmpfs(t, dir, "64m")
 		if _, err := Initialise(Config{Name: "p", Path: dir, Shared: true}); err != nil {
 			t.Fatal(err)
 		}
@@ -92,7 +82,7 @@ func TestSeenPoolNeverLaidOutAgain(t *testing.T) {
 			if err := os.Mkdir(dir, 0o750); err != nil {
 				t.Fatal(err)
 			}
-			mountTmpfs(t, dir)
+			testutil.Tmpfs(t, dir, "64m")
 			p, err := Open(Config{Name: "p", Path: dir, Shared: true, RequireMount: true})
 			if err != nil || p.OpenError() != nil {
 				t.Fatalf("open: %v %v", err, p.OpenError())
@@ -192,7 +182,7 @@ func TestLateFirstLayoutOnce(t *testing.T) {
 		}
 		ps = append(ps, p)
 	}
-	mountTmpfs(t, dir) // the share, mounted late
+	testutil.Tmpfs(t, dir, "64m") // the share, mounted late
 	if err := guarded.Check(); !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "holds devices") {
 		t.Fatalf("guarded Check = %v", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/moby/sys/mountinfo"
+	"golang.org/x/sys/unix"
 
 	"github.com/poolcsi/poolcsi/internal/mount/mkfsns"
 )
@@ -51,4 +52,14 @@ func LoopFS(t testing.TB, dir, fsType string, size int64, mkfsArgs ...string) st
 		t.Fatalf("mount %s: %v\n%s", img, err, out)
 	}
 	return mnt
+}
+
+// Tmpfs mounts a new, empty tmpfs of size (a mount option: "64m") at dir,
+// unmounted lazily (whatever was mounted on top since) at the test's end.
+func Tmpfs(t testing.TB, dir, size string) {
+	t.Helper()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size="+size); err != nil {
+		t.Fatalf("mount tmpfs at %s: %v", dir, err)
+	}
+	t.Cleanup(func() { _ = unix.Unmount(dir, unix.MNT_DETACH) })
 }
