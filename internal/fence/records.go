@@ -216,7 +216,7 @@ func planFence(devs []mount.LoopDevice, recs []layout.StageRecord, fsDevs []uint
 		fs = append(fs, r.FileDev)
 		found := false
 		for _, ld := range devs {
-			if r.Holds(ld) || ld.Err != nil && r.Device != "" && ld.Device == r.Device {
+			if r.Names(ld) {
 				found = true
 				matched[ld.Device] = true
 				if !ld.Fenced {

@@ -29,21 +29,24 @@ import (
 // fences at the lease's duration.
 var ErrWritersElsewhere = fmt.Errorf("%w: this node's loop devices write to a filesystem the pool's path no longer shows", pool.ErrUnavailable)
 
-// attached are the records of recs whose loop device the kernel shows
-// attached and not fenced: the images this node writes (or reads) now. A
-// device whose backing file the kernel cannot identify counts when a record
-// names it. A record without a device attached (a stale one, its image
-// rightly deleted since) does not count.
-func attached(recs []layout.StageRecord, devs []mount.LoopDevice) []layout.StageRecord {
+// named are the records of recs that a loop device of devs stands for
+// (StageRecord.Names), a fenced device only if withFenced.
+func named(recs []layout.StageRecord, devs []mount.LoopDevice, withFenced bool) []layout.StageRecord {
 	var out []layout.StageRecord
 	for _, r := range recs {
-		if slices.ContainsFunc(devs, func(ld mount.LoopDevice) bool {
-			return !ld.Fenced && (r.Holds(ld) || ld.Err != nil && r.Device != "" && ld.Device == r.Device)
-		}) {
+		if slices.ContainsFunc(devs, func(ld mount.LoopDevice) bool { return (withFenced || !ld.Fenced) && r.Names(ld) }) {
 			out = append(out, r)
 		}
 	}
 	return out
+}
+
+// attached are the records of recs whose loop device the kernel shows
+// attached and not fenced: the images this node writes (or reads) now. A
+// record without a device attached (a stale one, its image rightly deleted
+// since) does not count.
+func attached(recs []layout.StageRecord, devs []mount.LoopDevice) []layout.StageRecord {
+	return named(recs, devs, false)
 }
 
 // identityWait bounds the kernel's identification of loop devices during
@@ -122,10 +125,8 @@ func LayoutGuard(deps *layout.Deps, name string) func() error {
 			return fmt.Errorf("%w: pool %s: not laid out: listing the kernel's loop devices to check this node's records of the pool: %w", pool.ErrUnavailable, name, err)
 		}
 		var held []string
-		for _, r := range recs {
-			if slices.ContainsFunc(devs, func(ld mount.LoopDevice) bool {
-				return r.Holds(ld) || ld.Err != nil && r.Device != "" && ld.Device == r.Device
-			}) && !slices.Contains(held, r.Volume) {
+		for _, r := range named(recs, devs, true) {
+			if !slices.Contains(held, r.Volume) {
 				held = append(held, r.Volume)
 			}
 		}

@@ -76,6 +76,14 @@ func (r StageRecord) Holds(ld mount.LoopDevice) bool {
 	return ld.Err == nil && ld.Dev == r.FileDev && ld.Ino == r.FileIno
 }
 
+// Names tells whether loop device ld is the one r stands for: it holds the
+// file r records, or the kernel cannot identify its file (its filesystem
+// fails or hangs) and it is the device r names. The fence, the renewals'
+// check of this node's writers and the layout guard all match records so.
+func (r StageRecord) Names(ld mount.LoopDevice) bool {
+	return r.Holds(ld) || ld.Err != nil && r.Device != "" && ld.Device == r.Device
+}
+
 // poolRecord is what this node remembers of a shared pool's filesystem.
 type poolRecord struct {
 	Pool string   `json:"pool"`
